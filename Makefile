@@ -1,0 +1,32 @@
+# The two commands: `make up` (set up, then run the mesh) and `make test`
+# (set up, then run every test). Setup is idempotent and skipped when done.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvmesh-setup-done
+
+.PHONY: up test setup protos render clean
+
+up: setup
+	$(BIN)/kvmesh up $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+	touch $@
+
+# Regenerate the protobuf stubs and Envoy's descriptor set from protos/.
+protos: setup
+	$(BIN)/python -m services.common.protogen
+
+# Re-render the checked-in Envoy configs from their topologies.
+render: setup
+	$(BIN)/kvmesh envoy render --all
+
+clean:
+	rm -rf $(VENV) .run .models

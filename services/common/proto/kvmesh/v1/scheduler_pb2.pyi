@@ -1,0 +1,289 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RejectCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REJECT_CODE_UNSPECIFIED: _ClassVar[RejectCode]
+    REJECT_CODE_QUEUE_FULL: _ClassVar[RejectCode]
+    REJECT_CODE_TENANT_FULL: _ClassVar[RejectCode]
+    REJECT_CODE_EXPIRED: _ClassVar[RejectCode]
+    REJECT_CODE_NO_ENGINE: _ClassVar[RejectCode]
+    REJECT_CODE_TOO_LARGE: _ClassVar[RejectCode]
+    REJECT_CODE_INVALID: _ClassVar[RejectCode]
+    REJECT_CODE_DRAINING: _ClassVar[RejectCode]
+REJECT_CODE_UNSPECIFIED: RejectCode
+REJECT_CODE_QUEUE_FULL: RejectCode
+REJECT_CODE_TENANT_FULL: RejectCode
+REJECT_CODE_EXPIRED: RejectCode
+REJECT_CODE_NO_ENGINE: RejectCode
+REJECT_CODE_TOO_LARGE: RejectCode
+REJECT_CODE_INVALID: RejectCode
+REJECT_CODE_DRAINING: RejectCode
+
+class AdmitRequest(_message.Message):
+    __slots__ = ("request_id", "model", "tenant", "priority", "prompt_tokens", "max_tokens", "prefix_hashes", "arrival_unix", "running_on_engine")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_UNIX_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_ON_ENGINE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    tenant: str
+    priority: int
+    prompt_tokens: int
+    max_tokens: int
+    prefix_hashes: _containers.RepeatedScalarFieldContainer[int]
+    arrival_unix: float
+    running_on_engine: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., arrival_unix: _Optional[float] = ..., running_on_engine: _Optional[str] = ...) -> None: ...
+
+class Replace(_message.Message):
+    __slots__ = ("exclude_engines", "prompt_tokens", "max_tokens", "prefix_hashes")
+    EXCLUDE_ENGINES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
+    exclude_engines: _containers.RepeatedScalarFieldContainer[str]
+    prompt_tokens: int
+    max_tokens: int
+    prefix_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, exclude_engines: _Optional[_Iterable[str]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prefix_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FirstToken(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RequestDone(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
+class AdmitClientMessage(_message.Message):
+    __slots__ = ("request", "first_token", "done", "replace")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    request: AdmitRequest
+    first_token: FirstToken
+    done: RequestDone
+    replace: Replace
+    def __init__(self, request: _Optional[_Union[AdmitRequest, _Mapping]] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., done: _Optional[_Union[RequestDone, _Mapping]] = ..., replace: _Optional[_Union[Replace, _Mapping]] = ...) -> None: ...
+
+class Queued(_message.Message):
+    __slots__ = ("position", "estimated_wait_seconds", "priority")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    estimated_wait_seconds: float
+    priority: int
+    def __init__(self, position: _Optional[int] = ..., estimated_wait_seconds: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class Placed(_message.Message):
+    __slots__ = ("engine_id", "engine_address", "lease_id", "cached_tokens")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    engine_address: str
+    lease_id: str
+    cached_tokens: int
+    def __init__(self, engine_id: _Optional[str] = ..., engine_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class Rejected(_message.Message):
+    __slots__ = ("code", "message", "retry_after_seconds")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    code: RejectCode
+    message: str
+    retry_after_seconds: float
+    def __init__(self, code: _Optional[_Union[RejectCode, str]] = ..., message: _Optional[str] = ..., retry_after_seconds: _Optional[float] = ...) -> None: ...
+
+class AdmitServerMessage(_message.Message):
+    __slots__ = ("queued", "placed", "rejected")
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    PLACED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    queued: Queued
+    placed: Placed
+    rejected: Rejected
+    def __init__(self, queued: _Optional[_Union[Queued, _Mapping]] = ..., placed: _Optional[_Union[Placed, _Mapping]] = ..., rejected: _Optional[_Union[Rejected, _Mapping]] = ...) -> None: ...
+
+class EngineHello(_message.Message):
+    __slots__ = ("engine_id", "address", "model", "block_size", "total_blocks", "max_running", "weight", "max_model_len", "hash_block_tokens", "backend", "http_address")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    HASH_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    address: str
+    model: str
+    block_size: int
+    total_blocks: int
+    max_running: int
+    weight: float
+    max_model_len: int
+    hash_block_tokens: int
+    backend: str
+    http_address: str
+    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., max_running: _Optional[int] = ..., weight: _Optional[float] = ..., max_model_len: _Optional[int] = ..., hash_block_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., http_address: _Optional[str] = ...) -> None: ...
+
+class LoadReport(_message.Message):
+    __slots__ = ("running", "waiting", "blocks_used", "blocks_total", "cached_blocks", "serving", "queued_tokens", "request_ids")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    waiting: int
+    blocks_used: int
+    blocks_total: int
+    cached_blocks: int
+    serving: bool
+    queued_tokens: int
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., serving: _Optional[bool] = ..., queued_tokens: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KvEvents(_message.Message):
+    __slots__ = ("seq", "stored", "removed", "cleared")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    cleared: bool
+    def __init__(self, seq: _Optional[int] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., cleared: _Optional[bool] = ...) -> None: ...
+
+class KvSnapshot(_message.Message):
+    __slots__ = ("seq", "hashes")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq: _Optional[int] = ..., hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EngineMessage(_message.Message):
+    __slots__ = ("hello", "load", "kv_events", "kv_snapshot")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    KV_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    hello: EngineHello
+    load: LoadReport
+    kv_events: KvEvents
+    kv_snapshot: KvSnapshot
+    def __init__(self, hello: _Optional[_Union[EngineHello, _Mapping]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., kv_events: _Optional[_Union[KvEvents, _Mapping]] = ..., kv_snapshot: _Optional[_Union[KvSnapshot, _Mapping]] = ...) -> None: ...
+
+class Drain(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Resync(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SchedulerCommand(_message.Message):
+    __slots__ = ("drain", "resync")
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    drain: Drain
+    resync: Resync
+    def __init__(self, drain: _Optional[_Union[Drain, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ...) -> None: ...
+
+class GetStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class QueueState(_message.Message):
+    __slots__ = ("priority", "tenant", "queued", "oldest_wait_seconds")
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    priority: int
+    tenant: str
+    queued: int
+    oldest_wait_seconds: float
+    def __init__(self, priority: _Optional[int] = ..., tenant: _Optional[str] = ..., queued: _Optional[int] = ..., oldest_wait_seconds: _Optional[float] = ...) -> None: ...
+
+class EngineState(_message.Message):
+    __slots__ = ("engine_id", "address", "model", "serving", "draining", "fresh", "running", "waiting", "blocks_used", "blocks_total", "blocks_reserved", "cached_blocks", "leases", "weight", "backend")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    FRESH_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    address: str
+    model: str
+    serving: bool
+    draining: bool
+    fresh: bool
+    running: int
+    waiting: int
+    blocks_used: int
+    blocks_total: int
+    blocks_reserved: int
+    cached_blocks: int
+    leases: int
+    weight: float
+    backend: str
+    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., draining: _Optional[bool] = ..., fresh: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., blocks_reserved: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., weight: _Optional[float] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class SchedulerState(_message.Message):
+    __slots__ = ("policy", "queues", "engines", "queued_total", "leases_total")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    QUEUES_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LEASES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    queues: _containers.RepeatedCompositeFieldContainer[QueueState]
+    engines: _containers.RepeatedCompositeFieldContainer[EngineState]
+    queued_total: int
+    leases_total: int
+    def __init__(self, policy: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[QueueState, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineState, _Mapping]]] = ..., queued_total: _Optional[int] = ..., leases_total: _Optional[int] = ...) -> None: ...
