@@ -29,6 +29,7 @@ __all__ = [
     "GatewayConfig",
     "MeshConfig",
     "ModelConfig",
+    "PolicyProfileConfig",
     "SchedulerConfig",
     "SimCostConfig",
     "VllmConfig",
@@ -82,8 +83,14 @@ class SimCostConfig:
     chunk_tokens: int = 512
     # Multiplies all costs; 0 = no simulated time at all. Bounds: >= 0.
     speed_factor: float = 1.0
-    # Vocabulary the deterministic text is drawn from (token ids).
+    # Vocabulary the deterministic text is drawn from (token ids). Used only
+    # when the model directory has no tokenizer.json; otherwise the
+    # tokenizer's own vocabulary size applies.
     vocab_size: int = 32000
+    # Chance in [0, 1] that the sim's next token is EOS (decided by the same
+    # deterministic hash as the token itself). 0 = every generation runs to
+    # max_tokens, which keeps benchmark output lengths exact.
+    eos_probability: float = 0.0
 
 
 @dataclass
@@ -107,6 +114,10 @@ class VllmConfig:
     # TCP port for vLLM's ZMQ KV-event publisher; 0 = pick a free one.
     kv_events_port: int = 0
     seed: int = 0
+    # Tokens per vLLM KV block; 0 = vLLM's platform default (128 on CPU,
+    # 16 on GPU). Must be a multiple of hash_block_tokens. The engine's
+    # `block_size` setting is the simulator's; vLLM reports its own.
+    block_size: int = 0
 
 
 @dataclass
@@ -136,6 +147,13 @@ class EngineConfig:
     # Seconds between load reports. 0.1 s keeps placement fresh without
     # flooding the scheduler (10 messages/s per engine).
     report_interval_seconds: float = 0.1
+    # Where the scheduler's gRPC service is: engines dial it (Connect stream).
+    # Empty = standalone engine that registers nowhere (tests, or measuring
+    # other routers over the same engines).
+    scheduler_address: str = "127.0.0.1:50051"
+    # Seconds a stopping engine lets running generations finish before it
+    # aborts them (the gateway migrates aborted streams). Bounds: >= 0.
+    stop_grace_seconds: float = 2.0
     sim: SimCostConfig = field(default_factory=SimCostConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
@@ -168,8 +186,33 @@ class AgingConfig:
     never starved. Aging repeats: a P2 request reaches P0 after 60 s.
     """
 
+    # Seconds a P1 request waits before it moves up to P0. Bounds: > 0.
     p1_seconds: float = 30.0
+    # Seconds a P2 request waits before it moves up to P1 (then p1_seconds
+    # more to reach P0). Bounds: > 0.
     p2_seconds: float = 30.0
+
+
+@dataclass
+class PolicyProfileConfig:
+    """A placement policy as a list of registered plugins
+    (services/scheduler/placement/registry.py names them)."""
+
+    # Filters applied in order; each keeps the engines that pass.
+    filters: list[str] = field(
+        default_factory=lambda: [
+            "model", "serving", "fresh", "not_draining", "not_excluded",
+            "fits_context", "has_room", "lease_slots",
+        ]
+    )
+    # Scorer name -> weight (>= 0); the framework clamps each score to
+    # [0, 1] and takes the weighted mean.
+    scorers: dict[str, float] = field(default_factory=lambda: {"load": 1.0})
+    # Picker name: chooses one engine from the scored ones.
+    picker: str = "max_score"
+    # Where cached-prefix knowledge comes from: "kv_index" (engines' KV
+    # events), "approx" (where this policy sent each prefix) or "none".
+    prefix_source: Literal["kv_index", "approx", "none"] = "kv_index"
 
 
 @dataclass
@@ -199,6 +242,39 @@ class SchedulerConfig:
     engine_queue_slack: int = 2
     # Seconds between Queued position updates to each waiting request.
     queued_update_seconds: float = 1.0
+    # Retry-after (Little's law: queue ahead / recent dispatch rate) is
+    # clamped to [min, max] seconds: below 1 s a client would hammer a full
+    # queue; above 60 s it would give up on a queue that is merely busy.
+    # With no dispatch seen in the window the max is given.
+    retry_after_min_seconds: float = 1.0
+    retry_after_max_seconds: float = 60.0
+    # Seconds of placements the dispatch rate is measured over. 30 s smooths
+    # bursts yet follows a change of load within one aging period. Bounds: > 0.
+    dispatch_rate_window_seconds: float = 30.0
+    # After start-up the scheduler queues requests for models no engine has
+    # registered yet for this long (engines reconnect with backoff after a
+    # scheduler restart); later such requests are rejected NO_ENGINE at once.
+    engine_grace_seconds: float = 10.0
+    # Seconds between housekeeping passes (aging promotions, TTL expiry,
+    # stale engines). Dispatch itself is event-driven; this pass only catches
+    # what time alone changes. 0.1 s keeps TTL and aging within 100 ms.
+    tick_seconds: float = 0.1
+    # Estimate of an engine's prefill speed at weight 1, in prompt tokens/s,
+    # used to turn an engine's queued prompt tokens into seconds of queueing
+    # (sticky_until_saturated). 20k tok/s matches the sim's default cost model.
+    prefill_tokens_per_second: float = 20000.0
+    # Seconds a request holds a batch slot before anything is measured; the
+    # per-engine figure then follows an EWMA of observed lease durations.
+    initial_service_seconds: float = 2.0
+    # Most prefix hashes `prefix_approx` remembers (LRU); bounds its memory
+    # when it cannot see engines' evictions. 1M hashes ~ 100 MB worst case.
+    approx_prefix_capacity: int = 200_000
+    # Seed for the random tie-break among equally scored engines (shuffle,
+    # then stable sort), so runs are reproducible.
+    placement_seed: int = 0
+    # Extra or overriding placement policies by name; see
+    # services/scheduler/placement/policies.py for the built-in ones.
+    policy_profiles: dict[str, PolicyProfileConfig] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- gateway

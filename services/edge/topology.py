@@ -1,0 +1,233 @@
+"""The edge topology: what Envoy fronts and how, as typed dataclasses.
+
+A topology YAML (envoy/*.yaml) says where the public listener and the admin
+interface live, which gateway replicas sit behind Envoy, and the edge's
+limits and timeouts. `services.edge.render` turns it into a full Envoy v3
+bootstrap. Unknown keys are errors and every error names the setting path,
+exactly like the mesh config (the same strict loader is used).
+
+The types live here and not in services/common/config.py: only the edge and
+the launcher read them. The launcher builds a run-time topology from the
+mesh config (actual ports) with `Topology.with_ports`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from services.common.config import ConfigError, config_from_dict
+
+__all__ = [
+    "AdminSpec",
+    "CorsSpec",
+    "GatewayEndpoint",
+    "HealthCheckSpec",
+    "ListenerSpec",
+    "RateLimitSpec",
+    "TimeoutSpec",
+    "Topology",
+    "TopologyError",
+    "TranscoderSpec",
+    "load_topology",
+]
+
+
+class TopologyError(ConfigError):
+    """A topology setting is missing, unknown, of the wrong type or out of bounds."""
+
+
+@dataclass
+class ListenerSpec:
+    """The public listener: HTTP/1.1 and h2c on one port (codec AUTO)."""
+
+    # Loopback by default: exposing the mesh is an explicit decision.
+    host: str = "127.0.0.1"
+    # 8080: the port README's examples use. Bounds: 1-65535.
+    port: int = 8080
+
+
+@dataclass
+class AdminSpec:
+    """Envoy's admin interface (/ready, /stats, /clusters). Never public."""
+
+    host: str = "127.0.0.1"
+    port: int = 9901
+
+
+@dataclass
+class GatewayEndpoint:
+    """One gateway replica: its HTTP (OpenAI/SSE, aiohttp) and gRPC ports."""
+
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50061
+
+
+@dataclass
+class TimeoutSpec:
+    """Timeouts, all in seconds. Streams must never be cut by a timeout that
+    a heartbeat does not beat: the gateway sends an SSE comment / gRPC
+    heartbeat every 15 s, so every idle timeout here is far above that."""
+
+    # TCP connect to a gateway; short, so a dead replica is retried elsewhere
+    # quickly. Bounds: > 0.
+    connect_seconds: float = 2.0
+    # No bytes on a stream for this long -> reset. 300 s = 20 heartbeats.
+    stream_idle_seconds: float = 300.0
+    # Downstream connection with no streams for this long is closed. An hour
+    # keeps browser and SDK keep-alive connections warm.
+    connection_idle_seconds: float = 3600.0
+    # Upstream (Envoy -> aiohttp) keep-alive connection idle timeout; below
+    # aiohttp's 75 s keepalive so Envoy, not the server, closes first (no
+    # request racing a server-side close).
+    upstream_idle_seconds: float = 60.0
+    # Whole request headers must arrive within this (slowloris guard).
+    request_headers_seconds: float = 10.0
+
+
+@dataclass
+class HealthCheckSpec:
+    """Active health checks of every gateway replica (gRPC health for the
+    gRPC cluster, GET /health for the HTTP cluster)."""
+
+    interval_seconds: float = 2.0
+    timeout_seconds: float = 1.0
+    # Failed checks before a replica leaves the rotation.
+    unhealthy_threshold: int = 2
+    # Passed checks before it comes back; 1 = at once.
+    healthy_threshold: int = 1
+    # gRPC health service name the gateway reports on.
+    grpc_service: str = "kvmesh.v1.Inference"
+    # HTTP path answering 200 while the gateway can serve.
+    http_path: str = "/health"
+
+
+@dataclass
+class RateLimitSpec:
+    """Envoy's local rate limit: the coarse outer guard per Envoy instance
+    (per-key token buckets live in the gateway). 0 = off."""
+
+    requests_per_second: float = 0.0
+    # Requests allowed in a burst above the rate; 0 = one second's worth.
+    burst: int = 0
+
+
+@dataclass
+class CorsSpec:
+    """CORS for browsers on other origins; empty = no CORS filter."""
+
+    # Exact origins, e.g. "http://localhost:3000".
+    allow_origins: list[str] = field(default_factory=list)
+    max_age_seconds: int = 600
+
+
+@dataclass
+class TranscoderSpec:
+    """gRPC-JSON transcoding of kvmesh.v1.Inference (POST /v1/chat,
+    /v1/generate as SSE via stream_sse_style_delimited) for browsers."""
+
+    enabled: bool = True
+    # Descriptor set from `python -m services.common.protogen`. Relative to
+    # Envoy's working directory (the repository root); the launcher renders
+    # an absolute path.
+    descriptor: str = "envoy/kvmesh.pb"
+
+
+@dataclass
+class Topology:
+    listener: ListenerSpec = field(default_factory=ListenerSpec)
+    admin: AdminSpec = field(default_factory=AdminSpec)
+    # Gateway replicas behind Envoy. At least one.
+    gateways: list[GatewayEndpoint] = field(default_factory=lambda: [GatewayEndpoint()])
+    timeouts: TimeoutSpec = field(default_factory=TimeoutSpec)
+    health_check: HealthCheckSpec = field(default_factory=HealthCheckSpec)
+    # Largest request body (JSON or gRPC message) Envoy lets through; larger
+    # -> 413 with an OpenAI error body. 1 MiB matches gateway.max_body_bytes.
+    # Counted while streaming, never buffered.
+    max_request_bytes: int = 1_048_576
+    # Retries when a gateway cannot be reached or resets before the request
+    # was sent (never after: a generation is not idempotent).
+    connect_retries: int = 2
+    rate_limit: RateLimitSpec = field(default_factory=RateLimitSpec)
+    cors: CorsSpec = field(default_factory=CorsSpec)
+    transcoder: TranscoderSpec = field(default_factory=TranscoderSpec)
+    # Cap on concurrent downstream connections (Envoy's overload manager).
+    max_connections: int = 50_000
+
+    def validate(self, heartbeat_seconds: float | None = None) -> None:
+        """Raise TopologyError for values out of bounds. With the gateway's
+        heartbeat, also check that no idle timeout can cut a live stream."""
+        _port(self.listener.port, "listener.port")
+        _port(self.admin.port, "admin.port")
+        if not self.gateways:
+            raise TopologyError("gateways: at least one gateway replica is required")
+        for i, gw in enumerate(self.gateways):
+            _port(gw.http_port, f"gateways[{i}].http_port")
+            _port(gw.grpc_port, f"gateways[{i}].grpc_port")
+        for name in ("connect_seconds", "stream_idle_seconds", "connection_idle_seconds",
+                     "upstream_idle_seconds", "request_headers_seconds"):
+            if getattr(self.timeouts, name) <= 0:
+                raise TopologyError(f"timeouts.{name}: must be > 0")
+        hc = self.health_check
+        if hc.interval_seconds <= 0 or hc.timeout_seconds <= 0:
+            raise TopologyError("health_check: interval_seconds and timeout_seconds must be > 0")
+        if hc.unhealthy_threshold < 1 or hc.healthy_threshold < 1:
+            raise TopologyError("health_check: thresholds must be >= 1")
+        if not 1024 <= self.max_request_bytes <= 64 * 1024 * 1024:
+            raise TopologyError("max_request_bytes: must be within 1 KiB .. 64 MiB")
+        if not 0 <= self.connect_retries <= 10:
+            raise TopologyError("connect_retries: must be within 0 .. 10")
+        if self.rate_limit.requests_per_second < 0 or self.rate_limit.burst < 0:
+            raise TopologyError("rate_limit: requests_per_second and burst must be >= 0")
+        if self.max_connections < 1:
+            raise TopologyError("max_connections: must be >= 1")
+        if heartbeat_seconds is not None and heartbeat_seconds > 0:
+            if self.timeouts.stream_idle_seconds <= 2 * heartbeat_seconds:
+                raise TopologyError(
+                    f"timeouts.stream_idle_seconds: {self.timeouts.stream_idle_seconds} s would "
+                    f"cut idle streams; make it more than twice gateway.heartbeat_seconds "
+                    f"({heartbeat_seconds} s)"
+                )
+
+    def with_ports(
+        self,
+        listener: ListenerSpec,
+        admin: AdminSpec,
+        gateways: list[GatewayEndpoint],
+        descriptor: str | None = None,
+    ) -> Topology:
+        """A copy with run-time addresses (what the launcher actually started)."""
+        transcoder = dataclasses.replace(self.transcoder)
+        if descriptor is not None:
+            transcoder.descriptor = descriptor
+        return dataclasses.replace(
+            self, listener=listener, admin=admin, gateways=list(gateways), transcoder=transcoder
+        )
+
+
+def _port(value: int, where: str) -> None:
+    if not 1 <= value <= 65535:
+        raise TopologyError(f"{where}: {value} is not a TCP port (1-65535)")
+
+
+def load_topology(path: str | Path) -> Topology:
+    """Read and validate a topology YAML; errors name the file and setting."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise TopologyError(f"{path}: cannot read topology: {exc}") from exc
+    try:
+        topology = config_from_dict(Topology, data, str(path))
+    except TopologyError:
+        raise
+    except ConfigError as exc:
+        raise TopologyError(str(exc)) from exc
+    try:
+        topology.validate()
+    except TopologyError as exc:
+        raise TopologyError(f"{path}: {exc}") from exc
+    return topology

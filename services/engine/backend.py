@@ -1,0 +1,135 @@
+"""The contract between the engine service and what actually generates tokens.
+
+Two backends implement it: `sim` (services/engine/sim/) and `vllm`
+(services/engine/vllm_backend/). The engine service (gRPC Generate/Abort/GetInfo,
+the Connect stream to the scheduler, metrics, the OpenAI HTTP endpoint) is
+written once against this protocol and never knows which backend it drives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+__all__ = [
+    "BackendInfo",
+    "EngineBackend",
+    "GenerationOutput",
+    "GenerationRequest",
+    "InvalidRequest",
+    "KvListener",
+    "LoadSnapshot",
+    "Sampling",
+]
+
+
+class InvalidRequest(ValueError):
+    """The request can never run on this engine (maps to INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    model: str
+    block_size: int          # tokens per KV block
+    total_blocks: int
+    max_running: int
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass
+class Sampling:
+    """Mirror of kvmesh.v1.SamplingParams; None = engine default."""
+
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logprobs: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    priority: int = 1          # 0 (P0) .. 2 (P2); lower runs first
+    resumed_tokens: int = 0    # tail of prompt_token_ids generated elsewhere (migration)
+
+
+@dataclass
+class GenerationOutput:
+    """One step's new tokens for one request. `finish_reason` is set on the
+    last output only: "stop", "length", "abort" or "error"."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict] | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    message: str = ""
+
+
+@dataclass
+class LoadSnapshot:
+    running: int
+    waiting: int
+    blocks_used: int
+    blocks_total: int
+    cached_blocks: int
+    queued_tokens: int
+    request_ids: list[str]
+
+
+class KvListener(Protocol):
+    """Receives prefix-cache changes, already in the shared hash space."""
+
+    def stored(self, hashes: list[int]) -> None: ...
+
+    def removed(self, hashes: list[int]) -> None: ...
+
+    def cleared(self) -> None: ...
+
+
+class EngineBackend(Protocol):
+    info: BackendInfo
+
+    async def start(self) -> None:
+        """Load the model and run a warm-up generation; the engine reports
+        SERVING only after this returns."""
+
+    async def stop(self) -> None:
+        """Abort everything and release resources."""
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        """Stream outputs. Raise InvalidRequest (before the first output) if it
+        can never run. Closing the iterator early (aclose, cancellation) must
+        abort the request in the engine at once and free its blocks."""
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a running or waiting request; False if unknown."""
+
+    def load(self) -> LoadSnapshot:
+        """Current load, cheap enough to call every report interval."""
+
+    def kv_snapshot(self) -> list[int]:
+        """Every hash (shared hash space) the prefix cache holds now."""
+
+    def set_kv_listener(self, listener: KvListener | None) -> None:
+        """Where to send stored/removed/cleared events from now on."""
+
+    def on_change(self, callback: Callable[[], None] | None) -> None:
+        """Called (from the event loop) when load changed notably, so a
+        report can go out before the next interval."""

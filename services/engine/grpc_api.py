@@ -1,0 +1,156 @@
+"""`kvmesh.v1.Engine` over gRPC: Generate (bidi), Abort, GetInfo.
+
+The one place engine errors become gRPC status codes:
+InvalidRequest -> INVALID_ARGUMENT, DuplicateRequest -> ALREADY_EXISTS,
+NotAccepting (starting / draining / stopping) -> UNAVAILABLE.
+
+Generate runs two tasks: this handler writes outputs, and a reader task
+watches the client's side for a `cancel`. With grpc.aio a client cancelling
+the call while the server reads looks like a half-close (the read returns
+EOF), so EOF is never taken as "stop": the generation goes on until it
+finishes, a `cancel` arrives, or the call is cancelled -- which grpc.aio
+delivers by cancelling this handler, whose `finally` aborts the generation
+at once. A done callback on the call does the same as a second line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+
+from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.engine.backend import GenerationOutput, GenerationRequest, InvalidRequest, Sampling
+from services.engine.errors import DuplicateRequest, NotAccepting
+from services.engine.runtime import EngineRuntime, Generation
+
+__all__ = ["EngineServicer", "FINISH_REASONS", "request_from_proto"]
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "timeout": common_pb2.FINISH_REASON_TIMEOUT,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+
+
+def request_from_proto(msg: engine_pb2.EngineRequest) -> GenerationRequest:
+    s = msg.sampling
+
+    def opt(name: str) -> object:
+        return getattr(s, name) if s.HasField(name) else None
+
+    sampling = Sampling(
+        max_tokens=s.max_tokens,
+        temperature=opt("temperature"), top_p=opt("top_p"), top_k=opt("top_k"), min_p=opt("min_p"),
+        min_tokens=s.min_tokens, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
+        seed=opt("seed"), presence_penalty=opt("presence_penalty"),
+        frequency_penalty=opt("frequency_penalty"), repetition_penalty=opt("repetition_penalty"),
+        logprobs=opt("logprobs"), ignore_eos=s.ignore_eos,
+    )
+    return GenerationRequest(
+        request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids), sampling=sampling,
+        priority=msg.priority, resumed_tokens=msg.resumed_tokens,
+    )
+
+
+def _delta(out: GenerationOutput) -> engine_pb2.EngineGenerateEvent:
+    delta = engine_pb2.EngineDelta(token_ids=out.token_ids, text=out.text)
+    for lp in out.logprobs or ():
+        delta.logprobs.add(
+            token_id=lp.get("token_id", 0), token=lp.get("token", ""), logprob=lp.get("logprob", 0.0),
+            top=[common_pb2.TopLogprob(token_id=t.get("token_id", 0), token=t.get("token", ""),
+                                       logprob=t.get("logprob", 0.0)) for t in lp.get("top", ())],
+        )
+    return engine_pb2.EngineGenerateEvent(delta=delta)
+
+
+def _finished(out: GenerationOutput) -> engine_pb2.EngineGenerateEvent:
+    return engine_pb2.EngineGenerateEvent(finished=engine_pb2.EngineFinished(
+        finish_reason=FINISH_REASONS.get(out.finish_reason or "error", common_pb2.FINISH_REASON_ERROR),
+        usage=common_pb2.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                               cached_tokens=out.cached_tokens),
+        message=out.message,
+    ))
+
+
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    def __init__(self, runtime: EngineRuntime, engine_id: str, backend_name: str) -> None:
+        self._runtime = runtime
+        self._engine_id = engine_id
+        self._backend_name = backend_name
+
+    async def Generate(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        first = await context.read()
+        if first is grpc.aio.EOF or first.WhichOneof("msg") != "request":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "the first Generate message must be `request`")
+        try:
+            generation = self._runtime.open(request_from_proto(first.request))
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except DuplicateRequest as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except NotAccepting as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        context.add_done_callback(lambda _ctx: generation.cancel("the client closed the call"))
+        reader = asyncio.create_task(self._read_cancel(context, generation))
+        try:
+            await self._stream(generation, context)
+        finally:
+            reader.cancel()
+            generation.cancel("the client closed the call")  # no-op once finished
+            generation.close()
+
+    async def _stream(self, generation: Generation, context: grpc.aio.ServicerContext) -> None:
+        outputs = generation.outputs()
+        try:
+            async for out in outputs:
+                if out.token_ids or out.text or out.logprobs:
+                    await context.write(_delta(out))
+                if out.finish_reason is not None:
+                    await context.write(_finished(out))
+                    return
+        except InvalidRequest as exc:  # the backend refused it before any output
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # this request failed; the engine lives on
+            await context.write(_finished(GenerationOutput(
+                token_ids=[], text="", finish_reason="error", message=f"engine error: {exc}")))
+        finally:
+            await outputs.aclose()
+
+    @staticmethod
+    async def _read_cancel(context: grpc.aio.ServicerContext, generation: Generation) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError):
+            while True:
+                msg = await context.read()
+                if msg is grpc.aio.EOF:
+                    return  # half-close OR a cancel in disguise: never ends the generation
+                if msg.WhichOneof("msg") == "cancel":
+                    generation.cancel("cancelled by the client")
+                    return
+
+    async def Abort(self, request: engine_pb2.AbortRequest,  # noqa: N802
+                    context: grpc.aio.ServicerContext) -> engine_pb2.AbortResponse:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        return engine_pb2.AbortResponse(found=await self._runtime.abort(request.request_id))
+
+    async def GetInfo(self, request: engine_pb2.GetInfoRequest,  # noqa: N802
+                      context: grpc.aio.ServicerContext) -> engine_pb2.EngineInfo:
+        info = self._runtime.backend.info
+        load = self._runtime.load()
+        return engine_pb2.EngineInfo(
+            engine_id=self._engine_id, model=info.model, backend=self._backend_name,
+            block_size=info.block_size, total_blocks=info.total_blocks, max_running=info.max_running,
+            max_model_len=info.max_model_len, running=load.running, waiting=load.waiting,
+            blocks_used=load.blocks_used, cached_blocks=load.cached_blocks,
+            serving=self._runtime.serving,
+        )

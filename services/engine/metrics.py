@@ -1,0 +1,98 @@
+"""vLLM-named Prometheus metrics, so dashboards and routers built for vLLM
+read kvmesh engines unchanged.
+
+prometheus_client keeps the ':' of vLLM's names and, like vLLM itself (which
+uses prometheus_client too), exposes counters with the `_total` suffix:
+`vllm:prompt_tokens_total`, `vllm:prefix_cache_hits_total`, ... Every series
+carries `model_name`, as vLLM's do. Gauges are read from the backend at
+scrape time. Own `CollectorRegistry`, never the global one (several engines
+may share one test process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from services.engine.backend import GenerationOutput, LoadSnapshot
+
+__all__ = ["EngineMetrics", "MetricsServer"]
+
+# vLLM's own TTFT buckets (vllm/v1/metrics/loggers.py).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, engine_id: str, load: Callable[[], LoadSnapshot]) -> None:
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name", "engine"]
+        values = [model_name, engine_id]
+        self._load = load
+
+        def gauge(name: str, doc: str, fn: Callable[[LoadSnapshot], float]) -> None:
+            Gauge(name, doc, labels, registry=r).labels(*values).set_function(lambda: fn(self._load()))
+
+        gauge("vllm:num_requests_running", "Requests in the running batch.", lambda s: s.running)
+        gauge("vllm:num_requests_waiting", "Requests waiting in the engine.", lambda s: s.waiting)
+        gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1 (1 = full).",
+              lambda s: s.blocks_used / s.blocks_total if s.blocks_total else 0.0)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(*values)
+
+        self._queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self._hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._prompt = counter("vllm:prompt_tokens", "Prompt tokens processed.")
+        self._generation = counter("vllm:generation_tokens", "Tokens generated.")
+        self._success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                                [*labels, "finished_reason"], registry=r)
+        self._values = values
+        self._ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
+                               labels, buckets=_TTFT_BUCKETS, registry=r).labels(*values)
+        self._e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, end to end.",
+                              labels, buckets=_E2E_BUCKETS, registry=r).labels(*values)
+
+    def first_token(self, seconds: float) -> None:
+        self._ttft.observe(max(0.0, seconds))
+
+    def generated(self, tokens: int) -> None:
+        self._generation.inc(tokens)
+
+    def finished(self, out: GenerationOutput, seconds: float) -> None:
+        self._prompt.inc(out.prompt_tokens)
+        self._queries.inc(out.prompt_tokens)
+        self._hits.inc(min(out.cached_tokens, out.prompt_tokens) if out.prompt_tokens else 0)
+        self._success.labels(*self._values, out.finish_reason or "error").inc()
+        self._e2e.observe(max(0.0, seconds))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsServer:
+    """GET /metrics on its own port (aiohttp, in the engine's event loop)."""
+
+    def __init__(self, metrics: EngineMetrics) -> None:
+        self._metrics = metrics
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _handle(self, _request: web.Request) -> web.Response:
+        body = self._metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -1,0 +1,249 @@
+"""The engine's request registry over one backend, shared by every transport.
+
+`EngineRuntime` decides whether a generation may start (started, not
+draining, id not live, request valid for this engine), keeps the live
+generations by id (for Abort and duplicate checks), and counts metrics.
+`Generation` runs one request: a pump task drains the backend's stream into a
+`DeltaBuffer` (so the backend never waits for a slow reader) and the
+transport takes merged outputs from it.
+
+Ownership: all state here is touched only from the event loop thread; the
+registry is changed by `open` and by a generation's `close`, exactly once each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from services.common.clock import Clock, SystemClock
+from services.engine.backend import (
+    EngineBackend,
+    GenerationOutput,
+    GenerationRequest,
+    InvalidRequest,
+    LoadSnapshot,
+)
+from services.engine.coalesce import DeltaBuffer
+from services.engine.errors import DuplicateRequest, NotAccepting
+from services.engine.metrics import EngineMetrics
+
+__all__ = ["EngineRuntime", "Generation", "validate_request"]
+
+log = logging.getLogger(__name__)
+
+MAX_PRIORITY = 2
+
+
+def validate_request(request: GenerationRequest, max_model_len: int, vocab_size: int) -> None:
+    """The checks every backend shares; raises InvalidRequest saying what to change."""
+    if not request.request_id:
+        raise InvalidRequest("request_id is empty: give every request a unique id")
+    prompt = request.prompt_token_ids
+    if not prompt:
+        raise InvalidRequest("prompt_token_ids is empty: send at least one token")
+    if request.sampling.max_tokens <= 0:
+        raise InvalidRequest("sampling.max_tokens must be at least 1")
+    if not 0 <= request.priority <= MAX_PRIORITY:
+        raise InvalidRequest(f"priority {request.priority} is out of range: use 0 (P0) .. 2 (P2)")
+    if request.resumed_tokens > len(prompt):
+        raise InvalidRequest(
+            f"resumed_tokens ({request.resumed_tokens}) exceeds the {len(prompt)} tokens sent"
+        )
+    total = len(prompt) + request.sampling.max_tokens
+    if max_model_len and total > max_model_len:
+        raise InvalidRequest(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({request.sampling.max_tokens}) = {total} "
+            f"exceeds max_model_len {max_model_len}; shorten the prompt or lower max_tokens"
+        )
+    if vocab_size and max(prompt) >= vocab_size:
+        raise InvalidRequest(f"token id {max(prompt)} is out of the vocabulary (size {vocab_size})")
+
+
+class Generation:
+    """One live request. Iterate `outputs()` once; `cancel()` aborts at once."""
+
+    def __init__(self, runtime: EngineRuntime, request: GenerationRequest) -> None:
+        self.request = request
+        self._runtime = runtime
+        self._buffer = DeltaBuffer()
+        self._pump: asyncio.Task[None] | None = None
+        self._created = runtime.clock.monotonic()
+        self._first_token = False
+        self._completion = 0
+        self._cached = 0
+        self._closed = False
+
+    async def outputs(self) -> AsyncIterator[GenerationOutput]:
+        """Merged outputs; the last has finish_reason set. Raises
+        InvalidRequest before any output if the backend refuses the request."""
+        if not self._buffer.closed:  # cancelled before it began: never start the backend
+            self._pump = asyncio.create_task(self._run_pump(), name=f"pump-{self.request.request_id}")
+        try:
+            while True:
+                out = await self._buffer.take()
+                yield out
+                if out.finish_reason is not None:
+                    return
+        finally:
+            self.close()
+
+    def cancel(self, message: str = "cancelled by the client") -> None:
+        """Abort now: stop the backend stream (which frees its blocks) and end
+        the outputs with finish_reason "abort"."""
+        if self._buffer.closed:
+            return
+        if self._pump is not None:
+            self._pump.cancel()
+        resumed = self.request.resumed_tokens
+        final = GenerationOutput(
+            token_ids=[], text="", finish_reason="abort", message=message,
+            prompt_tokens=len(self.request.prompt_token_ids) - resumed,
+            cached_tokens=self._cached, completion_tokens=resumed + self._completion,
+        )
+        self._runtime.metrics.finished(final, self._runtime.clock.monotonic() - self._created)
+        self._buffer.push(final)
+
+    def close(self) -> None:
+        """Release everything (idempotent): called when the transport is done."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pump is not None and not self._pump.done():
+            self._pump.cancel()
+        self._runtime._unregister(self)
+
+    async def _run_pump(self) -> None:
+        stream = self._runtime.backend.generate(self.request)
+        try:
+            async for out in stream:
+                self._observe(out)
+                self._buffer.push(out)
+                if out.finish_reason is not None:
+                    break
+            if not self._buffer.closed:
+                self._buffer.fail(RuntimeError("the backend ended the stream without a finish"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # surfaced to the transport, which maps it
+            if not isinstance(exc, InvalidRequest):
+                log.exception("generation %s failed in the backend", self.request.request_id)
+            self._buffer.fail(exc)
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.aclose()  # type: ignore[attr-defined]
+
+    def _observe(self, out: GenerationOutput) -> None:
+        metrics = self._runtime.metrics
+        if out.token_ids:
+            if not self._first_token:
+                self._first_token = True
+                metrics.first_token(self._runtime.clock.monotonic() - self._created)
+            self._completion += len(out.token_ids)
+            metrics.generated(len(out.token_ids))
+        if out.finish_reason is not None:
+            self._cached = out.cached_tokens
+            metrics.finished(out, self._runtime.clock.monotonic() - self._created)
+
+
+class EngineRuntime:
+    def __init__(
+        self, backend: EngineBackend, metrics: EngineMetrics, clock: Clock | None = None
+    ) -> None:
+        self.backend = backend
+        self.metrics = metrics
+        self.clock = clock or SystemClock()
+        self.started = False
+        self.draining = False
+        self.stopping = False
+        self._live: dict[str, Generation] = {}
+        self._listeners: list[Callable[[], None]] = []
+
+    # ---------------------------------------------------------------- state
+
+    @property
+    def serving(self) -> bool:
+        """Backend started and taking new work."""
+        return self.started and not self.draining and not self.stopping
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """Called when serving/draining or the live set changes."""
+        self._listeners.append(callback)
+
+    def _notify(self) -> None:
+        for callback in self._listeners:
+            callback()
+
+    async def start(self) -> None:
+        await self.backend.start()
+        self.started = True
+        self._notify()
+
+    def drain(self) -> None:
+        if not self.draining:
+            log.info("draining: new generations are refused, running ones finish")
+            self.draining = True
+            self._notify()
+
+    async def stop(self, grace_seconds: float) -> None:
+        """Refuse new work, let live generations finish for up to
+        `grace_seconds`, abort the rest, stop the backend."""
+        self.stopping = True
+        self._notify()
+        deadline = self.clock.monotonic() + grace_seconds
+        while self._live and self.clock.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for generation in list(self._live.values()):
+            generation.cancel("engine stopping")
+        if self.started:
+            await self.backend.stop()
+        self.started = False
+
+    # ---------------------------------------------------------------- requests
+
+    def open(self, request: GenerationRequest) -> Generation:
+        if not self.started:
+            raise NotAccepting("engine is starting (model loading / warm-up); try another engine")
+        if self.stopping:
+            raise NotAccepting("engine is stopping; try another engine")
+        if self.draining:
+            raise NotAccepting("engine is draining; try another engine")
+        if request.request_id in self._live:
+            raise DuplicateRequest(
+                f"request id {request.request_id!r} is already running here; use a new id"
+            )
+        info = self.backend.info
+        validate_request(request, info.max_model_len, info.vocab_size)
+        generation = Generation(self, request)
+        self._live[request.request_id] = generation
+        self._notify()
+        return generation
+
+    async def abort(self, request_id: str) -> bool:
+        generation = self._live.get(request_id)
+        if generation is not None:
+            generation.cancel("aborted by an operator (Abort)")
+            return True
+        return await self.backend.abort(request_id)
+
+    def _unregister(self, generation: Generation) -> None:
+        if self._live.get(generation.request.request_id) is generation:
+            del self._live[generation.request.request_id]
+            self._notify()
+
+    @property
+    def live_count(self) -> int:
+        return len(self._live)
+
+    # ---------------------------------------------------------------- views
+
+    def load(self) -> LoadSnapshot:
+        if not self.started:
+            info = self.backend.info
+            return LoadSnapshot(0, 0, 0, info.total_blocks, 0, 0, [])
+        return self.backend.load()
+
+    def kv_snapshot(self) -> list[int]:
+        return self.backend.kv_snapshot() if self.started else []

@@ -1,0 +1,292 @@
+"""The engine's Connect stream to the scheduler (engine side).
+
+Protocol (see the brief): `hello`, then a `kv_snapshot` (seq S), then `load`
+every report_interval_seconds and promptly after a change (at most one per
+`min_report_gap`), and `kv_events` with seq S+1, S+2, ... as the prefix cache
+changes. `resync` from the scheduler -> a fresh `kv_snapshot`; `drain` ->
+the engine refuses new generations and finishes the running ones. When the
+stream breaks (scheduler restart, network), the link reconnects with
+exponential backoff capped at 2 s and sends hello + snapshot again.
+
+KV events are batched so that no hash is both stored and removed in one
+message (the batch is cut instead), so the scheduler may apply a message's
+lists in any order. If too many pile up while the scheduler is slow, they
+are dropped and a snapshot is sent in their place: memory stays bounded.
+
+Ownership: one task per link owns the stream; listeners only append to the
+event log and set an event, synchronously, on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections import deque
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.common.config import EngineConfig, MeshConfig
+from services.common.grpc_server import client_options
+from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.engine.runtime import EngineRuntime
+
+__all__ = ["KvEventLog", "SchedulerLink", "advertised_host"]
+
+log = logging.getLogger(__name__)
+
+BACKOFF_INITIAL_SECONDS = 0.05
+BACKOFF_MAX_SECONDS = 2.0
+# Pending KV hashes beyond this are replaced by a snapshot (bounded memory).
+MAX_PENDING_HASHES = 200_000
+
+
+def advertised_host(host: str) -> str:
+    """The host others dial: a wildcard bind advertises this machine's address."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
+    return host
+
+
+@dataclass
+class _Batch:
+    cleared: bool = False
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    stored_set: set[int] = field(default_factory=set)
+    removed_set: set[int] = field(default_factory=set)
+
+
+class KvEventLog:
+    """A KvListener collecting events into order-safe batches."""
+
+    def __init__(self, wake: asyncio.Event) -> None:
+        self._wake = wake
+        self._batches: deque[_Batch] = deque()
+        self._pending = 0
+        self.overflowed = False
+
+    def stored(self, hashes: list[int]) -> None:
+        batch = self._open(lambda b: b.removed_set.isdisjoint(hashes))
+        batch.stored.extend(hashes)
+        batch.stored_set.update(hashes)
+        self._added(len(hashes))
+
+    def removed(self, hashes: list[int]) -> None:
+        batch = self._open(lambda b: b.stored_set.isdisjoint(hashes))
+        batch.removed.extend(hashes)
+        batch.removed_set.update(hashes)
+        self._added(len(hashes))
+
+    def cleared(self) -> None:
+        self._batches.clear()  # a clear supersedes everything before it
+        self._batches.append(_Batch(cleared=True))
+        self._added(0)
+
+    def take(self) -> list[scheduler_pb2.KvEvents]:
+        out = [scheduler_pb2.KvEvents(stored=b.stored, removed=b.removed, cleared=b.cleared)
+               for b in self._batches]
+        self.reset()
+        return out
+
+    def reset(self) -> None:
+        self._batches.clear()
+        self._pending = 0
+        self.overflowed = False
+
+    def __bool__(self) -> bool:
+        return bool(self._batches)
+
+    def _open(self, fits: object) -> _Batch:
+        if not self._batches or not fits(self._batches[-1]):  # type: ignore[operator]
+            self._batches.append(_Batch())
+        return self._batches[-1]
+
+    def _added(self, count: int) -> None:
+        self._pending += count
+        if self._pending > MAX_PENDING_HASHES:
+            self._batches.clear()
+            self._pending = 0
+            self.overflowed = True
+        self._wake.set()
+
+
+class SchedulerLink:
+    def __init__(
+        self,
+        config: MeshConfig,
+        engine: EngineConfig,
+        runtime: EngineRuntime,
+        address: str,
+        http_address: str = "",
+        backend_name: str = "",
+    ) -> None:
+        self._config = config
+        self._engine = engine
+        self._runtime = runtime
+        self._address = address
+        self._http_address = http_address
+        self._backend_name = backend_name or engine.backend
+        self._interval = max(0.005, engine.report_interval_seconds)
+        self.min_report_gap = max(0.005, self._interval / 4)
+        self._wake = asyncio.Event()
+        self._events = KvEventLog(self._wake)
+        self._changed = False
+        self._resync = False
+        self._seq = 0
+        self._task: asyncio.Task[None] | None = None
+        self.connected = asyncio.Event()  # set while a session is up (tests, status)
+        self.sessions = 0
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        if self._task is None:
+            self._runtime.backend.set_kv_listener(self._events)
+            self._runtime.backend.on_change(self.notify)
+            self._runtime.add_listener(self.notify)
+            self._task = asyncio.create_task(self._run(), name="scheduler-link")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._runtime.backend.set_kv_listener(None)
+        self._runtime.backend.on_change(None)
+
+    def notify(self) -> None:
+        """Load changed: report promptly (rate-limited)."""
+        self._changed = True
+        self._wake.set()
+
+    # ---------------------------------------------------------------- sessions
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        backoff = BACKOFF_INITIAL_SECONDS
+        failures = 0
+        while True:
+            began = loop.time()
+            try:
+                await self._session()
+                reason = "the scheduler ended the stream"
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any break means reconnect
+                reason = _describe(exc)
+            finally:
+                self.connected.clear()
+            if loop.time() - began > BACKOFF_MAX_SECONDS:
+                backoff, failures = BACKOFF_INITIAL_SECONDS, 0
+            failures += 1
+            level = logging.WARNING if failures == 1 else logging.DEBUG
+            log.log(level, "scheduler link to %s down (%s); retrying in %.2fs",
+                    self._engine.scheduler_address, reason, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(BACKOFF_MAX_SECONDS, backoff * 2)
+
+    async def _session(self) -> None:
+        options = [*client_options(),
+                   ("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", int(BACKOFF_MAX_SECONDS * 1000))]
+        async with grpc.aio.insecure_channel(self._engine.scheduler_address, options=options) as channel:
+            call = scheduler_pb2_grpc.SchedulerStub(channel).Connect()
+            try:
+                await call.write(scheduler_pb2.EngineMessage(hello=self._hello()))
+                await self._send_snapshot(call)
+                self.sessions += 1
+                self.connected.set()
+                log.info("registered with the scheduler at %s", self._engine.scheduler_address)
+                reader = asyncio.create_task(self._read(call))
+                writer = asyncio.create_task(self._write(call))
+                done, pending = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+                for task in pending:
+                    task.cancel()
+                for task in pending:
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+                for task in done:
+                    task.result()  # re-raise the error that ended the session
+            finally:
+                call.cancel()
+
+    def _hello(self) -> scheduler_pb2.EngineHello:
+        info = self._runtime.backend.info
+        return scheduler_pb2.EngineHello(
+            engine_id=self._engine.engine_id, address=self._address, model=info.model,
+            block_size=info.block_size, total_blocks=info.total_blocks,
+            max_running=info.max_running, weight=self._engine.weight,
+            max_model_len=info.max_model_len, hash_block_tokens=self._config.hash_block_tokens,
+            backend=self._backend_name, http_address=self._http_address,
+        )
+
+    async def _send_snapshot(self, call: grpc.aio.StreamStreamCall) -> None:
+        # Synchronous from here to the message's creation: no event can slip
+        # between the snapshot and the log reset.
+        hashes = self._runtime.kv_snapshot()
+        self._events.reset()
+        self._resync = False
+        snapshot = scheduler_pb2.KvSnapshot(seq=self._seq, hashes=hashes)
+        await call.write(scheduler_pb2.EngineMessage(kv_snapshot=snapshot))
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        while True:
+            command = await call.read()
+            if command is grpc.aio.EOF:
+                return
+            kind = command.WhichOneof("cmd")
+            if kind == "drain":
+                self._runtime.drain()
+            elif kind == "resync":
+                self._resync = True
+                self._wake.set()
+
+    async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
+        loop = asyncio.get_running_loop()
+        await self._send_load(call)
+        last_load = loop.time()
+        while True:
+            # Clear first: anything that happens during the writes below sets
+            # the event again and is seen on the next turn.
+            self._wake.clear()
+            if self._resync or self._events.overflowed:
+                await self._send_snapshot(call)
+            for events in self._events.take():
+                self._seq += 1
+                events.seq = self._seq
+                await call.write(scheduler_pb2.EngineMessage(kv_events=events))
+            now = loop.time()
+            due = last_load + (self.min_report_gap if self._changed else self._interval)
+            if now >= due:
+                await self._send_load(call)
+                last_load = loop.time()
+                continue
+            if self._wake.is_set():
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=due - now)
+
+    async def _send_load(self, call: grpc.aio.StreamStreamCall) -> None:
+        self._changed = False
+        load = self._runtime.load()
+        report = scheduler_pb2.LoadReport(
+            running=load.running, waiting=load.waiting, blocks_used=load.blocks_used,
+            blocks_total=load.blocks_total, cached_blocks=load.cached_blocks,
+            serving=self._runtime.serving, queued_tokens=load.queued_tokens,
+            request_ids=load.request_ids,
+        )
+        await call.write(scheduler_pb2.EngineMessage(load=report))
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,171 @@
+"""The engine service: gRPC `kvmesh.v1.Engine` over one backend (sim or
+vLLM), its Connect link to the scheduler, vLLM-named metrics and an optional
+OpenAI HTTP endpoint.
+
+Start-up order: gRPC server up with health NOT_SERVING -> backend.start()
+(model load + warm-up) -> health SERVING -> register with the scheduler
+(hello reports what the started backend really has). Stop: refuse new work,
+let running generations finish for `stop_grace_seconds`, abort the rest,
+close everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+from services.common.clock import Clock, SystemClock
+from services.common.config import ConfigError, EngineConfig, MeshConfig
+from services.common.grpc_server import make_server
+from services.common.proto.kvmesh.v1 import engine_pb2_grpc
+from services.engine.backend import EngineBackend
+from services.engine.grpc_api import EngineServicer
+from services.engine.http_api import OpenAIHttpServer
+from services.engine.metrics import EngineMetrics, MetricsServer
+from services.engine.model import resolve_model
+from services.engine.runtime import EngineRuntime
+from services.engine.scheduler_link import SchedulerLink, advertised_host
+from services.engine.tokenizer import TextCodec, load_codec
+
+__all__ = ["EngineService", "make_backend", "serve"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "kvmesh.v1.Engine"
+
+
+def make_backend(config: MeshConfig, engine: EngineConfig) -> EngineBackend:
+    """The backend `engine.backend` names; vLLM is imported only when asked for."""
+    if engine.block_size <= 0 or engine.block_size % config.hash_block_tokens:
+        raise ConfigError(
+            f"engine.block_size: {engine.block_size} is not a multiple of "
+            f"hash_block_tokens {config.hash_block_tokens}"
+        )
+    if engine.backend == "sim":
+        from services.engine.sim import SimBackend  # noqa: PLC0415
+
+        return SimBackend(config, engine)
+    if engine.backend == "vllm":
+        try:
+            from services.engine.vllm_backend import VllmBackend  # noqa: PLC0415
+        except ImportError as exc:
+            raise ConfigError(
+                f"engine.backend: 'vllm' needs services.engine.vllm_backend and vLLM installed "
+                f"(`pip install .[cpu]`); import failed: {exc}"
+            ) from exc
+        return VllmBackend(config, engine)
+    raise ConfigError(f"engine.backend: unknown backend {engine.backend!r}; use 'sim' or 'vllm'")
+
+
+class EngineService:
+    """One engine, startable in-process: `port = await svc.start()`, `await svc.stop()`.
+
+    `engine.port` 0 binds a free port. `engine.scheduler_address` empty =
+    standalone (no Connect link).
+    """
+
+    def __init__(
+        self,
+        config: MeshConfig,
+        engine: EngineConfig,
+        backend: EngineBackend | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.backend = backend or make_backend(config, engine)
+        self.clock = clock or SystemClock()
+        self.model_name = resolve_model(config, engine).name
+        self.metrics = EngineMetrics(self.model_name, engine.engine_id, self._safe_load)
+        self.runtime = EngineRuntime(self.backend, self.metrics, self.clock)
+        self.port = 0
+        self.link: SchedulerLink | None = None
+        self._server = None
+        self._health = None
+        self._metrics_server: MetricsServer | None = None
+        self._http: OpenAIHttpServer | None = None
+
+    def _safe_load(self):  # noqa: ANN202 - LoadSnapshot; metrics scrape before start
+        return self.runtime.load()
+
+    @property
+    def address(self) -> str:
+        return f"{advertised_host(self.engine.host)}:{self.port}"
+
+    async def start(self) -> int:
+        """Serve gRPC (NOT_SERVING), start the backend, then SERVING and
+        register with the scheduler. Returns the bound gRPC port."""
+        engine = self.engine
+        self._server, self._health = make_server([SERVICE_NAME])
+        await self._health.set_serving(False)  # an explicit NOT_SERVING, not NOT_FOUND
+        engine_pb2_grpc.add_EngineServicer_to_server(
+            EngineServicer(self.runtime, engine.engine_id, engine.backend), self._server)
+        self.port = self._server.add_insecure_port(f"{engine.host}:{engine.port}")
+        if not self.port:
+            raise OSError(f"engine.port: cannot bind {engine.host}:{engine.port}")
+        await self._server.start()
+        try:
+            if engine.metrics_port:
+                self._metrics_server = MetricsServer(self.metrics)
+                await self._metrics_server.start(engine.host, engine.metrics_port)
+            await self.runtime.start()
+            http_address = ""
+            if engine.http_port:
+                self._http = OpenAIHttpServer(self.runtime, self._codec(), self.model_name)
+                await self._http.start(engine.host, engine.http_port)
+                http_address = f"{advertised_host(engine.host)}:{engine.http_port}"
+            await self._health.set_serving(True)
+            self.runtime.add_listener(self._sync_health)
+            if engine.scheduler_address:
+                self.link = SchedulerLink(self.config, engine, self.runtime, self.address,
+                                          http_address, engine.backend)
+                self.link.start()
+        except BaseException:
+            await self.stop()
+            raise
+        log.info("engine %s (%s, model %s) serving on %s", engine.engine_id, engine.backend,
+                 self.model_name, self.address)
+        return self.port
+
+    def _codec(self) -> TextCodec:
+        codec = getattr(self.backend, "codec", None)
+        if codec is not None:
+            return codec
+        return load_codec(resolve_model(self.config, self.engine).path, self.engine.sim.vocab_size)
+
+    def _sync_health(self) -> None:
+        # Draining or stopping: health checks (Envoy, grpcurl) see it too.
+        if self._health is not None and self._health.serving and not self.runtime.serving:
+            asyncio.get_running_loop().create_task(self._health.set_serving(False))
+
+    async def stop(self) -> None:
+        if self._health is not None and self._health.serving:
+            await self._health.set_serving(False)
+        await self.runtime.stop(self.engine.stop_grace_seconds if self.runtime.live_count else 0.0)
+        if self.link is not None:
+            await self.link.stop()
+            self.link = None
+        if self._server is not None:
+            await self._server.stop(grace=0.5)
+            self._server = None
+        for closer in (self._http, self._metrics_server):
+            if closer is not None:
+                await closer.stop()
+        self._http = self._metrics_server = None
+
+
+async def serve(config: MeshConfig, engine: EngineConfig) -> None:
+    """Run one engine until cancelled or SIGTERM/SIGINT, then stop gracefully."""
+    service = EngineService(config, engine)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await service.start()
+        await stop.wait()
+    finally:
+        await asyncio.shield(service.stop())

@@ -1,0 +1,165 @@
+"""`SimBackend`: the engine backend that simulates a GPU (see sim/core.py).
+
+One task runs the step loop: schedule a step, let the cost model's time pass
+(`asyncio.sleep`, 0 s when speed_factor is 0 -- a step still yields to the
+event loop so gRPC and the scheduler link keep running), apply it. It sleeps on
+an event while there is no work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from services.common.config import EngineConfig, MeshConfig
+from services.engine.backend import (
+    BackendInfo,
+    GenerationOutput,
+    GenerationRequest,
+    KvListener,
+    LoadSnapshot,
+    Sampling,
+)
+from services.engine.model import DEFAULT_MAX_MODEL_LEN, resolve_model
+from services.engine.sim.cost_model import step_seconds
+from services.engine.sim.core import CoreLimits, SimCore
+from services.engine.sim.text import TokenPicker
+from services.engine.tokenizer import TextCodec, load_codec
+
+__all__ = ["SimBackend"]
+
+log = logging.getLogger(__name__)
+
+
+class SimBackend:
+    def __init__(self, config: MeshConfig, engine: EngineConfig, codec: TextCodec | None = None) -> None:
+        spec = resolve_model(config, engine)
+        self.codec = codec or load_codec(spec.path, engine.sim.vocab_size)
+        if engine.sim.speed_factor < 0:
+            raise ValueError(f"engine.sim.speed_factor must be >= 0, got {engine.sim.speed_factor}")
+        capacity = engine.block_size * engine.total_blocks
+        max_len = min(spec.max_model_len or DEFAULT_MAX_MODEL_LEN, capacity)
+        self.info = BackendInfo(
+            model=spec.name,
+            block_size=engine.block_size,
+            total_blocks=engine.total_blocks,
+            max_running=engine.max_running,
+            max_model_len=max_len,
+            vocab_size=self.codec.vocab_size,
+        )
+        self._cost = engine.sim
+        self._core = SimCore(
+            CoreLimits(
+                block_size=engine.block_size,
+                total_blocks=engine.total_blocks,
+                max_running=engine.max_running,
+                max_model_len=max_len,
+                hash_block_tokens=config.hash_block_tokens,
+                chunk_tokens=engine.sim.chunk_tokens,
+                vocab_size=self.codec.vocab_size,
+            ),
+            TokenPicker(self.codec.clean_token_ids, self.codec.eos_token_id, engine.sim.eos_probability),
+            self.codec.token_text,
+            self.codec.eos_token_id,
+        )
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._on_change: Callable[[], None] | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._run(), name="sim-step-loop")
+        # Warm-up: one tiny real generation through the step loop. Shorter
+        # than a block, so it leaves nothing in the prefix cache.
+        warm = GenerationRequest("__warmup__", [self.codec.clean_token_ids[0]], Sampling(max_tokens=2))
+        async for _ in self.generate(warm):
+            pass
+
+    async def stop(self) -> None:
+        self._core.abort_all("engine stopping")
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+            self._loop_task = None
+
+    # ---------------------------------------------------------------- requests
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        if self._loop_task is None:
+            raise RuntimeError("SimBackend.generate before start()")
+        req = self._core.add(request)  # raises InvalidRequest
+        self._kick()
+        try:
+            while True:
+                out = await req.sink.next()
+                yield out
+                if out.finish_reason is not None:
+                    return
+        finally:
+            # Closed early (aclose / cancellation): abort at once, free blocks.
+            if not req.sink.finished and self._core.abort(request.request_id, "stream closed"):
+                self._kick()
+
+    async def abort(self, request_id: str) -> bool:
+        found = self._core.abort(request_id)
+        if found:
+            self._kick()
+        return found
+
+    def load(self) -> LoadSnapshot:
+        return self._core.load()
+
+    def kv_snapshot(self) -> list[int]:
+        return self._core.pool.snapshot()
+
+    def set_kv_listener(self, listener: KvListener | None) -> None:
+        self._core.set_listener(listener)
+
+    def on_change(self, callback: Callable[[], None] | None) -> None:
+        self._on_change = callback
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix (emits `cleared`)."""
+        self._core.pool.clear()
+        self._changed()
+
+    # ---------------------------------------------------------------- step loop
+
+    def _kick(self) -> None:
+        self._wake.set()
+        self._changed()
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._core.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            started = loop.time()
+            try:
+                plan = self._core.schedule()
+            except Exception:  # a sim bug must not hang every stream: fail them
+                log.exception("sim step failed; aborting all requests")
+                self._core.abort_all("engine error in the simulator")
+                continue
+            if not plan.entries:
+                # Nothing fits now (only possible transiently); wait for a change.
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            seconds = step_seconds(self._cost, plan.work)
+            # The step's own Python time counts as simulated time already.
+            await asyncio.sleep(max(0.0, seconds - (loop.time() - started)))
+            finished = self._core.apply(plan)
+            if finished or plan.changed:
+                self._changed()

@@ -1,0 +1,59 @@
+"""How long one continuous-batching step of the simulated GPU takes.
+
+A step runs one forward pass over the batch: some prompt tokens being
+prefilled (chunked) and one token for each decoding sequence. The model is the
+usual roofline split of LLM serving:
+
+* **Prefill is compute-bound.** A dense model needs about 2·N FLOPs per token
+  (N = parameters). An 8B model on an A100 (312 TFLOP/s bf16) at ~50% MFU:
+  16e9 / 1.56e14 ≈ 100 µs/token; on an H100 (989 TFLOP/s) ≈ 30 µs/token.
+  Default `prefill_seconds_per_token` = 50 µs sits between the two.
+* **Decode is memory-bound.** Every step reads all weights once, whatever the
+  batch: 16 GB of bf16 weights at ~2 TB/s ≈ 8 ms. Default
+  `decode_seconds_per_step` = 8 ms (≈125 tokens/s for one sequence, the
+  figure commonly measured for 7-8B models on an A100 with vLLM).
+* **Per-sequence overhead** (sampling, scheduling, attention launch per
+  sequence) ≈ 0.2 ms, after vLLM's own step profiles at batch 64.
+* **KV reads grow with context.** Llama-3-8B (GQA, 8 KV heads × 128, 32
+  layers, bf16) keeps 128 KiB of KV per token; 1k tokens = 128 MiB ≈ 64 µs
+  at 2 TB/s. Default `decode_seconds_per_kilotoken_context` = 50 µs.
+
+The constants live in `SimCostConfig` (services/common/config.py).
+`speed_factor` multiplies every cost; 0 makes the simulator free (a step still
+yields to the event loop, see sim/backend.py), which benchmarks of the mesh's
+own overhead and unit tests use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.config import SimCostConfig
+
+__all__ = ["StepWork", "step_seconds"]
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one step computes."""
+
+    prefill_tokens: int = 0        # prompt (or recomputed) tokens this step
+    decode_sequences: int = 0      # sequences producing one token by decode
+    decode_context_tokens: int = 0  # context length summed over decoding sequences
+
+    @property
+    def empty(self) -> bool:
+        return self.prefill_tokens == 0 and self.decode_sequences == 0
+
+
+def step_seconds(cost: SimCostConfig, work: StepWork) -> float:
+    """Simulated wall time of one step, >= 0; 0 when speed_factor is 0."""
+    if cost.speed_factor <= 0 or work.empty:
+        return 0.0
+    seconds = (
+        cost.decode_seconds_per_step
+        + work.prefill_tokens * cost.prefill_seconds_per_token
+        + work.decode_sequences * cost.decode_seconds_per_sequence
+        + work.decode_context_tokens / 1000.0 * cost.decode_seconds_per_kilotoken_context
+    )
+    return max(0.0, seconds * cost.speed_factor)

@@ -1,0 +1,85 @@
+"""Deterministic "greedy decoding" for the simulator.
+
+The next token is a pure function of ALL tokens before it: a 64-bit rolling
+hash (splitmix64 finalizer chained token by token) picks one of the codec's
+clean token ids, or EOS with probability `eos_probability`. So a stream
+continued on another engine from prompt + generated tokens produces exactly the
+same continuation, as greedy decoding of a real model would. A token's text is
+the codec's text of that id alone.
+
+`StopText` applies stop strings the way vLLM does: the text of the stop
+string is not returned, and up to len(longest stop) - 1 characters are held
+back while streaming so a stop string spanning two tokens is never half-sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = ["ROLLING_SEED", "StopText", "TokenPicker", "roll"]
+
+_MASK = (1 << 64) - 1
+ROLLING_SEED = 0x5EED_0F_C0FFEE
+
+
+def roll(state: int, token_id: int) -> int:
+    """Fold one token into the rolling hash (order-sensitive, 64-bit)."""
+    z = (state ^ (token_id + 0x9E3779B97F4A7C15)) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def roll_all(token_ids: Iterable[int], state: int = ROLLING_SEED) -> int:
+    for token_id in token_ids:
+        state = roll(state, token_id)
+    return state
+
+
+class TokenPicker:
+    """Maps a rolling-hash state to the next token id."""
+
+    def __init__(self, clean_token_ids: list[int], eos_token_id: int, eos_probability: float) -> None:
+        if not clean_token_ids:
+            raise ValueError("the sim needs at least one clean token id")
+        if not 0.0 <= eos_probability <= 1.0:
+            raise ValueError(f"eos_probability must be in [0, 1], got {eos_probability}")
+        self._ids = clean_token_ids
+        self._eos = eos_token_id
+        # EOS when the top 24 bits fall under this threshold.
+        self._eos_threshold = int(eos_probability * (1 << 24))
+
+    def next_token(self, state: int) -> int:
+        if (state >> 40) < self._eos_threshold:
+            return self._eos
+        return self._ids[(state >> 7) % len(self._ids)]
+
+
+class StopText:
+    """Per-request text assembly with stop strings and hold-back."""
+
+    __slots__ = ("_stops", "_hold", "_buffer")
+
+    def __init__(self, stops: list[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._buffer = ""
+
+    def add(self, piece: str) -> tuple[str, bool]:
+        """Append one token's text; returns (text safe to send now, stopped)."""
+        if not self._stops:
+            return piece, False
+        self._buffer += piece
+        cut = min((i for i in (self._buffer.find(s) for s in self._stops) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self._buffer = self._buffer[:cut], ""
+            return out, True
+        keep = min(self._hold, len(self._buffer))
+        out = self._buffer[: len(self._buffer) - keep]
+        self._buffer = self._buffer[len(self._buffer) - keep :]
+        return out, False
+
+    def flush(self) -> str:
+        """What is held back, at a finish that was not a stop string."""
+        out, self._buffer = self._buffer, ""
+        return out

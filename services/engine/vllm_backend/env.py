@@ -1,0 +1,75 @@
+"""Process environment vLLM-CPU needs, set before vLLM is imported.
+
+vLLM reads these from the environment (its engine-core and worker processes
+inherit them at start-up): OpenMP core binding, where caches and sockets go,
+and no hub or usage-stats traffic.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["REPO_ROOT", "omp_bind_spec", "prepare_environment", "resolve_path"]
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def resolve_path(path: str) -> Path:
+    """Config paths are relative to the repository root."""
+    p = Path(path)
+    return p if p.is_absolute() else REPO_ROOT / p
+
+
+def omp_bind_spec(setting: str) -> str:
+    """VllmConfig.omp_threads_bind -> VLLM_CPU_OMP_THREADS_BIND.
+
+    "all" = every core this process may run on, as ranges ("0-1"); anything
+    else is passed through (vLLM's own syntax, e.g. "0-3" or "auto")."""
+    if setting != "all":
+        return setting
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(
+        range(os.cpu_count() or 1)
+    )
+    ranges: list[str] = []
+    start = prev = cores[0]
+    for core in cores[1:] + [-1]:
+        if core == prev + 1:
+            prev = core
+            continue
+        ranges.append(f"{start}-{prev}" if prev != start else str(start))
+        start = prev = core
+    return ",".join(ranges)
+
+
+def prepare_environment(scratch: Path, omp_threads_bind: str) -> Callable[[], None]:
+    """Point vLLM at `scratch` and bind its threads; returns a function that
+    restores TMPDIR (the only setting that matters to the rest of a shared
+    process, e.g. a test session, once vLLM's processes have started)."""
+    for sub in ("cache", "inductor", "tmp"):
+        (scratch / sub).mkdir(parents=True, exist_ok=True)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind_spec(omp_threads_bind)
+    os.environ["VLLM_CACHE_ROOT"] = str(scratch / "cache")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(scratch / "inductor")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    os.environ["VLLM_NO_USAGE_STATS"] = "1"
+    os.environ["DO_NOT_TRACK"] = "1"
+    # The KV size comes from VllmConfig.kv_cache_gib alone: vLLM's legacy
+    # variable would silently override it.
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    old_tmpdir = os.environ.get("TMPDIR")
+    old_tempdir = tempfile.tempdir
+    os.environ["TMPDIR"] = str(scratch / "tmp")
+    tempfile.tempdir = None  # gettempdir() caches; make it re-read TMPDIR
+
+    def restore() -> None:
+        if old_tmpdir is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = old_tmpdir
+        tempfile.tempdir = old_tempdir
+
+    return restore

@@ -1,0 +1,153 @@
+"""Client side of `Scheduler.Admit`: one bidi stream per request.
+
+The lease lives exactly as long as the stream, so every path out of a request
+ends the call: `finish` (done + half-close, then wait briefly for the
+scheduler to end it) or `cancel` (at once: client gone, request failed).
+gRPC status codes from the scheduler become domain errors here and nowhere
+else (through `errors.from_scheduler_rpc_error` / `errors.from_rejection`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+
+from services.common.grpc_server import client_options
+from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.gateway.errors import GatewayError, from_rejection, from_scheduler_rpc_error
+
+__all__ = ["AdmissionClient", "AdmitSession"]
+
+log = logging.getLogger(__name__)
+
+# After `done` + half-close, how long to wait for the scheduler to end the
+# stream before cancelling it ourselves (either way the lease is released).
+_CLOSE_GRACE_SECONDS = 2.0
+
+
+class AdmitSession:
+    """One request's Admit stream. Used by one task only (the driver's)."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
+        self._call = call
+        self._finished = False
+
+    async def send_request(self, request: scheduler_pb2.AdmitRequest) -> None:
+        try:
+            await self._call.write(scheduler_pb2.AdmitClientMessage(request=request))
+        except grpc.aio.AioRpcError as exc:
+            raise from_scheduler_rpc_error(exc) from exc
+        except asyncio.InvalidStateError as exc:  # call already over
+            raise from_scheduler_rpc_error(None) from exc
+
+    async def next_outcome(self) -> scheduler_pb2.Queued | scheduler_pb2.Placed:
+        """The next `queued` or `placed`; a `rejected` or a broken stream raises."""
+        while True:
+            try:
+                message = await self._call.read()
+            except grpc.aio.AioRpcError as exc:
+                raise from_scheduler_rpc_error(exc) from exc
+            if message is grpc.aio.EOF:
+                raise from_scheduler_rpc_error(None)
+            kind = message.WhichOneof("msg")
+            if kind == "queued":
+                return message.queued
+            if kind == "placed":
+                return message.placed
+            if kind == "rejected":
+                raise from_rejection(message.rejected)
+            log.warning("ignoring unknown Admit message %r", kind)
+
+    async def first_token(self) -> None:
+        await self._send(scheduler_pb2.AdmitClientMessage(first_token=scheduler_pb2.FirstToken()))
+
+    async def replace(
+        self, exclude: list[str], prompt_tokens: int, max_tokens: int, prefix_hashes: list[int]
+    ) -> None:
+        message = scheduler_pb2.AdmitClientMessage(
+            replace=scheduler_pb2.Replace(
+                exclude_engines=exclude,
+                prompt_tokens=prompt_tokens,
+                max_tokens=max_tokens,
+                prefix_hashes=prefix_hashes,
+            )
+        )
+        try:
+            await self._call.write(message)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            raise from_scheduler_rpc_error(exc if isinstance(exc, grpc.aio.AioRpcError) else None) from exc
+
+    async def finish(self, done: scheduler_pb2.RequestDone) -> None:
+        """Report the outcome, half-close, and let the scheduler end the stream."""
+        if self._finished:
+            return
+        self._finished = True
+        try:
+            await self._call.write(scheduler_pb2.AdmitClientMessage(done=done))
+            await self._call.done_writing()
+            async with asyncio.timeout(_CLOSE_GRACE_SECONDS):
+                while await self._call.read() is not grpc.aio.EOF:
+                    pass
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
+            pass  # the lease ends with the stream either way
+        finally:
+            self._call.cancel()
+
+    def cancel(self) -> None:
+        """End the stream now: the scheduler drops the queue entry or lease."""
+        self._finished = True
+        self._call.cancel()
+
+    async def _send(self, message: scheduler_pb2.AdmitClientMessage) -> None:
+        # Progress reports are advisory: a scheduler that went away must not
+        # break a stream that is generating fine on its engine.
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            await self._call.write(message)
+
+
+class AdmissionClient:
+    """Owns the gateway's channel to the scheduler."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(
+            address,
+            options=[
+                *client_options(),
+                # Stay connected: /health and gRPC health follow this channel.
+                ("grpc.client_idle_timeout_ms", 2**31 - 1),
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 2000),
+            ],
+        )
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+
+    def is_ready(self) -> bool:
+        return self.channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY
+
+    async def wait_ready_change(self, last: grpc.ChannelConnectivity) -> grpc.ChannelConnectivity:
+        await self.channel.wait_for_state_change(last)
+        return self.channel.get_state(try_to_connect=True)
+
+    async def open(self, request: scheduler_pb2.AdmitRequest) -> AdmitSession:
+        # wait_for_ready: a scheduler restarting for a moment is normal
+        # (soft state); the driver bounds the whole wait.
+        session = AdmitSession(self._stub.Admit(wait_for_ready=True))
+        try:
+            await session.send_request(request)
+        except GatewayError:
+            session.cancel()
+            raise
+        return session
+
+    async def get_state(self, timeout: float) -> scheduler_pb2.SchedulerState | None:
+        try:
+            return await self._stub.GetState(scheduler_pb2.GetStateRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return None
+
+    async def close(self) -> None:
+        await self.channel.close()

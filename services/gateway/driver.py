@@ -1,0 +1,386 @@
+"""The generation driver: one request from admission to its last token.
+
+Flow: Admit (relay queued positions) -> placed -> Engine.Generate on the
+placed engine -> relay deltas (first_token on Admit) -> finished -> done on
+Admit. If the engine breaks (before or after the first token) the driver sends
+`replace` excluding it and continues from prompt + tokens generated so far,
+with max_tokens reduced, up to `max_migrations` times: the client sees one
+seamless stream.
+
+Ownership: each request's driver runs in ONE task (`EventStream`'s pump), which
+alone owns the request's Admit session, engine call and generated tokens.
+Transports only read events from a bounded queue (backpressure: a slow client
+stops the pump, which stops reading from the engine, which makes the engine
+coalesce). Cancelling the stream (client gone) cancels that task, which
+cancels the engine call and the Admit call at once, then re-raises.
+
+Errors: failures before the first token raise `GatewayError` (the transport
+can still answer with a status); after it, the stream ends with a `Finished`
+event whose reason is ERROR / TIMEOUT / ABORT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from services.common.prefix_hash import block_hashes
+from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, scheduler_pb2
+from services.gateway.admission import AdmissionClient, AdmitSession
+from services.gateway.engine_client import EnginePool, EngineStream
+from services.gateway.errors import EngineFailure, ErrorKind, GatewayError
+from services.gateway.jobs import Job
+from services.gateway.metrics import GatewayMetrics
+
+__all__ = [
+    "DriverSettings",
+    "EventStream",
+    "FinishReason",
+    "Finished",
+    "GenerationDriver",
+    "Heartbeat",
+    "QueuedUpdate",
+    "TextDelta",
+    "Usage",
+]
+
+log = logging.getLogger(__name__)
+
+# Events queued between the pump and the transport. Small on purpose: the
+# engine coalesces when we fall behind, so a deep buffer only adds memory.
+_QUEUE_DEPTH = 8
+# A scheduler restart while a request waits: re-admit (same arrival time) for
+# this long before answering 503.
+_READMIT_SECONDS = 10.0
+
+
+class FinishReason(enum.Enum):
+    """Closed set, mirrors kvmesh.v1.FinishReason; values are OpenAI's names."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    TIMEOUT = "timeout"
+    ERROR = "error"
+
+    @classmethod
+    def from_proto(cls, value: int) -> FinishReason:
+        return _FROM_PROTO.get(value, cls.ERROR)
+
+    def to_proto(self) -> int:
+        return _TO_PROTO[self]
+
+    @property
+    def ok(self) -> bool:
+        return self in (FinishReason.STOP, FinishReason.LENGTH)
+
+
+_FROM_PROTO = {
+    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    common_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
+    common_pb2.FINISH_REASON_TIMEOUT: FinishReason.TIMEOUT,
+    common_pb2.FINISH_REASON_ERROR: FinishReason.ERROR,
+}
+_TO_PROTO = {v: k for k, v in _FROM_PROTO.items()}
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class QueuedUpdate:
+    position: int
+    estimated_wait_seconds: float
+    priority: int
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: FinishReason
+    usage: Usage
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    pass
+
+
+Event = QueuedUpdate | TextDelta | Finished | Heartbeat
+Emit = Callable[[QueuedUpdate | TextDelta | Finished], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class DriverSettings:
+    max_migrations: int
+    heartbeat_seconds: float
+
+
+@dataclass
+class _Progress:
+    """One request's live state (owned by the pump task): its current Admit
+    session (replaced on re-admission) and what it has produced so far."""
+
+    session: AdmitSession
+    generated: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    last_delta_at: float = 0.0
+    first_token_at: float | None = None
+
+
+class GenerationDriver:
+    def __init__(
+        self,
+        admission: AdmissionClient,
+        engines: EnginePool,
+        settings: DriverSettings,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self._admission = admission
+        self._engines = engines
+        self._settings = settings
+        self._metrics = metrics
+
+    def start(self, job: Job) -> EventStream:
+        return EventStream(lambda emit: self.run(job, emit), self._settings.heartbeat_seconds)
+
+    # ---------------------------------------------------------------- phases
+
+    async def run(self, job: Job, emit: Emit) -> None:
+        progress = _Progress(await self._admission.open(job.admit_request()))
+        try:
+            placed = await self._wait_placed(job, progress, emit)
+            finished = await self._generate(job, placed, progress, emit)
+        except BaseException:
+            progress.session.cancel()
+            raise
+        self._metrics.finished.labels(finished.reason.value).inc()
+        await emit(finished)
+        await progress.session.finish(
+            scheduler_pb2.RequestDone(
+                prompt_tokens=finished.usage.prompt_tokens,
+                completion_tokens=finished.usage.completion_tokens,
+                cached_tokens=finished.usage.cached_tokens,
+                finish_reason=finished.reason.value,
+            )
+        )
+
+    async def _wait_placed(self, job: Job, progress: _Progress, emit: Emit) -> scheduler_pb2.Placed:
+        """Relay `queued` until `placed`. A scheduler that restarts while we
+        wait is re-admitted with the original arrival time."""
+        heard = False
+        readmit_until: float | None = None
+        backoff = 0.1
+        while True:
+            try:
+                outcome = await progress.session.next_outcome()
+            except GatewayError as exc:
+                if exc.code != "scheduler_unavailable" or not heard:
+                    raise
+                progress.session.cancel()
+                now = time.monotonic()
+                readmit_until = readmit_until or now + _READMIT_SECONDS
+                if now >= readmit_until:
+                    raise
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                try:
+                    progress.session = await self._admission.open(job.admit_request())
+                except GatewayError:
+                    continue
+                log.info("request %s: re-admitted after a scheduler restart", job.request_id)
+                continue
+            heard = True
+            readmit_until = None
+            if isinstance(outcome, scheduler_pb2.Placed):
+                return outcome
+            await emit(QueuedUpdate(outcome.position, outcome.estimated_wait_seconds, outcome.priority))
+
+    async def _generate(self, job: Job, placed: scheduler_pb2.Placed, progress: _Progress, emit: Emit) -> Finished:
+        """Stream from the placed engine; on engine failure, migrate."""
+        excluded: list[str] = []
+        failures = 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + job.max_generation_seconds
+        while True:
+            stream = self._engines.open(placed.engine_address, placed.engine_id, timeout=None)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    return await self._relay(job, placed, stream, progress, emit)
+            except TimeoutError:
+                await stream.abort()
+                return self._end(
+                    job, progress, FinishReason.TIMEOUT,
+                    f"the generation ran past its {job.max_generation_seconds:g}s limit", ErrorKind.TIMEOUT,
+                )
+            except EngineFailure as failure:
+                stream.cancel()
+                failures += 1
+                log.warning("request %s: %s (failure %d)", job.request_id, failure.message, failures)
+                if failures > self._settings.max_migrations:
+                    return self._end(
+                        job, progress, FinishReason.ERROR,
+                        f"engines failed {failures} times; retry later (last: {failure.message})",
+                        ErrorKind.UNAVAILABLE,
+                    )
+                excluded.append(failure.engine_id)
+                placed = await self._replace(job, excluded, progress, emit)
+                self._metrics.migrations.inc()
+            except BaseException:
+                stream.cancel()
+                raise
+
+    async def _replace(
+        self, job: Job, excluded: list[str], progress: _Progress, emit: Emit
+    ) -> scheduler_pb2.Placed:
+        tokens = job.prompt_ids + progress.generated
+        await progress.session.replace(
+            exclude=list(excluded),
+            prompt_tokens=len(tokens),
+            max_tokens=job.max_tokens - len(progress.generated),
+            prefix_hashes=block_hashes(tokens, job.hash_block_tokens),
+        )
+        return await self._wait_placed(job, progress, emit)
+
+    async def _relay(
+        self,
+        job: Job,
+        placed: scheduler_pb2.Placed,
+        stream: EngineStream,
+        progress: _Progress,
+        emit: Emit,
+    ) -> Finished:
+        generated = progress.generated
+        sampling = job.sampling.to_proto(job.max_tokens - len(generated))
+        if job.sampling.min_tokens:
+            sampling.min_tokens = max(0, job.sampling.min_tokens - len(generated))
+        await stream.start(
+            engine_pb2.EngineRequest(
+                request_id=job.request_id,
+                prompt_token_ids=job.prompt_ids + generated,
+                sampling=sampling,
+                priority=job.priority,
+                lease_id=placed.lease_id,
+                resumed_tokens=len(generated),
+            )
+        )
+        told_first = False
+        async for event in stream.events():
+            if event.HasField("delta"):
+                delta = event.delta
+                if not delta.token_ids and not delta.text:
+                    continue
+                self._observe_delta(job, progress, len(delta.token_ids))
+                if not told_first:
+                    told_first = True
+                    await progress.session.first_token()
+                generated.extend(delta.token_ids)
+                await emit(TextDelta(delta.text, list(delta.token_ids), list(delta.logprobs)))
+                continue
+            done = event.finished
+            progress.cached_tokens = min(done.usage.cached_tokens, len(job.prompt_ids))
+            await stream.close()
+            reason = FinishReason.from_proto(done.finish_reason)
+            return self._end(job, progress, reason, done.message, ErrorKind.GENERATION_FAILED)
+        raise EngineFailure(stream.engine_id, f"engine {stream.engine_id}: stream ended early")  # pragma: no cover
+
+    # ---------------------------------------------------------------- helpers
+
+    def _observe_delta(self, job: Job, progress: _Progress, n_tokens: int) -> None:
+        now = time.monotonic()
+        if progress.first_token_at is None:
+            progress.first_token_at = now
+            self._metrics.ttft.labels(job.route).observe(now - job.arrival_monotonic)
+        elif n_tokens:
+            self._metrics.inter_token.observe((now - progress.last_delta_at) / n_tokens)
+        progress.last_delta_at = now
+
+    @staticmethod
+    def _end(job: Job, progress: _Progress, reason: FinishReason, message: str, kind: ErrorKind) -> Finished:
+        """The final event; a failure before any token raises `kind` instead,
+        so the transport can still answer with a status code."""
+        usage = Usage(len(job.prompt_ids), len(progress.generated), progress.cached_tokens)
+        if not reason.ok and not progress.generated:
+            if reason is FinishReason.TIMEOUT:
+                kind = ErrorKind.TIMEOUT
+            raise GatewayError(kind, message or f"the generation ended with {reason.value}", code=reason.value)
+        return Finished(reason, usage, message)
+
+
+class EventStream:
+    """Runs a driver in its own task behind a bounded queue, and adds
+    heartbeats: if nothing was sent for `heartbeat_seconds`, iteration yields
+    `Heartbeat()`. Always `aclose()` it (cancels the driver if still running)."""
+
+    _END = object()
+
+    def __init__(self, run: Callable[[Emit], Awaitable[None]], heartbeat_seconds: float) -> None:
+        self._queue: asyncio.Queue[object] = asyncio.Queue(_QUEUE_DEPTH)
+        self._heartbeat = heartbeat_seconds
+        self._last_output = time.monotonic()
+        self._task = asyncio.create_task(self._pump(run))
+
+    async def _pump(self, run: Callable[[Emit], Awaitable[None]]) -> None:
+        try:
+            await run(self._queue.put)
+        except GatewayError as exc:
+            await self._queue.put(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any bug must end the stream, not hang it
+            log.exception("generation driver failed")
+            await self._queue.put(GatewayError(ErrorKind.INTERNAL, f"internal error: {type(exc).__name__}"))
+        await self._queue.put(self._END)
+
+    def mark_output(self) -> None:
+        """The transport wrote something: restart the heartbeat timer."""
+        self._last_output = time.monotonic()
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Event]:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except asyncio.QueueEmpty:
+                wait = self._last_output + self._heartbeat - time.monotonic()
+                try:
+                    async with asyncio.timeout(max(wait, 0.0)):
+                        item = await self._queue.get()
+                except TimeoutError:
+                    self.mark_output()
+                    yield Heartbeat()
+                    continue
+            if item is self._END:
+                return
+            if isinstance(item, GatewayError):
+                raise item
+            yield item  # type: ignore[misc]
+
+    async def aclose(self) -> None:
+        if not self._task.done():
+            self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task

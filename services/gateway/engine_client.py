@@ -1,0 +1,95 @@
+"""Client side of `Engine.Generate`, with one cached channel per engine address.
+
+Ownership: the `EnginePool` belongs to the gateway service; channels are
+created on first use from the event loop and closed in `close()`. Status
+codes from an engine become domain errors here (through
+`errors.classify_engine_rpc_error`): a request fault (INVALID_ARGUMENT...)
+is the client's error, anything else is an `EngineFailure` the driver may
+migrate away from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.common.grpc_server import client_options
+from services.common.proto.kvmesh.v1 import engine_pb2, engine_pb2_grpc
+from services.gateway.errors import EngineFailure, classify_engine_rpc_error
+
+__all__ = ["EnginePool", "EngineStream"]
+
+
+class EngineStream:
+    """One Generate call. Cancelling it (or the task reading it) aborts the
+    generation in the engine at once."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall, engine_id: str) -> None:
+        self._call = call
+        self.engine_id = engine_id
+
+    async def start(self, request: engine_pb2.EngineRequest) -> None:
+        try:
+            await self._call.write(engine_pb2.EngineGenerateMessage(request=request))
+        except grpc.aio.AioRpcError as exc:
+            raise classify_engine_rpc_error(exc, self.engine_id) from exc
+        except asyncio.InvalidStateError as exc:
+            raise EngineFailure(self.engine_id, f"engine {self.engine_id}: stream closed before the request") from exc
+
+    async def events(self) -> AsyncIterator[engine_pb2.EngineGenerateEvent]:
+        """Deltas, then one `finished`. A stream that ends without `finished`
+        is an engine failure, never a clean end."""
+        while True:
+            try:
+                event = await self._call.read()
+            except grpc.aio.AioRpcError as exc:
+                raise classify_engine_rpc_error(exc, self.engine_id) from exc
+            if event is grpc.aio.EOF:
+                raise EngineFailure(self.engine_id, f"engine {self.engine_id} ended the stream without finishing")
+            yield event
+            if event.HasField("finished"):
+                return
+
+    async def abort(self) -> None:
+        """Polite cancel (a `cancel` message) then end the call."""
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            async with asyncio.timeout(0.5):
+                await self._call.write(engine_pb2.EngineGenerateMessage(cancel=engine_pb2.CancelGeneration()))
+        self._call.cancel()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    async def close(self) -> None:
+        """After `finished`: half-close and let the call end."""
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            await self._call.done_writing()
+        self._call.cancel()
+
+
+class EnginePool:
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, engine_pb2_grpc.EngineStub] = {}
+
+    def _stub(self, address: str) -> engine_pb2_grpc.EngineStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(address, options=client_options())
+            self._channels[address] = channel
+            stub = self._stubs[address] = engine_pb2_grpc.EngineStub(channel)
+        return stub
+
+    def open(self, address: str, engine_id: str, timeout: float | None) -> EngineStream:
+        """A Generate call to `address`; `timeout` bounds the whole call."""
+        return EngineStream(self._stub(address).Generate(timeout=timeout), engine_id)
+
+    async def close(self) -> None:
+        channels = list(self._channels.values())
+        self._channels.clear()
+        self._stubs.clear()
+        for channel in channels:
+            await channel.close()

@@ -1,0 +1,225 @@
+"""The gateway's error vocabulary and its ONE mapping boundary per transport.
+
+Everything the gateway can refuse or fail with is a `GatewayError` carrying a
+closed `ErrorKind`. This module alone decides:
+
+- upstream gRPC status / scheduler rejections -> domain errors
+  (`from_scheduler_rpc_error`, `from_rejection`, `classify_engine_rpc_error`),
+- domain errors -> HTTP status + OpenAI error JSON + headers (`http_error`),
+- domain errors -> gRPC status code + message + trailing metadata (`grpc_status`).
+
+"Engine failed" (`EngineFailure`: the engine died or dropped the stream, so
+the request migrates elsewhere) is deliberately NOT a `GatewayError`: it never
+reaches a client as such. Only when migrations run out does the driver turn
+it into `GenerationFailed`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.proto.kvmesh.v1 import scheduler_pb2
+
+__all__ = [
+    "EngineFailure",
+    "ErrorKind",
+    "GatewayError",
+    "HttpError",
+    "classify_engine_rpc_error",
+    "from_rejection",
+    "from_scheduler_rpc_error",
+    "grpc_status",
+    "http_error",
+    "http_status_of",
+]
+
+
+class ErrorKind(enum.Enum):
+    """Closed set of outcomes a client can be refused with; also a metric label."""
+
+    INVALID_REQUEST = "invalid_request"
+    BODY_TOO_LARGE = "body_too_large"
+    UNAUTHENTICATED = "unauthenticated"
+    PERMISSION_DENIED = "permission_denied"
+    NOT_FOUND = "not_found"
+    RATE_LIMITED = "rate_limited"        # this key's token bucket
+    OVERLOADED = "overloaded"            # the scheduler's queues are full
+    UNAVAILABLE = "unavailable"          # no engine / scheduler unreachable / draining
+    CONFLICT = "conflict"                # request id already running
+    TIMEOUT = "timeout"                  # max generation time ran out
+    GENERATION_FAILED = "generation_failed"
+    INTERNAL = "internal"
+
+
+@dataclass(frozen=True)
+class _Mapping:
+    http_status: int
+    openai_type: str
+    grpc_code: grpc.StatusCode
+
+
+# The one table. OpenAI's own types where OpenAI has one.
+_TABLE: dict[ErrorKind, _Mapping] = {
+    ErrorKind.INVALID_REQUEST: _Mapping(400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT),
+    ErrorKind.BODY_TOO_LARGE: _Mapping(413, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT),
+    ErrorKind.UNAUTHENTICATED: _Mapping(401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED),
+    ErrorKind.PERMISSION_DENIED: _Mapping(403, "permission_error", grpc.StatusCode.PERMISSION_DENIED),
+    ErrorKind.NOT_FOUND: _Mapping(404, "invalid_request_error", grpc.StatusCode.NOT_FOUND),
+    ErrorKind.RATE_LIMITED: _Mapping(429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ErrorKind.OVERLOADED: _Mapping(429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ErrorKind.UNAVAILABLE: _Mapping(503, "service_unavailable_error", grpc.StatusCode.UNAVAILABLE),
+    ErrorKind.CONFLICT: _Mapping(409, "invalid_request_error", grpc.StatusCode.ALREADY_EXISTS),
+    ErrorKind.TIMEOUT: _Mapping(504, "timeout_error", grpc.StatusCode.DEADLINE_EXCEEDED),
+    ErrorKind.GENERATION_FAILED: _Mapping(502, "server_error", grpc.StatusCode.INTERNAL),
+    ErrorKind.INTERNAL: _Mapping(500, "server_error", grpc.StatusCode.INTERNAL),
+}
+
+
+class GatewayError(Exception):
+    """A request-level failure with a message that says what to change."""
+
+    def __init__(
+        self,
+        kind: ErrorKind,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+        self.headers = dict(headers or {})
+
+    def __repr__(self) -> str:
+        return f"GatewayError({self.kind.value}, {self.message!r})"
+
+
+class EngineFailure(Exception):
+    """The engine (not the request) failed: the stream may migrate elsewhere."""
+
+    def __init__(self, engine_id: str, message: str) -> None:
+        super().__init__(message)
+        self.engine_id = engine_id
+        self.message = message
+
+
+# ------------------------------------------------------------ upstream -> domain
+
+_REJECT_KINDS: dict[int, ErrorKind] = {
+    scheduler_pb2.REJECT_CODE_QUEUE_FULL: ErrorKind.OVERLOADED,
+    scheduler_pb2.REJECT_CODE_TENANT_FULL: ErrorKind.OVERLOADED,
+    scheduler_pb2.REJECT_CODE_EXPIRED: ErrorKind.UNAVAILABLE,
+    scheduler_pb2.REJECT_CODE_NO_ENGINE: ErrorKind.UNAVAILABLE,
+    scheduler_pb2.REJECT_CODE_DRAINING: ErrorKind.UNAVAILABLE,
+    scheduler_pb2.REJECT_CODE_TOO_LARGE: ErrorKind.INVALID_REQUEST,
+    scheduler_pb2.REJECT_CODE_INVALID: ErrorKind.INVALID_REQUEST,
+}
+
+_REJECT_ADVICE: dict[int, str] = {
+    scheduler_pb2.REJECT_CODE_QUEUE_FULL: "the queue for this priority is full; retry later or use a lower priority",
+    scheduler_pb2.REJECT_CODE_TENANT_FULL: "your tenant has too many queued requests; wait for some to finish",
+    scheduler_pb2.REJECT_CODE_EXPIRED: "the request waited in the queue past its time-to-live; retry later",
+    scheduler_pb2.REJECT_CODE_NO_ENGINE: "no engine is serving this model right now; retry later",
+    scheduler_pb2.REJECT_CODE_DRAINING: "the scheduler is shutting down; retry shortly",
+    scheduler_pb2.REJECT_CODE_TOO_LARGE: "the request fits on no engine; shorten the prompt or lower max_tokens",
+    scheduler_pb2.REJECT_CODE_INVALID: "the scheduler refused the request as malformed",
+}
+
+
+def from_rejection(rejected: scheduler_pb2.Rejected) -> GatewayError:
+    """The scheduler's `Rejected` -> the client-facing error."""
+    kind = _REJECT_KINDS.get(rejected.code, ErrorKind.UNAVAILABLE)
+    advice = _REJECT_ADVICE.get(rejected.code, "the scheduler rejected the request")
+    name = scheduler_pb2.RejectCode.Name(rejected.code) if rejected.code in _REJECT_KINDS else str(rejected.code)
+    message = f"{advice} ({name.removeprefix('REJECT_CODE_').lower()}"
+    message += f": {rejected.message})" if rejected.message else ")"
+    retry_after = rejected.retry_after_seconds or None
+    if retry_after is None and kind in (ErrorKind.OVERLOADED, ErrorKind.UNAVAILABLE):
+        retry_after = 1.0
+    return GatewayError(kind, message, code=name.lower(), retry_after=retry_after)
+
+
+def from_scheduler_rpc_error(err: grpc.RpcError | None) -> GatewayError:
+    """The Admit stream failed or ended without an answer."""
+    detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.aio.AioRpcError) else "stream ended"
+    return GatewayError(
+        ErrorKind.UNAVAILABLE,
+        f"the scheduler is unreachable ({detail}); retry shortly",
+        code="scheduler_unavailable",
+        retry_after=1.0,
+    )
+
+
+# Engine status codes that mean "this request is wrong", not "this engine is
+# broken"; everything else (UNAVAILABLE, INTERNAL, CANCELLED by the server,
+# RESOURCE_EXHAUSTED, a stream ended early...) migrates the request.
+_REQUEST_FAULTS = {
+    grpc.StatusCode.INVALID_ARGUMENT: ErrorKind.INVALID_REQUEST,
+    grpc.StatusCode.OUT_OF_RANGE: ErrorKind.INVALID_REQUEST,
+    grpc.StatusCode.ALREADY_EXISTS: ErrorKind.CONFLICT,
+}
+
+
+def classify_engine_rpc_error(err: grpc.aio.AioRpcError, engine_id: str) -> GatewayError | EngineFailure:
+    kind = _REQUEST_FAULTS.get(err.code())
+    if kind is ErrorKind.CONFLICT:
+        return GatewayError(
+            kind,
+            f"request id is already running on engine {engine_id}; send a unique x-request-id",
+            code="duplicate_request_id",
+        )
+    if kind is not None:
+        return GatewayError(kind, f"the engine refused the request: {err.details()}")
+    return EngineFailure(engine_id, f"engine {engine_id}: {err.code().name}: {err.details()}")
+
+
+# ------------------------------------------------------------ domain -> HTTP
+
+
+@dataclass(frozen=True)
+class HttpError:
+    status: int
+    body: dict[str, object]
+    headers: dict[str, str]
+
+
+def http_error(exc: GatewayError) -> HttpError:
+    mapping = _TABLE[exc.kind]
+    headers = dict(exc.headers)
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+    body = {
+        "error": {
+            "message": exc.message,
+            "type": mapping.openai_type,
+            "param": exc.param,
+            "code": exc.code or exc.kind.value,
+        }
+    }
+    return HttpError(mapping.http_status, body, headers)
+
+
+def http_status_of(kind: ErrorKind) -> int:
+    return _TABLE[kind].http_status
+
+
+# ------------------------------------------------------------ domain -> gRPC
+
+
+def grpc_status(exc: GatewayError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """(code, details, trailing metadata) for aborting an Inference call."""
+    message = exc.message if exc.param is None else f"{exc.param}: {exc.message}"
+    trailers: tuple[tuple[str, str], ...] = ()
+    if exc.retry_after is not None:
+        trailers = (("retry-after", str(max(1, math.ceil(exc.retry_after)))),)
+    return _TABLE[exc.kind].grpc_code, message, trailers

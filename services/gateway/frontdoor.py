@@ -1,0 +1,58 @@
+"""What every request goes through before admission, in one order for both
+transports: key -> model exists -> key may use it -> tokenize + context
+check -> token buckets. The result is a `Job` plus the rate-limit grant to
+settle when the request ends."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from services.common.config import MeshConfig
+from services.gateway.jobs import Job, build_job
+from services.gateway.keys import KeyStore, Principal, effective_priority
+from services.gateway.limits import Grant, RateLimiter
+from services.gateway.tokenization import TokenizerRegistry
+from services.gateway.validation import GenerationInput
+
+__all__ = ["Admitted", "Frontdoor"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Admitted:
+    job: Job
+    principal: Principal
+    grant: Grant
+
+
+class Frontdoor:
+    def __init__(self, config: MeshConfig, keys: KeyStore, limiter: RateLimiter, tokenizers: TokenizerRegistry) -> None:
+        self._config = config
+        self.keys = keys
+        self.limiter = limiter
+        self.tokenizers = tokenizers
+
+    def authenticate(self, raw_key: str | None) -> Principal:
+        return self.keys.authenticate(raw_key)
+
+    async def admit(
+        self, request: GenerationInput, principal: Principal, priority: int, request_id: str
+    ) -> Admitted:
+        tokenizer = self.tokenizers.get(request.model)
+        self.keys.check_model(principal, request.model)
+        job = await build_job(
+            request, tokenizer, principal, effective_priority(priority, principal), request_id, self._config
+        )
+        grant = self.limiter.admit(principal, len(job.prompt_ids) + job.max_tokens)
+        if self._config.gateway.log_prompts:
+            log.info("request %s prompt: %r", request_id, request.messages or request.prompt_text or request.prompt_ids)
+        log.info(
+            "request %s tenant=%s model=%s priority=%d prompt_tokens=%d max_tokens=%d",
+            request_id, principal.tenant, request.model, job.priority, len(job.prompt_ids), job.max_tokens,
+        )
+        return Admitted(job, principal, grant)
+
+    def settle(self, admitted: Admitted, completion_tokens: int) -> None:
+        self.limiter.settle(admitted.grant, len(admitted.job.prompt_ids) + completion_tokens)

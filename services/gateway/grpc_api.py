@@ -1,0 +1,166 @@
+"""The public gRPC API: `kvmesh.v1.Inference` (Chat, Generate, ListModels).
+
+Error boundary: handlers raise `GatewayError`; `_abort` is the one place that
+turns it into a gRPC status (through `errors.grpc_status`). Errors before the
+first token end the call with a status; after it, the stream ends with a
+`finished` event carrying ERROR / TIMEOUT.
+
+Handlers are coroutines that `await context.write(...)` (not async
+generators), so a client cancel or an expired deadline lands as
+CancelledError inside the handler's own try/finally, which cancels the
+request's Admit and Generate calls at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import grpc
+
+from services.common.proto.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.gateway.admission import AdmissionClient
+from services.gateway.driver import Event, Finished, GenerationDriver, Heartbeat, QueuedUpdate, TextDelta
+from services.gateway.errors import GatewayError, grpc_status
+from services.gateway.frontdoor import Frontdoor
+from services.gateway.jobs import request_id_from
+from services.gateway.keys import api_key_from_headers
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.validation import (
+    GenerationInput,
+    chat_from_proto,
+    generate_from_proto,
+    priority_from_proto,
+    priority_to_proto,
+)
+
+__all__ = ["InferenceApi", "event_to_proto"]
+
+log = logging.getLogger(__name__)
+
+
+def event_to_proto(request_id: str, event: Event) -> inference_pb2.GenerateEvent:
+    if isinstance(event, TextDelta):
+        return inference_pb2.GenerateEvent(
+            request_id=request_id,
+            delta=inference_pb2.DeltaEvent(text=event.text, token_ids=event.token_ids, logprobs=event.logprobs),
+        )
+    if isinstance(event, QueuedUpdate):
+        return inference_pb2.GenerateEvent(
+            request_id=request_id,
+            queued=inference_pb2.QueuedEvent(
+                position=event.position,
+                estimated_wait_seconds=event.estimated_wait_seconds,
+                priority=priority_to_proto(event.priority),
+            ),
+        )
+    if isinstance(event, Finished):
+        return inference_pb2.GenerateEvent(
+            request_id=request_id,
+            finished=inference_pb2.FinishedEvent(
+                finish_reason=event.reason.to_proto(),
+                usage=common_pb2.Usage(
+                    prompt_tokens=event.usage.prompt_tokens,
+                    completion_tokens=event.usage.completion_tokens,
+                    cached_tokens=event.usage.cached_tokens,
+                ),
+                message=event.message,
+            ),
+        )
+    return inference_pb2.GenerateEvent(request_id=request_id, heartbeat=inference_pb2.HeartbeatEvent())
+
+
+def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    return {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+
+
+class InferenceApi(inference_pb2_grpc.InferenceServicer):
+    def __init__(
+        self,
+        frontdoor: Frontdoor,
+        driver: GenerationDriver,
+        admission: AdmissionClient,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self._frontdoor = frontdoor
+        self._driver = driver
+        self._admission = admission
+        self._metrics = metrics
+
+    async def _abort(self, context: grpc.aio.ServicerContext, route: str, exc: GatewayError) -> NoReturn:
+        code, message, trailers = grpc_status(exc)
+        self._metrics.requests.labels(route, code.name).inc()
+        await context.abort(code, message, trailing_metadata=trailers)
+        raise AssertionError("unreachable")  # context.abort always raises
+
+    async def Chat(self, request: inference_pb2.ChatRequest, context: grpc.aio.ServicerContext) -> None:
+        await self._serve("grpc.Chat", chat_from_proto, request, context)
+
+    async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        await self._serve("grpc.Generate", generate_from_proto, request, context)
+
+    async def _serve(
+        self,
+        route: str,
+        parse: Callable[[Any], GenerationInput],
+        request: Any,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        metadata = _metadata(context)
+        request_id = request_id_from(metadata.get("x-request-id"))
+        try:
+            principal = self._frontdoor.authenticate(api_key_from_headers(metadata))
+            generation = parse(request)
+            priority = priority_from_proto(request.priority)
+            remaining = context.time_remaining()
+            if remaining is not None:
+                # The client's deadline bounds the generation too.
+                current = generation.max_generation_seconds
+                generation.max_generation_seconds = remaining if current is None else min(current, remaining)
+            admitted = await self._frontdoor.admit(generation, principal, priority, request_id)
+        except GatewayError as exc:
+            await self._abort(context, route, exc)
+        await context.send_initial_metadata((("x-request-id", request_id),))
+        completion_tokens = 0
+        self._metrics.active_streams.inc()
+        stream = self._driver.start(admitted.job)
+        try:
+            async for event in stream:
+                if isinstance(event, TextDelta):
+                    completion_tokens += len(event.token_ids)
+                await context.write(event_to_proto(request_id, event))
+                if not isinstance(event, Heartbeat):
+                    stream.mark_output()
+        except GatewayError as exc:
+            await self._abort(context, route, exc)
+        finally:
+            await stream.aclose()
+            self._metrics.active_streams.dec()
+            self._frontdoor.settle(admitted, completion_tokens)
+        self._metrics.requests.labels(route, "OK").inc()
+
+    async def ListModels(
+        self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.ListModelsResponse:
+        try:
+            principal = self._frontdoor.authenticate(api_key_from_headers(_metadata(context)))
+        except GatewayError as exc:
+            await self._abort(context, "grpc.ListModels", exc)
+        engines: dict[str, int] = {}
+        state = await self._admission.get_state(timeout=1.0)
+        if state is not None:
+            for engine in state.engines:
+                if engine.serving and not engine.draining:
+                    engines[engine.model] = engines.get(engine.model, 0) + 1
+        cards = [
+            inference_pb2.ModelCard(
+                id=name,
+                max_model_len=self._frontdoor.tokenizers.get(name).max_model_len,
+                engines=engines.get(name, 0),
+            )
+            for name in self._frontdoor.tokenizers.names
+            if self._frontdoor.keys.allows(principal, name)
+        ]
+        self._metrics.requests.labels("grpc.ListModels", "OK").inc()
+        return inference_pb2.ListModelsResponse(models=cards)

@@ -1,0 +1,294 @@
+"""The OpenAI-compatible HTTP API (aiohttp).
+
+Error boundary: handlers raise `GatewayError`; `_error_middleware` is the one
+place that turns it (and aiohttp's own 404/405/413) into OpenAI error JSON via
+`errors.http_error`. Once an SSE response has started, a failure is sent as an
+SSE `{"error": ...}` event followed by `data: [DONE]`.
+
+An SSE response starts lazily: at the first token, or at the first heartbeat
+while queued. So a request the scheduler rejects quickly still gets a real
+429/503 status, while a long wait in the queue keeps the connection alive.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from services.common.config import MeshConfig
+from services.common.proto.kvmesh.v1 import common_pb2
+from services.gateway.admission import AdmissionClient
+from services.gateway.driver import EventStream, Finished, GenerationDriver, Heartbeat, TextDelta
+from services.gateway.errors import ErrorKind, GatewayError, http_error
+from services.gateway.frontdoor import Admitted, Frontdoor
+from services.gateway.jobs import request_id_from
+from services.gateway.keys import api_key_from_headers
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.openai_format import SSE_DONE, SSE_HEARTBEAT, ChatFormatter, CompletionFormatter, sse
+from services.gateway.openapi import openapi_document
+from services.gateway.validation import parse_chat_body, parse_completion_body, parse_priority_header
+
+__all__ = ["HttpApi"]
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+
+def _error_response(exc: GatewayError, request_id: str | None) -> web.Response:
+    mapped = http_error(exc)
+    headers = dict(mapped.headers)
+    if request_id:
+        headers["x-request-id"] = request_id
+    return web.json_response(mapped.body, status=mapped.status, headers=headers)
+
+
+class HttpApi:
+    def __init__(
+        self,
+        config: MeshConfig,
+        frontdoor: Frontdoor,
+        driver: GenerationDriver,
+        admission: AdmissionClient,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self._config = config
+        self._frontdoor = frontdoor
+        self._driver = driver
+        self._admission = admission
+        self._metrics = metrics
+
+    def app(self) -> web.Application:
+        app = web.Application(
+            middlewares=[self._error_middleware],
+            client_max_size=self._config.gateway.max_body_bytes,
+        )
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/openapi.json", self.openapi)
+        return app
+
+    # ---------------------------------------------------------------- boundary
+
+    @web.middleware
+    async def _error_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except GatewayError as exc:
+            response = _error_response(exc, request.get("request_id"))
+            status = response.status
+            return response
+        except web.HTTPRequestEntityTooLarge:
+            response = _error_response(
+                GatewayError(
+                    ErrorKind.BODY_TOO_LARGE,
+                    f"the request body is larger than {self._config.gateway.max_body_bytes} bytes; send a smaller one",
+                    code="request_too_large",
+                ),
+                request.get("request_id"),
+            )
+            status = 413
+            return response
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            kind = ErrorKind.NOT_FOUND if exc.status == 404 else ErrorKind.INVALID_REQUEST
+            message = f"{request.method} {request.path}: {exc.reason}"
+            if exc.status == 404:
+                message = f"no route {request.path}; see GET /openapi.json"
+            response = _error_response(GatewayError(kind, message), None)
+            response.set_status(exc.status)
+            status = exc.status
+            return response
+        finally:
+            self._metrics.requests.labels(route, str(status)).inc()
+
+    async def _read_json(self, request: web.Request) -> Any:
+        limit = self._config.gateway.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+        raw = await request.read()
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise GatewayError(
+                ErrorKind.INVALID_REQUEST, f"the body is not valid JSON: {exc}", code="invalid_json"
+            ) from exc
+
+    # ---------------------------------------------------------------- generation
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
+        request_id = request_id_from(request.headers.get("x-request-id"))
+        request["request_id"] = request_id
+        principal = self._frontdoor.authenticate(api_key_from_headers(request.headers))
+        body = await self._read_json(request)
+        generation = parse_chat_body(body) if route == "chat" else parse_completion_body(body)
+        priority = parse_priority_header(request.headers.get("x-priority"))
+        admitted = await self._frontdoor.admit(generation, principal, priority, request_id)
+        formatter_cls = ChatFormatter if route == "chat" else CompletionFormatter
+        formatter = formatter_cls(request_id, generation.model, generation.include_usage)
+        headers = {"x-request-id": request_id, **admitted.grant.headers}
+        tally = _Tally()
+        self._metrics.active_streams.inc()
+        stream = self._driver.start(admitted.job)
+        try:
+            if generation.stream:
+                return await self._stream(request, stream, formatter, headers, tally)
+            return await self._collect(stream, formatter, headers, tally)
+        finally:
+            await stream.aclose()
+            self._metrics.active_streams.dec()
+            self._settle(admitted, tally)
+
+    def _settle(self, admitted: Admitted, tally: _Tally) -> None:
+        self._frontdoor.settle(admitted, tally.completion_tokens)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        stream: EventStream,
+        formatter: ChatFormatter | CompletionFormatter,
+        headers: dict[str, str],
+        tally: _Tally,
+    ) -> web.StreamResponse:
+        response: web.StreamResponse | None = None
+
+        async def started() -> web.StreamResponse:
+            nonlocal response
+            if response is None:
+                response = web.StreamResponse(
+                    status=200,
+                    headers={
+                        "Content-Type": "text/event-stream",
+                        "Cache-Control": "no-cache",
+                        "X-Accel-Buffering": "no",
+                        **headers,
+                    },
+                )
+                await response.prepare(request)
+                first = formatter.first_chunk()
+                if first is not None:
+                    await response.write(sse(first))
+            return response
+
+        try:
+            async for event in stream:
+                if isinstance(event, TextDelta):
+                    tally.completion_tokens += len(event.token_ids)
+                    out = await started()
+                    await out.write(sse(formatter.delta_chunk(event)))
+                    stream.mark_output()
+                elif isinstance(event, Finished):
+                    out = await started()
+                    await out.write(self._final_bytes(formatter, event))
+                elif isinstance(event, Heartbeat):
+                    out = await started()
+                    await out.write(SSE_HEARTBEAT)
+                # QueuedUpdate: OpenAI's stream has no place for it (heartbeats cover it).
+        except GatewayError as exc:
+            if response is None:
+                raise
+            await response.write(sse(http_error(exc).body) + SSE_DONE)
+        except ConnectionResetError:
+            log.info("request %s: client went away", request.get("request_id"))
+            if response is None:
+                raise
+            return response
+        out = await started()
+        await out.write_eof()
+        return out
+
+    @staticmethod
+    def _final_bytes(formatter: ChatFormatter | CompletionFormatter, finished: Finished) -> bytes:
+        if not finished.reason.ok:
+            kind = ErrorKind.TIMEOUT if finished.reason.value == "timeout" else ErrorKind.GENERATION_FAILED
+            message = finished.message or f"the generation ended with {finished.reason.value}"
+            error = GatewayError(kind, message, code=finished.reason.value)
+            return sse(http_error(error).body) + SSE_DONE
+        out = sse(formatter.final_chunk(finished))
+        if formatter.include_usage:
+            out += sse(formatter.usage_chunk(finished.usage))
+        return out + SSE_DONE
+
+    async def _collect(
+        self,
+        stream: EventStream,
+        formatter: ChatFormatter | CompletionFormatter,
+        headers: dict[str, str],
+        tally: _Tally,
+    ) -> web.Response:
+        texts: list[str] = []
+        logprobs: list[common_pb2.TokenLogprob] = []
+        finished: Finished | None = None
+        async for event in stream:
+            if isinstance(event, TextDelta):
+                tally.completion_tokens += len(event.token_ids)
+                texts.append(event.text)
+                logprobs.extend(event.logprobs)
+            elif isinstance(event, Finished):
+                finished = event
+        if finished is None:
+            raise GatewayError(ErrorKind.INTERNAL, "the generation ended without a result")
+        if not finished.reason.ok:
+            kind = ErrorKind.TIMEOUT if finished.reason.value == "timeout" else ErrorKind.GENERATION_FAILED
+            raise GatewayError(kind, finished.message or f"the generation ended with {finished.reason.value}",
+                               code=finished.reason.value)
+        return web.json_response(formatter.response("".join(texts), logprobs, finished), headers=headers)
+
+    # ---------------------------------------------------------------- other routes
+
+    def _model_card(self, name: str) -> dict[str, Any]:
+        tokenizer = self._frontdoor.tokenizers.get(name)
+        return {"id": name, "object": "model", "created": 0, "owned_by": "kvmesh",
+                "max_model_len": tokenizer.max_model_len}
+
+    async def models(self, request: web.Request) -> web.Response:
+        principal = self._frontdoor.authenticate(api_key_from_headers(request.headers))
+        names = [n for n in self._frontdoor.tokenizers.names if self._frontdoor.keys.allows(principal, n)]
+        return web.json_response({"object": "list", "data": [self._model_card(n) for n in names]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        principal = self._frontdoor.authenticate(api_key_from_headers(request.headers))
+        name = request.match_info["model"]
+        card = self._model_card(name)
+        self._frontdoor.keys.check_model(principal, name)
+        return web.json_response(card)
+
+    async def health(self, _: web.Request) -> web.Response:
+        if not self._admission.is_ready():
+            raise GatewayError(
+                ErrorKind.UNAVAILABLE,
+                f"the scheduler at {self._admission.address} is not reachable",
+                code="scheduler_unavailable",
+            )
+        return web.json_response({"status": "ok", "scheduler": self._admission.address})
+
+    async def openapi(self, _: web.Request) -> web.Response:
+        return web.json_response(openapi_document())
+
+
+class _Tally:
+    """Tokens a request produced, for settling its rate-limit charge."""
+
+    __slots__ = ("completion_tokens",)
+
+    def __init__(self) -> None:
+        self.completion_tokens = 0

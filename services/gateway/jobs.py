@@ -1,0 +1,121 @@
+"""A validated request becomes a `Job`: token ids, prefix hashes, the
+max_tokens it may use, its class and its time budget. Transport-neutral."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+from services.common.config import MeshConfig
+from services.common.proto.kvmesh.v1 import scheduler_pb2
+from services.gateway.errors import ErrorKind, GatewayError
+from services.gateway.keys import Principal
+from services.gateway.tokenization import ModelTokenizer
+from services.gateway.validation import GenerationInput, SamplingOptions
+
+__all__ = ["Job", "build_job", "request_id_from"]
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def request_id_from(header: str | None) -> str:
+    """The client's x-request-id if it is a sane token, else a fresh one."""
+    if header and _REQUEST_ID.match(header):
+        return header
+    return uuid.uuid4().hex
+
+
+@dataclass
+class Job:
+    request_id: str
+    route: str                      # "chat" | "completion": metric label and response shape
+    model: str
+    tenant: str
+    priority: int                   # 0..2, already capped by the key's ceiling
+    prompt_ids: list[int]
+    prefix_hashes: list[int]
+    sampling: SamplingOptions
+    max_tokens: int
+    max_generation_seconds: float
+    arrival_unix: float
+    arrival_monotonic: float
+    hash_block_tokens: int
+
+    def admit_request(self) -> scheduler_pb2.AdmitRequest:
+        return scheduler_pb2.AdmitRequest(
+            request_id=self.request_id,
+            model=self.model,
+            tenant=self.tenant,
+            priority=self.priority,
+            prompt_tokens=len(self.prompt_ids),
+            max_tokens=self.max_tokens,
+            prefix_hashes=self.prefix_hashes,
+            arrival_unix=self.arrival_unix,
+        )
+
+
+async def build_job(
+    request: GenerationInput,
+    tokenizer: ModelTokenizer,
+    principal: Principal,
+    priority: int,
+    request_id: str,
+    config: MeshConfig,
+) -> Job:
+    arrival_unix, arrival_monotonic = time.time(), time.monotonic()
+    block = config.hash_block_tokens
+    if request.messages is not None:
+        prompt = await tokenizer.tokenize_chat(request.messages, block)
+    elif request.prompt_ids is not None:
+        prompt = await tokenizer.from_ids(request.prompt_ids, block)
+    else:
+        prompt = await tokenizer.tokenize_text(request.prompt_text or "", block)
+    n_prompt = len(prompt.token_ids)
+    if n_prompt == 0:
+        raise GatewayError(ErrorKind.INVALID_REQUEST, "the prompt is empty after tokenization", param="prompt")
+    context = tokenizer.max_model_len
+    asked = request.sampling.max_tokens
+    param = "max_tokens" if request.route == "completion" else "max_completion_tokens"
+    if asked is None:
+        if n_prompt >= context:
+            raise GatewayError(
+                ErrorKind.INVALID_REQUEST,
+                f"this model's maximum context length is {context} tokens, but the prompt has {n_prompt} tokens; "
+                "shorten the prompt",
+                param="messages" if request.route == "chat" else "prompt",
+                code="context_length_exceeded",
+            )
+        max_tokens = min(config.gateway.default_max_tokens, context - n_prompt)
+    else:
+        if n_prompt + asked > context:
+            raise GatewayError(
+                ErrorKind.INVALID_REQUEST,
+                f"this model's maximum context length is {context} tokens, but you requested "
+                f"{n_prompt + asked} tokens ({n_prompt} in the prompt, {asked} for the completion); "
+                f"shorten the prompt or lower {param}",
+                param=param,
+                code="context_length_exceeded",
+            )
+        max_tokens = asked
+    limit = config.gateway.max_generation_seconds
+    if principal.max_generation_seconds > 0:
+        limit = min(limit, principal.max_generation_seconds)
+    if request.max_generation_seconds is not None:
+        limit = min(limit, request.max_generation_seconds)
+    return Job(
+        request_id=request_id,
+        route=request.route,
+        model=request.model,
+        tenant=principal.tenant,
+        priority=priority,
+        prompt_ids=prompt.token_ids,
+        prefix_hashes=prompt.prefix_hashes,
+        sampling=request.sampling,
+        max_tokens=max_tokens,
+        max_generation_seconds=limit,
+        arrival_unix=arrival_unix,
+        arrival_monotonic=arrival_monotonic,
+        hash_block_tokens=block,
+    )

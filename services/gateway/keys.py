@@ -1,0 +1,120 @@
+"""API keys: who is calling, what they may use, at which priority.
+
+Only SHA-256 digests of keys live in config (`kvmesh key hash KEY`). A key
+resolves to a `Principal`; with `auth_enabled: false` every caller is the
+tenant "anonymous" with no limits and no ceiling.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from services.common.config import ApiKeyConfig, ConfigError, GatewayConfig
+from services.gateway.errors import ErrorKind, GatewayError
+
+__all__ = ["ANONYMOUS", "KeyStore", "Principal", "api_key_from_headers", "effective_priority"]
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class Principal:
+    key_id: str                 # first 12 hex of the key's sha256: safe to log, limiter key
+    tenant: str
+    priority_ceiling: int       # best (lowest) class the key may use
+    models: frozenset[str]      # empty = every model
+    requests_per_second: float  # 0 = unlimited
+    tokens_per_minute: float    # 0 = unlimited
+    max_generation_seconds: float  # 0 = the gateway default
+
+
+ANONYMOUS = Principal("anonymous", "anonymous", 0, frozenset(), 0.0, 0.0, 0.0)
+
+
+def effective_priority(requested: int, principal: Principal) -> int:
+    """A key allowed P1 asking for P0 gets P1 (lower number = more urgent)."""
+    return max(requested, principal.priority_ceiling)
+
+
+def api_key_from_headers(headers: Mapping[str, str]) -> str | None:
+    """`Authorization: Bearer K` or `x-api-key: K` (HTTP headers or gRPC metadata)."""
+    auth = headers.get("authorization") or headers.get("Authorization")
+    if auth:
+        scheme, _, value = auth.strip().partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+        return None
+    key = headers.get("x-api-key") or headers.get("X-Api-Key")
+    return key.strip() if key else None
+
+
+class KeyStore:
+    """Immutable after construction, so it is shared freely between tasks."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.auth_enabled = config.auth_enabled
+        self._by_digest = _index(config.api_keys)
+
+    def authenticate(self, raw_key: str | None) -> Principal:
+        if not self.auth_enabled:
+            return ANONYMOUS
+        if not raw_key:
+            raise GatewayError(
+                ErrorKind.UNAUTHENTICATED,
+                "no API key: send 'Authorization: Bearer <key>' (HTTP) or 'authorization'/'x-api-key' metadata (gRPC)",
+                code="missing_api_key",
+            )
+        principal = self._by_digest.get(hashlib.sha256(raw_key.encode()).hexdigest())
+        if principal is None:
+            raise GatewayError(ErrorKind.UNAUTHENTICATED, "invalid API key: check the key you send", code="invalid_api_key")
+        return principal
+
+    @staticmethod
+    def check_model(principal: Principal, model: str) -> None:
+        if principal.models and model not in principal.models:
+            allowed = ", ".join(sorted(principal.models))
+            raise GatewayError(
+                ErrorKind.PERMISSION_DENIED,
+                f"this API key may not use model {model!r}; it may use: {allowed}",
+                param="model",
+                code="model_not_allowed",
+            )
+
+    @staticmethod
+    def allows(principal: Principal, model: str) -> bool:
+        return not principal.models or model in principal.models
+
+
+def _index(keys: Sequence[ApiKeyConfig]) -> dict[str, Principal]:
+    out: dict[str, Principal] = {}
+    for i, key in enumerate(keys):
+        where = f"gateway.api_keys[{i}]"
+        digest = key.sha256.strip().lower()
+        if not _HEX64.match(digest):
+            raise ConfigError(f"{where}.sha256: expected 64 hex digits (kvmesh key hash KEY), got {key.sha256!r}")
+        if digest in out:
+            raise ConfigError(f"{where}.sha256: duplicate key")
+        if not key.tenant:
+            raise ConfigError(f"{where}.tenant: required")
+        if key.priority_ceiling not in (0, 1, 2):
+            raise ConfigError(f"{where}.priority_ceiling: must be 0, 1 or 2, got {key.priority_ceiling}")
+        for name, value in (
+            ("requests_per_second", key.requests_per_second),
+            ("tokens_per_minute", key.tokens_per_minute),
+            ("max_generation_seconds", key.max_generation_seconds),
+        ):
+            if value < 0:
+                raise ConfigError(f"{where}.{name}: must be >= 0, got {value}")
+        out[digest] = Principal(
+            key_id=digest[:12],
+            tenant=key.tenant,
+            priority_ceiling=key.priority_ceiling,
+            models=frozenset(key.models),
+            requests_per_second=key.requests_per_second,
+            tokens_per_minute=key.tokens_per_minute,
+            max_generation_seconds=key.max_generation_seconds,
+        )
+    return out

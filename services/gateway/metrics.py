@@ -1,0 +1,57 @@
+"""The gateway's Prometheus metrics, in its own CollectorRegistry (never the
+global one, so several gateways can live in one test process)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["GatewayMetrics", "metrics_app"]
+
+# Interactive TTFT targets are < 0.5 s (P0) and < 2 s (P1); batch can wait minutes.
+_TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
+
+
+class GatewayMetrics:
+    def __init__(self, replica: int = 0) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"replica": str(replica)}
+        self.requests = Counter(
+            "kvmesh_gateway_requests_total", "Requests by route and final status",
+            ["route", "status"], registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "kvmesh_gateway_time_to_first_token_seconds", "Arrival at the gateway to the first token",
+            ["route"], buckets=_TTFT_BUCKETS, registry=self.registry,
+        )
+        self.inter_token = Histogram(
+            "kvmesh_gateway_inter_token_latency_seconds", "Mean gap between tokens within each engine delta",
+            buckets=_ITL_BUCKETS, registry=self.registry,
+        )
+        self.active_streams = Gauge(
+            "kvmesh_gateway_active_streams", "Requests in flight (queued or generating)",
+            registry=self.registry,
+        )
+        self.migrations = Counter(
+            "kvmesh_gateway_migrations_total", "Streams moved to another engine after an engine failure",
+            registry=self.registry,
+        )
+        self.finished = Counter(
+            "kvmesh_gateway_finished_total", "Generations by finish reason",
+            ["reason"], registry=self.registry,
+        )
+        self.info = Gauge("kvmesh_gateway_info", "Gateway replica", list(labels), registry=self.registry)
+        self.info.labels(**labels).set(1)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def metrics_app(metrics: GatewayMetrics) -> web.Application:
+    async def handle(_: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", handle)
+    return app

@@ -1,0 +1,150 @@
+"""The OpenAPI 3 document of the gateway's HTTP routes (GET /openapi.json)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["openapi_document"]
+
+
+def _error_responses(*codes: int) -> dict[str, Any]:
+    names = {
+        400: "Invalid request (the message names the parameter)",
+        401: "Missing or invalid API key",
+        403: "The key may not use this model",
+        404: "Unknown model or route",
+        413: "Body larger than gateway.max_body_bytes",
+        429: "Rate limit or queue full; see Retry-After",
+        503: "No engine, scheduler unreachable or draining; see Retry-After",
+    }
+    return {
+        str(c): {"description": names[c],
+                 "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+        for c in codes
+    }
+
+
+_SAMPLING = {
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "top_k": {"type": "integer", "minimum": -1},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "seed": {"type": "integer"},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": "number", "minimum": 0, "maximum": 2},
+    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
+    "n": {"type": "integer", "enum": [1]},
+    "stream": {"type": "boolean"},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+}
+
+_GEN_PARAMS = [
+    {"name": "X-Priority", "in": "header", "required": False,
+     "description": "Scheduling class 0 (interactive), 1 (default), 2 (batch); capped by the key's ceiling.",
+     "schema": {"type": "integer", "enum": [0, 1, 2]}},
+    {"name": "x-request-id", "in": "header", "required": False,
+     "description": "Request id used in logs, the scheduler and the engine; generated if absent.",
+     "schema": {"type": "string", "maxLength": 128}},
+]
+
+_STREAM_OR_JSON = {
+    "200": {
+        "description": "The completion (JSON), or with stream=true an SSE stream of chunks ending in data: [DONE]",
+        "content": {"application/json": {"schema": {"type": "object"}},
+                    "text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
+
+
+def openapi_document() -> dict[str, Any]:
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "kvmesh gateway", "version": "1.0.0",
+                 "description": "OpenAI-compatible API served by the kvmesh gateway."},
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {
+                "Error": {
+                    "type": "object",
+                    "required": ["error"],
+                    "properties": {"error": {"type": "object", "properties": {
+                        "message": {"type": "string"}, "type": {"type": "string"},
+                        "param": {"type": "string", "nullable": True}, "code": {"type": "string", "nullable": True},
+                    }}},
+                },
+                "ChatCompletionRequest": {
+                    "type": "object",
+                    "required": ["model", "messages"],
+                    "properties": {
+                        "model": {"type": "string"},
+                        "messages": {"type": "array", "minItems": 1, "items": {
+                            "type": "object", "required": ["role"],
+                            "properties": {"role": {"type": "string",
+                                                    "enum": ["system", "developer", "user", "assistant", "tool"]},
+                                           "content": {"oneOf": [{"type": "string"},
+                                                                 {"type": "array", "items": {"type": "object"}}]}},
+                        }},
+                        "max_completion_tokens": {"type": "integer", "minimum": 1},
+                        "logprobs": {"type": "boolean"},
+                        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+                        **_SAMPLING,
+                    },
+                },
+                "CompletionRequest": {
+                    "type": "object",
+                    "required": ["model", "prompt"],
+                    "properties": {
+                        "model": {"type": "string"},
+                        "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]},
+                        "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
+                        **_SAMPLING,
+                    },
+                },
+            },
+        },
+        "security": [{"bearer": []}],
+        "paths": {
+            "/v1/chat/completions": {"post": {
+                "summary": "Chat completion (OpenAI chat.completion / chat.completion.chunk)",
+                "parameters": _GEN_PARAMS,
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}}},
+                "responses": {**_STREAM_OR_JSON, **_error_responses(400, 401, 403, 404, 413, 429, 503)},
+            }},
+            "/v1/completions": {"post": {
+                "summary": "Text completion (OpenAI text_completion)",
+                "parameters": _GEN_PARAMS,
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/CompletionRequest"}}}},
+                "responses": {**_STREAM_OR_JSON, **_error_responses(400, 401, 403, 404, 413, 429, 503)},
+            }},
+            "/v1/models": {"get": {
+                "summary": "Models this key may use",
+                "responses": {"200": {"description": "OpenAI model list",
+                                      "content": {"application/json": {"schema": {"type": "object"}}}},
+                              **_error_responses(401)},
+            }},
+            "/v1/models/{model}": {"get": {
+                "summary": "One model",
+                "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "OpenAI model object",
+                                      "content": {"application/json": {"schema": {"type": "object"}}}},
+                              **_error_responses(401, 403, 404)},
+            }},
+            "/health": {"get": {
+                "summary": "200 only while the scheduler is reachable",
+                "security": [],
+                "responses": {"200": {"description": "ready",
+                                      "content": {"application/json": {"schema": {"type": "object"}}}},
+                              **_error_responses(503)},
+            }},
+            "/openapi.json": {"get": {
+                "summary": "This document",
+                "security": [],
+                "responses": {"200": {"description": "OpenAPI 3 document",
+                                      "content": {"application/json": {"schema": {"type": "object"}}}}},
+            }},
+        },
+    }

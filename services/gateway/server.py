@@ -1,0 +1,155 @@
+"""The gateway service: OpenAI HTTP/SSE + gRPC `kvmesh.v1.Inference` in front
+of the scheduler and the engines. Stateless; run N replicas behind Envoy.
+
+    service = GatewayService(config, replica=0)
+    http_port, grpc_port = await service.start(http_port=0, grpc_port=0)
+    ...
+    await service.stop()
+
+Health (gRPC health service and GET /health) follows the scheduler channel:
+SERVING only while it is READY.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+
+import grpc
+from aiohttp import web
+
+from services.common.clock import Clock, SystemClock
+from services.common.config import MeshConfig
+from services.common.grpc_server import make_server
+from services.common.proto.kvmesh.v1 import inference_pb2_grpc
+from services.gateway.admission import AdmissionClient
+from services.gateway.driver import DriverSettings, GenerationDriver
+from services.gateway.engine_client import EnginePool
+from services.gateway.frontdoor import Frontdoor
+from services.gateway.grpc_api import InferenceApi
+from services.gateway.http_api import HttpApi
+from services.gateway.keys import KeyStore
+from services.gateway.limits import RateLimiter
+from services.gateway.metrics import GatewayMetrics, metrics_app
+from services.gateway.tokenization import TokenizerRegistry
+
+__all__ = ["GatewayService", "serve"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "kvmesh.v1.Inference"
+# Through Envoy a burst of hundreds of streams arrives at once; aiohttp's
+# default backlog of 128 drops connections (measured, DESIGN.md).
+LISTEN_BACKLOG = 4096
+# Seconds in-flight requests get to finish on stop before they are cancelled.
+STOP_GRACE_SECONDS = 5.0
+
+
+class GatewayService:
+    def __init__(self, config: MeshConfig, replica: int = 0, clock: Clock | None = None) -> None:
+        self.config = config
+        self.replica = replica
+        gw = config.gateway
+        self.metrics = GatewayMetrics(replica)
+        self.tokenizers = TokenizerRegistry(config.models)
+        self.frontdoor = Frontdoor(config, KeyStore(gw), RateLimiter(clock or SystemClock()), self.tokenizers)
+        self._admission: AdmissionClient | None = None
+        self._engines: EnginePool | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._runners: list[web.AppRunner] = []
+        self._health_task: asyncio.Task[None] | None = None
+        self.metrics_port = 0
+
+    async def start(self, http_port: int | None = None, grpc_port: int | None = None) -> tuple[int, int]:
+        """Bind and serve; ports default to the config's (0 = any free port)."""
+        gw = self.config.gateway
+        http_port = gw.http_port if http_port is None else http_port
+        grpc_port = gw.grpc_port if grpc_port is None else grpc_port
+        self._admission = AdmissionClient(gw.scheduler_address)
+        self._engines = EnginePool()
+        driver = GenerationDriver(
+            self._admission,
+            self._engines,
+            DriverSettings(max_migrations=gw.max_migrations, heartbeat_seconds=gw.heartbeat_seconds),
+            self.metrics,
+        )
+
+        server, health = make_server([SERVICE_NAME])
+        inference_pb2_grpc.add_InferenceServicer_to_server(
+            InferenceApi(self.frontdoor, driver, self._admission, self.metrics), server
+        )
+        bound_grpc = server.add_insecure_port(f"{gw.host}:{grpc_port}")
+        if bound_grpc == 0:
+            raise OSError(f"gateway: cannot bind gRPC port {gw.host}:{grpc_port}")
+        await server.start()
+        self._grpc = server
+
+        http = HttpApi(self.config, self.frontdoor, driver, self._admission, self.metrics)
+        bound_http = await self._serve_http(http.app(), gw.host, http_port)
+        if gw.metrics_port:
+            self.metrics_port = await self._serve_http(metrics_app(self.metrics), gw.host, gw.metrics_port)
+
+        self._health_task = asyncio.create_task(self._follow_scheduler(health))
+        log.info(
+            "gateway %d: http %s:%d grpc %s:%d scheduler %s",
+            self.replica, gw.host, bound_http, gw.host, bound_grpc, gw.scheduler_address,
+        )
+        return bound_http, bound_grpc
+
+    async def _serve_http(self, app: web.Application, host: str, port: int) -> int:
+        # handler_cancellation: a client that disconnects cancels its handler
+        # within milliseconds (not at the next write), so its engine work stops.
+        runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=STOP_GRACE_SECONDS
+        )
+        await runner.setup()
+        self._runners.append(runner)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+        sock.setblocking(False)
+        site = web.SockSite(runner, sock, backlog=LISTEN_BACKLOG)
+        await site.start()
+        return sock.getsockname()[1]
+
+    async def _follow_scheduler(self, health: object) -> None:
+        """SERVING exactly while the scheduler channel is READY."""
+        admission = self._admission
+        if admission is None:
+            return
+        state = admission.channel.get_state(try_to_connect=True)
+        while True:
+            await health.set_serving(state == grpc.ChannelConnectivity.READY)  # type: ignore[attr-defined]
+            state = await admission.wait_ready_change(state)
+
+    async def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+        if self._grpc is not None:
+            await self._grpc.stop(grace)
+            self._grpc = None
+        for runner in reversed(self._runners):
+            await runner.cleanup()
+        self._runners.clear()
+        if self._engines is not None:
+            await self._engines.close()
+            self._engines = None
+        if self._admission is not None:
+            await self._admission.close()
+            self._admission = None
+
+
+async def serve(config: MeshConfig, replica: int = 0) -> None:
+    """Run one gateway replica until cancelled (SIGTERM/SIGINT), then stop."""
+    service = GatewayService(config, replica)
+    await service.start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await service.stop()

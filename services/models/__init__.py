@@ -1,0 +1,1 @@
+"""Local models kvmesh serves and tests with, built without hub access."""

@@ -1,0 +1,134 @@
+"""Admission control: per-class queue caps, per-tenant caps, TTLs, and the
+retry-after a rejected client is given.
+
+Retry-after follows Little's law, W = L / lambda: the requests ahead of a new
+one (L) divided by the recent dispatch rate (lambda, placements per second
+over a sliding window), clamped to [retry_after_min, retry_after_max]. With
+no dispatch in the window nothing is moving, and the maximum is given.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from services.common.config import ConfigError, SchedulerConfig
+
+from .records import NUM_CLASSES, AdmissionError, AdmitOptions, RejectReason
+
+__all__ = ["AdmissionLimits", "DispatchRateMeter", "validate_options"]
+
+
+class DispatchRateMeter:
+    """Placements per second over the last `window` seconds. O(1) amortised
+    per event; memory is bounded by the events inside the window."""
+
+    def __init__(self, window: float) -> None:
+        if window <= 0:
+            raise ConfigError("scheduler.dispatch_rate_window_seconds: must be > 0")
+        self._window = window
+        self._events: deque[float] = deque()
+        self._started: float | None = None
+
+    def record(self, now: float) -> None:
+        if self._started is None:
+            self._started = now
+        self._events.append(now)
+        self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        while self._events and self._events[0] <= now - self._window:
+            self._events.popleft()
+
+    def rate(self, now: float) -> float:
+        """Placements per second; 0.0 when none happened in the window."""
+        self._prune(now)
+        if not self._events or self._started is None:
+            return 0.0
+        # Early on, divide by the time observed so far, not the full window.
+        span = min(self._window, max(now - self._started, 1.0))
+        return len(self._events) / span
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    queue_caps: tuple[int, ...]
+    ttl_seconds: tuple[float, ...]
+    tenant_cap: int
+    retry_min: float
+    retry_max: float
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig) -> AdmissionLimits:
+        if len(config.queue_caps) != NUM_CLASSES or any(c < 0 for c in config.queue_caps):
+            raise ConfigError(
+                f"scheduler.queue_caps: need {NUM_CLASSES} caps >= 0 [P0, P1, P2], "
+                f"got {config.queue_caps}"
+            )
+        if len(config.queue_ttl_seconds) != NUM_CLASSES or any(
+            t <= 0 for t in config.queue_ttl_seconds
+        ):
+            raise ConfigError(
+                f"scheduler.queue_ttl_seconds: need {NUM_CLASSES} TTLs > 0 [P0, P1, P2], "
+                f"got {config.queue_ttl_seconds}"
+            )
+        if config.tenant_queue_cap < 0:
+            raise ConfigError("scheduler.tenant_queue_cap: must be >= 0")
+        if not 0 < config.retry_after_min_seconds <= config.retry_after_max_seconds:
+            raise ConfigError(
+                "scheduler.retry_after_min_seconds / retry_after_max_seconds: need "
+                "0 < min <= max"
+            )
+        return cls(
+            tuple(config.queue_caps),
+            tuple(config.queue_ttl_seconds),
+            config.tenant_queue_cap,
+            config.retry_after_min_seconds,
+            config.retry_after_max_seconds,
+        )
+
+    def retry_after(self, ahead: int, rate: float) -> float:
+        """Little's law estimate of how long `ahead` requests take to leave."""
+        if rate <= 0:
+            return self.retry_max
+        return min(self.retry_max, max(self.retry_min, ahead / rate))
+
+    def check_caps(
+        self, cls: int, class_len: int, tenant: str, tenant_len: int, rate: float
+    ) -> None:
+        """Raise AdmissionError when the class or the tenant is full."""
+        if class_len >= self.queue_caps[cls]:
+            raise AdmissionError(
+                RejectReason.QUEUE_FULL,
+                f"the P{cls} queue is full ({self.queue_caps[cls]} requests); retry later",
+                self.retry_after(class_len, rate),
+            )
+        if tenant_len >= self.tenant_cap:
+            raise AdmissionError(
+                RejectReason.TENANT_FULL,
+                f"tenant {tenant!r} already has {tenant_len} requests queued "
+                f"(cap {self.tenant_cap}); wait for some to finish",
+                self.retry_after(tenant_len, rate),
+            )
+
+    def expires_at(self, cls: int, arrival: float) -> float:
+        """TTL is counted from arrival in the class the request was admitted
+        in: aging moves it up but does not shorten its patience."""
+        return arrival + self.ttl_seconds[cls]
+
+
+def validate_options(options: AdmitOptions) -> None:
+    """Reject malformed admissions with a message that says what to change."""
+    problems = []
+    if not options.request_id:
+        problems.append("request_id is empty")
+    if not options.model:
+        problems.append("model is empty")
+    if not 0 <= options.priority < NUM_CLASSES:
+        problems.append(f"priority {options.priority} is not in 0..{NUM_CLASSES - 1}")
+    if options.prompt_tokens <= 0:
+        problems.append("prompt_tokens must be > 0")
+    if options.arrival_unix < 0:
+        problems.append("arrival_unix must be >= 0 (0 = now)")
+    if problems:
+        raise AdmissionError(RejectReason.INVALID, "invalid admission: " + "; ".join(problems))

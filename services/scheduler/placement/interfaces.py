@@ -1,0 +1,115 @@
+"""The placement contracts. Plugins are small and pure: they read the views
+they are given and return an answer; the framework (policies.py) computes
+views, applies weights, clamps scores, shuffles ties and counts.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+__all__ = ["EngineView", "Filter", "Picker", "PickerState", "PlacementRequest", "ScoredEngine", "Scorer"]
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    request_id: str
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+    prefix_hashes: tuple[int, ...] = ()
+    exclude: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """One engine as placement sees it for one request (all counts >= 0)."""
+
+    engine_id: str
+    model: str
+    serving: bool
+    draining: bool
+    fresh: bool
+    block_size: int
+    blocks_total: int
+    blocks_used: int
+    blocks_reserved: int
+    leases: int
+    lease_limit: int            # max_running + engine_queue_slack
+    max_running: int
+    running: int
+    waiting: int
+    queued_tokens: int
+    weight: float               # > 0
+    max_model_len: int          # 0 = unknown
+    queue_seconds: float        # estimated queueing before a new request starts
+    prefix_blocks: int = 0      # leading prefix hashes the engine holds (per prefix source)
+    cached_tokens: int = 0      # prompt tokens expected cached on it
+    blocks_needed: int = 0      # blocks the request would newly take on it
+
+    @property
+    def free_blocks(self) -> int:
+        return self.blocks_total - self.blocks_used - self.blocks_reserved
+
+    @property
+    def occupancy(self) -> int:
+        """Requests on it: the larger of our leases and what it reports."""
+        return max(self.leases, self.running + self.waiting)
+
+
+@dataclass(frozen=True)
+class ScoredEngine:
+    view: EngineView
+    score: float                # weighted mean of clamped scores, in [0, 1]
+
+
+@dataclass
+class PickerState:
+    """A policy's mutable state, owned by the framework, handed to its picker."""
+
+    rng: random.Random
+    # Smooth weighted round-robin: engine id -> current weight.
+    rr_current: dict[str, float] = field(default_factory=dict)
+
+
+class Filter(Protocol):
+    """Keeps the engines that may take the request.
+
+    Promise: returns a subset of `engines` in their input order (possibly
+    empty; [] for []) and nothing else; pure.
+    """
+
+    name: str
+
+    def filter(self, request: PlacementRequest, engines: Sequence[EngineView]) -> list[EngineView]: ...
+
+
+class Scorer(Protocol):
+    """Rates each engine for the request; higher is better.
+
+    Promise: a value in [0, 1] for each engine id of `engines` ({} for []);
+    equal engines get equal scores; pure. The framework still clamps to
+    [0, 1] and counts a missing engine as 0.
+    """
+
+    name: str
+
+    def score(self, request: PlacementRequest, engines: Sequence[EngineView]) -> Mapping[str, float]: ...
+
+
+class Picker(Protocol):
+    """Chooses one engine.
+
+    Promise: returns the view of one of `candidates`, or None iff
+    `candidates` is empty. Candidates arrive sorted by score, best first, with
+    ties in a seeded random order (shuffle, then stable sort), so
+    "the first" is a fair max-score choice. May update `state` only.
+    """
+
+    name: str
+
+    def pick(
+        self, request: PlacementRequest, candidates: Sequence[ScoredEngine], state: PickerState
+    ) -> EngineView | None: ...

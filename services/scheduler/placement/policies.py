@@ -1,0 +1,261 @@
+"""Named placement policies and the framework that runs them.
+
+A policy is a profile (filters, scorer weights, picker, prefix source) built
+from the one plugin registry. The framework:
+  1. completes each engine view for the request: prefix blocks held (from
+     the policy's prefix source), cached tokens, blocks the request needs;
+  2. runs the filters in order;
+  3. clamps each scorer's values to [0, 1], takes the weighted mean;
+  4. shuffles with the policy's seeded RNG, then stable-sorts by score (so
+     ties are broken at random but reproducibly);
+  5. asks the picker.
+
+Built-in policies (`scheduler.policy`):
+  round_robin            smooth weighted round-robin over eligible engines
+  least_load             weighted least-connections plus KV headroom
+  prefix_approx          prefix affinity from where this policy sent each
+                         prefix (no engine KV events), then load
+  kv_precise             prefix affinity from engines' KV events, then load
+  sticky_until_saturated (default) the engine with the longest cached prefix
+                         unless its estimated queueing exceeds the best other
+                         engine's by scheduler.sticky_margin_seconds; then,
+                         and for cold prefixes, least load
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.common.config import ConfigError, PolicyProfileConfig, SchedulerConfig
+
+from ..reservations import blocks_needed
+from .interfaces import (
+    EngineView,
+    Filter,
+    Picker,
+    PickerState,
+    PlacementRequest,
+    ScoredEngine,
+    Scorer,
+)
+from .registry import PluginRegistry
+
+__all__ = [
+    "ApproxPrefixMemory",
+    "Placement",
+    "PlacementPolicy",
+    "PrefixSource",
+    "build_policy",
+    "builtin_profiles",
+]
+
+_DEFAULT_FILTERS = [
+    "model", "serving", "fresh", "not_draining", "not_excluded",
+    "fits_context", "has_room", "lease_slots",
+]
+
+
+def builtin_profiles() -> dict[str, PolicyProfileConfig]:
+    """The built-in policies as profiles (a fresh copy each call)."""
+
+    def profile(scorers: dict[str, float], picker: str, source: str) -> PolicyProfileConfig:
+        return PolicyProfileConfig(
+            filters=list(_DEFAULT_FILTERS), scorers=scorers, picker=picker,
+            prefix_source=source,  # type: ignore[arg-type]
+        )
+
+    return {
+        "round_robin": profile({}, "round_robin", "none"),
+        "least_load": profile({"load": 1.0, "kv_usage": 0.5}, "max_score", "none"),
+        "prefix_approx": profile(
+            {"prefix": 2.0, "load": 1.0, "kv_usage": 0.5}, "max_score", "approx"
+        ),
+        "kv_precise": profile(
+            {"prefix": 2.0, "load": 1.0, "kv_usage": 0.5}, "max_score", "kv_index"
+        ),
+        "sticky_until_saturated": profile(
+            {"load": 1.0, "kv_usage": 0.5}, "sticky_until_saturated", "kv_index"
+        ),
+    }
+
+
+class PrefixSource(Protocol):
+    def prefix_matches(self, prefix: Sequence[int], engines: Iterable[str]) -> dict[str, int]:
+        """Per engine, how many leading hashes of `prefix` it holds."""
+
+
+class _NoPrefix:
+    def prefix_matches(self, prefix: Sequence[int], engines: Iterable[str]) -> dict[str, int]:
+        return {e: 0 for e in engines}
+
+
+class ApproxPrefixMemory:
+    """Where this policy sent each prefix hash (LRU, bounded): an estimate of
+    engines' caches for routers that do not see KV events."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ConfigError("scheduler.approx_prefix_capacity: must be > 0")
+        self._capacity = capacity
+        self._sent: OrderedDict[int, set[str]] = OrderedDict()
+
+    def remember(self, prefix: Sequence[int], engine_id: str) -> None:
+        for h in prefix:
+            engines = self._sent.get(h)
+            if engines is None:
+                engines = self._sent[h] = set()
+            else:
+                self._sent.move_to_end(h)
+            engines.add(engine_id)
+        while len(self._sent) > self._capacity:
+            self._sent.popitem(last=False)
+
+    def forget_engine(self, engine_id: str) -> None:
+        for engines in self._sent.values():
+            engines.discard(engine_id)
+
+    def prefix_matches(self, prefix: Sequence[int], engines: Iterable[str]) -> dict[str, int]:
+        result = {e: 0 for e in engines}
+        candidates = set(result)
+        for i, h in enumerate(prefix):
+            candidates &= self._sent.get(h, set())
+            if not candidates:
+                break
+            for e in candidates:
+                result[e] = i + 1
+        return result
+
+
+@dataclass(frozen=True)
+class Placement:
+    view: EngineView
+    cached_tokens: int
+    blocks_needed: int
+
+
+class PlacementPolicy:
+    def __init__(
+        self,
+        name: str,
+        filters: Sequence[Filter],
+        scorers: Sequence[tuple[Scorer, float]],
+        picker: Picker,
+        prefix_source: str,
+        seed: int,
+        approx_capacity: int,
+    ) -> None:
+        self.name = name
+        self.filters = list(filters)
+        self.scorers = list(scorers)
+        self.picker = picker
+        self.prefix_source_name = prefix_source
+        self.state = PickerState(rng=random.Random(seed))
+        self.approx = ApproxPrefixMemory(approx_capacity) if prefix_source == "approx" else None
+
+    def _prefix_source(self, kv_index: PrefixSource) -> PrefixSource:
+        if self.prefix_source_name == "kv_index":
+            return kv_index
+        if self.approx is not None:
+            return self.approx
+        return _NoPrefix()
+
+    def complete_views(
+        self,
+        request: PlacementRequest,
+        engines: Sequence[EngineView],
+        kv_index: PrefixSource,
+        hash_block_tokens: int,
+        headroom_tokens: int,
+    ) -> list[EngineView]:
+        """Fill in the request-dependent fields of each view."""
+        matches = self._prefix_source(kv_index).prefix_matches(
+            request.prefix_hashes, [e.engine_id for e in engines]
+        )
+        views = []
+        for e in engines:
+            prefix_blocks = matches.get(e.engine_id, 0)
+            cached = min(prefix_blocks * hash_block_tokens, request.prompt_tokens)
+            views.append(
+                dataclasses.replace(
+                    e,
+                    prefix_blocks=prefix_blocks,
+                    cached_tokens=cached,
+                    blocks_needed=blocks_needed(
+                        request.prompt_tokens, request.max_tokens, cached,
+                        e.block_size, headroom_tokens,
+                    ),
+                )
+            )
+        return views
+
+    def score(self, request: PlacementRequest, views: Sequence[EngineView]) -> list[ScoredEngine]:
+        """Weighted mean of clamped scores, ties shuffled, best first."""
+        totals = {v.engine_id: 0.0 for v in views}
+        weight_sum = sum(w for _, w in self.scorers)
+        if views and weight_sum > 0:
+            for scorer, weight in self.scorers:
+                values = scorer.score(request, views)
+                for engine_id in totals:
+                    value = float(values.get(engine_id, 0.0))
+                    value = 0.0 if value != value else min(1.0, max(0.0, value))  # NaN -> 0
+                    totals[engine_id] += weight * value
+            totals = {k: v / weight_sum for k, v in totals.items()}
+        scored = [ScoredEngine(v, totals[v.engine_id]) for v in views]
+        self.state.rng.shuffle(scored)
+        scored.sort(key=lambda s: -s.score)
+        return scored
+
+    def place(
+        self,
+        request: PlacementRequest,
+        engines: Sequence[EngineView],
+        kv_index: PrefixSource,
+        hash_block_tokens: int,
+        headroom_tokens: int,
+    ) -> Placement | None:
+        """One engine for `request`, or None when no engine passes now."""
+        views = self.complete_views(request, engines, kv_index, hash_block_tokens, headroom_tokens)
+        for f in self.filters:
+            if not views:
+                return None
+            views = f.filter(request, views)
+        if not views:
+            return None
+        chosen = self.picker.pick(request, self.score(request, views), self.state)
+        if chosen is None:
+            return None
+        if self.approx is not None:
+            self.approx.remember(request.prefix_hashes, chosen.engine_id)
+        return Placement(chosen, chosen.cached_tokens, chosen.blocks_needed)
+
+    def forget_engine(self, engine_id: str) -> None:
+        self.state.rr_current.pop(engine_id, None)
+        if self.approx is not None:
+            self.approx.forget_engine(engine_id)
+
+
+def build_policy(name: str, config: SchedulerConfig, registry: PluginRegistry) -> PlacementPolicy:
+    """The policy called `name`: config.policy_profiles first, then built-ins."""
+    profiles = builtin_profiles()
+    profiles.update(config.policy_profiles)
+    profile = profiles.get(name)
+    if profile is None:
+        raise ConfigError(f"scheduler.policy: unknown policy {name!r}; known: {sorted(profiles)}")
+    where = f"scheduler.policy_profiles.{name}"
+    for scorer_name, weight in profile.scorers.items():
+        if weight < 0:
+            raise ConfigError(f"{where}.scorers.{scorer_name}: weight must be >= 0")
+    return PlacementPolicy(
+        name=name,
+        filters=[registry.make_filter(f, f"{where}.filters") for f in profile.filters],
+        scorers=[(registry.make_scorer(s, f"{where}.scorers"), w) for s, w in profile.scorers.items()],
+        picker=registry.make_picker(profile.picker, f"{where}.picker"),
+        prefix_source=profile.prefix_source,
+        seed=config.placement_seed,
+        approx_capacity=config.approx_prefix_capacity,
+    )

@@ -1,0 +1,94 @@
+"""The one place placement plugins are registered, by explicit name.
+
+`builtin_registry(config)` builds a fresh registry holding every built-in
+plugin (no module-level mutable state); a duplicate name is an error, and so
+is looking up a name nobody registered (the message lists what exists).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from services.common.config import ConfigError, SchedulerConfig
+
+from . import filters, pickers, scorers
+from .interfaces import Filter, Picker, Scorer
+
+__all__ = ["PluginRegistry", "builtin_registry"]
+
+P = TypeVar("P")
+
+
+class PluginRegistry:
+    """name -> factory for each plugin kind."""
+
+    def __init__(self) -> None:
+        self.filters: dict[str, Callable[[], Filter]] = {}
+        self.scorers: dict[str, Callable[[], Scorer]] = {}
+        self.pickers: dict[str, Callable[[], Picker]] = {}
+
+    @staticmethod
+    def _add(kind: str, table: dict[str, Callable[[], P]], name: str, factory: Callable[[], P]) -> None:
+        if not name:
+            raise ValueError(f"a {kind} needs a name")
+        if name in table:
+            raise ValueError(f"{kind} {name!r} is already registered")
+        table[name] = factory
+
+    def register_filter(self, name: str, factory: Callable[[], Filter]) -> None:
+        self._add("filter", self.filters, name, factory)
+
+    def register_scorer(self, name: str, factory: Callable[[], Scorer]) -> None:
+        self._add("scorer", self.scorers, name, factory)
+
+    def register_picker(self, name: str, factory: Callable[[], Picker]) -> None:
+        self._add("picker", self.pickers, name, factory)
+
+    @staticmethod
+    def _make(kind: str, table: dict[str, Callable[[], P]], name: str, where: str) -> P:
+        factory = table.get(name)
+        if factory is None:
+            raise ConfigError(f"{where}: unknown {kind} {name!r}; registered: {sorted(table)}")
+        return factory()
+
+    def make_filter(self, name: str, where: str = "policy") -> Filter:
+        return self._make("filter", self.filters, name, where)
+
+    def make_scorer(self, name: str, where: str = "policy") -> Scorer:
+        return self._make("scorer", self.scorers, name, where)
+
+    def make_picker(self, name: str, where: str = "policy") -> Picker:
+        return self._make("picker", self.pickers, name, where)
+
+
+def builtin_registry(config: SchedulerConfig) -> PluginRegistry:
+    """Every built-in plugin under its name; parameters come from `config`."""
+    registry = PluginRegistry()
+    for f in (
+        filters.ModelFilter,
+        filters.ServingFilter,
+        filters.FreshFilter,
+        filters.NotDrainingFilter,
+        filters.NotExcludedFilter,
+        filters.FitsContextFilter,
+        filters.HasRoomFilter,
+        filters.LeaseSlotsFilter,
+    ):
+        registry.register_filter(f.name, f)
+    for s in (
+        scorers.PrefixScorer,
+        scorers.KvUsageScorer,
+        scorers.LoadScorer,
+        scorers.QueueTimeScorer,
+        scorers.WeightScorer,
+    ):
+        registry.register_scorer(s.name, s)
+    registry.register_picker(pickers.MaxScorePicker.name, pickers.MaxScorePicker)
+    registry.register_picker(pickers.RoundRobinPicker.name, pickers.RoundRobinPicker)
+    margin = config.sticky_margin_seconds
+    registry.register_picker(
+        pickers.StickyUntilSaturatedPicker.name,
+        lambda: pickers.StickyUntilSaturatedPicker(margin),
+    )
+    return registry

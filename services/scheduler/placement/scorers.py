@@ -1,0 +1,75 @@
+"""Built-in scorers: each rates engines in [0, 1], higher is better."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from .interfaces import EngineView, PlacementRequest
+
+__all__ = ["KvUsageScorer", "LoadScorer", "PrefixScorer", "QueueTimeScorer", "WeightScorer"]
+
+
+class PrefixScorer:
+    """Share of the prompt's prefix blocks the engine is known to hold."""
+
+    name = "prefix"
+
+    def score(self, request: PlacementRequest, engines: Sequence[EngineView]) -> Mapping[str, float]:
+        total = len(request.prefix_hashes)
+        if total == 0:
+            return {e.engine_id: 0.0 for e in engines}
+        return {e.engine_id: min(e.prefix_blocks, total) / total for e in engines}
+
+
+class KvUsageScorer:
+    """Free share of the engine's KV blocks once this request's blocks and
+    the reservations are counted; relative to each engine's own size, so an
+    engine with twice the blocks takes twice the work before it looks as full."""
+
+    name = "kv_usage"
+
+    def score(self, request: PlacementRequest, engines: Sequence[EngineView]) -> Mapping[str, float]:
+        return {
+            e.engine_id: (
+                max(0.0, 1.0 - (e.blocks_used + e.blocks_reserved + e.blocks_needed) / e.blocks_total)
+                if e.blocks_total > 0
+                else 0.0
+            )
+            for e in engines
+        }
+
+
+class LoadScorer:
+    """Weighted least-connections: r = (requests on it + 1) / (weight x
+    lease_limit); score = smallest r among the engines / r, so the least
+    loaded per unit of capacity scores 1 and work spreads in proportion to
+    weight x slots (an engine of weight 2 takes twice the requests)."""
+
+    name = "load"
+
+    def score(self, request: PlacementRequest, engines: Sequence[EngineView]) -> Mapping[str, float]:
+        ratios = {
+            e.engine_id: (e.occupancy + 1) / (max(e.weight, 1e-9) * max(e.lease_limit, 1))
+            for e in engines
+        }
+        best = min(ratios.values(), default=0.0)
+        return {engine_id: best / r for engine_id, r in ratios.items()}
+
+
+class QueueTimeScorer:
+    """1 / (1 + estimated queueing seconds): 1 for an idle engine."""
+
+    name = "queue_time"
+
+    def score(self, request: PlacementRequest, engines: Sequence[EngineView]) -> Mapping[str, float]:
+        return {e.engine_id: 1.0 / (1.0 + max(0.0, e.queue_seconds)) for e in engines}
+
+
+class WeightScorer:
+    """Configured relative capacity, as a share of the largest weight."""
+
+    name = "weight"
+
+    def score(self, request: PlacementRequest, engines: Sequence[EngineView]) -> Mapping[str, float]:
+        top = max((e.weight for e in engines), default=0.0)
+        return {e.engine_id: (e.weight / top if top > 0 else 0.0) for e in engines}

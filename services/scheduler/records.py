@@ -1,0 +1,172 @@
+"""Records, closed enums and typed errors shared by the scheduler's modules.
+
+The enums are closed sets used both as metric labels and as outcomes; no
+meaning is hidden in their order.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+__all__ = [
+    "NUM_CLASSES",
+    "Notice",
+    "RequestRecord",
+    "AdmissionError",
+    "AdmitOptions",
+    "Lease",
+    "Outcome",
+    "PlacedInfo",
+    "QueueEntry",
+    "QueuedInfo",
+    "RejectReason",
+    "RejectedInfo",
+    "RequestState",
+    "SchedulerError",
+    "UnknownRequestError",
+]
+
+# P0 (interactive), P1 (near-real-time), P2 (batch).
+NUM_CLASSES = 3
+
+
+class RequestState(enum.Enum):
+    """Lifecycle of one admitted request (one Admit stream)."""
+
+    QUEUED = "queued"          # waiting in a class queue
+    REPLACING = "replacing"    # lost its engine, waiting ahead of the queue
+    PLACED = "placed"          # holds a lease on an engine
+    ORPHANED = "orphaned"      # its engine went away; the gateway will Replace or leave
+    FINISHED = "finished"      # final: done, withdrawn, rejected or expired
+
+
+class RejectReason(enum.Enum):
+    """Why a request was turned away; mirrors scheduler.proto's RejectCode."""
+
+    QUEUE_FULL = "queue_full"
+    TENANT_FULL = "tenant_full"
+    EXPIRED = "expired"
+    NO_ENGINE = "no_engine"
+    TOO_LARGE = "too_large"
+    INVALID = "invalid"
+    DRAINING = "draining"
+
+
+class Outcome(enum.Enum):
+    """How a request's time in the scheduler ended (metric label)."""
+
+    DONE = "done"              # the gateway reported completion
+    WITHDRAWN = "withdrawn"    # the Admit stream ended (client left, gateway gone)
+    REJECTED = "rejected"
+
+
+class SchedulerError(Exception):
+    """Base of the scheduler's domain errors (mapped to gRPC in service.py)."""
+
+
+class AdmissionError(SchedulerError):
+    """A request cannot be admitted; carries the reject reason."""
+
+    def __init__(self, reason: RejectReason, message: str, retry_after: float = 0.0) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.retry_after = retry_after
+
+
+class UnknownRequestError(SchedulerError):
+    """A message names a request the scheduler does not hold."""
+
+
+@dataclass(frozen=True)
+class AdmitOptions:
+    """One request's summary as the gateway sends it (AdmitRequest)."""
+
+    request_id: str
+    model: str
+    tenant: str = ""
+    priority: int = 1
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    prefix_hashes: tuple[int, ...] = ()
+    arrival_unix: float = 0.0
+    running_on_engine: str = ""
+
+
+@dataclass(eq=False)
+class QueueEntry:
+    """A request waiting in the queues. Identity-compared: heaps hold
+    references and check `cls`/`queued` to skip stale copies (lazy removal)."""
+
+    options: AdmitOptions
+    seq: int                   # admission order: the last tie-break
+    arrival: float             # monotonic seconds, arrival_unix honoured
+    base_class: int            # class as admitted (TTL is the base class's)
+    cls: int                   # class it waits in now (after aging)
+    expires_at: float
+    queued: bool = True        # false once popped or withdrawn
+
+    @property
+    def request_id(self) -> str:
+        return self.options.request_id
+
+    @property
+    def tenant(self) -> str:
+        return self.options.tenant
+
+    def order_key(self) -> tuple[float, int]:
+        """FIFO within a tenant: arrival, then admission order."""
+        return (self.arrival, self.seq)
+
+
+@dataclass
+class Lease:
+    """A placement: the request may run on the engine while this lives."""
+
+    lease_id: str
+    request_id: str
+    engine_id: str
+    placed_at: float
+    reserved_blocks: int
+    cached_tokens: int
+    prompt_tokens: int
+    first_token_at: float | None = None
+
+
+@dataclass(frozen=True)
+class QueuedInfo:
+    position: int              # 0 = next to leave its model's queue
+    estimated_wait_seconds: float
+    priority: int
+
+
+@dataclass(frozen=True)
+class PlacedInfo:
+    engine_id: str
+    engine_address: str
+    lease_id: str
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class RejectedInfo:
+    reason: RejectReason
+    message: str
+    retry_after_seconds: float = 0.0
+
+
+# What the core tells one waiting Admit stream.
+Notice = QueuedInfo | PlacedInfo | RejectedInfo
+
+
+@dataclass
+class RequestRecord:
+    """Everything the core holds about one admitted request."""
+
+    options: AdmitOptions
+    state: RequestState
+    entry: QueueEntry | None = None
+    lease: Lease | None = None
+    exclude: frozenset[str] = field(default_factory=frozenset)
+    replace_expires_at: float = 0.0

@@ -1,0 +1,118 @@
+"""The scheduler process: gRPC server (Scheduler + health + reflection),
+housekeeping timers, Prometheus endpoint.
+
+    service = SchedulerService(config, clock=FakeClock())
+    port = await service.start(port=0)
+    ...
+    await service.stop()
+
+Health turns SERVING as soon as the gRPC server is up: the scheduler can
+queue requests with zero engines (they register whenever they come).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from prometheus_client import start_http_server
+
+from services.common.clock import Clock, SystemClock
+from services.common.config import MeshConfig
+from services.common.grpc_server import make_server
+from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+from .core import SchedulerCore
+from .metrics import SchedulerMetrics
+from .service import SchedulerServicer
+
+__all__ = ["SchedulerService", "serve"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+# Seconds stop() lets streams flush their final messages before cancelling.
+_STOP_GRACE_SECONDS = 2.0
+
+
+class SchedulerService:
+    def __init__(self, config: MeshConfig, clock: Clock | None = None) -> None:
+        self.config = config
+        self.clock: Clock = clock or SystemClock()
+        self.metrics = SchedulerMetrics()
+        self.core = SchedulerCore(config, self.clock, self.metrics)
+        self.servicer = SchedulerServicer(self.core, config)
+        self._server: Any = None
+        self._health: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._metrics_server: Any = None
+        self.port = 0
+
+    async def start(self, port: int = 0) -> int:
+        """Serve on scheduler.host:`port` (0 = any free port); returns the
+        bound port."""
+        server, health = make_server([SERVICE_NAME])
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.servicer, server)
+        address = f"{self.config.scheduler.host}:{port}"
+        bound = server.add_insecure_port(address)
+        if bound == 0:
+            raise OSError(f"scheduler: cannot listen on {address}; is the port taken?")
+        await server.start()
+        self._server, self._health, self.port = server, health, bound
+        await health.set_serving(True)
+        s = self.config.scheduler
+        self._tasks = [
+            asyncio.create_task(self._every(s.tick_seconds, self.servicer.tick), name="sched-tick"),
+            asyncio.create_task(
+                self._every(s.queued_update_seconds, self.servicer.send_queued_updates),
+                name="sched-queued-updates"),
+        ]
+        if s.metrics_port:
+            self._metrics_server, _ = start_http_server(
+                s.metrics_port, addr=s.host, registry=self.metrics.registry)
+        log.info("scheduler listening on %s:%d (policy %s)", s.host, bound, s.policy)
+        return bound
+
+    @staticmethod
+    async def _every(seconds: float, action: Any) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                action()
+            except Exception:  # a timer must outlive one bad pass
+                log.exception("scheduler timer %s failed", getattr(action, "__name__", action))
+
+    def drain_engine(self, engine_id: str) -> bool:
+        """Send Drain to an engine and stop placing on it."""
+        return self.servicer.drain_engine(engine_id)
+
+    async def stop(self, grace: float = _STOP_GRACE_SECONDS) -> None:
+        """Stop taking work, tell waiting requests DRAINING, close streams."""
+        if self._server is None:
+            return
+        await self._health.set_serving(False)
+        self.servicer.shutdown()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        await self._server.stop(grace)
+        self._server = None
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
+
+
+async def serve(config: MeshConfig) -> None:
+    """Run the scheduler on its configured port until cancelled."""
+    service = SchedulerService(config)
+    await service.start(config.scheduler.port)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await service.stop()

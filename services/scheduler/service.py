@@ -1,0 +1,327 @@
+"""The gRPC face of the scheduler: turns Admit / Connect / GetState streams
+into core calls and core notices back into stream messages.
+
+Concurrency rule: every handler, reader task and timer runs on one event
+loop, and the core is called only synchronously from it (see core.py), so
+the core has one owner without locks. Each Admit stream has a bounded
+mailbox the core's notices are put into; its handler is the only writer of
+its stream. Each Connect stream has a command mailbox and one writer task.
+
+This is the one place domain outcomes become protobuf messages and gRPC
+status codes (`_to_proto`, `_REJECT_CODES`, `_hello_info`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.config import MeshConfig
+from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+from .core import SchedulerCore, StateView
+from .records import (
+    AdmitOptions,
+    Notice,
+    PlacedInfo,
+    QueuedInfo,
+    RejectedInfo,
+    RejectReason,
+)
+from .registry import EngineInfo, EngineLoad
+
+__all__ = ["SchedulerServicer"]
+
+log = logging.getLogger(__name__)
+
+_REJECT_CODES = {
+    RejectReason.QUEUE_FULL: scheduler_pb2.REJECT_CODE_QUEUE_FULL,
+    RejectReason.TENANT_FULL: scheduler_pb2.REJECT_CODE_TENANT_FULL,
+    RejectReason.EXPIRED: scheduler_pb2.REJECT_CODE_EXPIRED,
+    RejectReason.NO_ENGINE: scheduler_pb2.REJECT_CODE_NO_ENGINE,
+    RejectReason.TOO_LARGE: scheduler_pb2.REJECT_CODE_TOO_LARGE,
+    RejectReason.INVALID: scheduler_pb2.REJECT_CODE_INVALID,
+    RejectReason.DRAINING: scheduler_pb2.REJECT_CODE_DRAINING,
+}
+
+# Marks the end of an Admit stream's client side (EOF, cancel or read error).
+_CLIENT_GONE = object()
+
+
+class ProtocolError(Exception):
+    """A peer broke the stream protocol; the message says what to change."""
+
+
+def _to_proto(notice: Notice) -> scheduler_pb2.AdmitServerMessage:
+    if isinstance(notice, QueuedInfo):
+        return scheduler_pb2.AdmitServerMessage(queued=scheduler_pb2.Queued(
+            position=notice.position, estimated_wait_seconds=notice.estimated_wait_seconds,
+            priority=notice.priority))
+    if isinstance(notice, PlacedInfo):
+        return scheduler_pb2.AdmitServerMessage(placed=scheduler_pb2.Placed(
+            engine_id=notice.engine_id, engine_address=notice.engine_address,
+            lease_id=notice.lease_id, cached_tokens=notice.cached_tokens))
+    return scheduler_pb2.AdmitServerMessage(rejected=scheduler_pb2.Rejected(
+        code=_REJECT_CODES[notice.reason], message=notice.message,
+        retry_after_seconds=notice.retry_after_seconds))
+
+
+def _options(msg: scheduler_pb2.AdmitRequest) -> AdmitOptions:
+    return AdmitOptions(
+        request_id=msg.request_id, model=msg.model, tenant=msg.tenant, priority=msg.priority,
+        prompt_tokens=msg.prompt_tokens, max_tokens=msg.max_tokens,
+        prefix_hashes=tuple(msg.prefix_hashes), arrival_unix=msg.arrival_unix,
+        running_on_engine=msg.running_on_engine,
+    )
+
+
+def _hello_info(hello: scheduler_pb2.EngineHello, hash_block_tokens: int) -> EngineInfo:
+    problems = []
+    if not hello.engine_id:
+        problems.append("engine_id is empty")
+    if not hello.address:
+        problems.append("address is empty")
+    if not hello.model:
+        problems.append("model is empty")
+    if hello.block_size <= 0 or hello.block_size % hash_block_tokens:
+        problems.append(
+            f"block_size {hello.block_size} must be a positive multiple of the mesh's "
+            f"hash_block_tokens {hash_block_tokens}")
+    if hello.total_blocks <= 0:
+        problems.append("total_blocks must be > 0")
+    if hello.max_running <= 0:
+        problems.append("max_running must be > 0")
+    if hello.weight < 0:
+        problems.append("weight must be >= 0 (0 means 1)")
+    if hello.hash_block_tokens not in (0, hash_block_tokens):
+        problems.append(
+            f"hash_block_tokens {hello.hash_block_tokens} differs from the mesh's "
+            f"{hash_block_tokens}; KV hashes would not match")
+    if problems:
+        raise ProtocolError("invalid hello: " + "; ".join(problems))
+    return EngineInfo(
+        engine_id=hello.engine_id, address=hello.address, model=hello.model,
+        block_size=hello.block_size, total_blocks=hello.total_blocks,
+        max_running=hello.max_running, weight=hello.weight or 1.0,
+        max_model_len=hello.max_model_len, backend=hello.backend, http_address=hello.http_address,
+    )
+
+
+def _load(report: scheduler_pb2.LoadReport) -> EngineLoad:
+    return EngineLoad(
+        running=report.running, waiting=report.waiting, blocks_used=report.blocks_used,
+        blocks_total=report.blocks_total, cached_blocks=report.cached_blocks,
+        serving=report.serving, queued_tokens=report.queued_tokens,
+        request_ids=frozenset(report.request_ids),
+    )
+
+
+def _state_proto(view: StateView) -> scheduler_pb2.SchedulerState:
+    return scheduler_pb2.SchedulerState(
+        policy=view.policy,
+        queues=[
+            scheduler_pb2.QueueState(priority=q.priority, tenant=q.tenant, queued=q.queued,
+                                     oldest_wait_seconds=q.oldest_wait_seconds)
+            for q in view.queues
+        ],
+        engines=[
+            scheduler_pb2.EngineState(
+                engine_id=e.view.engine_id, address=e.address, model=e.view.model,
+                serving=e.view.serving, draining=e.view.draining, fresh=e.view.fresh,
+                running=e.view.running, waiting=e.view.waiting, blocks_used=e.view.blocks_used,
+                blocks_total=e.view.blocks_total, blocks_reserved=e.view.blocks_reserved,
+                cached_blocks=e.cached_blocks, leases=e.view.leases, weight=e.view.weight,
+                backend=e.backend)
+            for e in view.engines
+        ],
+        queued_total=view.queued_total, leases_total=view.leases_total,
+    )
+
+
+@dataclass
+class _EngineChannel:
+    token: int
+    commands: asyncio.Queue[scheduler_pb2.SchedulerCommand]
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, core: SchedulerCore, config: MeshConfig) -> None:
+        self.core = core
+        self._hash_block_tokens = config.hash_block_tokens
+        self._mailboxes: dict[str, asyncio.Queue[object]] = {}
+        self._engines: dict[str, _EngineChannel] = {}
+
+    # ------------------------------------------------------------ delivery
+
+    def deliver(self, deliveries: Iterable[tuple[str, Notice]]) -> None:
+        for request_id, notice in deliveries:
+            box = self._mailboxes.get(request_id)
+            if box is not None:
+                box.put_nowait(notice)
+
+    def send_queued_updates(self) -> None:
+        """Queued position updates, only into empty mailboxes (a slow stream
+        gets the newest position later instead of a growing backlog)."""
+        for request_id, info in self.core.queued_updates():
+            box = self._mailboxes.get(request_id)
+            if box is not None and box.empty():
+                box.put_nowait(info)
+
+    def tick(self) -> None:
+        self.deliver(self.core.tick())
+
+    def shutdown(self) -> None:
+        self.deliver(self.core.shutdown())
+
+    def drain_engine(self, engine_id: str) -> bool:
+        channel = self._engines.get(engine_id)
+        if channel is None or not self.core.drain_engine(engine_id):
+            return False
+        channel.commands.put_nowait(scheduler_pb2.SchedulerCommand(drain=scheduler_pb2.Drain()))
+        return True
+
+    # ------------------------------------------------------------ Admit
+
+    async def Admit(self, request_iterator, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]  # noqa: N802
+        first = await context.read()
+        if first is grpc.aio.EOF:
+            return
+        if first.WhichOneof("msg") != "request":
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "the first Admit message must be `request` (AdmitRequest)")
+        options = _options(first.request)
+        notice = self.core.admit(options)
+        if isinstance(notice, RejectedInfo):
+            await context.write(_to_proto(notice))
+            return
+        request_id = options.request_id
+        # Unbounded but small by protocol: Queued updates go only into an
+        # empty box, and each admission or replace yields one Placed/Rejected.
+        box: asyncio.Queue[object] = asyncio.Queue()
+        self._mailboxes[request_id] = box
+        reader = asyncio.create_task(self._read_admit(request_id, context, box))
+        try:
+            if isinstance(notice, QueuedInfo):
+                self.deliver(self.core.dispatch())   # admission can place at once
+            await context.write(_to_proto(notice))
+            while True:
+                item = box.get_nowait() if not box.empty() else await box.get()
+                if item is _CLIENT_GONE:
+                    return
+                await context.write(_to_proto(item))  # type: ignore[arg-type]
+                if isinstance(item, RejectedInfo):
+                    return
+        finally:
+            reader.cancel()
+            if self._mailboxes.get(request_id) is box:
+                del self._mailboxes[request_id]
+            self.deliver(self.core.withdraw(request_id))
+
+    async def _read_admit(
+        self, request_id: str, context: grpc.aio.ServicerContext, box: asyncio.Queue[object]
+    ) -> None:
+        """Client messages after the request. EOF is treated as the client
+        leaving: a cancelled call looks like a half-close to the reader, and
+        the protocol half-closes only after `done`, when nothing is left."""
+        try:
+            while True:
+                msg = await context.read()
+                if msg is grpc.aio.EOF:
+                    return
+                self._on_admit_message(request_id, msg, box)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a broken read is the client leaving
+            log.debug("admit %s: read ended: %r", request_id, exc)
+        finally:
+            box.put_nowait(_CLIENT_GONE)
+
+    def _on_admit_message(
+        self, request_id: str, msg: scheduler_pb2.AdmitClientMessage, box: asyncio.Queue[object]
+    ) -> None:
+        kind = msg.WhichOneof("msg")
+        if kind == "first_token":
+            self.core.first_token(request_id)
+        elif kind == "done":
+            self.deliver(self.core.done(request_id))
+        elif kind == "replace":
+            r = msg.replace
+            self.deliver(self.core.replace(
+                request_id, list(r.exclude_engines), r.prompt_tokens, r.max_tokens,
+                list(r.prefix_hashes)))
+        elif kind == "request":
+            box.put_nowait(RejectedInfo(
+                RejectReason.INVALID, "one request per Admit stream; open a new stream"))
+
+    # ------------------------------------------------------------ Connect
+
+    async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]  # noqa: N802
+        first = await context.read()
+        if first is grpc.aio.EOF:
+            return
+        if first.WhichOneof("msg") != "hello":
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the first Connect message must be `hello` (EngineHello)")
+        try:
+            info = _hello_info(first.hello, self._hash_block_tokens)
+        except ProtocolError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        token = self.core.engine_hello(info)
+        channel = _EngineChannel(token, asyncio.Queue())
+        self._engines[info.engine_id] = channel
+        writer = asyncio.create_task(self._write_commands(context, channel))
+        log.info("engine %s connected (%s, model %s)", info.engine_id, info.address, info.model)
+        try:
+            self.deliver(self.core.dispatch())
+            while True:
+                msg = await context.read()
+                if msg is grpc.aio.EOF:
+                    return
+                self._on_engine_message(info.engine_id, channel, msg)
+        finally:
+            writer.cancel()
+            if self._engines.get(info.engine_id) is channel:
+                del self._engines[info.engine_id]
+            self.core.engine_closed(info.engine_id, token)
+            log.info("engine %s disconnected", info.engine_id)
+
+    def _on_engine_message(
+        self, engine_id: str, channel: _EngineChannel, msg: scheduler_pb2.EngineMessage
+    ) -> None:
+        kind = msg.WhichOneof("msg")
+        if kind == "load":
+            self.deliver(self.core.engine_load(engine_id, channel.token, _load(msg.load)))
+        elif kind == "kv_events":
+            ev = msg.kv_events
+            if self.core.engine_kv_events(
+                engine_id, channel.token, ev.seq, ev.stored, ev.removed, ev.cleared
+            ):
+                channel.commands.put_nowait(
+                    scheduler_pb2.SchedulerCommand(resync=scheduler_pb2.Resync()))
+        elif kind == "kv_snapshot":
+            snap = msg.kv_snapshot
+            self.core.engine_kv_snapshot(engine_id, channel.token, snap.seq, snap.hashes)
+        elif kind == "hello":
+            log.warning("engine %s sent a second hello on one stream; ignored", engine_id)
+
+    @staticmethod
+    async def _write_commands(context: grpc.aio.ServicerContext, channel: _EngineChannel) -> None:
+        try:
+            while True:
+                await context.write(await channel.commands.get())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the stream is gone; the reader ends it
+            log.debug("engine command stream ended: %r", exc)
+
+    # ------------------------------------------------------------ GetState
+
+    async def GetState(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        return _state_proto(self.core.state())
+

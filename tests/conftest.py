@@ -1,0 +1,56 @@
+"""Shared test set-up: offline Hugging Face, the `e2e` marker for tests under
+tests/e2e, and `e2e_mesh`, a whole mesh (real processes, real Envoy) on free
+ports, started once per test module."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from services.launcher.mesh import Mesh
+
+ROOT = Path(__file__).resolve().parents[1]
+E2E_DIR = ROOT / "tests" / "e2e"
+
+# Never reach for the hub: every model is a local directory.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:  # noqa: ARG001
+    for item in items:
+        if E2E_DIR in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="module")
+def e2e_mesh(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """Scheduler, two sim engines, gateways (one, or the test module's
+    MESH_GATEWAYS) and Envoy, serving tiny-llama.
+
+    The sim runs at half the default simulated GPU speed (a few ms per token):
+    streams take visible time, so a test can leave mid-stream, yet whole
+    answers still take well under a second.
+    """
+    from services.common.config import load_config  # noqa: PLC0415 - keep collection light
+    from services.launcher.mesh import Mesh, MeshOptions  # noqa: PLC0415
+
+    if not (ROOT / ".models" / "tiny-llama").is_dir():
+        pytest.skip(".models/tiny-llama is missing: run `make setup`")
+    config = load_config(ROOT / "config" / "kvmesh.yaml")
+    config.engines.template.sim.speed_factor = 0.5
+    options = MeshOptions(
+        engines=2, backend="sim", gateways=getattr(request.module, "MESH_GATEWAYS", 1), model="tiny-llama", free_ports=True,
+        run_dir=tmp_path_factory.mktemp("mesh"),
+    )
+    mesh = Mesh(config, options)
+    mesh.start()
+    try:
+        yield mesh
+    finally:
+        mesh.stop_all()

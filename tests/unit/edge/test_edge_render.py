@@ -1,0 +1,146 @@
+"""The edge renderer: every topology renders to a config the real Envoy
+accepts, the checked-in rendering is current, and the stream-safety rules
+hold in what is rendered."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.edge.render import ENVOY_DIR, main, render, render_yaml, rendered_path_for
+from services.edge.topology import Topology, TopologyError, load_topology
+from services.launcher.mesh import envoy_binary
+
+ROOT = Path(__file__).resolve().parents[3]
+TOPOLOGIES = sorted(ENVOY_DIR.glob("*.yaml"))
+
+
+def test_there_are_topologies() -> None:
+    assert (ENVOY_DIR / "topology.yaml") in TOPOLOGIES
+
+
+@pytest.mark.parametrize("path", TOPOLOGIES, ids=lambda p: p.name)
+def test_topology_renders_to_a_config_envoy_accepts(path: Path, tmp_path: Path) -> None:
+    out = tmp_path / "envoy.yaml"
+    out.write_text(render_yaml(load_topology(path), path.name))
+    # Relative paths in the config (the descriptor set) are relative to the repo root.
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(out), "--use-dynamic-base-id"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "OK" in result.stdout + result.stderr
+
+
+def test_checked_in_rendering_is_current(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["render", "--all", "--check"]) == 0, capsys.readouterr().err
+    assert rendered_path_for(ENVOY_DIR / "topology.yaml") == ENVOY_DIR / "rendered" / "envoy.yaml"
+
+
+def test_check_reports_a_stale_rendering(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    stale = tmp_path / "envoy.yaml"
+    stale.write_text("# old\n")
+    assert main(["render", "--topology", str(ENVOY_DIR / "topology.yaml"), "--out", str(stale), "--check"]) == 1
+    assert "out of date" in capsys.readouterr().err
+
+
+def test_render_requires_the_render_verb() -> None:
+    with pytest.raises(SystemExit):
+        main(["--all"])
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("listner: {port: 1}\n", "unknown setting(s) listner"),
+        ("listener: {port: 1, hots: x}\n", "listener: unknown setting(s) hots"),
+        ("listener: {port: 70000}\n", "listener.port: 70000 is not a TCP port"),
+        ("gateways: []\n", "at least one gateway"),
+        ("timeouts: {stream_idle_seconds: 0}\n", "timeouts.stream_idle_seconds: must be > 0"),
+        ("max_request_bytes: 10\n", "max_request_bytes"),
+        ("gateways: [{http_port: x}]\n", "gateways[0].http_port: expected an integer"),
+    ],
+)
+def test_topology_is_strict(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "t.yaml"
+    path.write_text(text)
+    with pytest.raises(TopologyError, match=None) as info:
+        load_topology(path)
+    assert message in str(info.value)
+    assert str(path) in str(info.value)
+
+
+def test_idle_timeout_must_beat_the_heartbeat() -> None:
+    topology = Topology()
+    topology.timeouts.stream_idle_seconds = 20
+    with pytest.raises(TopologyError, match="heartbeat"):
+        topology.validate(heartbeat_seconds=15)
+    topology.validate(heartbeat_seconds=5)
+
+
+def _hcm(config: dict) -> dict:
+    listener = config["static_resources"]["listeners"][0]
+    return listener["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def _routes(config: dict) -> dict[str, dict]:
+    return {r["name"]: r for r in _hcm(config)["route_config"]["virtual_hosts"][0]["routes"]}
+
+
+def test_streaming_routes_have_no_timeout_and_long_idle() -> None:
+    config = render(Topology())
+    hcm = _hcm(config)
+    assert hcm["codec_type"] == "AUTO"
+    assert hcm["generate_request_id"] is True and hcm["preserve_external_request_id"] is True
+    assert float(hcm["stream_idle_timeout"].rstrip("s")) > 2 * 15  # beats the 15 s heartbeat
+    for name, route in _routes(config).items():
+        if "route" not in route:
+            continue
+        assert route["route"]["timeout"] == "0s", name
+        assert float(route["route"]["idle_timeout"].rstrip("s")) > 30, name
+        retry_on = route["route"]["retry_policy"]["retry_on"]
+        # A generation must never run twice: only retry what never reached a gateway.
+        assert set(retry_on.split(",")) <= {"connect-failure", "refused-stream", "reset-before-request"}
+
+
+def test_grpc_goes_to_an_http2_cluster_and_openai_to_http1() -> None:
+    config = render(Topology())
+    routes = _routes(config)
+    assert routes["grpc"]["route"]["cluster"] == "gateway_grpc"
+    assert routes["grpc"]["match"]["headers"][0]["string_match"] == {"prefix": "application/grpc"}
+    for prefix in ("/kvmesh.v1.", "/grpc.reflection.", "/grpc.health."):
+        assert any(r["match"].get("prefix") == prefix and r["route"]["cluster"] == "gateway_grpc"
+                   for r in routes.values() if "route" in r)
+    assert routes["openai"]["match"] == {"prefix": "/v1/"}
+    assert routes["openai"]["route"]["cluster"] == "gateway_http"
+    assert routes["healthz"]["direct_response"]["status"] == 200
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    opts = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    grpc_http = clusters["gateway_grpc"]["typed_extension_protocol_options"][opts]["explicit_http_config"]
+    http_http = clusters["gateway_http"]["typed_extension_protocol_options"][opts]["explicit_http_config"]
+    assert "http2_protocol_options" in grpc_http
+    assert "http_protocol_options" in http_http
+    assert "grpc_health_check" in clusters["gateway_grpc"]["health_checks"][0]
+    assert clusters["gateway_http"]["health_checks"][0]["http_health_check"]["path"] == "/health"
+
+
+def test_body_limit_streams_instead_of_buffering() -> None:
+    names = [f["name"] for f in _hcm(render(Topology()))["http_filters"]]
+    assert "envoy.filters.http.body_size_limit" in names
+    assert "envoy.filters.http.buffer" not in names
+    assert names[-1] == "envoy.filters.http.router"
+
+
+def test_every_replica_is_an_endpoint() -> None:
+    topology = load_topology(ENVOY_DIR / "topology-replicas.yaml")
+    config = yaml.safe_load(render_yaml(topology))
+    for cluster in config["static_resources"]["clusters"]:
+        endpoints = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        assert len(endpoints) == len(topology.gateways) == 3
+        assert cluster["outlier_detection"]["enforcing_consecutive_5xx"] == 0
+    names = [f["name"] for f in _hcm(config)["http_filters"]]
+    assert names[0] == "envoy.filters.http.cors"
+    assert "envoy.filters.http.local_ratelimit" in names

@@ -1,0 +1,241 @@
+"""The launcher's Mesh without the real services: config resolution (ports,
+API key, model), the printed examples, and the supervisor mechanics (health
+waits, a child dying, kill, restart, stop) over tiny fake children."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+import signal
+import socket
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.common.config import ConfigError, load_config
+from services.launcher.mesh import (
+    ChildSpec,
+    Mesh,
+    MeshError,
+    MeshOptions,
+    Probe,
+    ProbeKind,
+    Role,
+)
+from services.launcher.ports import free_port, free_port_block, port_is_free
+from services.launcher.up import examples
+
+ROOT = Path(__file__).resolve().parents[3]
+CONFIG = ROOT / "config" / "kvmesh.yaml"
+
+HEALTHY_CHILD = textwrap.dedent(
+    """
+    import asyncio, sys
+    from services.common.grpc_server import make_server
+    async def main():
+        server, health = make_server([])
+        server.add_insecure_port("127.0.0.1:" + sys.argv[1])
+        await server.start()
+        await health.set_serving(True)
+        print("serving", flush=True)
+        await server.wait_for_termination()
+    asyncio.run(main())
+    """
+)
+
+
+def _mesh(tmp_path: Path, **kw: object) -> Mesh:
+    options = MeshOptions(free_ports=True, run_dir=tmp_path, model="tiny-llama", **kw)  # type: ignore[arg-type]
+    return Mesh(load_config(CONFIG), options)
+
+
+def _needs_tiny_llama() -> None:
+    if not (ROOT / ".models" / "tiny-llama").is_dir():
+        pytest.skip(".models/tiny-llama not built yet (make setup)")
+
+
+def test_free_port_block_is_consecutive_and_free() -> None:
+    base = free_port_block(4)
+    assert all(port_is_free(base + i) for i in range(4))
+    assert port_is_free(free_port())
+
+
+def test_resolved_config_has_free_ports_key_and_model(tmp_path: Path) -> None:
+    _needs_tiny_llama()
+    mesh = _mesh(tmp_path, engines=3, gateways=2, api_key="sekret")
+    cfg = mesh.config
+    assert cfg.engines.count == 3
+    assert cfg.engines.template.model == "tiny-llama"
+    assert cfg.gateway.scheduler_address == f"127.0.0.1:{cfg.scheduler.port}"
+    assert cfg.envoy.port != 8080 and cfg.scheduler.port != 50051
+    digest = hashlib.sha256(b"sekret").hexdigest()
+    assert [k.tenant for k in cfg.gateway.api_keys if k.sha256 == digest] == ["dev"]
+    assert len(mesh.endpoints.engines) == 3 and len(mesh.endpoints.gateway_grpc) == 2
+    assert Path(cfg.run_dir) == tmp_path
+    assert all(Path(m.path).is_absolute() for m in cfg.models)
+
+
+def test_generated_key_when_none_given(tmp_path: Path) -> None:
+    _needs_tiny_llama()
+    a, b = _mesh(tmp_path), _mesh(tmp_path)
+    assert a.api_key and a.api_key != b.api_key
+
+
+def test_unknown_model_and_bad_counts_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no model named 'nope'"):
+        Mesh(load_config(CONFIG), MeshOptions(model="nope", run_dir=tmp_path))
+    with pytest.raises(ConfigError, match="--gateways"):
+        Mesh(load_config(CONFIG), MeshOptions(gateways=0, run_dir=tmp_path))
+
+
+def test_specs_pass_the_resolved_config_and_ports(tmp_path: Path) -> None:
+    _needs_tiny_llama()
+    mesh = _mesh(tmp_path, engines=2, gateways=2)
+    specs = {s.name: s for s in mesh.specs()}
+    assert list(specs) == ["scheduler", "engine-0", "engine-1", "gateway-0", "gateway-1", "envoy"]
+    for spec in specs.values():
+        if spec.role is not Role.ENVOY:
+            assert spec.argv[spec.argv.index("--config") + 1] == str(mesh.config_path)
+    gw1 = specs["gateway-1"].argv
+    assert gw1[gw1.index("--grpc-port") + 1] == str(mesh.config.gateway.grpc_port + 1)
+    assert specs["engine-1"].argv[-2:] == ["--index", "1"]
+    assert "--use-dynamic-base-id" in specs["envoy"].argv
+
+
+def test_written_files_load_back(tmp_path: Path) -> None:
+    _needs_tiny_llama()
+    mesh = _mesh(tmp_path)
+    mesh._write_files()  # noqa: SLF001 - the files start() writes
+    assert load_config(mesh.config_path).scheduler.port == mesh.config.scheduler.port
+    envoy = yaml.safe_load(mesh.envoy_config_path.read_text())
+    listener = envoy["static_resources"]["listeners"][0]
+    assert listener["address"]["socket_address"]["port_value"] == mesh.config.envoy.port
+
+
+def test_examples_are_valid_shell(tmp_path: Path) -> None:
+    _needs_tiny_llama()
+    mesh = _mesh(tmp_path, api_key="k'ey")
+    ex = examples(mesh.endpoints, mesh.api_key, "tiny-llama")
+    curl = shlex.split(ex.curl)
+    assert curl[:2] == ["curl", "-N"] and "Authorization: Bearer k'ey" in curl
+    assert yaml.safe_load(curl[-1])["stream"] is True
+    grpcurl = shlex.split(ex.grpcurl)
+    assert grpcurl[-1] == "kvmesh.v1.Inference/Chat"
+    assert grpcurl[-2] == f"127.0.0.1:{mesh.config.envoy.port}"
+
+
+# ---------------------------------------------------------------- supervisor
+
+
+class FakeMesh(Mesh):
+    """A Mesh whose children are tiny Python processes."""
+
+    fake_specs: list[ChildSpec]
+
+    def specs(self) -> list[ChildSpec]:
+        return self.fake_specs
+
+
+def _healthy(name: str, role: Role, port: int, mesh: Mesh) -> ChildSpec:
+    return ChildSpec(name=name, role=role, argv=[sys.executable, "-c", HEALTHY_CHILD, str(port)],
+                     probes=[Probe(ProbeKind.GRPC_HEALTH, f"127.0.0.1:{port}")],
+                     env=mesh._env(), start_timeout=60)  # noqa: SLF001
+
+
+def _fake(tmp_path: Path) -> FakeMesh:
+    _needs_tiny_llama()
+    return FakeMesh(load_config(CONFIG), MeshOptions(free_ports=True, run_dir=tmp_path, envoy=False,
+                                                      model="tiny-llama"))
+
+
+def test_start_kill_restart_and_stop(tmp_path: Path) -> None:
+    mesh = _fake(tmp_path)
+    mesh.fake_specs = [_healthy("scheduler", Role.SCHEDULER, free_port(), mesh),
+                       _healthy("engine-0", Role.ENGINE, free_port(), mesh)]
+    mesh.start()
+    try:
+        assert mesh.is_running("scheduler") and mesh.is_running("engine-0")
+        assert mesh.exited() == []
+        mesh.kill("engine-0")
+        assert not mesh.is_running("engine-0")
+        assert mesh.exited() == []  # a kill we asked for is not a surprise
+        mesh.restart("engine-0")
+        assert mesh.is_running("engine-0")
+        assert "serving" in mesh.log_tail("engine-0")
+    finally:
+        mesh.stop_all()
+    assert not mesh.is_running("scheduler") and not mesh.is_running("engine-0")
+
+
+def test_a_child_dying_on_its_own_is_reported(tmp_path: Path) -> None:
+    mesh = _fake(tmp_path)
+    mesh.fake_specs = [_healthy("scheduler", Role.SCHEDULER, free_port(), mesh)]
+    mesh.start()
+    try:
+        pid = mesh.pid("scheduler")
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)  # a crash the mesh did not ask for
+        mesh._children["scheduler"].process.wait()  # noqa: SLF001
+        gone = mesh.exited()
+        assert [(g.name, g.returncode) for g in gone] == [("scheduler", -9)]
+        assert mesh.exited() == []  # reported once
+    finally:
+        mesh.stop_all()
+
+
+def test_a_child_that_dies_at_start_names_itself_and_its_log(tmp_path: Path) -> None:
+    mesh = _fake(tmp_path)
+    mesh.fake_specs = [
+        _healthy("scheduler", Role.SCHEDULER, free_port(), mesh),
+        ChildSpec(name="gateway-0", role=Role.GATEWAY,
+                  argv=[sys.executable, "-c", "import sys; print('bad setting gateway.x'); sys.exit(3)"],
+                  probes=[Probe(ProbeKind.HTTP_OK, f"http://127.0.0.1:{free_port()}/health")],
+                  env=mesh._env(), start_timeout=60),  # noqa: SLF001
+    ]
+    with pytest.raises(MeshError) as info:
+        mesh.start()
+    message = str(info.value)
+    assert "gateway-0 exited with code 3" in message
+    assert "bad setting gateway.x" in message and "gateway-0.log" in message
+    assert not mesh.is_running("scheduler")  # a failed start stops what it started
+
+
+def test_a_child_that_never_gets_healthy_times_out(tmp_path: Path) -> None:
+    mesh = _fake(tmp_path)
+    mesh.fake_specs = [ChildSpec(
+        name="scheduler", role=Role.SCHEDULER, argv=[sys.executable, "-c", "import time; time.sleep(60)"],
+        probes=[Probe(ProbeKind.GRPC_HEALTH, f"127.0.0.1:{free_port()}")], env=mesh._env(),  # noqa: SLF001
+        start_timeout=1.0,
+    )]
+    with pytest.raises(MeshError, match="scheduler did not become healthy within 1 s"):
+        mesh.start()
+    assert not mesh.is_running("scheduler")
+
+
+def test_a_taken_configured_port_is_named_before_anything_starts(tmp_path: Path) -> None:
+    _needs_tiny_llama()
+    config = load_config(CONFIG)
+    config.scheduler.port, config.scheduler.metrics_port = free_port(), 0
+    config.gateway.http_port, config.gateway.grpc_port, config.gateway.metrics_port = free_port(), free_port(), 0
+    config.engines.base_port, config.engines.metrics_base_port = free_port_block(1), 0
+    config.envoy.port, config.envoy.admin_port = free_port(), free_port()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", config.envoy.port))
+        holder.listen()
+        mesh = Mesh(config, MeshOptions(engines=1, run_dir=tmp_path, model="tiny-llama"))
+        with pytest.raises(MeshError, match=f"envoy.port={config.envoy.port}"):
+            mesh.start()
+    assert mesh.names == []  # nothing was started
+
+
+def test_without_envoy_the_examples_point_at_the_gateway(tmp_path: Path) -> None:
+    _needs_tiny_llama()
+    mesh = _mesh(tmp_path, envoy=False)
+    assert [s.name for s in mesh.specs()][-1] == "gateway-0"
+    ex = examples(mesh.endpoints, mesh.api_key, "tiny-llama")
+    assert f"http://127.0.0.1:{mesh.config.gateway.http_port}/v1/chat/completions" in ex.curl
+    assert f"127.0.0.1:{mesh.config.gateway.grpc_port} kvmesh.v1.Inference/Chat" in ex.grpcurl

@@ -1,0 +1,149 @@
+"""The engine's Connect stream against an in-process fake Scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from engine_helpers import engine_config, mesh_config, prompt_of
+
+from services.common.prefix_hash import block_hashes
+from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.engine.server import EngineService
+
+
+class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    """Records every EngineMessage; `send` pushes a command to the engine."""
+
+    def __init__(self) -> None:
+        self.messages: asyncio.Queue[scheduler_pb2.EngineMessage] = asyncio.Queue()
+        self.commands: asyncio.Queue[scheduler_pb2.SchedulerCommand] = asyncio.Queue()
+
+    async def Connect(self, request_iterator, context):  # noqa: N802, ANN001, ANN201
+        async def pump() -> None:
+            async for message in request_iterator:
+                await self.messages.put(message)
+
+        reader = asyncio.create_task(pump())
+        try:
+            while not reader.done():
+                getter = asyncio.create_task(self.commands.get())
+                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    yield getter.result()
+                else:
+                    getter.cancel()
+        finally:
+            reader.cancel()
+
+    async def next(self, kind: str, timeout: float = 5.0) -> scheduler_pb2.EngineMessage:
+        """The next message of `kind`, skipping others (loads are frequent)."""
+        async with asyncio.timeout(timeout):
+            while True:
+                message = await self.messages.get()
+                if message.WhichOneof("msg") == kind:
+                    return message
+
+
+async def start_fake(port: int = 0) -> tuple[grpc.aio.Server, FakeScheduler, int]:
+    fake = FakeScheduler()
+    server = grpc.aio.server()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(fake, server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, fake, bound
+
+
+@pytest.fixture
+async def mesh() -> AsyncIterator[tuple[EngineService, FakeScheduler, grpc.aio.Server]]:
+    server, fake, port = await start_fake()
+    engine = engine_config(scheduler_address=f"127.0.0.1:{port}", weight=2.0)
+    engine.sim.speed_factor = 0.05  # ~0.4 ms per step: a long stream stays visible
+    svc = EngineService(mesh_config(), engine)
+    await svc.start()
+    try:
+        yield svc, fake, server
+    finally:
+        await svc.stop()
+        await server.stop(0)
+
+
+async def generate(svc: EngineService, rid: str, prompt: list[int], max_tokens: int) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.port}") as channel:
+        call = engine_pb2_grpc.EngineStub(channel).Generate()
+        await call.write(engine_pb2.EngineGenerateMessage(request=engine_pb2.EngineRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens))))
+        while True:
+            event = await call.read()
+            if event is grpc.aio.EOF or event.HasField("finished"):
+                return
+
+
+async def test_hello_snapshot_then_loads(mesh) -> None:  # noqa: ANN001
+    svc, fake, _ = mesh
+    first = await fake.messages.get()
+    hello = first.hello
+    assert first.WhichOneof("msg") == "hello"
+    assert hello.engine_id == "engine-0" and hello.address == f"127.0.0.1:{svc.port}"
+    assert hello.block_size == 16 and hello.total_blocks == 256 and hello.max_running == 8
+    assert hello.hash_block_tokens == 16 and hello.backend == "sim" and hello.weight == 2.0
+    assert hello.max_model_len > 0
+    second = await fake.messages.get()
+    assert second.WhichOneof("msg") == "kv_snapshot" and list(second.kv_snapshot.hashes) == []
+    load = (await fake.next("load")).load
+    assert load.serving and load.blocks_total == 256
+
+
+async def test_kv_events_follow_the_snapshot_seq_and_resync(mesh) -> None:  # noqa: ANN001
+    svc, fake, _ = mesh
+    snapshot = (await fake.next("kv_snapshot")).kv_snapshot
+    prompt = prompt_of(64)
+    await generate(svc, "a", prompt, 4)
+    events = (await fake.next("kv_events")).kv_events
+    assert events.seq == snapshot.seq + 1
+    assert list(events.stored) == block_hashes(prompt, 16)[: len(events.stored)]
+    # A load report lists what is running: run something long, look for its id.
+    task = asyncio.create_task(generate(svc, "long", prompt_of(8, start=900), 4000))
+    try:
+        async with asyncio.timeout(5):
+            while "long" not in (await fake.next("load")).load.request_ids:
+                pass
+    finally:
+        await svc.runtime.abort("long")
+        await task
+    await fake.commands.put(scheduler_pb2.SchedulerCommand(resync=scheduler_pb2.Resync()))
+    fresh = (await fake.next("kv_snapshot")).kv_snapshot
+    assert set(block_hashes(prompt, 16)) <= set(fresh.hashes)
+    assert set(fresh.hashes) == set(svc.backend.kv_snapshot())
+    await generate(svc, "b", prompt_of(48, start=2000), 2)
+    later = (await fake.next("kv_events")).kv_events
+    assert later.seq == fresh.seq + 1
+
+
+async def test_drain_refuses_new_generations(mesh) -> None:  # noqa: ANN001
+    svc, fake, _ = mesh
+    await fake.next("kv_snapshot")
+    await fake.commands.put(scheduler_pb2.SchedulerCommand(drain=scheduler_pb2.Drain()))
+    async with asyncio.timeout(5):
+        while (await fake.next("load")).load.serving:
+            pass
+    assert svc.runtime.draining
+
+
+async def test_reconnects_after_the_scheduler_restarts(mesh) -> None:  # noqa: ANN001
+    svc, fake, server = mesh
+    await fake.next("kv_snapshot")
+    await generate(svc, "a", prompt_of(40), 2)
+    port = int(svc.engine.scheduler_address.rsplit(":", 1)[1])
+    await server.stop(0)
+    new_server, new_fake, _ = await start_fake(port)
+    try:
+        hello = await new_fake.next("hello", timeout=10)
+        assert hello.hello.engine_id == "engine-0"
+        snapshot = (await new_fake.next("kv_snapshot")).kv_snapshot
+        assert set(snapshot.hashes) == set(svc.backend.kv_snapshot()) and snapshot.hashes
+        assert svc.link is not None and svc.link.sessions >= 2
+    finally:
+        await new_server.stop(0)

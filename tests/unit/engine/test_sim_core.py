@@ -1,0 +1,197 @@
+"""SimCore: block accounting, prefix cache, eviction, priority, preemption, KV events."""
+
+from __future__ import annotations
+
+import pytest
+from engine_helpers import RecordingListener, make_core, prompt_of, request, run_core
+
+from services.common.prefix_hash import block_hashes
+from services.engine.backend import InvalidRequest
+
+
+def test_blocks_are_taken_and_given_back_and_full_blocks_stay_cached() -> None:
+    core = make_core(total_blocks=16)
+    req = core.add(request("a", prompt_of(40), max_tokens=10))
+    core.apply(core.schedule())
+    # 40 prompt tokens computed -> 3 blocks, first two full and cached.
+    assert core.pool.used == 3
+    assert core.pool.cached_blocks == 2
+    run_core(core)
+    load = core.load()
+    assert load.blocks_used == 0 and load.running == 0 and load.waiting == 0
+    # 40 + 10 tokens, the last one never computed: 49 computed -> 3 full blocks.
+    assert load.cached_blocks == 3
+    assert req.generated == 10
+
+
+def test_cached_prefix_shortens_prefill_and_is_reported() -> None:
+    core = make_core()
+    prompt = prompt_of(100)
+    core.add(request("a", prompt, max_tokens=1))
+    first = core.schedule()
+    assert first.work.prefill_tokens == 100
+    core.apply(first)
+    run_core(core)
+    second_req = core.add(request("b", prompt + [5, 6, 7], max_tokens=1))
+    second = core.schedule()
+    # 6 full blocks (96 tokens) of the prompt are cached: only 7 tokens prefill.
+    assert second.work.prefill_tokens == 7
+    core.apply(second)
+    run_core(core)
+    assert second_req.num_cached == 96
+
+
+def test_fully_cached_prompt_still_computes_its_last_token() -> None:
+    core = make_core()
+    prompt = prompt_of(64)
+    core.add(request("a", prompt, max_tokens=2))
+    run_core(core)
+    req = core.add(request("b", prompt, max_tokens=2))
+    plan = core.schedule()
+    # As vLLM: at most (64 - 1) // 16 = 3 blocks hit, the last block recomputes.
+    assert plan.work.prefill_tokens == 16
+    assert req.num_cached == 48
+
+
+def test_lru_eviction_keeps_the_recent_prefix_and_never_over_allocates() -> None:
+    core = make_core(total_blocks=8)
+    listener = RecordingListener()
+    core.set_listener(listener)
+    old, new = prompt_of(64, start=300), prompt_of(64, start=5000)
+    core.add(request("old", old, max_tokens=1))
+    run_core(core)
+    core.add(request("new", new, max_tokens=1))
+    run_core(core)
+    assert core.pool.cached_blocks == 8  # every block holds a prefix now
+    # A third prompt needs 3 blocks: evicts LRU ones, old's tail first.
+    core.add(request("third", prompt_of(40, start=9000), max_tokens=1))
+    plan = core.schedule()
+    assert core.pool.used <= core.pool.total_blocks
+    core.apply(plan)
+    run_core(core)
+    new_hashes = set(block_hashes(new, 16))
+    assert new_hashes <= listener.held  # the most recently used prefix survived
+    old_hashes = block_hashes(old, 16)
+    assert old_hashes[0] in listener.held  # head kept ...
+    assert not set(old_hashes[1:]) & listener.held  # ... tail evicted first
+    assert listener.removed_count > 0
+    assert listener.held == set(core.pool.snapshot())
+
+
+def test_requests_wait_when_blocks_run_out() -> None:
+    core = make_core(total_blocks=6, max_running=8)
+    core.add(request("a", prompt_of(60), max_tokens=4))   # 4 blocks
+    core.add(request("b", prompt_of(60, start=2000), max_tokens=4))  # needs 4 more
+    core.schedule()
+    load = core.load()
+    assert load.running == 1 and load.waiting == 1
+    assert load.blocks_used <= 6
+    run_core(core)
+    assert core.load().running == 0 and core.load().waiting == 0
+
+
+def test_preemption_never_over_allocates_and_everything_finishes() -> None:
+    core = make_core(total_blocks=4, max_running=4)
+    core.add(request("hi", prompt_of(20), max_tokens=30, priority=0))
+    core.add(request("lo", prompt_of(20, start=4000), max_tokens=30, priority=2))
+    preempted = False
+    while core.has_work():
+        plan = core.schedule()
+        assert core.pool.used <= core.pool.total_blocks
+        preempted |= plan.changed and core.load().waiting > 0
+        core.apply(plan)
+    assert preempted
+    assert core.load().blocks_used == 0
+
+
+def test_preempted_request_yields_same_tokens() -> None:
+    import asyncio
+
+    async def tokens_of(total_blocks: int) -> list[int]:
+        core = make_core(total_blocks=total_blocks, max_running=4)
+        reqs = [core.add(request("hi", prompt_of(20), max_tokens=30, priority=0)),
+                core.add(request("lo", prompt_of(20, start=4000), max_tokens=30, priority=2))]
+        run_core(core)
+        outs = [await r.sink.next() for r in reqs]
+        assert all(o.finish_reason == "length" for o in outs)
+        return [t for o in outs for t in o.token_ids]
+
+    assert asyncio.run(tokens_of(4)) == asyncio.run(tokens_of(64))
+
+
+def test_priority_orders_the_waiting_queue() -> None:
+    core = make_core(max_running=1)
+    order: list[str] = []
+    core.add(request("busy", prompt_of(4), max_tokens=3, priority=1))
+    core.apply(core.schedule())
+    for rid, prio in (("p2", 2), ("p1-early", 1), ("p0", 0), ("p1-late", 1)):
+        core.add(request(rid, prompt_of(4, start=100 + prio), max_tokens=1, priority=prio))
+    while core.has_work():
+        plan = core.schedule()
+        order.extend(r.request_id for r in plan.entries if r.num_computed == 0 and r.request_id not in order)
+        core.apply(plan)
+    assert order == ["p0", "p1-early", "p1-late", "p2"]
+
+
+def test_abort_frees_blocks_at_once_and_unknown_is_false() -> None:
+    core = make_core()
+    core.add(request("a", prompt_of(50), max_tokens=100))
+    core.apply(core.schedule())
+    assert core.pool.used > 0
+    assert core.abort("a")
+    assert core.pool.used == 0
+    assert not core.abort("a")
+    assert not core.abort("nope")
+
+
+def test_abort_between_schedule_and_apply_is_safe() -> None:
+    core = make_core()
+    core.add(request("a", prompt_of(50), max_tokens=5))
+    plan = core.schedule()
+    core.abort("a")
+    core.apply(plan)
+    assert core.pool.used == 0 and not core.has_work()
+
+
+def test_chunked_prefill_respects_the_token_budget() -> None:
+    core = make_core(chunk_tokens=32, total_blocks=64)
+    core.add(request("a", prompt_of(100), max_tokens=1))
+    core.add(request("b", prompt_of(10, start=3000), max_tokens=1))
+    plan = core.schedule()
+    assert sum(plan.entries.values()) <= 32
+    steps = run_core(core)
+    assert steps >= 4
+
+
+@pytest.mark.parametrize(("prompt", "max_tokens", "match"), [
+    ([], 4, "empty"),
+    ([1] * 10, 0, "max_tokens"),
+    ([1] * 4000, 200, "max_model_len"),
+    ([40000], 4, "vocabulary"),
+])
+def test_invalid_requests(prompt: list[int], max_tokens: int, match: str) -> None:
+    core = make_core()
+    with pytest.raises(InvalidRequest, match=match):
+        core.add(request("x", prompt, max_tokens=max_tokens))
+
+
+def test_request_larger_than_the_engine_is_refused() -> None:
+    core = make_core(total_blocks=4)
+    with pytest.raises(InvalidRequest, match="KV blocks"):
+        core.add(request("x", prompt_of(60), max_tokens=10))
+
+
+def test_kv_events_replay_to_the_snapshot_with_engine_blocks_of_several_hash_blocks() -> None:
+    core = make_core(block_size=32, total_blocks=10)
+    listener = RecordingListener()
+    core.set_listener(listener)
+    prompts = [prompt_of(100, start=s) for s in (300, 1300, 2300, 3300)]
+    for i, p in enumerate(prompts):
+        core.add(request(f"r{i}", p, max_tokens=3))
+        run_core(core)
+        assert listener.held == set(core.pool.snapshot())
+    # Each engine block (32 tokens) reports its two 16-token hash-blocks.
+    last = block_hashes(prompts[-1], 16)[:6]
+    assert set(last) <= listener.held
+    core.pool.clear()
+    assert listener.held == set() == set(core.pool.snapshot())

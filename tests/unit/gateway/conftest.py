@@ -1,0 +1,325 @@
+"""In-process fakes for the gateway's peers, and a gateway wired to them.
+
+- `FakeScheduler`: answers Admit with `queued` (optionally several, or held
+  until released), then `placed` on the first engine not excluded; answers
+  `replace` with another placement; can reject with any code.
+- `FakeEngine`: streams deterministic tokens where each token is a pure
+  function of ALL tokens before it (like the sim), so a migrated stream can
+  be compared token for token; can break after N tokens; records cancels.
+- A tokenizer: the real `.models/tiny-llama` one if it exists, else a tiny
+  `tokenizers` WordLevel model with a jinja chat template built in a tmp dir.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.common.config import ApiKeyConfig, GatewayConfig, MeshConfig, ModelConfig
+from services.common.proto.kvmesh.v1 import (
+    common_pb2,
+    engine_pb2,
+    engine_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
+
+ROOT = Path(__file__).resolve().parents[3]
+REAL_TOKENIZER = ROOT / ".models" / "tiny-llama"
+MODEL = "tiny"
+
+KEY_FULL = "sk-full"          # ceiling P0, every model
+KEY_P1 = "sk-p1"              # ceiling P1
+KEY_SLOW = "sk-slow"          # 1 request/s
+KEY_OTHER = "sk-other"        # may use only "other-model"
+
+
+def sha(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+# ------------------------------------------------------------------ tokenizer
+
+
+def _build_tiny_model(directory: Path) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: PLC0415
+
+    words = ["[UNK]", "<|im_start|>", "<|im_end|>", "system", "user", "assistant",
+             "hello", "world", "the", "capital", "of", "france", "is", "what", "say", "hi", "a", "b", "c"]
+    vocab = {w: i for i, w in enumerate(words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(directory / "tokenizer.json"))
+    template = (
+        "{% for m in messages %}<|im_start|> {{ m.role }} {{ m.content }} <|im_end|> {% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+    )
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": template, "eos_token": "<|im_end|>", "bos_token": None})
+    )
+    (directory / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if (REAL_TOKENIZER / "tokenizer.json").is_file() and (REAL_TOKENIZER / "config.json").is_file():
+        return REAL_TOKENIZER
+    return _build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+# ------------------------------------------------------------------ fake engine
+
+
+def next_token(tokens: list[int]) -> int:
+    """The fake model: a pure function of every token before it."""
+    acc = 7
+    for t in tokens[-32:]:
+        acc = (acc * 31 + t) % 100_003
+    return 10 + (acc + len(tokens)) % 900
+
+
+def token_text(token: int) -> str:
+    return f" w{token}"
+
+
+def expected_answer(prompt_ids: list[int], n: int) -> tuple[list[int], str]:
+    tokens = list(prompt_ids)
+    out: list[int] = []
+    for _ in range(n):
+        t = next_token(tokens)
+        tokens.append(t)
+        out.append(t)
+    return out, "".join(token_text(t) for t in out)
+
+
+class FakeEngine(engine_pb2_grpc.EngineServicer):
+    def __init__(self, engine_id: str, *, answer_tokens: int = 6, token_delay: float = 0.0,
+                 break_after: int | None = None, cached_tokens: int = 0) -> None:
+        self.engine_id = engine_id
+        self.answer_tokens = answer_tokens   # the "model" emits EOS after this many tokens in total
+        self.token_delay = token_delay
+        self.break_after = break_after       # abort with UNAVAILABLE after this many tokens of one call
+        self.cached_tokens = cached_tokens
+        self.requests: list[engine_pb2.EngineRequest] = []
+        self.cancelled = asyncio.Event()
+        self.cancelled_at: float | None = None
+        self.address = ""
+        self.server: grpc.aio.Server | None = None
+
+    async def Generate(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+        first = await context.read()
+        request = first.request
+        self.requests.append(request)
+        stop = asyncio.Event()
+
+        async def watch_cancel() -> None:
+            while True:
+                message = await context.read()
+                if message is grpc.aio.EOF:
+                    return
+                if message.HasField("cancel"):
+                    stop.set()
+                    return
+
+        watcher = asyncio.create_task(watch_cancel())
+        tokens = list(request.prompt_token_ids)
+        total = request.resumed_tokens
+        produced = 0
+        reason = common_pb2.FINISH_REASON_STOP
+        try:
+            while True:
+                if stop.is_set():
+                    self._mark_cancelled()
+                    return
+                if total >= self.answer_tokens:
+                    break
+                if produced >= request.sampling.max_tokens:
+                    reason = common_pb2.FINISH_REASON_LENGTH
+                    break
+                if self.break_after is not None and produced >= self.break_after:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "fake engine broke")
+                if self.token_delay:
+                    await asyncio.sleep(self.token_delay)
+                t = next_token(tokens)
+                tokens.append(t)
+                produced += 1
+                total += 1
+                lp = []
+                if request.sampling.HasField("logprobs"):
+                    lp = [common_pb2.TokenLogprob(token_id=t, token=token_text(t), logprob=-0.5,
+                                                  top=[common_pb2.TopLogprob(token_id=t, token=token_text(t),
+                                                                             logprob=-0.5)])]
+                await context.write(engine_pb2.EngineGenerateEvent(
+                    delta=engine_pb2.EngineDelta(token_ids=[t], text=token_text(t), logprobs=lp)))
+            prompt = len(request.prompt_token_ids) - request.resumed_tokens
+            await context.write(engine_pb2.EngineGenerateEvent(finished=engine_pb2.EngineFinished(
+                finish_reason=reason,
+                usage=common_pb2.Usage(prompt_tokens=prompt, completion_tokens=total,
+                                       cached_tokens=self.cached_tokens))))
+        except asyncio.CancelledError:
+            self._mark_cancelled()
+            raise
+        finally:
+            watcher.cancel()
+
+    def _mark_cancelled(self) -> None:
+        if self.cancelled_at is None:
+            self.cancelled_at = time.monotonic()
+        self.cancelled.set()
+
+
+# ------------------------------------------------------------------ fake scheduler
+
+
+@dataclass
+class AdmitRecord:
+    request: scheduler_pb2.AdmitRequest
+    messages: list[str] = field(default_factory=list)       # first_token / done / replace
+    replaces: list[scheduler_pb2.Replace] = field(default_factory=list)
+    done: scheduler_pb2.RequestDone | None = None
+    cancelled: bool = False
+
+
+class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self) -> None:
+        self.engines: dict[str, str] = {}     # engine_id -> address, in placement order
+        self.admits: list[AdmitRecord] = []
+        self.reject: scheduler_pb2.Rejected | None = None
+        self.queued_updates = 1
+        self.queue_hold: asyncio.Event | None = None   # hold in the queue until set
+        self.update_seconds = 0.05
+        self.admit_cancelled = asyncio.Event()
+
+    def _placed(self, exclude: set[str]) -> scheduler_pb2.AdmitServerMessage:
+        for engine_id, address in self.engines.items():
+            if engine_id not in exclude:
+                return scheduler_pb2.AdmitServerMessage(placed=scheduler_pb2.Placed(
+                    engine_id=engine_id, engine_address=address, lease_id=f"lease-{engine_id}"))
+        return scheduler_pb2.AdmitServerMessage(rejected=scheduler_pb2.Rejected(
+            code=scheduler_pb2.REJECT_CODE_NO_ENGINE, message="all excluded", retry_after_seconds=1))
+
+    async def Admit(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+        first = await context.read()
+        record = AdmitRecord(first.request)
+        self.admits.append(record)
+        try:
+            if self.reject is not None:
+                await context.write(scheduler_pb2.AdmitServerMessage(rejected=self.reject))
+                return
+            position = 3
+            await context.write(scheduler_pb2.AdmitServerMessage(queued=scheduler_pb2.Queued(
+                position=position, estimated_wait_seconds=0.5, priority=record.request.priority)))
+            if self.queue_hold is not None:
+                while not self.queue_hold.is_set():
+                    try:
+                        await asyncio.wait_for(asyncio.shield(self.queue_hold.wait()), self.update_seconds)
+                    except TimeoutError:
+                        position = max(1, position - 1)
+                        await context.write(scheduler_pb2.AdmitServerMessage(queued=scheduler_pb2.Queued(
+                            position=position, estimated_wait_seconds=0.1, priority=record.request.priority)))
+            for _ in range(self.queued_updates - 1):
+                position = max(1, position - 1)
+                await context.write(scheduler_pb2.AdmitServerMessage(queued=scheduler_pb2.Queued(
+                    position=position, priority=record.request.priority)))
+            await context.write(self._placed(set()))
+            while True:
+                message = await context.read()
+                if message is grpc.aio.EOF:
+                    return
+                kind = message.WhichOneof("msg")
+                record.messages.append(kind)
+                if kind == "done":
+                    record.done = message.done
+                elif kind == "replace":
+                    record.replaces.append(message.replace)
+                    await context.write(self._placed(set(message.replace.exclude_engines)))
+        except asyncio.CancelledError:
+            record.cancelled = True
+            self.admit_cancelled.set()
+            raise
+
+    async def GetState(self, request: scheduler_pb2.GetStateRequest,
+                       context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerState:
+        return scheduler_pb2.SchedulerState(engines=[
+            scheduler_pb2.EngineState(engine_id=e, address=a, model=MODEL, serving=True)
+            for e, a in self.engines.items()])
+
+
+# ------------------------------------------------------------------ wiring
+
+
+async def _serve(add: object, servicer: object) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    add(servicer, server)  # type: ignore[operator]
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+@dataclass
+class Mesh:
+    scheduler: FakeScheduler
+    engines: dict[str, FakeEngine]
+    gateway: object
+    http: str           # base URL, e.g. http://127.0.0.1:PORT
+    grpc_address: str
+    config: MeshConfig
+    servers: list[grpc.aio.Server]
+
+    async def add_engine(self, engine: FakeEngine) -> FakeEngine:
+        server, address = await _serve(engine_pb2_grpc.add_EngineServicer_to_server, engine)
+        engine.address, engine.server = address, server
+        self.servers.append(server)
+        self.engines[engine.engine_id] = engine
+        self.scheduler.engines[engine.engine_id] = address
+        return engine
+
+
+def make_config(model_dir: Path, scheduler_address: str, **gateway: object) -> MeshConfig:
+    gw = GatewayConfig(
+        host="127.0.0.1",
+        http_port=0,
+        grpc_port=0,
+        metrics_port=0,
+        scheduler_address=scheduler_address,
+        heartbeat_seconds=0.2,
+        max_body_bytes=64 * 1024,
+        api_keys=[
+            ApiKeyConfig(sha256=sha(KEY_FULL), tenant="acme", priority_ceiling=0),
+            ApiKeyConfig(sha256=sha(KEY_P1), tenant="bulk", priority_ceiling=1),
+            ApiKeyConfig(sha256=sha(KEY_SLOW), tenant="slow", priority_ceiling=0, requests_per_second=1),
+            ApiKeyConfig(sha256=sha(KEY_OTHER), tenant="other", models=["other-model"]),
+        ],
+    )
+    for name, value in gateway.items():
+        setattr(gw, name, value)
+    return MeshConfig(models=[ModelConfig(name=MODEL, path=str(model_dir))], gateway=gw)
+
+
+@pytest.fixture
+async def mesh(model_dir: Path) -> AsyncIterator[Mesh]:
+    from services.gateway.server import GatewayService  # noqa: PLC0415
+
+    scheduler = FakeScheduler()
+    sched_server, sched_address = await _serve(scheduler_pb2_grpc.add_SchedulerServicer_to_server, scheduler)
+    config = make_config(model_dir, sched_address)
+    gateway = GatewayService(config)
+    http_port, grpc_port = await gateway.start(http_port=0, grpc_port=0)
+    m = Mesh(scheduler, {}, gateway, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", config,
+             [sched_server])
+    await m.add_engine(FakeEngine("engine-a"))
+    try:
+        yield m
+    finally:
+        await gateway.stop(grace=0.5)
+        for server in m.servers:
+            await server.stop(0)

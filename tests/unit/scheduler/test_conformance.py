@@ -1,0 +1,191 @@
+"""Every registered plugin and queue policy against its contract."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import pytest
+
+from services.common.config import ConfigError, SchedulerConfig
+from services.scheduler.placement import (
+    EngineView,
+    PickerState,
+    PlacementRequest,
+    ScoredEngine,
+    build_policy,
+    builtin_profiles,
+    builtin_registry,
+)
+from services.scheduler.queue_policies import FAIRNESS_POLICIES, ORDERING_POLICIES, FairnessState
+from services.scheduler.records import AdmitOptions, QueueEntry
+
+REGISTRY = builtin_registry(SchedulerConfig())
+REQUEST = PlacementRequest("r", "m", 64, 16, (1, 2, 3, 4), frozenset({"x3"}))
+
+
+def view(engine_id: str, **kw: object) -> EngineView:
+    base = dict(
+        engine_id=engine_id, model="m", serving=True, draining=False, fresh=True, block_size=16,
+        blocks_total=100, blocks_used=10, blocks_reserved=5, leases=1, lease_limit=10,
+        max_running=8, running=1, waiting=0, queued_tokens=0, weight=1.0, max_model_len=0,
+        queue_seconds=0.0, prefix_blocks=0, cached_tokens=0, blocks_needed=5,
+    )
+    base.update(kw)
+    return EngineView(**base)  # type: ignore[arg-type]
+
+
+def varied_views() -> list[EngineView]:
+    """Engines across every field's range, extremes included."""
+    return [
+        view("x0"),
+        view("x1", model="other", serving=False, fresh=False, draining=True),
+        view("x2", blocks_used=100, blocks_reserved=20, leases=12, running=12, waiting=30,
+             queue_seconds=50.0, prefix_blocks=4, max_model_len=32),
+        view("x3", weight=3.0, blocks_total=1, blocks_needed=0, prefix_blocks=9, lease_limit=0),
+        view("x4", blocks_total=0, blocks_used=0, blocks_reserved=0, queued_tokens=10**9,
+             weight=1e-6),
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY.filters))
+def test_filter_contract(name: str) -> None:
+    plugin = REGISTRY.make_filter(name)
+    assert plugin.name == name
+    assert plugin.filter(REQUEST, []) == []
+    views = varied_views()
+    kept = plugin.filter(REQUEST, views)
+    assert all(v in views for v in kept)
+    assert [v.engine_id for v in kept] == [v.engine_id for v in views if v in kept]  # input order
+    assert plugin.filter(REQUEST, views) == kept                                     # pure
+    # identical engines (but for the id) pass or fail together
+    twins = [view("a"), view("b")]
+    assert len(plugin.filter(REQUEST, twins)) in (0, 2)
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY.scorers))
+def test_scorer_contract(name: str) -> None:
+    plugin = REGISTRY.make_scorer(name)
+    assert plugin.name == name
+    assert dict(plugin.score(REQUEST, [])) == {}
+    views = varied_views()
+    scores = plugin.score(REQUEST, views)
+    assert set(scores) == {v.engine_id for v in views}
+    for engine_id, value in scores.items():
+        assert 0.0 <= value <= 1.0 and not math.isnan(value), (engine_id, value)
+    twins = plugin.score(REQUEST, [view("a"), view("b")])
+    assert twins["a"] == twins["b"]
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY.pickers))
+def test_picker_contract(name: str) -> None:
+    plugin = REGISTRY.make_picker(name)
+    assert plugin.name == name
+    state = PickerState(rng=random.Random(0))
+    assert plugin.pick(REQUEST, [], state) is None
+    candidates = [ScoredEngine(v, s) for v, s in zip(varied_views(), [0.9, 0.5, 0.5, 0.2, 0.0])]
+    for _ in range(5):
+        assert plugin.pick(REQUEST, candidates, state) in [c.view for c in candidates]
+    ties = [ScoredEngine(view("a"), 0.5), ScoredEngine(view("b"), 0.5)]
+    assert plugin.pick(REQUEST, ties, state) in (ties[0].view, ties[1].view)
+
+
+class _Rogue:
+    name = "rogue"
+
+    def score(self, request, engines):  # type: ignore[no-untyped-def]
+        values = [5.0, -3.0, float("nan")]
+        return {e.engine_id: values[i % 3] for i, e in enumerate(engines)}  # x3 missing below
+
+
+def test_framework_clamps_scores_and_counts_missing_as_zero() -> None:
+    policy = build_policy("least_load", SchedulerConfig(), REGISTRY)
+    policy.scorers = [(_Rogue(), 1.0)]
+    views = varied_views()[:3] + [view("missing")]
+
+    class _Partial(_Rogue):
+        def score(self, request, engines):  # type: ignore[no-untyped-def]
+            return {k: v for k, v in super().score(request, engines).items() if k != "missing"}
+
+    policy.scorers = [(_Partial(), 1.0)]
+    scored = {s.view.engine_id: s.score for s in policy.score(REQUEST, views)}
+    assert scored == {"x0": 1.0, "x1": 0.0, "x2": 0.0, "missing": 0.0}
+    assert list(policy.score(REQUEST, [])) == []
+
+
+def test_ties_are_broken_by_seeded_shuffle() -> None:
+    """Equal scores: not always the first engine, but reproducible per seed."""
+    views = [view(f"e{i}") for i in range(6)]
+
+    def first_choices(seed: int) -> list[str]:
+        policy = build_policy("least_load", dataclasses.replace(SchedulerConfig(), placement_seed=seed), REGISTRY)
+        return [policy.score(REQUEST, views)[0].view.engine_id for _ in range(20)]
+
+    assert first_choices(1) == first_choices(1)
+    assert len(set(first_choices(1))) > 1
+
+
+def test_registry_rejects_duplicates_and_unknown_names() -> None:
+    registry = builtin_registry(SchedulerConfig())
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register_filter("model", registry.filters["model"])
+    with pytest.raises(ConfigError, match="unknown scorer 'nope'.*registered"):
+        registry.make_scorer("nope", "scheduler.policy_profiles.x.scorers")
+
+
+@pytest.mark.parametrize("name", sorted(builtin_profiles()))
+def test_every_builtin_policy_builds_and_places(name: str) -> None:
+    policy = build_policy(name, SchedulerConfig(), REGISTRY)
+    views = [view("a"), view("b", leases=3)]
+    placement = policy.place(REQUEST, views, policy.approx or _NoKv(), 16, 256)
+    assert placement is not None and placement.view.engine_id in ("a", "b")
+    assert policy.place(REQUEST, [], _NoKv(), 16, 256) is None
+
+
+class _NoKv:
+    def prefix_matches(self, prefix, engines):  # type: ignore[no-untyped-def]
+        return {e: 0 for e in engines}
+
+
+def test_custom_profile_from_config() -> None:
+    from services.common.config import PolicyProfileConfig
+
+    config = SchedulerConfig(policy_profiles={"mine": PolicyProfileConfig(scorers={"weight": 1.0})})
+    assert build_policy("mine", config, REGISTRY).name == "mine"
+    bad = SchedulerConfig(policy_profiles={"bad": PolicyProfileConfig(filters=["nope"])})
+    with pytest.raises(ConfigError, match="policy_profiles.bad.filters"):
+        build_policy("bad", bad, REGISTRY)
+
+
+# ---------------------------------------------------------------- queue policies
+
+@pytest.mark.parametrize("name", sorted(FAIRNESS_POLICIES))
+def test_fairness_policy_contract(name: str) -> None:
+    policy = FAIRNESS_POLICIES[name]()
+    state = FairnessState()
+    assert policy.next_tenant(state) is None and policy.rotation(state) == []
+    for tenant in ("a", "b", "a", "c"):
+        policy.joined(state, tenant)
+    assert sorted(policy.rotation(state)) == ["a", "b", "c"]          # each once
+    assert policy.next_tenant(state) == policy.rotation(state)[0]
+    assert policy.next_tenant(state) == policy.next_tenant(state)     # does not mutate
+    first = policy.next_tenant(state)
+    policy.served(state, first, still_queued=True)
+    assert first in policy.rotation(state) and policy.next_tenant(state) != first
+    policy.left(state, "b")
+    policy.left(state, "b")                                           # idempotent
+    assert "b" not in policy.rotation(state)
+
+
+@pytest.mark.parametrize("name", sorted(ORDERING_POLICIES))
+def test_ordering_policy_contract(name: str) -> None:
+    policy = ORDERING_POLICIES[name]()
+    entries = [
+        QueueEntry(AdmitOptions(request_id=f"r{i}", model="m", prompt_tokens=1), seq=i,
+                   arrival=1.0, base_class=1, cls=1, expires_at=9.0)
+        for i in range(5)
+    ]
+    keys = [policy.key(e) for e in entries]
+    assert len(set(keys)) == len(keys)                                # distinct on equal arrival
+    assert sorted(keys) == keys                                       # then admission order

@@ -1,0 +1,188 @@
+"""The scheduler over real gRPC, in process, on a free port: a fake engine's
+Connect stream, Admit streams queued then placed, cancellation, GetState."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.clock import FakeClock
+from services.common.grpc_server import client_options
+from services.common.proto.kvmesh.v1 import scheduler_pb2 as pb
+from services.common.proto.kvmesh.v1 import scheduler_pb2_grpc
+from services.scheduler.server import SchedulerService
+
+from .helpers import make_config
+
+TIMEOUT = 10.0
+
+
+@pytest.fixture
+async def stack() -> AsyncIterator[tuple[SchedulerService, scheduler_pb2_grpc.SchedulerStub, grpc.aio.Channel]]:
+    config = make_config(queued_update_seconds=0.1, tick_seconds=0.05)
+    service = SchedulerService(config, clock=FakeClock())
+    port = await service.start(port=0)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=client_options())
+    try:
+        yield service, scheduler_pb2_grpc.SchedulerStub(channel), channel
+    finally:
+        await channel.close()
+        await service.stop(grace=0.5)
+
+
+async def wait_state(
+    stub: scheduler_pb2_grpc.SchedulerStub, predicate: Callable[[pb.SchedulerState], bool]
+) -> pb.SchedulerState:
+    deadline = asyncio.get_running_loop().time() + TIMEOUT
+    while True:
+        state = await stub.GetState(pb.GetStateRequest(), timeout=TIMEOUT)
+        if predicate(state):
+            return state
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"state never matched: {state}")
+        await asyncio.sleep(0.02)
+
+
+def admit_msg(rid: str, tenant: str = "t", priority: int = 1) -> pb.AdmitClientMessage:
+    return pb.AdmitClientMessage(request=pb.AdmitRequest(
+        request_id=rid, model="m", tenant=tenant, priority=priority, prompt_tokens=64,
+        max_tokens=16, prefix_hashes=[1, 2, 3, 4]))
+
+
+def hello(engine_id: str = "eng-1") -> pb.EngineMessage:
+    return pb.EngineMessage(hello=pb.EngineHello(
+        engine_id=engine_id, address="127.0.0.1:1", model="m", block_size=16, total_blocks=1000,
+        max_running=4, weight=1.0, hash_block_tokens=16, backend="fake"))
+
+
+async def test_queued_then_placed_then_done(stack) -> None:
+    service, stub, channel = stack
+    health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING   # serving with zero engines
+
+    call = stub.Admit(timeout=TIMEOUT * 3)
+    await call.write(admit_msg("r1", priority=2))
+    first = await asyncio.wait_for(call.read(), TIMEOUT)
+    assert first.WhichOneof("msg") == "queued" and first.queued.position == 0
+    assert first.queued.priority == 2
+    update = await asyncio.wait_for(call.read(), TIMEOUT)               # periodic position update
+    assert update.WhichOneof("msg") == "queued"
+
+    state = await wait_state(stub, lambda s: s.queued_total == 1)
+    assert [(q.priority, q.tenant, q.queued) for q in state.queues] == [(2, "t", 1)]
+    assert state.policy == "sticky_until_saturated"
+
+    engine = stub.Connect(timeout=TIMEOUT * 3)
+    await engine.write(hello())
+    await engine.write(pb.EngineMessage(kv_snapshot=pb.KvSnapshot(seq=0, hashes=[1, 2])))
+    await engine.write(pb.EngineMessage(load=pb.LoadReport(serving=True, blocks_total=1000)))
+
+    msg = await asyncio.wait_for(call.read(), TIMEOUT)
+    while msg.WhichOneof("msg") == "queued":                              # an update may come first
+        msg = await asyncio.wait_for(call.read(), TIMEOUT)
+    assert msg.WhichOneof("msg") == "placed"
+    assert msg.placed.engine_id == "eng-1" and msg.placed.engine_address == "127.0.0.1:1"
+    assert msg.placed.cached_tokens == 32                                 # 2 hash blocks held
+
+    state = await wait_state(stub, lambda s: s.leases_total == 1)
+    (eng,) = state.engines
+    assert eng.leases == 1 and eng.blocks_reserved > 0 and eng.cached_blocks == 2 and eng.fresh
+
+    # the engine reports the request: its reservation settles
+    await engine.write(pb.EngineMessage(load=pb.LoadReport(
+        serving=True, blocks_total=1000, blocks_used=5, running=1, request_ids=["r1"])))
+    await wait_state(stub, lambda s: s.engines[0].blocks_reserved == 0)
+
+    # a KV seq gap makes the scheduler ask for a snapshot
+    await engine.write(pb.EngineMessage(kv_events=pb.KvEvents(seq=3, stored=[9])))
+    command = await asyncio.wait_for(engine.read(), TIMEOUT)
+    assert command.WhichOneof("cmd") == "resync"
+
+    await call.write(pb.AdmitClientMessage(first_token=pb.FirstToken()))
+    await call.write(pb.AdmitClientMessage(done=pb.RequestDone(completion_tokens=16)))
+    await call.done_writing()
+    assert await asyncio.wait_for(call.read(), TIMEOUT) is grpc.aio.EOF
+    await wait_state(stub, lambda s: s.leases_total == 0)
+
+    await engine.done_writing()
+    await wait_state(stub, lambda s: not s.engines)
+    engine.cancel()
+
+
+async def test_cancelled_admit_leaves_the_queue(stack) -> None:
+    service, stub, _ = stack
+    calls = []
+    for rid, tenant in (("a", "x"), ("b", "y")):
+        call = stub.Admit(timeout=TIMEOUT * 3)
+        await call.write(admit_msg(rid, tenant))
+        assert (await asyncio.wait_for(call.read(), TIMEOUT)).WhichOneof("msg") == "queued"
+        calls.append(call)
+    await wait_state(stub, lambda s: s.queued_total == 2)
+    calls[0].cancel()
+    state = await wait_state(stub, lambda s: s.queued_total == 1)
+    assert [q.tenant for q in state.queues] == ["y"]
+    calls[1].cancel()
+    await wait_state(stub, lambda s: s.queued_total == 0)
+
+
+async def test_engine_stream_close_drops_leases(stack) -> None:
+    service, stub, _ = stack
+    engine = stub.Connect(timeout=TIMEOUT * 3)
+    await engine.write(hello("eng-2"))
+    await engine.write(pb.EngineMessage(load=pb.LoadReport(serving=True, blocks_total=1000)))
+    await wait_state(stub, lambda s: len(s.engines) == 1 and s.engines[0].fresh)
+    call = stub.Admit(timeout=TIMEOUT * 3)
+    await call.write(admit_msg("r"))
+    kinds = []
+    while "placed" not in kinds:
+        kinds.append((await asyncio.wait_for(call.read(), TIMEOUT)).WhichOneof("msg"))
+    engine.cancel()
+    await wait_state(stub, lambda s: not s.engines and s.leases_total == 0)
+    # the gateway asks for a replacement; no engine is left -> rejected
+    await call.write(pb.AdmitClientMessage(replace=pb.Replace(
+        exclude_engines=["eng-2"], prompt_tokens=80, max_tokens=8)))
+    msg = await asyncio.wait_for(call.read(), TIMEOUT)
+    assert msg.WhichOneof("msg") == "rejected"
+    assert msg.rejected.code == pb.REJECT_CODE_NO_ENGINE
+    assert await asyncio.wait_for(call.read(), TIMEOUT) is grpc.aio.EOF
+
+
+async def test_protocol_errors_get_clear_status(stack) -> None:
+    _, stub, _ = stack
+    engine = stub.Connect(timeout=TIMEOUT)
+    bad = hello()
+    bad.hello.block_size = 10
+    await engine.write(bad)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await engine.read()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "block_size" in info.value.details()
+
+    call = stub.Admit(timeout=TIMEOUT)
+    await call.write(pb.AdmitClientMessage(first_token=pb.FirstToken()))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call.read()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    call = stub.Admit(timeout=TIMEOUT)
+    await call.write(admit_msg("bad", priority=7))
+    msg = await call.read()
+    assert msg.rejected.code == pb.REJECT_CODE_INVALID and "priority" in msg.rejected.message
+    assert await call.read() is grpc.aio.EOF
+
+
+async def test_stop_rejects_queued_with_draining(stack) -> None:
+    service, stub, _ = stack
+    call = stub.Admit(timeout=TIMEOUT * 3)
+    await call.write(admit_msg("r"))
+    assert (await asyncio.wait_for(call.read(), TIMEOUT)).WhichOneof("msg") == "queued"
+    stop = asyncio.create_task(service.stop(grace=1.0))
+    msg = await asyncio.wait_for(call.read(), TIMEOUT)
+    while msg.WhichOneof("msg") == "queued":
+        msg = await asyncio.wait_for(call.read(), TIMEOUT)
+    assert msg.rejected.code == pb.REJECT_CODE_DRAINING
+    await stop

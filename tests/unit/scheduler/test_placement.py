@@ -1,0 +1,252 @@
+"""Placement policies, reservations, the engine registry and the KV index."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from services.common.config import ConfigError
+from services.scheduler.records import PlacedInfo, QueuedInfo, RejectedInfo, RejectReason
+
+from .helpers import add_engine, make_core, opts, placed_engine, report_load
+
+PREFIX = tuple(range(1, 9))     # 8 hash blocks = 128 tokens
+
+
+def place(core, rid: str, **kw) -> str | None:
+    first = core.admit(opts(rid, **kw))
+    if isinstance(first, PlacedInfo):
+        return first.engine_id
+    return placed_engine(core.dispatch(), rid) or (
+        core.lease_of(rid).engine_id if core.lease_of(rid) else None)
+
+
+# ---------------------------------------------------------------- sticky_until_saturated
+
+def test_sticky_keeps_prefix_on_its_engine_then_spills_when_saturated() -> None:
+    core, _ = make_core(policy="sticky_until_saturated", sticky_margin_seconds=0.5)
+    t1 = add_engine(core, "e1", max_running=8)
+    add_engine(core, "e2", max_running=8)
+    core.engine_kv_snapshot("e1", t1, 0, PREFIX)
+
+    assert place(core, "r1", prompt_tokens=128, prefix_hashes=PREFIX) == "e1"
+    assert core.lease_of("r1").cached_tokens == 128
+    # moderately busy: queueing 0.5 s more than e2, within the margin -> stays
+    report_load(core, "e1", t1, running=8, waiting=1)
+    assert place(core, "r2", prompt_tokens=128, prefix_hashes=PREFIX) == "e1"
+    # saturated: far more queueing than the cold engine -> spills to least load
+    report_load(core, "e1", t1, running=8, waiting=12)
+    assert place(core, "r3", prompt_tokens=128, prefix_hashes=PREFIX) == "e2"
+
+
+def test_sticky_cold_prefix_goes_to_least_loaded() -> None:
+    core, _ = make_core(policy="sticky_until_saturated")
+    t1 = add_engine(core, "e1")
+    add_engine(core, "e2")
+    report_load(core, "e1", t1, running=6)
+    assert place(core, "r", prefix_hashes=(99,)) == "e2"
+
+
+# ---------------------------------------------------------------- other policies
+
+def test_round_robin_cycles() -> None:
+    core, _ = make_core(policy="round_robin")
+    for e in ("e1", "e2", "e3"):
+        add_engine(core, e)
+    placed = [place(core, f"r{i}", prefix_hashes=PREFIX) for i in range(6)]
+    assert placed == ["e1", "e2", "e3", "e1", "e2", "e3"]
+
+
+def test_least_load_prefers_idle_engine() -> None:
+    core, _ = make_core(policy="least_load")
+    t1 = add_engine(core, "e1", max_running=16)
+    add_engine(core, "e2", max_running=16)
+    report_load(core, "e1", t1, running=5)
+    placed = [place(core, f"r{i}") for i in range(5)]
+    assert placed == ["e2"] * 5          # e2 catches up to e1's 5 first
+
+
+def test_least_load_spreads_in_proportion_to_capacity() -> None:
+    core, _ = make_core(policy="least_load")
+    add_engine(core, "small", weight=1.0, total_blocks=2000, max_running=100)
+    add_engine(core, "big", weight=2.0, total_blocks=4000, max_running=100)
+    counts = Counter(place(core, f"r{i}") for i in range(30))
+    assert 18 <= counts["big"] <= 22 and counts["small"] + counts["big"] == 30
+
+
+def test_prefix_approx_remembers_where_it_sent_a_prefix() -> None:
+    core, _ = make_core(policy="prefix_approx")
+    add_engine(core, "e1")
+    add_engine(core, "e2")
+    first = place(core, "a1", prompt_tokens=128, prefix_hashes=PREFIX)
+    # same prefix follows, though the other engine is idler; no KV events were sent
+    assert place(core, "a2", prompt_tokens=128, prefix_hashes=PREFIX) == first
+    assert core.lease_of("a2").cached_tokens == 128
+    other = place(core, "b1", prompt_tokens=128, prefix_hashes=(50, 51))
+    assert other != first
+
+
+def test_kv_precise_follows_engine_kv_events() -> None:
+    core, _ = make_core(policy="kv_precise")
+    add_engine(core, "e1")
+    t2 = add_engine(core, "e2")
+    core.engine_kv_snapshot("e2", t2, 0, [])
+    assert not core.engine_kv_events("e2", t2, 1, PREFIX[:4], [], False)
+    assert place(core, "r", prompt_tokens=128, prefix_hashes=PREFIX) == "e2"
+    assert core.lease_of("r").cached_tokens == 64
+
+
+def test_unknown_policy_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="scheduler.policy"):
+        make_core(policy="fastest")
+
+
+# ---------------------------------------------------------------- reservations
+
+def test_reservations_prevent_overfilling_in_a_burst_between_reports() -> None:
+    core, _ = make_core(policy="least_load", decode_headroom_tokens=256)
+    token = add_engine(core, "e1", total_blocks=100, max_running=64)
+    # each request: 320 prompt + 16 decode tokens = 21 blocks -> 4 fit in 100
+    for i in range(10):
+        core.admit(opts(f"r{i}", prompt_tokens=320, max_tokens=16))
+    core.dispatch()
+    placed = [f"r{i}" for i in range(10) if core.lease_of(f"r{i}")]
+    assert len(placed) == 4
+    assert core.reservations.reserved("e1") == 84
+    # the report shows them: reservations settle into blocks_used, still no room
+    report_load(core, "e1", token, blocks_used=84, running=4, request_ids=placed)
+    assert core.reservations.reserved("e1") == 0
+    assert sum(1 for i in range(10) if core.lease_of(f"r{i}")) == 4
+    # two finish; the next report frees their blocks -> exactly two more placed
+    core.done(placed[0])
+    core.done(placed[1])
+    report_load(core, "e1", token, blocks_used=42, running=2, request_ids=placed[2:])
+    assert sum(1 for i in range(10) if core.lease_of(f"r{i}")) == 4
+    assert core.queued_total() == 4
+
+
+def test_lease_slots_cap_in_flight_work() -> None:
+    core, _ = make_core(engine_queue_slack=2)
+    add_engine(core, "e1", max_running=3)
+    for i in range(10):
+        core.admit(opts(f"r{i}"))
+    core.dispatch()
+    assert sum(1 for i in range(10) if core.lease_of(f"r{i}")) == 5
+
+
+# ---------------------------------------------------------------- registry and KV index
+
+def test_stale_engine_is_not_placed_on() -> None:
+    core, clock = make_core(stale_report_seconds=2.0)
+    token = add_engine(core, "e1", report=True)
+    clock.advance(2.5)
+    assert isinstance(core.admit(opts("r")), QueuedInfo)
+    core.dispatch()
+    assert core.lease_of("r") is None
+    assert core.state().engines[0].view.fresh is False
+    report_load(core, "e1", token)
+    assert core.lease_of("r").engine_id == "e1"
+
+
+def test_closed_engine_drops_kv_entries_and_leases() -> None:
+    core, _ = make_core(policy="kv_precise")
+    t1 = add_engine(core, "e1")
+    core.engine_kv_snapshot("e1", t1, 0, PREFIX)
+    assert place(core, "r", prompt_tokens=128, prefix_hashes=PREFIX) == "e1"
+    core.engine_closed("e1", t1)
+    assert core.kv.blocks("e1") == 0
+    assert core.kv.prefix_matches(PREFIX, ["e1"]) == {"e1": 0}
+    assert core.lease_of("r") is None
+    assert core.request_state("r").value == "orphaned"
+    assert core.state().leases_total == 0 and core.state().engines == []
+
+
+def test_late_close_of_a_replaced_stream_is_ignored() -> None:
+    core, _ = make_core()
+    old = add_engine(core, "e1")
+    new = add_engine(core, "e1")         # reconnect before the old stream's close arrived
+    core.engine_closed("e1", old)
+    assert core.engines.get("e1") is not None
+    core.engine_closed("e1", new)
+    assert core.engines.get("e1") is None
+
+
+def test_kv_seq_gap_triggers_resync_and_snapshot_recovers() -> None:
+    core, _ = make_core()
+    t = add_engine(core, "e1")
+    assert core.engine_kv_events("e1", t, 1, [1], [], False) is True     # events before snapshot
+    core.engine_kv_snapshot("e1", t, 5, [1, 2])
+    assert core.engine_kv_events("e1", t, 6, [3], [1], False) is False
+    assert core.kv.blocks("e1") == 2
+    assert core.engine_kv_events("e1", t, 8, [4], [], False) is True     # 7 went missing
+    assert core.engine_kv_events("e1", t, 9, [5], [], False) is False    # ignored until snapshot
+    assert not core.kv.holds("e1", 5)
+    core.engine_kv_snapshot("e1", t, 20, [2, 3, 4, 5])
+    assert core.engine_kv_events("e1", t, 21, [], [], True) is False     # cleared
+    assert core.kv.blocks("e1") == 0
+    assert core.metrics.value("kvmesh_scheduler_kv_resyncs_total") == 2
+
+
+# ---------------------------------------------------------------- replace and re-attach
+
+def test_replace_places_elsewhere_ahead_of_the_queue() -> None:
+    core, _ = make_core(engine_queue_slack=0, policy="least_load")
+    tokens = {"e1": add_engine(core, "e1", max_running=1), "e2": add_engine(core, "e2", max_running=1)}
+    first = place(core, "r1")
+    second = place(core, "r2")
+    assert {first, second} == {"e1", "e2"}
+    assert isinstance(core.admit(opts("r3")), QueuedInfo)
+    core.dispatch()
+    core.engine_closed(first, tokens[first])
+    assert core.request_state("r1").value == "orphaned"
+    # r1's engine failed: nothing free on the other engine yet -> waits in the lane
+    assert core.replace("r1", [first], 200, 10, []) == []
+    assert core.request_state("r1").value == "replacing"
+    # room appears on the other engine: the replacement goes before queued r3
+    out = dict(core.done("r2"))
+    assert isinstance(out["r1"], PlacedInfo) and out["r1"].engine_id == second
+    assert core.request_state("r3").value == "queued"
+
+
+def test_replace_with_every_engine_excluded_is_rejected() -> None:
+    core, _ = make_core()
+    add_engine(core, "e1")
+    assert place(core, "r") == "e1"
+    out = dict(core.replace("r", ["e1"], 40, 10, []))
+    assert isinstance(out["r"], RejectedInfo) and out["r"].reason is RejectReason.NO_ENGINE
+    assert core.request_state("r") is None
+
+
+def test_replace_while_queued_is_invalid() -> None:
+    core, _ = make_core()
+    add_engine(core, "e1", report=False)
+    core.admit(opts("r"))
+    out = dict(core.replace("r", [], 40, 10, []))
+    assert out["r"].reason is RejectReason.INVALID
+
+
+def test_reattach_after_scheduler_restart() -> None:
+    core, _ = make_core()
+    add_engine(core, "e1")
+    placed = core.admit(opts("r", running_on_engine="e1"))
+    assert isinstance(placed, PlacedInfo) and placed.engine_id == "e1"
+    assert core.reservations.reserved("e1") == 0
+    assert core.state().engines[0].view.leases == 1
+    # unknown engine -> placed normally
+    assert isinstance(core.admit(opts("s", running_on_engine="gone")), QueuedInfo)
+    core.dispatch()
+    assert core.lease_of("s").engine_id == "e1"
+
+
+def test_finish_is_idempotent_and_frees_everything() -> None:
+    core, _ = make_core()
+    add_engine(core, "e1")
+    place(core, "r")
+    core.first_token("r")
+    core.done("r")
+    core.done("r")
+    core.withdraw("r")
+    assert core.state().leases_total == 0
+    assert core.reservations.reserved("e1") == 0
+    assert core.metrics.value("kvmesh_scheduler_requests_finished_total", {"outcome": "done"}) == 1
