@@ -31,7 +31,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="module")
 def e2e_mesh(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     """Scheduler, two sim engines, gateways (one, or the test module's
-    MESH_GATEWAYS) and Envoy, serving tiny-llama.
+    MESH_GATEWAYS) and Envoy, serving tiny-llama. A module may also set
+    MESH_TOPOLOGY (an edge topology path relative to the repo root) and
+    MESH_TUNE (a function changing the MeshConfig before start).
 
     The sim runs at half the default simulated GPU speed (a few ms per token):
     streams take visible time, so a test can leave mid-stream, yet whole
@@ -44,6 +46,12 @@ def e2e_mesh(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         pytest.skip(".models/tiny-llama is missing: run `make setup`")
     config = load_config(ROOT / "config" / "kvmesh.yaml")
     config.engines.template.sim.speed_factor = 0.5
+    topology = getattr(request.module, "MESH_TOPOLOGY", None)
+    if topology:
+        config.envoy.topology = topology
+    tune = getattr(request.module, "MESH_TUNE", None)
+    if tune is not None:
+        tune(config)
     options = MeshOptions(
         engines=2, backend="sim", gateways=getattr(request.module, "MESH_GATEWAYS", 1), model="tiny-llama", free_ports=True,
         run_dir=tmp_path_factory.mktemp("mesh"),

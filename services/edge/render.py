@@ -22,6 +22,13 @@ What the rendered Envoy does, and why:
   OpenAI-style JSON error body; gRPC callers get a gRPC status instead.
 - x-request-id: kept when the client sends one, generated otherwise,
   forwarded to the gateway and echoed in the response; JSON access log on stdout.
+- CORS: allowed origins' preflights are answered by Envoy; any other
+  preflight gets 403 from Envoy (never reaches a gateway).
+- Local rate limit: a global bucket and/or one bucket per Authorization
+  header value (per API key); 429 + Retry-After.
+- Optional TLS with ALPN h2/http1.1; the browser chat page (web/) is served
+  by Envoy from files read at start-up.
+- Admin (and /stats/prometheus) on loopback only (checked by the topology).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from typing import Any
 
 import yaml
 
+from services.edge.devcerts import DEFAULT_DIR as DEV_CERT_DIR
 from services.edge.topology import GatewayEndpoint, Topology, TopologyError, load_topology
 
 __all__ = ["ENVOY_DIR", "RENDERED_DIR", "main", "render", "render_yaml", "rendered_path_for"]
@@ -50,6 +58,18 @@ _TYPE = "@type"
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 _FILTER_CONFIG = "type.googleapis.com/envoy.config.route.v3.FilterConfig"
+
+# Web page files Envoy serves: URL path -> (file in web.root, content type).
+WEB_FILES = {
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/chat.js": ("chat.js", "text/javascript; charset=utf-8"),
+    "/chat.css": ("chat.css", "text/css; charset=utf-8"),
+}
+# The page loads only its own files and talks only to this origin.
+_PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+             "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+# Envoy's default cap on a direct response body is 4 KiB; the page is bigger.
+_MAX_DIRECT_RESPONSE_BYTES = 1_048_576
 
 # Paths that are gRPC even if a client forgot the content-type.
 _GRPC_PATH_PREFIXES = ("/kvmesh.v1.", "/grpc.reflection.", "/grpc.health.")
@@ -114,6 +134,7 @@ def _routes(topology: Topology) -> list[dict[str, Any]]:
             "match": {"path": "/healthz"},
             "direct_response": {"status": 200, "body": {"inline_string": "ok\n"}},
         },
+        *_web_routes(topology),
         {
             "name": "grpc",
             "match": {
@@ -130,6 +151,31 @@ def _routes(topology: Topology) -> list[dict[str, Any]]:
     routes.append({"name": "openai", "match": {"prefix": "/v1/"}, "route": http})
     # Everything else the gateway's HTTP side serves (/health, /v1 without slash...).
     routes.append({"name": "gateway_http", "match": {"prefix": "/"}, "route": http})
+    return routes
+
+
+def _web_routes(topology: Topology) -> list[dict[str, Any]]:
+    if not topology.web.enabled:
+        return []
+    routes = []
+    for path, (name, content_type) in WEB_FILES.items():
+        headers = {
+            "content-type": content_type,
+            "cache-control": "no-cache",
+            "x-content-type-options": "nosniff",
+            "referrer-policy": "no-referrer",
+        }
+        if name.endswith(".html"):
+            headers["content-security-policy"] = _PAGE_CSP
+        routes.append({
+            "name": f"web{path.replace('/', '_').replace('.', '_')}",
+            "match": {"path": path, "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]},
+            "direct_response": {"status": 200, "body": {"filename": str(Path(topology.web.root) / name)}},
+            "response_headers_to_add": [
+                {"append_action": "OVERWRITE_IF_EXISTS_OR_ADD", "header": {"key": k, "value": v}}
+                for k, v in headers.items()
+            ],
+        })
     return routes
 
 
@@ -160,31 +206,30 @@ def _http_filters(topology: Topology) -> list[dict[str, Any]]:
             "name": "envoy.filters.http.cors",
             "typed_config": {_TYPE: "type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors"},
         })
-    rate = topology.rate_limit
-    if rate.requests_per_second > 0:
-        burst = rate.burst or max(1, int(rate.requests_per_second))
-        # Token bucket refilled every 100 ms keeps the rate smooth.
-        tokens_per_fill = max(1, round(rate.requests_per_second / 10))
-        fill_seconds = tokens_per_fill / rate.requests_per_second
-        filters.append({
-            "name": "envoy.filters.http.local_ratelimit",
-            "typed_config": {
-                _TYPE: "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
-                "stat_prefix": "edge_rate_limit",
-                "token_bucket": {
-                    "max_tokens": burst,
-                    "tokens_per_fill": tokens_per_fill,
-                    "fill_interval": _seconds(max(fill_seconds, 0.001)),
+    # The CORS filter answered every preflight from an allowed origin (it
+    # needs a routed request to find its policy, so this cannot be a route);
+    # any preflight still here is from another origin: 403 from Envoy.
+    filters.append({
+        "name": "envoy.filters.http.rbac",
+        "typed_config": {
+            _TYPE: "type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC",
+            "rules": {
+                "action": "DENY",
+                "policies": {
+                    "foreign_cors_preflight": {
+                        "permissions": [{"and_rules": {"rules": [
+                            {"header": {"name": ":method", "string_match": {"exact": "OPTIONS"}}},
+                            {"header": {"name": "access-control-request-method", "present_match": True}},
+                        ]}}],
+                        "principals": [{"any": True}],
+                    }
                 },
-                "filter_enabled": {"default_value": {"numerator": 100, "denominator": "HUNDRED"}},
-                "filter_enforced": {"default_value": {"numerator": 100, "denominator": "HUNDRED"}},
-                "rate_limited_as_resource_exhausted": True,
-                "response_headers_to_add": [
-                    {"append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-                     "header": {"key": "retry-after", "value": "1"}}
-                ],
             },
-        })
+        },
+    })
+    limiter = _local_rate_limit(topology)
+    if limiter is not None:
+        filters.append(limiter)
     filters.append({
         "name": "envoy.filters.http.body_size_limit",
         "typed_config": {
@@ -218,6 +263,55 @@ def _http_filters(topology: Topology) -> list[dict[str, Any]]:
     return filters
 
 
+def _bucket(rate: float, burst: int) -> dict[str, Any]:
+    """A token bucket of `rate` requests/s holding `burst` (0 = one second's
+    worth), refilled every ~100 ms so the rate stays smooth."""
+    tokens_per_fill = max(1, round(rate / 10))
+    return {
+        "max_tokens": burst or max(1, int(rate)),
+        "tokens_per_fill": tokens_per_fill,
+        "fill_interval": _seconds(max(tokens_per_fill / rate, 0.001)),
+    }
+
+
+def _local_rate_limit(topology: Topology) -> dict[str, Any] | None:
+    rate = topology.rate_limit
+    per_key = rate.per_key_requests_per_second > 0
+    if rate.requests_per_second <= 0 and not per_key:
+        return None
+    config: dict[str, Any] = {
+        _TYPE: "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
+        "stat_prefix": "edge_rate_limit",
+        # The default bucket is the global guard; without one it must never run dry.
+        "token_bucket": (_bucket(rate.requests_per_second, rate.burst) if rate.requests_per_second > 0
+                         else {"max_tokens": 1_000_000_000, "tokens_per_fill": 1_000_000_000,
+                               "fill_interval": "1s"}),
+        "filter_enabled": {"default_value": {"numerator": 100, "denominator": "HUNDRED"}},
+        "filter_enforced": {"default_value": {"numerator": 100, "denominator": "HUNDRED"}},
+        "rate_limited_as_resource_exhausted": True,
+        "response_headers_to_add": [
+            {"append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+             "header": {"key": "retry-after", "value": "1"}}
+        ],
+    }
+    if per_key:
+        # A descriptor entry without a value is a wildcard: Envoy keeps one
+        # bucket per distinct header value (up to max_keys, LRU). No header
+        # -> no descriptor -> only the global bucket applies.
+        config.update({
+            "always_consume_default_token_bucket": rate.requests_per_second > 0,
+            "max_dynamic_descriptors": rate.max_keys,
+            "rate_limits": [
+                {"actions": [{"request_headers": {"header_name": "authorization", "descriptor_key": "api_key"}}]}
+            ],
+            "descriptors": [
+                {"entries": [{"key": "api_key"}],
+                 "token_bucket": _bucket(rate.per_key_requests_per_second, rate.per_key_burst)}
+            ],
+        })
+    return {"name": "envoy.filters.http.local_ratelimit", "typed_config": config}
+
+
 def _error_mapper(status: int | None, error_type: str, message: str) -> dict[str, Any]:
     """A local-reply mapper giving Envoy's own HTTP errors an OpenAI error body."""
     if status is None:
@@ -248,6 +342,9 @@ def _local_reply_config(topology: Topology) -> dict[str, Any]:
                 f"request body larger than {topology.max_request_bytes} bytes; send a smaller prompt",
             ),
             _error_mapper(429, "rate_limit_error", "too many requests at the edge; retry after a second"),
+            # Only the preflight guard answers 403 at the edge.
+            _error_mapper(403, "permission_error",
+                          "CORS preflight refused: the Origin is not in the edge's cors.allow_origins"),
             _error_mapper(None, "edge_error", "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)"),
         ]
     }
@@ -264,6 +361,16 @@ def _listener(topology: Topology) -> dict[str, Any]:
         # Keep a client's own x-request-id so its logs and ours line up.
         "preserve_external_request_id": True,
         "always_set_request_id_in_response": True,
+        # Envoy's default UUID extension rewrites one character of a 36-char
+        # id to pack tracing state into it; the id must reach the gateway,
+        # scheduler and engine exactly as the client sent it.
+        "request_id_extension": {
+            "typed_config": {
+                _TYPE: "type.googleapis.com/envoy.extensions.request_id.uuid.v3.UuidRequestIdConfig",
+                "pack_trace_reason": False,
+                "use_request_id_for_trace_sampling": False,
+            }
+        },
         "request_timeout": "0s",
         "request_headers_timeout": _seconds(t.request_headers_seconds),
         "stream_idle_timeout": _seconds(t.stream_idle_seconds),
@@ -287,20 +394,43 @@ def _listener(topology: Topology) -> dict[str, Any]:
             }
         ],
         "local_reply_config": _local_reply_config(topology),
-        "route_config": {"name": "kvmesh", "virtual_hosts": [_virtual_host(topology)]},
+        "route_config": {
+            "name": "kvmesh",
+            "virtual_hosts": [_virtual_host(topology)],
+            "max_direct_response_body_size_bytes": _MAX_DIRECT_RESPONSE_BYTES,
+        },
         "http_filters": _http_filters(topology),
     }
+    chain: dict[str, Any] = {
+        "filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]
+    }
+    if topology.tls.enabled:
+        chain["transport_socket"] = _tls_socket(topology)
     return {
         "name": "public",
         "address": _socket(topology.listener.host, topology.listener.port),
         "per_connection_buffer_limit_bytes": 1_048_576,
-        "filter_chains": [
-            {
-                "filters": [
-                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
-                ]
-            }
-        ],
+        "filter_chains": [chain],
+    }
+
+
+def _tls_socket(topology: Topology) -> dict[str, Any]:
+    tls = topology.tls
+    cert = tls.cert_chain or f"{DEV_CERT_DIR}/server.pem"
+    key = tls.private_key or f"{DEV_CERT_DIR}/server-key.pem"
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            _TYPE: "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+            "common_tls_context": {
+                # h2 first: gRPC requires it, browsers prefer it; HTTP/1.1 for the rest.
+                "alpn_protocols": ["h2", "http/1.1"],
+                "tls_params": {"tls_minimum_protocol_version": "TLSv1_2"},
+                "tls_certificates": [
+                    {"certificate_chain": {"filename": cert}, "private_key": {"filename": key}}
+                ],
+            },
+        },
     }
 
 

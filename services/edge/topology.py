@@ -14,6 +14,7 @@ mesh config (actual ports) with `Topology.with_ports`.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,9 +30,11 @@ __all__ = [
     "ListenerSpec",
     "RateLimitSpec",
     "TimeoutSpec",
+    "TlsSpec",
     "Topology",
     "TopologyError",
     "TranscoderSpec",
+    "WebSpec",
     "load_topology",
 ]
 
@@ -108,12 +111,23 @@ class HealthCheckSpec:
 
 @dataclass
 class RateLimitSpec:
-    """Envoy's local rate limit: the coarse outer guard per Envoy instance
-    (per-key token buckets live in the gateway). 0 = off."""
+    """Envoy's local rate limit: the coarse outer guard per Envoy instance,
+    in front of the gateway's own per-key request/token buckets. Answers 429
+    (gRPC RESOURCE_EXHAUSTED) with Retry-After. Each rate 0 = off."""
 
+    # One bucket for every request through this Envoy.
     requests_per_second: float = 0.0
     # Requests allowed in a burst above the rate; 0 = one second's worth.
     burst: int = 0
+    # One bucket per distinct Authorization header value (per API key), so
+    # one flooding key cannot starve the others at the edge. Requests
+    # without the header only meet the global bucket above.
+    per_key_requests_per_second: float = 0.0
+    # 0 = one second's worth.
+    per_key_burst: int = 0
+    # Most per-key buckets Envoy keeps (LRU); a key evicted and seen again
+    # starts with a full bucket. 10k keys cost well under a megabyte.
+    max_keys: int = 10_000
 
 
 @dataclass
@@ -138,6 +152,30 @@ class TranscoderSpec:
 
 
 @dataclass
+class TlsSpec:
+    """TLS on the public listener, ALPN h2 + http/1.1 (gRPC and browsers get
+    HTTP/2, curl without --http2 gets HTTP/1.1); off = plaintext h2c/HTTP/1.1."""
+
+    enabled: bool = False
+    # PEM files, relative to the repository root. Both empty = development
+    # certificates `kvmesh up` generates in <run_dir>/tls (a local CA,
+    # ca.pem, that clients trust explicitly; server cert for localhost and
+    # 127.0.0.1). Never use the dev CA outside one machine.
+    cert_chain: str = ""
+    private_key: str = ""
+
+
+@dataclass
+class WebSpec:
+    """The browser chat page, served by Envoy itself (direct responses read
+    from these files when Envoy starts), so no web server is needed."""
+
+    enabled: bool = True
+    # Folder with index.html, chat.js and chat.css; relative to the repo root.
+    root: str = "web"
+
+
+@dataclass
 class Topology:
     listener: ListenerSpec = field(default_factory=ListenerSpec)
     admin: AdminSpec = field(default_factory=AdminSpec)
@@ -155,6 +193,8 @@ class Topology:
     rate_limit: RateLimitSpec = field(default_factory=RateLimitSpec)
     cors: CorsSpec = field(default_factory=CorsSpec)
     transcoder: TranscoderSpec = field(default_factory=TranscoderSpec)
+    tls: TlsSpec = field(default_factory=TlsSpec)
+    web: WebSpec = field(default_factory=WebSpec)
     # Cap on concurrent downstream connections (Envoy's overload manager).
     max_connections: int = 50_000
 
@@ -163,6 +203,11 @@ class Topology:
         heartbeat, also check that no idle timeout can cut a live stream."""
         _port(self.listener.port, "listener.port")
         _port(self.admin.port, "admin.port")
+        if not _is_loopback(self.admin.host):
+            raise TopologyError(
+                f"admin.host: {self.admin.host} is not a loopback address; Envoy's admin "
+                "interface (and /stats/prometheus) can reconfigure Envoy, keep it on 127.0.0.1"
+            )
         if not self.gateways:
             raise TopologyError("gateways: at least one gateway replica is required")
         for i, gw in enumerate(self.gateways):
@@ -181,8 +226,13 @@ class Topology:
             raise TopologyError("max_request_bytes: must be within 1 KiB .. 64 MiB")
         if not 0 <= self.connect_retries <= 10:
             raise TopologyError("connect_retries: must be within 0 .. 10")
-        if self.rate_limit.requests_per_second < 0 or self.rate_limit.burst < 0:
-            raise TopologyError("rate_limit: requests_per_second and burst must be >= 0")
+        rate = self.rate_limit
+        if min(rate.requests_per_second, rate.burst, rate.per_key_requests_per_second, rate.per_key_burst) < 0:
+            raise TopologyError("rate_limit: rates and bursts must be >= 0")
+        if not 1 <= rate.max_keys <= 1_000_000:
+            raise TopologyError("rate_limit.max_keys: must be within 1 .. 1000000")
+        if bool(self.tls.cert_chain) != bool(self.tls.private_key):
+            raise TopologyError("tls: give both cert_chain and private_key, or neither (dev certificates)")
         if self.max_connections < 1:
             raise TopologyError("max_connections: must be >= 1")
         if heartbeat_seconds is not None and heartbeat_seconds > 0:
@@ -207,6 +257,33 @@ class Topology:
         return dataclasses.replace(
             self, listener=listener, admin=admin, gateways=list(gateways), transcoder=transcoder
         )
+
+    def with_files(self, root: Path, cert_chain: str = "", private_key: str = "") -> Topology:
+        """A copy whose file settings (descriptor, web root, TLS files) are
+        absolute, resolved against `root`, so Envoy may run from any folder;
+        `cert_chain`/`private_key` fill in TLS files left empty (dev certs)."""
+        def resolve(path: str) -> str:
+            return path if not path or Path(path).is_absolute() else str(root / path)
+
+        tls = dataclasses.replace(self.tls)
+        if tls.enabled and not tls.cert_chain:
+            tls.cert_chain, tls.private_key = cert_chain, private_key
+        tls.cert_chain, tls.private_key = resolve(tls.cert_chain), resolve(tls.private_key)
+        return dataclasses.replace(
+            self,
+            transcoder=dataclasses.replace(self.transcoder, descriptor=resolve(self.transcoder.descriptor)),
+            web=dataclasses.replace(self.web, root=resolve(self.web.root)),
+            tls=tls,
+        )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _port(value: int, where: str) -> None:

@@ -80,14 +80,19 @@ class AdmitSession:
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             raise from_scheduler_rpc_error(exc if isinstance(exc, grpc.aio.AioRpcError) else None) from exc
 
-    async def finish(self, done: scheduler_pb2.RequestDone) -> None:
-        """Report the outcome, half-close, and let the scheduler end the stream."""
+    async def report_done(self, done: scheduler_pb2.RequestDone) -> None:
+        """Send the outcome and half-close (cheap: no round trip). Call
+        `close()` afterwards to release the stream."""
         if self._finished:
             return
         self._finished = True
-        try:
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
             await self._call.write(scheduler_pb2.AdmitClientMessage(done=done))
             await self._call.done_writing()
+
+    async def close(self) -> None:
+        """Let the scheduler end the stream (bounded wait), then make sure it is over."""
+        try:
             async with asyncio.timeout(_CLOSE_GRACE_SECONDS):
                 while await self._call.read() is not grpc.aio.EOF:
                     pass
@@ -133,9 +138,9 @@ class AdmissionClient:
         return self.channel.get_state(try_to_connect=True)
 
     async def open(self, request: scheduler_pb2.AdmitRequest) -> AdmitSession:
-        # wait_for_ready: a scheduler restarting for a moment is normal
-        # (soft state); the driver bounds the whole wait.
-        session = AdmitSession(self._stub.Admit(wait_for_ready=True))
+        # Fail fast (no wait_for_ready): an unreachable scheduler is a 503 now,
+        # not a hang. A restart while queued is re-admitted by the driver.
+        session = AdmitSession(self._stub.Admit())
         try:
             await session.send_request(request)
         except GatewayError:

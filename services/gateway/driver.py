@@ -176,8 +176,9 @@ class GenerationDriver:
             progress.session.cancel()
             raise
         self._metrics.finished.labels(finished.reason.value).inc()
-        await emit(finished)
-        await progress.session.finish(
+        # `done` goes out before the client's last event, so a transport that
+        # stops reading right after `Finished` cannot lose it.
+        await progress.session.report_done(
             scheduler_pb2.RequestDone(
                 prompt_tokens=finished.usage.prompt_tokens,
                 completion_tokens=finished.usage.completion_tokens,
@@ -185,6 +186,8 @@ class GenerationDriver:
                 finish_reason=finished.reason.value,
             )
         )
+        await emit(finished)
+        await progress.session.close()
 
     async def _wait_placed(self, job: Job, progress: _Progress, emit: Emit) -> scheduler_pb2.Placed:
         """Relay `queued` until `placed`. A scheduler that restarts while we
@@ -331,7 +334,8 @@ class GenerationDriver:
 class EventStream:
     """Runs a driver in its own task behind a bounded queue, and adds
     heartbeats: if nothing was sent for `heartbeat_seconds`, iteration yields
-    `Heartbeat()`. Always `aclose()` it (cancels the driver if still running)."""
+    `Heartbeat()`. Iteration ends after `Finished`. Always `aclose()` it
+    (cancels the driver if still running)."""
 
     _END = object()
 
@@ -378,6 +382,8 @@ class EventStream:
             if isinstance(item, GatewayError):
                 raise item
             yield item  # type: ignore[misc]
+            if isinstance(item, Finished):
+                return  # the last event; the pump only tidies up after it
 
     async def aclose(self) -> None:
         if not self._task.done():

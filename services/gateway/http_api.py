@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+_REQUEST_ID = web.RequestKey("request_id", str)
+
 
 
 def _error_response(exc: GatewayError, request_id: str | None) -> web.Response:
@@ -87,7 +89,7 @@ class HttpApi:
             status = response.status
             return response
         except GatewayError as exc:
-            response = _error_response(exc, request.get("request_id"))
+            response = _error_response(exc, request.get(_REQUEST_ID))
             status = response.status
             return response
         except web.HTTPRequestEntityTooLarge:
@@ -97,7 +99,7 @@ class HttpApi:
                     f"the request body is larger than {self._config.gateway.max_body_bytes} bytes; send a smaller one",
                     code="request_too_large",
                 ),
-                request.get("request_id"),
+                request.get(_REQUEST_ID),
             )
             status = 413
             return response
@@ -137,7 +139,7 @@ class HttpApi:
 
     async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
         request_id = request_id_from(request.headers.get("x-request-id"))
-        request["request_id"] = request_id
+        request[_REQUEST_ID] = request_id
         principal = self._frontdoor.authenticate(api_key_from_headers(request.headers))
         body = await self._read_json(request)
         generation = parse_chat_body(body) if route == "chat" else parse_completion_body(body)
@@ -208,7 +210,7 @@ class HttpApi:
                 raise
             await response.write(sse(http_error(exc).body) + SSE_DONE)
         except ConnectionResetError:
-            log.info("request %s: client went away", request.get("request_id"))
+            log.info("request %s: client went away", request.get(_REQUEST_ID))
             if response is None:
                 raise
             return response

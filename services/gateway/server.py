@@ -22,7 +22,7 @@ from aiohttp import web
 
 from services.common.clock import Clock, SystemClock
 from services.common.config import MeshConfig
-from services.common.grpc_server import make_server
+from services.common.grpc_server import HealthReporter, make_server
 from services.common.proto.kvmesh.v1 import inference_pb2_grpc
 from services.gateway.admission import AdmissionClient
 from services.gateway.driver import DriverSettings, GenerationDriver
@@ -115,14 +115,14 @@ class GatewayService:
         await site.start()
         return sock.getsockname()[1]
 
-    async def _follow_scheduler(self, health: object) -> None:
+    async def _follow_scheduler(self, health: HealthReporter) -> None:
         """SERVING exactly while the scheduler channel is READY."""
         admission = self._admission
         if admission is None:
             return
         state = admission.channel.get_state(try_to_connect=True)
         while True:
-            await health.set_serving(state == grpc.ChannelConnectivity.READY)  # type: ignore[attr-defined]
+            await health.set_serving(state == grpc.ChannelConnectivity.READY)
             state = await admission.wait_ready_change(state)
 
     async def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:

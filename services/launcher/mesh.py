@@ -23,6 +23,7 @@ import logging
 import os
 import secrets
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -37,8 +38,9 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.config import ApiKeyConfig, ConfigError, MeshConfig, config_from_dict
+from services.edge.devcerts import ensure_dev_certs
 from services.edge.render import render_yaml
-from services.edge.topology import AdminSpec, GatewayEndpoint, ListenerSpec, load_topology
+from services.edge.topology import AdminSpec, GatewayEndpoint, ListenerSpec, Topology, load_topology
 from services.launcher.ports import free_port, free_port_block, port_is_free
 
 __all__ = [
@@ -101,6 +103,8 @@ class ProbeKind(enum.Enum):
 class Probe:
     kind: ProbeKind
     target: str  # host:port for gRPC, a URL for HTTP
+    # CA file to trust for an https:// target (the dev CA); "" = system CAs.
+    ca: str = ""
 
     def describe(self) -> str:
         return f"gRPC health at {self.target}" if self.kind is ProbeKind.GRPC_HEALTH else f"GET {self.target}"
@@ -166,11 +170,16 @@ class Endpoints:
     engines: list[str]
     gateway_http: list[str]
     gateway_grpc: list[str]
+    # The CA clients must trust when Envoy's listener speaks TLS; None = plaintext.
+    tls_ca: Path | None = None
 
     @property
     def public_http(self) -> str:
         """Base URL clients use: Envoy's listener, or gateway 0 without Envoy."""
-        return f"http://127.0.0.1:{self.envoy_port}" if self.envoy_port else self.gateway_http[0]
+        if not self.envoy_port:
+            return self.gateway_http[0]
+        scheme = "https" if self.tls_ca else "http"
+        return f"{scheme}://127.0.0.1:{self.envoy_port}"
 
     @property
     def public_grpc(self) -> str:
@@ -212,6 +221,7 @@ class Mesh:
         self.log_dir = self.run_dir / "logs"
         self.config_path = self.run_dir / "kvmesh.resolved.yaml"
         self.envoy_config_path = self.run_dir / "envoy.yaml"
+        self.topology = self._topology()
         self.endpoints = self._endpoints()
         self._children: dict[str, _Child] = {}
         self._order: list[str] = []
@@ -293,6 +303,7 @@ class Mesh:
             ],
             gateway_http=[f"http://{host}:{h}" for h, _, _ in gateways],
             gateway_grpc=[f"{host}:{g}" for _, g, _ in gateways],
+            tls_ca=self._dev_cert_dir() / "ca.pem" if self._uses_dev_certs() else None,
         )
 
     def _ports_in_use(self) -> list[str]:
@@ -324,20 +335,37 @@ class Mesh:
         if self.options.envoy:
             self.envoy_config_path.write_text(self._render_envoy())
 
+    def _topology(self) -> Topology | None:
+        """The edge topology Envoy will run, None without Envoy."""
+        if not self.options.envoy:
+            return None
+        return load_topology(_absolute(self.config.envoy.topology))
+
+    def _dev_cert_dir(self) -> Path:
+        return self.run_dir / "tls"
+
+    def _uses_dev_certs(self) -> bool:
+        """TLS on, with no certificate of the operator's own: the launcher
+        generates development certificates (a local CA) in run_dir/tls."""
+        return self.topology is not None and self.topology.tls.enabled and not self.topology.tls.cert_chain
+
     def _render_envoy(self) -> str:
         cfg = self.config
-        topology = load_topology(_absolute(cfg.envoy.topology))
-        descriptor = str(_absolute(topology.transcoder.descriptor))
+        if self.topology is None:
+            raise MeshError("Envoy is disabled for this mesh; nothing to render")
+        cert = key = ""
+        if self._uses_dev_certs():
+            certs = ensure_dev_certs(self._dev_cert_dir())
+            cert, key = str(certs.cert_chain), str(certs.private_key)
         gateways = [
             GatewayEndpoint(host=cfg.gateway.host, http_port=h, grpc_port=g)
             for h, g, _ in (self._gateway_ports(r) for r in range(self.options.gateways))
         ]
-        topology = topology.with_ports(
+        topology = self.topology.with_ports(
             ListenerSpec(host=cfg.envoy.listen_host, port=cfg.envoy.port),
             AdminSpec(host="127.0.0.1", port=cfg.envoy.admin_port),
             gateways,
-            descriptor=descriptor,
-        )
+        ).with_files(ROOT, cert, key)
         topology.validate(heartbeat_seconds=cfg.gateway.heartbeat_seconds)
         return render_yaml(topology, f"{cfg.envoy.topology} with run-time ports")
 
@@ -400,7 +428,8 @@ class Mesh:
                 argv=[envoy_binary(), "-c", str(self.envoy_config_path), *base_id,
                       "--log-level", "warning"],
                 probes=[Probe(ProbeKind.HTTP_OK, f"http://127.0.0.1:{cfg.envoy.admin_port}/ready"),
-                        Probe(ProbeKind.HTTP_OK, f"http://127.0.0.1:{cfg.envoy.port}/healthz")],
+                        Probe(ProbeKind.HTTP_OK, f"{self.endpoints.public_http}/healthz",
+                              ca=str(self.endpoints.tls_ca or ""))],
                 env=self._env(), start_timeout=self._timeout("envoy"),
             ))
         return specs
@@ -611,8 +640,9 @@ def _probe_ok(probe: Probe, channels: dict[str, grpc.Channel]) -> bool:
         except grpc.RpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
+    context = ssl.create_default_context(cafile=probe.ca) if probe.ca else None
     try:
-        with urllib.request.urlopen(probe.target, timeout=2.0) as resp:  # noqa: S310 - loopback
+        with urllib.request.urlopen(probe.target, timeout=2.0, context=context) as resp:  # noqa: S310 - loopback
             return resp.status == 200
     except (urllib.error.URLError, OSError):
         return False

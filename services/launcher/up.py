@@ -60,13 +60,15 @@ def examples(endpoints: Endpoints, api_key: str, model: str) -> Examples:
     grpc_body = json.dumps(
         {"model": model, "messages": messages, "sampling": {"max_tokens": 32}}, separators=(",", ":")
     )
+    cacert = f"--cacert {shlex.quote(str(endpoints.tls_ca))} " if endpoints.tls_ca else ""
     curl = (
-        f"curl -N {endpoints.public_http}/v1/chat/completions "
+        f"curl -N {cacert}{endpoints.public_http}/v1/chat/completions "
         f"-H {shlex.quote('Authorization: Bearer ' + api_key)} "
         f"-H 'Content-Type: application/json' -d {shlex.quote(http_body)}"
     )
+    grpc_tls = f"-cacert {shlex.quote(str(endpoints.tls_ca))}" if endpoints.tls_ca else "-plaintext"
     grpcurl = (
-        f"{_grpcurl_path()} -plaintext -H {shlex.quote('authorization: Bearer ' + api_key)} "
+        f"{_grpcurl_path()} {grpc_tls} -H {shlex.quote('authorization: Bearer ' + api_key)} "
         f"-d {shlex.quote(grpc_body)} {endpoints.public_grpc} kvmesh.v1.Inference/Chat"
     )
     return Examples(curl=curl, grpcurl=grpcurl)
@@ -98,7 +100,12 @@ def _print_ready(mesh: Mesh, generated_key: bool) -> None:
     key_note = "generated for this run, tenant dev" if generated_key else "yours"
     print(f"  API key ({key_note}): {mesh.api_key}")
     print(f"  Stream a chat answer over HTTP/SSE:\n    {ex.curl}")
-    print(f"  The same over gRPC:\n    {ex.grpcurl}", flush=True)
+    print(f"  The same over gRPC:\n    {ex.grpcurl}")
+    if ep.envoy_port:
+        print(f"  Chat in a browser: {ep.public_http}/ (paste the API key into the page)")
+    if ep.tls_ca:
+        print(f"  TLS with development certificates: trust {ep.tls_ca}")
+    print(end="", flush=True)
 
 
 def _supervise(mesh: Mesh, stop: threading.Event) -> None:

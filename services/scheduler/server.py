@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 from typing import Any
 
 from prometheus_client import start_http_server
@@ -109,10 +110,23 @@ class SchedulerService:
 
 
 async def serve(config: MeshConfig) -> None:
-    """Run the scheduler on its configured port until cancelled."""
+    """Run the scheduler on its configured port until cancelled or sent
+    SIGTERM/SIGINT; either way it stops gracefully (waiting requests get
+    DRAINING, streams close)."""
     service = SchedulerService(config)
     await service.start(config.scheduler.port)
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    handled = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        # Only possible in the main thread; in-process callers cancel instead.
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stopping.set)
+            handled.append(sig)
     try:
-        await asyncio.Event().wait()
+        await stopping.wait()
+        log.info("scheduler stopping on signal")
     finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)
         await service.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -68,9 +69,12 @@ async def backend() -> AsyncIterator:
     engine.vllm.max_num_seqs = MAX_NUM_SEQS
     engine.vllm.kv_cache_gib = 0.25
     b = VllmBackend(config, engine)
-    await b.start()
-    yield b
-    await b.stop()
+    try:
+        await b.start()
+        yield b
+    finally:
+        await b.stop()
+        shutil.rmtree(config.run_dir, ignore_errors=True)
 
 
 def unique_prompt(n: int) -> list[int]:

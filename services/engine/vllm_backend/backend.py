@@ -263,17 +263,32 @@ class VllmBackend:
         self._translator = KvTranslator(block_size, hash_tokens)
 
     async def _warm_up(self) -> None:
-        """One short real generation: the first step pays one-off costs
-        (allocation, kernel selection) that a client should not see."""
-        request = GenerationRequest(
-            request_id=f"kvmesh-warmup-{uuid.uuid4().hex[:8]}",
-            prompt_token_ids=list(range(1, 17)),
-            sampling=Sampling(max_tokens=4, temperature=0.0, ignore_eos=True),
-            priority=0,
-        )
-        async for out in self.generate(request):
-            if out.finish_reason not in (None, "length", "stop"):
-                raise RuntimeError(f"vLLM warm-up failed: {out.finish_reason} {out.message}")
+        """Short real generations before reporting ready: the first step, the
+        first logprobs request and the first penalised/top-k sample each pay
+        one-off costs (allocation, kernel selection, TorchScript; ~2 s for
+        logprobs here) that a client should not see."""
+        prompt = list(range(1, 17))
+        variants = [
+            Sampling(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1),
+            Sampling(
+                max_tokens=4, temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=1,
+                presence_penalty=0.1, frequency_penalty=0.1, repetition_penalty=1.1,
+                ignore_eos=True,
+            ),
+        ]
+
+        async def one(sampling: Sampling) -> None:
+            request = GenerationRequest(
+                request_id=f"kvmesh-warmup-{uuid.uuid4().hex[:8]}",
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                priority=0,
+            )
+            async for out in self.generate(request):
+                if out.finish_reason not in (None, "length", "stop"):
+                    raise RuntimeError(f"vLLM warm-up failed: {out.finish_reason} {out.message}")
+
+        await asyncio.gather(*(one(s) for s in variants))
 
     # ------------------------------------------------------------ requests
 

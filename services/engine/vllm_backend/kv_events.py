@@ -155,20 +155,20 @@ class KvEventSubscriber:
             await sock.send_multipart((b"", start.to_bytes(8, "big")))
             while True:
                 if not await sock.poll(_REPLAY_TIMEOUT_MS):
+                    log.warning("kv events: replay from %d timed out", start)
                     return False
                 frames: list[Any] = await sock.recv_multipart()
                 # (b"", topic, seq, payload); END_SEQ ends the answer.
                 if len(frames) != 4:
+                    log.warning("kv events: bad replay answer of %d frames", len(frames))
                     return False
                 seq = int.from_bytes(frames[2], "big", signed=True)
                 if seq == _END_SEQ:
                     return self._next_seq >= end
-                if seq < self._next_seq:
-                    continue
+                if seq < self._next_seq or seq >= end:
+                    continue  # applied already / the live stream delivers it next
                 if seq > self._next_seq:
                     return False  # the buffer no longer holds what we missed
-                if seq >= end:
-                    continue  # the live stream delivers it next
                 self._apply(seq, frames[3])
         finally:
             sock.close(linger=0)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from services.edge.devcerts import ensure_dev_certs
 from services.edge.render import ENVOY_DIR, main, render, render_yaml, rendered_path_for
 from services.edge.topology import Topology, TopologyError, load_topology
 from services.launcher.mesh import envoy_binary
@@ -25,7 +26,12 @@ def test_there_are_topologies() -> None:
 @pytest.mark.parametrize("path", TOPOLOGIES, ids=lambda p: p.name)
 def test_topology_renders_to_a_config_envoy_accepts(path: Path, tmp_path: Path) -> None:
     out = tmp_path / "envoy.yaml"
-    out.write_text(render_yaml(load_topology(path), path.name))
+    topology = load_topology(path)
+    if topology.tls.enabled:
+        # Envoy reads the certificate files when it validates; use fresh dev certs.
+        certs = ensure_dev_certs(tmp_path / "tls")
+        topology = topology.with_files(ROOT, str(certs.cert_chain), str(certs.private_key))
+    out.write_text(render_yaml(topology, path.name))
     # Relative paths in the config (the descriptor set) are relative to the repo root.
     result = subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(out), "--use-dynamic-base-id"],

@@ -239,3 +239,29 @@ def test_without_envoy_the_examples_point_at_the_gateway(tmp_path: Path) -> None
     ex = examples(mesh.endpoints, mesh.api_key, "tiny-llama")
     assert f"http://127.0.0.1:{mesh.config.gateway.http_port}/v1/chat/completions" in ex.curl
     assert f"127.0.0.1:{mesh.config.gateway.grpc_port} kvmesh.v1.Inference/Chat" in ex.grpcurl
+
+
+def test_tls_topology_gets_dev_certificates_and_https_examples(tmp_path: Path) -> None:
+    _needs_tiny_llama()
+    config = load_config(CONFIG)
+    config.envoy.topology = "envoy/topology-tls.yaml"
+    mesh = Mesh(config, MeshOptions(free_ports=True, run_dir=tmp_path, model="tiny-llama"))
+    mesh._write_files()  # noqa: SLF001 - the files start() writes
+    ca = tmp_path / "tls" / "ca.pem"
+    assert mesh.endpoints.tls_ca == ca and ca.exists()
+    assert mesh.endpoints.public_http.startswith("https://127.0.0.1:")
+    envoy = yaml.safe_load(mesh.envoy_config_path.read_text())
+    tls = envoy["static_resources"]["listeners"][0]["filter_chains"][0]["transport_socket"]["typed_config"]
+    context = tls["common_tls_context"]
+    assert context["alpn_protocols"] == ["h2", "http/1.1"]
+    assert context["tls_certificates"][0]["certificate_chain"]["filename"] == str(tmp_path / "tls" / "server.pem")
+    assert (tmp_path / "tls" / "server-key.pem").stat().st_mode & 0o077 == 0  # key private to its owner
+    ex = examples(mesh.endpoints, mesh.api_key, "tiny-llama")
+    assert f"--cacert {ca}" in ex.curl and f"-cacert {ca}" in ex.grpcurl and "-plaintext" not in ex.grpcurl
+    envoy_spec = {s.name: s for s in mesh.specs()}["envoy"]
+    assert envoy_spec.probes[-1].ca == str(ca)
+    # A second mesh in the same run dir keeps the same CA (clients keep trusting it).
+    again = Mesh(config, MeshOptions(free_ports=True, run_dir=tmp_path, model="tiny-llama"))
+    before = ca.read_bytes()
+    again._write_files()  # noqa: SLF001
+    assert ca.read_bytes() == before

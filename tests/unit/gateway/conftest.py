@@ -234,6 +234,11 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             while True:
                 message = await context.read()
                 if message is grpc.aio.EOF:
+                    # A client cancel can look like a half-close to grpc.aio
+                    # (DESIGN.md): an end without `done` is a cancel.
+                    if record.done is None:
+                        record.cancelled = True
+                        self.admit_cancelled.set()
                     return
                 kind = message.WhichOneof("msg")
                 record.messages.append(kind)

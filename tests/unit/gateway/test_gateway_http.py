@@ -263,14 +263,17 @@ async def test_heartbeats_while_queued(mesh: Mesh) -> None:
 async def test_client_disconnect_cancels_engine(mesh: Mesh) -> None:
     engine = mesh.engines["engine-a"]
     engine.answer_tokens, engine.token_delay = 10_000, 0.02
-    body = {"model": MODEL, "messages": CHAT, "stream": True, "max_tokens": 5000}
+    body = {"model": MODEL, "messages": CHAT, "stream": True, "max_tokens": 1000}
     session = aiohttp.ClientSession()
     try:
         r = await session.post(f"{mesh.http}/v1/chat/completions", json=body,
                                headers={"Authorization": f"Bearer {KEY_FULL}"})
+        assert r.status == 200
         seen = 0
         while seen < 3:
-            if (await r.content.readline()).startswith(b"data: {"):
+            line = await r.content.readline()
+            assert line, "the stream ended early"
+            if line.startswith(b"data: {"):
                 seen += 1
         left_at = time.monotonic()
         r.close()  # drop the connection mid-stream

@@ -186,3 +186,35 @@ async def test_stop_rejects_queued_with_draining(stack) -> None:
         msg = await asyncio.wait_for(call.read(), TIMEOUT)
     assert msg.rejected.code == pb.REJECT_CODE_DRAINING
     await stop
+
+
+async def test_drain_command_reaches_engine_and_stops_placement(stack) -> None:
+    service, stub, _ = stack
+    engine = stub.Connect(timeout=TIMEOUT * 3)
+    await engine.write(hello("eng-3"))
+    await engine.write(pb.EngineMessage(load=pb.LoadReport(serving=True, blocks_total=1000)))
+    await wait_state(stub, lambda s: len(s.engines) == 1 and s.engines[0].fresh)
+    assert service.drain_engine("eng-3")
+    command = await asyncio.wait_for(engine.read(), TIMEOUT)
+    assert command.WhichOneof("cmd") == "drain"
+    state = await wait_state(stub, lambda s: s.engines[0].draining)
+    call = stub.Admit(timeout=TIMEOUT * 3)
+    await call.write(admit_msg("r"))
+    assert (await asyncio.wait_for(call.read(), TIMEOUT)).WhichOneof("msg") == "queued"
+    state = await stub.GetState(pb.GetStateRequest(), timeout=TIMEOUT)
+    assert state.queued_total == 1 and state.leases_total == 0
+    call.cancel()
+    engine.cancel()
+
+
+async def test_serve_runs_until_cancelled() -> None:
+    from services.scheduler.server import serve
+
+    config = make_config()
+    config.scheduler.port = 0
+    task = asyncio.create_task(serve(config))
+    await asyncio.sleep(0.2)
+    assert not task.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

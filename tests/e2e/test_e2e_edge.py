@@ -1,0 +1,252 @@
+"""The edge through the real mesh (scheduler, two sim engines, a gateway,
+Envoy): the gRPC-JSON SSE bridge, CORS, the per-key rate limit, the body
+limit, x-request-id end to end, and the chat page in headless Chromium."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import aiohttp
+import grpc
+import pytest
+
+from services.common.proto.kvmesh.v1 import engine_pb2, engine_pb2_grpc
+from services.launcher.mesh import Mesh
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "artifacts"
+MODEL = "tiny-llama"
+MESH_TOPOLOGY = "tests/e2e/topology-e2e.yaml"
+ALLOWED_ORIGIN = "http://allowed.example:3000"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+def _auth(mesh: Mesh) -> dict[str, str]:
+    return {"Authorization": f"Bearer {mesh.api_key}"}
+
+
+def _engine_infos(mesh: Mesh) -> list[engine_pb2.EngineInfo]:
+    infos = []
+    for address in mesh.endpoints.engines:
+        with grpc.insecure_channel(address) as channel:
+            infos.append(engine_pb2_grpc.EngineStub(channel).GetInfo(engine_pb2.GetInfoRequest(), timeout=5))
+    return infos
+
+
+def _engines_idle(mesh: Mesh) -> bool:
+    return all(i.running == 0 and i.blocks_used == 0 for i in _engine_infos(mesh))
+
+
+async def _eventually(predicate, timeout: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await asyncio.to_thread(predicate):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+async def _sse_events(resp: aiohttp.ClientResponse) -> list[tuple[float, dict]]:
+    """Each `data:` event with the time it arrived."""
+    events = []
+    while True:
+        line = await asyncio.wait_for(resp.content.readline(), timeout=60)
+        if not line:
+            return events
+        if line.startswith(b"data:"):
+            events.append((time.monotonic(), json.loads(line[len(b"data:"):])))
+
+
+# ---------------------------------------------------------------- SSE bridge
+
+
+async def test_transcoded_generate_streams_events_one_by_one(e2e_mesh: Mesh) -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time", "sampling": {"max_tokens": 120}}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{e2e_mesh.endpoints.public_http}/v1/generate", json=body,
+                                headers=_auth(e2e_mesh)) as resp:
+            assert resp.status == 200, await resp.text()
+            events = await _sse_events(resp)
+    kinds = [next(k for k in ("queued", "delta", "finished", "heartbeat") if k in e) for _, e in events]
+    assert kinds[-1] == "finished" and kinds.count("finished") == 1
+    assert events[-1][1]["finished"]["usage"]["completionTokens"] == 120
+    deltas = [t for (t, _), k in zip(events, kinds, strict=True) if k == "delta"]
+    assert len(deltas) >= 5
+    # Event by event, not one burst at the end: the deltas arrived at many
+    # distinct moments spread over the generation.
+    assert len({round(t, 3) for t in deltas}) >= 5
+    assert deltas[-1] - deltas[0] > 0.05
+    text = "".join(e["delta"]["text"] for _, e in events if "delta" in e)
+    assert text
+
+
+async def test_transcoded_generate_get_with_query_parameters(e2e_mesh: Mesh) -> None:
+    url = (f"{e2e_mesh.endpoints.public_http}/v1/generate?model={MODEL}&prompt=Hello"
+           "&sampling.max_tokens=8&priority=PRIORITY_P0")
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url, headers=_auth(e2e_mesh)) as resp:
+            assert resp.status == 200, await resp.text()
+            events = [e for _, e in await _sse_events(resp)]
+    assert "finished" in events[-1]
+    assert sum(len(e["delta"].get("tokenIds", [])) for e in events if "delta" in e) == 8
+
+
+async def test_transcoded_errors_are_http_statuses(e2e_mesh: Mesh) -> None:
+    body = {"model": "no-such-model", "prompt": "x"}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{e2e_mesh.endpoints.public_http}/v1/generate", json=body,
+                                headers=_auth(e2e_mesh)) as resp:
+            assert 400 <= resp.status < 500
+            assert (await resp.json(content_type=None))["message"]
+        async with session.post(f"{e2e_mesh.endpoints.public_http}/v1/generate", json={"model": MODEL}) as resp:
+            assert resp.status == 401
+
+
+# ---------------------------------------------------------------- CORS, limits
+
+
+async def test_cors_preflight_allowed_origin_answered_other_refused(e2e_mesh: Mesh) -> None:
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    url = f"{e2e_mesh.endpoints.public_http}/v1/chat/completions"
+    async with aiohttp.ClientSession() as session:
+        async with session.options(url, headers={**preflight, "Origin": ALLOWED_ORIGIN}) as resp:
+            assert resp.status == 200
+            assert resp.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+            assert "authorization" in resp.headers["access-control-allow-headers"].lower()
+        async with session.options(url, headers={**preflight, "Origin": "http://other.example"}) as resp:
+            assert resp.status == 403
+            assert "access-control-allow-origin" not in resp.headers
+
+
+async def test_local_rate_limit_answers_429_per_key(e2e_mesh: Mesh) -> None:
+    url = f"{e2e_mesh.endpoints.public_http}/v1/models"
+    async with aiohttp.ClientSession() as session:
+        async def get(key: str) -> int:
+            async with session.get(url, headers={"Authorization": f"Bearer {key}"}) as resp:
+                await resp.read()
+                return resp.status
+
+        flood = await asyncio.gather(*(get("not-a-real-key") for _ in range(120)))
+        # Burst 40 + 20/s: most of a 120-request flood is refused by Envoy
+        # (429); what gets through meets the gateway's auth (401).
+        assert flood.count(429) >= 30, flood
+        assert set(flood) <= {401, 429}
+        # The real key has its own bucket.
+        assert await get(e2e_mesh.api_key) == 200
+
+
+async def test_two_megabyte_body_gets_413(e2e_mesh: Mesh) -> None:
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 2_000_000}]})
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{e2e_mesh.endpoints.public_http}/v1/chat/completions", data=body,
+                                headers={**_auth(e2e_mesh), "Content-Type": "application/json"}) as resp:
+            assert resp.status == 413
+            error = (await resp.json(content_type=None))["error"]
+    assert "larger than 1048576 bytes" in error["message"]
+
+
+# ---------------------------------------------------------------- x-request-id
+
+
+async def test_request_id_reaches_gateway_and_engine(e2e_mesh: Mesh) -> None:
+    await _eventually(lambda: _engines_idle(e2e_mesh), 30, "idle engines")
+    request_id = f"e2e-{uuid.uuid4().hex}"
+    body = {"model": MODEL, "stream": True, "max_tokens": 1500,
+            "messages": [{"role": "user", "content": "A long story, please."}]}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{e2e_mesh.endpoints.public_http}/v1/chat/completions", json=body,
+                                headers={**_auth(e2e_mesh), "X-Request-Id": request_id}) as resp:
+            assert resp.status == 200
+            assert resp.headers["x-request-id"] == request_id
+            first = await asyncio.wait_for(resp.content.readline(), timeout=60)
+            assert first.startswith(b"data:")
+            assert request_id in json.loads(first[len(b"data:"):])["id"]
+
+            # The engine knows the request by the client's id: aborting it by that id finds it.
+            def abort_everywhere() -> list[bool]:
+                found = []
+                for address in e2e_mesh.endpoints.engines:
+                    with grpc.insecure_channel(address) as channel:
+                        found.append(engine_pb2_grpc.EngineStub(channel).Abort(
+                            engine_pb2.AbortRequest(request_id=request_id), timeout=5).found)
+                return found
+
+            assert sum(await asyncio.to_thread(abort_everywhere)) == 1
+    await _eventually(lambda: _engines_idle(e2e_mesh), 30, "the engine to free the aborted request")
+    gateway_log = (e2e_mesh.log_dir / "gateway-0.log").read_text()
+    assert request_id in gateway_log
+
+    def in_access_log() -> bool:
+        for line in (e2e_mesh.log_dir / "envoy.log").read_text().splitlines():
+            if line.startswith("{") and json.loads(line).get("request_id") == request_id:
+                return True
+        return False
+
+    # Envoy writes the access log line when the stream ends.
+    await _eventually(in_access_log, 30, "Envoy's JSON access log line")
+
+
+# ---------------------------------------------------------------- browser
+
+
+@pytest.mark.browser
+async def test_chat_page_streams_tokens_and_stop_frees_blocks(e2e_mesh: Mesh) -> None:
+    if not Path(CHROMIUM).exists():
+        pytest.skip("chromium is not installed (scripts/setup.sh installs Debian's chromium as root)")
+    from playwright.async_api import async_playwright  # noqa: PLC0415 - only this test needs it
+
+    await _eventually(lambda: _engines_idle(e2e_mesh), 30, "idle engines")
+    ARTIFACTS.mkdir(exist_ok=True)
+    async with async_playwright() as p:
+        browser = await p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--no-first-run"])
+        try:
+            page = await browser.new_page(viewport={"width": 1000, "height": 760})
+            console: list[str] = []
+            page.on("console", lambda m: console.append(m.text))
+            await page.goto(f"{e2e_mesh.endpoints.public_http}/")
+            assert await page.title() == "kvmesh chat"
+            await page.fill("#key", e2e_mesh.api_key)
+            await page.dispatch_event("#key", "change")
+            await page.wait_for_selector(f"#model option[value='{MODEL}']", state="attached", timeout=30_000)
+            await page.select_option("#model", MODEL)
+            await page.fill("#max-tokens", "1500")
+            await page.fill("#question", "Tell me a very long story about a mesh of engines.")
+            await page.click("#send")
+
+            answer = page.locator(".turn.assistant .text").last
+            # Tokens arrive one by one: the visible answer grows across
+            # several observations while the request is still running.
+            lengths: list[int] = []
+            deadline = time.monotonic() + 60
+            while len(set(lengths)) < 4 and time.monotonic() < deadline:
+                lengths.append(len(await answer.text_content() or ""))
+                await asyncio.sleep(0.05)
+            assert len(set(lengths)) >= 4, f"answer did not grow step by step: {lengths} {console}"
+            assert lengths == sorted(lengths)
+            assert int(await answer.get_attribute("data-deltas") or 0) >= 3
+            assert await page.get_attribute("#status", "data-state") == "generating"
+            # The scheduler's `queued` answer reached the page (position 0 =
+            # placed at once on this idle mesh).
+            assert (await page.get_attribute("#status", "data-queue-position") or "").isdigit()
+            busy = await asyncio.to_thread(_engine_infos, e2e_mesh)
+            assert sum(i.running for i in busy) == 1 and sum(i.blocks_used for i in busy) > 0
+
+            await page.click("#stop")
+            await page.wait_for_selector("#status[data-state='stopped']", timeout=10_000)
+            await page.screenshot(path=str(ARTIFACTS / "chat-page.png"), full_page=True)
+            stopped_at = len(await answer.text_content() or "")
+            assert 0 < stopped_at
+            await _eventually(lambda: _engines_idle(e2e_mesh), 30, "the engine to free the stopped request's blocks")
+            assert len(await answer.text_content() or "") == stopped_at  # nothing after stop
+            assert await page.is_enabled("#send") and not await page.is_enabled("#stop")
+        finally:
+            await browser.close()
+    assert (ARTIFACTS / "chat-page.png").stat().st_size > 0

@@ -1,0 +1,229 @@
+"""Pure pieces of the gateway: token buckets on a fake clock, keys, validation,
+the error mapping table, tokenization, metrics, public surfaces."""
+
+from __future__ import annotations
+
+import importlib
+import math
+from pathlib import Path
+
+import aiohttp
+import grpc
+import openai
+import pytest
+from conftest import KEY_FULL, MODEL, FakeEngine, Mesh, sha
+
+from services.common.clock import FakeClock
+from services.common.config import ApiKeyConfig, ConfigError, GatewayConfig
+from services.common.proto.kvmesh.v1 import scheduler_pb2
+from services.gateway.errors import ErrorKind, GatewayError, from_rejection, grpc_status, http_error
+from services.gateway.keys import ANONYMOUS, KeyStore, Principal, api_key_from_headers, effective_priority
+from services.gateway.limits import RateLimiter, TokenBucket
+from services.gateway.tokenization import ModelTokenizer
+from services.gateway.validation import parse_chat_body, parse_completion_body, parse_priority_header
+
+MODULES = [
+    "admission", "driver", "engine_client", "errors", "frontdoor", "grpc_api", "http_api", "jobs", "keys",
+    "limits", "metrics", "openai_format", "openapi", "server", "tokenization", "validation",
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_public_surface(name: str) -> None:
+    module = importlib.import_module(f"services.gateway.{name}")
+    assert module.__all__, name
+    for symbol in module.__all__:
+        assert hasattr(module, symbol), f"{name}.{symbol}"
+
+
+def test_token_bucket_on_fake_clock() -> None:
+    clock = FakeClock()
+    bucket = TokenBucket(rate=2.0, capacity=4.0, clock=clock)
+    assert all(bucket.take(1) for _ in range(4))
+    assert not bucket.take(1)
+    assert bucket.wait_for(1) == pytest.approx(0.5)
+    assert math.isinf(bucket.wait_for(5))
+    clock.advance(0.5)
+    assert bucket.take(1)
+    clock.advance(100)
+    assert bucket.remaining == 4.0
+
+
+def _principal(rps: float = 0, tpm: float = 0) -> Principal:
+    return Principal("k1", "t", 0, frozenset(), rps, tpm, 0)
+
+
+def test_rate_limiter_requests_and_tokens() -> None:
+    clock = FakeClock()
+    limiter = RateLimiter(clock)
+    p = _principal(rps=1, tpm=600)  # 10 tokens/s, 600 burst
+    grant = limiter.admit(p, 500)
+    with pytest.raises(GatewayError) as err:
+        limiter.admit(p, 10)
+    assert err.value.kind is ErrorKind.RATE_LIMITED and err.value.retry_after == pytest.approx(1.0)
+    clock.advance(1.0)
+    with pytest.raises(GatewayError) as err:  # request ok, tokens short: 110 left, 200 asked
+        limiter.admit(p, 200)
+    assert "tokens/min" in err.value.message and err.value.headers["x-ratelimit-remaining-tokens"] == "110"
+    limiter.settle(grant, 100)  # used 100 of the 500 charged: 400 come back
+    assert limiter.admit(p, 200).headers["x-ratelimit-remaining-tokens"] == "310"
+    clock.advance(1.0)
+    with pytest.raises(GatewayError, match="lower max_tokens"):
+        limiter.admit(p, 10_000)  # can never fit
+
+
+def test_unlimited_key_is_never_limited() -> None:
+    limiter = RateLimiter(FakeClock())
+    for _ in range(1000):
+        assert limiter.admit(ANONYMOUS, 10**6).headers == {}
+
+
+def test_keys_and_priority_ceiling() -> None:
+    store = KeyStore(GatewayConfig(api_keys=[ApiKeyConfig(sha256=sha("k"), tenant="t", priority_ceiling=1,
+                                                          models=["m"])]))
+    p = store.authenticate("k")
+    assert p.tenant == "t" and effective_priority(0, p) == 1 and effective_priority(2, p) == 2
+    with pytest.raises(GatewayError) as err:
+        store.authenticate("other")
+    assert err.value.kind is ErrorKind.UNAUTHENTICATED
+    with pytest.raises(GatewayError) as err:
+        store.check_model(p, "x")
+    assert err.value.kind is ErrorKind.PERMISSION_DENIED
+    assert KeyStore(GatewayConfig(auth_enabled=False)).authenticate(None).tenant == "anonymous"
+    assert api_key_from_headers({"authorization": "Bearer abc"}) == "abc"
+    assert api_key_from_headers({"x-api-key": "abc"}) == "abc"
+    assert api_key_from_headers({"authorization": "Basic abc"}) is None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ApiKeyConfig(sha256="xyz", tenant="t"),
+        ApiKeyConfig(sha256=sha("a"), tenant=""),
+        ApiKeyConfig(sha256=sha("a"), tenant="t", priority_ceiling=3),
+        ApiKeyConfig(sha256=sha("a"), tenant="t", requests_per_second=-1),
+    ],
+)
+def test_bad_key_config_names_the_setting(bad: ApiKeyConfig) -> None:
+    with pytest.raises(ConfigError, match=r"gateway\.api_keys\[0\]\."):
+        KeyStore(GatewayConfig(api_keys=[bad]))
+
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": MSG}, "model"),
+        ({"model": "m"}, "messages"),
+        ({"model": "m", "messages": []}, "messages"),
+        ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "messages[0].content"),
+        ({"model": "m", "messages": MSG, "temperature": -1}, "temperature"),
+        ({"model": "m", "messages": MSG, "top_p": 2}, "top_p"),
+        ({"model": "m", "messages": MSG, "max_tokens": 0}, "max_tokens"),
+        ({"model": "m", "messages": MSG, "max_tokens": "5"}, "max_tokens"),
+        ({"model": "m", "messages": MSG, "presence_penalty": 3}, "presence_penalty"),
+        ({"model": "m", "messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"model": "m", "messages": MSG, "n": 3}, "n"),
+        ({"model": "m", "messages": MSG, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+        ({"model": "m", "messages": MSG, "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"model": "m", "messages": MSG, "tools": [{"type": "function"}]}, "tools"),
+    ],
+)
+def test_chat_validation_names_the_parameter(body: dict, param: str) -> None:
+    with pytest.raises(GatewayError) as err:
+        parse_chat_body(body)
+    assert err.value.kind is ErrorKind.INVALID_REQUEST and err.value.param == param
+
+
+def test_valid_bodies() -> None:
+    chat = parse_chat_body({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                                      {"type": "text", "text": "b"}]}],
+                            "max_completion_tokens": 5, "top_k": -1, "stop": "x", "n": 1})
+    assert chat.messages == [{"role": "user", "content": "ab"}]
+    assert chat.sampling.max_tokens == 5 and chat.sampling.top_k is None and chat.sampling.stop == ["x"]
+    comp = parse_completion_body({"model": "m", "prompt": [[1, 2, 3]], "logprobs": 2})
+    assert comp.prompt_ids == [1, 2, 3] and comp.sampling.logprobs == 2
+    with pytest.raises(GatewayError, match="batches"):
+        parse_completion_body({"model": "m", "prompt": ["a", "b"]})
+    assert parse_priority_header(None) == 1 and parse_priority_header("P0") == 0
+
+
+def test_error_mapping_table() -> None:
+    for kind in ErrorKind:
+        exc = GatewayError(kind, "msg")
+        mapped = http_error(exc)
+        assert 400 <= mapped.status < 600 and set(mapped.body["error"]) == {"message", "type", "param", "code"}
+        code, _, _ = grpc_status(exc)
+        assert code != grpc.StatusCode.OK
+    statuses = {
+        scheduler_pb2.REJECT_CODE_QUEUE_FULL: (429, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        scheduler_pb2.REJECT_CODE_TENANT_FULL: (429, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        scheduler_pb2.REJECT_CODE_EXPIRED: (503, grpc.StatusCode.UNAVAILABLE),
+        scheduler_pb2.REJECT_CODE_NO_ENGINE: (503, grpc.StatusCode.UNAVAILABLE),
+        scheduler_pb2.REJECT_CODE_DRAINING: (503, grpc.StatusCode.UNAVAILABLE),
+        scheduler_pb2.REJECT_CODE_TOO_LARGE: (400, grpc.StatusCode.INVALID_ARGUMENT),
+        scheduler_pb2.REJECT_CODE_INVALID: (400, grpc.StatusCode.INVALID_ARGUMENT),
+    }
+    for code, (http, rpc) in statuses.items():
+        exc = from_rejection(scheduler_pb2.Rejected(code=code, retry_after_seconds=0.2))
+        assert http_error(exc).status == http and grpc_status(exc)[0] == rpc
+        if http == 429:
+            assert http_error(exc).headers["Retry-After"] == "1"
+
+
+async def test_tokenizer_chat_template_and_context(model_dir: Path) -> None:
+    tok = ModelTokenizer(MODEL, model_dir)
+    assert tok.has_chat_template and tok.max_model_len > 0
+    prompt = await tok.tokenize_chat([{"role": "user", "content": "hello world " * 20}], 16)
+    assert "hello" in (prompt.text or "")
+    assert len(prompt.prefix_hashes) == len(prompt.token_ids) // 16
+    big = await tok.tokenize_text("hello world " * 2000, 16)  # off the event loop
+    assert len(big.token_ids) >= 2000
+    with pytest.raises(GatewayError, match="vocabulary"):
+        await tok.from_ids([10**9], 16)
+
+
+async def test_metrics_count_requests_and_migrations(mesh: Mesh) -> None:
+    mesh.engines["engine-a"].break_after = 2
+    await mesh.add_engine(FakeEngine("engine-b"))
+    async with openai.AsyncOpenAI(base_url=f"{mesh.http}/v1", api_key=KEY_FULL, max_retries=0) as c:
+        await c.chat.completions.create(model=MODEL, messages=MSG)
+        with pytest.raises(openai.NotFoundError):
+            await c.chat.completions.create(model="nope", messages=MSG)
+    text = mesh.gateway.metrics.render().decode()  # type: ignore[attr-defined]
+    assert 'kvmesh_gateway_requests_total{route="/v1/chat/completions",status="200"} 1.0' in text
+    assert 'kvmesh_gateway_requests_total{route="/v1/chat/completions",status="404"} 1.0' in text
+    assert "kvmesh_gateway_migrations_total 1.0" in text
+    assert "kvmesh_gateway_time_to_first_token_seconds_count{route=\"chat\"} 1.0" in text
+    assert "kvmesh_gateway_active_streams 0.0" in text
+
+
+async def test_metrics_endpoint(model_dir: Path) -> None:
+    from conftest import make_config  # noqa: PLC0415
+
+    from services.gateway.server import GatewayService  # noqa: PLC0415
+
+    gateway = GatewayService(make_config(model_dir, "127.0.0.1:1", metrics_port=0))
+    gateway.config.gateway.metrics_port = 0
+    await gateway.start(http_port=0, grpc_port=0)
+    try:
+        assert gateway.metrics_port == 0  # 0 = off
+    finally:
+        await gateway.stop(grace=0.1)
+    # With a port: bind a free one by asking the OS first.
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    gateway = GatewayService(make_config(model_dir, "127.0.0.1:1", metrics_port=port))
+    await gateway.start(http_port=0, grpc_port=0)
+    try:
+        async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/metrics") as r:
+            assert r.status == 200 and "kvmesh_gateway_active_streams" in await r.text()
+    finally:
+        await gateway.stop(grace=0.1)
