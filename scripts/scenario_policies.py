@@ -149,6 +149,10 @@ def mesh_config(args: argparse.Namespace, policy: str) -> MeshConfig:
     t.sim.prefill_seconds_per_token = args.prefill_us / 1e6
     t.sim.speed_factor = args.speed_factor
     config.scheduler.policy = policy
+    # The scheduler turns an engine's queued prompt tokens into seconds with
+    # this estimate; tell it the engines' real prefill speed, as an operator
+    # would (its default, 20k tok/s, matches the sim's default 50 us/token).
+    config.scheduler.prefill_tokens_per_second = 1e6 / (args.prefill_us * max(args.speed_factor, 1e-9))
     config.scheduler.metrics_port = 0
     config.gateway.metrics_port = 0
     return config

@@ -151,8 +151,11 @@ class EngineConfig:
     # Empty = standalone engine that registers nowhere (tests, or measuring
     # other routers over the same engines).
     scheduler_address: str = "127.0.0.1:50051"
-    # Seconds a stopping engine lets running generations finish before it
-    # aborts them (the gateway migrates aborted streams). Bounds: >= 0.
+    # The drain timeout: on SIGTERM the engine turns NOT_SERVING (the
+    # scheduler stops placing there), lets running generations finish for
+    # this long, then hands the rest over (their streams end UNAVAILABLE and
+    # the gateway migrates them from the next token), deregisters and exits.
+    # Bounds: >= 0; keep it under the launcher's 10 s SIGTERM->SIGKILL grace.
     stop_grace_seconds: float = 2.0
     sim: SimCostConfig = field(default_factory=SimCostConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)

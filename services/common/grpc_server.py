@@ -14,6 +14,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.grpc_guard import RejectUndecodable
+
 __all__ = ["HealthReporter", "client_options", "make_server"]
 
 # Bounded message size keeps a rogue client from making a service allocate
@@ -49,6 +51,8 @@ def make_server(service_names: Iterable[str]) -> tuple[grpc.aio.Server, HealthRe
     """
     names = list(service_names)
     server = grpc.aio.server(
+        # A request that is not the method's protobuf -> INVALID_ARGUMENT (not UNKNOWN).
+        interceptors=[RejectUndecodable()],
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -2,7 +2,9 @@
 
 The one place engine errors become gRPC status codes:
 InvalidRequest -> INVALID_ARGUMENT, DuplicateRequest -> ALREADY_EXISTS,
-NotAccepting (starting / draining / stopping) -> UNAVAILABLE.
+NotAccepting (starting / draining / stopping) -> UNAVAILABLE, and a
+generation handed over by a stopping engine (drain timeout) -> UNAVAILABLE
+mid-stream, which the gateway answers by migrating the stream.
 
 Generate runs two tasks: this handler writes outputs, and a reader task
 watches the client's side for a `cancel`. With grpc.aio a client cancelling
@@ -114,6 +116,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 if out.token_ids or out.text or out.logprobs:
                     await context.write(_delta(out))
                 if out.finish_reason is not None:
+                    if generation.handed_over:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, out.message)
                     await context.write(_finished(out))
                     return
         except InvalidRequest as exc:  # the backend refused it before any output

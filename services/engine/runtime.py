@@ -75,6 +75,10 @@ class Generation:
         self._completion = 0
         self._cached = 0
         self._closed = False
+        # Ended by a stopping engine rather than by the client or the model:
+        # the transport tells the client to continue elsewhere (UNAVAILABLE),
+        # so the gateway migrates the stream from its next token.
+        self.handed_over = False
 
     async def outputs(self) -> AsyncIterator[GenerationOutput]:
         """Merged outputs; the last has finish_reason set. Raises
@@ -105,6 +109,12 @@ class Generation:
         )
         self._runtime.metrics.finished(final, self._runtime.clock.monotonic() - self._created)
         self._buffer.push(final)
+
+    def hand_over(self, message: str) -> None:
+        """End now (like `cancel`) so that another engine takes over."""
+        if not self._buffer.closed:
+            self.handed_over = True
+            self.cancel(message)
 
     def close(self) -> None:
         """Release everything (idempotent): called when the transport is done."""
@@ -160,6 +170,7 @@ class EngineRuntime:
         self.stopping = False
         self._live: dict[str, Generation] = {}
         self._listeners: list[Callable[[], None]] = []
+        self._start_attempted = False
 
     # ---------------------------------------------------------------- state
 
@@ -177,6 +188,7 @@ class EngineRuntime:
             callback()
 
     async def start(self) -> None:
+        self._start_attempted = True
         await self.backend.start()
         self.started = True
         self._notify()
@@ -189,15 +201,17 @@ class EngineRuntime:
 
     async def stop(self, grace_seconds: float) -> None:
         """Refuse new work, let live generations finish for up to
-        `grace_seconds`, abort the rest, stop the backend."""
+        `grace_seconds`, hand the rest over (their clients continue them on
+        another engine), stop the backend."""
         self.stopping = True
         self._notify()
         deadline = self.clock.monotonic() + grace_seconds
         while self._live and self.clock.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for generation in list(self._live.values()):
-            generation.cancel("engine stopping")
-        if self.started:
+            generation.hand_over("engine stopping after its drain timeout; continue on another engine")
+        if self._start_attempted:  # also after a failed start: release what it got
+            self._start_attempted = False
             await self.backend.stop()
         self.started = False
 

@@ -207,14 +207,13 @@ class SchedulerLink:
                 log.info("registered with the scheduler at %s", self._engine.scheduler_address)
                 reader = asyncio.create_task(self._read(call))
                 writer = asyncio.create_task(self._write(call))
-                done, pending = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+                _, pending = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
                 for task in pending:
                     task.cancel()
-                for task in pending:
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await task
-                for task in done:
-                    task.result()  # re-raise the error that ended the session
+                results = await asyncio.gather(reader, writer, return_exceptions=True)
+                errors = [r for r in results if isinstance(r, Exception)]
+                if errors:
+                    raise errors[0]  # the error that ended the session
             finally:
                 call.cancel()
 

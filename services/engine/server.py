@@ -4,9 +4,12 @@ OpenAI HTTP endpoint.
 
 Start-up order: gRPC server up with health NOT_SERVING -> backend.start()
 (model load + warm-up) -> health SERVING -> register with the scheduler
-(hello reports what the started backend really has). Stop: refuse new work,
-let running generations finish for `stop_grace_seconds`, abort the rest,
-close everything.
+(hello reports what the started backend really has). Stop (SIGTERM) drains:
+health NOT_SERVING and load reports `serving: false` (the scheduler stops
+placing here), running generations finish for `stop_grace_seconds` (the
+drain timeout), the rest are handed over (their streams end UNAVAILABLE and
+the gateway migrates them), then the Connect stream closes (deregistered)
+and everything stops.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ class EngineService:
         self._health = None
         self._metrics_server: MetricsServer | None = None
         self._http: OpenAIHttpServer | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def _safe_load(self):  # noqa: ANN202 - LoadSnapshot; metrics scrape before start
         return self.runtime.load()
@@ -138,7 +142,9 @@ class EngineService:
     def _sync_health(self) -> None:
         # Draining or stopping: health checks (Envoy, grpcurl) see it too.
         if self._health is not None and self._health.serving and not self.runtime.serving:
-            asyncio.get_running_loop().create_task(self._health.set_serving(False))
+            task = asyncio.get_running_loop().create_task(self._health.set_serving(False))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def stop(self) -> None:
         if self._health is not None and self._health.serving:

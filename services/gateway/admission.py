@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -31,9 +32,27 @@ _CLOSE_GRACE_SECONDS = 2.0
 class AdmitSession:
     """One request's Admit stream. Used by one task only (the driver's)."""
 
-    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
+    def __init__(self, call: grpc.aio.StreamStreamCall, on_answer: Callable[[], None] | None = None) -> None:
         self._call = call
         self._finished = False
+        self._on_answer = on_answer
+
+    @property
+    def broken(self) -> bool:
+        """The stream ended while still in use (the scheduler went away)."""
+        return self._call.done() and not self._finished
+
+    def on_broken(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (on the event loop) when the stream ends while
+        still in use -- a scheduler restart -- and not because this side
+        finished or cancelled it. Event-driven: no read is left pending
+        (cancelling a pending grpc.aio read would cancel the whole call)."""
+
+        def fire(_call: object) -> None:
+            if not self._finished:
+                callback()
+
+        self._call.add_done_callback(fire)
 
     async def send_request(self, request: scheduler_pb2.AdmitRequest) -> None:
         try:
@@ -52,6 +71,9 @@ class AdmitSession:
                 raise from_scheduler_rpc_error(exc) from exc
             if message is grpc.aio.EOF:
                 raise from_scheduler_rpc_error(None)
+            if self._on_answer is not None:
+                self._on_answer()
+                self._on_answer = None
             kind = message.WhichOneof("msg")
             if kind == "queued":
                 return message.queued
@@ -129,6 +151,13 @@ class AdmissionClient:
             ],
         )
         self._stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        # True once any Admit stream got an answer: from then on an
+        # unreachable scheduler is a restart to wait out (re-admit with
+        # backoff), not a misconfiguration to report at once.
+        self.answered = False
+
+    def _mark_answered(self) -> None:
+        self.answered = True
 
     def is_ready(self) -> bool:
         return self.channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY
@@ -140,7 +169,7 @@ class AdmissionClient:
     async def open(self, request: scheduler_pb2.AdmitRequest) -> AdmitSession:
         # Fail fast (no wait_for_ready): an unreachable scheduler is a 503 now,
         # not a hang. A restart while queued is re-admitted by the driver.
-        session = AdmitSession(self._stub.Admit())
+        session = AdmitSession(self._stub.Admit(), self._mark_answered)
         try:
             await session.send_request(request)
         except GatewayError:

@@ -14,6 +14,14 @@ stops the pump, which stops reading from the engine, which makes the engine
 coalesce). Cancelling the stream (client gone) cancels that task, which
 cancels the engine call and the Admit call at once, then re-raises.
 
+Scheduler restarts (soft state): a request still waiting is re-admitted with
+its original arrival time (and the prompt it has now: prompt + generated);
+a request placed or generating keeps streaming from its engine while a child
+task re-attaches its lease on the restarted scheduler (`AdmitRequest.
+running_on_engine`, retried with backoff until the engine has re-registered),
+after which first_token / done go to the new stream. A brand-new request that
+meets a scheduler known to have answered before waits for it the same way.
+
 Errors: failures before the first token raise `GatewayError` (the transport
 can still answer with a status); after it, the stream ends with a `Finished`
 event whose reason is ERROR / TIMEOUT / ABORT.
@@ -57,6 +65,10 @@ _QUEUE_DEPTH = 8
 # A scheduler restart while a request waits: re-admit (same arrival time) for
 # this long before answering 503.
 _READMIT_SECONDS = 10.0
+# Backoff between re-admission / re-attach attempts while the scheduler (and
+# the engines' registrations) come back: first wait, cap.
+_BACKOFF_FIRST_SECONDS = 0.1
+_BACKOFF_MAX_SECONDS = 1.0
 
 
 class FinishReason(enum.Enum):
@@ -147,6 +159,12 @@ class _Progress:
     cached_tokens: int = 0
     last_delta_at: float = 0.0
     first_token_at: float | None = None
+    # The engine generating now, and whether the current lease was told
+    # `first_token` (re-sent on a re-attached stream).
+    engine_id: str = ""
+    told_first: bool = False
+    # Re-attaching the lease after a scheduler restart (a child of the pump).
+    reattach: asyncio.Task[None] | None = None
 
 
 class GenerationDriver:
@@ -168,13 +186,16 @@ class GenerationDriver:
     # ---------------------------------------------------------------- phases
 
     async def run(self, job: Job, emit: Emit) -> None:
-        progress = _Progress(await self._admission.open(job.admit_request()))
+        progress = _Progress(await self._open_admit(job, job.admit_request()))
         try:
             placed = await self._wait_placed(job, progress, emit)
             finished = await self._generate(job, placed, progress, emit)
         except BaseException:
             progress.session.cancel()
+            await self._stop_reattach(progress)
             raise
+        # A re-attach still under way holds no lease yet: nothing to report.
+        await self._stop_reattach(progress)
         self._metrics.finished.labels(finished.reason.value).inc()
         # `done` goes out before the client's last event, so a transport that
         # stops reading right after `Finished` cannot lose it.
@@ -189,32 +210,58 @@ class GenerationDriver:
         await emit(finished)
         await progress.session.close()
 
+    def _restarting(self, exc: GatewayError) -> bool:
+        """The scheduler is unreachable but answered before: a restart to wait out."""
+        return exc.code == "scheduler_unavailable" and self._admission.answered
+
+    async def _open_admit(self, job: Job, request: scheduler_pb2.AdmitRequest) -> AdmitSession:
+        """Open an Admit stream, retrying with backoff for up to
+        `_READMIT_SECONDS` while the scheduler restarts."""
+        deadline = time.monotonic() + _READMIT_SECONDS
+        backoff = _BACKOFF_FIRST_SECONDS
+        while True:
+            try:
+                return await self._admission.open(request)
+            except GatewayError as exc:
+                if not self._restarting(exc) or time.monotonic() + backoff >= deadline:
+                    raise
+            log.debug("request %s: scheduler unreachable; admitting again in %.2fs", job.request_id, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, _BACKOFF_MAX_SECONDS)
+
+    def _admit_request(self, job: Job, progress: _Progress, running_on: str = "") -> scheduler_pb2.AdmitRequest:
+        """The request as it stands now: after a migration the prompt is
+        prompt + generated and max_tokens what is left (like `replace`)."""
+        request = job.admit_request()
+        if progress.generated:
+            tokens = job.prompt_ids + progress.generated
+            request.prompt_tokens = len(tokens)
+            request.max_tokens = max(1, job.max_tokens - len(progress.generated))
+            del request.prefix_hashes[:]
+            request.prefix_hashes.extend(block_hashes(tokens, job.hash_block_tokens))
+        request.running_on_engine = running_on
+        return request
+
     async def _wait_placed(self, job: Job, progress: _Progress, emit: Emit) -> scheduler_pb2.Placed:
         """Relay `queued` until `placed`. A scheduler that restarts while we
         wait is re-admitted with the original arrival time."""
-        heard = False
         readmit_until: float | None = None
-        backoff = 0.1
         while True:
             try:
                 outcome = await progress.session.next_outcome()
             except GatewayError as exc:
-                if exc.code != "scheduler_unavailable" or not heard:
+                if not self._restarting(exc):
                     raise
                 progress.session.cancel()
                 now = time.monotonic()
                 readmit_until = readmit_until or now + _READMIT_SECONDS
                 if now >= readmit_until:
                     raise
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
-                try:
-                    progress.session = await self._admission.open(job.admit_request())
-                except GatewayError:
-                    continue
+                await asyncio.sleep(_BACKOFF_FIRST_SECONDS)
+                progress.session = await self._open_admit(job, self._admit_request(job, progress))
+                self._metrics.readmissions.labels("queued").inc()
                 log.info("request %s: re-admitted after a scheduler restart", job.request_id)
                 continue
-            heard = True
             readmit_until = None
             if isinstance(outcome, scheduler_pb2.Placed):
                 return outcome
@@ -227,6 +274,8 @@ class GenerationDriver:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + job.max_generation_seconds
         while True:
+            progress.engine_id = placed.engine_id
+            self._watch_admit(job, progress)
             stream = self._engines.open(placed.engine_address, placed.engine_id, timeout=None)
             try:
                 async with asyncio.timeout_at(deadline):
@@ -239,6 +288,9 @@ class GenerationDriver:
                 )
             except EngineFailure as failure:
                 stream.cancel()
+                if job.max_tokens - len(progress.generated) <= 0:
+                    # Every token arrived; only the engine's `finished` was lost.
+                    return self._end(job, progress, FinishReason.LENGTH, "", ErrorKind.GENERATION_FAILED)
                 failures += 1
                 log.warning("request %s: %s (failure %d)", job.request_id, failure.message, failures)
                 if failures > self._settings.max_migrations:
@@ -257,14 +309,80 @@ class GenerationDriver:
     async def _replace(
         self, job: Job, excluded: list[str], progress: _Progress, emit: Emit
     ) -> scheduler_pb2.Placed:
+        # A re-attach in progress is superseded: the request moves anyway.
+        await self._stop_reattach(progress)
         tokens = job.prompt_ids + progress.generated
-        await progress.session.replace(
-            exclude=list(excluded),
-            prompt_tokens=len(tokens),
-            max_tokens=job.max_tokens - len(progress.generated),
-            prefix_hashes=block_hashes(tokens, job.hash_block_tokens),
-        )
+        try:
+            await progress.session.replace(
+                exclude=list(excluded),
+                prompt_tokens=len(tokens),
+                max_tokens=job.max_tokens - len(progress.generated),
+                prefix_hashes=block_hashes(tokens, job.hash_block_tokens),
+            )
+        except GatewayError as exc:
+            if not self._restarting(exc):
+                raise
+            # The scheduler is gone too: `_wait_placed` reads the broken
+            # stream and re-admits with prompt + generated.
         return await self._wait_placed(job, progress, emit)
+
+    # ---------------------------------------------------------------- re-attach
+
+    def _watch_admit(self, job: Job, progress: _Progress) -> None:
+        """When the current Admit stream breaks while the request runs on an
+        engine, re-attach its lease in a child task (the stream goes on)."""
+        session = progress.session
+
+        def broken() -> None:
+            if progress.session is session and (progress.reattach is None or progress.reattach.done()):
+                progress.reattach = asyncio.get_running_loop().create_task(
+                    self._reattach(job, progress), name=f"reattach-{job.request_id}")
+
+        session.on_broken(broken)
+
+    async def _reattach(self, job: Job, progress: _Progress) -> None:
+        """Re-attach the running request on the restarted scheduler: an
+        AdmitRequest with `running_on_engine`, retried with backoff until it
+        is answered `placed` on that very engine (the engine re-registers a
+        moment after the scheduler is back; until then the answer is a queue
+        place or a placement elsewhere, which is withdrawn at once). Ends when
+        attached or when the pump cancels it (the request finished/moved)."""
+        backoff = _BACKOFF_FIRST_SECONDS
+        while True:
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, _BACKOFF_MAX_SECONDS)
+            try:
+                session = await self._admission.open(self._admit_request(job, progress, progress.engine_id))
+            except GatewayError:
+                continue
+            try:
+                outcome = await session.next_outcome()
+            except GatewayError:
+                session.cancel()
+                continue
+            except BaseException:
+                session.cancel()
+                raise
+            if not (isinstance(outcome, scheduler_pb2.Placed) and outcome.engine_id == progress.engine_id):
+                session.cancel()
+                continue
+            old, progress.session = progress.session, session
+            old.cancel()
+            self._metrics.readmissions.labels("running").inc()
+            log.info("request %s: lease re-attached on engine %s after a scheduler restart",
+                     job.request_id, progress.engine_id)
+            if progress.told_first:
+                await session.first_token()
+            self._watch_admit(job, progress)
+            return
+
+    @staticmethod
+    async def _stop_reattach(progress: _Progress) -> None:
+        task, progress.reattach = progress.reattach, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def _relay(
         self,
@@ -288,15 +406,15 @@ class GenerationDriver:
                 resumed_tokens=len(generated),
             )
         )
-        told_first = False
+        progress.told_first = False
         async for event in stream.events():
             if event.HasField("delta"):
                 delta = event.delta
                 if not delta.token_ids and not delta.text:
                     continue
                 self._observe_delta(job, progress, len(delta.token_ids))
-                if not told_first:
-                    told_first = True
+                if not progress.told_first:
+                    progress.told_first = True
                     await progress.session.first_token()
                 generated.extend(delta.token_ids)
                 await emit(TextDelta(delta.text, list(delta.token_ids), list(delta.logprobs)))

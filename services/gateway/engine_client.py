@@ -78,7 +78,15 @@ class EnginePool:
     def _stub(self, address: str) -> engine_pb2_grpc.EngineStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=client_options())
+            # Short reconnect backoff: an engine restarted on the same address
+            # must be usable within a second or two, not after gRPC's default
+            # backoff (which grows to two minutes).
+            channel = grpc.aio.insecure_channel(address, options=[
+                *client_options(),
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ])
             self._channels[address] = channel
             stub = self._stubs[address] = engine_pb2_grpc.EngineStub(channel)
         return stub

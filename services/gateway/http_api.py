@@ -124,9 +124,13 @@ class HttpApi:
         raw = await request.read()
         try:
             return json.loads(raw)
-        except ValueError as exc:
+        except ValueError as exc:  # also invalid UTF-8 (UnicodeDecodeError)
             raise GatewayError(
                 ErrorKind.INVALID_REQUEST, f"the body is not valid JSON: {exc}", code="invalid_json"
+            ) from exc
+        except RecursionError as exc:  # [[[[... deeper than the parser's stack
+            raise GatewayError(
+                ErrorKind.INVALID_REQUEST, "the body's JSON is nested too deeply; flatten it", code="invalid_json"
             ) from exc
 
     # ---------------------------------------------------------------- generation

@@ -37,6 +37,11 @@ class GatewayMetrics:
             "kvmesh_gateway_migrations_total", "Streams moved to another engine after an engine failure",
             registry=self.registry,
         )
+        self.readmissions = Counter(
+            "kvmesh_gateway_scheduler_readmissions_total",
+            "Requests re-admitted (queued) or re-attached (running) after a scheduler restart",
+            ["state"], registry=self.registry,
+        )
         self.finished = Counter(
             "kvmesh_gateway_finished_total", "Generations by finish reason",
             ["reason"], registry=self.registry,

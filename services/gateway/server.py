@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import socket
 
 import grpc
@@ -148,8 +149,19 @@ class GatewayService:
 async def serve(config: MeshConfig, replica: int = 0) -> None:
     """Run one gateway replica until cancelled (SIGTERM/SIGINT), then stop."""
     service = GatewayService(config, replica)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    installed: list[signal.Signals] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stopping.set)
+            installed.append(sig)
+        except (NotImplementedError, RuntimeError):  # not the main thread / platform
+            pass
     await service.start()
     try:
-        await asyncio.Event().wait()
+        await stopping.wait()
     finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
         await service.stop()

@@ -7,6 +7,7 @@ Pure functions, no I/O: the same rules serve HTTP and gRPC.
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -30,8 +31,32 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat (completions: 5)
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
+# Int32 fields of SamplingParams (top_k): larger values cannot be sent on.
+_INT32_MAX = 2**31 - 1
+
+# Echoing a client's bad value: bounded in size and depth, so a 1 MB string
+# or a 10 000-level nested list cannot blow up the error (or recurse).
+def _show(value: Any) -> str:
+    shower = reprlib.Repr()  # Python 3.11's Repr takes no keyword arguments
+    shower.maxlevel, shower.maxstring, shower.maxother = 3, 80, 80
+    shower.maxlist, shower.maxdict, shower.maxlong = 6, 6, 40
+    return shower.repr(value)
+
+
 def _bad(message: str, param: str) -> GatewayError:
     return GatewayError(ErrorKind.INVALID_REQUEST, message, param=param, code="invalid_value")
+
+
+def _unicode(value: str, param: str) -> str:
+    """JSON may carry lone surrogates ("\\ud800"), which no UTF-8 tokenizer
+    (nor the engine's protobuf) can take: refuse them here, by name."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise _bad(f"{param} is not valid Unicode (a lone surrogate at character {exc.start}); "
+                       "send UTF-8 text", param) from exc
+    return value
 
 
 @dataclass
@@ -91,11 +116,15 @@ def _number(body: dict[str, Any], name: str, lo: float, hi: float) -> float | No
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _bad(f"{name} must be a number, got {value!r}", name)
-    if not lo <= value <= hi:
-        raise _bad(f"{name} must be between {lo:g} and {hi:g}, got {value:g}", name)
-    return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(f"{name} must be a number, got {_show(value)}", name)
+    try:
+        number = float(value)  # an int beyond float range overflows here, not in isfinite
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or not lo <= number <= hi:
+        raise _bad(f"{name} must be a number between {lo:g} and {hi:g}, got {_show(value)}", name)
+    return number
 
 
 def _integer(body: dict[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
@@ -103,10 +132,10 @@ def _integer(body: dict[str, Any], name: str, lo: int, hi: int | None = None) ->
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(f"{name} must be an integer, got {value!r}", name)
+        raise _bad(f"{name} must be an integer, got {_show(value)}", name)
     if value < lo or (hi is not None and value > hi):
         bound = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
-        raise _bad(f"{name} must be {bound}, got {value}", name)
+        raise _bad(f"{name} must be {bound}, got {_show(value)}", name)
     return value
 
 
@@ -115,7 +144,7 @@ def _boolean(body: dict[str, Any], name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise _bad(f"{name} must be true or false, got {value!r}", name)
+        raise _bad(f"{name} must be true or false, got {_show(value)}", name)
     return value
 
 
@@ -129,7 +158,7 @@ def _stop(body: dict[str, Any]) -> list[str]:
         raise _bad("stop must be a non-empty string or a list of non-empty strings", "stop")
     if len(value) > MAX_STOP:
         raise _bad(f"stop may hold at most {MAX_STOP} sequences, got {len(value)}", "stop")
-    return value
+    return [_unicode(s, "stop") for s in value]
 
 
 def _model(body: dict[str, Any]) -> str:
@@ -137,7 +166,7 @@ def _model(body: dict[str, Any]) -> str:
     if not isinstance(model, str) or not model:
         raise GatewayError(ErrorKind.INVALID_REQUEST, "model is required: name one from GET /v1/models", param="model",
                            code="missing_required_parameter")
-    return model
+    return _unicode(model, "model")
 
 
 def _common(body: dict[str, Any]) -> SamplingOptions:
@@ -149,7 +178,7 @@ def _common(body: dict[str, Any]) -> SamplingOptions:
         if body.get(name):
             raise GatewayError(ErrorKind.INVALID_REQUEST, f"{name} are not supported by this server", param=name,
                                code="unsupported_parameter")
-    top_k = _integer(body, "top_k", -1)
+    top_k = _integer(body, "top_k", -1, _INT32_MAX)
     return SamplingOptions(
         temperature=_number(body, "temperature", 0.0, 2.0),
         top_p=_number(body, "top_p", 0.0, 1.0),
@@ -183,8 +212,8 @@ def _message(i: int, raw: Any) -> dict[str, str]:
     if not isinstance(raw, dict):
         raise _bad(f"{where} must be an object with role and content", where)
     role = raw.get("role")
-    if role not in CHAT_ROLES:
-        raise _bad(f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}", f"{where}.role")
+    if not isinstance(role, str) or role not in CHAT_ROLES:  # a list/dict role is unhashable
+        raise _bad(f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {_show(role)}", f"{where}.role")
     content = raw.get("content")
     if content is None:
         content = ""
@@ -197,9 +226,9 @@ def _message(i: int, raw: Any) -> dict[str, str]:
         content = "".join(parts)
     elif not isinstance(content, str):
         raise _bad(f"{where}.content must be a string or a list of text parts", f"{where}.content")
-    message = {"role": role, "content": content}
+    message = {"role": role, "content": _unicode(content, f"{where}.content")}
     if isinstance(raw.get("name"), str):
-        message["name"] = raw["name"]
+        message["name"] = _unicode(raw["name"], f"{where}.name")
     return message
 
 
@@ -255,7 +284,7 @@ def parse_completion_body(body: Any) -> GenerationInput:
     if isinstance(prompt, str):
         if not prompt:
             raise _bad("prompt must not be empty", "prompt")
-        text = prompt
+        text = _unicode(prompt, "prompt")
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                      for t in prompt):
         ids = list(prompt)
@@ -293,7 +322,7 @@ def parse_priority_header(value: str | None) -> int:
         return 1
     raw = value.strip().upper().removeprefix("P")
     if raw not in ("0", "1", "2"):
-        raise GatewayError(ErrorKind.INVALID_REQUEST, f"X-Priority must be 0, 1 or 2, got {value!r}",
+        raise GatewayError(ErrorKind.INVALID_REQUEST, f"X-Priority must be 0, 1 or 2, got {_show(value)}",
                            param="X-Priority", code="invalid_value")
     return int(raw)
 

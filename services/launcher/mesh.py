@@ -394,6 +394,8 @@ class Mesh:
             name="scheduler", role=Role.SCHEDULER, argv=self._kvmesh("scheduler"),
             probes=[Probe(ProbeKind.GRPC_HEALTH, cfg.gateway.scheduler_address)],
             env=self._env(), start_timeout=self._timeout("scheduler"),
+            # Soft state: engines re-register, gateways re-admit and re-attach.
+            restart=RestartPolicy.ALWAYS,
         )]
         cache = self.run_dir / "cache"
         for i in range(cfg.engines.count):
@@ -547,6 +549,23 @@ class Mesh:
         _signal_group(child, signal.SIGKILL)
         if child.process is not None:
             child.process.wait()
+
+    def terminate(self, name: str) -> None:
+        """SIGTERM a child without waiting (an engine then drains); its exit
+        is expected and not reported by `exited()`. `wait(name)` reaps it."""
+        child = self._child(name)
+        child.stopping = True
+        _signal_group(child, signal.SIGTERM)
+
+    def wait(self, name: str, timeout: float) -> int | None:
+        """The child's exit code once it exited, None if still running after `timeout` s."""
+        proc = self._child(name).process
+        if proc is None:
+            return None
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
 
     def restart(self, name: str) -> None:
         """Start a child again from its spec (after it exited or was killed)

@@ -2,8 +2,10 @@
 
 The supervisor loop polls its children twice a second. A child that exits on
 its own is reported with its exit code and log; what happens next is the
-child's `RestartPolicy` (every child is NEVER today: the scheduler's restart
-policy is a later decision, and the loop already applies ALWAYS).
+child's `RestartPolicy`: the scheduler is ALWAYS restarted (soft state: engines
+re-register, gateways re-admit and re-attach), the others are NEVER. Restarts
+back off: a child that dies again soon after a restart waits 1, 2, 4 ... up to
+30 s before the next one, so a crash loop does not spin.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -34,6 +37,11 @@ __all__ = ["Examples", "examples", "run_up"]
 log = logging.getLogger("kvmesh.launcher")
 
 _SUPERVISE_SECONDS = 0.5
+# Restart backoff: first delay, cap, and how long a child must live for its
+# next crash to count as a fresh one (delay back to the first).
+_RESTART_BACKOFF_FIRST = 1.0
+_RESTART_BACKOFF_MAX = 30.0
+_RESTART_STABLE_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -108,7 +116,25 @@ def _print_ready(mesh: Mesh, generated_key: bool) -> None:
     print(end="", flush=True)
 
 
+@dataclass
+class _Backoff:
+    """Restart history of one child (the supervisor's own state)."""
+
+    delay: float = 0.0
+    last_restart: float = float("-inf")
+
+    def next_delay(self, now: float) -> float:
+        if now - self.last_restart > _RESTART_STABLE_SECONDS:
+            self.delay = 0.0  # it ran long enough: restart at once
+        elif self.delay == 0.0:
+            self.delay = _RESTART_BACKOFF_FIRST
+        else:
+            self.delay = min(self.delay * 2, _RESTART_BACKOFF_MAX)
+        return self.delay
+
+
 def _supervise(mesh: Mesh, stop: threading.Event) -> None:
+    backoff: dict[str, _Backoff] = {}
     while not stop.wait(_SUPERVISE_SECONDS):
         for gone in mesh.exited():
             policy = mesh.restart_policy(gone.name)
@@ -118,6 +144,11 @@ def _supervise(mesh: Mesh, stop: threading.Event) -> None:
                 file=sys.stderr, flush=True,
             )
             if policy is RestartPolicy.ALWAYS:
+                history = backoff.setdefault(gone.name, _Backoff())
+                delay = history.next_delay(time.monotonic())
+                if delay and stop.wait(delay):
+                    return
+                history.last_restart = time.monotonic()
                 try:
                     mesh.restart(gone.name)
                     print(f"kvmesh: {gone.name} restarted", file=sys.stderr, flush=True)

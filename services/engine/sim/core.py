@@ -34,7 +34,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.common.config import SimCostConfig
 from services.common.prefix_hash import ROOT_HASH, chain_hash
 from services.engine.backend import (
     GenerationOutput,

@@ -325,8 +325,6 @@ async def test_all_engines_broken_is_503(mesh: Mesh) -> None:
 
 
 async def test_timeout_mid_stream_is_an_error_event(mesh: Mesh) -> None:
-    from services.gateway.keys import ANONYMOUS  # noqa: PLC0415, F401 - import check only
-
     mesh.config.gateway.max_generation_seconds = 0.3
     engine = mesh.engines["engine-a"]
     engine.answer_tokens, engine.token_delay = 10_000, 0.02

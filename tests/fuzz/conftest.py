@@ -1,0 +1,23 @@
+"""One fuzz mesh (real processes on free ports, no Envoy) shared by the
+fuzz tests of a session, and the idle check after them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from services.launcher.mesh import Mesh
+
+from .targets import ROOT, MODEL, start_fuzz_mesh
+
+
+@pytest.fixture(scope="session")
+def fuzz_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    if not (ROOT / ".models" / MODEL).is_dir():
+        pytest.skip(f".models/{MODEL} is missing: run `make setup`")
+    mesh = start_fuzz_mesh(tmp_path_factory.mktemp("fuzz-mesh"))
+    try:
+        yield mesh
+    finally:
+        mesh.stop_all()
