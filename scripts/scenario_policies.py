@@ -20,7 +20,10 @@ Cost model: prefill dominates. The sim charges `--prefill-us` microseconds per
 prompt token (100 us ~ an 8B model on an A100 at ~50% MFU, see
 services/engine/sim/cost_model.py) and the default 8 ms per decode step, with
 short answers (`--max-tokens`), so a cache hit saves most of a request's GPU
-time. Engines are small (`--total-blocks`): one engine's cache holds only a few
+time. `--speed-factor 2` (the default) doubles every simulated cost and the
+default rate is halved to match: the same simulated GPU utilisation with half
+the CPU spent in the gateway, Envoy and this client, which share two cores
+with the engines. Engines are small (`--total-blocks`): one engine's cache holds only a few
 of the group contexts, so where a policy sends each group decides its hit rate.
 
     .venv/bin/python scripts/scenario_policies.py            # all policies, ~3 min
@@ -261,11 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--groups", type=int, default=8, help="distinct shared contexts")
     p.add_argument("--context-tokens", type=int, default=1500, help="tokens of each shared context")
-    p.add_argument("--requests", type=int, default=240)
-    p.add_argument("--rate", type=float, default=12.0, help="Poisson arrivals per second")
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--rate", type=float, default=15.0, help="Poisson arrivals per second")
     p.add_argument("--max-tokens", type=int, default=8, help="answer length (short: prefill dominates)")
     p.add_argument("--prefill-us", type=float, default=100.0, help="sim microseconds per prompt token")
-    p.add_argument("--speed-factor", type=float, default=1.0, help="sim cost multiplier")
+    p.add_argument("--speed-factor", type=float, default=2.0, help="sim cost multiplier")
     p.add_argument("--total-blocks", type=int, default=400, help="KV blocks (16 tokens) per engine")
     p.add_argument("--max-running", type=int, default=16, help="running sequences per engine")
     p.add_argument("--seed", type=int, default=1)

@@ -4,6 +4,7 @@
     kvmesh scheduler | gateway | engine                            one service (multi-host)
     kvmesh envoy render                                            topology YAML -> Envoy config
     kvmesh key hash KEY                                            SHA-256 for the config's api_keys
+    kvmesh bench --url URL [--workload ...]                        load-test an OpenAI endpoint
 
 Services import lazily so that `kvmesh --help` and the light services do not
 pay for importing vLLM.
@@ -126,6 +127,10 @@ def _parser() -> argparse.ArgumentParser:
     env = sub.add_parser("envoy", help="Envoy config tooling (kvmesh envoy render --help)")
     env.add_argument("rest", nargs=argparse.REMAINDER)
     env.set_defaults(func=_cmd_envoy)
+
+    from services.bench.cli import add_parser as add_bench_parser  # noqa: PLC0415 - light imports only
+
+    add_bench_parser(sub)
 
     key = sub.add_parser("key", help="API key tooling")
     key_sub = key.add_subparsers(dest="key_command", required=True)

@@ -5,9 +5,11 @@
 
 What the rendered Envoy does, and why:
 - One public listener, codec AUTO: HTTP/1.1 and h2c (gRPC without TLS) on one port.
-- gRPC (content-type application/grpc*, or a /kvmesh.v1. /grpc.reflection.
-  /grpc.health. path) goes to the gateways' gRPC ports over HTTP/2; the
-  OpenAI HTTP API (/v1/...) and everything else to their HTTP ports over
+- gRPC to the public services only (kvmesh.v1.Inference, grpc.health.v1,
+  reflection) goes to the gateways' gRPC ports over HTTP/2; every other gRPC
+  path (the internal kvmesh.v1.Scheduler / kvmesh.v1.Engine, anything else
+  with a gRPC content-type) is answered by Envoy: 404 / UNIMPLEMENTED. The
+  OpenAI HTTP API (/v1/...) and everything else go to their HTTP ports over
   HTTP/1.1 (aiohttp cannot be an HTTP/2 upstream).
 - Streams are never cut: route `timeout: 0s` (Envoy's default 15 s kills
   streams) and idle timeouts far above the gateway's 15 s heartbeat.
@@ -44,7 +46,7 @@ import yaml
 from services.edge.devcerts import DEFAULT_DIR as DEV_CERT_DIR
 from services.edge.topology import GatewayEndpoint, Topology, TopologyError, load_topology
 
-__all__ = ["ENVOY_DIR", "RENDERED_DIR", "main", "render", "render_yaml", "rendered_path_for"]
+__all__ = ["ENVOY_DIR", "PUBLIC_GRPC_PREFIXES", "RENDERED_DIR", "main", "render", "render_yaml", "rendered_path_for"]
 
 ROOT = Path(__file__).resolve().parents[2]
 ENVOY_DIR = ROOT / "envoy"
@@ -71,8 +73,17 @@ _PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-s
 # Envoy's default cap on a direct response body is 4 KiB; the page is bigger.
 _MAX_DIRECT_RESPONSE_BYTES = 1_048_576
 
-# Paths that are gRPC even if a client forgot the content-type.
-_GRPC_PATH_PREFIXES = ("/kvmesh.v1.", "/grpc.reflection.", "/grpc.health.")
+# The only gRPC services the public listener forwards: the public API,
+# health and reflection. kvmesh.v1.Scheduler and kvmesh.v1.Engine are
+# internal (Admit/Connect/Abort would let a client hold leases, pose as an
+# engine or cancel anyone's request); Envoy answers them, and any other gRPC
+# path, itself (404 -> gRPC UNIMPLEMENTED) without reaching a gateway.
+PUBLIC_GRPC_PREFIXES = ("/kvmesh.v1.Inference/", "/grpc.reflection.", "/grpc.health.v1.Health/")
+_NOT_PUBLIC = {
+    "status": 404,
+    "body": {"inline_string": "this gRPC service is not served on the public listener; "
+                              "use kvmesh.v1.Inference\n"},
+}
 
 _ACCESS_LOG_FORMAT = {
     "time": "%START_TIME%",
@@ -135,19 +146,20 @@ def _routes(topology: Topology) -> list[dict[str, Any]]:
             "direct_response": {"status": 200, "body": {"inline_string": "ok\n"}},
         },
         *_web_routes(topology),
-        {
-            "name": "grpc",
-            "match": {
-                "prefix": "/",
-                "headers": [
-                    {"name": "content-type", "string_match": {"prefix": "application/grpc"}}
-                ],
-            },
-            "route": grpc,
-        },
     ]
-    for prefix in _GRPC_PATH_PREFIXES:
-        routes.append({"name": f"grpc{prefix.rstrip('.')}", "match": {"prefix": prefix}, "route": grpc})
+    for prefix in PUBLIC_GRPC_PREFIXES:
+        name = "grpc" if prefix == "/kvmesh.v1.Inference/" else f"grpc{prefix.rstrip('./')}"
+        routes.append({"name": name, "match": {"prefix": prefix}, "route": grpc})
+    # Internal kvmesh services by path (with or without a gRPC content-type),
+    # then any other gRPC call: answered here, never forwarded.
+    routes.append({"name": "grpc_internal_denied", "match": {"prefix": "/kvmesh.v1."},
+                   "direct_response": _NOT_PUBLIC})
+    routes.append({
+        "name": "grpc_other_denied",
+        "match": {"prefix": "/", "headers": [
+            {"name": "content-type", "string_match": {"prefix": "application/grpc"}}]},
+        "direct_response": _NOT_PUBLIC,
+    })
     routes.append({"name": "openai", "match": {"prefix": "/v1/"}, "route": http})
     # Everything else the gateway's HTTP side serves (/health, /v1 without slash...).
     routes.append({"name": "gateway_http", "match": {"prefix": "/"}, "route": http})

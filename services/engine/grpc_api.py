@@ -100,6 +100,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except NotAccepting as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        request = first.request
+        # One line per request, keyed by the gateway's id (x-request-id).
+        log.info("request %s started (%d prompt tokens, priority %d)", request.request_id,
+                 len(request.prompt_token_ids), request.priority)
         context.add_done_callback(lambda _ctx: generation.cancel("the client closed the call"))
         reader = asyncio.create_task(self._read_cancel(context, generation))
         try:

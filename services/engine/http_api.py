@@ -4,7 +4,9 @@ the very same engines kvmesh's scheduler drives.
 
 POST /v1/completions and /v1/chat/completions (stream true/false; prompt as
 text or token ids), GET /v1/models, GET /health, plus what sglang-router asks
-workers: GET /model_info, /server_info, /get_load. Engine errors map here to
+workers: GET /model_info, /server_info, /get_load, and what vllm-router's
+cache_aware asks: POST /v1/chat/completions/render and /v1/completions/render
+(the prompt's token ids, nothing generated). Engine errors map here to
 HTTP status + OpenAI error JSON (400 invalid, 503 not accepting).
 """
 
@@ -54,6 +56,9 @@ class OpenAIHttpServer:
         app.router.add_get("/model_info", self._model_info)
         app.router.add_get("/server_info", self._model_info)
         app.router.add_get("/get_load", self._get_load)
+        # vllm-router's cache_aware asks every worker for a request's token ids.
+        app.router.add_post("/v1/chat/completions/render", self._render_chat)
+        app.router.add_post("/v1/completions/render", self._render_completion)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         await web.TCPSite(self._runner, host, port, backlog=LISTEN_BACKLOG).start()
@@ -85,6 +90,29 @@ class OpenAIHttpServer:
         load = self._runtime.load()
         return web.json_response({"load": load.running + load.waiting, "running": load.running,
                                   "waiting": load.waiting, "blocks_used": load.blocks_used})
+
+    # ---------------------------------------------------------------- render
+
+    async def _render_chat(self, request: web.Request) -> web.Response:
+        return await self._render(request, chat=True)
+
+    async def _render_completion(self, request: web.Request) -> web.Response:
+        return await self._render(request, chat=False)
+
+    async def _render(self, request: web.Request, chat: bool) -> web.Response:
+        """The prompt's token ids as this engine would run them, nothing
+        generated (vLLM's render endpoints: a chat render is one object, a
+        completions render a list of one per prompt)."""
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise _BadRequest("the body must be a JSON object")
+            gen = self._parse(body, chat)
+        except (ValueError, _BadRequest, InvalidRequest) as exc:
+            return _error(400, str(exc), "invalid_request_error")
+        rendered = {"request_id": gen.request_id, "model": self._model, "token_ids": gen.prompt_token_ids,
+                    "sampling_params": {"max_tokens": gen.sampling.max_tokens}}
+        return web.json_response(rendered if chat else [rendered])
 
     # ---------------------------------------------------------------- generation
 

@@ -207,9 +207,14 @@ class SchedulerLink:
                 log.info("registered with the scheduler at %s", self._engine.scheduler_address)
                 reader = asyncio.create_task(self._read(call))
                 writer = asyncio.create_task(self._write(call))
-                _, pending = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
-                for task in pending:
-                    task.cancel()
+                try:
+                    await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    # Also when stop() cancels us mid-wait: no task may outlive
+                    # the session or leave its error unretrieved.
+                    for task in (reader, writer):
+                        task.cancel()
+                        task.add_done_callback(_retrieve)
                 results = await asyncio.gather(reader, writer, return_exceptions=True)
                 errors = [r for r in results if isinstance(r, Exception)]
                 if errors:
@@ -283,6 +288,12 @@ class SchedulerLink:
             request_ids=load.request_ids,
         )
         await call.write(scheduler_pb2.EngineMessage(load=report))
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """Mark a session task's outcome as seen (its error is raised, or moot)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _describe(exc: BaseException) -> str:

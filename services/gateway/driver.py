@@ -63,8 +63,9 @@ log = logging.getLogger(__name__)
 # engine coalesces when we fall behind, so a deep buffer only adds memory.
 _QUEUE_DEPTH = 8
 # A scheduler restart while a request waits: re-admit (same arrival time) for
-# this long before answering 503.
-_READMIT_SECONDS = 10.0
+# this long before answering 503. A restart takes 2-5 s on a busy 2-core
+# machine (Python start-up, then engines re-register); leave room for more.
+_READMIT_SECONDS = 30.0
 # Backoff between re-admission / re-attach attempts while the scheduler (and
 # the engines' registrations) come back: first wait, cap.
 _BACKOFF_FIRST_SECONDS = 0.1
@@ -246,6 +247,7 @@ class GenerationDriver:
         """Relay `queued` until `placed`. A scheduler that restarts while we
         wait is re-admitted with the original arrival time."""
         readmit_until: float | None = None
+        backoff = _BACKOFF_FIRST_SECONDS
         while True:
             try:
                 outcome = await progress.session.next_outcome()
@@ -257,12 +259,13 @@ class GenerationDriver:
                 readmit_until = readmit_until or now + _READMIT_SECONDS
                 if now >= readmit_until:
                     raise
-                await asyncio.sleep(_BACKOFF_FIRST_SECONDS)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX_SECONDS)
                 progress.session = await self._open_admit(job, self._admit_request(job, progress))
                 self._metrics.readmissions.labels("queued").inc()
                 log.info("request %s: re-admitted after a scheduler restart", job.request_id)
                 continue
-            readmit_until = None
+            readmit_until, backoff = None, _BACKOFF_FIRST_SECONDS
             if isinstance(outcome, scheduler_pb2.Placed):
                 return outcome
             await emit(QueuedUpdate(outcome.position, outcome.estimated_wait_seconds, outcome.priority))
@@ -413,11 +416,14 @@ class GenerationDriver:
                 if not delta.token_ids and not delta.text:
                     continue
                 self._observe_delta(job, progress, len(delta.token_ids))
-                if not progress.told_first:
-                    progress.told_first = True
-                    await progress.session.first_token()
                 generated.extend(delta.token_ids)
                 await emit(TextDelta(delta.text, list(delta.token_ids), list(delta.logprobs)))
+                if not progress.told_first:
+                    progress.told_first = True
+                    # Let the transport write the first token before we spend
+                    # a gRPC write on the advisory `first_token` (TTFT path).
+                    await asyncio.sleep(0)
+                    await progress.session.first_token()
                 continue
             done = event.finished
             progress.cached_tokens = min(done.usage.cached_tokens, len(job.prompt_ids))
@@ -461,6 +467,8 @@ class EventStream:
         self._queue: asyncio.Queue[object] = asyncio.Queue(_QUEUE_DEPTH)
         self._heartbeat = heartbeat_seconds
         self._last_output = time.monotonic()
+        # An event taken from the queue while merging deltas, yielded next.
+        self._held: object | None = None
         self._task = asyncio.create_task(self._pump(run))
 
     async def _pump(self, run: Callable[[Emit], Awaitable[None]]) -> None:
@@ -485,7 +493,10 @@ class EventStream:
     async def _iterate(self) -> AsyncIterator[Event]:
         while True:
             try:
-                item = self._queue.get_nowait()
+                if self._held is not None:
+                    item, self._held = self._held, None
+                else:
+                    item = self._queue.get_nowait()
             except asyncio.QueueEmpty:
                 wait = self._last_output + self._heartbeat - time.monotonic()
                 try:
@@ -499,9 +510,30 @@ class EventStream:
                 return
             if isinstance(item, GatewayError):
                 raise item
+            if isinstance(item, TextDelta) and not self._queue.empty():
+                item = self._merge_queued(item)
             yield item  # type: ignore[misc]
             if isinstance(item, Finished):
                 return  # the last event; the pump only tidies up after it
+
+    def _merge_queued(self, first: TextDelta) -> TextDelta:
+        """Backpressure by coalescing, gateway side: deltas that queued up
+        while the transport was writing go out as ONE event (one JSON encode,
+        one SSE write), in order, nothing dropped. The first other event is
+        held back and yielded next."""
+        texts, ids, logprobs = [first.text], list(first.token_ids), list(first.logprobs)
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except asyncio.QueueEmpty:
+                break
+            if not isinstance(item, TextDelta):
+                self._held = item
+                break
+            texts.append(item.text)
+            ids.extend(item.token_ids)
+            logprobs.extend(item.logprobs)
+        return TextDelta("".join(texts), ids, logprobs)
 
     async def aclose(self) -> None:
         if not self._task.done():

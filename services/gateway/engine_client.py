@@ -22,6 +22,14 @@ from services.gateway.errors import EngineFailure, classify_engine_rpc_error
 
 __all__ = ["EnginePool", "EngineStream"]
 
+# HTTP/2 flow control on engine streams: a fixed 64 KiB window per stream (no
+# BDP growth). Token deltas are tiny, so a window grown to megabytes would
+# park tens of thousands of per-step deltas in gRPC's buffers for a slow
+# reader; a small window stalls the engine's writes instead, and the engine
+# coalesces everything after that into the next delta (DESIGN: backpressure
+# by coalescing). 64 KiB per stream is still far above any token rate.
+_FLOW_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 64 * 1024)]
+
 
 class EngineStream:
     """One Generate call. Cancelling it (or the task reading it) aborts the
@@ -86,6 +94,7 @@ class EnginePool:
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 1000),
+                *_FLOW_OPTIONS,
             ])
             self._channels[address] = channel
             stub = self._stubs[address] = engine_pb2_grpc.EngineStub(channel)

@@ -200,7 +200,7 @@ class HttpApi:
                 if isinstance(event, TextDelta):
                     tally.completion_tokens += len(event.token_ids)
                     out = await started()
-                    await out.write(sse(formatter.delta_chunk(event)))
+                    await out.write(formatter.delta_sse(event))
                     stream.mark_output()
                 elif isinstance(event, Finished):
                     out = await started()

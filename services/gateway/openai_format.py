@@ -22,6 +22,11 @@ def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
+# json's C string encoder (ensure_ascii=False), exactly what `sse` uses for a str.
+_json_str = json.encoder.encode_basestring
+_SLOT = "\x00kvmesh-text-slot\x00"
+
+
 def usage_dict(usage: Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": usage.prompt_tokens,
@@ -46,6 +51,8 @@ class Formatter:
         self.created = int(time.time())
         self.model = model
         self.include_usage = include_usage
+        # (head, tail) bytes around the text of a delta chunk; built once.
+        self._frame: tuple[bytes, bytes] | None = None
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -55,6 +62,22 @@ class Formatter:
         if self.include_usage:
             out["usage"] = None
         return out
+
+    def delta_chunk(self, delta: TextDelta) -> dict[str, Any]:  # pragma: no cover - per subclass
+        raise NotImplementedError
+
+    def delta_sse(self, delta: TextDelta) -> bytes:
+        """`sse(self.delta_chunk(delta))`, byte for byte, but on the hot path
+        (a delta without logprobs) only the text is JSON-encoded: the rest of
+        the chunk is the same for every delta of a response."""
+        if delta.logprobs:
+            return sse(self.delta_chunk(delta))
+        if self._frame is None:
+            whole = sse(self.delta_chunk(TextDelta(_SLOT, [])))
+            head, tail = whole.split(_json_str(_SLOT).encode(), 1)
+            self._frame = (head, tail)
+        head, tail = self._frame
+        return head + _json_str(delta.text).encode() + tail
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return {

@@ -44,6 +44,13 @@ SERVICE_NAME = "kvmesh.v1.Inference"
 # Through Envoy a burst of hundreds of streams arrives at once; aiohttp's
 # default backlog of 128 drops connections (measured, DESIGN.md).
 LISTEN_BACKLOG = 4096
+# Kernel send buffer per client connection (accepted sockets inherit it from
+# the listener). Linux autotunes it up to tcp_wmem's max (4 MB here), which
+# would park ~25k single-token SSE chunks for a slow reader; capped, a slow
+# reader stalls the relay early and the engine coalesces the rest instead
+# (DESIGN: backpressure by coalescing). 64 KiB (the kernel doubles it) still
+# moves far more than any token stream needs at loopback/LAN round trips.
+SEND_BUFFER_BYTES = 64 * 1024
 # Seconds in-flight requests get to finish on stop before they are cancelled.
 STOP_GRACE_SECONDS = 5.0
 
@@ -109,6 +116,7 @@ class GatewayService:
         self._runners.append(runner)
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         sock.bind((host, port))
         sock.listen(LISTEN_BACKLOG)
         sock.setblocking(False)

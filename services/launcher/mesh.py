@@ -63,9 +63,10 @@ log = logging.getLogger("kvmesh.launcher")
 ROOT = Path(__file__).resolve().parents[2]
 
 # Seconds a service may take to become healthy. vLLM imports for ~15 s and
-# loads a model for ~30 s on two cores; everything else takes a few seconds,
+# loads a model for ~30 s on two cores, but two engines starting together on a
+# busy machine took 5.5 min here; everything else takes a few seconds,
 # more on a noisy machine.
-_START_TIMEOUT = {"scheduler": 60.0, "gateway": 90.0, "sim": 90.0, "vllm": 600.0, "envoy": 60.0}
+_START_TIMEOUT = {"scheduler": 60.0, "gateway": 90.0, "sim": 90.0, "vllm": 900.0, "envoy": 60.0}
 # Seconds between SIGTERM and SIGKILL when stopping.
 _STOP_GRACE_SECONDS = 10.0
 _POLL_SECONDS = 0.1

@@ -59,7 +59,8 @@ class ProtocolError(Exception):
 def _to_proto(notice: Notice) -> scheduler_pb2.AdmitServerMessage:
     if isinstance(notice, QueuedInfo):
         return scheduler_pb2.AdmitServerMessage(queued=scheduler_pb2.Queued(
-            position=notice.position, estimated_wait_seconds=notice.estimated_wait_seconds,
+            # The core counts from 0; the wire promises 1 = next to be placed.
+            position=notice.position + 1, estimated_wait_seconds=notice.estimated_wait_seconds,
             priority=notice.priority))
     if isinstance(notice, PlacedInfo):
         return scheduler_pb2.AdmitServerMessage(placed=scheduler_pb2.Placed(
@@ -159,6 +160,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     def deliver(self, deliveries: Iterable[tuple[str, Notice]]) -> None:
         for request_id, notice in deliveries:
+            if isinstance(notice, PlacedInfo):
+                # One line per placement, keyed by the request id the gateway
+                # took from x-request-id, so a request can be followed across logs.
+                log.info("request %s placed on %s (lease %s, %d cached tokens)", request_id,
+                         notice.engine_id, notice.lease_id, notice.cached_tokens)
+            elif isinstance(notice, RejectedInfo):
+                log.info("request %s rejected: %s", request_id, notice.reason.value)
             box = self._mailboxes.get(request_id)
             if box is not None:
                 box.put_nowait(notice)

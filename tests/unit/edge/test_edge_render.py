@@ -116,10 +116,13 @@ def test_grpc_goes_to_an_http2_cluster_and_openai_to_http1() -> None:
     config = render(Topology())
     routes = _routes(config)
     assert routes["grpc"]["route"]["cluster"] == "gateway_grpc"
-    assert routes["grpc"]["match"]["headers"][0]["string_match"] == {"prefix": "application/grpc"}
-    for prefix in ("/kvmesh.v1.", "/grpc.reflection.", "/grpc.health."):
+    assert routes["grpc"]["match"] == {"prefix": "/kvmesh.v1.Inference/"}
+    for prefix in ("/kvmesh.v1.Inference/", "/grpc.reflection.", "/grpc.health.v1.Health/"):
         assert any(r["match"].get("prefix") == prefix and r["route"]["cluster"] == "gateway_grpc"
                    for r in routes.values() if "route" in r)
+    # Internal services and unknown gRPC are answered by Envoy (tests/fuzz/test_security.py).
+    assert routes["grpc_internal_denied"]["direct_response"]["status"] == 404
+    assert routes["grpc_other_denied"]["direct_response"]["status"] == 404
     assert routes["openai"]["match"] == {"prefix": "/v1/"}
     assert routes["openai"]["route"]["cluster"] == "gateway_http"
     assert routes["healthz"]["direct_response"]["status"] == 200

@@ -60,3 +60,23 @@ async def test_chat_and_errors(http) -> None:  # noqa: ANN001
             assert "empty" in (await resp.json())["error"]["message"]
         async with session.post(f"{base}/v1/completions", data=b"not json") as resp:
             assert resp.status == 400
+
+
+async def test_render_endpoints_return_the_prompt_token_ids(http) -> None:  # noqa: ANN001
+    # vllm-router's cache_aware policy asks every worker for these (BENCHMARKS.md peers).
+    svc, base = http
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "sim", "prompt": [300, 301, 302], "max_tokens": 2}
+        async with session.post(f"{base}/v1/completions/render", json=body) as resp:
+            rendered = await resp.json()
+        assert resp.status == 200 and rendered[0]["token_ids"] == [300, 301, 302]
+        chat = {"model": "sim", "messages": [{"role": "user", "content": "lorem ipsum"}], "max_tokens": 2}
+        async with session.post(f"{base}/v1/chat/completions/render", json=chat) as resp:
+            rendered = await resp.json()
+        assert resp.status == 200 and rendered["token_ids"]
+        async with session.post(f"{base}/v1/chat/completions", json=chat) as resp:
+            usage = (await resp.json())["usage"]
+        assert usage["prompt_tokens"] == len(rendered["token_ids"])
+        async with session.post(f"{base}/v1/chat/completions/render", json={"messages": []}) as resp:
+            assert resp.status == 400
+    assert svc.backend.load().running == 0

@@ -67,7 +67,7 @@ async def test_queued_then_placed_then_done(stack) -> None:
     call = stub.Admit(timeout=TIMEOUT * 3)
     await call.write(admit_msg("r1", priority=2))
     first = await asyncio.wait_for(call.read(), TIMEOUT)
-    assert first.WhichOneof("msg") == "queued" and first.queued.position == 0
+    assert first.WhichOneof("msg") == "queued" and first.queued.position == 1  # 1 = next, as scheduler.proto says
     assert first.queued.priority == 2
     update = await asyncio.wait_for(call.read(), TIMEOUT)               # periodic position update
     assert update.WhichOneof("msg") == "queued"

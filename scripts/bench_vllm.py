@@ -1,0 +1,334 @@
+"""kvmesh with one vLLM engine vs vLLM's own server, same model, same settings.
+
+    .venv/bin/python scripts/bench_vllm.py [--model tiny-llama] [--requests 64] [--write]
+
+Runs the same workload, one server at a time (never both: they would share
+the two cores), against
+  1. kvmesh: Envoy -> gateway -> scheduler -> one vLLM engine (the launcher's
+     `Mesh`, free ports, a scratch run dir), and
+  2. `vllm serve` from this venv,
+both with dtype float32, enforce_eager, the same KV size, max_num_seqs,
+block size, prefix caching, priority scheduling and VLLM_CPU_OMP_THREADS_BIND.
+
+Workload, streamed `POST /v1/completions` with greedy sampling and
+`ignore_eos` (exact output lengths):
+  - sequential: requests one at a time, short answers: TTFT with no queueing,
+    i.e. what each hop of the mesh adds;
+  - concurrent: `--concurrency` clients in a closed loop, distinct prompts:
+    throughput (generated tokens / wall time) and TTFT p50/p99 under load.
+With `--write` the table replaces the "## kvmesh vs vLLM's own server
+(issue 4)" section of BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from services.common.config import load_config  # noqa: E402
+from services.engine.vllm_backend.env import omp_bind_spec  # noqa: E402
+from services.launcher.mesh import Mesh, MeshOptions  # noqa: E402
+from services.launcher.ports import free_port  # noqa: E402
+
+SECTION = "## kvmesh vs vLLM's own server (issue 4)"
+_WORDS = ("river stone cloud lantern orbit maple copper violet harbor quartz meadow signal timber "
+          "falcon saddle prism glacier ember canyon willow").split()
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What both servers get."""
+
+    model: str
+    model_path: Path
+    kv_cache_gib: float
+    max_num_seqs: int
+    omp_bind: str
+    requests: int
+    concurrency: int
+    prompt_words: int
+    max_tokens: int
+    sequential: int
+    sequential_max_tokens: int
+
+
+@dataclass
+class Sample:
+    ttft: float
+    tokens: int
+
+
+@dataclass
+class Phase:
+    samples: list[Sample] = field(default_factory=list)
+    wall: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return sum(s.tokens for s in self.samples) / self.wall if self.wall else 0.0
+
+    def ttft_ms(self, q: float) -> float:
+        values = sorted(s.ttft for s in self.samples)
+        if not values:
+            return float("nan")
+        return 1000 * values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+@dataclass
+class Result:
+    name: str
+    startup_seconds: float
+    sequential: Phase
+    concurrent: Phase
+
+
+def prompts(n: int, words: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [f"{i} " + " ".join(rng.choice(_WORDS) for _ in range(words)) for i in range(n)]
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, headers: dict[str, str], model: str,
+                      prompt: str, max_tokens: int) -> Sample:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    began = time.perf_counter()
+    ttft: float | None = None
+    tokens = 0
+    async with session.post(url, json=body, headers=headers) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status}: {(await resp.text())[:300]}")
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                raise RuntimeError(f"{url}: {event['error']}")
+            if ttft is None and any(c.get("text") for c in event.get("choices") or ()):
+                ttft = time.perf_counter() - began
+            if event.get("usage"):
+                tokens = int(event["usage"]["completion_tokens"])
+    if ttft is None:
+        raise RuntimeError(f"{url}: no token arrived")
+    return Sample(ttft, tokens or max_tokens)
+
+
+async def run_workload(base_url: str, api_key: str, s: Settings) -> tuple[Phase, Phase]:
+    url = f"{base_url}/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"}
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        # Warm-up: first requests pay one-off costs on both servers.
+        for p in prompts(4, s.prompt_words, seed=1):
+            await one_request(session, url, headers, s.model, p, 8)
+        sequential = Phase()
+        began = time.perf_counter()
+        for p in prompts(s.sequential, s.prompt_words, seed=2):
+            sequential.samples.append(await one_request(session, url, headers, s.model, p,
+                                                        s.sequential_max_tokens))
+        sequential.wall = time.perf_counter() - began
+
+        concurrent = Phase()
+        queue = list(prompts(s.requests, s.prompt_words, seed=3))
+
+        async def client() -> None:
+            while queue:
+                prompt = queue.pop()
+                concurrent.samples.append(await one_request(session, url, headers, s.model, prompt,
+                                                            s.max_tokens))
+
+        began = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(s.concurrency)))
+        concurrent.wall = time.perf_counter() - began
+    return sequential, concurrent
+
+
+# ---------------------------------------------------------------- servers
+
+
+def run_kvmesh(s: Settings, scratch: Path) -> Result:
+    config = load_config(ROOT / "config" / "kvmesh.yaml")
+    v = config.engines.template.vllm
+    v.kv_cache_gib, v.max_num_seqs, v.omp_threads_bind = s.kv_cache_gib, s.max_num_seqs, s.omp_bind
+    v.dtype, v.enforce_eager = "float32", True
+    # The gateway's default key has no rate limit; tokens never pass the scheduler.
+    options = MeshOptions(engines=1, backend="vllm", model=s.model, free_ports=True,
+                          run_dir=scratch / "kvmesh")
+    mesh = Mesh(config, options)
+    began = time.perf_counter()
+    mesh.start()
+    try:
+        startup = time.perf_counter() - began
+        seq, conc = asyncio.run(run_workload(mesh.endpoints.public_http, mesh.api_key, s))
+    finally:
+        mesh.stop_all()
+    return Result("kvmesh (Envoy, gateway, scheduler, 1 vLLM engine)", startup, seq, conc)
+
+
+def run_vllm_serve(s: Settings, scratch: Path) -> Result:
+    port = free_port()
+    cache = scratch / "vllm-serve"
+    for sub in ("cache", "inductor", "tmp"):
+        (cache / sub).mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.update({
+        "VLLM_CPU_OMP_THREADS_BIND": omp_bind_spec(s.omp_bind),
+        "VLLM_CACHE_ROOT": str(cache / "cache"),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+        "TMPDIR": str(cache / "tmp"),
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+    })
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    argv = [str(Path(sys.prefix) / "bin" / "vllm"), "serve", str(s.model_path),
+            "--served-model-name", s.model, "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", "float32", "--enforce-eager",
+            "--kv-cache-memory-bytes", str(int(s.kv_cache_gib * _GIB)),
+            "--max-num-seqs", str(s.max_num_seqs), "--enable-prefix-caching",
+            "--scheduling-policy", "priority", "--seed", "0", "--disable-uvicorn-access-log"]
+    log_path = scratch / "vllm-serve.log"
+    began = time.perf_counter()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,  # noqa: S603
+                                start_new_session=True)
+    try:
+        asyncio.run(_wait_ready(f"http://127.0.0.1:{port}/health", proc, log_path))
+        startup = time.perf_counter() - began
+        seq, conc = asyncio.run(run_workload(f"http://127.0.0.1:{port}", "none", s))
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            pass
+    return Result("vllm serve (vLLM's own OpenAI server)", startup, seq, conc)
+
+
+async def _wait_ready(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}; see {log_path}")
+            try:
+                async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                    if resp.status == 200:
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"vllm serve not ready after {timeout} s; see {log_path}")
+
+
+# ---------------------------------------------------------------- report
+
+
+def table(s: Settings, results: list[Result], note: str) -> str:
+    mesh, own = results
+    lines = [
+        SECTION,
+        "",
+        f"`scripts/bench_vllm.py` on {time.strftime('%Y-%m-%d')}: model {s.model}, dtype float32, enforce_eager, "
+        f"KV {s.kv_cache_gib} GiB, max_num_seqs {s.max_num_seqs}, block 128, prefix caching, priority "
+        f"scheduling, VLLM_CPU_OMP_THREADS_BIND={omp_bind_spec(s.omp_bind)}; streamed /v1/completions, "
+        "greedy, ignore_eos. One server at a time.",
+        "",
+        f"| server | start-up s | sequential TTFT p50 / p99 ms ({s.sequential} req, {s.sequential_max_tokens} tok) "
+        f"| concurrent ({s.concurrency} clients, {s.requests} req x {s.prompt_words}-word prompt, "
+        f"{s.max_tokens} tok): tokens/s | TTFT p50 / p99 ms |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.name} | {r.startup_seconds:.0f} | {r.sequential.ttft_ms(0.5):.1f} / {r.sequential.ttft_ms(0.99):.1f} "
+            f"| {r.concurrent.tokens_per_second:.0f} | {r.concurrent.ttft_ms(0.5):.0f} / {r.concurrent.ttft_ms(0.99):.0f} |"
+        )
+    ratio = mesh.concurrent.tokens_per_second / own.concurrent.tokens_per_second
+    added = mesh.sequential.ttft_ms(0.5) - own.sequential.ttft_ms(0.5)
+    lines += [
+        "",
+        f"kvmesh / vllm serve throughput: **{100 * ratio:.0f}%** (target >= 95%); added TTFT p50 with no "
+        f"queueing: **{added:+.1f} ms** (target <= 5 ms).",
+    ]
+    if note:
+        lines += ["", note]
+    return "\n".join(lines) + "\n"
+
+
+def write_section(text: str) -> None:
+    path = ROOT / "BENCHMARKS.md"
+    old = path.read_text() if path.exists() else "# Benchmarks\n"
+    start = old.find(SECTION)
+    if start < 0:
+        new = old.rstrip("\n") + "\n\n" + text
+    else:
+        end = old.find("\n## ", start + len(SECTION))
+        new = old[:start] + text + (old[end + 1:] if end >= 0 else "")
+    path.write_text(new)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--kv-cache-gib", type=float, default=0.25)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--omp-bind", default="all", help="VllmConfig.omp_threads_bind syntax")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--prompt-words", type=int, default=100)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--sequential", type=int, default=30)
+    parser.add_argument("--sequential-max-tokens", type=int, default=4)
+    parser.add_argument("--only", choices=["kvmesh", "vllm"], help="run one server (debugging)")
+    parser.add_argument("--note", default="", help="a paragraph to put under the table")
+    parser.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
+    ns = parser.parse_args()
+    config = load_config(ROOT / "config" / "kvmesh.yaml")
+    model_path = Path(config.model(ns.model).path)
+    s = Settings(ns.model, model_path if model_path.is_absolute() else ROOT / model_path, ns.kv_cache_gib,
+                 ns.max_num_seqs, ns.omp_bind, ns.requests, ns.concurrency, ns.prompt_words, ns.max_tokens,
+                 ns.sequential, ns.sequential_max_tokens)
+    runners: list[tuple[str, Callable[[Settings, Path], Result]]] = [("kvmesh", run_kvmesh),
+                                                                     ("vllm", run_vllm_serve)]
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-", dir=ROOT / ".run" if (ROOT / ".run").is_dir() else None) as tmp:
+        for name, runner in runners:
+            if ns.only and ns.only != name:
+                continue
+            print(f"bench: {name} ...", flush=True)
+            r = runner(s, Path(tmp))
+            results.append(r)
+            print(f"bench: {r.name}: start-up {r.startup_seconds:.0f} s, sequential TTFT p50 "
+                  f"{r.sequential.ttft_ms(0.5):.1f} ms p99 {r.sequential.ttft_ms(0.99):.1f} ms; concurrent "
+                  f"{r.concurrent.tokens_per_second:.0f} tok/s, TTFT p50 {r.concurrent.ttft_ms(0.5):.0f} ms "
+                  f"p99 {r.concurrent.ttft_ms(0.99):.0f} ms", flush=True)
+    if len(results) == 2:
+        text = table(s, results, ns.note)
+        print(text)
+        if ns.write:
+            write_section(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,40 @@
+"""Results as JSON and as a text table."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from services.bench.stats import RequestResult
+
+__all__ = ["format_summary", "write_json"]
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """One row per class plus "all": TTFT / inter-token / e2e percentiles (ms),
+    throughput, prefix hit rate and rejections."""
+    head = ["class", "ok/sent", "rej", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms", "e2e p50/p90/p99 ms",
+            "req/s", "out tok/s", "hit rate"]
+    rows = [head, ["---"] * len(head)]
+    blocks = [("all", summary["overall"]), *summary["classes"].items()]
+    for name, b in blocks:
+        trip = lambda key: "/".join(_ms(b[key].get(p)) for p in ("p50", "p90", "p99"))  # noqa: E731
+        rows.append([
+            name, f"{b['ok']}/{b['requests']}", str(b["rejected"]), trip("ttft_s"), trip("itl_s"), trip("e2e_s"),
+            f"{b['requests_per_s']:.2f}" if b["requests_per_s"] is not None else "-",
+            f"{b['output_tokens_per_s']:.0f}" if b["output_tokens_per_s"] is not None else "-",
+            f"{b['prefix_hit_rate']:.1%}" if b["prefix_hit_rate"] is not None else "-",
+        ])
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+def write_json(path: Path, meta: dict[str, Any], summary: dict[str, Any], results: list[RequestResult]) -> None:
+    doc = {"meta": meta, "summary": summary,
+           "requests": [{k: v for k, v in dataclasses.asdict(r).items() if k != "chunk_gaps"} for r in results]}
+    path.write_text(json.dumps(doc, indent=1, default=str))

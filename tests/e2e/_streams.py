@@ -1,0 +1,129 @@
+"""Streaming clients and probes the reliability tests share: OpenAI
+completions over SSE through Envoy, the gateway's Prometheus counters, the
+scheduler's state. Event-driven waits only (no sleeps standing in for them)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+import grpc
+
+from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.launcher.mesh import Mesh
+
+__all__ = [
+    "StreamResult",
+    "gateway_counter",
+    "run_streams",
+    "scheduler_state",
+    "stream_completion",
+    "wait_until",
+]
+
+# One stream may take this long in the worst case on a noisy 2-core machine.
+STREAM_TIMEOUT_SECONDS = 180.0
+
+
+@dataclass
+class StreamResult:
+    """What one client saw. `ok` = HTTP 200, a finish reason of length/stop,
+    no error event, and the closing [DONE]."""
+
+    status: int = 0
+    text: str = ""
+    chunks: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    done: bool = False
+    first_chunk: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.done and self.error is None and self.finish_reason in ("length", "stop")
+
+
+async def stream_completion(
+    session: aiohttp.ClientSession, mesh: Mesh, prompt: str, max_tokens: int, result: StreamResult | None = None
+) -> StreamResult:
+    """POST /v1/completions (stream) through Envoy; never raises for a
+    failed request, records it in the result instead."""
+    result = result or StreamResult()
+    body = {"model": mesh.config.engines.template.model, "prompt": prompt, "max_tokens": max_tokens,
+            "stream": True, "temperature": 0}
+    headers = {"Authorization": f"Bearer {mesh.api_key}"}
+    try:
+        async with asyncio.timeout(STREAM_TIMEOUT_SECONDS):
+            async with session.post(f"{mesh.endpoints.public_http}/v1/completions", json=body,
+                                    headers=headers) as resp:
+                result.status = resp.status
+                if resp.status != 200:
+                    result.error = (await resp.text())[:300]
+                    return result
+                async for raw in resp.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        result.done = True
+                        continue
+                    event = json.loads(data)
+                    if "error" in event:
+                        result.error = json.dumps(event["error"])[:300]
+                        continue
+                    for choice in event.get("choices", ()):
+                        result.text += choice.get("text") or ""
+                        if choice.get("finish_reason"):
+                            result.finish_reason = choice["finish_reason"]
+                    result.chunks += 1
+                    result.first_chunk.set()
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def run_streams(
+    mesh: Mesh, prompts: list[str], max_tokens: list[int]
+) -> tuple[list[StreamResult], list[asyncio.Task[StreamResult]], aiohttp.ClientSession]:
+    """Start one stream per prompt; returns the live results, their tasks and
+    the session (the caller awaits the tasks, then closes the session)."""
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    results = [StreamResult() for _ in prompts]
+    tasks = [asyncio.create_task(stream_completion(session, mesh, p, n, r))
+             for p, n, r in zip(prompts, max_tokens, results, strict=True)]
+    return results, tasks, session
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float, what: str, poll: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(poll)
+
+
+def gateway_counter(mesh: Mesh, name: str, labels: str = "", replica: int = 0) -> float:
+    """A counter from gateway `replica`'s /metrics (0 when absent)."""
+    port = mesh.config.gateway.metrics_port + replica
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:  # noqa: S310 - loopback
+        text = resp.read().decode()
+    wanted = f"{name}{{{labels}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith(wanted + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def scheduler_state(mesh: Mesh) -> scheduler_pb2.SchedulerState | None:
+    """The scheduler's GetState, None while it is unreachable."""
+    try:
+        with grpc.insecure_channel(mesh.endpoints.scheduler) as channel:
+            return scheduler_pb2_grpc.SchedulerStub(channel).GetState(scheduler_pb2.GetStateRequest(), timeout=5)
+    except grpc.RpcError:
+        return None

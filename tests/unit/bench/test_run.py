@@ -1,0 +1,116 @@
+"""A short `kvmesh bench` run against an in-process fake OpenAI server."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from services.bench.chart import _plain_png, write_chart
+from services.bench.cli import bench
+from services.bench.report import format_summary, write_json
+from services.bench.runner import Target
+from services.bench.workloads import Arrival, ArrivalSpec, WorkloadKind, WorkloadSpec
+
+
+class FakeServer:
+    """Streams `max_tokens` one-word chunks; cached_tokens = the words of a
+    system prompt it has seen before; 429 for P2 questions divisible by 5."""
+
+    def __init__(self) -> None:
+        self.seen_systems: set[str] = set()
+        self.bodies: list[dict] = []
+        self.headers: list[dict[str, str]] = []
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        self.headers.append(dict(request.headers))
+        messages = body["messages"]
+        user = messages[-1]["content"]
+        number = int(user.split(":")[0].split()[-1]) if user.startswith("Question") else 1
+        if request.headers.get("X-Priority") == "2" and number % 5 == 0:
+            return web.json_response({"error": {"message": "full"}}, status=429, headers={"Retry-After": "1"})
+        system = messages[0]["content"] if messages[0]["role"] == "system" else ""
+        prompt = sum(len(m["content"].split()) for m in messages)
+        cached = len(system.split()) if system in self.seen_systems else 0
+        self.seen_systems.add(system)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = body["max_tokens"]
+        for i in range(n):
+            event = {"choices": [{"index": 0, "delta": {"content": f" w{i}"}}]}
+            await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        usage = {"prompt_tokens": prompt, "completion_tokens": n,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[tuple[FakeServer, str]]:
+    server = FakeServer()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", server.chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield server, f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_mixed_priority_open_loop_run_reports_classes_hits_and_rejections(fake, tmp_path: Path) -> None:  # noqa: ANN001
+    server, url = fake
+    spec = WorkloadSpec(WorkloadKind.MIXED_PRIORITY, conversations=40, seed=3, groups=2, context_tokens=30,
+                        max_tokens=4)
+    run, summary = await bench(spec, ArrivalSpec(Arrival.POISSON, rate=400.0), Target(url, "m", "k"),
+                               show_progress=False)
+    assert len(run.results) == 40
+    rejected = [r for r in run.results if r.rejected]
+    assert rejected and all(r.priority == 2 and r.conversation % 5 == 0 for r in rejected)
+    assert all(r.ok for r in run.results if not r.rejected)
+    o = summary["overall"]
+    assert o["ok"] + o["rejected"] == 40 and o["failed"] == 0
+    assert o["completion_tokens"] == 4 * o["ok"]
+    assert 0 < o["prefix_hit_rate"] < 1  # the first request of each group misses
+    assert set(summary["classes"]) <= {"P0", "P1", "P2"}
+    assert all(h.get("Authorization") == "Bearer k" for h in server.headers)
+    assert all(b["stream_options"] == {"include_usage": True} and b["stream"] for b in server.bodies)
+    assert "| all |" in format_summary(summary)
+    write_json(tmp_path / "r.json", {"run": "test"}, summary, run.results)
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["summary"]["overall"]["ok"] == o["ok"] and len(doc["requests"]) == 40
+    write_chart(tmp_path / "r.png", run.results, summary, "test")
+    _plain_png(tmp_path / "plain.png", summary)
+    for name in ("r.png", "plain.png"):
+        assert (tmp_path / name).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+async def test_closed_loop_multi_turn_resends_the_history_with_real_answers(fake) -> None:  # noqa: ANN001
+    server, url = fake
+    spec = WorkloadSpec(WorkloadKind.MULTI_TURN, conversations=6, turns=3, max_tokens=3)
+    run, summary = await bench(spec, ArrivalSpec(Arrival.CLOSED, concurrency=2), Target(url, "m"),
+                               show_progress=False)
+    assert summary["overall"]["ok"] == 18
+    last_turns = [b["messages"] for b in server.bodies if len(b["messages"]) == 6]
+    assert len(last_turns) == 6
+    for messages in last_turns:
+        assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant", "user"]
+        assert messages[2]["content"] == " w0 w1 w2"
+    # Later turns resend the same system prompt: the fake counts it cached.
+    assert summary["overall"]["prefix_hit_rate"] > 0
+
+
+async def test_unreachable_endpoint_counts_failures_not_crashes() -> None:
+    spec = WorkloadSpec(WorkloadKind.SHARED_PREFIX, conversations=3, context_tokens=10)
+    run, summary = await bench(spec, ArrivalSpec(Arrival.CLOSED, concurrency=3),
+                               Target("http://127.0.0.1:9", "m", timeout_seconds=5), show_progress=False)
+    assert summary["overall"]["failed"] == 3 and all(r.status == 0 and r.error for r in run.results)
