@@ -289,8 +289,8 @@ class _Held:
     error: str = ""
 
 
-async def _hold_one(session: aiohttp.ClientSession, mesh: Mesh, state: _Held) -> None:
-    body = {"model": MODEL, "prompt": "wait your turn", "max_tokens": 4, "stream": True}
+async def _hold_one(session: aiohttp.ClientSession, mesh: Mesh, state: _Held, max_tokens: int = 4) -> None:
+    body = {"model": MODEL, "prompt": "wait your turn", "max_tokens": max_tokens, "stream": True}
     try:
         async with session.post(f"{mesh.endpoints.gateway_http[0]}/v1/completions", json=body,
                                 headers=_auth(mesh)) as resp:
@@ -313,7 +313,7 @@ async def phase_hold(args: argparse.Namespace) -> dict[str, object]:
     def tune(config: MeshConfig) -> None:
         t = config.engines.template
         t.max_running = 1
-        t.sim.speed_factor = 10_000.0  # ~80 s per token: the one slot stays busy
+        t.sim.speed_factor = 100.0  # ~0.8 s per token: the blocker holds the one slot for minutes
         s = config.scheduler
         s.engine_queue_slack = 0
         s.queue_caps = [n + 100] * 3
@@ -334,7 +334,10 @@ async def phase_hold(args: argparse.Namespace) -> dict[str, object]:
         samples: list[tuple[float, ProcSample]] = []
         async with aiohttp.ClientSession(connector=connector,
                                          timeout=aiohttp.ClientTimeout(total=None)) as session:
-            tasks: list[asyncio.Task[None]] = []
+            blocker = _Held()
+            tasks = [asyncio.create_task(_hold_one(session, mesh, blocker, max_tokens=5000))]
+            while not (blocker.opened or blocker.closed):
+                await asyncio.sleep(0.1)
             open_started = time.monotonic()
             for i in range(0, n, args.open_batch):
                 tasks += [asyncio.create_task(_hold_one(session, mesh, s)) for s in states[i:i + args.open_batch]]

@@ -60,6 +60,8 @@ class Tally:
     rejected: collections.Counter[str] = field(default_factory=collections.Counter)
     lost: collections.Counter[str] = field(default_factory=collections.Counter)
     actions: list[str] = field(default_factory=list)
+    # Gateway counters (migrations, re-admissions) summed over every gateway life.
+    counters: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,23 @@ async def load(mesh: Mesh, jobs: list[Job], expected: dict[Job, str], rng: rando
     await asyncio.gather(*(worker(rng.randrange(2**32)) for _ in range(concurrency)))
 
 
+def gateway_counters(mesh: Mesh, replicas: list[int]) -> dict[str, float]:
+    """Migration / re-admission counters summed over these gateway replicas."""
+    out: dict[str, float] = collections.defaultdict(float)
+    for r in replicas:
+        port = mesh.config.gateway.metrics_port + r
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:  # noqa: S310
+                text = resp.read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith(("kvmesh_gateway_migrations_total", "kvmesh_gateway_scheduler_readmissions_total")):
+                series, value = line.rsplit(" ", 1)
+                out[series] += float(value)
+    return out
+
+
 def chaos(mesh: Mesh, rng: random.Random, until: float, tally: Tally) -> None:
     """One fault at a time (runs in a thread: Mesh is driven from one thread)."""
     engines = [n for n in mesh.names if n.startswith("engine-")]
@@ -161,29 +180,14 @@ def chaos(mesh: Mesh, rng: random.Random, until: float, tally: Tally) -> None:
             tally.actions.append(f"{at:5.1f}s SIGKILL scheduler, healthy again after {time.monotonic() - start - at:.1f}s")
         else:
             name = rng.choice(gateways)
+            # Its counters die with it: keep them.
+            for series, value in gateway_counters(mesh, [gateways.index(name)]).items():
+                tally.counters[series] += value
             mesh.terminate(name)
             code = mesh.wait(name, timeout=15.0)
             mesh.restart(name)
             tally.actions.append(f"{at:5.1f}s SIGTERM {name} (exit {code}), restarted after "
                                  f"{time.monotonic() - start - at:.1f}s")
-
-
-def gateway_counters(mesh: Mesh) -> dict[str, float]:
-    """Migration / re-admission counters summed over the gateways (since
-    each gateway's last start: a restarted gateway counts from zero)."""
-    out: dict[str, float] = collections.defaultdict(float)
-    for r in range(len(mesh.endpoints.gateway_http)):
-        port = mesh.config.gateway.metrics_port + r
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:  # noqa: S310
-                text = resp.read().decode()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            if line.startswith(("kvmesh_gateway_migrations_total", "kvmesh_gateway_scheduler_readmissions_total")):
-                series, value = line.rsplit(" ", 1)
-                out[series] += float(value)
-    return dict(out)
 
 
 async def main_async(ns: argparse.Namespace) -> int:
@@ -212,7 +216,8 @@ async def main_async(ns: argparse.Namespace) -> int:
         await load(mesh, jobs, expected, random.Random(rng.random()), until, ns.concurrency, tally)
         await chaos_thread
         took = time.monotonic() - began
-        counters = gateway_counters(mesh)
+        for series, value in gateway_counters(mesh, list(range(len(mesh.endpoints.gateway_http)))).items():
+            tally.counters[series] += value
     finally:
         mesh.stop_all()
     lost = sum(tally.lost.values())
@@ -225,8 +230,8 @@ async def main_async(ns: argparse.Namespace) -> int:
         print(f"  rejected {n}: {reason}")
     for reason, n in tally.lost.most_common():
         print(f"  LOST {n}: {reason}")
-    for series, value in sorted(counters.items()):
-        print(f"  gateway {series} = {value:.0f} (since each gateway's last start)")
+    for series, value in sorted(tally.counters.items()):
+        print(f"  gateway {series} = {value:.0f}")
     return 1 if lost else 0
 
 

@@ -151,9 +151,10 @@ class AdmissionClient:
             ],
         )
         self._stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
-        # True once any Admit stream got an answer: from then on an
-        # unreachable scheduler is a restart to wait out (re-admit with
-        # backoff), not a misconfiguration to report at once.
+        # True once the scheduler was reachable (channel READY, or an Admit
+        # stream got an answer): from then on an unreachable scheduler is a
+        # restart to wait out (re-admit with backoff), not a misconfiguration
+        # to report at once.
         self.answered = False
 
     def _mark_answered(self) -> None:
@@ -164,7 +165,10 @@ class AdmissionClient:
 
     async def wait_ready_change(self, last: grpc.ChannelConnectivity) -> grpc.ChannelConnectivity:
         await self.channel.wait_for_state_change(last)
-        return self.channel.get_state(try_to_connect=True)
+        state = self.channel.get_state(try_to_connect=True)
+        if state == grpc.ChannelConnectivity.READY:
+            self.answered = True
+        return state
 
     async def open(self, request: scheduler_pb2.AdmitRequest) -> AdmitSession:
         # Fail fast (no wait_for_ready): an unreachable scheduler is a 503 now,

@@ -28,10 +28,14 @@ from services.launcher.mesh import Mesh, MeshOptions
 __all__ = [
     "MODEL",
     "ChatResult",
+    "auth",
+    "cancel_all",
     "chat",
+    "counter_delta",
     "engine_counter",
     "get_state",
     "mesh_running",
+    "wait_idle",
     "wait_state",
 ]
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Iterator
-from pathlib import Path
 
 import aiohttp
 import pytest
