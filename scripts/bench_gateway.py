@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 
 from services.common.config import MeshConfig, load_config  # noqa: E402
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc  # noqa: E402
-from services.launcher.mesh import Mesh, MeshOptions  # noqa: E402
+from services.launcher.mesh import Mesh, MeshError, MeshOptions  # noqa: E402
 
 MODEL = "tiny-llama"
 # The sim does not care about position embeddings; long streams need room.
@@ -111,9 +111,19 @@ def running_mesh(tune: Callable[[MeshConfig], None], engines: int) -> Iterator[M
             model.max_model_len = MAX_MODEL_LEN
     tune(config)
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-gw-") as run_dir:
-        mesh = Mesh(config, MeshOptions(engines=engines, backend="sim", model=MODEL, free_ports=True,
-                                        envoy=False, run_dir=Path(run_dir)))
-        mesh.start()
+        for attempt in range(3):
+            # A free port picked at run time can be taken by another process
+            # before the child binds it (busy shared machine): start again.
+            mesh = Mesh(config, MeshOptions(engines=engines, backend="sim", model=MODEL, free_ports=True,
+                                            envoy=False, run_dir=Path(run_dir) / str(attempt)))
+            try:
+                mesh.start()
+                break
+            except MeshError as exc:
+                mesh.stop_all()
+                if attempt == 2:
+                    raise
+                print(f"mesh start failed ({str(exc).splitlines()[0]}); retrying", file=sys.stderr)
         try:
             yield mesh
         finally:
@@ -207,7 +217,7 @@ async def phase_ttft(args: argparse.Namespace) -> dict[str, object]:
 
 async def _relay_worker(
     session: aiohttp.ClientSession, mesh: Mesh, ids: list[int], max_tokens: int, until: float,
-    totals: dict[str, int],
+    totals: dict[str, int], errors: list[str],
 ) -> None:
     body = {"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -223,9 +233,13 @@ async def _relay_worker(
                 totals["bytes"] += len(chunk)
                 tail = (tail + chunk)[-4096:]
         # The usage chunk sits right before [DONE]: no per-chunk parsing here.
-        start = tail.rfind(b'data: {"id"')
-        usage = json.loads(tail[start + 6:].split(b"\n\n", 1)[0])["usage"]
-        totals["tokens"] += usage["completion_tokens"]
+        start = tail.rfind(b"data: {")
+        last = json.loads(tail[start + 6:].split(b"\n\n", 1)[0]) if start >= 0 else {}
+        if not last.get("usage"):
+            totals["errors"] += 1
+            errors.append(str(last.get("error", tail[-200:]))[:200])
+            continue
+        totals["tokens"] += last["usage"]["completion_tokens"]
         totals["streams"] += 1
 
 
@@ -242,13 +256,14 @@ async def phase_relay(args: argparse.Namespace) -> dict[str, object]:
         engine_pids = [mesh.pid(f"engine-{i}") for i in range(args.engines)]
         assert gw_pid is not None
         totals = {"tokens": 0, "streams": 0, "errors": 0, "bytes": 0}
+        errors: list[str] = []
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector,
                                          timeout=aiohttp.ClientTimeout(total=None)) as session:
             # Warm-up: connections, tokenizer, channels.
             warm = {"tokens": 0, "streams": 0, "errors": 0, "bytes": 0}
             await asyncio.gather(*(
-                _relay_worker(session, mesh, _prompt(rng, 32), 50, time.monotonic() + 1.0, warm)
+                _relay_worker(session, mesh, _prompt(rng, 32), 50, time.monotonic() + 1.0, warm, errors)
                 for _ in range(args.streams)))
             gw0 = proc_sample(gw_pid)
             eng0 = [proc_sample(p) for p in engine_pids if p]
@@ -256,7 +271,7 @@ async def phase_relay(args: argparse.Namespace) -> dict[str, object]:
             started = time.monotonic()
             until = started + args.seconds
             await asyncio.gather(*(
-                _relay_worker(session, mesh, _prompt(rng, 32), args.stream_tokens, until, totals)
+                _relay_worker(session, mesh, _prompt(rng, 32), args.stream_tokens, until, totals, errors)
                 for _ in range(args.streams)))
             wall = time.monotonic() - started
             gw1 = proc_sample(gw_pid)
@@ -265,7 +280,7 @@ async def phase_relay(args: argparse.Namespace) -> dict[str, object]:
     gw_cpu = gw1.cpu_seconds - gw0.cpu_seconds
     return {
         "streams": args.streams, "engines": args.engines, "wall_s": wall,
-        "completed_streams": totals["streams"], "errors": totals["errors"],
+        "completed_streams": totals["streams"], "errors": totals["errors"], "first_errors": sorted(set(errors))[:3],
         "tokens": totals["tokens"], "tokens_per_s": totals["tokens"] / wall,
         "sse_mb": totals["bytes"] / 1e6,
         "gateway_cpu_s": gw_cpu, "gateway_cpu_util": gw_cpu / wall,

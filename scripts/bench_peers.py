@@ -251,10 +251,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="then: kvmesh default policy, mixed priorities at this rate (0 = skip)")
     p.add_argument("--priority-requests", type=int, default=600)
     p.add_argument("--aging-seconds", type=float, default=10.0, help="aging for the priority run")
+    p.add_argument("--log-dir", default=str(ROOT / ".run" / "bench-peers"), help="peer routers' logs")
     p.add_argument("--json", default=str(ROOT / "artifacts" / "bench" / "peers.json"))
     args = p.parse_args(argv)
 
     count = token_counter(str(ROOT / ".models" / MODEL))
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
     arrival = ArrivalSpec(Arrival.POISSON, rate=args.rate)
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvmesh-peers-") as tmp:
@@ -275,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                         policy = want
                     results.append(run_one(name, spec, arrival, kv_target, count, mesh))
                 else:
-                    peer = Peer(name, engine_urls(mesh), Path(tmp))
+                    peer = Peer(name, engine_urls(mesh), log_dir)
                     peer.wait_ready()
                     results.append(run_one(name, spec, arrival, Target(peer.url, MODEL), count, mesh))
                     peer.stop()

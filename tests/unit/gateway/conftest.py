@@ -40,6 +40,7 @@ KEY_FULL = "sk-full"          # ceiling P0, every model
 KEY_P1 = "sk-p1"              # ceiling P1
 KEY_SLOW = "sk-slow"          # 1 request/s
 KEY_OTHER = "sk-other"        # may use only "other-model"
+KEY_SHORT = "sk-short"        # generations capped at 0.3 s
 
 
 def sha(key: str) -> str:
@@ -303,6 +304,7 @@ def make_config(model_dir: Path, scheduler_address: str, **gateway: object) -> M
             ApiKeyConfig(sha256=sha(KEY_P1), tenant="bulk", priority_ceiling=1),
             ApiKeyConfig(sha256=sha(KEY_SLOW), tenant="slow", priority_ceiling=0, requests_per_second=1),
             ApiKeyConfig(sha256=sha(KEY_OTHER), tenant="other", models=["other-model"]),
+            ApiKeyConfig(sha256=sha(KEY_SHORT), tenant="short", priority_ceiling=0, max_generation_seconds=0.3),
         ],
     )
     for name, value in gateway.items():
