@@ -122,9 +122,10 @@ async def wait_for(predicate: Callable[[], bool], what: str, timeout: float = WA
         await asyncio.sleep(0.1)
 
 
-def unique_words(n: int, seed: int) -> str:
-    """n words that start differently for every seed: no prefix shared with
-    other tests beyond the BOS token."""
+def unique_words(n: int, seed: int | None = None) -> str:
+    """n words that start differently for every seed (None = a fresh random
+    one): no prefix shared with other prompts beyond the first token."""
+    seed = random.SystemRandom().randrange(10**9) if seed is None else seed
     rng = random.Random(seed)
     vocab = ["river", "stone", "cloud", "lantern", "orbit", "maple", "copper", "violet", "harbor", "quartz",
              "meadow", "signal", "timber", "falcon", "saddle", "prism", "glacier", "ember", "canyon", "willow"]
@@ -200,7 +201,7 @@ async def test_streamed_completion_through_the_mesh(vllm_mesh: Mesh, http: aioht
 async def test_cancel_mid_stream_is_an_abort_in_vllm(vllm_mesh: Mesh, http: aiohttp.ClientSession) -> None:
     await wait_for(lambda: engine_info(vllm_mesh).running == 0, "an idle engine")
     aborted_before = engine_metrics(vllm_mesh).get("vllm:request_success_total/abort", 0.0)
-    body = {"model": MODEL, "prompt": unique_words(40, 1), "max_tokens": 1500, "stream": True,
+    body = {"model": MODEL, "prompt": unique_words(40), "max_tokens": 1500, "stream": True,
             "ignore_eos": True}
     resp = await http.post("/v1/completions", json=body)
     try:
@@ -234,7 +235,7 @@ async def test_cancel_mid_stream_is_an_abort_in_vllm(vllm_mesh: Mesh, http: aioh
 async def test_repeated_long_prompt_is_served_from_the_prefix_cache(
     vllm_mesh: Mesh, http: aiohttp.ClientSession
 ) -> None:
-    prompt = unique_words(400, 2)
+    prompt = unique_words(400)
     hits_before = engine_metrics(vllm_mesh).get("vllm:prefix_cache_hits_total", 0.0)
     usages = []
     for _ in range(2):
@@ -263,7 +264,7 @@ async def test_kv_events_reach_the_scheduler_index(vllm_mesh: Mesh, http: aiohtt
 
     await wait_for(settled, "the scheduler's KV index to match the engine before the test")
     before = await asyncio.to_thread(scheduler_engine, vllm_mesh)
-    body = {"model": MODEL, "prompt": unique_words(300, 3), "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": unique_words(300), "max_tokens": 2, "temperature": 0, "ignore_eos": True}
     async with http.post("/v1/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
         prompt_tokens = (await resp.json())["usage"]["prompt_tokens"]

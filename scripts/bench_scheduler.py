@@ -1,0 +1,159 @@
+"""Scheduler overhead: placement decision latency at 1,000 admissions/s with
+32 engines, in-process (issue 8).
+
+Drives one `SchedulerCore` exactly as services/scheduler/service.py does --
+`admit()` then `dispatch()` for a new request, `done()` when it ends,
+`engine_load()` for every load report, `tick()` every 100 ms -- on a fake
+clock that advances with a seeded Poisson arrival process, and times every
+call with perf_counter. "Decision latency" = admit + the dispatch that
+places it (what a request waits for in the scheduler's event loop when the
+queue is empty); also reported: done + dispatch, and the share of one core
+all scheduler work takes at this rate (must stay well under 100%).
+
+Workload: 64 shared contexts of 2,000 tokens (125 hash blocks) plus a unique
+tail, 16-token answers; every engine reports its KV state (a snapshot of the
+contexts it holds) and its load every 100 ms (32 x 10 = 320 reports/s);
+requests hold their lease for an exponential 0.5 s (about 500 in flight).
+
+    .venv/bin/python scripts/bench_scheduler.py                # every policy, ~1 min
+    .venv/bin/python scripts/bench_scheduler.py --policies sticky_until_saturated --seconds 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from services.bench.stats import percentile  # noqa: E402
+from services.common.clock import FakeClock  # noqa: E402
+from services.common.config import MeshConfig  # noqa: E402
+from services.common.prefix_hash import block_hashes  # noqa: E402
+from services.scheduler.core import SchedulerCore  # noqa: E402
+from services.scheduler.records import AdmitOptions  # noqa: E402
+from services.scheduler.registry import EngineInfo, EngineLoad  # noqa: E402
+
+POLICIES = ["round_robin", "least_load", "prefix_approx", "kv_precise", "sticky_until_saturated"]
+MODEL = "m"
+
+
+def run(policy: str, args: argparse.Namespace) -> dict[str, float]:
+    rng = random.Random(args.seed)
+    config = MeshConfig()
+    config.scheduler.policy = policy
+    config.scheduler.metrics_port = 0
+    clock = FakeClock()
+    core = SchedulerCore(config, clock)
+    contexts = [block_hashes([g * 7919 + i for i in range(args.context_tokens)], 16) for g in range(64)]
+    tokens: dict[str, int] = {}
+    for e in range(args.engines):
+        eid = f"engine-{e}"
+        tokens[eid] = core.engine_hello(EngineInfo(eid, f"127.0.0.1:{50000 + e}", MODEL, 16, 4096, 64, 1.0, 8192))
+        held = [h for g in range(e * 2, e * 2 + 2) for h in contexts[g % 64]]
+        core.engine_kv_snapshot(eid, tokens[eid], 1, held)
+    running: dict[str, set[str]] = {eid: set() for eid in tokens}
+    placed_on: dict[str, str] = {}
+
+    def report(eid: str) -> None:
+        ids = running[eid]
+        load = EngineLoad(running=len(ids), waiting=0, blocks_used=min(4096, 140 * len(ids)), blocks_total=4096,
+                          cached_blocks=250, serving=True, queued_tokens=0, request_ids=frozenset(ids))
+        core.engine_load(eid, tokens[eid], load)
+
+    for eid in tokens:
+        report(eid)
+
+    def absorb(deliveries: list) -> None:
+        for rid, notice in deliveries:
+            engine = getattr(notice, "engine_id", None)
+            if engine:
+                placed_on[rid] = engine
+                running[engine].add(rid)
+
+    events: list[tuple[float, int, str, str]] = []  # (time, seq, kind, arg)
+    seq = 0
+
+    def push(at: float, kind: str, arg: str) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(events, (at, seq, kind, arg))
+
+    t, n = 0.0, int(args.rate * args.seconds)
+    for i in range(n):
+        t += rng.expovariate(args.rate)
+        push(t, "arrive", str(i))
+    for k in range(int(args.seconds * 10) + 1):
+        push(k * 0.1, "tick", "")
+        for j, eid in enumerate(tokens):  # staggered reports
+            push(k * 0.1 + j * 0.1 / args.engines, "report", eid)
+
+    decision, finish, other = [], [], 0.0
+    now = 0.0
+    while events:
+        at, _, kind, arg = heapq.heappop(events)
+        clock.advance(max(0.0, at - now))
+        now = max(now, at)
+        if kind == "arrive":
+            g = rng.randrange(64)
+            prefix = tuple(contexts[g]) + tuple(rng.getrandbits(63) for _ in range(2))
+            opts = AdmitOptions(f"r{arg}", MODEL, tenant=f"t{g % 8}", priority=rng.choice((0, 1, 1, 2)),
+                                prompt_tokens=args.context_tokens + 32, max_tokens=16, prefix_hashes=prefix)
+            t0 = time.perf_counter()
+            core.admit(opts)
+            deliveries = core.dispatch()
+            decision.append(time.perf_counter() - t0)
+            absorb(deliveries)
+            push(at + rng.expovariate(1 / args.hold_seconds), "done", f"r{arg}")
+        elif kind == "done":
+            engine = placed_on.pop(arg, None)
+            if engine is None:  # still queued: try again a little later
+                push(at + 0.05, "done", arg)
+                continue
+            running[engine].discard(arg)
+            t0 = time.perf_counter()
+            deliveries = core.done(arg)
+            finish.append(time.perf_counter() - t0)
+            absorb(deliveries)
+        elif kind == "report":
+            t0 = time.perf_counter()
+            report(arg)
+            other += time.perf_counter() - t0
+        else:
+            t0 = time.perf_counter()
+            absorb(core.tick())
+            other += time.perf_counter() - t0
+    busy = sum(decision) + sum(finish) + other
+    ms = lambda xs, p: percentile(xs, p) * 1000  # noqa: E731
+    return {"decisions": len(decision), "p50": ms(decision, 50), "p99": ms(decision, 99),
+            "max": max(decision) * 1000, "done_p99": ms(finish, 99), "core_share": busy / args.seconds}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES)
+    p.add_argument("--engines", type=int, default=32)
+    p.add_argument("--rate", type=float, default=1000.0, help="admissions per second")
+    p.add_argument("--seconds", type=float, default=10.0, help="simulated seconds per policy")
+    p.add_argument("--context-tokens", type=int, default=2000)
+    p.add_argument("--hold-seconds", type=float, default=0.5, help="mean lease duration")
+    p.add_argument("--seed", type=int, default=1)
+    args = p.parse_args(argv)
+    print(f"{args.engines} engines, {args.rate:g} admissions/s for {args.seconds:g} s (fake clock), "
+          f"prefix {args.context_tokens} tokens; decision = admit + dispatch, wall time per call")
+    print("| policy | decisions | p50 ms | p99 ms | max ms | done+dispatch p99 ms | share of one core |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for policy in args.policies:
+        r = run(policy, args)
+        print(f"| {policy} | {r['decisions']} | {r['p50']:.3f} | {r['p99']:.3f} | {r['max']:.1f} | "
+              f"{r['done_p99']:.3f} | {r['core_share']:.0%} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
