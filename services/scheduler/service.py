@@ -216,7 +216,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         try:
             if isinstance(notice, QueuedInfo):
                 self.deliver(self.core.dispatch())   # admission can place at once
-            await context.write(_to_proto(notice))
+            # A request placed on arrival never waited: skip the Queued
+            # message, which would cost the gateway one more round trip
+            # before its first token.
+            if box.empty():
+                await context.write(_to_proto(notice))
             while True:
                 item = box.get_nowait() if not box.empty() else await box.get()
                 if item is _CLIENT_GONE:
