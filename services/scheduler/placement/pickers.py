@@ -52,18 +52,34 @@ class StickyUntilSaturatedPicker:
     """Prefix affinity until it costs more than it saves.
 
     Take the engine holding the longest cached prefix, unless its estimated
-    queueing exceeds the best other engine's by more than `margin_seconds`
-    (it is saturated: waiting there costs more than prefilling elsewhere);
-    then the best-scored other engine; when no engine holds any of the
-    prefix, the best-scored engine (the policy's scorers measure load).
+    time to start exceeds the best other engine's by more than
+    `margin_seconds` (it is saturated: waiting there costs more than
+    prefilling elsewhere); then the best-scored other engine; when no engine
+    holds any of the prefix, the best-scored engine (the policy's scorers
+    measure load).
+
+    Time to start = estimated queueing + prefilling what the engine does not
+    hold, at `prefill_tokens_per_second` x weight (0 = queueing only). Without
+    the prefill term a warm engine with a short queue lost to a cold one that
+    then spent a whole prefill on the request -- and evicted another group's
+    context to hold it (BENCHMARKS.md, issue 8).
     """
 
     name = "sticky_until_saturated"
 
-    def __init__(self, margin_seconds: float) -> None:
+    def __init__(self, margin_seconds: float, prefill_tokens_per_second: float = 0.0) -> None:
         if margin_seconds < 0:
             raise ValueError("sticky margin must be >= 0 seconds")
+        if prefill_tokens_per_second < 0:
+            raise ValueError("prefill_tokens_per_second must be >= 0")
         self.margin_seconds = margin_seconds
+        self.prefill_tokens_per_second = prefill_tokens_per_second
+
+    def _start_seconds(self, request: PlacementRequest, view: EngineView) -> float:
+        if self.prefill_tokens_per_second <= 0:
+            return view.queue_seconds
+        uncached = max(0, request.prompt_tokens - view.cached_tokens)
+        return view.queue_seconds + uncached / (self.prefill_tokens_per_second * max(view.weight, 1e-9))
 
     def pick(
         self, request: PlacementRequest, candidates: Sequence[ScoredEngine], state: PickerState
@@ -81,7 +97,7 @@ class StickyUntilSaturatedPicker:
         others = [c for c in candidates if c.view.engine_id != warm.view.engine_id]
         if not others:
             return warm.view
-        best_other = min(c.view.queue_seconds for c in others)
-        if warm.view.queue_seconds - best_other <= self.margin_seconds:
+        best_other = min(self._start_seconds(request, c.view) for c in others)
+        if self._start_seconds(request, warm.view) - best_other <= self.margin_seconds:
             return warm.view
         return others[0].view           # saturated: the best-scored other engine

@@ -87,8 +87,9 @@ def builtin_registry(config: SchedulerConfig) -> PluginRegistry:
     registry.register_picker(pickers.MaxScorePicker.name, pickers.MaxScorePicker)
     registry.register_picker(pickers.RoundRobinPicker.name, pickers.RoundRobinPicker)
     margin = config.sticky_margin_seconds
+    prefill_rate = config.prefill_tokens_per_second
     registry.register_picker(
         pickers.StickyUntilSaturatedPicker.name,
-        lambda: pickers.StickyUntilSaturatedPicker(margin),
+        lambda: pickers.StickyUntilSaturatedPicker(margin, prefill_rate),
     )
     return registry

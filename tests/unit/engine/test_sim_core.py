@@ -195,3 +195,16 @@ def test_kv_events_replay_to_the_snapshot_with_engine_blocks_of_several_hash_blo
     assert set(last) <= listener.held
     core.pool.clear()
     assert listener.held == set() == set(core.pool.snapshot())
+
+
+def test_queued_tokens_leave_out_a_waiting_requests_cached_prefix() -> None:
+    # The proto's queued_tokens = prompt tokens not yet prefilled: a cached
+    # prefix will not be, so the scheduler's queue estimate must not see it.
+    core = make_core()
+    prompt = prompt_of(100)
+    core.add(request("a", prompt, max_tokens=1))
+    run_core(core)
+    core.add(request("b", prompt + [5, 6, 7], max_tokens=1))
+    core.add(request("c", prompt_of(40, start=2000), max_tokens=1))
+    assert core.load().waiting == 2
+    assert core.load().queued_tokens == (103 - 96) + 40
