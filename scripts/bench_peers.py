@@ -21,7 +21,8 @@ Before each measured run, one unmeasured request per group warms the caches
 Then, optionally (--priority-rate), kvmesh's default policy under overload
 with mixed priorities (X-Priority P0/P1/P2), to show P0 TTFT and aging.
 
-    .venv/bin/python scripts/bench_peers.py                       # ~6 min on 2 cores
+    bash scripts/setup_peers.sh                                   # once: .venv-peers
+    .venv/bin/python scripts/bench_peers.py                       # ~8 min on 2 cores
     .venv/bin/python scripts/bench_peers.py --targets kvmesh:round_robin sglang-router
 
 Prints one table and writes JSON (--json). Not a test: it measures.
@@ -208,13 +209,15 @@ def workload(args: argparse.Namespace, salt: str, kind: WorkloadKind = WorkloadK
                         priority_mix=(0.2, 0.3, 0.5))
 
 
-def warm_up(spec: WorkloadSpec, target: Target, count: Any) -> None:
+def warm_up(spec: WorkloadSpec, arrival: ArrivalSpec, target: Target, count: Any) -> None:
     """One request per shared context, two at a time, not measured: every
     router starts the measured run having seen each group once (as a
     long-running deployment would), so the figures are steady state, not the
     first cold prefill of each group."""
     firsts: dict[int, Conversation] = {}
-    for conv in build_workload(spec, ArrivalSpec(Arrival.CLOSED, concurrency=1), count):
+    # Built with the run's own arrival spec: the generator draws arrivals
+    # first, so another spec would draw other contexts.
+    for conv in build_workload(spec, arrival, count):
         firsts.setdefault(conv.group, dataclasses.replace(conv, at=0.0))
     run = asyncio.run(run_workload(list(firsts.values()), ArrivalSpec(Arrival.CLOSED, concurrency=2), target))
     failed = [r.error for r in run.results if not r.ok]
@@ -225,11 +228,15 @@ def warm_up(spec: WorkloadSpec, target: Target, count: Any) -> None:
 def run_one(label: str, spec: WorkloadSpec, arrival: ArrivalSpec, target: Target, count: Any,
             mesh: Mesh, warm: bool = True) -> dict[str, Any]:
     if warm:
-        warm_up(spec, target, count)
+        warm_up(spec, arrival, target, count)
     before = engine_successes(mesh)
     run, summary = asyncio.run(bench(spec, arrival, target, count, label=label))
     after = engine_successes(mesh)
     summary["per_engine"] = [a - b for a, b in zip(after, before)]
+    # Per request: [conversation, group, priority, start s, TTFT s, prompt tokens, cached tokens, status].
+    summary["requests_detail"] = [[r.conversation, r.group, r.priority, round(r.start, 3),
+                                   None if r.ttft is None else round(r.ttft, 4), r.prompt_tokens,
+                                   r.cached_tokens, r.status] for r in run.results]
     summary["label"] = label
     print(f"\n{label}\n{format_summary(summary)}\nrequests per engine: {summary['per_engine']}",
           file=sys.stderr, flush=True)
@@ -261,16 +268,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--targets", nargs="*", default=[*(f"kvmesh:{x}" for x in POLICIES), *PEERS])
     p.add_argument("--engines", type=int, default=8)
     p.add_argument("--profile", default=str(ROOT / "config" / "sim-profiles" / "llama3-8b-a100.yaml"))
-    p.add_argument("--speed-factor", type=float, default=1.0, help="sim cost multiplier (1 = the profile)")
-    p.add_argument("--total-blocks", type=int, default=1600,
+    p.add_argument("--speed-factor", type=float, default=4.0,
+                   help="sim cost multiplier (1 = the profile's A100); 4 keeps 2 shared cores ahead of the sim")
+    p.add_argument("--total-blocks", type=int, default=640,
                    help="KV blocks per engine (0 = the profile's 29,206); small = cache pressure")
     p.add_argument("--max-running", type=int, default=0, help="0 = the profile's batch cap")
     p.add_argument("--groups", type=int, default=16)
-    p.add_argument("--context-tokens", type=int, default=6000)
+    p.add_argument("--context-tokens", type=int, default=2000)
     p.add_argument("--max-model-len", type=int, default=16384)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--requests", type=int, default=320)
-    p.add_argument("--rate", type=float, default=16.0, help="Poisson arrivals per second")
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--rate", type=float, default=14.0, help="Poisson arrivals per second")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--priority-rate", type=float, default=0.0,
                    help="then: kvmesh default policy, mixed priorities at this rate (0 = skip)")

@@ -2,13 +2,16 @@
 
     .venv/bin/python scripts/bench_vllm.py [--model tiny-llama] [--requests 64] [--write]
 
-Runs the same workload, one server at a time (never both: they would share
-the two cores), against
+Runs the same workload against
   1. kvmesh: Envoy -> gateway -> scheduler -> one vLLM engine (the launcher's
      `Mesh`, free ports, a scratch run dir), and
   2. `vllm serve` from this venv,
 both with dtype float32, enforce_eager, the same KV size, max_num_seqs,
 block size, prefix caching, priority scheduling and VLLM_CPU_OMP_THREADS_BIND.
+Both are started (one after the other), then loaded one at a time, never
+together, alternating for `--rounds` rounds, so the machine's background load
+(other processes on the two cores) drifts over both alike; an idle server
+costs ~2% of a core.
 
 Workload, streamed `POST /v1/completions` with greedy sampling and
 `ignore_eos` (exact output lengths):
@@ -28,12 +31,10 @@ import json
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -148,88 +149,100 @@ async def one_request(session: aiohttp.ClientSession, url: str, headers: dict[st
     return Sample(ttft, tokens or max_tokens)
 
 
-async def run_workload(base_url: str, api_key: str, s: Settings) -> tuple[Phase, Phase]:
+async def run_round(base_url: str, api_key: str, s: Settings, round_no: int, result: Result) -> None:
+    """One sequential and one concurrent phase; prompts differ per round (no
+    prefix-cache help from an earlier round) but are the same for both servers."""
     url = f"{base_url}/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"}
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
-        # Warm-up: first requests pay one-off costs on both servers.
-        for p in prompts(4, s.prompt_words, seed=1):
-            await one_request(session, url, headers, s.model, p, 8)
-        sequential = Phase()
+        if round_no == 0:  # warm-up: the first requests pay one-off costs on both servers
+            for p in prompts(4, s.prompt_words, seed=1):
+                await one_request(session, url, headers, s.model, p, 8)
         began = time.perf_counter()
-        for p in prompts(s.sequential, s.prompt_words, seed=2):
-            sequential.samples.append(await one_request(session, url, headers, s.model, p,
-                                                        s.sequential_max_tokens))
-        sequential.wall = time.perf_counter() - began
+        for p in prompts(s.sequential, s.prompt_words, seed=100 + round_no):
+            result.sequential.samples.append(await one_request(session, url, headers, s.model, p,
+                                                               s.sequential_max_tokens))
+        result.sequential.wall += time.perf_counter() - began
 
-        concurrent = Phase()
-        queue = list(prompts(s.requests, s.prompt_words, seed=3))
+        queue = list(prompts(s.requests, s.prompt_words, seed=200 + round_no))
 
         async def client() -> None:
             while queue:
                 prompt = queue.pop()
-                concurrent.samples.append(await one_request(session, url, headers, s.model, prompt,
-                                                            s.max_tokens))
+                result.concurrent.samples.append(await one_request(session, url, headers, s.model, prompt,
+                                                                   s.max_tokens))
 
         began = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(s.concurrency)))
-        concurrent.wall = time.perf_counter() - began
-    return sequential, concurrent
+        result.concurrent.wall += time.perf_counter() - began
 
 
 # ---------------------------------------------------------------- servers
 
 
-def run_kvmesh(s: Settings, scratch: Path) -> Result:
-    config = load_config(ROOT / "config" / "kvmesh.yaml")
-    v = config.engines.template.vllm
-    v.kv_cache_gib, v.max_num_seqs, v.omp_threads_bind = s.kv_cache_gib, s.max_num_seqs, s.omp_bind
-    v.dtype, v.enforce_eager = "float32", True
-    # The gateway's default key has no rate limit; tokens never pass the scheduler.
-    options = MeshOptions(engines=1, backend="vllm", model=s.model, free_ports=True,
-                          run_dir=scratch / "kvmesh")
-    mesh = Mesh(config, options)
-    began = time.perf_counter()
-    mesh.start()
-    try:
-        startup = time.perf_counter() - began
-        seq, conc = asyncio.run(run_workload(mesh.endpoints.public_http, mesh.api_key, s))
-    finally:
-        mesh.stop_all()
-    return Result("kvmesh (Envoy, gateway, scheduler, 1 vLLM engine)", startup, seq, conc)
+class KvmeshServer:
+    name = "kvmesh (Envoy, gateway, scheduler, 1 vLLM engine)"
+
+    def __init__(self, s: Settings, scratch: Path) -> None:
+        config = load_config(ROOT / "config" / "kvmesh.yaml")
+        v = config.engines.template.vllm
+        v.kv_cache_gib, v.max_num_seqs, v.omp_threads_bind = s.kv_cache_gib, s.max_num_seqs, s.omp_bind
+        v.dtype, v.enforce_eager = "float32", True
+        options = MeshOptions(engines=1, backend="vllm", model=s.model, free_ports=True,
+                              run_dir=scratch / "kvmesh")
+        self._mesh = Mesh(config, options)
+        self.base_url = self.api_key = ""
+
+    def start(self) -> None:
+        self._mesh.start()
+        self.base_url, self.api_key = self._mesh.endpoints.public_http, self._mesh.api_key
+
+    def stop(self) -> None:
+        self._mesh.stop_all()
 
 
-def run_vllm_serve(s: Settings, scratch: Path) -> Result:
-    port = free_port()
-    cache = scratch / "vllm-serve"
-    for sub in ("cache", "inductor", "tmp"):
-        (cache / sub).mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    env.update({
-        "VLLM_CPU_OMP_THREADS_BIND": omp_bind_spec(s.omp_bind),
-        "VLLM_CACHE_ROOT": str(cache / "cache"),
-        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-        "TMPDIR": str(cache / "tmp"),
-        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-    })
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    argv = [sys.executable, "-c", _VLLM_CLI, "serve", str(s.model_path),
-            "--served-model-name", s.model, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "float32", "--enforce-eager",
-            "--kv-cache-memory-bytes", str(int(s.kv_cache_gib * _GIB)),
-            "--max-num-seqs", str(s.max_num_seqs), "--enable-prefix-caching",
-            "--scheduling-policy", "priority", "--seed", "0", "--disable-uvicorn-access-log"]
-    log_path = scratch / "vllm-serve.log"
-    began = time.perf_counter()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,  # noqa: S603
-                                start_new_session=True)
-    try:
-        asyncio.run(_wait_ready(f"http://127.0.0.1:{port}/health", proc, log_path))
-        startup = time.perf_counter() - began
-        seq, conc = asyncio.run(run_workload(f"http://127.0.0.1:{port}", "none", s))
-    finally:
+class VllmServe:
+    name = "vllm serve (vLLM's own OpenAI server)"
+
+    def __init__(self, s: Settings, scratch: Path) -> None:
+        self._s = s
+        self._scratch = scratch / "vllm-serve"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.base_url = ""
+        self.api_key = "none"
+
+    def start(self) -> None:
+        s, cache = self._s, self._scratch
+        port = free_port()
+        for sub in ("cache", "inductor", "tmp"):
+            (cache / sub).mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env.update({
+            "VLLM_CPU_OMP_THREADS_BIND": omp_bind_spec(s.omp_bind),
+            "VLLM_CACHE_ROOT": str(cache / "cache"),
+            "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+            "TMPDIR": str(cache / "tmp"),
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+        })
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        argv = [sys.executable, "-c", _VLLM_CLI, "serve", str(s.model_path),
+                "--served-model-name", s.model, "--host", "127.0.0.1", "--port", str(port),
+                "--dtype", "float32", "--enforce-eager",
+                "--kv-cache-memory-bytes", str(int(s.kv_cache_gib * _GIB)),
+                "--max-num-seqs", str(s.max_num_seqs), "--enable-prefix-caching",
+                "--scheduling-policy", "priority", "--seed", "0", "--disable-uvicorn-access-log"]
+        log_path = cache / "vllm-serve.log"
+        with open(log_path, "wb") as log:
+            self._proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log,  # noqa: S603 - our argv
+                                          stderr=subprocess.STDOUT, start_new_session=True)
+        self.base_url = f"http://127.0.0.1:{port}"
+        asyncio.run(_wait_ready(f"{self.base_url}/health", self._proc, log_path))
+
+    def stop(self) -> None:
+        proc = self._proc
+        if proc is None:
+            return
         try:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=30)
@@ -238,10 +251,9 @@ def run_vllm_serve(s: Settings, scratch: Path) -> Result:
             proc.wait()
         except ProcessLookupError:
             pass
-    return Result("vllm serve (vLLM's own OpenAI server)", startup, seq, conc)
 
 
-async def _wait_ready(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 600) -> None:
+async def _wait_ready(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 900) -> None:
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
@@ -269,7 +281,7 @@ def table(s: Settings, results: list[Result], note: str) -> str:
         f"`scripts/bench_vllm.py` on {time.strftime('%Y-%m-%d')}: model {s.model}, dtype float32, enforce_eager, "
         f"KV {s.kv_cache_gib} GiB, max_num_seqs {s.max_num_seqs}, block 128, prefix caching, priority "
         f"scheduling, VLLM_CPU_OMP_THREADS_BIND={omp_bind_spec(s.omp_bind)}; streamed /v1/completions, "
-        "greedy, ignore_eos. One server at a time.",
+        "greedy, ignore_eos. Loaded one at a time, alternating rounds.",
         "",
         f"| server | start-up s | sequential TTFT p50 / p99 ms ({s.sequential} req, {s.sequential_max_tokens} tok) "
         f"| concurrent ({s.concurrency} clients, {s.requests} req x {s.prompt_words}-word prompt, "
@@ -317,6 +329,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--sequential", type=int, default=30)
     parser.add_argument("--sequential-max-tokens", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per server")
     parser.add_argument("--only", choices=["kvmesh", "vllm"], help="run one server (debugging)")
     parser.add_argument("--note", default="", help="a paragraph to put under the table")
     parser.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
@@ -326,20 +339,35 @@ def main() -> int:
     s = Settings(ns.model, model_path if model_path.is_absolute() else ROOT / model_path, ns.kv_cache_gib,
                  ns.max_num_seqs, ns.omp_bind, ns.requests, ns.concurrency, ns.prompt_words, ns.max_tokens,
                  ns.sequential, ns.sequential_max_tokens)
-    runners: list[tuple[str, Callable[[Settings, Path], Result]]] = [("kvmesh", run_kvmesh),
-                                                                     ("vllm", run_vllm_serve)]
     results: list[Result] = []
-    with tempfile.TemporaryDirectory(prefix="bench-vllm-", dir=ROOT / ".run" if (ROOT / ".run").is_dir() else None) as tmp:
-        for name, runner in runners:
-            if ns.only and ns.only != name:
-                continue
-            print(f"bench: {name} ...", flush=True)
-            r = runner(s, Path(tmp))
-            results.append(r)
-            print(f"bench: {r.name}: start-up {r.startup_seconds:.0f} s, sequential TTFT p50 "
-                  f"{r.sequential.ttft_ms(0.5):.1f} ms p99 {r.sequential.ttft_ms(0.99):.1f} ms; concurrent "
-                  f"{r.concurrent.tokens_per_second:.0f} tok/s, TTFT p50 {r.concurrent.ttft_ms(0.5):.0f} ms "
-                  f"p99 {r.concurrent.ttft_ms(0.99):.0f} ms", flush=True)
+    scratch_parent = ROOT / ".run" if (ROOT / ".run").is_dir() else None
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-", dir=scratch_parent) as tmp:
+        servers = [cls(s, Path(tmp)) for name, cls in (("kvmesh", KvmeshServer), ("vllm", VllmServe))
+                   if not ns.only or ns.only == name]
+        started = []
+        try:
+            # Started one after the other; an idle server uses ~2% of a core.
+            for server in servers:
+                print(f"bench: starting {server.name} ...", flush=True)
+                began = time.perf_counter()
+                server.start()
+                started.append(server)
+                results.append(Result(server.name, time.perf_counter() - began, Phase(), Phase()))
+            # Load one server at a time, alternating round by round, so a
+            # change in the machine's background load hits both alike.
+            for round_no in range(ns.rounds):
+                for server, result in zip(servers, results):
+                    asyncio.run(run_round(server.base_url, server.api_key, s, round_no, result))
+                    print(f"bench: round {round_no}: {server.name}: {result.concurrent.tokens_per_second:.0f} tok/s "
+                          f"so far", flush=True)
+        finally:
+            for server in reversed(started):
+                server.stop()
+    for r in results:
+        print(f"bench: {r.name}: start-up {r.startup_seconds:.0f} s, sequential TTFT p50 "
+              f"{r.sequential.ttft_ms(0.5):.1f} ms p99 {r.sequential.ttft_ms(0.99):.1f} ms; concurrent "
+              f"{r.concurrent.tokens_per_second:.0f} tok/s, TTFT p50 {r.concurrent.ttft_ms(0.5):.0f} ms "
+              f"p99 {r.concurrent.ttft_ms(0.99):.0f} ms", flush=True)
     if len(results) == 2:
         text = table(s, results, ns.note)
         print(text)

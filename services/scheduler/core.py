@@ -395,6 +395,7 @@ class SchedulerCore:
             max_running=e.info.max_running, running=e.load.running, waiting=e.load.waiting,
             queued_tokens=e.load.queued_tokens, weight=weight,
             max_model_len=e.info.max_model_len, queue_seconds=queue_seconds,
+            cached_blocks=e.load.cached_blocks,
         )
 
     # ------------------------------------------------------------ leases and finish

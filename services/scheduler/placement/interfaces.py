@@ -48,6 +48,7 @@ class EngineView:
     prefix_blocks: int = 0      # leading prefix hashes the engine holds (per prefix source)
     cached_tokens: int = 0      # prompt tokens expected cached on it
     blocks_needed: int = 0      # blocks the request would newly take on it
+    cached_blocks: int = 0      # blocks in its prefix cache (last report): how many contexts it keeps
 
     @property
     def free_blocks(self) -> int:

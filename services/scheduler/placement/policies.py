@@ -18,8 +18,10 @@ Built-in policies (`scheduler.policy`):
   kv_precise             prefix affinity from engines' KV events, then load
   sticky_until_saturated (default) the engine with the longest cached prefix
                          unless its estimated queueing exceeds the best other
-                         engine's by scheduler.sticky_margin_seconds; then,
-                         and for cold prefixes, least load
+                         engine's by scheduler.sticky_margin_seconds
+                         (counting the prefill a colder engine would pay);
+                         then, and for cold prefixes, least load, then the
+                         fewest cached blocks (prefixes spread over engines)
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def builtin_profiles() -> dict[str, PolicyProfileConfig]:
             {"prefix": 2.0, "load": 1.0, "kv_usage": 0.5}, "max_score", "kv_index"
         ),
         "sticky_until_saturated": profile(
-            {"load": 1.0, "kv_usage": 0.5}, "sticky_until_saturated", "kv_index"
+            {"load": 1.0, "kv_usage": 0.5, "cache_spread": 0.5}, "sticky_until_saturated", "kv_index"
         ),
     }
 

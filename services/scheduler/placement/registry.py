@@ -79,6 +79,7 @@ def builtin_registry(config: SchedulerConfig) -> PluginRegistry:
     for s in (
         scorers.PrefixScorer,
         scorers.KvUsageScorer,
+        scorers.CacheSpreadScorer,
         scorers.LoadScorer,
         scorers.QueueTimeScorer,
         scorers.WeightScorer,

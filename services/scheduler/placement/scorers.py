@@ -39,6 +39,24 @@ class KvUsageScorer:
         }
 
 
+class CacheSpreadScorer:
+    """Share of the engine's blocks NOT holding cached prefixes: 1 for an
+    empty cache. Among equally loaded engines a new (cold) prefix then goes
+    where the fewest contexts live, so prefixes spread over the engines and
+    each engine's cache keeps its own (sglang-router's cache_aware does the
+    same with its smallest prefix tree). Without it, ties were broken at
+    random and one engine could collect several hot groups (BENCHMARKS.md,
+    issue 8)."""
+
+    name = "cache_spread"
+
+    def score(self, request: PlacementRequest, engines: Sequence[EngineView]) -> Mapping[str, float]:
+        return {
+            e.engine_id: (max(0.0, 1.0 - e.cached_blocks / e.blocks_total) if e.blocks_total > 0 else 0.0)
+            for e in engines
+        }
+
+
 class LoadScorer:
     """Weighted least-connections: r = (requests on it + 1) / (weight x
     lease_limit); score = smallest r among the engines / r, so the least

@@ -40,12 +40,37 @@ def test_sticky_keeps_prefix_on_its_engine_then_spills_when_saturated() -> None:
     assert place(core, "r3", prompt_tokens=128, prefix_hashes=PREFIX) == "e2"
 
 
+def test_sticky_counts_the_prefill_a_cold_engine_would_pay() -> None:
+    # 2,000-token prompt, all of it cached on e1; e1 has 1 s of queued
+    # prefill, e2 none. Queueing alone says spill (1 s > 0.5 s margin), but
+    # e2 must prefill 2,000 tokens at 2,000 tok/s = 1 s: e1 starts sooner.
+    core, _ = make_core(policy="sticky_until_saturated", sticky_margin_seconds=0.5,
+                        prefill_tokens_per_second=2000.0)
+    t1 = add_engine(core, "e1", max_running=8)
+    add_engine(core, "e2", max_running=8)
+    prefix = tuple(range(1000, 1125))  # 125 blocks = 2,000 tokens
+    core.engine_kv_snapshot("e1", t1, 0, prefix)
+    report_load(core, "e1", t1, running=2, queued_tokens=2000)
+    assert place(core, "r1", prompt_tokens=2000, prefix_hashes=prefix) == "e1"
+    # Five times that queue: now waiting costs more than prefilling on e2.
+    report_load(core, "e1", t1, running=2, queued_tokens=10000)
+    assert place(core, "r2", prompt_tokens=2000, prefix_hashes=prefix) == "e2"
+
+
 def test_sticky_cold_prefix_goes_to_least_loaded() -> None:
     core, _ = make_core(policy="sticky_until_saturated")
     t1 = add_engine(core, "e1")
     add_engine(core, "e2")
     report_load(core, "e1", t1, running=6)
     assert place(core, "r", prefix_hashes=(99,)) == "e2"
+
+
+def test_sticky_spreads_cold_prefixes_to_engines_caching_the_least() -> None:
+    # Equally idle engines: a new prefix goes where the fewest contexts live.
+    core, _ = make_core(policy="sticky_until_saturated")
+    for engine_id, cached in (("e1", 600), ("e2", 100), ("e3", 300)):
+        add_engine(core, engine_id, cached_blocks=cached)
+    assert place(core, "r", prefix_hashes=(4242,)) == "e2"
 
 
 # ---------------------------------------------------------------- other policies
