@@ -39,6 +39,8 @@ from services.engine.vllm_backend.stats import EngineStats, make_stat_logger_fac
 
 __all__ = ["BackendNotStarted", "VllmBackend", "sampling_kwargs"]
 
+# Seconds vLLM's engine core gets to exit before vLLM kills it.
+SHUTDOWN_TIMEOUT_SECONDS = 2.0
 log = logging.getLogger("kvmesh.engine.vllm")
 
 _GIB = 1 << 30
@@ -175,12 +177,16 @@ class VllmBackend:
         await self._teardown()
 
     async def _teardown(self) -> None:
+        # vLLM first: its KV-event publisher flushes to our subscriber while
+        # the engine core exits; closing the subscriber first left the core
+        # lingering until vLLM force-killed it. shutdown() blocks, so it runs
+        # in a thread and the event loop keeps serving health checks.
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            await asyncio.to_thread(llm.shutdown, SHUTDOWN_TIMEOUT_SECONDS)
         if self._subscriber is not None:
             await self._subscriber.stop()
             self._subscriber = None
-        if self._llm is not None:
-            llm, self._llm = self._llm, None
-            llm.shutdown()
 
     def _import_vllm(self) -> None:
         async_llm = importlib.import_module("vllm.v1.engine.async_llm")
