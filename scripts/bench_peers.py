@@ -16,8 +16,9 @@ client, services/bench/) through, in turn:
 
 Every run sees the same arrivals, groups and questions; only a per-run salt at
 the head of each shared context differs, so no run inherits another's cache.
-Before each measured run, one unmeasured request per group warms the caches
-(and the routers' prefix trees): the table is steady state.
+Before each measured run, one unmeasured request per group (at its own
+arrival time) warms the caches and the routers' prefix trees: the table is
+steady state.
 Then, optionally (--priority-rate), kvmesh's default policy under overload
 with mixed priorities (X-Priority P0/P1/P2), to show P0 TTFT and aging.
 
@@ -210,16 +211,18 @@ def workload(args: argparse.Namespace, salt: str, kind: WorkloadKind = WorkloadK
 
 
 def warm_up(spec: WorkloadSpec, arrival: ArrivalSpec, target: Target, count: Any) -> None:
-    """One request per shared context, two at a time, not measured: every
-    router starts the measured run having seen each group once (as a
-    long-running deployment would), so the figures are steady state, not the
-    first cold prefill of each group."""
+    """The first request of each group, at its own arrival time (open loop,
+    like the run), not measured: every router starts the measured run having
+    seen each group once, as a long-running deployment would, so the table is
+    steady state rather than each group's first cold prefill. (A sequential
+    warm-up is unfair to sglang-router: on idle workers it sends every new
+    prefix to the same worker, BENCHMARKS.md.)"""
     firsts: dict[int, Conversation] = {}
     # Built with the run's own arrival spec: the generator draws arrivals
     # first, so another spec would draw other contexts.
     for conv in build_workload(spec, arrival, count):
-        firsts.setdefault(conv.group, dataclasses.replace(conv, at=0.0))
-    run = asyncio.run(run_workload(list(firsts.values()), ArrivalSpec(Arrival.CLOSED, concurrency=2), target))
+        firsts.setdefault(conv.group, conv)
+    run = asyncio.run(run_workload(list(firsts.values()), arrival, target))
     failed = [r.error for r in run.results if not r.ok]
     if failed:
         raise RuntimeError(f"warm-up failed: {failed[:3]}")

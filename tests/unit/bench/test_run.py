@@ -114,3 +114,24 @@ async def test_unreachable_endpoint_counts_failures_not_crashes() -> None:
     run, summary = await bench(spec, ArrivalSpec(Arrival.CLOSED, concurrency=3),
                                Target("http://127.0.0.1:9", "m", timeout_seconds=5), show_progress=False)
     assert summary["overall"]["failed"] == 3 and all(r.status == 0 and r.error for r in run.results)
+
+
+async def test_cli_resolves_the_model_and_writes_json_and_chart(fake, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    import argparse
+
+    from services.bench.cli import _main, add_parser
+
+    server, url = fake
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    ns = parser.parse_args(["bench", "--url", url, "--model", "m", "--workload", "long_output", "--requests", "6",
+                            "--arrival", "gamma", "--rate", "100", "--gamma-shape", "0.5", "--max-tokens", "2",
+                            "--long-max-tokens", "5", "--quiet", "--header", "X-Test: yes",
+                            "--json", str(tmp_path / "o.json"), "--chart", str(tmp_path / "o.png")])
+    assert await _main(ns) == 0
+    assert "| all | 6/6 |" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "o.json").read_text())
+    assert doc["meta"]["workload"] == "long_output" and doc["summary"]["overall"]["ok"] == 6
+    assert {r["max_tokens"] for r in doc["requests"]} <= {2, 5}
+    assert (tmp_path / "o.png").stat().st_size > 1000
+    assert all(h.get("X-Test") == "yes" for h in server.headers)
