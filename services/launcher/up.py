@@ -63,10 +63,15 @@ def _grpcurl_path() -> str:
 
 
 def examples(endpoints: Endpoints, api_key: str, model: str) -> Examples:
-    messages = [{"role": "user", "content": "Hello! Who are you?"}]
-    http_body = json.dumps({"model": model, "messages": messages, "stream": True}, separators=(",", ":"))
+    # Greedy, so SmolLM2 answers the same way every time ("...is Paris.").
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    http_body = json.dumps(
+        {"model": model, "messages": messages, "temperature": 0, "max_tokens": 64, "stream": True},
+        separators=(",", ":"),
+    )
     grpc_body = json.dumps(
-        {"model": model, "messages": messages, "sampling": {"max_tokens": 32}}, separators=(",", ":")
+        {"model": model, "messages": messages, "sampling": {"temperature": 0, "max_tokens": 64}},
+        separators=(",", ":"),
     )
     cacert = f"--cacert {shlex.quote(str(endpoints.tls_ca))} " if endpoints.tls_ca else ""
     curl = (
