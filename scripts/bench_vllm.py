@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import signal
@@ -43,6 +42,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from services.bench.sse import SseEvents  # noqa: E402
 from services.common.config import load_config  # noqa: E402
 from services.engine.vllm_backend.env import omp_bind_spec  # noqa: E402
 from services.launcher.mesh import Mesh, MeshOptions  # noqa: E402
@@ -133,11 +133,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, headers: dict[st
     async with session.post(url, json=body, headers=headers) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}: HTTP {resp.status}: {(await resp.text())[:300]}")
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[5:])
+        async for event in SseEvents(resp.content):
             if "error" in event:
                 raise RuntimeError(f"{url}: {event['error']}")
             if ttft is None and any(c.get("text") for c in event.get("choices") or ()):

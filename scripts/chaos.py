@@ -46,6 +46,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from services.bench.sse import SseEvents  # noqa: E402
 from services.common.config import load_config  # noqa: E402
 from services.launcher.mesh import Mesh, MeshOptions  # noqa: E402
 
@@ -87,21 +88,15 @@ async def one_request(session: aiohttp.ClientSession, mesh: Mesh, job: Job) -> t
                     except (ValueError, KeyError, TypeError, AttributeError):
                         return "lost", f"http {resp.status} without an error body", ""
                     return "rejected", f"http {resp.status} {code}: {message[:90]}", ""
-                async for line in resp.content:
-                    data = line.decode().strip()
-                    if not data.startswith("data:"):
-                        continue
-                    data = data[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                        continue
-                    event = json.loads(data)
+                events = SseEvents(resp.content)
+                async for event in events:
                     if "error" in event:
                         code = event["error"].get("code") or "error"
                         return ("rejected", f"sse error {code}", "") if not text else ("lost", f"error after text: {code}", text)
                     for choice in event.get("choices", ()):
                         text += choice.get("text") or ""
                         finish = choice.get("finish_reason") or finish
+                done = events.done
     except TimeoutError:
         return "lost", "timeout", text
     except (aiohttp.ClientError, ValueError) as exc:

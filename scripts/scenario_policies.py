@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import random
 import statistics
@@ -52,6 +51,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from services.bench.sse import SseEvents  # noqa: E402
 from services.common.config import MeshConfig, load_config  # noqa: E402
 from services.launcher.mesh import Mesh, MeshOptions  # noqa: E402
 
@@ -179,14 +179,7 @@ async def one_request(
         async with session.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as resp:
             if resp.status != 200:
                 return Outcome(False, error=f"HTTP {resp.status}: {(await resp.text())[:200]}")
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
+            async for event in SseEvents(resp.content):
                 if "error" in event:
                     return Outcome(False, error=str(event["error"])[:200])
                 if ttft is None and any(c.get("delta", {}).get("content") for c in event.get("choices", [])):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from services.bench.sse import SseEvents
 from services.bench.stats import RequestResult
 from services.bench.workloads import Arrival, ArrivalSpec, Conversation
 
@@ -95,14 +96,7 @@ async def _one_turn(
                 result.rejected = resp.status in REJECT_STATUSES
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:160]}"
                 return ""
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                event = json.loads(data)
+            async for event in SseEvents(resp.content):
                 if "error" in event:
                     result.error = f"stream error: {str(event['error'])[:160]}"
                     return "".join(text)

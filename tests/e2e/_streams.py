@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import grpc
 
+from services.bench.sse import SseEvents
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.launcher.mesh import Mesh
 
@@ -65,15 +66,8 @@ async def stream_completion(
                 if resp.status != 200:
                     result.error = (await resp.text())[:300]
                     return result
-                async for raw in resp.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        result.done = True
-                        continue
-                    event = json.loads(data)
+                events = SseEvents(resp.content)
+                async for event in events:
                     if "error" in event:
                         result.error = json.dumps(event["error"])[:300]
                         continue
@@ -83,6 +77,7 @@ async def stream_completion(
                             result.finish_reason = choice["finish_reason"]
                     result.chunks += 1
                     result.first_chunk.set()
+                result.done = events.done
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result

@@ -11,7 +11,6 @@ import uuid
 
 import aiohttp
 import grpc
-import pytest
 
 from services.common.proto.kvmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.launcher.mesh import Mesh
@@ -149,7 +148,7 @@ async def test_two_megabyte_body_gets_413(e2e_mesh: Mesh) -> None:
 # ---------------------------------------------------------------- x-request-id
 
 
-async def test_request_id_reaches_gateway_and_engine(e2e_mesh: Mesh) -> None:
+async def test_request_id_reaches_every_service(e2e_mesh: Mesh) -> None:
     await _eventually(lambda: _engines_idle(e2e_mesh), 30, "idle engines")
     request_id = f"e2e-{uuid.uuid4().hex}"
     body = {"model": MODEL, "stream": True, "max_tokens": 1500,
@@ -174,8 +173,12 @@ async def test_request_id_reaches_gateway_and_engine(e2e_mesh: Mesh) -> None:
 
             assert sum(await asyncio.to_thread(abort_everywhere)) == 1
     await _eventually(lambda: _engines_idle(e2e_mesh), 30, "the engine to free the aborted request")
-    gateway_log = (e2e_mesh.log_dir / "gateway-0.log").read_text()
-    assert request_id in gateway_log
+    # The same id in every service's log: gateway, scheduler (placement) and
+    # the one engine that ran it.
+    assert request_id in (e2e_mesh.log_dir / "gateway-0.log").read_text()
+    assert f"request {request_id} placed on" in (e2e_mesh.log_dir / "scheduler.log").read_text()
+    engine_logs = [p.read_text() for p in sorted(e2e_mesh.log_dir.glob("engine-*.log"))]
+    assert sum(f"request {request_id} started" in log for log in engine_logs) == 1
 
     def in_access_log() -> bool:
         for line in (e2e_mesh.log_dir / "envoy.log").read_text().splitlines():

@@ -21,6 +21,7 @@ import aiohttp
 import grpc
 import pytest
 
+from services.bench.sse import SseEvents
 from services.common.config import ApiKeyConfig, MeshConfig, load_config
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.launcher.mesh import Mesh, MeshOptions
@@ -166,14 +167,7 @@ async def chat(
             return ChatResult(resp.status, headers=headers, error=error)
         result = ChatResult(200, headers=headers)
         first = True
-        async for raw_line in resp.content:
-            line = raw_line.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            event = json.loads(data)
+        async for event in SseEvents(resp.content):
             if "error" in event:
                 result.error = event["error"]
                 continue

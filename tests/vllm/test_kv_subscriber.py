@@ -7,7 +7,6 @@ import asyncio
 from pathlib import Path
 
 import msgspec
-import pytest
 import zmq
 import zmq.asyncio
 

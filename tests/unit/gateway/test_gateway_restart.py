@@ -8,7 +8,7 @@ import asyncio
 
 import grpc
 import openai
-from conftest import KEY_FULL, MODEL, AdmitRecord, FakeScheduler, Mesh, _serve
+from conftest import KEY_FULL, MODEL, AdmitRecord, FakeScheduler, Mesh
 
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
