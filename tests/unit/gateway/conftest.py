@@ -188,6 +188,14 @@ class AdmitRecord:
     replaces: list[scheduler_pb2.Replace] = field(default_factory=list)
     done: scheduler_pb2.RequestDone | None = None
     cancelled: bool = False
+    done_seen: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def wait_done(self, timeout: float = 10.0) -> scheduler_pb2.RequestDone:
+        """The client can see its last event before this fake has read the
+        gateway's `done` (two streams, no order between them): wait for it."""
+        await asyncio.wait_for(self.done_seen.wait(), timeout)
+        assert self.done is not None
+        return self.done
 
 
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
@@ -245,6 +253,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                 record.messages.append(kind)
                 if kind == "done":
                     record.done = message.done
+                    record.done_seen.set()
                 elif kind == "replace":
                     record.replaces.append(message.replace)
                     await context.write(self._placed(set(message.replace.exclude_engines)))

@@ -23,6 +23,6 @@ async def test_per_key_generation_limit_times_out_the_stream(mesh: Mesh) -> None
         with pytest.raises(openai.APIError, match="limit"):
             async for chunk in stream:
                 got.append(chunk)
-    assert len(got) >= 2  # tokens flowed until the key's limit
+    assert len(got) >= 1  # the stream had started before the key's limit cut it
     await asyncio.wait_for(engine.cancelled.wait(), 10)
-    assert mesh.scheduler.admits[0].done.finish_reason == "timeout"
+    assert (await mesh.scheduler.admits[0].wait_done()).finish_reason == "timeout"
