@@ -15,11 +15,13 @@ import aiohttp
 import grpc
 
 from services.bench.sse import SseEvents
-from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.proto.kvmesh.v1 import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.launcher.mesh import Mesh
 
 __all__ = [
     "StreamResult",
+    "engine_infos",
+    "eventually",
     "gateway_counter",
     "run_streams",
     "scheduler_state",
@@ -101,6 +103,26 @@ async def wait_until(predicate: Callable[[], bool], timeout: float, what: str, p
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         await asyncio.sleep(poll)
+
+
+async def eventually(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Like wait_until, for predicates that block (gRPC calls): each check
+    runs in a thread so the test's own streams keep flowing."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await asyncio.to_thread(predicate):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def engine_infos(mesh: Mesh) -> list[engine_pb2.EngineInfo]:
+    """Every engine's GetInfo, straight from its gRPC port."""
+    infos = []
+    for address in mesh.endpoints.engines:
+        with grpc.insecure_channel(address) as channel:
+            infos.append(engine_pb2_grpc.EngineStub(channel).GetInfo(engine_pb2.GetInfoRequest(), timeout=5))
+    return infos
 
 
 def gateway_counter(mesh: Mesh, name: str, labels: str = "", replica: int = 0) -> float:

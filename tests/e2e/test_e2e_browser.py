@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 
 import aiohttp
-import grpc
 import pytest
+from _streams import engine_infos as _engine_infos
+from _streams import eventually as _eventually
 
 from services.common.config import MeshConfig
-from services.common.proto.kvmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.launcher.mesh import Mesh
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser]
@@ -38,23 +38,6 @@ def MESH_TUNE(config: MeshConfig) -> None:  # noqa: N802 - the fixture's hook na
     config.engines.template.max_running = 1
     config.scheduler.engine_queue_slack = 0
     config.scheduler.queued_update_seconds = 0.2
-
-
-def _engine_infos(mesh: Mesh) -> list[engine_pb2.EngineInfo]:
-    infos = []
-    for address in mesh.endpoints.engines:
-        with grpc.insecure_channel(address) as channel:
-            infos.append(engine_pb2_grpc.EngineStub(channel).GetInfo(engine_pb2.GetInfoRequest(), timeout=5))
-    return infos
-
-
-async def _eventually(predicate, timeout: float, what: str) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await asyncio.to_thread(predicate):
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 async def _blocker(session: aiohttp.ClientSession, mesh: Mesh, started: asyncio.Event) -> None:

@@ -11,6 +11,8 @@ import uuid
 
 import aiohttp
 import grpc
+from _streams import engine_infos as _engine_infos
+from _streams import eventually as _eventually
 
 from services.common.proto.kvmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.launcher.mesh import Mesh
@@ -24,25 +26,8 @@ def _auth(mesh: Mesh) -> dict[str, str]:
     return {"Authorization": f"Bearer {mesh.api_key}"}
 
 
-def _engine_infos(mesh: Mesh) -> list[engine_pb2.EngineInfo]:
-    infos = []
-    for address in mesh.endpoints.engines:
-        with grpc.insecure_channel(address) as channel:
-            infos.append(engine_pb2_grpc.EngineStub(channel).GetInfo(engine_pb2.GetInfoRequest(), timeout=5))
-    return infos
-
-
 def _engines_idle(mesh: Mesh) -> bool:
     return all(i.running == 0 and i.blocks_used == 0 for i in _engine_infos(mesh))
-
-
-async def _eventually(predicate, timeout: float, what: str) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await asyncio.to_thread(predicate):
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 async def _sse_events(resp: aiohttp.ClientResponse) -> list[tuple[float, dict]]:

@@ -401,6 +401,20 @@ def _stream_then_close(messages: list[Any], hold: threading.Event) -> Iterator[A
     hold.wait(10.0)  # keep our side open until the call ends (deadline / reader done)
 
 
+def _drive_bidi(method: Callable[..., Iterator[Any]], messages: list[Any], hold: threading.Event,
+                timeout: float) -> None:
+    """Send `messages` on a bidi call and read it to its end; the deadline
+    is an expected end (the rogue client just stops talking)."""
+    try:
+        for _ in method(_stream_then_close(messages, hold), timeout=timeout):
+            pass
+    except grpc.RpcError as err:
+        if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # type: ignore[attr-defined]
+            raise
+    finally:
+        hold.set()
+
+
 def _grpc_admit(mesh: Mesh, examples: int, seed: int | None) -> FuzzReport:
     report = FuzzReport("grpc_admit")
     engines = [mesh.config.engine_config(i).engine_id for i in range(mesh.config.engines.count)]
@@ -436,17 +450,8 @@ def _grpc_admit(mesh: Mesh, examples: int, seed: int | None) -> FuzzReport:
             if half_close:
                 hold.set()
 
-            def consume() -> None:
-                try:
-                    for _ in stub.Admit(_stream_then_close([head, *rest], hold), timeout=timeout):
-                        pass
-                except grpc.RpcError as err:
-                    if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # type: ignore[attr-defined]
-                        raise
-                finally:
-                    hold.set()
-
-            _grpc_outcome(report, f"Admit {head} then {rest}", consume)
+            _grpc_outcome(report, f"Admit {head} then {rest}",
+                          lambda: _drive_bidi(stub.Admit, [head, *rest], hold, timeout))
 
         run()
     return report
@@ -491,17 +496,8 @@ def _grpc_connect(mesh: Mesh, examples: int, seed: int | None) -> FuzzReport:
             report.cases += 1
             hold = threading.Event()
 
-            def consume() -> None:
-                try:
-                    for _ in stub.Connect(_stream_then_close([head, *rest], hold), timeout=timeout):
-                        pass
-                except grpc.RpcError as err:
-                    if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # type: ignore[attr-defined]
-                        raise
-                finally:
-                    hold.set()
-
-            _grpc_outcome(report, f"Connect {head} then {rest}", consume)
+            _grpc_outcome(report, f"Connect {head} then {rest}",
+                          lambda: _drive_bidi(stub.Connect, [head, *rest], hold, timeout))
             # The scheduler must still answer GetState (and list no rogue engine for long).
             _grpc_outcome(report, "GetState after a rogue Connect", lambda: _state(mesh))
 
