@@ -53,6 +53,7 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from services.bench.stats import percentile  # noqa: E402
 from services.common.config import MeshConfig, load_config  # noqa: E402
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc  # noqa: E402
 from services.launcher.mesh import Mesh, MeshError, MeshOptions  # noqa: E402
@@ -66,13 +67,6 @@ _CLK = os.sysconf("SC_CLK_TCK")
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 @dataclass
@@ -203,10 +197,10 @@ async def phase_ttft(args: argparse.Namespace) -> dict[str, object]:
     ms = 1000.0
     out = {
         "requests": len(direct),
-        "direct_p50_ms": _pct(direct, 0.5) * ms, "direct_p99_ms": _pct(direct, 0.99) * ms,
-        "gateway_p50_ms": _pct(via, 0.5) * ms, "gateway_p99_ms": _pct(via, 0.99) * ms,
-        "added_p50_ms": (_pct(via, 0.5) - _pct(direct, 0.5)) * ms,
-        "added_p99_ms": (_pct(via, 0.99) - _pct(direct, 0.99)) * ms,
+        "direct_p50_ms": percentile(direct, 50) * ms, "direct_p99_ms": percentile(direct, 99) * ms,
+        "gateway_p50_ms": percentile(via, 50) * ms, "gateway_p99_ms": percentile(via, 99) * ms,
+        "added_p50_ms": (percentile(via, 50) - percentile(direct, 50)) * ms,
+        "added_p99_ms": (percentile(via, 99) - percentile(direct, 99)) * ms,
         "paired_added_p50_ms": statistics.median(g - d for g, d in zip(via, direct, strict=True)) * ms,
     }
     return out

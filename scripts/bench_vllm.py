@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.bench.sse import SseEvents  # noqa: E402
+from services.bench.stats import percentile  # noqa: E402
 from services.common.config import load_config  # noqa: E402
 from services.engine.vllm_backend.env import omp_bind_spec  # noqa: E402
 from services.launcher.mesh import Mesh, MeshOptions  # noqa: E402
@@ -104,10 +105,7 @@ class Phase:
         return sum(s.tokens for s in self.samples) / self.wall if self.wall else 0.0
 
     def ttft_ms(self, q: float) -> float:
-        values = sorted(s.ttft for s in self.samples)
-        if not values:
-            return float("nan")
-        return 1000 * values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+        return 1000 * percentile([s.ttft for s in self.samples], q * 100)
 
 
 @dataclass

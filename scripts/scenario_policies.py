@@ -38,7 +38,6 @@ import argparse
 import asyncio
 import logging
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -52,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.bench.sse import SseEvents  # noqa: E402
+from services.bench.stats import percentile  # noqa: E402
 from services.common.config import MeshConfig, load_config  # noqa: E402
 from services.launcher.mesh import Mesh, MeshOptions  # noqa: E402
 
@@ -103,18 +103,12 @@ class PolicyResult:
             self.policy,
             f"{len(ok)}/{len(self.outcomes)}",
             f"{cached / prompt:.1%}" if prompt else "-",
-            f"{_pct(ttfts, 50) * 1000:.0f}" if ttfts else "-",
-            f"{_pct(ttfts, 99) * 1000:.0f}" if ttfts else "-",
+            f"{percentile(ttfts, 50) * 1000:.0f}" if ttfts else "-",
+            f"{percentile(ttfts, 99) * 1000:.0f}" if ttfts else "-",
             f"{len(ok) / self.makespan:.2f}" if self.makespan else "-",
             f"{tokens / self.makespan:.0f}" if self.makespan else "-",
             spread,
         ]
-
-
-def _pct(sorted_values: list[float], p: float) -> float:
-    if len(sorted_values) == 1:
-        return sorted_values[0]
-    return statistics.quantiles(sorted_values, n=100, method="inclusive")[int(p) - 1]
 
 
 # ---------------------------------------------------------------- workload

