@@ -122,9 +122,13 @@ def _routes(topology: Topology) -> list[dict[str, Any]]:
         "timeout": "0s",
         "idle_timeout": _seconds(topology.timeouts.stream_idle_seconds),
         "retry_policy": {
-            # Only failures where the request cannot have reached a gateway:
-            # a generation must never run twice.
-            "retry_on": "connect-failure,refused-stream,reset-before-request",
+            # Retried only before any response byte reached the client, so a
+            # client never sees two answers. `reset` covers a gateway that died
+            # with an idle pooled connection Envoy had not yet seen close (the
+            # request is written into the dead socket): a lost connection always
+            # cancels its generation in the gateway (or died with it), so the
+            # retry cannot run alongside the first attempt.
+            "retry_on": "connect-failure,refused-stream,reset",
             "num_retries": topology.connect_retries,
             "retry_host_predicate": [
                 {
@@ -134,7 +138,10 @@ def _routes(topology: Topology) -> list[dict[str, Any]]:
                     },
                 }
             ],
-            "host_selection_retry_max_attempts": 3,
+            # Selection is in memory and cheap; with LEAST_REQUEST's random
+            # two-choice pick, several tries make landing on the failed
+            # replica again vanishingly unlikely (0.5^6 with two replicas).
+            "host_selection_retry_max_attempts": 5,
         },
     }
     grpc = {"cluster": GRPC_CLUSTER, **stream_route}

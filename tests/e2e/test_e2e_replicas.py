@@ -4,6 +4,7 @@ connect-failure retries and health checks keep every request working."""
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 
 import grpc
@@ -22,9 +23,15 @@ def _chat_http(mesh: Mesh) -> dict:
         f"{mesh.endpoints.public_http}/v1/chat/completions", data=body, method="POST",
         headers={"Authorization": f"Bearer {mesh.api_key}", "Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(req, timeout=60) as resp:  # noqa: S310 - loopback
-        assert resp.status == 200
-        return json.loads(resp.read())
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:  # noqa: S310 - loopback
+            assert resp.status == 200
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        # Envoy's access log says which replica answered and why (flags, details).
+        raise AssertionError(
+            f"HTTP {exc.code}: {exc.read()[:500]!r}\n--- envoy log ---\n{mesh.log_tail('envoy', 6)}"
+        ) from exc
 
 
 def _chat_grpc(stub: inference_pb2_grpc.InferenceStub, mesh: Mesh) -> list[str]:
