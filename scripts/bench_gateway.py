@@ -242,6 +242,8 @@ async def phase_relay(args: argparse.Namespace) -> dict[str, object]:
         t = config.engines.template
         t.max_running = args.streams  # every stream generates at once
         t.total_blocks = 16384
+        if args.coalesce_ms is not None:
+            t.coalesce_interval_ms = args.coalesce_ms
         config.scheduler.engine_queue_slack = 0
 
     rng = random.Random(7)
@@ -394,6 +396,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", type=int, default=1, help="engines for the relay phase")
     p.add_argument("--stream-tokens", type=int, default=2000, help="tokens per relayed stream")
     p.add_argument("--seconds", type=float, default=20.0, help="relay phase duration")
+    p.add_argument("--coalesce-ms", type=float, default=None,
+                   help="engines' coalesce_interval_ms for the relay phase (default: the config's; "
+                        "0 = a delta per engine step, the gateway's worst case)")
     p.add_argument("--hold", type=int, default=5000, help="streams to hold")
     p.add_argument("--heartbeat", type=float, default=5.0, help="gateway heartbeat seconds (hold phase)")
     p.add_argument("--hold-seconds", type=float, default=30.0)

@@ -104,9 +104,13 @@ class VllmConfig:
     enforce_eager: bool = True
     # fp32 is much faster than bf16 on the CPUs we run on.
     dtype: str = "float32"
-    # Cores vLLM-CPU's OpenMP threads bind to; "all" = every core (measured
-    # ~70% faster than the default on two cores).
-    omp_threads_bind: str = "all"
+    # Cores vLLM-CPU's OpenMP threads bind to: "all-but-one" leaves the
+    # lowest core to Envoy, the gateway, the scheduler and the engine service
+    # (on two cores vLLM's own server ran ~20% faster so, and the mesh's TTFT
+    # overhead fell from +7 to +1 ms; BENCHMARKS.md); "all" = every core
+    # (~70% faster than vLLM's default binding on two cores); else vLLM's
+    # VLLM_CPU_OMP_THREADS_BIND syntax ("0-3", "auto").
+    omp_threads_bind: str = "all-but-one"
     max_num_seqs: int = 16
     # Prompt tokens per step; 0 = vLLM's default.
     max_num_batched_tokens: int = 0
@@ -157,6 +161,15 @@ class EngineConfig:
     # the gateway migrates them from the next token), deregisters and exits.
     # Bounds: >= 0; keep it under the launcher's 10 s SIGTERM->SIGKILL grace.
     stop_grace_seconds: float = 2.0
+    # Coalescing under load (DESIGN: backpressure by coalescing): while at
+    # least `coalesce_min_running` generations run here, a stream's deltas go
+    # out at most every `coalesce_interval_ms`; tokens in between travel in
+    # the next delta, none dropped. The first token and the final output are
+    # never held. One message per token per stream costs every hop of the
+    # mesh (engine write, gateway read + SSE write, Envoy) CPU a CPU-served
+    # model needs; 40 ms keeps 25 updates/s per stream. 0 = a delta per step.
+    coalesce_interval_ms: float = 40.0
+    coalesce_min_running: int = 8
     sim: SimCostConfig = field(default_factory=SimCostConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
 

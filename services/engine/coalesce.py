@@ -6,15 +6,38 @@ writer is busy is merged into it (token ids, text and logprobs appended,
 finish fields taken from the last output). Nothing is ever dropped, and the
 buffer's size is bounded by the request's own max_tokens -- not by how slow
 the reader is.
+
+The writer may also hold a stream back on purpose (`StreamPacing`): under
+load, one message per token per stream costs every hop of the mesh (engine
+write, gateway read and SSE write, Envoy) CPU that the model needs; paced,
+the tokens of a few steps travel as one delta.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from services.engine.backend import GenerationOutput
 
-__all__ = ["DeltaBuffer"]
+__all__ = ["DeltaBuffer", "StreamPacing"]
+
+
+@dataclass(frozen=True)
+class StreamPacing:
+    """While at least `min_running` generations are live on the engine, a
+    stream's deltas go out at most every `interval_seconds`. The first token
+    and the final output are never held."""
+
+    interval_seconds: float = 0.0
+    min_running: int = 1
+
+    def hold_seconds(self, live: int) -> float:
+        """How long to hold a stream after a delta went out, with `live`
+        generations on the engine (0 = send the next one as soon as it exists)."""
+        if self.interval_seconds <= 0 or live < self.min_running:
+            return 0.0
+        return self.interval_seconds
 
 
 class DeltaBuffer:
@@ -23,6 +46,9 @@ class DeltaBuffer:
         self._error: BaseException | None = None
         self._event = asyncio.Event()
         self.closed = False  # a final output or an error is in (or was taken)
+        # The writer waits out a pacing hold: only the final output (or an
+        # error) wakes it early, not every token pushed meanwhile.
+        self._holding = False
 
     def push(self, out: GenerationOutput) -> None:
         if self.closed:
@@ -43,7 +69,8 @@ class DeltaBuffer:
             p.prompt_tokens, p.cached_tokens = out.prompt_tokens, out.cached_tokens
             p.completion_tokens = out.completion_tokens
             self.closed = True
-        self._event.set()
+        if not self._holding or self.closed:
+            self._event.set()
 
     def fail(self, error: BaseException) -> None:
         if not self.closed:
@@ -54,9 +81,21 @@ class DeltaBuffer:
     def pending_tokens(self) -> int:
         return len(self._pending.token_ids) if self._pending else 0
 
-    async def take(self) -> GenerationOutput:
+    async def take(self, hold_seconds: float = 0.0) -> GenerationOutput:
         """The merged pending output; raises the backend's error, if any,
-        after every output that came before it."""
+        after every output that came before it. With `hold_seconds`, wait
+        that long first (merging what arrives meanwhile) unless the stream
+        ends sooner."""
+        if hold_seconds > 0 and not self.closed:
+            loop = asyncio.get_running_loop()
+            self._holding = True
+            self._event.clear()
+            timer = loop.call_later(hold_seconds, self._event.set)
+            try:
+                await self._event.wait()
+            finally:
+                timer.cancel()
+                self._holding = False
         while self._pending is None and self._error is None:
             self._event.clear()
             await self._event.wait()

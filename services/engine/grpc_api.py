@@ -23,6 +23,7 @@ import logging
 
 import grpc
 
+from services.common.idle_calls import IdleCalls
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine.backend import GenerationOutput, GenerationRequest, InvalidRequest, Sampling
 from services.engine.errors import DuplicateRequest, NotAccepting
@@ -86,9 +87,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._runtime = runtime
         self._engine_id = engine_id
         self._backend_name = backend_name
+        # Generate calls gateways opened ahead of their next request.
+        self.idle_calls = IdleCalls()
 
     async def Generate(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
-        first = await context.read()
+        first = await self.idle_calls.first_message(context)
         if first is grpc.aio.EOF or first.WhichOneof("msg") != "request":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "the first Generate message must be `request`")

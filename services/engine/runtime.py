@@ -26,7 +26,7 @@ from services.engine.backend import (
     InvalidRequest,
     LoadSnapshot,
 )
-from services.engine.coalesce import DeltaBuffer
+from services.engine.coalesce import DeltaBuffer, StreamPacing
 from services.engine.errors import DuplicateRequest, NotAccepting
 from services.engine.metrics import EngineMetrics
 
@@ -85,12 +85,14 @@ class Generation:
         InvalidRequest before any output if the backend refuses the request."""
         if not self._buffer.closed:  # cancelled before it began: never start the backend
             self._pump = asyncio.create_task(self._run_pump(), name=f"pump-{self.request.request_id}")
+        pacing, hold = self._runtime.pacing, 0.0
         try:
             while True:
-                out = await self._buffer.take()
+                out = await self._buffer.take(hold)
                 yield out
                 if out.finish_reason is not None:
                     return
+                hold = pacing.hold_seconds(self._runtime.live_count)
         finally:
             self.close()
 
@@ -160,11 +162,16 @@ class Generation:
 
 class EngineRuntime:
     def __init__(
-        self, backend: EngineBackend, metrics: EngineMetrics, clock: Clock | None = None
+        self,
+        backend: EngineBackend,
+        metrics: EngineMetrics,
+        clock: Clock | None = None,
+        pacing: StreamPacing | None = None,
     ) -> None:
         self.backend = backend
         self.metrics = metrics
         self.clock = clock or SystemClock()
+        self.pacing = pacing or StreamPacing()
         self.started = False
         self.draining = False
         self.stopping = False

@@ -28,6 +28,7 @@ from services.engine.grpc_api import EngineServicer
 from services.engine.http_api import OpenAIHttpServer
 from services.engine.metrics import EngineMetrics, MetricsServer
 from services.engine.model import resolve_model
+from services.engine.coalesce import StreamPacing
 from services.engine.runtime import EngineRuntime
 from services.engine.scheduler_link import SchedulerLink, advertised_host
 from services.engine.tokenizer import TextCodec, load_codec
@@ -82,10 +83,12 @@ class EngineService:
         self.clock = clock or SystemClock()
         self.model_name = resolve_model(config, engine).name
         self.metrics = EngineMetrics(self.model_name, engine.engine_id, self._safe_load)
-        self.runtime = EngineRuntime(self.backend, self.metrics, self.clock)
+        self.runtime = EngineRuntime(self.backend, self.metrics, self.clock, StreamPacing(
+            engine.coalesce_interval_ms / 1000.0, engine.coalesce_min_running))
         self.port = 0
         self.link: SchedulerLink | None = None
         self._server = None
+        self._servicer: EngineServicer | None = None
         self._health = None
         self._metrics_server: MetricsServer | None = None
         self._http: OpenAIHttpServer | None = None
@@ -104,8 +107,8 @@ class EngineService:
         engine = self.engine
         self._server, self._health = make_server([SERVICE_NAME])
         await self._health.set_serving(False)  # an explicit NOT_SERVING, not NOT_FOUND
-        engine_pb2_grpc.add_EngineServicer_to_server(
-            EngineServicer(self.runtime, engine.engine_id, engine.backend), self._server)
+        self._servicer = EngineServicer(self.runtime, engine.engine_id, engine.backend)
+        engine_pb2_grpc.add_EngineServicer_to_server(self._servicer, self._server)
         self.port = self._server.add_insecure_port(f"{engine.host}:{engine.port}")
         if not self.port:
             raise OSError(f"engine.port: cannot bind {engine.host}:{engine.port}")
@@ -149,6 +152,8 @@ class EngineService:
     async def stop(self) -> None:
         if self._health is not None and self._health.serving:
             await self._health.set_serving(False)
+        if self._servicer is not None:
+            self._servicer.idle_calls.close()
         await self.runtime.stop(self.engine.stop_grace_seconds if self.runtime.live_count else 0.0)
         if self.link is not None:
             await self.link.stop()

@@ -19,6 +19,7 @@ import grpc
 from services.common.grpc_server import client_options
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.gateway.errors import GatewayError, from_rejection, from_scheduler_rpc_error
+from services.gateway.spare_calls import SpareCall
 
 __all__ = ["AdmissionClient", "AdmitSession"]
 
@@ -151,6 +152,7 @@ class AdmissionClient:
             ],
         )
         self._stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self._spare = SpareCall(self._stub.Admit)
         # True once the scheduler was reachable (channel READY, or an Admit
         # stream got an answer): from then on an unreachable scheduler is a
         # restart to wait out (re-admit with backoff), not a misconfiguration
@@ -173,13 +175,17 @@ class AdmissionClient:
     async def open(self, request: scheduler_pb2.AdmitRequest) -> AdmitSession:
         # Fail fast (no wait_for_ready): an unreachable scheduler is a 503 now,
         # not a hang. A restart while queued is re-admitted by the driver.
-        session = AdmitSession(self._stub.Admit(), self._mark_answered)
+        session = AdmitSession(self._spare.take(), self._mark_answered)
         try:
             await session.send_request(request)
         except GatewayError:
             session.cancel()
             raise
         return session
+
+    def replenish(self) -> None:
+        """Open the next request's Admit stream now (see `SpareCall`)."""
+        self._spare.replenish()
 
     async def get_state(self, timeout: float) -> scheduler_pb2.SchedulerState | None:
         try:
@@ -188,4 +194,5 @@ class AdmissionClient:
             return None
 
     async def close(self) -> None:
+        self._spare.discard()
         await self.channel.close()

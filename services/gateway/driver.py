@@ -279,7 +279,7 @@ class GenerationDriver:
         while True:
             progress.engine_id = placed.engine_id
             self._watch_admit(job, progress)
-            stream = self._engines.open(placed.engine_address, placed.engine_id, timeout=None)
+            stream = self._engines.open(placed.engine_address, placed.engine_id)
             try:
                 async with asyncio.timeout_at(deadline):
                     return await self._relay(job, placed, stream, progress, emit)
@@ -424,6 +424,9 @@ class GenerationDriver:
                     # a gRPC write on the advisory `first_token` (TTFT path).
                     await asyncio.sleep(0)
                     await progress.session.first_token()
+                    # The next request's streams open now, off its TTFT path.
+                    self._admission.replenish()
+                    self._engines.replenish(placed.engine_address)
                 continue
             done = event.finished
             progress.cached_tokens = min(done.usage.cached_tokens, len(job.prompt_ids))

@@ -19,6 +19,7 @@ import grpc
 from services.common.grpc_server import client_options
 from services.common.proto.kvmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.gateway.errors import EngineFailure, classify_engine_rpc_error
+from services.gateway.spare_calls import SpareCall
 
 __all__ = ["EnginePool", "EngineStream"]
 
@@ -82,6 +83,7 @@ class EnginePool:
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, engine_pb2_grpc.EngineStub] = {}
+        self._spares: dict[str, SpareCall] = {}
 
     def _stub(self, address: str) -> engine_pb2_grpc.EngineStub:
         stub = self._stubs.get(address)
@@ -100,11 +102,24 @@ class EnginePool:
             stub = self._stubs[address] = engine_pb2_grpc.EngineStub(channel)
         return stub
 
-    def open(self, address: str, engine_id: str, timeout: float | None) -> EngineStream:
-        """A Generate call to `address`; `timeout` bounds the whole call."""
-        return EngineStream(self._stub(address).Generate(timeout=timeout), engine_id)
+    def open(self, address: str, engine_id: str) -> EngineStream:
+        """A Generate call to `address` (the spare one if it is alive). No
+        deadline on the call: the driver bounds the generation itself."""
+        spare = self._spares.get(address)
+        if spare is None:
+            spare = self._spares[address] = SpareCall(self._stub(address).Generate)
+        return EngineStream(spare.take(), engine_id)
+
+    def replenish(self, address: str) -> None:
+        """Open the next Generate call to `address` now (see `SpareCall`)."""
+        spare = self._spares.get(address)
+        if spare is not None:
+            spare.replenish()
 
     async def close(self) -> None:
+        for spare in self._spares.values():
+            spare.discard()
+        self._spares.clear()
         channels = list(self._channels.values())
         self._channels.clear()
         self._stubs.clear()

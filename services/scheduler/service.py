@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.common.config import MeshConfig
+from services.common.idle_calls import IdleCalls
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from .core import SchedulerCore, StateView
@@ -155,6 +156,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._hash_block_tokens = config.hash_block_tokens
         self._mailboxes: dict[str, asyncio.Queue[object]] = {}
         self._engines: dict[str, _EngineChannel] = {}
+        # Admit calls gateways opened ahead of their next request.
+        self._idle_calls = IdleCalls()
 
     # ------------------------------------------------------------ delivery
 
@@ -183,6 +186,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.deliver(self.core.tick())
 
     def shutdown(self) -> None:
+        self._idle_calls.close()
         self.deliver(self.core.shutdown())
 
     def drain_engine(self, engine_id: str) -> bool:
@@ -195,7 +199,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     # ------------------------------------------------------------ Admit
 
     async def Admit(self, request_iterator, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]  # noqa: N802
-        first = await context.read()
+        first = await self._idle_calls.first_message(context)
         if first is grpc.aio.EOF:
             return
         if first.WhichOneof("msg") != "request":

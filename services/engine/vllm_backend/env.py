@@ -26,13 +26,17 @@ def resolve_path(path: str) -> Path:
 def omp_bind_spec(setting: str) -> str:
     """VllmConfig.omp_threads_bind -> VLLM_CPU_OMP_THREADS_BIND.
 
-    "all" = every core this process may run on, as ranges ("0-1"); anything
-    else is passed through (vLLM's own syntax, e.g. "0-3" or "auto")."""
-    if setting != "all":
+    "all" = every core this process may run on, as ranges ("0-1");
+    "all-but-one" = the same without the lowest core (when there are two or
+    more), which is left to the mesh's own processes; anything else is passed
+    through (vLLM's own syntax, e.g. "0-3" or "auto")."""
+    if setting not in ("all", "all-but-one"):
         return setting
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(
         range(os.cpu_count() or 1)
     )
+    if setting == "all-but-one" and len(cores) > 1:
+        cores = cores[1:]
     ranges: list[str] = []
     start = prev = cores[0]
     for core in cores[1:] + [-1]:

@@ -256,3 +256,31 @@ async def test_slow_reader_gets_every_token(stub: engine_pb2_grpc.EngineStub) ->
         ids += event.delta.token_ids
         await asyncio.sleep(0.002)
     assert ids == expected
+
+
+async def test_a_call_opened_ahead_serves_a_request_later_and_ends_on_stop() -> None:
+    """Gateways open their next Generate call before they need it: it must
+    serve a request sent much later, and one still unused must end at once on
+    stop instead of holding the server's grace period."""
+    engine = engine_config()
+    svc = EngineService(mesh_config(), engine)
+    await svc.start()
+    stopped = False
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.port}") as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            ahead = stub.Generate()
+            await wait_until(lambda: len(svc._servicer.idle_calls._waiting) == 1)  # noqa: SLF001
+            await ahead.write(gen_request("later", prompt_of(8), max_tokens=5))
+            ids, _, finished = await collect(ahead)
+            assert len(ids) == 5 and finished.usage.completion_tokens == 5
+            unused = stub.Generate()
+            await wait_until(lambda: len(svc._servicer.idle_calls._waiting) == 1)  # noqa: SLF001
+            await asyncio.wait_for(svc.stop(), timeout=30)
+            stopped = True
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await asyncio.wait_for(unused.read(), timeout=10)
+            assert info.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+    finally:
+        if not stopped:
+            await svc.stop()

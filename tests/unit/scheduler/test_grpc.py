@@ -218,3 +218,27 @@ async def test_serve_runs_until_cancelled() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_admit_call_opened_ahead_is_placed_later_and_ended_on_stop(stack) -> None:
+    """A gateway opens its next Admit call before it needs it: the request it
+    sends later is handled as usual, and a call still unused when the
+    scheduler stops ends at once (no grace period spent waiting on it)."""
+    service, stub, _ = stack
+    ahead = stub.Admit(timeout=TIMEOUT * 3)
+    await asyncio.sleep(0.2)  # the handler is waiting for the first message
+    await ahead.write(admit_msg("late"))
+    assert (await asyncio.wait_for(ahead.read(), TIMEOUT)).WhichOneof("msg") in ("queued", "rejected")
+    ahead.cancel()
+    unused = stub.Admit(timeout=TIMEOUT * 6)
+    waiting = service.servicer._idle_calls._waiting  # noqa: SLF001
+    async with asyncio.timeout(TIMEOUT):
+        while not waiting:
+            await asyncio.sleep(0.01)
+    # A grace far longer than the timeouts below: only ending the unused call
+    # at once lets stop() and the call finish in time.
+    stop = asyncio.create_task(service.stop(grace=TIMEOUT * 5))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await asyncio.wait_for(unused.read(), TIMEOUT)
+    assert info.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+    await asyncio.wait_for(stop, TIMEOUT * 2)
