@@ -256,6 +256,13 @@ class SchedulerConfig:
     # Placements an engine may have in flight beyond max_running; they wait
     # in the engine's own queue, which keeps its batch full between reports.
     engine_queue_slack: int = 2
+    # Of those lease slots (max_running + engine_queue_slack), how many per
+    # engine only P0 may take. Without them a P0 arriving at a saturated
+    # engine waits here until any request finishes, and by then the batch
+    # work already queued on the engine takes the freed running slot; with
+    # one kept free, the P0 goes to the engine at once and is first in its
+    # priority queue for the next slot. Never more than lease slots - 1.
+    p0_reserved_leases: int = 1
     # Seconds between Queued position updates to each waiting request.
     queued_update_seconds: float = 1.0
     # Retry-after (Little's law: queue ahead / recent dispatch rate) is

@@ -307,7 +307,7 @@ class SchedulerCore:
         opts = rec.options
         request = PlacementRequest(
             opts.request_id, opts.model, opts.prompt_tokens, opts.max_tokens,
-            opts.prefix_hashes, rec.exclude,
+            opts.prefix_hashes, rec.exclude, priority=entry.cls if entry is not None else opts.priority,
         )
         placement = self.policy.place(
             request, self._engine_views(now, opts.model), self.kv,
@@ -395,7 +395,7 @@ class SchedulerCore:
             max_running=e.info.max_running, running=e.load.running, waiting=e.load.waiting,
             queued_tokens=e.load.queued_tokens, weight=weight,
             max_model_len=e.info.max_model_len, queue_seconds=queue_seconds,
-            cached_blocks=e.load.cached_blocks,
+            cached_blocks=e.load.cached_blocks, p0_reserved_leases=self._config.p0_reserved_leases,
         )
 
     # ------------------------------------------------------------ leases and finish

@@ -53,6 +53,7 @@ def _tune(config: MeshConfig) -> None:
     t.sim.speed_factor = 2.0
     s = config.scheduler
     s.engine_queue_slack = 0          # lease limit = max_running: saturation is exact
+    s.p0_reserved_leases = 0          # ... for every class alike
     s.queue_caps = list(QUEUE_CAPS)
 
 

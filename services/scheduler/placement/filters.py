@@ -81,9 +81,10 @@ class HasRoomFilter:
 
 class LeaseSlotsFilter:
     """Fewer leases than max_running + engine_queue_slack: enough in flight
-    to keep the batch full between reports, the rest waits here."""
+    to keep the batch full between reports, the rest waits here. The last
+    `p0_reserved_leases` slots are P0's alone."""
 
     name = "lease_slots"
 
     def filter(self, request: PlacementRequest, engines: Sequence[EngineView]) -> list[EngineView]:
-        return [e for e in engines if e.leases < e.lease_limit]
+        return [e for e in engines if e.leases < e.lease_limit_for(request.priority)]

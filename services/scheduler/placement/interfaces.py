@@ -21,6 +21,8 @@ class PlacementRequest:
     max_tokens: int
     prefix_hashes: tuple[int, ...] = ()
     exclude: frozenset[str] = frozenset()
+    # The request's class now (0 = P0), after aging.
+    priority: int = 1
 
 
 @dataclass(frozen=True)
@@ -49,10 +51,17 @@ class EngineView:
     cached_tokens: int = 0      # prompt tokens expected cached on it
     blocks_needed: int = 0      # blocks the request would newly take on it
     cached_blocks: int = 0      # blocks in its prefix cache (last report): how many contexts it keeps
+    p0_reserved_leases: int = 0  # of lease_limit, slots only P0 may take
 
     @property
     def free_blocks(self) -> int:
         return self.blocks_total - self.blocks_used - self.blocks_reserved
+
+    def lease_limit_for(self, priority: int) -> int:
+        """Lease slots a request of class `priority` may fill."""
+        if priority == 0:
+            return self.lease_limit
+        return self.lease_limit - min(self.p0_reserved_leases, self.lease_limit - 1)
 
     @property
     def occupancy(self) -> int:

@@ -152,12 +152,35 @@ def test_reservations_prevent_overfilling_in_a_burst_between_reports() -> None:
 
 
 def test_lease_slots_cap_in_flight_work() -> None:
-    core, _ = make_core(engine_queue_slack=2)
+    core, _ = make_core(engine_queue_slack=2, p0_reserved_leases=0)
     add_engine(core, "e1", max_running=3)
     for i in range(10):
         core.admit(opts(f"r{i}"))
     core.dispatch()
     assert sum(1 for i in range(10) if core.lease_of(f"r{i}")) == 5
+
+
+def test_reserved_lease_slot_takes_a_p0_at_once_when_batch_work_fills_the_engine() -> None:
+    core, _ = make_core(engine_queue_slack=2, p0_reserved_leases=1)
+    add_engine(core, "e1", max_running=3)
+    for i in range(10):
+        core.admit(opts(f"p2-{i}", priority=2))
+    core.dispatch()
+    assert sum(1 for i in range(10) if core.lease_of(f"p2-{i}")) == 4  # 5 slots, one kept for P0
+    core.admit(opts("p0", priority=0))
+    core.dispatch()
+    assert core.lease_of("p0") is not None and core.lease_of("p0").engine_id == "e1"
+    core.admit(opts("p0-second", priority=0))
+    core.dispatch()
+    assert core.lease_of("p0-second") is None  # the reserve is one slot, not a bypass
+
+
+def test_reserve_never_takes_the_last_lease_slot() -> None:
+    core, _ = make_core(engine_queue_slack=0, p0_reserved_leases=5)
+    add_engine(core, "e1", max_running=1)
+    core.admit(opts("p1"))
+    core.dispatch()
+    assert core.lease_of("p1") is not None
 
 
 # ---------------------------------------------------------------- registry and KV index
