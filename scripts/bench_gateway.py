@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 from services.bench.stats import percentile  # noqa: E402
 from services.common.config import MeshConfig, load_config  # noqa: E402
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc  # noqa: E402
-from services.launcher.mesh import Mesh, MeshError, MeshOptions  # noqa: E402
+from services.launcher.mesh import Mesh, MeshOptions, start_on_free_ports  # noqa: E402
 
 MODEL = "tiny-llama"
 # The sim does not care about position embeddings; long streams need room.
@@ -105,19 +105,8 @@ def running_mesh(tune: Callable[[MeshConfig], None], engines: int) -> Iterator[M
             model.max_model_len = MAX_MODEL_LEN
     tune(config)
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-gw-") as run_dir:
-        for attempt in range(3):
-            # A free port picked at run time can be taken by another process
-            # before the child binds it (busy shared machine): start again.
-            mesh = Mesh(config, MeshOptions(engines=engines, backend="sim", model=MODEL, free_ports=True,
-                                            envoy=False, run_dir=Path(run_dir) / str(attempt)))
-            try:
-                mesh.start()
-                break
-            except MeshError as exc:
-                mesh.stop_all()
-                if attempt == 2:
-                    raise
-                print(f"mesh start failed ({str(exc).splitlines()[0]}); retrying", file=sys.stderr)
+        mesh = start_on_free_ports(config, MeshOptions(engines=engines, backend="sim", model=MODEL,
+                                                       free_ports=True, envoy=False, run_dir=Path(run_dir)))
         try:
             yield mesh
         finally:

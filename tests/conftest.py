@@ -40,7 +40,7 @@ def e2e_mesh(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     answers still take well under a second.
     """
     from services.common.config import load_config  # noqa: PLC0415 - keep collection light
-    from services.launcher.mesh import Mesh, MeshOptions  # noqa: PLC0415
+    from services.launcher.mesh import MeshOptions, start_on_free_ports  # noqa: PLC0415
 
     if not (ROOT / ".models" / "tiny-llama").is_dir():
         pytest.skip(".models/tiny-llama is missing: run `make setup`")
@@ -56,8 +56,7 @@ def e2e_mesh(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         engines=2, backend="sim", gateways=getattr(request.module, "MESH_GATEWAYS", 1), model="tiny-llama", free_ports=True,
         run_dir=tmp_path_factory.mktemp("mesh"),
     )
-    mesh = Mesh(config, options)
-    mesh.start()
+    mesh = start_on_free_ports(config, options)
     try:
         yield mesh
     finally:

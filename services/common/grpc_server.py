@@ -62,6 +62,10 @@ def make_server(service_names: Iterable[str]) -> tuple[grpc.aio.Server, HealthRe
             ("grpc.keepalive_timeout_ms", 5_000),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
+            # gRPC binds with SO_REUSEPORT by default: a second server on a
+            # port already in use would start "fine" and the kernel would
+            # split connections between the two. A taken port must fail.
+            ("grpc.so_reuseport", 0),
         ]
     )
     servicer = health.aio.HealthServicer()

@@ -41,7 +41,7 @@ from services.common.config import ApiKeyConfig, ConfigError, MeshConfig, config
 from services.edge.devcerts import ensure_dev_certs
 from services.edge.render import render_yaml
 from services.edge.topology import AdminSpec, GatewayEndpoint, ListenerSpec, Topology, load_topology
-from services.launcher.ports import free_port, free_port_block, port_is_free
+from services.launcher.ports import PortAllocator, port_is_free
 
 __all__ = [
     "ChildExit",
@@ -56,6 +56,7 @@ __all__ = [
     "RestartPolicy",
     "Role",
     "envoy_binary",
+    "start_on_free_ports",
 ]
 
 log = logging.getLogger("kvmesh.launcher")
@@ -270,21 +271,22 @@ class Mesh:
         return cfg
 
     def _pick_free_ports(self, cfg: MeshConfig) -> None:
+        ports = PortAllocator()
         n = cfg.engines.count
-        cfg.scheduler.port = free_port()
-        cfg.scheduler.metrics_port = free_port() if cfg.scheduler.metrics_port else 0
-        cfg.engines.base_port = free_port_block(n)
+        cfg.scheduler.port = ports.one()
+        cfg.scheduler.metrics_port = ports.one() if cfg.scheduler.metrics_port else 0
+        cfg.engines.base_port = ports.block(n)
         if cfg.engines.metrics_base_port:
-            cfg.engines.metrics_base_port = free_port_block(n)
+            cfg.engines.metrics_base_port = ports.block(n)
         if cfg.engines.http_base_port:
-            cfg.engines.http_base_port = free_port_block(n)
+            cfg.engines.http_base_port = ports.block(n)
         g = self.options.gateways
-        cfg.gateway.http_port = free_port_block(g)
-        cfg.gateway.grpc_port = free_port_block(g)
+        cfg.gateway.http_port = ports.block(g)
+        cfg.gateway.grpc_port = ports.block(g)
         if cfg.gateway.metrics_port:
-            cfg.gateway.metrics_port = free_port_block(g)
-        cfg.envoy.port = free_port()
-        cfg.envoy.admin_port = free_port()
+            cfg.gateway.metrics_port = ports.block(g)
+        cfg.envoy.port = ports.one()
+        cfg.envoy.admin_port = ports.one()
 
     def _gateway_ports(self, replica: int) -> tuple[int, int, int]:
         gw = self.config.gateway
@@ -628,6 +630,29 @@ class Mesh:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def start_on_free_ports(config: MeshConfig, options: MeshOptions, attempts: int = 3) -> Mesh:
+    """A started mesh on free ports. A probed port can be taken by another
+    process before the child binds it (concurrent meshes on a busy machine);
+    the child then fails to start, and this starts the mesh again on fresh
+    ports, in a fresh run directory under the first."""
+    if not options.free_ports:
+        raise ValueError("start_on_free_ports needs MeshOptions(free_ports=True)")
+    for attempt in range(attempts):
+        run_dir = options.run_dir
+        if attempt and run_dir is not None:
+            run_dir = run_dir / f"retry-{attempt}"
+        mesh = Mesh(config, dataclasses.replace(options, run_dir=run_dir))
+        try:
+            mesh.start()
+            return mesh
+        except MeshError as exc:
+            mesh.stop_all()
+            if isinstance(exc, MeshInterrupted) or attempt == attempts - 1:
+                raise
+            log.warning("mesh start failed (%s); starting again on fresh ports", str(exc).splitlines()[0])
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _signal_group(child: _Child, sig: signal.Signals) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import socket
 
-__all__ = ["free_port", "free_port_block", "port_is_free"]
+__all__ = ["PortAllocator", "free_port", "free_port_block", "port_is_free"]
 
 # Above the common fixed ports (8000, 8080, 9901, 50051...) and below the
 # Linux ephemeral range (32768+) that port-0 binds and outgoing connections use.
@@ -35,16 +35,42 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
+def free_port_block(
+    count: int, host: str = "127.0.0.1", attempts: int = 200, taken: set[int] | None = None
+) -> int:
     """First port of `count` consecutive free ports (engine i listens on
-    base_port + i). Random bases make two concurrent callers unlikely to
-    pick the same block."""
+    base_port + i), none of them in `taken`. Random bases make two
+    concurrent callers unlikely to pick the same block."""
     if count < 1:
         raise ValueError(f"count must be >= 1, got {count}")
     rng = random.Random()
     low, high = _BLOCK_RANGE
+    taken = taken or set()
     for _ in range(attempts):
         base = rng.randrange(low, high - count)
-        if all(port_is_free(base + i, host) for i in range(count)):
+        ports = range(base, base + count)
+        if not taken.intersection(ports) and all(port_is_free(p, host) for p in ports):
             return base
     raise OSError(f"no block of {count} free ports found in {low}-{high} on {host}")
+
+
+class PortAllocator:
+    """Free ports for one mesh, each handed out once. Probing only says a
+    port is free *now*: until the children bind them, two probes can find
+    the same port free, so the mesh remembers what it gave away."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self._host = host
+        self._taken: set[int] = set()
+
+    def one(self) -> int:
+        while True:
+            port = free_port(self._host)
+            if port not in self._taken:
+                self._taken.add(port)
+                return port
+
+    def block(self, count: int) -> int:
+        base = free_port_block(count, self._host, taken=self._taken)
+        self._taken.update(range(base, base + count))
+        return base

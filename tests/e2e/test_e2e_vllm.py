@@ -102,10 +102,13 @@ def engine_metrics(mesh: Mesh) -> dict[str, float]:
     return values
 
 
-async def wait_for(predicate: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
+async def wait_for(predicate: Callable[[], bool], what: str, timeout: float = WAIT,
+                   seen: list[tuple[int, int]] | None = None) -> None:
     deadline = time.monotonic() + timeout
     while not await asyncio.to_thread(predicate):
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        assert time.monotonic() < deadline, (
+            f"timed out after {timeout} s waiting for {what}"
+            + (f"; (running, waiting) seen last: {seen[-5:]}" if seen else ""))
         await asyncio.sleep(0.1)
 
 
@@ -271,8 +274,14 @@ async def test_priority_reaches_vllm(vllm_mesh: Mesh, http: aiohttp.ClientSessio
     (with FCFS the oldest waiting P2 would get it)."""
     await wait_for(lambda: (lambda i: i.running == 0 and i.waiting == 0)(engine_info(vllm_mesh)), "an idle engine")
 
+    seen: list[tuple[int, int]] = []
+
     def in_vllm(running: int, waiting: int) -> Callable[[], bool]:
-        return lambda: (lambda i: i.running == running and i.waiting == waiting)(engine_info(vllm_mesh))
+        def check() -> bool:
+            info = engine_info(vllm_mesh)
+            seen.append((info.running, info.waiting))
+            return info.running == running and info.waiting == waiting
+        return check
 
     running = [Stream() for _ in range(2)]
     queued = [Stream() for _ in range(4)]
@@ -284,7 +293,7 @@ async def test_priority_reaches_vllm(vllm_mesh: Mesh, http: aiohttp.ClientSessio
         await asyncio.wait_for(asyncio.gather(*(s.started.wait() for s in running)), WAIT)
         tasks += [asyncio.create_task(stream(http, unique_words(20, 20 + i), 8, 2, s))
                   for i, s in enumerate(queued)]
-        await wait_for(in_vllm(2, 4), "2 running and 4 waiting inside vLLM")
+        await wait_for(in_vllm(2, 4), "2 running and 4 waiting inside vLLM", seen=seen)
         p0_task = asyncio.create_task(stream(http, unique_words(20, 99), 8, 0, p0))
         tasks.append(p0_task)
         await wait_for(in_vllm(2, 5), "the P0 request waiting inside vLLM behind the P2 ones")

@@ -24,7 +24,7 @@ import pytest
 from services.bench.sse import SseEvents
 from services.common.config import ApiKeyConfig, MeshConfig, load_config
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.launcher.mesh import Mesh, MeshOptions
+from services.launcher.mesh import Mesh, MeshOptions, start_on_free_ports
 
 __all__ = [
     "MODEL",
@@ -60,9 +60,8 @@ def mesh_running(
         config.gateway.api_keys.append(ApiKeyConfig(
             sha256=hashlib.sha256(key.encode()).hexdigest(), tenant=tenant, priority_ceiling=0))
     tune(config)
-    mesh = Mesh(config, MeshOptions(engines=engines, backend="sim", model=MODEL, free_ports=True,
-                                    run_dir=tmp_dir))
-    mesh.start()
+    mesh = start_on_free_ports(config, MeshOptions(engines=engines, backend="sim", model=MODEL,
+                                                   free_ports=True, run_dir=tmp_dir))
     try:
         yield mesh
     finally:

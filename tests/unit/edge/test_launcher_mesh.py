@@ -26,7 +26,7 @@ from services.launcher.mesh import (
     ProbeKind,
     Role,
 )
-from services.launcher.ports import free_port, free_port_block, port_is_free
+from services.launcher.ports import PortAllocator, free_port, free_port_block, port_is_free
 from services.launcher.up import examples
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -62,6 +62,23 @@ def test_free_port_block_is_consecutive_and_free() -> None:
     base = free_port_block(4)
     assert all(port_is_free(base + i) for i in range(4))
     assert port_is_free(free_port())
+
+
+def test_a_mesh_never_hands_out_one_port_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Probing finds a port free until a child binds it, so two probes can
+    find the same one: the allocator must remember what it gave away."""
+    import services.launcher.ports as ports  # noqa: PLC0415
+
+    fixed = iter([25720, 25720, 25720, 25722, 25730, 40001, 40001, 40002])
+    monkeypatch.setattr(ports.random.Random, "randrange", lambda _self, _low, _high: next(fixed))
+    monkeypatch.setattr(ports, "free_port", lambda _host="127.0.0.1": next(fixed))
+    monkeypatch.setattr(ports, "port_is_free", lambda _port, _host="127.0.0.1": True)
+    alloc = PortAllocator()
+    first = alloc.block(2)
+    second = alloc.block(2)
+    third = alloc.block(2)
+    assert (first, second, third) == (25720, 25722, 25730)  # 25720 again (and 25721): skipped
+    assert alloc.one() == 40001 and alloc.one() == 40002
 
 
 def test_resolved_config_has_free_ports_key_and_model(tmp_path: Path) -> None:

@@ -242,3 +242,17 @@ async def test_admit_call_opened_ahead_is_placed_later_and_ended_on_stop(stack) 
         await asyncio.wait_for(unused.read(), TIMEOUT)
     assert info.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
     await asyncio.wait_for(stop, TIMEOUT * 2)
+
+
+async def test_a_taken_port_fails_to_start_instead_of_sharing_it() -> None:
+    """gRPC would bind with SO_REUSEPORT and let two servers split one port's
+    connections; a second server on a taken port must fail instead."""
+    first = SchedulerService(make_config(), clock=FakeClock())
+    port = await first.start(port=0)
+    second = SchedulerService(make_config(), clock=FakeClock())
+    try:
+        with pytest.raises((OSError, RuntimeError)):
+            await second.start(port=port)
+    finally:
+        await second.stop(grace=0.1)
+        await first.stop(grace=0.1)
