@@ -102,13 +102,41 @@ def engine_metrics(mesh: Mesh) -> dict[str, float]:
     return values
 
 
+def scheduler_summary(mesh: Mesh) -> str:
+    """What the scheduler holds, for a failure message."""
+    with grpc.insecure_channel(mesh.endpoints.scheduler) as channel:
+        state = scheduler_pb2_grpc.SchedulerStub(channel).GetState(scheduler_pb2.GetStateRequest(), timeout=10)
+    engines = [f"{e.engine_id}: serving={e.serving} fresh={e.fresh} running={e.running} waiting={e.waiting} "
+               f"blocks={e.blocks_used}+{e.blocks_reserved}/{e.blocks_total}" for e in state.engines]
+    return f"scheduler: {state.queued_total} queued, {state.leases_total} leases; " + "; ".join(engines)
+
+
+def log_tails(mesh: Mesh, lines: int = 15) -> str:
+    """The last lines of the gateway's, the scheduler's and the engine's logs."""
+    out = []
+    for name in ("gateway-0", "scheduler", "engine-0"):
+        path = mesh.log_dir / f"{name}.log"
+        text = path.read_text(errors="replace").splitlines()[-lines:] if path.is_file() else ["(no log)"]
+        out.append(f"--- {name}.log\n" + "\n".join(line[:300] for line in text))
+    return "\n".join(out)
+
+
 async def wait_for(predicate: Callable[[], bool], what: str, timeout: float = WAIT,
-                   seen: list[tuple[int, int]] | None = None) -> None:
+                   seen: list[tuple[int, int]] | None = None,
+                   tasks: list[asyncio.Task[Stream]] | None = None, mesh: Mesh | None = None) -> None:
+    """Poll `predicate` until true. A request task that fails meanwhile ends
+    the wait with its own error; a timeout says what the engine and the
+    scheduler held."""
     deadline = time.monotonic() + timeout
     while not await asyncio.to_thread(predicate):
-        assert time.monotonic() < deadline, (
-            f"timed out after {timeout} s waiting for {what}"
-            + (f"; (running, waiting) seen last: {seen[-5:]}" if seen else ""))
+        for task in tasks or ():
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise AssertionError(f"a request failed while waiting for {what}") from task.exception()
+        if time.monotonic() >= deadline:
+            detail = f"; (running, waiting) seen last: {seen[-5:]}" if seen else ""
+            if mesh is not None:
+                detail += "; " + await asyncio.to_thread(scheduler_summary, mesh) + "\n" + log_tails(mesh)
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}{detail}")
         await asyncio.sleep(0.1)
 
 
@@ -293,10 +321,12 @@ async def test_priority_reaches_vllm(vllm_mesh: Mesh, http: aiohttp.ClientSessio
         await asyncio.wait_for(asyncio.gather(*(s.started.wait() for s in running)), WAIT)
         tasks += [asyncio.create_task(stream(http, unique_words(20, 20 + i), 8, 2, s))
                   for i, s in enumerate(queued)]
-        await wait_for(in_vllm(2, 4), "2 running and 4 waiting inside vLLM", seen=seen)
+        await wait_for(in_vllm(2, 4), "2 running and 4 waiting inside vLLM", seen=seen, tasks=tasks,
+                       mesh=vllm_mesh)
         p0_task = asyncio.create_task(stream(http, unique_words(20, 99), 8, 0, p0))
         tasks.append(p0_task)
-        await wait_for(in_vllm(2, 5), "the P0 request waiting inside vLLM behind the P2 ones")
+        await wait_for(in_vllm(2, 5), "the P0 request waiting inside vLLM behind the P2 ones", seen=seen,
+                       tasks=tasks, mesh=vllm_mesh)
         tasks[0].cancel()  # one running P2 leaves: vLLM picks the next request for its slot
         await asyncio.wait_for(p0.started.wait(), WAIT)
         started_before_p0 = [s for s in queued if s.first_token_at is not None and s.first_token_at <= p0.first_token_at]
