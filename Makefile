@@ -16,7 +16,7 @@ test: setup
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/setup.sh
+$(STAMP): pyproject.toml scripts/setup.sh services/models/build.py
 	bash scripts/setup.sh
 	touch $@
 

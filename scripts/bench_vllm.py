@@ -46,6 +46,13 @@ sys.path.insert(0, str(ROOT))
 from services.bench.sse import SseEvents  # noqa: E402
 from services.bench.stats import percentile  # noqa: E402
 from services.common.config import load_config  # noqa: E402
+from services.engine.vllm_backend.affinity import (  # noqa: E402
+    descendants,
+    parse_cpus,
+    pin_threads,
+    pin_vllm_processes,
+    vllm_processes,
+)
 from services.engine.vllm_backend.env import omp_bind_spec  # noqa: E402
 from services.launcher.mesh import Mesh, MeshOptions  # noqa: E402
 from services.launcher.ports import free_port  # noqa: E402
@@ -179,6 +186,25 @@ async def run_round(base_url: str, api_key: str, s: Settings, round_no: int, res
 
 
 # ---------------------------------------------------------------- servers
+
+
+def pin_everything(omp_bind: str) -> str:
+    """Both servers alike: every thread of vLLM's engine-core and worker
+    processes on the OpenMP cores, everything else (Envoy, gateway,
+    scheduler, engine service, vLLM's API server, this load generator) on
+    the other cores. Returns a line for the table's notes."""
+    core = parse_cpus(omp_bind_spec(omp_bind))
+    front = set(os.sched_getaffinity(0)) - core
+    if not front:
+        raise SystemExit("--pin needs a core outside the OpenMP binding (omp_threads_bind all-but-one)")
+    me = os.getpid()
+    vllm = set(vllm_processes(me))
+    others = [me] + [pid for pid in descendants(me) if pid not in vllm]
+    pin_threads(others, front)
+    pinned = pin_vllm_processes(me, core)
+    cores = lambda c: ",".join(map(str, sorted(c)))  # noqa: E731
+    return (f"pinned: vLLM's engine core and worker ({len(pinned.pids)} processes, {pinned.threads} threads) "
+            f"on core {cores(core)}; {len(others)} other processes incl. this client on core {cores(front)}")
 
 
 class KvmeshServer:
@@ -341,6 +367,9 @@ def main() -> int:
     parser.add_argument("--coalesce-ms", type=float, nargs="+",
                         help="one kvmesh per value of engines.template.coalesce_interval_ms "
                              "(default: one, with the config's value)")
+    parser.add_argument("--pin", action="store_true",
+                        help="vLLM's engine-core and worker processes on the OpenMP cores, everything else "
+                             "on the rest (both servers alike)")
     parser.add_argument("--note", default="", help="a paragraph to put under the table")
     parser.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
     ns = parser.parse_args()
@@ -350,6 +379,7 @@ def main() -> int:
                  ns.max_num_seqs, ns.omp_bind, ns.requests, ns.concurrency, ns.prompt_words, ns.max_tokens,
                  ns.sequential, ns.sequential_max_tokens)
     results: list[Result] = []
+    pin_note = ""
     scratch_parent = ROOT / ".run" if (ROOT / ".run").is_dir() else None
     with tempfile.TemporaryDirectory(prefix="bench-vllm-", dir=scratch_parent) as tmp:
         servers: list[KvmeshServer | VllmServe] = []
@@ -366,6 +396,9 @@ def main() -> int:
                 server.start()
                 started.append(server)
                 results.append(Result(server.name, time.perf_counter() - began, Phase(), Phase()))
+            if ns.pin:
+                pin_note = pin_everything(s.omp_bind)
+                print(f"bench: {pin_note}", flush=True)
             # Load one server at a time, alternating round by round, so a
             # change in the machine's background load hits both alike.
             for round_no in range(ns.rounds):
@@ -385,7 +418,8 @@ def main() -> int:
               f"{r.concurrent.tokens_per_second:.0f} tok/s, TTFT p50 {r.concurrent.ttft_ms(0.5):.0f} ms "
               f"p99 {r.concurrent.ttft_ms(0.99):.0f} ms", flush=True)
     if len(results) >= 2 and ns.only is None:
-        text = table(s, results, ns.note)
+        text = table(s, results, " ".join(filter(None, [pin_note.capitalize() + ".", ns.note]
+                                                       if pin_note else [ns.note])))
         print(text)
         if ns.write:
             write_section(text)

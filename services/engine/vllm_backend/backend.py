@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -32,7 +33,8 @@ from services.engine.backend import (
     LoadSnapshot,
     Sampling,
 )
-from services.engine.vllm_backend.env import prepare_environment, resolve_path
+from services.engine.vllm_backend.affinity import parse_cpus, pin_vllm_processes
+from services.engine.vllm_backend.env import omp_bind_spec, prepare_environment, resolve_path
 from services.engine.vllm_backend.kv_events import KvEventSubscriber
 from services.engine.vllm_backend.kv_translate import KvDelta, KvTranslator
 from services.engine.vllm_backend.stats import EngineStats, make_stat_logger_factory
@@ -155,6 +157,8 @@ class VllmBackend:
         except BaseException:
             await self._teardown()
             raise
+        if self._vcfg.pin_vllm_processes:
+            self._pin_vllm_processes()
         self.startup_seconds = time.monotonic() - began
         log.info(
             "vLLM ready in %.1f s: %s, block %d x %d, max_model_len %d",
@@ -164,6 +168,17 @@ class VllmBackend:
             self.info.total_blocks,
             self.info.max_model_len,
         )
+
+    def _pin_vllm_processes(self) -> None:
+        spec = omp_bind_spec(self._vcfg.omp_threads_bind)
+        try:
+            cpus = parse_cpus(spec)
+        except ValueError:
+            log.info("vLLM's processes not pinned: OpenMP binding %r is not a core list", spec)
+            return
+        pinned = pin_vllm_processes(os.getpid(), cpus)
+        log.info("vLLM's engine core and worker (%d processes, %d threads) pinned to cores %s",
+                 len(pinned.pids), pinned.threads, spec)
 
     async def stop(self) -> None:
         if self._stopped:

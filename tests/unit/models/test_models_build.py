@@ -86,17 +86,32 @@ def test_chat_template_renders(name: str, monkeypatch: pytest.MonkeyPatch) -> No
     assert "<|im_start|>user\nWhat is the capital of France?<|im_end|>" in rendered
 
 
-def test_build_is_idempotent(tmp_path: Path) -> None:
-    """A complete directory is skipped without loading anything."""
+def _built_tiny(tmp_path: Path, shape: build.TinyLlamaShape) -> Path:
+    """A directory that looks complete, marked as built from `shape`."""
     done = tmp_path / build.TINY_DIR
     done.mkdir()
     for required in build.REQUIRED_FILES:
         (done / required).write_text("{}")
     (done / "model.safetensors").write_bytes(b"x")
-    (done / build.COMPLETE_MARKER).write_text("done")
+    (done / build.COMPLETE_MARKER).write_text(f"built\n{shape.recipe()}\n")
+    return done
+
+
+def test_build_is_idempotent(tmp_path: Path) -> None:
+    """A complete directory is skipped without loading anything."""
+    done = _built_tiny(tmp_path, build.TinyLlamaShape())
     before = {p.name: p.stat().st_mtime_ns for p in done.iterdir()}
     assert build.build_tiny_llama(tmp_path, tokenizer_dir=tmp_path / "absent") == done
     assert {p.name: p.stat().st_mtime_ns for p in done.iterdir()} == before
+
+
+def test_a_directory_from_another_recipe_is_not_complete(tmp_path: Path) -> None:
+    """A changed TinyLlamaShape rebuilds the model instead of reusing the old one."""
+    old = build.TinyLlamaShape(max_position_embeddings=2048)
+    done = _built_tiny(tmp_path, old)
+    assert build.is_complete(done)  # complete as a directory ...
+    assert build.is_complete(done, old.recipe())
+    assert not build.is_complete(done, build.TinyLlamaShape().recipe())  # ... but not this recipe
 
 
 def test_incomplete_directory_is_not_complete(tmp_path: Path) -> None:

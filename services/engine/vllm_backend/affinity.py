@@ -1,0 +1,101 @@
+"""Keep vLLM-CPU's own processes on the cores its OpenMP threads use.
+
+`omp_threads_bind: all-but-one` binds vLLM's compute threads away from the
+lowest core, which is left to Envoy, the gateway, the scheduler and the engine
+service. vLLM's engine-core process and its worker's other threads are not
+bound by it: they float, and the engine core busy-polls its shared-memory
+queue (`sched_yield` for a second after every step,
+vllm/distributed/device_communicators/shm_broadcast.py) on whichever core is
+free -- usually the mesh's. Pinning every thread of those processes to the
+OpenMP cores keeps the spinning where the model runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["PinResult", "descendants", "parse_cpus", "pin_threads", "pin_vllm_processes", "vllm_processes"]
+
+log = logging.getLogger(__name__)
+
+# vLLM names its processes with setproctitle: "VLLM::EngineCore",
+# "VLLM::Worker" (vllm/utils/system_utils.py set_process_title).
+_VLLM_TITLES = ("EngineCore", "Worker")
+
+
+@dataclass(frozen=True)
+class PinResult:
+    pids: tuple[int, ...]
+    threads: int
+
+
+def parse_cpus(spec: str) -> set[int]:
+    """"1", "0-3", "0,2-3" -> a set of core numbers (vLLM's OMP bind syntax)."""
+    cpus: set[int] = set()
+    for part in spec.replace("|", ",").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ValueError(f"not a core list: {spec!r}")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    if not cpus:
+        raise ValueError(f"no cores in {spec!r}")
+    return cpus
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below `root` (children, their children, ...)."""
+    found: list[int] = []
+    stack = _children(root)
+    while stack:
+        pid = stack.pop()
+        found.append(pid)
+        stack += _children(pid)
+    return sorted(found)
+
+
+def vllm_processes(root: int) -> list[int]:
+    """Descendants of `root` that are vLLM engine-core or worker processes."""
+    return [pid for pid in descendants(root) if any(title in _cmdline(pid) for title in _VLLM_TITLES)]
+
+
+def pin_threads(pids: list[int], cpus: set[int]) -> int:
+    """Pin every thread of `pids` to `cpus`; returns the threads pinned.
+    Threads that end meanwhile are skipped; nothing is raised for them."""
+    threads = 0
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                os.sched_setaffinity(int(task.name), cpus)
+                threads += 1
+            except (OSError, ValueError):
+                continue
+    return threads
+
+
+def pin_vllm_processes(root: int, cpus: set[int]) -> PinResult:
+    """Pin every thread of every vLLM process under `root` to `cpus`."""
+    pids = vllm_processes(root)
+    return PinResult(tuple(pids), pin_threads(pids, cpus))
