@@ -151,7 +151,7 @@ async def test_stop_token_ends_with_stop(backend) -> None:  # type: ignore[no-un
     ("prompt", "sampling", "match"),
     [
         ([], greedy(4), "empty"),
-        ([5] * 2040, greedy(20), "max_model_len"),
+        ([5] * (TinyLlamaShape().max_position_embeddings - 8), greedy(20), "max_model_len"),
         ([5, 49152], greedy(4), "vocabulary"),
         ([5, 6], Sampling(max_tokens=4, temperature=-1.0), "sampling"),
     ],
