@@ -7,7 +7,11 @@ Runs the same workload against
      `Mesh`, free ports, a scratch run dir), and
   2. `vllm serve` from this venv,
 both with dtype float32, enforce_eager, the same KV size, max_num_seqs,
-block size, prefix caching, priority scheduling and VLLM_CPU_OMP_THREADS_BIND.
+block size, prefix caching, priority scheduling and VLLM_CPU_OMP_THREADS_BIND,
+and both with vLLM's engine-core and worker processes pinned to those cores
+(kvmesh's engine does it itself, `vllm.pin_vllm_processes`; the script does
+it for `vllm serve`; `--float-vllm` leaves both unpinned, `--pin-front` also
+pins everything else, this client included, to the remaining cores).
 Both are started (one after the other), then loaded one at a time, never
 together, alternating for `--rounds` rounds, so the machine's background load
 (other processes on the two cores) drifts over both alike; an idle server
@@ -89,6 +93,7 @@ class Settings:
     kv_cache_gib: float
     max_num_seqs: int
     omp_bind: str
+    pin_vllm: bool
     requests: int
     concurrency: int
     prompt_words: int
@@ -109,6 +114,8 @@ class Phase:
     wall: float = 0.0
     # tokens/s of each round on its own (paired with the other servers' same round)
     per_round: list[float] = field(default_factory=list)
+    # busy fraction of each core over each round's concurrent phase
+    core_busy: list[dict[int, float]] = field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
@@ -124,6 +131,23 @@ class Result:
     startup_seconds: float
     sequential: Phase
     concurrent: Phase
+
+
+def cpu_times() -> dict[int, tuple[int, int]]:
+    """core -> (busy, total) jiffies from /proc/stat."""
+    out: dict[int, tuple[int, int]] = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit():
+            values = [int(v) for v in fields]
+            idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+            out[int(name[3:])] = (sum(values) - idle, sum(values))
+    return out
+
+
+def busy_since(before: dict[int, tuple[int, int]]) -> dict[int, float]:
+    after = cpu_times()
+    return {c: (after[c][0] - b[0]) / max(1, after[c][1] - b[1]) for c, b in before.items() if c in after}
 
 
 def prompts(n: int, words: int, seed: int) -> list[str]:
@@ -159,7 +183,11 @@ async def run_round(base_url: str, api_key: str, s: Settings, round_no: int, res
     url = f"{base_url}/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"}
     timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+    # Idle pooled connections are dropped after 4 s, before uvicorn's 5 s
+    # keep-alive closes them under us (a stall in vLLM left one idle that
+    # long, and reusing it failed with ServerDisconnectedError).
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         if round_no == 0:  # warm-up: the first requests pay one-off costs on both servers
             for p in prompts(4, s.prompt_words, seed=1):
                 await one_request(session, url, headers, s.model, p, 8)
@@ -178,9 +206,11 @@ async def run_round(base_url: str, api_key: str, s: Settings, round_no: int, res
                                                                    s.max_tokens))
 
         before = len(result.concurrent.samples)
+        cpu_before = cpu_times()
         began = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(s.concurrency)))
         wall = time.perf_counter() - began
+        result.concurrent.core_busy.append(busy_since(cpu_before))
         result.concurrent.wall += wall
         result.concurrent.per_round.append(sum(x.tokens for x in result.concurrent.samples[before:]) / wall)
 
@@ -188,23 +218,32 @@ async def run_round(base_url: str, api_key: str, s: Settings, round_no: int, res
 # ---------------------------------------------------------------- servers
 
 
-def pin_everything(omp_bind: str) -> str:
-    """Both servers alike: every thread of vLLM's engine-core and worker
-    processes on the OpenMP cores, everything else (Envoy, gateway,
-    scheduler, engine service, vLLM's API server, this load generator) on
-    the other cores. Returns a line for the table's notes."""
-    core = parse_cpus(omp_bind_spec(omp_bind))
-    front = set(os.sched_getaffinity(0)) - core
-    if not front:
-        raise SystemExit("--pin needs a core outside the OpenMP binding (omp_threads_bind all-but-one)")
-    me = os.getpid()
-    vllm = set(vllm_processes(me))
-    others = [me] + [pid for pid in descendants(me) if pid not in vllm]
-    pin_threads(others, front)
-    pinned = pin_vllm_processes(me, core)
+def pin(omp_bind: str, vllm: bool, front: bool) -> str:
+    """Both servers alike. `vllm`: every thread of vLLM's engine-core and
+    worker processes on the OpenMP cores (what kvmesh's engine does itself
+    with `vllm.pin_vllm_processes`, done here for `vllm serve` too). `front`:
+    everything else (Envoy, gateway, scheduler, engine service, vLLM's API
+    server, this load generator) on the other cores. Returns a line for the
+    table's notes."""
+    core = parse_cpus(omp_bind)
+    rest = set(os.sched_getaffinity(0)) - core
     cores = lambda c: ",".join(map(str, sorted(c)))  # noqa: E731
-    return (f"pinned: vLLM's engine core and worker ({len(pinned.pids)} processes, {pinned.threads} threads) "
-            f"on core {cores(core)}; {len(others)} other processes incl. this client on core {cores(front)}")
+    me = os.getpid()
+    notes = []
+    if front:
+        if not rest:
+            raise SystemExit("--pin-front needs a core outside the OpenMP binding (omp_threads_bind all-but-one)")
+        in_vllm = set(vllm_processes(me))
+        others = [me] + [pid for pid in descendants(me) if pid not in in_vllm]
+        pin_threads(others, rest)
+        notes.append(f"{len(others)} other processes incl. this client pinned to core {cores(rest)}")
+    if vllm:
+        pinned = pin_vllm_processes(me, core)
+        notes.insert(0, f"vLLM's engine core and worker ({len(pinned.pids)} processes, {pinned.threads} threads) "
+                        f"pinned to core {cores(core)}")
+    else:
+        notes.insert(0, "vLLM's engine core and worker not pinned (they float)")
+    return "; ".join(notes)
 
 
 class KvmeshServer:
@@ -214,6 +253,7 @@ class KvmeshServer:
         v = t.vllm
         v.kv_cache_gib, v.max_num_seqs, v.omp_threads_bind = s.kv_cache_gib, s.max_num_seqs, s.omp_bind
         v.dtype, v.enforce_eager = "float32", True
+        v.pin_vllm_processes = s.pin_vllm
         if coalesce_ms is not None:
             t.coalesce_interval_ms = coalesce_ms
         pacing = (f"deltas every {t.coalesce_interval_ms:g} ms from {t.coalesce_min_running} streams"
@@ -367,17 +407,22 @@ def main() -> int:
     parser.add_argument("--coalesce-ms", type=float, nargs="+",
                         help="one kvmesh per value of engines.template.coalesce_interval_ms "
                              "(default: one, with the config's value)")
-    parser.add_argument("--pin", action="store_true",
-                        help="vLLM's engine-core and worker processes on the OpenMP cores, everything else "
-                             "on the rest (both servers alike)")
+    parser.add_argument("--float-vllm", action="store_true",
+                        help="leave vLLM's engine-core and worker processes unpinned in both servers "
+                             "(default: pinned to the OpenMP cores, as kvmesh's engine does)")
+    parser.add_argument("--pin-front", action="store_true",
+                        help="also pin everything else (servers' front processes, this client) to the other cores")
     parser.add_argument("--note", default="", help="a paragraph to put under the table")
     parser.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
     ns = parser.parse_args()
     config = load_config(ROOT / "config" / "kvmesh.yaml")
     model_path = Path(config.model(ns.model).path)
+    # The core list is resolved now: "all-but-one" read after --pin-front moved
+    # this process to the front core would name that core instead.
+    omp_bind = omp_bind_spec(ns.omp_bind)
     s = Settings(ns.model, model_path if model_path.is_absolute() else ROOT / model_path, ns.kv_cache_gib,
-                 ns.max_num_seqs, ns.omp_bind, ns.requests, ns.concurrency, ns.prompt_words, ns.max_tokens,
-                 ns.sequential, ns.sequential_max_tokens)
+                 ns.max_num_seqs, omp_bind, not ns.float_vllm, ns.requests, ns.concurrency, ns.prompt_words,
+                 ns.max_tokens, ns.sequential, ns.sequential_max_tokens)
     results: list[Result] = []
     pin_note = ""
     scratch_parent = ROOT / ".run" if (ROOT / ".run").is_dir() else None
@@ -396,9 +441,8 @@ def main() -> int:
                 server.start()
                 started.append(server)
                 results.append(Result(server.name, time.perf_counter() - began, Phase(), Phase()))
-            if ns.pin:
-                pin_note = pin_everything(s.omp_bind)
-                print(f"bench: {pin_note}", flush=True)
+            pin_note = pin(s.omp_bind, vllm=not ns.float_vllm, front=ns.pin_front)
+            print(f"bench: {pin_note}", flush=True)
             # Load one server at a time, alternating round by round, so a
             # change in the machine's background load hits both alike.
             for round_no in range(ns.rounds):
@@ -407,8 +451,10 @@ def main() -> int:
                 pairs = list(zip(servers, results))
                 for server, result in pairs if round_no % 2 == 0 else reversed(pairs):
                     asyncio.run(run_round(server.base_url, server.api_key, s, round_no, result))
-                    print(f"bench: round {round_no}: {server.name}: {result.concurrent.tokens_per_second:.0f} tok/s "
-                          f"so far", flush=True)
+                    busy = ", ".join(f"core {c} {100 * b:.0f}%" for c, b in
+                                     sorted(result.concurrent.core_busy[-1].items()))
+                    print(f"bench: round {round_no}: {server.name}: {result.concurrent.per_round[-1]:.0f} tok/s "
+                          f"({busy} busy)", flush=True)
         finally:
             for server in reversed(started):
                 server.stop()
@@ -418,8 +464,7 @@ def main() -> int:
               f"{r.concurrent.tokens_per_second:.0f} tok/s, TTFT p50 {r.concurrent.ttft_ms(0.5):.0f} ms "
               f"p99 {r.concurrent.ttft_ms(0.99):.0f} ms", flush=True)
     if len(results) >= 2 and ns.only is None:
-        text = table(s, results, " ".join(filter(None, [pin_note.capitalize() + ".", ns.note]
-                                                       if pin_note else [ns.note])))
+        text = table(s, results, " ".join(filter(None, [pin_note[:1].upper() + pin_note[1:] + ".", ns.note])))
         print(text)
         if ns.write:
             write_section(text)

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import grpc
@@ -29,6 +31,8 @@ import pytest_asyncio
 
 from services.common.proto.kvmesh.v1 import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common.config import MeshConfig
+from services.engine.vllm_backend.affinity import parse_cpus, vllm_processes
+from services.engine.vllm_backend.env import omp_bind_spec
 from services.launcher.mesh import Mesh
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
@@ -121,12 +125,7 @@ def scheduler_summary(mesh: Mesh) -> str:
 
 def log_tails(mesh: Mesh, lines: int = 15) -> str:
     """The last lines of the gateway's, the scheduler's and the engine's logs."""
-    out = []
-    for name in ("gateway-0", "scheduler", "engine-0"):
-        path = mesh.log_dir / f"{name}.log"
-        text = path.read_text(errors="replace").splitlines()[-lines:] if path.is_file() else ["(no log)"]
-        out.append(f"--- {name}.log\n" + "\n".join(line[:300] for line in text))
-    return "\n".join(out)
+    return "\n".join(f"--- {name}.log\n{mesh.log_tail(name, lines)}" for name in ("gateway-0", "scheduler", "engine-0"))
 
 
 async def wait_for(predicate: Callable[[], bool], what: str, timeout: float = WAIT,
@@ -222,6 +221,19 @@ async def test_streamed_completion_through_the_mesh(vllm_mesh: Mesh, http: aioht
     assert text
     assert len(chunks) >= 2, "the answer must arrive as a stream, not in one piece"
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_vllm_processes_sit_on_the_openmp_cores(vllm_mesh: Mesh) -> None:
+    """vllm.pin_vllm_processes: every thread of the engine's vLLM engine-core
+    and worker processes runs only on the cores of its OpenMP binding."""
+    spec = omp_bind_spec(vllm_mesh.config.engine_config(0).vllm.omp_threads_bind)
+    engine_pid = vllm_mesh.pid("engine-0")
+    assert engine_pid is not None
+    pids = vllm_processes(engine_pid)
+    assert len(pids) >= 2, "expected vLLM's engine core and its worker under the engine process"
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            assert os.sched_getaffinity(int(task.name)) == parse_cpus(spec), (pid, task.name)
 
 
 async def test_cancel_mid_stream_is_an_abort_in_vllm(vllm_mesh: Mesh, http: aiohttp.ClientSession) -> None:
