@@ -464,7 +464,7 @@ def main() -> int:
               f"{r.concurrent.tokens_per_second:.0f} tok/s, TTFT p50 {r.concurrent.ttft_ms(0.5):.0f} ms "
               f"p99 {r.concurrent.ttft_ms(0.99):.0f} ms", flush=True)
     if len(results) >= 2 and ns.only is None:
-        text = table(s, results, " ".join(filter(None, [pin_note[:1].upper() + pin_note[1:] + ".", ns.note])))
+        text = table(s, results, " ".join(filter(None, [pin_note + ".", ns.note])))
         print(text)
         if ns.write:
             write_section(text)
