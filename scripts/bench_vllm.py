@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from services.bench.sse import SseEvents  # noqa: E402
 from services.bench.stats import percentile  # noqa: E402
 from services.common.config import load_config  # noqa: E402
-from services.engine.vllm_backend.affinity import (  # noqa: E402
+from services.common.affinity import (  # noqa: E402
     descendants,
     parse_cpus,
     pin_threads,

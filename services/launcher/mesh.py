@@ -37,7 +37,9 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.affinity import descendants, parse_cpus, pin_threads
 from services.common.config import ApiKeyConfig, ConfigError, MeshConfig, config_from_dict
+from services.engine.vllm_backend.env import omp_bind_spec
 from services.edge.devcerts import ensure_dev_certs
 from services.edge.render import render_yaml
 from services.edge.topology import AdminSpec, GatewayEndpoint, ListenerSpec, Topology, load_topology
@@ -227,8 +229,29 @@ class Mesh:
         self.endpoints = self._endpoints()
         self._children: dict[str, _Child] = {}
         self._order: list[str] = []
+        self.front_cores = self._front_cores()
 
     # ------------------------------------------------------------ resolve
+
+    def _front_cores(self) -> set[int]:
+        """Cores for Envoy, the gateways, the scheduler and the engine
+        services when this host's vLLM engines pin their own processes: every
+        core this launcher may use except vLLM's. Left to the kernel, their
+        threads also land on vLLM's core, where the engine core busy-polls:
+        Envoy alone added ~2.8 ms to each first token so, 0.5 ms pinned
+        (BENCHMARKS.md, issue 4). Empty = leave them to the kernel."""
+        if not hasattr(os, "sched_getaffinity"):
+            return set()
+        vllm_cores: set[int] = set()
+        for i in range(self.config.engines.count):
+            engine = self.config.engine_config(i)
+            if engine.backend != "vllm" or not engine.vllm.pin_vllm_processes:
+                continue
+            try:
+                vllm_cores |= parse_cpus(omp_bind_spec(engine.vllm.omp_threads_bind))
+            except ValueError:  # "auto" or another non-list: vLLM decides, so do not guess
+                return set()
+        return set(os.sched_getaffinity(0)) - vllm_cores if vllm_cores else set()
 
     def _resolve(self, config: MeshConfig) -> MeshConfig:
         """A copy of `config` with everything the children need settled:
@@ -512,6 +535,19 @@ class Mesh:
             for channel in channels.values():
                 channel.close()
         log.info("%s is healthy", spec.name)
+        self._pin_front(child)
+
+    def _pin_front(self, child: _Child) -> None:
+        """Every thread of a healthy child on the front cores; an engine's
+        children are vLLM's own processes, which the engine pinned itself."""
+        if not self.front_cores or child.process is None:
+            return
+        pids = [child.process.pid]
+        if child.spec.role is not Role.ENGINE:
+            pids += descendants(child.process.pid)
+        threads = pin_threads(pids, self.front_cores)
+        log.info("%s: %d threads pinned to cores %s", child.spec.name, threads,
+                 ",".join(map(str, sorted(self.front_cores))))
 
     def _log_hint(self, child: _Child, lines: int = 15) -> str:
         return f"Its log: {child.log_path}\n--- last lines ---\n{self.log_tail(child.spec.name, lines)}"

@@ -31,7 +31,7 @@ import pytest_asyncio
 
 from services.common.proto.kvmesh.v1 import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common.config import MeshConfig
-from services.engine.vllm_backend.affinity import parse_cpus, vllm_processes
+from services.common.affinity import parse_cpus, vllm_processes
 from services.engine.vllm_backend.env import omp_bind_spec
 from services.launcher.mesh import Mesh
 
@@ -225,7 +225,8 @@ async def test_streamed_completion_through_the_mesh(vllm_mesh: Mesh, http: aioht
 
 def test_vllm_processes_sit_on_the_openmp_cores(vllm_mesh: Mesh) -> None:
     """vllm.pin_vllm_processes: every thread of the engine's vLLM engine-core
-    and worker processes runs only on the cores of its OpenMP binding."""
+    and worker processes runs only on the cores of its OpenMP binding, and
+    every thread of Envoy, gateway, scheduler and engine service on the rest."""
     spec = omp_bind_spec(vllm_mesh.config.engine_config(0).vllm.omp_threads_bind)
     engine_pid = vllm_mesh.pid("engine-0")
     assert engine_pid is not None
@@ -234,6 +235,15 @@ def test_vllm_processes_sit_on_the_openmp_cores(vllm_mesh: Mesh) -> None:
     for pid in pids:
         for task in Path(f"/proc/{pid}/task").iterdir():
             assert os.sched_getaffinity(int(task.name)) == parse_cpus(spec), (pid, task.name)
+    # ... and the mesh's other processes on the remaining cores.
+    front = os.sched_getaffinity(0) - parse_cpus(spec)
+    assert vllm_mesh.front_cores == front
+    if front:
+        for name in ("envoy", "gateway-0", "scheduler", "engine-0"):
+            pid = vllm_mesh.pid(name)
+            assert pid is not None
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                assert os.sched_getaffinity(int(task.name)) == front, (name, task.name)
 
 
 async def test_cancel_mid_stream_is_an_abort_in_vllm(vllm_mesh: Mesh, http: aiohttp.ClientSession) -> None:

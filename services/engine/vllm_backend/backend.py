@@ -33,7 +33,7 @@ from services.engine.backend import (
     LoadSnapshot,
     Sampling,
 )
-from services.engine.vllm_backend.affinity import parse_cpus, pin_vllm_processes
+from services.common.affinity import parse_cpus, pin_vllm_processes
 from services.engine.vllm_backend.env import omp_bind_spec, prepare_environment, resolve_path
 from services.engine.vllm_backend.kv_events import KvEventSubscriber
 from services.engine.vllm_backend.kv_translate import KvDelta, KvTranslator

