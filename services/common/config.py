@@ -114,9 +114,9 @@ class VllmConfig:
     # Pin every thread of vLLM's engine-core and worker processes to the
     # OpenMP cores too. omp_threads_bind binds only the compute threads; the
     # engine core's busy-polling loop (sched_yield for 1 s after each step)
-    # otherwise floats onto the core left to the mesh. On two cores this
-    # doubled the mesh's throughput (616 -> 1352 tok/s) and made vLLM's own
-    # server 20% faster too (BENCHMARKS.md, issue 4).
+    # otherwise floats onto the core left to the mesh. On two cores the mesh
+    # reached 48% of vLLM's own server's throughput unpinned, 95% pinned
+    # (BENCHMARKS.md, issue 4).
     pin_vllm_processes: bool = True
     max_num_seqs: int = 16
     # Prompt tokens per step; 0 = vLLM's default.

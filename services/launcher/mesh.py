@@ -238,8 +238,8 @@ class Mesh:
         services when this host's vLLM engines pin their own processes: every
         core this launcher may use except vLLM's. Left to the kernel, their
         threads also land on vLLM's core, where the engine core busy-polls:
-        Envoy alone added ~2.8 ms to each first token so, 0.5 ms pinned
-        (BENCHMARKS.md, issue 4). Empty = leave them to the kernel."""
+        the mesh added 5.2 ms to vLLM's own first-token time so, 2.8 ms
+        pinned (BENCHMARKS.md, issue 4). Empty = leave them to the kernel."""
         if not hasattr(os, "sched_getaffinity"):
             return set()
         vllm_cores: set[int] = set()
