@@ -52,12 +52,12 @@ from services.bench.stats import percentile  # noqa: E402
 from services.common.config import load_config  # noqa: E402
 from services.common.affinity import (  # noqa: E402
     descendants,
+    omp_bind_spec,
     parse_cpus,
     pin_threads,
     pin_vllm_processes,
     vllm_processes,
 )
-from services.engine.vllm_backend.env import omp_bind_spec  # noqa: E402
 from services.launcher.mesh import Mesh, MeshOptions  # noqa: E402
 from services.launcher.ports import free_port  # noqa: E402
 

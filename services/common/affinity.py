@@ -18,7 +18,16 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PinResult", "descendants", "parse_cpus", "pin_threads", "pin_vllm_processes", "vllm_processes"]
+__all__ = [
+    "PinResult",
+    "descendants",
+    "omp_bind_spec",
+    "omp_cores",
+    "parse_cpus",
+    "pin_threads",
+    "pin_vllm_processes",
+    "vllm_processes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +56,37 @@ def parse_cpus(spec: str) -> set[int]:
     if not cpus:
         raise ValueError(f"no cores in {spec!r}")
     return cpus
+
+
+def omp_bind_spec(setting: str) -> str:
+    """VllmConfig.omp_threads_bind -> VLLM_CPU_OMP_THREADS_BIND.
+
+    "all" = every core this process may run on, as ranges ("0-1");
+    "all-but-one" = the same without the lowest core (when there are two or
+    more), which is left to the mesh's own processes; anything else is passed
+    through (vLLM's own syntax, e.g. "0-3" or "auto")."""
+    if setting not in ("all", "all-but-one"):
+        return setting
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(
+        range(os.cpu_count() or 1)
+    )
+    if setting == "all-but-one" and len(cores) > 1:
+        cores = cores[1:]
+    ranges: list[str] = []
+    start = prev = cores[0]
+    for core in cores[1:] + [-1]:
+        if core == prev + 1:
+            prev = core
+            continue
+        ranges.append(f"{start}-{prev}" if prev != start else str(start))
+        start = prev = core
+    return ",".join(ranges)
+
+
+def omp_cores(setting: str) -> set[int]:
+    """The cores VllmConfig.omp_threads_bind names; ValueError when it is
+    not a core list ("auto": vLLM decides)."""
+    return parse_cpus(omp_bind_spec(setting))
 
 
 def _children(pid: int) -> list[int]:

@@ -37,9 +37,8 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.affinity import descendants, parse_cpus, pin_threads
+from services.common.affinity import descendants, omp_cores, pin_threads
 from services.common.config import ApiKeyConfig, ConfigError, MeshConfig, config_from_dict
-from services.engine.vllm_backend.env import omp_bind_spec
 from services.edge.devcerts import ensure_dev_certs
 from services.edge.render import render_yaml
 from services.edge.topology import AdminSpec, GatewayEndpoint, ListenerSpec, Topology, load_topology
@@ -248,7 +247,7 @@ class Mesh:
             if engine.backend != "vllm" or not engine.vllm.pin_vllm_processes:
                 continue
             try:
-                vllm_cores |= parse_cpus(omp_bind_spec(engine.vllm.omp_threads_bind))
+                vllm_cores |= omp_cores(engine.vllm.omp_threads_bind)
             except ValueError:  # "auto" or another non-list: vLLM decides, so do not guess
                 return set()
         return set(os.sched_getaffinity(0)) - vllm_cores if vllm_cores else set()

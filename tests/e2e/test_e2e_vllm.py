@@ -31,8 +31,7 @@ import pytest_asyncio
 
 from services.common.proto.kvmesh.v1 import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common.config import MeshConfig
-from services.common.affinity import parse_cpus, vllm_processes
-from services.engine.vllm_backend.env import omp_bind_spec
+from services.common.affinity import omp_bind_spec, parse_cpus, vllm_processes
 from services.launcher.mesh import Mesh
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.vllm_backend import env
+from services.common import affinity
 
 
 @pytest.mark.parametrize(
@@ -18,5 +18,5 @@ from services.engine.vllm_backend import env
     ],
 )
 def test_bind_spec(monkeypatch: pytest.MonkeyPatch, cores: set[int], setting: str, spec: str) -> None:
-    monkeypatch.setattr(env.os, "sched_getaffinity", lambda _pid: cores)
-    assert env.omp_bind_spec(setting) == spec
+    monkeypatch.setattr(affinity.os, "sched_getaffinity", lambda _pid: cores)
+    assert affinity.omp_bind_spec(setting) == spec

@@ -33,8 +33,8 @@ from services.engine.backend import (
     LoadSnapshot,
     Sampling,
 )
-from services.common.affinity import parse_cpus, pin_vllm_processes
-from services.engine.vllm_backend.env import omp_bind_spec, prepare_environment, resolve_path
+from services.common.affinity import omp_cores, pin_vllm_processes
+from services.engine.vllm_backend.env import prepare_environment, resolve_path
 from services.engine.vllm_backend.kv_events import KvEventSubscriber
 from services.engine.vllm_backend.kv_translate import KvDelta, KvTranslator
 from services.engine.vllm_backend.stats import EngineStats, make_stat_logger_factory
@@ -170,15 +170,15 @@ class VllmBackend:
         )
 
     def _pin_vllm_processes(self) -> None:
-        spec = omp_bind_spec(self._vcfg.omp_threads_bind)
         try:
-            cpus = parse_cpus(spec)
+            cpus = omp_cores(self._vcfg.omp_threads_bind)
         except ValueError:
-            log.info("vLLM's processes not pinned: OpenMP binding %r is not a core list", spec)
+            log.info("vLLM's processes not pinned: OpenMP binding %r is not a core list",
+                     self._vcfg.omp_threads_bind)
             return
         pinned = pin_vllm_processes(os.getpid(), cpus)
         log.info("vLLM's engine core and worker (%d processes, %d threads) pinned to cores %s",
-                 len(pinned.pids), pinned.threads, spec)
+                 len(pinned.pids), pinned.threads, ",".join(map(str, sorted(cpus))))
 
     async def stop(self) -> None:
         if self._stopped:

@@ -12,7 +12,9 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["REPO_ROOT", "omp_bind_spec", "prepare_environment", "resolve_path"]
+from services.common.affinity import omp_bind_spec
+
+__all__ = ["REPO_ROOT", "prepare_environment", "resolve_path"]
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -21,31 +23,6 @@ def resolve_path(path: str) -> Path:
     """Config paths are relative to the repository root."""
     p = Path(path)
     return p if p.is_absolute() else REPO_ROOT / p
-
-
-def omp_bind_spec(setting: str) -> str:
-    """VllmConfig.omp_threads_bind -> VLLM_CPU_OMP_THREADS_BIND.
-
-    "all" = every core this process may run on, as ranges ("0-1");
-    "all-but-one" = the same without the lowest core (when there are two or
-    more), which is left to the mesh's own processes; anything else is passed
-    through (vLLM's own syntax, e.g. "0-3" or "auto")."""
-    if setting not in ("all", "all-but-one"):
-        return setting
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(
-        range(os.cpu_count() or 1)
-    )
-    if setting == "all-but-one" and len(cores) > 1:
-        cores = cores[1:]
-    ranges: list[str] = []
-    start = prev = cores[0]
-    for core in cores[1:] + [-1]:
-        if core == prev + 1:
-            prev = core
-            continue
-        ranges.append(f"{start}-{prev}" if prev != start else str(start))
-        start = prev = core
-    return ",".join(ranges)
 
 
 def prepare_environment(scratch: Path, omp_threads_bind: str) -> Callable[[], None]:
