@@ -22,9 +22,10 @@ from services.launcher.mesh import Mesh
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(900)]
 
 STREAMS = 6
-# Long enough that no stream can finish while the test looks for the moment
-# to kill, however fast the machine.
-MAX_TOKENS = 600
+# Long enough (~10 s of decode here) that no stream finishes while a starved
+# test client still looks for the moment to kill: at 600 tokens one could, as
+# the 1,500-token "endless" requests of test_e2e_vllm did under load.
+MAX_TOKENS = 1500
 
 
 def _tune(config: MeshConfig) -> None:
