@@ -19,6 +19,7 @@ import contextlib
 import logging
 import signal
 
+from services.common.gc_heap import freeze_startup_heap
 from services.common.clock import Clock, SystemClock
 from services.common.config import ConfigError, EngineConfig, MeshConfig
 from services.common.grpc_server import make_server
@@ -76,8 +77,12 @@ class EngineService:
         engine: EngineConfig,
         backend: EngineBackend | None = None,
         clock: Clock | None = None,
+        freeze_heap: bool = False,
     ) -> None:
         self.config = config
+        # Freeze the start-up heap before turning SERVING (see gc_heap): the
+        # process entry point only, never an engine inside a test process.
+        self._freeze_heap = freeze_heap
         self.engine = engine
         self.backend = backend or make_backend(config, engine)
         self.clock = clock or SystemClock()
@@ -123,6 +128,10 @@ class EngineService:
                 self._http = OpenAIHttpServer(self.runtime, self._codec(), self.model_name)
                 await self._http.start(engine.host, engine.http_port)
                 http_address = f"{advertised_host(engine.host)}:{engine.http_port}"
+            if self._freeze_heap:
+                # Before SERVING: the one full collection (~0.3 s with vLLM
+                # loaded) must not stall requests already placed here.
+                freeze_startup_heap()
             await self._health.set_serving(True)
             self.runtime.add_listener(self._sync_health)
             if engine.scheduler_address:
@@ -169,7 +178,7 @@ class EngineService:
 
 async def serve(config: MeshConfig, engine: EngineConfig) -> None:
     """Run one engine until cancelled or SIGTERM/SIGINT, then stop gracefully."""
-    service = EngineService(config, engine)
+    service = EngineService(config, engine, freeze_heap=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -21,6 +21,7 @@ import socket
 import grpc
 from aiohttp import web
 
+from services.common.gc_heap import freeze_startup_heap
 from services.common.clock import Clock, SystemClock
 from services.common.config import MeshConfig
 from services.common.grpc_server import HealthReporter, make_server
@@ -167,6 +168,7 @@ async def serve(config: MeshConfig, replica: int = 0) -> None:
         except (NotImplementedError, RuntimeError):  # not the main thread / platform
             pass
     await service.start()
+    freeze_startup_heap()
     try:
         await stopping.wait()
     finally:

@@ -20,6 +20,7 @@ from typing import Any
 
 from prometheus_client import start_http_server
 
+from services.common.gc_heap import freeze_startup_heap
 from services.common.clock import Clock, SystemClock
 from services.common.config import MeshConfig
 from services.common.grpc_server import make_server
@@ -115,6 +116,7 @@ async def serve(config: MeshConfig) -> None:
     DRAINING, streams close)."""
     service = SchedulerService(config)
     await service.start(config.scheduler.port)
+    freeze_startup_heap()
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     handled = []
