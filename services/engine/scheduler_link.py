@@ -186,7 +186,10 @@ class SchedulerLink:
             if loop.time() - began > BACKOFF_MAX_SECONDS:
                 backoff, failures = BACKOFF_INITIAL_SECONDS, 0
             failures += 1
-            level = logging.WARNING if failures == 1 else logging.DEBUG
+            # The first failure, then a reminder about every 30 s (at the 2 s
+            # cap): an outage, or a refusal such as a duplicate engine id, must
+            # stay visible without a line every retry.
+            level = logging.WARNING if failures % 15 == 1 else logging.DEBUG
             log.log(level, "scheduler link to %s down (%s); retrying in %.2fs",
                     self._engine.scheduler_address, reason, backoff)
             await asyncio.sleep(backoff)

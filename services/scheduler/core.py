@@ -552,7 +552,8 @@ class SchedulerCore:
     # ------------------------------------------------------------ engines
 
     def engine_hello(self, info: EngineInfo) -> int:
-        """Register an engine; returns the token its stream must present."""
+        """Register an engine; returns the token its stream must present.
+        Raises `DuplicateEngineError` for an id connected from elsewhere."""
         now = self._clock.monotonic()
         record, old = self.engines.register(info, now)
         if old is not None:

@@ -2,8 +2,12 @@
 
 An engine is registered by its hello and lives exactly as long as its
 stream: each registration gets a connection token, and only the stream that
-holds the current token can remove it (a reconnect with the same id replaces
-the registration; the old stream's late close is then ignored). Freshness:
+holds the current token can remove it (a reconnect with the same id and
+address replaces the registration -- an engine restarted before its old
+stream's end reached us -- and the old stream's late close is then ignored).
+The same id from another address while the first stream is open is refused:
+two engines configured with one id would otherwise take each other's
+registration, leases and KV index in turns. Freshness:
 an engine with no load report for `stale_report_seconds` is not placed on.
 """
 
@@ -12,7 +16,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-__all__ = ["EngineInfo", "EngineLoad", "EngineRecord", "EngineRegistry"]
+__all__ = ["DuplicateEngineError", "EngineInfo", "EngineLoad", "EngineRecord", "EngineRegistry"]
 
 # EWMA weight of one new lease duration in an engine's service-time estimate.
 _SERVICE_EWMA_ALPHA = 0.1
@@ -73,6 +77,10 @@ class EngineRecord:
         self.service_seconds += _SERVICE_EWMA_ALPHA * (seconds - self.service_seconds)
 
 
+class DuplicateEngineError(Exception):
+    """A hello reused the id of an engine still connected from another address."""
+
+
 class EngineRegistry:
     def __init__(self, initial_service_seconds: float) -> None:
         self._engines: dict[str, EngineRecord] = {}
@@ -91,8 +99,14 @@ class EngineRegistry:
     def register(self, info: EngineInfo, now: float) -> tuple[EngineRecord, EngineRecord | None]:
         """Register (or re-register) an engine. Returns the new record and the
         one it replaced, if any; leases carry over (the gateway finds out
-        itself if the engine process really changed)."""
+        itself if the engine process really changed). Raises
+        `DuplicateEngineError` if the id is connected from another address."""
         old = self._engines.get(info.engine_id)
+        if old is not None and old.info.address != info.address:
+            raise DuplicateEngineError(
+                f"engine id {info.engine_id!r} is already connected from {old.info.address}; this engine "
+                f"({info.address}) needs an id of its own (engines[].id / engine_id in the config)"
+            )
         record = EngineRecord(
             info=info,
             token=next(self._tokens),

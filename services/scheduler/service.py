@@ -33,7 +33,7 @@ from .records import (
     RejectedInfo,
     RejectReason,
 )
-from .registry import EngineInfo, EngineLoad
+from .registry import DuplicateEngineError, EngineInfo, EngineLoad
 
 __all__ = ["SchedulerServicer"]
 
@@ -288,7 +288,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             info = _hello_info(first.hello, self._hash_block_tokens)
         except ProtocolError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        token = self.core.engine_hello(info)
+        try:
+            token = self.core.engine_hello(info)
+        except DuplicateEngineError as err:
+            log.warning("refused a Connect: %s", err)
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(err))
         channel = _EngineChannel(token, asyncio.Queue())
         self._engines[info.engine_id] = channel
         writer = asyncio.create_task(self._write_commands(context, channel))

@@ -53,9 +53,9 @@ def admit_msg(rid: str, tenant: str = "t", priority: int = 1) -> pb.AdmitClientM
         max_tokens=16, prefix_hashes=[1, 2, 3, 4]))
 
 
-def hello(engine_id: str = "eng-1") -> pb.EngineMessage:
+def hello(engine_id: str = "eng-1", address: str = "127.0.0.1:1") -> pb.EngineMessage:
     return pb.EngineMessage(hello=pb.EngineHello(
-        engine_id=engine_id, address="127.0.0.1:1", model="m", block_size=16, total_blocks=1000,
+        engine_id=engine_id, address=address, model="m", block_size=16, total_blocks=1000,
         max_running=4, weight=1.0, hash_block_tokens=16, backend="fake"))
 
 
@@ -173,6 +173,45 @@ async def test_protocol_errors_get_clear_status(stack) -> None:
     msg = await call.read()
     assert msg.rejected.code == pb.REJECT_CODE_INVALID and "priority" in msg.rejected.message
     assert await call.read() is grpc.aio.EOF
+
+
+async def test_an_id_connected_from_another_address_is_refused(stack) -> None:
+    """Two engines configured with one id: the second is refused with
+    ALREADY_EXISTS while the first is connected, and the first keeps its
+    registration; the same id from the same address (a restarted engine whose
+    old stream has not ended yet) replaces it; once the id is free, anyone may
+    take it."""
+    _, stub, _ = stack
+    first = stub.Connect(timeout=TIMEOUT * 3)
+    await first.write(hello("eng-1", "127.0.0.1:1"))
+    await first.write(pb.EngineMessage(load=pb.LoadReport(serving=True, blocks_total=1000)))
+    await wait_state(stub, lambda s: len(s.engines) == 1 and s.engines[0].fresh)
+
+    twin = stub.Connect(timeout=TIMEOUT)
+    await twin.write(hello("eng-1", "127.0.0.1:2"))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await twin.read()
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "already connected from 127.0.0.1:1" in info.value.details()
+    # The first engine is still the one registered, and its reports still count.
+    await first.write(pb.EngineMessage(load=pb.LoadReport(serving=True, blocks_total=1000, running=3)))
+    state = await wait_state(stub, lambda s: len(s.engines) == 1 and s.engines[0].running == 3)
+    assert state.engines[0].address == "127.0.0.1:1"
+
+    restarted = stub.Connect(timeout=TIMEOUT * 3)
+    await restarted.write(hello("eng-1", "127.0.0.1:1"))
+    await restarted.write(pb.EngineMessage(load=pb.LoadReport(serving=True, blocks_total=1000, running=1)))
+    await wait_state(stub, lambda s: len(s.engines) == 1 and s.engines[0].running == 1)
+    first.cancel()
+    restarted.cancel()
+    await wait_state(stub, lambda s: not s.engines)
+
+    moved = stub.Connect(timeout=TIMEOUT * 3)
+    await moved.write(hello("eng-1", "127.0.0.1:2"))
+    await moved.write(pb.EngineMessage(load=pb.LoadReport(serving=True, blocks_total=1000)))
+    state = await wait_state(stub, lambda s: len(s.engines) == 1 and s.engines[0].fresh)
+    assert state.engines[0].address == "127.0.0.1:2"
+    moved.cancel()
 
 
 async def test_stop_rejects_queued_with_draining(stack) -> None:
