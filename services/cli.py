@@ -106,6 +106,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY"),
                     help="API key to accept (default: $KVMESH_API_KEY, else a generated dev key)")
     up.add_argument("--no-envoy", action="store_true", help="do not start Envoy")
+    up.add_argument("--mesh-tls", action="store_true",
+                    help="mutual TLS between the services, with development certificates unless "
+                         "mesh_tls.cert_dir names your own (config mesh_tls.enabled)")
     up.set_defaults(func=_cmd_up)
 
     sch = sub.add_parser("scheduler", help="run the scheduler")

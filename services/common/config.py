@@ -28,6 +28,7 @@ __all__ = [
     "EnvoyConfig",
     "GatewayConfig",
     "MeshConfig",
+    "MeshTlsConfig",
     "ModelConfig",
     "PolicyProfileConfig",
     "SchedulerConfig",
@@ -368,6 +369,28 @@ class EnvoyConfig:
     topology: str = "envoy/topology.yaml"
 
 
+# ---------------------------------------------------------------- mesh TLS
+
+
+@dataclass
+class MeshTlsConfig:
+    """Mutual TLS between the mesh's own services (issue 7): the scheduler,
+    engines and gateways serve TLS only and accept only peers holding a
+    certificate from the mesh's CA, and each RPC only from the roles that
+    need it (`services/common/mesh_tls.py`). Off by default: one machine's
+    loopback-only mesh has no network between its services. Turn it on
+    before binding any service to an address other machines can reach."""
+
+    enabled: bool = False
+    # Folder with ca.pem and <role>.pem + <role>-key.pem for each role
+    # (scheduler, gateway, engine, envoy, admin), relative to the repo root.
+    # Empty = `kvmesh up` generates a development set in <run_dir>/mesh-tls
+    # (its own CA, never the public listener's). Certificates of your own:
+    # CN kvmesh-<role>, DNS SAN <role>.kvmesh.internal, both client and
+    # server auth -- see the module's docstring.
+    cert_dir: str = ""
+
+
 # ---------------------------------------------------------------- mesh
 
 
@@ -383,6 +406,7 @@ class MeshConfig:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     engines: EnginesConfig = field(default_factory=EnginesConfig)
     envoy: EnvoyConfig = field(default_factory=EnvoyConfig)
+    mesh_tls: MeshTlsConfig = field(default_factory=MeshTlsConfig)
 
     def engine_config(self, index: int) -> EngineConfig:
         """Engine `index` as `kvmesh up` starts it: the template with its own

@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-__all__ = ["RejectUndecodable", "UndecodableMessage"]
+__all__ = ["RejectUndecodable", "UndecodableMessage", "WrappingInterceptor"]
 
 
 class UndecodableMessage(ValueError):
@@ -100,11 +100,15 @@ def _guard(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return factory(wrapped, request_deserializer=None, response_serializer=handler.response_serializer)
 
 
-class RejectUndecodable(grpc.aio.ServerInterceptor):
-    """Wraps each method's handler once (cached by method name)."""
+class WrappingInterceptor(grpc.aio.ServerInterceptor):
+    """Serves each method through `wrap(method, handler)`, computed once per
+    method (and again only if the server hands out a different handler)."""
 
     def __init__(self) -> None:
-        self._guarded: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        raise NotImplementedError
 
     async def intercept_service(
         self,
@@ -115,9 +119,16 @@ class RejectUndecodable(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = handler_call_details.method
-        cached = self._guarded.get(method)
+        cached = self._wrapped.get(method)
         if cached is not None and cached[0] is handler:
             return cached[1]
-        guarded = _guard(handler)
-        self._guarded[method] = (handler, guarded)
-        return guarded
+        wrapped = self.wrap(method, handler)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+
+class RejectUndecodable(WrappingInterceptor):
+    """Parses requests itself; see the module docstring."""
+
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:  # noqa: ARG002
+        return _guard(handler)

@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.grpc_guard import RejectUndecodable
+from services.common.mesh_tls import MeshIdentity, RequirePeerRoles
 
 __all__ = ["HealthReporter", "client_options", "make_server"]
 
@@ -43,16 +44,23 @@ class HealthReporter:
             await self._servicer.set(name, status)
 
 
-def make_server(service_names: Iterable[str]) -> tuple[grpc.aio.Server, HealthReporter]:
+def make_server(
+    service_names: Iterable[str], identity: MeshIdentity | None = None
+) -> tuple[grpc.aio.Server, HealthReporter]:
     """A grpc.aio server with health (NOT_SERVING until told) and reflection.
 
     `service_names` are full names ("kvmesh.v1.Engine") of the services the
-    caller will add; the caller adds them and binds ports.
+    caller will add; the caller adds them and binds ports (`mesh_tls.add_port`).
+    With a mesh TLS `identity`, each call's certificate role is checked
+    against `mesh_tls.METHOD_ROLES` before the handler runs.
     """
     names = list(service_names)
+    # A request that is not the method's protobuf -> INVALID_ARGUMENT (not UNKNOWN).
+    interceptors: list[grpc.aio.ServerInterceptor] = [RejectUndecodable()]
+    if identity is not None:
+        interceptors.insert(0, RequirePeerRoles())
     server = grpc.aio.server(
-        # A request that is not the method's protobuf -> INVALID_ARGUMENT (not UNKNOWN).
-        interceptors=[RejectUndecodable()],
+        interceptors=interceptors,
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -1,9 +1,14 @@
-"""Development TLS certificates for Envoy's public listener.
+"""Development TLS certificates: Envoy's public listener, and the mesh's own
+services when `mesh_tls` is on.
 
     python -m services.edge.devcerts [--out .run/tls]
+    python -m services.edge.devcerts --mesh [--out .run/mesh-tls]
 
-Writes a local CA (ca.pem, ca-key.pem) and a server certificate signed by it
-(server.pem, server-key.pem) for localhost, 127.0.0.1 and ::1. Clients trust
+Public listener: a local CA (ca.pem, ca-key.pem) and a server certificate
+signed by it (server.pem, server-key.pem) for localhost, 127.0.0.1 and ::1.
+Mesh (`ensure_mesh_certs`): a second, separate CA and one certificate per
+role of `services/common/mesh_tls.py` (<role>.pem, <role>-key.pem), client
+and server auth, CN kvmesh-<role>, DNS <role>.kvmesh.internal. Clients trust
 ca.pem explicitly (grpc `root_certificates`, curl `--cacert`, an ssl context's
 `cafile`); nothing is installed system-wide. Existing files are kept while
 they are valid for at least another day, so a running client keeps trusting
@@ -27,10 +32,13 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-__all__ = ["DEFAULT_DIR", "DevCerts", "ensure_dev_certs", "main"]
+from services.common.mesh_tls import ROLES, common_name, server_name
+
+__all__ = ["DEFAULT_DIR", "DevCerts", "ensure_dev_certs", "ensure_mesh_certs", "main"]
 
 # Relative to the repository root: under the default run_dir, gitignored.
 DEFAULT_DIR = ".run/tls"
+MESH_DIR = ".run/mesh-tls"
 _NAMES = ("localhost",)
 _IPS = ("127.0.0.1", "::1")
 # Short enough that a leaked dev CA soon stops mattering.
@@ -72,18 +80,10 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
                              serialization.NoEncryption())
 
 
-def ensure_dev_certs(folder: str | Path) -> DevCerts:
-    """The dev CA and server certificate in `folder`, created when missing,
-    broken or about to expire."""
-    folder = Path(folder)
-    certs = _files(folder)
-    if _still_valid(certs):
-        return certs
-    folder.mkdir(parents=True, exist_ok=True)
+def _new_ca(name: str, until: datetime.datetime) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     now = datetime.datetime.now(datetime.UTC)
-    until = now + datetime.timedelta(days=_VALID_DAYS)
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvmesh development CA")])
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     ca = (
         x509.CertificateBuilder()
         .subject_name(ca_name).issuer_name(ca_name)
@@ -98,22 +98,44 @@ def ensure_dev_certs(folder: str | Path) -> DevCerts:
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
+    return ca_key, ca
+
+
+def _issue(
+    ca_key: ec.EllipticCurvePrivateKey, ca: x509.Certificate, common_name: str,
+    sans: list[x509.GeneralName], usages: list[x509.ObjectIdentifier], until: datetime.datetime,
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    now = datetime.datetime.now(datetime.UTC)
     key = ec.generate_private_key(ec.SECP256R1())
-    sans: list[x509.GeneralName] = [x509.DNSName(n) for n in _NAMES]
-    sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in _IPS]
-    server = (
+    cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
-        .issuer_name(ca_name)
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+        .issuer_name(ca.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(until)
         .add_extension(x509.SubjectAlternativeName(sans), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
+    return key, cert
+
+
+def ensure_dev_certs(folder: str | Path) -> DevCerts:
+    """The dev CA and server certificate in `folder`, created when missing,
+    broken or about to expire."""
+    folder = Path(folder)
+    certs = _files(folder)
+    if _still_valid(certs):
+        return certs
+    folder.mkdir(parents=True, exist_ok=True)
+    until = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=_VALID_DAYS)
+    ca_key, ca = _new_ca("kvmesh development CA", until)
+    sans: list[x509.GeneralName] = [x509.DNSName(n) for n in _NAMES]
+    sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in _IPS]
+    key, server = _issue(ca_key, ca, "localhost", sans, [ExtendedKeyUsageOID.SERVER_AUTH], until)
     pem = serialization.Encoding.PEM
     _write_private(folder / "ca-key.pem", _key_pem(ca_key))
     certs.ca.write_bytes(ca.public_bytes(pem))
@@ -123,11 +145,52 @@ def ensure_dev_certs(folder: str | Path) -> DevCerts:
     return certs
 
 
+def _mesh_still_valid(folder: Path) -> bool:
+    try:
+        ca = x509.load_pem_x509_certificate((folder / "ca.pem").read_bytes())
+        leaves = [x509.load_pem_x509_certificate((folder / f"{role}.pem").read_bytes()) for role in ROLES]
+        for role in ROLES:
+            (folder / f"{role}-key.pem").read_bytes()
+    except (OSError, ValueError):
+        return False
+    soon = datetime.datetime.now(datetime.UTC) + _RENEW_BEFORE
+    return ca.not_valid_after_utc > soon and all(
+        leaf.not_valid_after_utc > soon and leaf.issuer == ca.subject for leaf in leaves
+    )
+
+
+def ensure_mesh_certs(folder: str | Path) -> Path:
+    """The mesh's dev CA and one certificate per role in `folder`, created
+    when missing, broken or about to expire. Returns the folder."""
+    folder = Path(folder)
+    if _mesh_still_valid(folder):
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    until = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=_VALID_DAYS)
+    ca_key, ca = _new_ca("kvmesh development mesh CA", until)
+    pem = serialization.Encoding.PEM
+    _write_private(folder / "ca-key.pem", _key_pem(ca_key))
+    (folder / "ca.pem").write_bytes(ca.public_bytes(pem))
+    for role in ROLES:
+        key, cert = _issue(
+            ca_key, ca, common_name(role), [x509.DNSName(server_name(role))],
+            [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH], until,
+        )
+        _write_private(folder / f"{role}-key.pem", _key_pem(key))
+        (folder / f"{role}.pem").write_bytes(cert.public_bytes(pem))
+    return folder
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.edge.devcerts", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=DEFAULT_DIR, help=f"folder (default {DEFAULT_DIR})")
+    parser.add_argument("--out", help=f"folder (default {DEFAULT_DIR}, with --mesh {MESH_DIR})")
+    parser.add_argument("--mesh", action="store_true", help="the mesh's CA and per-role certificates instead")
     ns = parser.parse_args(argv)
-    certs = ensure_dev_certs(ns.out)
+    if ns.mesh:
+        folder = ensure_mesh_certs(ns.out or MESH_DIR)
+        print(f"mesh CA {folder / 'ca.pem'}; certificates for {', '.join(ROLES)} in {folder}")
+        return 0
+    certs = ensure_dev_certs(ns.out or DEFAULT_DIR)
     print(f"dev CA {certs.ca}; server certificate {certs.cert_chain}, key {certs.private_key}")
     return 0
 

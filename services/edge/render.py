@@ -484,6 +484,7 @@ def _cluster(topology: Topology, name: str, grpc: bool) -> dict[str, Any]:
         protocol = {"http_protocol_options": {}}
         check = {"http_health_check": {"path": hc.http_path}}
     limit = 100_000  # far above what one machine serves: breakers must not shape traffic
+    tls = {"transport_socket": _upstream_tls_socket(topology, grpc)} if topology.upstream_tls.enabled else {}
     return {
         "name": name,
         "type": "STATIC" if all(_is_ip(gw.host) for gw in gateways) else "STRICT_DNS",
@@ -538,6 +539,34 @@ def _cluster(topology: Topology, name: str, grpc: bool) -> dict[str, Any]:
         },
         "upstream_connection_options": {
             "tcp_keepalive": {"keepalive_time": 60, "keepalive_interval": 10, "keepalive_probes": 3}
+        },
+        **tls,
+    }
+
+
+def _upstream_tls_socket(topology: Topology, grpc: bool) -> dict[str, Any]:
+    """Mutual TLS to the gateways (mesh TLS): Envoy's mesh certificate, the
+    mesh CA, and the gateways' role name checked as SNI and SAN."""
+    up = topology.upstream_tls
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            _TYPE: "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            "sni": up.server_name,
+            "common_tls_context": {
+                # gRPC servers insist on h2 by ALPN; aiohttp speaks HTTP/1.1.
+                "alpn_protocols": ["h2"] if grpc else ["http/1.1"],
+                "tls_params": {"tls_minimum_protocol_version": "TLSv1_2"},
+                "tls_certificates": [
+                    {"certificate_chain": {"filename": up.cert_chain}, "private_key": {"filename": up.private_key}}
+                ],
+                "validation_context": {
+                    "trusted_ca": {"filename": up.ca},
+                    "match_typed_subject_alt_names": [
+                        {"san_type": "DNS", "matcher": {"exact": up.server_name}}
+                    ],
+                },
+            },
         },
     }
 

@@ -31,6 +31,7 @@ __all__ = [
     "RateLimitSpec",
     "TimeoutSpec",
     "TlsSpec",
+    "UpstreamTlsSpec",
     "Topology",
     "TopologyError",
     "TranscoderSpec",
@@ -166,6 +167,23 @@ class TlsSpec:
 
 
 @dataclass
+class UpstreamTlsSpec:
+    """Mutual TLS from Envoy to the gateways, when the mesh runs `mesh_tls`:
+    Envoy's mesh certificate and key, the mesh CA, and the name every
+    gateway's certificate must carry (SNI and SAN check). The launcher fills
+    it in from the mesh's config; empty = plaintext to the gateways."""
+
+    cert_chain: str = ""
+    private_key: str = ""
+    ca: str = ""
+    server_name: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert_chain)
+
+
+@dataclass
 class WebSpec:
     """The browser chat page, served by Envoy itself (direct responses read
     from these files when Envoy starts), so no web server is needed."""
@@ -194,6 +212,7 @@ class Topology:
     cors: CorsSpec = field(default_factory=CorsSpec)
     transcoder: TranscoderSpec = field(default_factory=TranscoderSpec)
     tls: TlsSpec = field(default_factory=TlsSpec)
+    upstream_tls: UpstreamTlsSpec = field(default_factory=UpstreamTlsSpec)
     web: WebSpec = field(default_factory=WebSpec)
     # Cap on concurrent downstream connections (Envoy's overload manager).
     max_connections: int = 50_000
@@ -233,6 +252,9 @@ class Topology:
             raise TopologyError("rate_limit.max_keys: must be within 1 .. 1000000")
         if bool(self.tls.cert_chain) != bool(self.tls.private_key):
             raise TopologyError("tls: give both cert_chain and private_key, or neither (dev certificates)")
+        up = self.upstream_tls
+        if up.enabled and not (up.private_key and up.ca and up.server_name):
+            raise TopologyError("upstream_tls: cert_chain needs private_key, ca and server_name")
         if self.max_connections < 1:
             raise TopologyError("max_connections: must be >= 1")
         if heartbeat_seconds is not None and heartbeat_seconds > 0:

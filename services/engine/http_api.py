@@ -13,6 +13,7 @@ HTTP status + OpenAI error JSON (400 invalid, 503 not accepting).
 from __future__ import annotations
 
 import json
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -47,7 +48,7 @@ class OpenAIHttpServer:
         self._model = model_name
         self._runner: web.AppRunner | None = None
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> None:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
@@ -61,7 +62,7 @@ class OpenAIHttpServer:
         app.router.add_post("/v1/completions/render", self._render_completion)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port, backlog=LISTEN_BACKLOG).start()
+        await web.TCPSite(self._runner, host, port, backlog=LISTEN_BACKLOG, ssl_context=ssl_context).start()
 
     async def stop(self) -> None:
         if self._runner is not None:

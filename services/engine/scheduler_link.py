@@ -30,6 +30,7 @@ import grpc
 
 from services.common.config import EngineConfig, MeshConfig
 from services.common.grpc_server import client_options
+from services.common.mesh_tls import aio_channel, identity_for
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.engine.runtime import EngineRuntime
 
@@ -132,6 +133,7 @@ class SchedulerLink:
         self._address = address
         self._http_address = http_address
         self._backend_name = backend_name or engine.backend
+        self._identity = identity_for(config, "engine")
         self._interval = max(0.005, engine.report_interval_seconds)
         self.min_report_gap = max(0.005, self._interval / 4)
         self._wake = asyncio.Event()
@@ -200,7 +202,7 @@ class SchedulerLink:
                    ("grpc.initial_reconnect_backoff_ms", 100),
                    ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", int(BACKOFF_MAX_SECONDS * 1000))]
-        async with grpc.aio.insecure_channel(self._engine.scheduler_address, options=options) as channel:
+        async with aio_channel(self._engine.scheduler_address, self._identity, "scheduler", options) as channel:
             call = scheduler_pb2_grpc.SchedulerStub(channel).Connect()
             try:
                 await call.write(scheduler_pb2.EngineMessage(hello=self._hello()))

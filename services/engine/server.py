@@ -19,10 +19,11 @@ import contextlib
 import logging
 import signal
 
-from services.common.gc_heap import freeze_startup_heap
 from services.common.clock import Clock, SystemClock
 from services.common.config import ConfigError, EngineConfig, MeshConfig
+from services.common.gc_heap import freeze_startup_heap
 from services.common.grpc_server import make_server
+from services.common.mesh_tls import add_port, identity_for
 from services.common.proto.kvmesh.v1 import engine_pb2_grpc
 from services.engine.backend import EngineBackend
 from services.engine.grpc_api import EngineServicer
@@ -110,11 +111,12 @@ class EngineService:
         """Serve gRPC (NOT_SERVING), start the backend, then SERVING and
         register with the scheduler. Returns the bound gRPC port."""
         engine = self.engine
-        self._server, self._health = make_server([SERVICE_NAME])
+        identity = identity_for(self.config, "engine")
+        self._server, self._health = make_server([SERVICE_NAME], identity)
         await self._health.set_serving(False)  # an explicit NOT_SERVING, not NOT_FOUND
         self._servicer = EngineServicer(self.runtime, engine.engine_id, engine.backend)
         engine_pb2_grpc.add_EngineServicer_to_server(self._servicer, self._server)
-        self.port = self._server.add_insecure_port(f"{engine.host}:{engine.port}")
+        self.port = add_port(self._server, f"{engine.host}:{engine.port}", identity)
         if not self.port:
             raise OSError(f"engine.port: cannot bind {engine.host}:{engine.port}")
         await self._server.start()
@@ -126,7 +128,10 @@ class EngineService:
             http_address = ""
             if engine.http_port:
                 self._http = OpenAIHttpServer(self.runtime, self._codec(), self.model_name)
-                await self._http.start(engine.host, engine.http_port)
+                # With mesh TLS, only mesh certificates reach it: it serves
+                # without the gateway's keys and limits.
+                await self._http.start(engine.host, engine.http_port,
+                                       identity.server_ssl_context() if identity else None)
                 http_address = f"{advertised_host(engine.host)}:{engine.http_port}"
             if self._freeze_heap:
                 # Before SERVING: the one full collection (~0.3 s with vLLM

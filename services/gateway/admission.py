@@ -17,6 +17,7 @@ from collections.abc import Callable
 import grpc
 
 from services.common.grpc_server import client_options
+from services.common.mesh_tls import MeshIdentity, aio_channel
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.gateway.errors import GatewayError, from_rejection, from_scheduler_rpc_error
 from services.gateway.spare_calls import SpareCall
@@ -139,11 +140,11 @@ class AdmitSession:
 class AdmissionClient:
     """Owns the gateway's channel to the scheduler."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, identity: MeshIdentity | None = None) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(
-            address,
-            options=[
+        self.channel = aio_channel(
+            address, identity, "scheduler",
+            [
                 *client_options(),
                 # Stay connected: /health and gRPC health follow this channel.
                 ("grpc.client_idle_timeout_ms", 2**31 - 1),

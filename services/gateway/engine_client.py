@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.common.grpc_server import client_options
+from services.common.mesh_tls import MeshIdentity, aio_channel
 from services.common.proto.kvmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.gateway.errors import EngineFailure, classify_engine_rpc_error
 from services.gateway.spare_calls import SpareCall
@@ -80,7 +81,8 @@ class EngineStream:
 
 
 class EnginePool:
-    def __init__(self) -> None:
+    def __init__(self, identity: MeshIdentity | None = None) -> None:
+        self._identity = identity  # mesh TLS: engines must prove they are engines
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, engine_pb2_grpc.EngineStub] = {}
         self._spares: dict[str, SpareCall] = {}
@@ -91,7 +93,7 @@ class EnginePool:
             # Short reconnect backoff: an engine restarted on the same address
             # must be usable within a second or two, not after gRPC's default
             # backoff (which grows to two minutes).
-            channel = grpc.aio.insecure_channel(address, options=[
+            channel = aio_channel(address, self._identity, "engine", [
                 *client_options(),
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.min_reconnect_backoff_ms", 100),

@@ -17,14 +17,16 @@ import contextlib
 import logging
 import signal
 import socket
+import ssl
 
 import grpc
 from aiohttp import web
 
-from services.common.gc_heap import freeze_startup_heap
 from services.common.clock import Clock, SystemClock
 from services.common.config import MeshConfig
+from services.common.gc_heap import freeze_startup_heap
 from services.common.grpc_server import HealthReporter, make_server
+from services.common.mesh_tls import add_port, identity_for
 from services.common.proto.kvmesh.v1 import inference_pb2_grpc
 from services.gateway.admission import AdmissionClient
 from services.gateway.driver import DriverSettings, GenerationDriver
@@ -76,8 +78,9 @@ class GatewayService:
         gw = self.config.gateway
         http_port = gw.http_port if http_port is None else http_port
         grpc_port = gw.grpc_port if grpc_port is None else grpc_port
-        self._admission = AdmissionClient(gw.scheduler_address)
-        self._engines = EnginePool()
+        identity = identity_for(self.config, "gateway")
+        self._admission = AdmissionClient(gw.scheduler_address, identity)
+        self._engines = EnginePool(identity)
         driver = GenerationDriver(
             self._admission,
             self._engines,
@@ -85,18 +88,20 @@ class GatewayService:
             self.metrics,
         )
 
-        server, health = make_server([SERVICE_NAME])
+        server, health = make_server([SERVICE_NAME], identity)
         inference_pb2_grpc.add_InferenceServicer_to_server(
             InferenceApi(self.frontdoor, driver, self._admission, self.metrics), server
         )
-        bound_grpc = server.add_insecure_port(f"{gw.host}:{grpc_port}")
+        bound_grpc = add_port(server, f"{gw.host}:{grpc_port}", identity)
         if bound_grpc == 0:
             raise OSError(f"gateway: cannot bind gRPC port {gw.host}:{grpc_port}")
         await server.start()
         self._grpc = server
 
         http = HttpApi(self.config, self.frontdoor, driver, self._admission, self.metrics)
-        bound_http = await self._serve_http(http.app(), gw.host, http_port)
+        # With mesh TLS the API port is Envoy's upstream: TLS, mesh certificates only.
+        bound_http = await self._serve_http(http.app(), gw.host, http_port,
+                                            identity.server_ssl_context() if identity else None)
         if gw.metrics_port:
             self.metrics_port = await self._serve_http(metrics_app(self.metrics), gw.host, gw.metrics_port)
 
@@ -107,7 +112,9 @@ class GatewayService:
         )
         return bound_http, bound_grpc
 
-    async def _serve_http(self, app: web.Application, host: str, port: int) -> int:
+    async def _serve_http(
+        self, app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+    ) -> int:
         # handler_cancellation: a client that disconnects cancels its handler
         # within milliseconds (not at the next write), so its engine work stops.
         runner = web.AppRunner(
@@ -121,7 +128,7 @@ class GatewayService:
         sock.bind((host, port))
         sock.listen(LISTEN_BACKLOG)
         sock.setblocking(False)
-        site = web.SockSite(runner, sock, backlog=LISTEN_BACKLOG)
+        site = web.SockSite(runner, sock, backlog=LISTEN_BACKLOG, ssl_context=ssl_context)
         await site.start()
         return sock.getsockname()[1]
 

@@ -39,9 +39,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.affinity import descendants, omp_cores, pin_threads
 from services.common.config import ApiKeyConfig, ConfigError, MeshConfig, config_from_dict
-from services.edge.devcerts import ensure_dev_certs
+from services.common.mesh_tls import ROLES, MeshIdentity, identity_for, mesh_cert_dir, server_name, sync_channel
+from services.edge.devcerts import ensure_dev_certs, ensure_mesh_certs
 from services.edge.render import render_yaml
-from services.edge.topology import AdminSpec, GatewayEndpoint, ListenerSpec, Topology, load_topology
+from services.edge.topology import (
+    AdminSpec,
+    GatewayEndpoint,
+    ListenerSpec,
+    Topology,
+    UpstreamTlsSpec,
+    load_topology,
+)
 from services.launcher.ports import PortAllocator, port_is_free
 
 __all__ = [
@@ -108,6 +116,10 @@ class Probe:
     target: str  # host:port for gRPC, a URL for HTTP
     # CA file to trust for an https:// target (the dev CA); "" = system CAs.
     ca: str = ""
+    # Mesh TLS: the launcher's own (admin) certificate, and the role the
+    # probed service must prove.
+    identity: MeshIdentity | None = None
+    server_role: str = ""
 
     def describe(self) -> str:
         return f"gRPC health at {self.target}" if self.kind is ProbeKind.GRPC_HEALTH else f"GET {self.target}"
@@ -161,6 +173,8 @@ class MeshOptions:
     start_timeout: float | None = None
     # Extra environment for every child.
     env: dict[str, str] = field(default_factory=dict)
+    # Turn on mutual TLS between the services (config `mesh_tls.enabled`).
+    mesh_tls: bool = False
 
 
 @dataclass
@@ -286,6 +300,16 @@ class Mesh:
         # Gateways and engines both dial the scheduler this mesh starts.
         cfg.gateway.scheduler_address = f"{cfg.scheduler.host}:{cfg.scheduler.port}"
         cfg.engines.template.scheduler_address = cfg.gateway.scheduler_address
+        if opts.mesh_tls:
+            cfg.mesh_tls.enabled = True
+        if cfg.mesh_tls.enabled:
+            # Every child reads its certificate from here (the written config).
+            folder = mesh_cert_dir(cfg)
+            if not cfg.mesh_tls.cert_dir:
+                ensure_mesh_certs(folder)  # development certificates
+            cfg.mesh_tls.cert_dir = str(folder)
+            for role in ROLES:  # a missing file fails here, not in a child
+                MeshIdentity.load(folder, role)
         self.api_key = opts.api_key or secrets.token_urlsafe(24)
         digest = hashlib.sha256(self.api_key.encode()).hexdigest()
         if not any(k.sha256 == digest for k in cfg.gateway.api_keys):
@@ -326,7 +350,7 @@ class Mesh:
             engines=[
                 f"{e.host}:{e.port}" for e in (cfg.engine_config(i) for i in range(cfg.engines.count))
             ],
-            gateway_http=[f"http://{host}:{h}" for h, _, _ in gateways],
+            gateway_http=[f"{'https' if cfg.mesh_tls.enabled else 'http'}://{host}:{h}" for h, _, _ in gateways],
             gateway_grpc=[f"{host}:{g}" for _, g, _ in gateways],
             tls_ca=self._dev_cert_dir() / "ca.pem" if self._uses_dev_certs() else None,
         )
@@ -391,6 +415,12 @@ class Mesh:
             AdminSpec(host="127.0.0.1", port=cfg.envoy.admin_port),
             gateways,
         ).with_files(ROOT, cert, key)
+        envoy = identity_for(cfg, "envoy")
+        if envoy is not None:
+            topology = dataclasses.replace(topology, upstream_tls=UpstreamTlsSpec(
+                cert_chain=str(envoy.cert_file), private_key=str(envoy.key_file), ca=str(envoy.ca_file),
+                server_name=server_name("gateway"),
+            ))
         topology.validate(heartbeat_seconds=cfg.gateway.heartbeat_seconds)
         return render_yaml(topology, f"{cfg.envoy.topology} with run-time ports")
 
@@ -415,9 +445,11 @@ class Mesh:
     def specs(self) -> list[ChildSpec]:
         """Every child in start order."""
         cfg = self.config
+        me = identity_for(cfg, "admin")
         specs = [ChildSpec(
             name="scheduler", role=Role.SCHEDULER, argv=self._kvmesh("scheduler"),
-            probes=[Probe(ProbeKind.GRPC_HEALTH, cfg.gateway.scheduler_address)],
+            probes=[Probe(ProbeKind.GRPC_HEALTH, cfg.gateway.scheduler_address, identity=me,
+                          server_role="scheduler")],
             env=self._env(), start_timeout=self._timeout("scheduler"),
             # Soft state: engines re-register, gateways re-admit and re-attach.
             restart=RestartPolicy.ALWAYS,
@@ -433,7 +465,8 @@ class Mesh:
                          "TMPDIR": str(cache / "tmp")}
             specs.append(ChildSpec(
                 name=engine.engine_id, role=Role.ENGINE, argv=self._kvmesh("engine", "--index", str(i)),
-                probes=[Probe(ProbeKind.GRPC_HEALTH, f"{engine.host}:{engine.port}")],
+                probes=[Probe(ProbeKind.GRPC_HEALTH, f"{engine.host}:{engine.port}", identity=me,
+                              server_role="engine")],
                 env=self._env(extra), start_timeout=self._timeout(engine.backend),
             ))
         for r in range(self.options.gateways):
@@ -443,8 +476,9 @@ class Mesh:
                 name=f"gateway-{r}", role=Role.GATEWAY,
                 argv=self._kvmesh("gateway", "--replica", str(r), "--http-port", str(http),
                                   "--grpc-port", str(grpc_port), "--metrics-port", str(metrics)),
-                probes=[Probe(ProbeKind.GRPC_HEALTH, f"{host}:{grpc_port}"),
-                        Probe(ProbeKind.HTTP_OK, f"http://{host}:{http}/health")],
+                probes=[Probe(ProbeKind.GRPC_HEALTH, f"{host}:{grpc_port}", identity=me, server_role="gateway"),
+                        Probe(ProbeKind.HTTP_OK, f"{self.endpoints.gateway_http[r]}/health", identity=me,
+                              server_role="gateway")],
                 env=self._env(), start_timeout=self._timeout("gateway"),
             ))
         if self.options.envoy:
@@ -708,7 +742,7 @@ def _probe_ok(probe: Probe, channels: dict[str, grpc.Channel]) -> bool:
         if channel is None:
             # Short reconnect backoff: the default grows to minutes, which
             # would notice a slow starter (vLLM) long after it is up.
-            channel = channels[probe.target] = grpc.insecure_channel(probe.target, options=[
+            channel = channels[probe.target] = sync_channel(probe.target, probe.identity, probe.server_role, [
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 1000),
@@ -721,6 +755,11 @@ def _probe_ok(probe: Probe, channels: dict[str, grpc.Channel]) -> bool:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
     context = ssl.create_default_context(cafile=probe.ca) if probe.ca else None
+    if probe.identity is not None:
+        context = probe.identity.client_ssl_context()
+        # urllib checks the URL's host (an IP) against the certificate, which
+        # names the role; the chain is still verified against the mesh CA.
+        context.check_hostname = False
     try:
         with urllib.request.urlopen(probe.target, timeout=2.0, context=context) as resp:  # noqa: S310 - loopback
             return resp.status == 200

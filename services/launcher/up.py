@@ -23,6 +23,7 @@ from pathlib import Path
 from types import FrameType
 
 from services.common.config import MeshConfig
+from services.common.mesh_tls import server_name
 from services.launcher.mesh import (
     Endpoints,
     Mesh,
@@ -95,6 +96,7 @@ def _options(ns: argparse.Namespace) -> MeshOptions:
         model=getattr(ns, "model", None),
         api_key=getattr(ns, "api_key", None),
         envoy=not getattr(ns, "no_envoy", False),
+        mesh_tls=getattr(ns, "mesh_tls", False),
     )
 
 
@@ -118,6 +120,13 @@ def _print_ready(mesh: Mesh, generated_key: bool) -> None:
         print(f"  Chat in a browser: {ep.public_http}/ (paste the API key into the page)")
     if ep.tls_ca:
         print(f"  TLS with development certificates: trust {ep.tls_ca}")
+    if cfg.mesh_tls.enabled:
+        certs = Path(cfg.mesh_tls.cert_dir)
+        print(f"  Mesh TLS: the services take only certificates of the mesh CA {certs / 'ca.pem'}; "
+              "to ask the scheduler directly:\n"
+              f"    {_grpcurl_path()} -cacert {shlex.quote(str(certs / 'ca.pem'))} "
+              f"-cert {shlex.quote(str(certs / 'admin.pem'))} -key {shlex.quote(str(certs / 'admin-key.pem'))} "
+              f"-authority {server_name('scheduler')} {ep.scheduler} kvmesh.v1.Scheduler/GetState")
     print(end="", flush=True)
 
 

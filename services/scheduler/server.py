@@ -20,10 +20,11 @@ from typing import Any
 
 from prometheus_client import start_http_server
 
-from services.common.gc_heap import freeze_startup_heap
 from services.common.clock import Clock, SystemClock
 from services.common.config import MeshConfig
+from services.common.gc_heap import freeze_startup_heap
 from services.common.grpc_server import make_server
+from services.common.mesh_tls import add_port, identity_for
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from .core import SchedulerCore
@@ -55,10 +56,11 @@ class SchedulerService:
     async def start(self, port: int = 0) -> int:
         """Serve on scheduler.host:`port` (0 = any free port); returns the
         bound port."""
-        server, health = make_server([SERVICE_NAME])
+        identity = identity_for(self.config, "scheduler")
+        server, health = make_server([SERVICE_NAME], identity)
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.servicer, server)
         address = f"{self.config.scheduler.host}:{port}"
-        bound = server.add_insecure_port(address)
+        bound = add_port(server, address, identity)
         if bound == 0:
             raise OSError(f"scheduler: cannot listen on {address}; is the port taken?")
         await server.start()
