@@ -80,6 +80,9 @@ class GenerationOutput:
     cached_tokens: int = 0
     completion_tokens: int = 0
     message: str = ""
+    # Text of the tokens so far held back for a possible stop string (see
+    # EngineDelta.held_text); the latest output's value is the current one.
+    held_text: str = ""
 
 
 @dataclass

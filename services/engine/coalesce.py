@@ -56,11 +56,12 @@ class DeltaBuffer:
         if self._pending is None:
             self._pending = GenerationOutput(
                 token_ids=list(out.token_ids), text=out.text,
-                logprobs=list(out.logprobs) if out.logprobs else None,
+                logprobs=list(out.logprobs) if out.logprobs else None, held_text=out.held_text,
             )
         else:
             self._pending.token_ids.extend(out.token_ids)
             self._pending.text += out.text
+            self._pending.held_text = out.held_text  # what is held after the newest token
             if out.logprobs:
                 self._pending.logprobs = (self._pending.logprobs or []) + list(out.logprobs)
         if out.finish_reason is not None:

@@ -63,7 +63,7 @@ def request_from_proto(msg: engine_pb2.EngineRequest) -> GenerationRequest:
 
 
 def _delta(out: GenerationOutput) -> engine_pb2.EngineGenerateEvent:
-    delta = engine_pb2.EngineDelta(token_ids=out.token_ids, text=out.text)
+    delta = engine_pb2.EngineDelta(token_ids=out.token_ids, text=out.text, held_text=out.held_text)
     for lp in out.logprobs or ():
         delta.logprobs.add(
             token_id=lp.get("token_id", 0), token=lp.get("token", ""), logprob=lp.get("logprob", 0.0),

@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from services.common.prefix_hash import block_hashes
+from services.common.stop_text import StopText
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, scheduler_pb2
 from services.gateway.admission import AdmissionClient, AdmitSession
 from services.gateway.engine_client import EnginePool, EngineStream
@@ -166,6 +167,13 @@ class _Progress:
     told_first: bool = False
     # Re-attaching the lease after a scheduler restart (a child of the pump).
     reattach: asyncio.Task[None] | None = None
+    # Stop strings across a migration: text of the tokens so far not sent to
+    # the client yet (the engine's `held_text`, plus the seam's own hold);
+    # after a migration, the seam that applies the stop strings to it and the
+    # next engine's text, and what it released before that engine's first delta.
+    held_text: str = ""
+    seam: StopText | None = None
+    seam_text: str = ""
 
 
 class GenerationDriver:
@@ -292,7 +300,11 @@ class GenerationDriver:
             except EngineFailure as failure:
                 stream.cancel()
                 if job.max_tokens - len(progress.generated) <= 0:
-                    # Every token arrived; only the engine's `finished` was lost.
+                    # Every token arrived; only the engine's `finished` was
+                    # lost, and with it the text it still held back.
+                    tail = progress.seam_text + progress.held_text
+                    if tail:
+                        await emit(TextDelta(tail, []))
                     return self._end(job, progress, FinishReason.LENGTH, "", ErrorKind.GENERATION_FAILED)
                 failures += 1
                 log.warning("request %s: %s (failure %d)", job.request_id, failure.message, failures)
@@ -303,6 +315,10 @@ class GenerationDriver:
                         ErrorKind.UNAVAILABLE,
                     )
                 excluded.append(failure.engine_id)
+                if self._open_seam(job, progress):
+                    if progress.seam_text:
+                        await emit(TextDelta(progress.seam_text, []))
+                    return self._end(job, progress, FinishReason.STOP, "", ErrorKind.GENERATION_FAILED)
                 placed = await self._replace(job, excluded, progress, emit)
                 self._metrics.migrations.inc()
             except BaseException:
@@ -410,6 +426,7 @@ class GenerationDriver:
             )
         )
         progress.told_first = False
+        seam = progress.seam
         async for event in stream.events():
             if event.HasField("delta"):
                 delta = event.delta
@@ -417,7 +434,23 @@ class GenerationDriver:
                     continue
                 self._observe_delta(job, progress, len(delta.token_ids))
                 generated.extend(delta.token_ids)
-                await emit(TextDelta(delta.text, list(delta.token_ids), list(delta.logprobs)))
+                text, stopped = delta.text, False
+                if seam is not None:
+                    text, stopped = seam.add(delta.text)
+                    cut = -1 if stopped or not delta.held_text else seam.first_stop(delta.held_text)
+                    if cut >= 0:
+                        # The stop ends inside what this engine holds back for
+                        # its own stop strings: it is there already, so stop
+                        # now rather than one token later, as an unbroken run would.
+                        text += (seam.held + delta.held_text)[:cut]
+                        stopped = True
+                text, progress.seam_text = progress.seam_text + text, ""
+                progress.held_text = (seam.held if seam is not None else "") + delta.held_text
+                await emit(TextDelta(text, list(delta.token_ids), list(delta.logprobs)))
+                if stopped:
+                    # A stop string across the seam: neither engine saw it whole.
+                    await stream.abort()
+                    return self._end(job, progress, FinishReason.STOP, "", ErrorKind.GENERATION_FAILED)
                 if not progress.told_first:
                     progress.told_first = True
                     # Let the transport write the first token before we spend
@@ -431,11 +464,34 @@ class GenerationDriver:
             done = event.finished
             progress.cached_tokens = min(done.usage.cached_tokens, len(job.prompt_ids))
             await stream.close()
+            tail = progress.seam_text + (seam.flush() if seam is not None else "")
+            progress.seam_text = ""
+            if tail:
+                await emit(TextDelta(tail, []))
             reason = FinishReason.from_proto(done.finish_reason)
             return self._end(job, progress, reason, done.message, ErrorKind.GENERATION_FAILED)
         raise EngineFailure(stream.engine_id, f"engine {stream.engine_id}: stream ended early")  # pragma: no cover
 
     # ---------------------------------------------------------------- helpers
+
+    @staticmethod
+    def _open_seam(job: Job, progress: _Progress) -> bool:
+        """Before resuming on another engine: carry the text the dead engine
+        held back (a possible stop-string start, never sent) across the seam,
+        where the stop strings now apply to it followed by the next engine's
+        text. True if that text already completes a stop string (then
+        `seam_text` is what precedes it, and the request is finished)."""
+        # Also what an earlier seam released or held for an engine that then
+        # failed before its first delta.
+        carried = progress.seam_text + progress.held_text
+        if not job.sampling.stop or len(progress.generated) < job.sampling.min_tokens:
+            # No stop can apply here: the held text just goes out first.
+            progress.seam, progress.seam_text, progress.held_text = None, carried, ""
+            return False
+        seam = StopText(job.sampling.stop)
+        released, stopped = seam.add(carried)
+        progress.seam, progress.seam_text, progress.held_text = seam, released, seam.held
+        return stopped
 
     def _observe_delta(self, job: Job, progress: _Progress, n_tokens: int) -> None:
         now = time.monotonic()

@@ -52,13 +52,16 @@ class StreamResult:
 
 
 async def stream_completion(
-    session: aiohttp.ClientSession, mesh: Mesh, prompt: str, max_tokens: int, result: StreamResult | None = None
+    session: aiohttp.ClientSession, mesh: Mesh, prompt: str, max_tokens: int, result: StreamResult | None = None,
+    stop: list[str] | None = None,
 ) -> StreamResult:
     """POST /v1/completions (stream) through Envoy; never raises for a
     failed request, records it in the result instead."""
     result = result or StreamResult()
     body = {"model": mesh.config.engines.template.model, "prompt": prompt, "max_tokens": max_tokens,
             "stream": True, "temperature": 0}
+    if stop:
+        body["stop"] = stop
     headers = {"Authorization": f"Bearer {mesh.api_key}"}
     try:
         async with asyncio.timeout(STREAM_TIMEOUT_SECONDS):
@@ -86,14 +89,16 @@ async def stream_completion(
 
 
 async def run_streams(
-    mesh: Mesh, prompts: list[str], max_tokens: list[int]
+    mesh: Mesh, prompts: list[str], max_tokens: list[int], stops: list[list[str] | None] | None = None,
 ) -> tuple[list[StreamResult], list[asyncio.Task[StreamResult]], aiohttp.ClientSession]:
-    """Start one stream per prompt; returns the live results, their tasks and
-    the session (the caller awaits the tasks, then closes the session)."""
+    """Start one stream per prompt (with its stop strings, if given); returns
+    the live results, their tasks and the session (the caller awaits the
+    tasks, then closes the session)."""
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     results = [StreamResult() for _ in prompts]
-    tasks = [asyncio.create_task(stream_completion(session, mesh, p, n, r))
-             for p, n, r in zip(prompts, max_tokens, results, strict=True)]
+    stops = stops or [None] * len(prompts)
+    tasks = [asyncio.create_task(stream_completion(session, mesh, p, n, r, stop))
+             for p, n, r, stop in zip(prompts, max_tokens, results, stops, strict=True)]
     return results, tasks, session
 
 

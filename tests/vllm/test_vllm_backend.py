@@ -147,6 +147,25 @@ async def test_stop_token_ends_with_stop(backend) -> None:  # type: ignore[no-un
     assert outs[-1].completion_tokens <= 3
 
 
+async def test_text_held_for_a_stop_string_is_reported(backend) -> None:  # type: ignore[no-untyped-def]
+    """With a stop string vLLM holds back the tail that may begin one; every
+    output says what it holds (a migration carries it to the next engine):
+    what was sent plus what is held is always the text so far."""
+    prompt = unique_prompt(16)
+    plain = await collect(backend, GenerationRequest("held-probe", prompt, greedy(32)))
+    full = "".join(o.text for o in plain)
+    stop = "\x01\x02\x03\x04\x05\x06"  # cannot occur in the model's text: nothing is cut
+    outs = await collect(backend, GenerationRequest("held-1", prompt, greedy(32, stop=[stop])))
+    sent = ""
+    for out in outs[:-1]:
+        sent += out.text
+        assert len(out.held_text) <= len(stop) - 1
+        assert full.startswith(sent + out.held_text), (sent, out.held_text)
+    assert any(out.held_text for out in outs[:-1]), "vLLM held nothing back: the stop buffer is not read"
+    assert outs[-1].held_text == ""
+    assert "".join(o.text for o in outs) == full
+
+
 @pytest.mark.parametrize(
     ("prompt", "sampling", "match"),
     [

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.common.prefix_hash import ROOT_HASH, chain_hash
+from services.common.stop_text import StopText
 from services.engine.backend import (
     GenerationOutput,
     GenerationRequest,
@@ -44,7 +45,7 @@ from services.engine.backend import (
 )
 from services.engine.sim.blocks import BlockPool
 from services.engine.sim.cost_model import StepWork
-from services.engine.sim.text import StopText, TokenPicker, roll, roll_all
+from services.engine.sim.text import TokenPicker, roll, roll_all
 
 __all__ = ["CoreLimits", "OutputSink", "SimCore", "SimRequest", "StepPlan"]
 
@@ -80,18 +81,20 @@ class OutputSink:
     the reader is busy are merged into one pending output (never dropped,
     one pending record per request whatever the reader's speed)."""
 
-    __slots__ = ("_ids", "_text", "_logprobs", "_final", "_event")
+    __slots__ = ("_ids", "_text", "_held", "_logprobs", "_final", "_event")
 
     def __init__(self) -> None:
         self._ids: list[int] = []
         self._text: list[str] = []
+        self._held = ""
         self._logprobs: list[dict] | None = None
         self._final: GenerationOutput | None = None
         self._event = asyncio.Event()
 
-    def push(self, token_id: int, text: str, logprob: dict | None) -> None:
+    def push(self, token_id: int, text: str, logprob: dict | None, held: str = "") -> None:
         self._ids.append(token_id)
         self._text.append(text)
+        self._held = held
         if logprob is not None:
             self._logprobs = self._logprobs or []
             self._logprobs.append(logprob)
@@ -110,7 +113,8 @@ class OutputSink:
         while not self._ids and self._final is None:
             self._event.clear()
             await self._event.wait()
-        out = GenerationOutput(token_ids=self._ids, text="".join(self._text), logprobs=self._logprobs)
+        out = GenerationOutput(token_ids=self._ids, text="".join(self._text), logprobs=self._logprobs,
+                               held_text="" if self._final is not None else self._held)
         self._ids, self._text, self._logprobs = [], [], None
         if self._final is not None:
             out.finish_reason = self._final.finish_reason
@@ -401,7 +405,8 @@ class SimCore:
         text = "" if (is_eos or stop_id) and may_stop else self._token_text(token)
         text, stop_str = req.stop_text.add(text)
         stop_str = stop_str and may_stop
-        req.sink.push(token, text, self._logprob(token, text) if sampling.logprobs is not None else None)
+        req.sink.push(token, text, self._logprob(token, text) if sampling.logprobs is not None else None,
+                      req.stop_text.held)
         if may_stop and (is_eos or stop_id or stop_str):
             self._finish(req, "stop")
         elif req.generated >= sampling.max_tokens:

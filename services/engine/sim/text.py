@@ -7,16 +7,15 @@ continued on another engine from prompt + generated tokens produces exactly the
 same continuation, as greedy decoding of a real model would. A token's text is
 the codec's text of that id alone.
 
-`StopText` applies stop strings the way vLLM does: the text of the stop
-string is not returned, and up to len(longest stop) - 1 characters are held
-back while streaming so a stop string spanning two tokens is never half-sent.
+Stop strings are applied by `services.common.stop_text.StopText`, as vLLM
+applies them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["ROLLING_SEED", "StopText", "TokenPicker", "roll"]
+__all__ = ["ROLLING_SEED", "TokenPicker", "roll"]
 
 _MASK = (1 << 64) - 1
 ROLLING_SEED = 0x5EED_0F_C0FFEE
@@ -53,33 +52,3 @@ class TokenPicker:
         if (state >> 40) < self._eos_threshold:
             return self._eos
         return self._ids[(state >> 7) % len(self._ids)]
-
-
-class StopText:
-    """Per-request text assembly with stop strings and hold-back."""
-
-    __slots__ = ("_stops", "_hold", "_buffer")
-
-    def __init__(self, stops: list[str]) -> None:
-        self._stops = [s for s in stops if s]
-        self._hold = max((len(s) for s in self._stops), default=1) - 1
-        self._buffer = ""
-
-    def add(self, piece: str) -> tuple[str, bool]:
-        """Append one token's text; returns (text safe to send now, stopped)."""
-        if not self._stops:
-            return piece, False
-        self._buffer += piece
-        cut = min((i for i in (self._buffer.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
-            out, self._buffer = self._buffer[:cut], ""
-            return out, True
-        keep = min(self._hold, len(self._buffer))
-        out = self._buffer[: len(self._buffer) - keep]
-        self._buffer = self._buffer[len(self._buffer) - keep :]
-        return out, False
-
-    def flush(self) -> str:
-        """What is held back, at a finish that was not a stop string."""
-        out, self._buffer = self._buffer, ""
-        return out

@@ -378,6 +378,8 @@ class VllmBackend:
                     yield usage.finish("error", f"engine error: {type(exc).__name__}: {exc}")
                     return
                 output = usage.convert(out)
+                if request.sampling.stop and output.finish_reason is None:
+                    output.held_text = self._held_text(rid)
                 if usage.outputs == 1:
                     self._active[rid].first_output = True
                 if output.finish_reason is not None:
@@ -395,6 +397,22 @@ class VllmBackend:
                 # the request in the engine core when closed.
                 await stream.aclose()
             self._notify()
+
+    def _held_text(self, request_id: str) -> str:
+        """The text vLLM holds back for a possible stop string, right after
+        the output just read (read in the same step of the event loop as
+        that output, so it covers exactly the tokens delivered so far).
+        vLLM has no API for it: this reads its output processor's
+        detokenizer (vLLM 0.32); if that changes, "" (nothing recoverable at
+        a migration, as before)."""
+        try:
+            processor = self._llm.output_processor
+            for internal_id in processor.external_req_ids.get(request_id, ()):
+                detokenizer = processor.request_states[internal_id].detokenizer
+                return str(detokenizer.output_text[detokenizer._last_output_text_offset:])  # noqa: SLF001
+        except (AttributeError, KeyError, TypeError):
+            return ""
+        return ""
 
     async def abort(self, request_id: str) -> bool:
         if request_id not in self._active or self._llm is None:

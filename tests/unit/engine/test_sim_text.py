@@ -10,7 +10,8 @@ from engine_helpers import engine_config, mesh_config, prompt_of, request
 from services.common.config import ModelConfig
 from services.engine.backend import GenerationOutput, GenerationRequest
 from services.engine.sim import SimBackend
-from services.engine.sim.text import StopText, TokenPicker, roll_all
+from services.common.stop_text import StopText
+from services.engine.sim.text import TokenPicker, roll_all
 from services.engine.tokenizer import HfCodec, SyntheticCodec
 
 

@@ -31,6 +31,7 @@ from services.common.proto.kvmesh.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from services.common.stop_text import StopText
 
 ROOT = Path(__file__).resolve().parents[3]
 REAL_TOKENIZER = ROOT / ".models" / "tiny-llama"
@@ -136,6 +137,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         total = request.resumed_tokens
         produced = 0
         reason = common_pb2.FINISH_REASON_STOP
+        # Stop strings as vLLM applies them, holding back a possible start.
+        stop_text = StopText(list(request.sampling.stop))
         try:
             while True:
                 if stop.is_set():
@@ -159,8 +162,14 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                     lp = [common_pb2.TokenLogprob(token_id=t, token=token_text(t), logprob=-0.5,
                                                   top=[common_pb2.TopLogprob(token_id=t, token=token_text(t),
                                                                              logprob=-0.5)])]
+                text, stopped = stop_text.add(token_text(t))
+                await context.write(engine_pb2.EngineGenerateEvent(delta=engine_pb2.EngineDelta(
+                    token_ids=[t], text=text, logprobs=lp, held_text=stop_text.held)))
+                if stopped:
+                    break
+            if stop_text.held:
                 await context.write(engine_pb2.EngineGenerateEvent(
-                    delta=engine_pb2.EngineDelta(token_ids=[t], text=token_text(t), logprobs=lp)))
+                    delta=engine_pb2.EngineDelta(text=stop_text.flush())))
             prompt = len(request.prompt_token_ids) - request.resumed_tokens
             await context.write(engine_pb2.EngineGenerateEvent(finished=engine_pb2.EngineFinished(
                 finish_reason=reason,

@@ -9,7 +9,7 @@ import time
 import aiohttp
 import openai
 import pytest
-from conftest import KEY_FULL, KEY_OTHER, KEY_P1, KEY_SLOW, MODEL, FakeEngine, Mesh, expected_answer
+from conftest import KEY_FULL, KEY_OTHER, KEY_P1, KEY_SLOW, MODEL, FakeEngine, Mesh, expected_answer, token_text
 
 from services.common.proto.kvmesh.v1 import scheduler_pb2
 
@@ -306,6 +306,58 @@ async def test_migration_is_seamless(mesh: Mesh) -> None:
     assert [list(r.exclude_engines) for r in record.replaces] == [["engine-a"]]
     assert record.replaces[0].prompt_tokens == len(prompt) + 3
     assert (await record.wait_done()).completion_tokens == 9
+
+
+async def _answer_pieces(mesh: Mesh, n: int) -> list[str]:
+    """The fake model's answer to CHAT, token by token (a probe request)."""
+    async with client(mesh) as c:
+        await c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=n)
+    engine = mesh.engines["engine-a"]
+    prompt = list(engine.requests.pop().prompt_token_ids)
+    return [token_text(t) for t in expected_answer(prompt, n)[0]]
+
+
+async def _stream_text(mesh: Mesh, stop: str) -> tuple[str, str | None, int]:
+    async with client(mesh) as c:
+        stream = await c.chat.completions.create(model=MODEL, messages=CHAT, stream=True, stop=[stop],
+                                                 stream_options={"include_usage": True})
+        chunks = [ch async for ch in stream]
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    reasons = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    return text, reasons[-1] if reasons else None, chunks[-1].usage.completion_tokens
+
+
+async def test_stop_string_across_a_migration_seam_still_stops(mesh: Mesh) -> None:
+    """Engine A holds back the tail of its text that may begin a stop string
+    and dies; the stop string ends in engine B's first token. Neither engine
+    sees it whole: the gateway carries A's held text across the seam and
+    applies the stop strings there."""
+    a = mesh.engines["engine-a"]
+    a.answer_tokens = 9
+    pieces = await _answer_pieces(mesh, 9)
+    m = 4                                          # A dies after 4 tokens
+    stop = pieces[m - 1][-2:] + pieces[m][:3]      # 2 chars of A's last token + 3 of B's first
+    full = "".join(pieces)
+    seam_at = len("".join(pieces[:m])) - 2
+    assert full.find(stop) == seam_at, "the probe answer repeats the stop string earlier; pick another"
+    a.break_after = m
+    await mesh.add_engine(FakeEngine("engine-b", answer_tokens=9))
+    text, reason, completion = await _stream_text(mesh, stop)
+    assert text == full[:seam_at]
+    assert reason == "stop"
+    assert completion == m + 1                     # A's 4 tokens and the one from B that completed it
+
+
+async def test_text_held_for_a_stop_string_survives_a_migration(mesh: Mesh) -> None:
+    a = mesh.engines["engine-a"]
+    a.answer_tokens = 9
+    pieces = await _answer_pieces(mesh, 9)
+    a.break_after = 4
+    b = await mesh.add_engine(FakeEngine("engine-b", answer_tokens=9))
+    text, reason, completion = await _stream_text(mesh, "\x00never\x00")  # held back, never matched
+    assert text == "".join(pieces)                 # nothing A held back went missing
+    assert reason == "stop" and completion == 9    # the fake model's EOS after 9 tokens
+    assert b.requests[0].resumed_tokens == 4
 
 
 async def test_failure_before_first_token_retries(mesh: Mesh) -> None:

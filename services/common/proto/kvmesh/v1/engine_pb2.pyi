@@ -44,14 +44,16 @@ class EngineGenerateEvent(_message.Message):
     def __init__(self, delta: _Optional[_Union[EngineDelta, _Mapping]] = ..., finished: _Optional[_Union[EngineFinished, _Mapping]] = ...) -> None: ...
 
 class EngineDelta(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs")
+    __slots__ = ("token_ids", "text", "logprobs", "held_text")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HELD_TEXT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    held_text: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., held_text: _Optional[str] = ...) -> None: ...
 
 class EngineFinished(_message.Message):
     __slots__ = ("finish_reason", "usage", "message")
