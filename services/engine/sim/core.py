@@ -45,7 +45,7 @@ from services.engine.backend import (
 )
 from services.engine.sim.blocks import BlockPool
 from services.engine.sim.cost_model import StepWork
-from services.engine.sim.text import TokenPicker, roll, roll_all
+from services.engine.sim.text import TokenPicker, roll, roll_all, sampling_salt
 
 __all__ = ["CoreLimits", "OutputSink", "SimCore", "SimRequest", "StepPlan"]
 
@@ -137,6 +137,9 @@ class SimRequest:
     sink: OutputSink
     stop_text: StopText
     rolling: int                    # rolling hash over `tokens`
+    # Mixed into each pick when the request samples (temperature > 0): from
+    # its seed, else random. 0 = greedy.
+    salt: int = 0
     state: RequestState = RequestState.WAITING
     num_computed: int = 0           # tokens whose KV exists
     num_cached: int | None = None   # prefix-cache hit at first admission
@@ -216,6 +219,7 @@ class SimCore:
             sink=OutputSink(),
             stop_text=StopText(request.sampling.stop),
             rolling=roll_all(request.prompt_token_ids),
+            salt=sampling_salt(request.sampling),
         )
         self._enqueue(req)
         return req
@@ -394,7 +398,7 @@ class SimCore:
             req.shared_hashes.append(parent)
 
     def _sample(self, req: SimRequest) -> bool:
-        token = self._picker.next_token(req.rolling)
+        token = self._picker.next_token(roll(req.rolling, req.salt) if req.salt else req.rolling)
         req.tokens.append(token)
         req.rolling = roll(req.rolling, token)
         req.generated += 1

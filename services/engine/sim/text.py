@@ -7,15 +7,25 @@ continued on another engine from prompt + generated tokens produces exactly the
 same continuation, as greedy decoding of a real model would. A token's text is
 the codec's text of that id alone.
 
+Sampling: a request with a temperature above 0 mixes a salt into every pick
+-- derived from its seed, so the same seed gives the same answer (and the same
+continuation after a migration), else random per request. The temperature's
+value, top_p and top_k do not shape the choice: the simulator models cost, not
+a distribution. No temperature, or 0, is greedy (deterministic), unlike vLLM,
+whose default is 1.0: tests and benchmarks need reproducible answers.
+
 Stop strings are applied by `services.common.stop_text.StopText`, as vLLM
 applies them.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterable
 
-__all__ = ["ROLLING_SEED", "TokenPicker", "roll"]
+from services.engine.backend import Sampling
+
+__all__ = ["ROLLING_SEED", "TokenPicker", "roll", "sampling_salt"]
 
 _MASK = (1 << 64) - 1
 ROLLING_SEED = 0x5EED_0F_C0FFEE
@@ -52,3 +62,12 @@ class TokenPicker:
         if (state >> 40) < self._eos_threshold:
             return self._eos
         return self._ids[(state >> 7) % len(self._ids)]
+
+
+def sampling_salt(sampling: Sampling) -> int:
+    """0 for greedy requests; else the per-request salt (see the module doc)."""
+    if not sampling.temperature or sampling.temperature <= 0:
+        return 0
+    if sampling.seed is not None:
+        return roll(ROLLING_SEED, sampling.seed & _MASK) or 1
+    return secrets.randbits(64) or 1

@@ -8,9 +8,9 @@ from pathlib import Path
 from engine_helpers import engine_config, mesh_config, prompt_of, request
 
 from services.common.config import ModelConfig
+from services.common.stop_text import StopText
 from services.engine.backend import GenerationOutput, GenerationRequest
 from services.engine.sim import SimBackend
-from services.common.stop_text import StopText
 from services.engine.sim.text import TokenPicker, roll_all
 from services.engine.tokenizer import HfCodec, SyntheticCodec
 
@@ -46,6 +46,31 @@ async def test_same_prompt_same_tokens_across_engines_and_text_is_concatenation(
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_temperature_samples_and_a_seed_makes_it_repeatable() -> None:
+    backend = await _backend()
+    try:
+        prompt = prompt_of(19)
+        greedy, _, _ = await _run(backend, request("g", prompt, max_tokens=20))
+        assert (await _run(backend, request("g0", prompt, max_tokens=20, temperature=0.0)))[0] == greedy
+        seeded = [(await _run(backend, request(f"s{i}", prompt, max_tokens=20, temperature=0.8, seed=7)))[0]
+                  for i in range(2)]
+        assert seeded[0] == seeded[1] != greedy
+        other_seed, _, _ = await _run(backend, request("s8", prompt, max_tokens=20, temperature=0.8, seed=8))
+        assert other_seed != seeded[0]
+        unseeded = {tuple((await _run(backend, request(f"u{i}", prompt, max_tokens=20, temperature=1.0)))[0])
+                    for i in range(3)}
+        assert len(unseeded) == 3
+        # With a seed, a request resumed from prompt + generated (a migration)
+        # continues exactly as the unbroken run did.
+        head, _, _ = await _run(backend, request("h", prompt, max_tokens=8, temperature=0.8, seed=7))
+        resumed = GenerationRequest("t", prompt + head, request("x", [1], 12, temperature=0.8, seed=7).sampling,
+                                    resumed_tokens=len(head))
+        tail, _, _ = await _run(backend, resumed)
+        assert head + tail == seeded[0]
+    finally:
+        await backend.stop()
 
 
 async def test_continuing_from_prompt_plus_generated_gives_the_same_continuation() -> None:
