@@ -178,6 +178,10 @@ class EngineConfig:
     # model needs; 40 ms keeps 25 updates/s per stream. 0 = a delta per step.
     coalesce_interval_ms: float = 40.0
     coalesce_min_running: int = 8
+    # Priority classes never paced: a P0 stream is a person reading tokens as
+    # they come, and it keeps a delta per step however busy the engine is;
+    # the batch classes' pacing pays for it. [] = pace every class.
+    coalesce_unpaced_priorities: list[int] = field(default_factory=lambda: [0])
     sim: SimCostConfig = field(default_factory=SimCostConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
 

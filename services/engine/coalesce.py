@@ -26,16 +26,24 @@ __all__ = ["DeltaBuffer", "StreamPacing"]
 @dataclass(frozen=True)
 class StreamPacing:
     """While at least `min_running` generations are live on the engine, a
-    stream's deltas go out at most every `interval_seconds`. The first token
-    and the final output are never held."""
+    stream's deltas go out at most every `interval_seconds`, unless its
+    priority class is in `unpaced_priorities`. The first token and the final
+    output are never held."""
 
     interval_seconds: float = 0.0
     min_running: int = 1
+    unpaced_priorities: frozenset[int] = frozenset()
 
-    def hold_seconds(self, live: int) -> float:
-        """How long to hold a stream after a delta went out, with `live`
-        generations on the engine (0 = send the next one as soon as it exists)."""
-        if self.interval_seconds <= 0 or live < self.min_running:
+    def __post_init__(self) -> None:
+        bad = sorted(p for p in self.unpaced_priorities if p not in (0, 1, 2))
+        if bad:
+            raise ValueError(f"coalesce_unpaced_priorities: {bad} are not priority classes (0, 1, 2)")
+
+    def hold_seconds(self, live: int, priority: int = 1) -> float:
+        """How long to hold a stream of class `priority` after a delta went
+        out, with `live` generations on the engine (0 = send the next one as
+        soon as it exists)."""
+        if self.interval_seconds <= 0 or live < self.min_running or priority in self.unpaced_priorities:
             return 0.0
         return self.interval_seconds
 

@@ -92,7 +92,7 @@ class Generation:
                 yield out
                 if out.finish_reason is not None:
                     return
-                hold = pacing.hold_seconds(self._runtime.live_count)
+                hold = pacing.hold_seconds(self._runtime.live_count, self.request.priority)
         finally:
             self.close()
 

@@ -89,8 +89,12 @@ class EngineService:
         self.clock = clock or SystemClock()
         self.model_name = resolve_model(config, engine).name
         self.metrics = EngineMetrics(self.model_name, engine.engine_id, self._safe_load)
-        self.runtime = EngineRuntime(self.backend, self.metrics, self.clock, StreamPacing(
-            engine.coalesce_interval_ms / 1000.0, engine.coalesce_min_running))
+        try:
+            pacing = StreamPacing(engine.coalesce_interval_ms / 1000.0, engine.coalesce_min_running,
+                                  frozenset(engine.coalesce_unpaced_priorities))
+        except ValueError as exc:
+            raise ConfigError(f"engines.template.{exc}") from exc
+        self.runtime = EngineRuntime(self.backend, self.metrics, self.clock, pacing)
         self.port = 0
         self.link: SchedulerLink | None = None
         self._server = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 from engine_helpers import engine_config, mesh_config, prompt_of
 
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -19,6 +20,14 @@ def test_pacing_applies_only_from_min_running() -> None:
     assert pacing.hold_seconds(7) == 0.0
     assert pacing.hold_seconds(8) == 0.04
     assert StreamPacing(0.0, 1).hold_seconds(100) == 0.0  # off
+
+
+def test_unpaced_classes_keep_a_delta_per_step() -> None:
+    pacing = StreamPacing(interval_seconds=0.04, min_running=1, unpaced_priorities=frozenset({0}))
+    assert pacing.hold_seconds(50, priority=0) == 0.0
+    assert pacing.hold_seconds(50, priority=1) == pacing.hold_seconds(50, priority=2) == 0.04
+    with pytest.raises(ValueError, match=r"\[3\]"):
+        StreamPacing(0.04, 1, frozenset({3}))
 
 
 async def test_a_hold_merges_tokens_and_the_final_output_ends_it_early() -> None:
@@ -46,10 +55,11 @@ async def test_a_hold_ends_with_its_interval() -> None:
     assert out.token_ids == [7] and out.finish_reason is None
 
 
-async def _deltas(stub: engine_pb2_grpc.EngineStub, rid: str, max_tokens: int) -> tuple[list[list[int]], str]:
+async def _deltas(stub: engine_pb2_grpc.EngineStub, rid: str, max_tokens: int,
+                  priority: int = 1) -> tuple[list[list[int]], str]:
     call = stub.Generate()
     await call.write(engine_pb2.EngineGenerateMessage(request=engine_pb2.EngineRequest(
-        request_id=rid, prompt_token_ids=prompt_of(16),
+        request_id=rid, prompt_token_ids=prompt_of(16), priority=priority,
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens))))
     deltas: list[list[int]] = []
     text = ""
@@ -74,10 +84,17 @@ async def test_engine_paces_streams_under_load_without_changing_them() -> None:
         await svc.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.port}") as channel:
-                results[interval_ms] = await _deltas(engine_pb2_grpc.EngineStub(channel), "r", 120)
+                stub = engine_pb2_grpc.EngineStub(channel)
+                results[interval_ms] = await _deltas(stub, "r", 120)
+                if interval_ms:
+                    results["p0"] = await _deltas(stub, "p0", 120, priority=0)
         finally:
             await svc.stop()
     (plain, plain_text), (paced, paced_text) = results[0.0], results[100.0]
     assert sum(plain, []) == sum(paced, []) and plain_text == paced_text
     assert len(paced[0]) == 1  # the first token is never held
     assert len(paced) < len(plain) / 2, (len(paced), len(plain))
+    # On the same paced engine a P0 stream is not held: deltas as unpaced.
+    p0, p0_text = results["p0"]
+    assert sum(p0, []) == sum(plain, []) and p0_text == plain_text
+    assert len(p0) > 2 * len(paced), (len(p0), len(paced))
