@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-__all__ = ["RejectUndecodable", "UndecodableMessage", "WrappingInterceptor"]
+__all__ = ["RejectUndecodable", "UndecodableMessage", "WrappingInterceptor", "rebuild_handler", "wrap_behavior"]
 
 
 class UndecodableMessage(ValueError):
@@ -49,14 +49,17 @@ def _safe(deserializer: Callable[[bytes], Any], what: str) -> Callable[[bytes], 
     return parse
 
 
-def _wrap(behavior: Callable[..., Any], parse: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]) -> Any:
-    """`behavior(request, context)` with the request passed through `parse`
-    first and UndecodableMessage turned into INVALID_ARGUMENT; the result
-    keeps the behavior's style (coroutine or async generator)."""
+def wrap_behavior(
+    behavior: Callable[..., Any], before: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+) -> Any:
+    """`behavior(request, context)` with the request passed through `before`
+    first (which may abort the call) and UndecodableMessage turned into
+    INVALID_ARGUMENT; the result keeps the behavior's style (coroutine or
+    async generator)."""
     if inspect.isasyncgenfunction(behavior):
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
-                async for item in behavior(await parse(request, context), context):
+                async for item in behavior(await before(request, context), context):
                     yield item
             except UndecodableMessage as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -64,11 +67,31 @@ def _wrap(behavior: Callable[..., Any], parse: Callable[[Any, grpc.aio.ServicerC
 
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            result = behavior(await parse(request, context), context)
+            result = behavior(await before(request, context), context)
             return await result if inspect.isawaitable(result) else result
         except UndecodableMessage as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     return call
+
+
+def rebuild_handler(
+    handler: grpc.RpcMethodHandler,
+    before: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]],
+    request_deserializer: Callable[[bytes], Any] | None,
+) -> grpc.RpcMethodHandler:
+    """`handler` of the same streaming kind, its behavior behind `before`
+    (`wrap_behavior`), with `request_deserializer`."""
+    streaming = (handler.request_streaming, handler.response_streaming)
+    behavior = {
+        (False, False): handler.unary_unary, (False, True): handler.unary_stream,
+        (True, False): handler.stream_unary, (True, True): handler.stream_stream,
+    }[streaming]
+    factory = {
+        (False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler,
+    }[streaming]
+    return factory(wrap_behavior(behavior, before), request_deserializer=request_deserializer,
+                   response_serializer=handler.response_serializer)
 
 
 def _guard(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
@@ -80,12 +103,7 @@ def _guard(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         async def passthrough(request: Any, _context: grpc.aio.ServicerContext) -> Any:
             return request
 
-        behavior = handler.stream_stream or handler.stream_unary
-        wrapped = _wrap(behavior, passthrough)
-        factory = (grpc.stream_stream_rpc_method_handler if handler.response_streaming
-                   else grpc.stream_unary_rpc_method_handler)
-        return factory(wrapped, request_deserializer=_safe(deserializer, what),
-                       response_serializer=handler.response_serializer)
+        return rebuild_handler(handler, passthrough, _safe(deserializer, what))
 
     async def parse(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
@@ -93,11 +111,7 @@ def _guard(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         except Exception as exc:  # noqa: BLE001 - any parse failure is the client's
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _message(what, exc))
 
-    behavior = handler.unary_stream or handler.unary_unary
-    wrapped = _wrap(behavior, parse)
-    factory = (grpc.unary_stream_rpc_method_handler if handler.response_streaming
-               else grpc.unary_unary_rpc_method_handler)
-    return factory(wrapped, request_deserializer=None, response_serializer=handler.response_serializer)
+    return rebuild_handler(handler, parse, None)
 
 
 class WrappingInterceptor(grpc.aio.ServerInterceptor):

@@ -21,9 +21,8 @@ set (`services/edge/devcerts.py`, `ensure_mesh_certs`) unless
 
 from __future__ import annotations
 
-import inspect
 import ssl
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from typing import Any
 import grpc
 
 from services.common.config import ConfigError, MeshConfig
-from services.common.grpc_guard import WrappingInterceptor
+from services.common.grpc_guard import WrappingInterceptor, rebuild_handler
 
 __all__ = [
     "DOMAIN",
@@ -159,10 +158,7 @@ def aio_channel(
     is off, else mutual TLS that also checks the server's role."""
     if identity is None:
         return grpc.aio.insecure_channel(address, options=list(options))
-    return grpc.aio.secure_channel(
-        address, identity.channel_credentials(),
-        options=[*options, ("grpc.ssl_target_name_override", server_name(server_role))],
-    )
+    return grpc.aio.secure_channel(address, identity.channel_credentials(), _tls_options(options, server_role))
 
 
 def sync_channel(
@@ -171,10 +167,12 @@ def sync_channel(
     """`aio_channel` for blocking callers (the launcher's probes)."""
     if identity is None:
         return grpc.insecure_channel(address, options=list(options))
-    return grpc.secure_channel(
-        address, identity.channel_credentials(),
-        options=[*options, ("grpc.ssl_target_name_override", server_name(server_role))],
-    )
+    return grpc.secure_channel(address, identity.channel_credentials(), _tls_options(options, server_role))
+
+
+def _tls_options(options: Sequence[tuple[str, Any]], server_role: str) -> list[tuple[str, Any]]:
+    # The server must prove `server_role`, whatever its address resolves to.
+    return [*options, ("grpc.ssl_target_name_override", server_name(server_role))]
 
 
 # ---------------------------------------------------------------- server side
@@ -190,10 +188,10 @@ def peer_role(context: grpc.aio.ServicerContext) -> str | None:
     return None
 
 
-def _checked(behavior: Callable[..., Any], allowed: frozenset[str], method: str) -> Callable[..., Any]:
-    """`behavior` behind a role check; keeps its style (coroutine or async generator)."""
+def _with_roles(handler: grpc.RpcMethodHandler, allowed: frozenset[str], method: str) -> grpc.RpcMethodHandler:
+    """`handler` behind a check of the caller's role."""
 
-    async def check(context: grpc.aio.ServicerContext) -> None:
+    async def check(request: Any, context: grpc.aio.ServicerContext) -> Any:
         role = peer_role(context)
         if role not in allowed:
             await context.abort(
@@ -201,34 +199,9 @@ def _checked(behavior: Callable[..., Any], allowed: frozenset[str], method: str)
                 f"{method} is for {', '.join(sorted(allowed))} certificates; the caller's is "
                 f"{role or 'not a kvmesh role'}",
             )
+        return request
 
-    if inspect.isasyncgenfunction(behavior):
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            await check(context)
-            async for item in behavior(request, context):
-                yield item
-        return stream
-
-    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await check(context)
-        result = behavior(request, context)
-        return await result if inspect.isawaitable(result) else result
-    return call
-
-
-def _with_roles(handler: grpc.RpcMethodHandler, allowed: frozenset[str], method: str) -> grpc.RpcMethodHandler:
-    kinds = {
-        (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
-        (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
-        (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
-        (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
-    }
-    attr, factory = kinds[(handler.request_streaming, handler.response_streaming)]
-    return factory(
-        _checked(getattr(handler, attr), allowed, method),
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
+    return rebuild_handler(handler, check, handler.request_deserializer)
 
 
 class RequirePeerRoles(WrappingInterceptor):

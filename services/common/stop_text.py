@@ -28,7 +28,7 @@ class StopText:
         if not self._stops:
             return piece, False
         self._buffer += piece
-        cut = min((i for i in (self._buffer.find(s) for s in self._stops) if i >= 0), default=-1)
+        cut = self._first(self._buffer)
         if cut >= 0:
             out, self._buffer = self._buffer[:cut], ""
             return out, True
@@ -40,7 +40,9 @@ class StopText:
     def first_stop(self, lookahead: str) -> int:
         """Where the first stop string begins in the held text followed by
         `lookahead` (text not taken in), or -1."""
-        text = self._buffer + lookahead
+        return self._first(self._buffer + lookahead)
+
+    def _first(self, text: str) -> int:
         return min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)
 
     @property

@@ -57,15 +57,20 @@ def _files(folder: Path) -> DevCerts:
     return DevCerts(folder / "ca.pem", folder / "server.pem", folder / "server-key.pem")
 
 
-def _still_valid(certs: DevCerts) -> bool:
+def _still_valid(ca_file: Path, leaves: list[tuple[Path, Path]]) -> bool:
+    """The CA and every (certificate, key) pair readable, issued by that CA,
+    and valid for at least `_RENEW_BEFORE` more."""
     try:
-        ca = x509.load_pem_x509_certificate(certs.ca.read_bytes())
-        server = x509.load_pem_x509_certificate(certs.cert_chain.read_bytes())
-        certs.private_key.read_bytes()
+        ca = x509.load_pem_x509_certificate(ca_file.read_bytes())
+        certs = [x509.load_pem_x509_certificate(cert.read_bytes()) for cert, _ in leaves]
+        for _, key in leaves:
+            key.read_bytes()
     except (OSError, ValueError):
         return False
     soon = datetime.datetime.now(datetime.UTC) + _RENEW_BEFORE
-    return ca.not_valid_after_utc > soon and server.not_valid_after_utc > soon and server.issuer == ca.subject
+    return ca.not_valid_after_utc > soon and all(
+        cert.not_valid_after_utc > soon and cert.issuer == ca.subject for cert in certs
+    )
 
 
 def _write_private(path: Path, data: bytes) -> None:
@@ -128,7 +133,7 @@ def ensure_dev_certs(folder: str | Path) -> DevCerts:
     broken or about to expire."""
     folder = Path(folder)
     certs = _files(folder)
-    if _still_valid(certs):
+    if _still_valid(certs.ca, [(certs.cert_chain, certs.private_key)]):
         return certs
     folder.mkdir(parents=True, exist_ok=True)
     until = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=_VALID_DAYS)
@@ -145,25 +150,11 @@ def ensure_dev_certs(folder: str | Path) -> DevCerts:
     return certs
 
 
-def _mesh_still_valid(folder: Path) -> bool:
-    try:
-        ca = x509.load_pem_x509_certificate((folder / "ca.pem").read_bytes())
-        leaves = [x509.load_pem_x509_certificate((folder / f"{role}.pem").read_bytes()) for role in ROLES]
-        for role in ROLES:
-            (folder / f"{role}-key.pem").read_bytes()
-    except (OSError, ValueError):
-        return False
-    soon = datetime.datetime.now(datetime.UTC) + _RENEW_BEFORE
-    return ca.not_valid_after_utc > soon and all(
-        leaf.not_valid_after_utc > soon and leaf.issuer == ca.subject for leaf in leaves
-    )
-
-
 def ensure_mesh_certs(folder: str | Path) -> Path:
     """The mesh's dev CA and one certificate per role in `folder`, created
     when missing, broken or about to expire. Returns the folder."""
     folder = Path(folder)
-    if _mesh_still_valid(folder):
+    if _still_valid(folder / "ca.pem", [(folder / f"{r}.pem", folder / f"{r}-key.pem") for r in ROLES]):
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     until = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=_VALID_DAYS)

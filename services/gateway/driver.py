@@ -38,8 +38,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from services.common.prefix_hash import block_hashes
-from services.common.stop_text import StopText
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, scheduler_pb2
+from services.common.stop_text import StopText
 from services.gateway.admission import AdmissionClient, AdmitSession
 from services.gateway.engine_client import EnginePool, EngineStream
 from services.gateway.errors import EngineFailure, ErrorKind, GatewayError

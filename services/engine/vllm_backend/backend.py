@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.affinity import omp_cores, pin_vllm_processes
 from services.common.config import EngineConfig, MeshConfig
 from services.engine.backend import (
     BackendInfo,
@@ -33,7 +34,6 @@ from services.engine.backend import (
     LoadSnapshot,
     Sampling,
 )
-from services.common.affinity import omp_cores, pin_vllm_processes
 from services.engine.vllm_backend.env import prepare_environment, resolve_path
 from services.engine.vllm_backend.kv_events import KvEventSubscriber
 from services.engine.vllm_backend.kv_translate import KvDelta, KvTranslator
