@@ -37,8 +37,16 @@ from services.common.clock import FakeClock  # noqa: E402
 from services.common.config import MeshConfig  # noqa: E402
 from services.common.prefix_hash import block_hashes  # noqa: E402
 from services.scheduler.core import SchedulerCore  # noqa: E402
+from services.scheduler.engine_registry import EngineInfo, EngineLoad  # noqa: E402
+from services.scheduler.events import (  # noqa: E402
+    EngineJoined,
+    KvSnapshotReported,
+    LoadReported,
+    RequestArrived,
+    RequestDone,
+    Tick,
+)
 from services.scheduler.records import AdmitOptions  # noqa: E402
-from services.scheduler.registry import EngineInfo, EngineLoad  # noqa: E402
 
 POLICIES = ["round_robin", "least_load", "prefix_approx", "kv_precise", "sticky_until_saturated"]
 MODEL = "m"
@@ -55,9 +63,10 @@ def run(policy: str, args: argparse.Namespace) -> dict[str, float]:
     tokens: dict[str, int] = {}
     for e in range(args.engines):
         eid = f"engine-{e}"
-        tokens[eid] = core.engine_hello(EngineInfo(eid, f"127.0.0.1:{50000 + e}", MODEL, 16, 4096, 64, 1.0, 8192))
+        tokens[eid] = core.handle(EngineJoined(
+            EngineInfo(eid, f"127.0.0.1:{50000 + e}", MODEL, 16, 4096, 64, 1.0, 8192))).token
         held = [h for g in range(e * 2, e * 2 + 2) for h in contexts[g % 64]]
-        core.engine_kv_snapshot(eid, tokens[eid], 1, held)
+        core.handle(KvSnapshotReported(eid, tokens[eid], 1, held))
     running: dict[str, set[str]] = {eid: set() for eid in tokens}
     placed_on: dict[str, str] = {}
 
@@ -65,7 +74,7 @@ def run(policy: str, args: argparse.Namespace) -> dict[str, float]:
         ids = running[eid]
         load = EngineLoad(running=len(ids), waiting=0, blocks_used=min(4096, 140 * len(ids)), blocks_total=4096,
                           cached_blocks=250, serving=True, queued_tokens=0, request_ids=frozenset(ids))
-        core.engine_load(eid, tokens[eid], load)
+        core.handle(LoadReported(eid, tokens[eid], load))
 
     for eid in tokens:
         report(eid)
@@ -106,8 +115,7 @@ def run(policy: str, args: argparse.Namespace) -> dict[str, float]:
             opts = AdmitOptions(f"r{arg}", MODEL, tenant=f"t{g % 8}", priority=rng.choice((0, 1, 1, 2)),
                                 prompt_tokens=args.context_tokens + 32, max_tokens=16, prefix_hashes=prefix)
             t0, c0 = time.perf_counter(), time.thread_time()
-            core.admit(opts)
-            deliveries = core.dispatch()
+            deliveries = core.handle(RequestArrived(opts)).notices  # admit + dispatch
             decision.append(time.perf_counter() - t0)
             decision_cpu.append(time.thread_time() - c0)
             absorb(deliveries)
@@ -119,7 +127,7 @@ def run(policy: str, args: argparse.Namespace) -> dict[str, float]:
                 continue
             running[engine].discard(arg)
             t0 = time.perf_counter()
-            deliveries = core.done(arg)
+            deliveries = core.handle(RequestDone(arg)).notices
             finish.append(time.perf_counter() - t0)
             absorb(deliveries)
         elif kind == "report":
@@ -128,7 +136,7 @@ def run(policy: str, args: argparse.Namespace) -> dict[str, float]:
             other += time.perf_counter() - t0
         else:
             t0 = time.perf_counter()
-            absorb(core.tick())
+            absorb(core.handle(Tick()).notices)
             other += time.perf_counter() - t0
     busy = sum(decision) + sum(finish) + other
     ms = lambda xs, p: percentile(xs, p) * 1000  # noqa: E731

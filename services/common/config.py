@@ -250,6 +250,16 @@ class SchedulerConfig:
     metrics_port: int = 9101
     # Placement policy by registered name (services/scheduler/placement/).
     policy: str = "sticky_until_saturated"
+    # Queue fairness policy by registered name (which tenant a class serves
+    # next; services/scheduler/queue_policies.py). round_robin_tenants gives
+    # every tenant with queued work one turn per round, so a tenant flooding
+    # a class cannot starve the others. Unknown names are a config error.
+    queue_fairness: str = "round_robin_tenants"
+    # Queue ordering policy by registered name (which of a tenant's requests
+    # goes next). fifo keeps arrival order, and a re-admitted request keeps
+    # its original arrival, so it goes back where it was. Unknown names are a
+    # config error.
+    queue_ordering: str = "fifo"
     aging: AgingConfig = field(default_factory=AgingConfig)
     # Most requests queued per class [P0, P1, P2]; past it -> 429.
     queue_caps: list[int] = field(default_factory=lambda: [1000, 2000, 10000])

@@ -1,36 +1,54 @@
 """The scheduler core: the one owner of the scheduler's mutable state.
 
-Ownership rule: queues, requests, leases, reservations, the engine registry
-and the KV index are touched only through `SchedulerCore`'s methods, and
-those are called only from the event loop's thread (service.py). Every
-method is synchronous and runs to completion without awaiting, so no two
-calls ever interleave and no lock is needed. Methods that can let queued
-requests leave return the notices for their Admit streams; the caller
-delivers them. Every request is finalised exactly once: `_finish` is
-idempotent and every exit path (done, withdraw, reject, expiry) goes through it.
+Ownership rule: the core owns all mutable scheduler state, through three
+objects only it calls: `RequestBook` (request_book.py: every admitted
+request's record and lease), `WaitingRoom` (waiting.py: the model queues
+and Replace lanes) and `EngineFleet` (fleet.py: the engine registry, KV
+index, reservations, leases and engine views). All of it changes only
+inside `SchedulerCore.handle`, which is called only from the event loop's
+thread (grpc_api.py for stream messages, server.py's
+timers for `Tick`). `handle` is synchronous and runs to completion without
+awaiting, so no two events ever interleave and no lock is needed.
 
-Phases, each its own method: admit -> (aging/expiry: `_advance`) ->
-dispatch (`_dispatch_model`: place, reserve, lease) -> finish.
+One entry point: `handle(event) -> Outbox` applies one event (events.py),
+then ALWAYS dispatches, and returns everything to deliver. Dispatch is
+idempotent and cheap when nothing waits, so running it after every event
+(even ones that cannot free room) costs little and means no caller can
+strand a placement by forgetting to dispatch -- the transport never
+dispatches at all. Each request is finalised exactly once, by
+`RequestBook.finish` (request_book.py), which every exit path goes through.
+
+Phases of a request and where each lives:
+  admit     `_admit` here: checks (admission_limits.py), the aging class
+            (aging.py), then into its model's queue (waiting.py, queue.py;
+            fairness and ordering from queue_policies.py);
+  place     `_try_place` here asks the placement policy (placement/) over
+            the fleet's engine views (fleet.py);
+  dispatch  `_dispatch` here: per model the Replace lane, then the queue,
+            in order, until one cannot be placed; leases via the fleet;
+  finish    `RequestBook.finish` (request_book.py): out of queue and lane,
+            lease ended, counted; idempotent.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from services.common.clock import Clock
 from services.common.config import ConfigError, MeshConfig
 
-from .admission import AdmissionLimits, DispatchRateMeter, validate_options
+from . import events as ev
+from .admission_limits import AdmissionLimits, DispatchRateMeter, validate_options
 from .aging import AgingRule
-from .kv_index import KvIndex
+from .events import Delivery, Outbox
+from .fleet import EngineFleet, EngineStat
 from .metrics import SchedulerMetrics
-from .placement import EngineView, PlacementPolicy, PlacementRequest, build_policy, builtin_registry
+from .placement import PlacementPolicy, PlacementRequest, build_policy, builtin_registry
 from .queue import ModelQueue, Promotion
-from .queue_policies import FifoOrdering, RoundRobinTenants
 from .records import (
     NUM_CLASSES,
     AdmissionError,
@@ -41,34 +59,14 @@ from .records import (
     PlacedInfo,
     QueuedInfo,
     QueueEntry,
-    RejectedInfo,
     RejectReason,
     RequestRecord,
     RequestState,
 )
-from .registry import EngineInfo, EngineLoad, EngineRecord, EngineRegistry
-from .reservations import ReservationBook, blocks_needed
+from .request_book import RequestBook
+from .waiting import QueueStat, WaitingRoom
 
 __all__ = ["EngineStat", "QueueStat", "SchedulerCore", "StateView", "validate_scheduler_config"]
-
-# (request id, what to tell its Admit stream)
-Delivery = tuple[str, Notice]
-
-
-@dataclass(frozen=True)
-class QueueStat:
-    priority: int
-    tenant: str
-    queued: int
-    oldest_wait_seconds: float
-
-
-@dataclass(frozen=True)
-class EngineStat:
-    view: EngineView
-    address: str
-    cached_blocks: int
-    backend: str
 
 
 @dataclass(frozen=True)
@@ -112,34 +110,49 @@ class SchedulerCore:
         self._aging = AgingRule.from_config(self._config.aging)
         self._limits = AdmissionLimits.from_config(self._config)
         self._rate = DispatchRateMeter(self._config.dispatch_rate_window_seconds)
-        self.policy: PlacementPolicy = build_policy(
-            self._config.policy, self._config, builtin_registry(self._config)
+        plugins = builtin_registry(self._config)
+        self.policy: PlacementPolicy = build_policy(self._config.policy, self._config, plugins)
+        self.waiting = WaitingRoom(
+            self._aging,
+            plugins.make_fairness(self._config.queue_fairness),
+            plugins.make_ordering(self._config.queue_ordering),
         )
-        self._fairness = RoundRobinTenants()
-        self._ordering = FifoOrdering()
-        self._queues: dict[str, ModelQueue] = {}
-        self._lanes: dict[str, OrderedDict[str, RequestRecord]] = {}  # Replace, ahead of queues
-        self._requests: dict[str, RequestRecord] = {}
-        self._leases: dict[str, Lease] = {}
-        self.engines = EngineRegistry(self._config.initial_service_seconds)
-        self.kv = KvIndex()
-        self.reservations = ReservationBook()
+        self.fleet = EngineFleet(self._config, clock.monotonic(), self._limits.retry_min)
+        self._requests = RequestBook(self.fleet, self.waiting, self.metrics)
         self._seq = itertools.count()
-        self._lease_ids = itertools.count(1)
-        self._started = clock.monotonic()
-        self._model_seen: dict[str, float] = {}
         self.shutting_down = False
+        self._handlers: dict[type, Callable[[Any, Outbox, float], None]] = {
+            ev.RequestArrived: self._on_arrived, ev.StreamClosed: self._on_closed,
+            ev.FirstToken: self._on_first_token, ev.RequestDone: self._on_done,
+            ev.ReplaceRequested: self._on_replace, ev.EngineJoined: self._on_engine_joined,
+            ev.LoadReported: self._on_load, ev.KvEventsReported: self._on_kv_events,
+            ev.KvSnapshotReported: self._on_kv_snapshot, ev.EngineLeft: self._on_engine_left,
+            ev.DrainRequested: self._on_drain, ev.Tick: self._on_tick,
+            ev.ShutdownStarted: self._on_shutdown,
+        }
 
-    # ------------------------------------------------------------ requests
+    # ------------------------------------------------------------ the entry point
 
-    def admit(self, options: AdmitOptions) -> Notice:
-        """Queue a request (or re-attach a running one). Returns the first
-        answer for its stream: Queued, Placed (re-attach) or Rejected."""
-        now = self._clock.monotonic()
+    def handle(self, event: ev.Event) -> Outbox:
+        """Apply one event, dispatch, and return what to deliver."""
+        out = Outbox()
+        self._handlers[type(event)](event, out, self._clock.monotonic())
+        out.notices.extend(self._dispatch())
+        if isinstance(event, ev.Tick):
+            self.waiting.drop_empty()
+            self._refresh_gauges()
+        return out
+
+    # ------------------------------------------------------------ admit
+
+    def _on_arrived(self, event: ev.RequestArrived, out: Outbox, now: float) -> None:
+        """The request's own first answer: Queued, Placed (re-attach) or
+        Rejected; a placement by the dispatch that follows comes after it."""
         try:
-            return self._admit(options, now)
+            notice: Notice = self._admit(event.options, now)
         except AdmissionError as err:
-            return self._rejected(err.reason, err.message, err.retry_after)
+            notice = self._requests.rejected(err.reason, err.message, err.retry_after)
+        out.notices.append((event.options.request_id, notice))
 
     def _admit(self, options: AdmitOptions, now: float) -> Notice:
         validate_options(options)
@@ -159,7 +172,7 @@ class SchedulerCore:
             if placed is not None:
                 return placed
         arrival = self._arrival(options, now)
-        self._check_servable(options, frozenset(), now)
+        self.fleet.check_servable(options, frozenset(), now)
         expires_at = self._limits.expires_at(options.priority, arrival)
         if now >= expires_at:
             raise AdmissionError(
@@ -171,15 +184,15 @@ class SchedulerCore:
         cls_now = self._aging.class_at(options.priority, arrival, now)
         rate = self._rate.rate(now)
         self._limits.check_caps(
-            cls_now, self.class_len(cls_now), options.tenant, self.tenant_len(options.tenant), rate
+            cls_now, self.waiting.class_len(cls_now), options.tenant, self.waiting.tenant_len(options.tenant), rate
         )
         entry = QueueEntry(
             options=options, seq=next(self._seq), arrival=arrival,
             base_class=options.priority, cls=options.priority, expires_at=expires_at,
         )
-        queue = self._queue(options.model)
+        queue = self.waiting.queue(options.model)
         self._count_promotions(queue.push(entry, now))
-        self._requests[options.request_id] = RequestRecord(options, RequestState.QUEUED, entry=entry)
+        self._requests.add(RequestRecord(options, RequestState.QUEUED, entry=entry))
         self.metrics.admissions.labels(str(options.priority)).inc()
         return self._queued_info(queue.position_of(entry), entry.cls, rate)
 
@@ -193,93 +206,111 @@ class SchedulerCore:
     def _reattach(self, options: AdmitOptions, now: float) -> PlacedInfo | None:
         """Soft state after a scheduler restart: the request runs on a known
         engine already, so lease it there without queueing or reserving."""
-        record = self.engines.get(options.running_on_engine)
+        record = self.fleet.get(options.running_on_engine)
         if record is None or record.info.model != options.model:
             return None
         rec = RequestRecord(options, RequestState.PLACED)
-        self._requests[options.request_id] = rec
-        lease = self._new_lease(rec, record, reserved=0, cached=0, now=now)
+        self._requests.add(rec)
+        lease = self._requests.open_lease(rec, record, reserved=0, cached=0, now=now)
         self.metrics.placed(self.policy.name, "reattach", 0, 0)
         return PlacedInfo(record.engine_id, record.info.address, lease.lease_id, 0)
 
-    def withdraw(self, request_id: str) -> list[Delivery]:
-        """The Admit stream ended: leave the queue / end the lease at once.
-        Idempotent. Returns notices for requests the freed room placed."""
-        rec = self._requests.get(request_id)
-        if rec is None:
-            return []
-        self._finish(rec, Outcome.WITHDRAWN)
-        return self.dispatch()
+    # ------------------------------------------------------------ the request's stream
 
-    def first_token(self, request_id: str) -> None:
-        rec = self._requests.get(request_id)
+    def _on_closed(self, event: ev.StreamClosed, out: Outbox, now: float) -> None:
+        rec = self._requests.get(event.request_id)
+        if rec is not None:
+            self._requests.finish(rec, Outcome.WITHDRAWN, now)
+
+    def _on_first_token(self, event: ev.FirstToken, out: Outbox, now: float) -> None:
+        rec = self._requests.get(event.request_id)
         if rec is not None and rec.lease is not None and rec.lease.first_token_at is None:
-            rec.lease.first_token_at = self._clock.monotonic()
+            rec.lease.first_token_at = now
 
-    def done(self, request_id: str) -> list[Delivery]:
-        """The gateway reports completion: the lease ends now (the stream's
-        close later finds nothing left to do)."""
-        rec = self._requests.get(request_id)
-        if rec is None:
-            return []
-        self._finish(rec, Outcome.DONE)
-        return self.dispatch()
+    def _on_done(self, event: ev.RequestDone, out: Outbox, now: float) -> None:
+        """The lease ends now (the stream's close later finds nothing to do)."""
+        rec = self._requests.get(event.request_id)
+        if rec is not None:
+            self._requests.finish(rec, Outcome.DONE, now)
 
-    def replace(
-        self,
-        request_id: str,
-        exclude: Sequence[str],
-        prompt_tokens: int,
-        max_tokens: int,
-        prefix_hashes: Sequence[int],
-    ) -> list[Delivery]:
-        """The request's engine failed: end its lease and place it again,
-        avoiding `exclude`, ahead of the queue. The answer (Placed or
-        Rejected) is among the returned deliveries, or comes with a later
-        dispatch when every eligible engine is full right now."""
-        rec = self._requests.get(request_id)
+    def _on_replace(self, event: ev.ReplaceRequested, out: Outbox, now: float) -> None:
+        """End the lease and queue the request in its model's Replace lane,
+        ahead of the queue. The answer (Placed or Rejected) comes with this
+        dispatch or a later one, when every eligible engine is full now."""
+        rec = self._requests.get(event.request_id)
         if rec is None:
-            return []
-        if rec.state not in (RequestState.PLACED, RequestState.ORPHANED):
-            reason = "replace is only valid after placed" if rec.state is RequestState.QUEUED else (
-                "a replace is already pending"
-            )
-            return [(request_id, self._reject_record(rec, RejectReason.INVALID, reason))]
-        self._end_lease(rec)
-        rec.options = dataclasses.replace(
-            rec.options, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-            prefix_hashes=tuple(prefix_hashes),
-        )
-        rec.exclude = frozenset(exclude)
-        now = self._clock.monotonic()
+            return
         try:
-            if prompt_tokens <= 0:
+            if rec.state not in (RequestState.PLACED, RequestState.ORPHANED):
+                raise AdmissionError(RejectReason.INVALID, (
+                    "replace is only valid after placed" if rec.state is RequestState.QUEUED
+                    else "a replace is already pending"))
+            self._requests.end_lease(rec, now)
+            rec.options = dataclasses.replace(
+                rec.options, prompt_tokens=event.prompt_tokens, max_tokens=event.max_tokens,
+                prefix_hashes=event.prefix_hashes,
+            )
+            rec.exclude = frozenset(event.exclude)
+            if event.prompt_tokens <= 0:
                 raise AdmissionError(RejectReason.INVALID, "replace: prompt_tokens must be > 0")
-            self._check_servable(rec.options, rec.exclude, now, replacing=True)
+            self.fleet.check_servable(rec.options, rec.exclude, now, replacing=True)
         except AdmissionError as err:
-            return [(request_id, self._reject_record(rec, err.reason, err.message, err.retry_after))]
+            out.notices.append((event.request_id, self._requests.reject(
+                rec, now, err.reason, err.message, err.retry_after)))
+            return
         rec.state = RequestState.REPLACING
         rec.replace_expires_at = now + self._limits.ttl_seconds[rec.options.priority]
-        self._lanes.setdefault(rec.options.model, OrderedDict())[request_id] = rec
-        return self.dispatch()
+        self.waiting.add_replacement(rec)
 
-    # ------------------------------------------------------------ dispatch
+    # ------------------------------------------------------------ engines
 
-    def dispatch(self) -> list[Delivery]:
+    def _on_engine_joined(self, event: ev.EngineJoined, out: Outbox, now: float) -> None:
+        out.token = self.fleet.join(event.info, now)
+        self._refresh_gauges()
+
+    def _on_load(self, event: ev.LoadReported, out: Outbox, now: float) -> None:
+        self.fleet.report_load(event.engine_id, event.token, event.load, now)
+
+    def _on_kv_events(self, event: ev.KvEventsReported, out: Outbox, now: float) -> None:
+        if self.fleet.kv_events(
+            event.engine_id, event.token, event.seq, event.stored, event.removed, event.cleared
+        ):
+            self.metrics.resyncs.inc()
+            out.commands.append((event.engine_id, ev.EngineCommand.RESYNC))
+
+    def _on_kv_snapshot(self, event: ev.KvSnapshotReported, out: Outbox, now: float) -> None:
+        self.fleet.kv_snapshot(event.engine_id, event.token, event.seq, event.hashes)
+
+    def _on_engine_left(self, event: ev.EngineLeft, out: Outbox, now: float) -> None:
+        """Its leases end at once; their requests wait ORPHANED for the
+        gateway, which sees the engine fail and Replaces or gives up."""
+        ended = self.fleet.leave(event.engine_id, event.token)
+        if ended is None:
+            return
+        self.policy.forget_engine(event.engine_id)
+        self._requests.orphan(ended)
+        self._refresh_gauges()
+
+    def _on_drain(self, event: ev.DrainRequested, out: Outbox, now: float) -> None:
+        if self.fleet.drain(event.engine_id):
+            out.commands.append((event.engine_id, ev.EngineCommand.DRAIN))
+
+    # ------------------------------------------------------------ place and dispatch
+
+    def _dispatch(self) -> list[Delivery]:
         """Place every waiting request that can be placed now: per model, the
         Replace lane first, then the class queues in order. A model stops at
         its first request that cannot be placed (strict priority: smaller
-        requests behind it do not overtake it). Runs on every event that can
-        create room."""
+        requests behind it do not overtake it)."""
         now = self._clock.monotonic()
         deliveries = self._advance(now)
-        for model in list(self._lanes.keys() | self._queues.keys()):
+        for model in self.waiting.models():
             deliveries.extend(self._dispatch_model(model, now))
         return deliveries
 
     def _dispatch_model(self, model: str, now: float) -> list[Delivery]:
         out: list[Delivery] = []
-        lane = self._lanes.get(model)
+        lane = self.waiting.lane(model)
         while lane:
             rec = next(iter(lane.values()))
             notice = self._try_place(rec, now)
@@ -287,7 +318,7 @@ class SchedulerCore:
                 return out
             lane.pop(rec.options.request_id, None)
             out.append((rec.options.request_id, notice))
-        queue = self._queues.get(model)
+        queue = self.waiting.existing_queue(model)
         while queue is not None:
             entry = queue.peek()
             if entry is None:
@@ -310,181 +341,63 @@ class SchedulerCore:
             opts.prefix_hashes, rec.exclude, priority=entry.cls if entry is not None else opts.priority,
         )
         placement = self.policy.place(
-            request, self._engine_views(now, opts.model), self.kv,
+            request, self.fleet.views(opts.model, now), self.fleet.kv,
             self._hash_block_tokens, self._config.decode_headroom_tokens,
         )
         if placement is None:
             try:
-                self._check_servable(opts, rec.exclude, now, replacing=entry is None)
+                self.fleet.check_servable(opts, rec.exclude, now, replacing=entry is None)
             except AdmissionError as err:
                 if entry is not None and queue is not None:
                     queue.pop(entry)
-                return self._reject_record(rec, err.reason, err.message, err.retry_after)
+                return self._requests.reject(rec, now, err.reason, err.message, err.retry_after)
             return None
         if entry is not None and queue is not None:
             queue.pop(entry)
             self.metrics.queue_wait.labels(str(entry.base_class)).observe(max(0.0, now - entry.arrival))
-        engine = self.engines.get(placement.view.engine_id)
+        engine = self.fleet.get(placement.view.engine_id)
         if engine is None:  # pragma: no cover - views come from the registry
             raise RuntimeError("placement chose an unknown engine")
         kind = "replace" if entry is None else ("warm" if placement.cached_tokens else "cold")
-        rec.state = RequestState.PLACED
         rec.entry = None
-        lease = self._new_lease(rec, engine, placement.blocks_needed, placement.cached_tokens, now)
+        lease = self._requests.open_lease(
+            rec, engine, placement.blocks_needed, placement.cached_tokens, now)
         self._rate.record(now)
         self.metrics.placed(self.policy.name, kind, opts.prompt_tokens, placement.cached_tokens)
         return PlacedInfo(engine.engine_id, engine.info.address, lease.lease_id, placement.cached_tokens)
 
-    def _check_servable(
-        self, options: AdmitOptions, exclude: frozenset[str], now: float, replacing: bool = False
-    ) -> None:
-        """Raise when no engine could ever take the request (as opposed to
-        none having room right now)."""
-        engines = [e for e in self.engines if e.info.model == options.model]
-        if engines:
-            self._model_seen[options.model] = now
-        else:
-            seen = self._model_seen.get(options.model, self._started)
-            if replacing or now - seen > self._config.engine_grace_seconds:
-                raise AdmissionError(
-                    RejectReason.NO_ENGINE,
-                    f"no engine serves model {options.model!r}; check the model name or start "
-                    "an engine for it",
-                    self._limits.retry_min,
-                )
-            return
-        usable = [e for e in engines if e.engine_id not in exclude]
-        if not usable:
-            raise AdmissionError(
-                RejectReason.NO_ENGINE,
-                f"every engine serving {options.model!r} is excluded by the replace",
-                self._limits.retry_min,
-            )
-        need_len = options.prompt_tokens + options.max_tokens
-        for e in usable:
-            fits_len = e.info.max_model_len <= 0 or need_len <= e.info.max_model_len
-            cold = blocks_needed(
-                options.prompt_tokens, options.max_tokens, 0, e.info.block_size,
-                self._config.decode_headroom_tokens,
-            )
-            if fits_len and cold <= e.blocks_total():
-                return
-        raise AdmissionError(
-            RejectReason.TOO_LARGE,
-            f"{options.prompt_tokens} prompt + {options.max_tokens} max tokens fit on no engine "
-            f"serving {options.model!r}; shorten the prompt or lower max_tokens",
-        )
+    # ------------------------------------------------------------ time and shutdown
 
-    def _engine_views(self, now: float, model: str) -> list[EngineView]:
-        return [self._view(e, now) for e in self.engines if e.info.model == model]
+    def _on_tick(self, event: ev.Tick, out: Outbox, now: float) -> None:
+        """Aging and TTL run in every dispatch; `handle` then drops empty
+        queues and refreshes the gauges."""
 
-    def _view(self, e: EngineRecord, now: float) -> EngineView:
-        weight = e.info.weight if e.info.weight > 0 else 1.0
-        occupancy = max(len(e.leases), e.load.running + e.load.waiting)
-        excess = max(0, occupancy + 1 - e.info.max_running)
-        queue_seconds = (
-            e.load.queued_tokens / (self._config.prefill_tokens_per_second * weight)
-            + excess * e.service_seconds / max(1, e.info.max_running)
-        )
-        return EngineView(
-            engine_id=e.engine_id, model=e.info.model, serving=e.load.serving,
-            draining=e.draining, fresh=e.fresh(now, self._config.stale_report_seconds),
-            block_size=e.info.block_size, blocks_total=e.blocks_total(),
-            blocks_used=e.load.blocks_used, blocks_reserved=self.reservations.reserved(e.engine_id),
-            leases=len(e.leases), lease_limit=e.info.max_running + self._config.engine_queue_slack,
-            max_running=e.info.max_running, running=e.load.running, waiting=e.load.waiting,
-            queued_tokens=e.load.queued_tokens, weight=weight,
-            max_model_len=e.info.max_model_len, queue_seconds=queue_seconds,
-            cached_blocks=e.load.cached_blocks, p0_reserved_leases=self._config.p0_reserved_leases,
-        )
-
-    # ------------------------------------------------------------ leases and finish
-
-    def _new_lease(
-        self, rec: RequestRecord, engine: EngineRecord, reserved: int, cached: int, now: float
-    ) -> Lease:
-        lease = Lease(
-            lease_id=f"lease-{next(self._lease_ids)}", request_id=rec.options.request_id,
-            engine_id=engine.engine_id, placed_at=now, reserved_blocks=reserved,
-            cached_tokens=cached, prompt_tokens=rec.options.prompt_tokens,
-        )
-        if reserved and rec.options.request_id not in engine.load.request_ids:
-            self.reservations.reserve(engine.engine_id, rec.options.request_id, reserved)
-        engine.leases.add(lease.lease_id)
-        self._leases[lease.lease_id] = lease
-        rec.lease = lease
-        rec.state = RequestState.PLACED
-        self.metrics.leases.set(len(self._leases))
-        return lease
-
-    def _end_lease(self, rec: RequestRecord) -> None:
-        lease, rec.lease = rec.lease, None
-        if lease is None or self._leases.pop(lease.lease_id, None) is None:
-            return
-        self.reservations.release(lease.engine_id, lease.request_id)
-        engine = self.engines.get(lease.engine_id)
-        if engine is not None:
-            engine.leases.discard(lease.lease_id)
-            engine.observe_service(self._clock.monotonic() - lease.placed_at)
-        self.metrics.leases.set(len(self._leases))
-
-    def _finish(self, rec: RequestRecord, outcome: Outcome) -> None:
-        """Finalise a request exactly once, from whatever state it is in."""
-        if rec.state is RequestState.FINISHED:
-            return
-        request_id = rec.options.request_id
-        if rec.state is RequestState.QUEUED:
-            queue = self._queues.get(rec.options.model)
-            if queue is not None:
-                queue.remove(request_id)
-        lane = self._lanes.get(rec.options.model)
-        if lane is not None:
-            lane.pop(request_id, None)
-        self._end_lease(rec)
-        rec.state = RequestState.FINISHED
-        rec.entry = None
-        self._requests.pop(request_id, None)
-        self.metrics.finished.labels(outcome.value).inc()
-
-    def _rejected(self, reason: RejectReason, message: str, retry_after: float = 0.0) -> RejectedInfo:
-        self.metrics.rejections.labels(reason.value).inc()
-        return RejectedInfo(reason, message, retry_after)
-
-    def _reject_record(
-        self, rec: RequestRecord, reason: RejectReason, message: str, retry_after: float = 0.0
-    ) -> RejectedInfo:
-        self._finish(rec, Outcome.REJECTED)
-        return self._rejected(reason, message, retry_after)
-
-    # ------------------------------------------------------------ time
-
-    def tick(self) -> list[Delivery]:
-        """Housekeeping from the clock: aging, TTL, gauges; then dispatch
-        (a promotion can change which request is next)."""
-        deliveries = self.dispatch()
-        self._drop_empty_queues()
-        self._refresh_gauges()
-        return deliveries
+    def _on_shutdown(self, event: ev.ShutdownStarted, out: Outbox, now: float) -> None:
+        self.shutting_down = True
+        for rec in self._requests:
+            if rec.state in (RequestState.QUEUED, RequestState.REPLACING):
+                out.notices.append((rec.options.request_id, self._requests.reject(
+                    rec, now, RejectReason.DRAINING, "the scheduler is shutting down; retry shortly",
+                    self._limits.retry_min)))
 
     def _advance(self, now: float) -> list[Delivery]:
+        """Aging promotions, then reject whatever waited past its time."""
         out: list[Delivery] = []
-        for queue in self._queues.values():
-            promotions, expired = queue.advance(now)
-            self._count_promotions(promotions)
-            for entry in expired:
-                rec = self._requests.get(entry.request_id)
-                if rec is not None:
-                    message = (
-                        f"waited {now - entry.arrival:.1f} s in the queue, past the "
-                        f"P{entry.base_class} time-to-live; retry later"
-                    )
-                    out.append((entry.request_id, self._reject_record(
-                        rec, RejectReason.EXPIRED, message, self._retry_after_for(entry.cls))))
-        for lane in self._lanes.values():
-            for rec in [r for r in lane.values() if r.replace_expires_at <= now]:
-                out.append((rec.options.request_id, self._reject_record(
-                    rec, RejectReason.EXPIRED, "no engine had room for the replacement in time",
-                    self._limits.retry_min)))
+        expired = self.waiting.advance(now)
+        self._count_promotions(expired.promotions)
+        for entry in expired.entries:
+            rec = self._requests.get(entry.request_id)
+            if rec is not None:
+                message = (
+                    f"waited {now - entry.arrival:.1f} s in the queue, past the "
+                    f"P{entry.base_class} time-to-live; retry later"
+                )
+                out.append((entry.request_id, self._requests.reject(
+                    rec, now, RejectReason.EXPIRED, message, self._retry_after_for(entry.cls))))
+        for rec in expired.replacements:
+            out.append((rec.options.request_id, self._requests.reject(
+                rec, now, RejectReason.EXPIRED, "no engine had room for the replacement in time",
+                self._limits.retry_min)))
         return out
 
     def _count_promotions(self, promotions: list[Promotion]) -> None:
@@ -493,40 +406,22 @@ class SchedulerCore:
 
     def _retry_after_for(self, cls: int) -> float:
         now = self._clock.monotonic()
-        ahead = sum(self.class_len(c) for c in range(cls + 1))
+        ahead = sum(self.waiting.class_len(c) for c in range(cls + 1))
         return self._limits.retry_after(ahead, self._rate.rate(now))
-
-    def _drop_empty_queues(self) -> None:
-        for model in [m for m, q in self._queues.items() if len(q) == 0]:
-            del self._queues[model]
-        for model in [m for m, lane in self._lanes.items() if not lane]:
-            del self._lanes[model]
 
     def _refresh_gauges(self) -> None:
         now = self._clock.monotonic()
         for cls in range(NUM_CLASSES):
-            self.metrics.queue_length.labels(str(cls)).set(self.class_len(cls))
-        self.metrics.leases.set(len(self._leases))
-        fresh = sum(1 for e in self.engines if e.fresh(now, self._config.stale_report_seconds))
+            self.metrics.queue_length.labels(str(cls)).set(self.waiting.class_len(cls))
+        self.metrics.leases.set(self.fleet.lease_count())
+        fresh = self.fleet.fresh_count(now)
         self.metrics.engines.labels("fresh").set(fresh)
-        self.metrics.engines.labels("stale").set(len(self.engines) - fresh)
+        self.metrics.engines.labels("stale").set(len(self.fleet) - fresh)
 
-    # ------------------------------------------------------------ queue views
-
-    def _queue(self, model: str) -> ModelQueue:
-        queue = self._queues.get(model)
-        if queue is None:
-            queue = self._queues[model] = ModelQueue(self._aging, self._fairness, self._ordering)
-        return queue
-
-    def class_len(self, cls: int) -> int:
-        return sum(q.class_len(cls) for q in self._queues.values())
-
-    def tenant_len(self, tenant: str) -> int:
-        return sum(q.tenant_len(tenant) for q in self._queues.values())
+    # ------------------------------------------------------------ queries (read only)
 
     def queued_total(self) -> int:
-        return sum(len(q) for q in self._queues.values())
+        return self.waiting.queued_total()
 
     def _queued_info(self, position: int, cls: int, rate: float) -> QueuedInfo:
         wait = (position + 1) / rate if rate > 0 else 0.0
@@ -537,8 +432,7 @@ class SchedulerCore:
         rate = self._rate.rate(self._clock.monotonic())
         return [
             (entry.request_id, self._queued_info(position, entry.cls, rate))
-            for queue in self._queues.values()
-            for entry, position in queue.positions()
+            for entry, position in self.waiting.positions()
         ]
 
     def request_state(self, request_id: str) -> RequestState | None:
@@ -549,102 +443,8 @@ class SchedulerCore:
         rec = self._requests.get(request_id)
         return None if rec is None else rec.lease
 
-    # ------------------------------------------------------------ engines
-
-    def engine_hello(self, info: EngineInfo) -> int:
-        """Register an engine; returns the token its stream must present.
-        Raises `DuplicateEngineError` for an id connected from elsewhere."""
-        now = self._clock.monotonic()
-        record, old = self.engines.register(info, now)
-        if old is not None:
-            self.kv.drop_engine(info.engine_id)      # the new snapshot replaces it
-        self._model_seen[info.model] = now
-        self._refresh_gauges()
-        return record.token
-
-    def _current(self, engine_id: str, token: int) -> EngineRecord | None:
-        record = self.engines.get(engine_id)
-        return record if record is not None and record.token == token else None
-
-    def engine_load(self, engine_id: str, token: int, load: EngineLoad) -> list[Delivery]:
-        record = self._current(engine_id, token)
-        if record is None:
-            return []
-        record.load = load
-        record.last_report_at = self._clock.monotonic()
-        self.reservations.settle(engine_id, set(load.request_ids))
-        return self.dispatch()
-
-    def engine_kv_events(
-        self, engine_id: str, token: int, seq: int,
-        stored: Sequence[int], removed: Sequence[int], cleared: bool,
-    ) -> bool:
-        """Apply KV events; True = send Resync to the engine."""
-        if self._current(engine_id, token) is None:
-            return False
-        resync = self.kv.apply_events(engine_id, seq, stored, removed, cleared)
-        if resync:
-            self.metrics.resyncs.inc()
-        return resync
-
-    def engine_kv_snapshot(self, engine_id: str, token: int, seq: int, hashes: Sequence[int]) -> None:
-        if self._current(engine_id, token) is not None:
-            self.kv.apply_snapshot(engine_id, seq, hashes)
-
-    def engine_closed(self, engine_id: str, token: int) -> None:
-        """The engine's stream ended: forget it, its KV entries, its
-        reservations and its leases at once (their gateways see the engine
-        fail and Replace or give up)."""
-        record = self.engines.unregister(engine_id, token)
-        if record is None:
-            return
-        self.kv.drop_engine(engine_id)
-        self.reservations.drop_engine(engine_id)
-        self.policy.forget_engine(engine_id)
-        for lease_id in list(record.leases):
-            lease = self._leases.pop(lease_id, None)
-            if lease is None:
-                continue
-            rec = self._requests.get(lease.request_id)
-            if rec is not None and rec.lease is lease:
-                rec.lease = None
-                rec.state = RequestState.ORPHANED
-        record.leases.clear()
-        self._refresh_gauges()
-
-    def drain_engine(self, engine_id: str) -> bool:
-        """Stop placing on an engine (its running work finishes)."""
-        record = self.engines.get(engine_id)
-        if record is None:
-            return False
-        record.draining = True
-        return True
-
-    # ------------------------------------------------------------ shutdown and state
-
-    def shutdown(self) -> list[Delivery]:
-        """Reject everything still waiting with DRAINING; refuse new work."""
-        self.shutting_down = True
-        out: list[Delivery] = []
-        for rec in list(self._requests.values()):
-            if rec.state in (RequestState.QUEUED, RequestState.REPLACING):
-                out.append((rec.options.request_id, self._reject_record(
-                    rec, RejectReason.DRAINING, "the scheduler is shutting down; retry shortly",
-                    self._limits.retry_min)))
-        return out
-
     def state(self) -> StateView:
         now = self._clock.monotonic()
-        stats: dict[tuple[int, str], tuple[int, float]] = {}
-        for queue in self._queues.values():
-            for cls_queue in queue.classes:
-                for tenant, entries in cls_queue.tenant_entries():
-                    count, oldest = stats.get((cls_queue.cls, tenant), (0, 0.0))
-                    wait = max(now - min(e.arrival for e in entries), 0.0)
-                    stats[(cls_queue.cls, tenant)] = (count + len(entries), max(oldest, wait))
-        queues = [QueueStat(c, t, n, w) for (c, t), (n, w) in sorted(stats.items())]
-        engines = [
-            EngineStat(self._view(e, now), e.info.address, self.kv.blocks(e.engine_id), e.info.backend)
-            for e in sorted(self.engines, key=lambda r: r.engine_id)
-        ]
-        return StateView(self.policy.name, queues, engines, self.queued_total(), len(self._leases))
+        return StateView(
+            self.policy.name, self.waiting.stats(now), self.fleet.stats(now),
+            self.queued_total(), self.fleet.lease_count())

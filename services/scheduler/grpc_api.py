@@ -1,5 +1,7 @@
 """The gRPC face of the scheduler: turns Admit / Connect / GetState streams
-into core calls and core notices back into stream messages.
+into core events (events.py) and the core's `Outbox` back into stream
+messages. It never dispatches: `SchedulerCore.handle` does after every
+event, and everything it returns goes through `deliver`.
 
 Concurrency rule: every handler, reader task and timer runs on one event
 loop, and the core is called only synchronously from it (see core.py), so
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -24,7 +25,9 @@ from services.common.config import MeshConfig
 from services.common.idle_calls import IdleCalls
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
+from . import events as ev
 from .core import SchedulerCore, StateView
+from .engine_registry import DuplicateEngineError, EngineInfo, EngineLoad
 from .records import (
     AdmitOptions,
     Notice,
@@ -33,7 +36,6 @@ from .records import (
     RejectedInfo,
     RejectReason,
 )
-from .registry import DuplicateEngineError, EngineInfo, EngineLoad
 
 __all__ = ["SchedulerServicer"]
 
@@ -47,6 +49,11 @@ _REJECT_CODES = {
     RejectReason.TOO_LARGE: scheduler_pb2.REJECT_CODE_TOO_LARGE,
     RejectReason.INVALID: scheduler_pb2.REJECT_CODE_INVALID,
     RejectReason.DRAINING: scheduler_pb2.REJECT_CODE_DRAINING,
+}
+
+_COMMANDS = {
+    ev.EngineCommand.RESYNC: scheduler_pb2.SchedulerCommand(resync=scheduler_pb2.Resync()),
+    ev.EngineCommand.DRAIN: scheduler_pb2.SchedulerCommand(drain=scheduler_pb2.Drain()),
 }
 
 # Marks the end of an Admit stream's client side (EOF, cancel or read error).
@@ -161,8 +168,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     # ------------------------------------------------------------ delivery
 
-    def deliver(self, deliveries: Iterable[tuple[str, Notice]]) -> None:
-        for request_id, notice in deliveries:
+    def deliver(self, outbox: ev.Outbox) -> None:
+        """Put each notice into its Admit stream's mailbox and each command
+        into its engine's; streams already gone are skipped."""
+        for engine_id, command in outbox.commands:
+            channel = self._engines.get(engine_id)
+            if channel is not None:
+                channel.commands.put_nowait(_COMMANDS[command])
+        self._deliver_notices(outbox.notices)
+
+    def _deliver_notices(self, notices: list[ev.Delivery]) -> None:
+        for request_id, notice in notices:
             if isinstance(notice, PlacedInfo):
                 # One line per placement, keyed by the request id the gateway
                 # took from x-request-id, so a request can be followed across logs.
@@ -183,18 +199,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 box.put_nowait(info)
 
     def tick(self) -> None:
-        self.deliver(self.core.tick())
+        self.deliver(self.core.handle(ev.Tick()))
 
     def shutdown(self) -> None:
         self._idle_calls.close()
-        self.deliver(self.core.shutdown())
+        self.deliver(self.core.handle(ev.ShutdownStarted()))
 
     def drain_engine(self, engine_id: str) -> bool:
-        channel = self._engines.get(engine_id)
-        if channel is None or not self.core.drain_engine(engine_id):
+        if engine_id not in self._engines:
             return False
-        channel.commands.put_nowait(scheduler_pb2.SchedulerCommand(drain=scheduler_pb2.Drain()))
-        return True
+        outbox = self.core.handle(ev.DrainRequested(engine_id))
+        self.deliver(outbox)
+        return (engine_id, ev.EngineCommand.DRAIN) in outbox.commands
 
     # ------------------------------------------------------------ Admit
 
@@ -207,19 +223,24 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "the first Admit message must be `request` (AdmitRequest)")
         options = _options(first.request)
-        notice = self.core.admit(options)
+        request_id = options.request_id
+        outbox = self.core.handle(ev.RequestArrived(options))
+        # The request's own first answer comes first (events.Outbox); the
+        # rest, including a Placed for it from the same dispatch, goes
+        # through the mailboxes.
+        (_, notice), outbox.notices = outbox.notices[0], outbox.notices[1:]
         if isinstance(notice, RejectedInfo):
+            # No mailbox: a duplicate id must not take the first stream's.
+            self.deliver(outbox)
             await context.write(_to_proto(notice))
             return
-        request_id = options.request_id
         # Unbounded but small by protocol: Queued updates go only into an
         # empty box, and each admission or replace yields one Placed/Rejected.
         box: asyncio.Queue[object] = asyncio.Queue()
         self._mailboxes[request_id] = box
         reader = asyncio.create_task(self._read_admit(request_id, context, box))
         try:
-            if isinstance(notice, QueuedInfo):
-                self.deliver(self.core.dispatch())   # admission can place at once
+            self.deliver(outbox)
             # A request placed on arrival never waited: skip the Queued
             # message, which would cost the gateway one more round trip
             # before its first token.
@@ -236,7 +257,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             reader.cancel()
             if self._mailboxes.get(request_id) is box:
                 del self._mailboxes[request_id]
-            self.deliver(self.core.withdraw(request_id))
+            self.deliver(self.core.handle(ev.StreamClosed(request_id)))
 
     async def _read_admit(
         self, request_id: str, context: grpc.aio.ServicerContext, box: asyncio.Queue[object]
@@ -262,14 +283,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     ) -> None:
         kind = msg.WhichOneof("msg")
         if kind == "first_token":
-            self.core.first_token(request_id)
+            self.deliver(self.core.handle(ev.FirstToken(request_id)))
         elif kind == "done":
-            self.deliver(self.core.done(request_id))
+            self.deliver(self.core.handle(ev.RequestDone(request_id)))
         elif kind == "replace":
             r = msg.replace
-            self.deliver(self.core.replace(
-                request_id, list(r.exclude_engines), r.prompt_tokens, r.max_tokens,
-                list(r.prefix_hashes)))
+            self.deliver(self.core.handle(ev.ReplaceRequested(
+                request_id, tuple(r.exclude_engines), r.prompt_tokens, r.max_tokens,
+                tuple(r.prefix_hashes))))
         elif kind == "request":
             box.put_nowait(RejectedInfo(
                 RejectReason.INVALID, "one request per Admit stream; open a new stream"))
@@ -289,16 +310,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except ProtocolError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         try:
-            token = self.core.engine_hello(info)
+            joined = self.core.handle(ev.EngineJoined(info))
         except DuplicateEngineError as err:
             log.warning("refused a Connect: %s", err)
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(err))
-        channel = _EngineChannel(token, asyncio.Queue())
+        channel = _EngineChannel(joined.token, asyncio.Queue())
         self._engines[info.engine_id] = channel
         writer = asyncio.create_task(self._write_commands(context, channel))
         log.info("engine %s connected (%s, model %s)", info.engine_id, info.address, info.model)
         try:
-            self.deliver(self.core.dispatch())
+            self.deliver(joined)
             while True:
                 msg = await context.read()
                 if msg is grpc.aio.EOF:
@@ -308,7 +329,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             writer.cancel()
             if self._engines.get(info.engine_id) is channel:
                 del self._engines[info.engine_id]
-            self.core.engine_closed(info.engine_id, token)
+            self.deliver(self.core.handle(ev.EngineLeft(info.engine_id, joined.token)))
             log.info("engine %s disconnected", info.engine_id)
 
     def _on_engine_message(
@@ -316,17 +337,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     ) -> None:
         kind = msg.WhichOneof("msg")
         if kind == "load":
-            self.deliver(self.core.engine_load(engine_id, channel.token, _load(msg.load)))
+            self.deliver(self.core.handle(ev.LoadReported(engine_id, channel.token, _load(msg.load))))
         elif kind == "kv_events":
-            ev = msg.kv_events
-            if self.core.engine_kv_events(
-                engine_id, channel.token, ev.seq, ev.stored, ev.removed, ev.cleared
-            ):
-                channel.commands.put_nowait(
-                    scheduler_pb2.SchedulerCommand(resync=scheduler_pb2.Resync()))
+            kv = msg.kv_events
+            self.deliver(self.core.handle(ev.KvEventsReported(
+                engine_id, channel.token, kv.seq, kv.stored, kv.removed, kv.cleared)))
         elif kind == "kv_snapshot":
             snap = msg.kv_snapshot
-            self.core.engine_kv_snapshot(engine_id, channel.token, snap.seq, snap.hashes)
+            self.deliver(self.core.handle(ev.KvSnapshotReported(
+                engine_id, channel.token, snap.seq, snap.hashes)))
         elif kind == "hello":
             log.warning("engine %s sent a second hello on one stream; ignored", engine_id)
 

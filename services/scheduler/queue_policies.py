@@ -12,20 +12,22 @@ like everyone else: another tenant's request waits at most one request of
 each other tenant per round, and its first request at most one turn of the
 flooder. Least-attained-service would also favour light tenants but needs a
 notion of cost per request the scheduler cannot know before the request runs.
+
+Policies are registered by name in the scheduler's one plugin registry
+(placement/registry.py, `builtin_registry`) and chosen by the settings
+`scheduler.queue_fairness` and `scheduler.queue_ordering`.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from .records import QueueEntry
 
 __all__ = [
-    "FAIRNESS_POLICIES",
-    "ORDERING_POLICIES",
     "FairnessPolicy",
     "FairnessState",
     "FifoOrdering",
@@ -67,7 +69,7 @@ class FairnessPolicy(Protocol):
 
 
 class RoundRobinTenants:
-    name = "round_robin"
+    name = "round_robin_tenants"
 
     def next_tenant(self, state: FairnessState) -> str | None:
         return next(iter(state.rotation), None)
@@ -110,7 +112,3 @@ class FifoOrdering:
     def key(self, entry: QueueEntry) -> tuple[float, int]:
         return (entry.arrival, entry.seq)
 
-
-# The registered queue policies, by explicit name.
-FAIRNESS_POLICIES: dict[str, Callable[[], FairnessPolicy]] = {"round_robin": RoundRobinTenants}
-ORDERING_POLICIES: dict[str, Callable[[], OrderingPolicy]] = {"fifo": FifoOrdering}

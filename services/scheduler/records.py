@@ -24,7 +24,6 @@ __all__ = [
     "RejectedInfo",
     "RequestState",
     "SchedulerError",
-    "UnknownRequestError",
 ]
 
 # P0 (interactive), P1 (near-real-time), P2 (batch).
@@ -62,7 +61,7 @@ class Outcome(enum.Enum):
 
 
 class SchedulerError(Exception):
-    """Base of the scheduler's domain errors (mapped to gRPC in service.py)."""
+    """Base of the scheduler's domain errors (mapped to gRPC in grpc_api.py)."""
 
 
 class AdmissionError(SchedulerError):
@@ -73,10 +72,6 @@ class AdmissionError(SchedulerError):
         self.reason = reason
         self.message = message
         self.retry_after = retry_after
-
-
-class UnknownRequestError(SchedulerError):
-    """A message names a request the scheduler does not hold."""
 
 
 @dataclass(frozen=True)
@@ -114,10 +109,6 @@ class QueueEntry:
     @property
     def tenant(self) -> str:
         return self.options.tenant
-
-    def order_key(self) -> tuple[float, int]:
-        """FIFO within a tenant: arrival, then admission order."""
-        return (self.arrival, self.seq)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from .core import SchedulerCore
 from .metrics import SchedulerMetrics
-from .service import SchedulerServicer
+from .grpc_api import SchedulerServicer
 
 __all__ = ["SchedulerService", "serve"]
 

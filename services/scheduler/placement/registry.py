@@ -1,8 +1,11 @@
-"""The one place placement plugins are registered, by explicit name.
+"""The one place the scheduler's plugins are registered, by explicit name:
+placement filters, scorers and pickers, and the queue's fairness and
+ordering policies (services/scheduler/queue_policies.py).
 
 `builtin_registry(config)` builds a fresh registry holding every built-in
 plugin (no module-level mutable state); a duplicate name is an error, and so
-is looking up a name nobody registered (the message lists what exists).
+is looking up a name nobody registered (a `ConfigError` naming the setting
+and listing what exists).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import TypeVar
 
 from services.common.config import ConfigError, SchedulerConfig
 
+from ..queue_policies import FairnessPolicy, FifoOrdering, OrderingPolicy, RoundRobinTenants
 from . import filters, pickers, scorers
 from .interfaces import Filter, Picker, Scorer
 
@@ -27,6 +31,8 @@ class PluginRegistry:
         self.filters: dict[str, Callable[[], Filter]] = {}
         self.scorers: dict[str, Callable[[], Scorer]] = {}
         self.pickers: dict[str, Callable[[], Picker]] = {}
+        self.fairness: dict[str, Callable[[], FairnessPolicy]] = {}
+        self.ordering: dict[str, Callable[[], OrderingPolicy]] = {}
 
     @staticmethod
     def _add(kind: str, table: dict[str, Callable[[], P]], name: str, factory: Callable[[], P]) -> None:
@@ -45,6 +51,12 @@ class PluginRegistry:
     def register_picker(self, name: str, factory: Callable[[], Picker]) -> None:
         self._add("picker", self.pickers, name, factory)
 
+    def register_fairness(self, name: str, factory: Callable[[], FairnessPolicy]) -> None:
+        self._add("fairness policy", self.fairness, name, factory)
+
+    def register_ordering(self, name: str, factory: Callable[[], OrderingPolicy]) -> None:
+        self._add("ordering policy", self.ordering, name, factory)
+
     @staticmethod
     def _make(kind: str, table: dict[str, Callable[[], P]], name: str, where: str) -> P:
         factory = table.get(name)
@@ -60,6 +72,12 @@ class PluginRegistry:
 
     def make_picker(self, name: str, where: str = "policy") -> Picker:
         return self._make("picker", self.pickers, name, where)
+
+    def make_fairness(self, name: str, where: str = "scheduler.queue_fairness") -> FairnessPolicy:
+        return self._make("fairness policy", self.fairness, name, where)
+
+    def make_ordering(self, name: str, where: str = "scheduler.queue_ordering") -> OrderingPolicy:
+        return self._make("ordering policy", self.ordering, name, where)
 
 
 def builtin_registry(config: SchedulerConfig) -> PluginRegistry:
@@ -93,4 +111,6 @@ def builtin_registry(config: SchedulerConfig) -> PluginRegistry:
         pickers.StickyUntilSaturatedPicker.name,
         lambda: pickers.StickyUntilSaturatedPicker(margin, prefill_rate),
     )
+    registry.register_fairness(RoundRobinTenants.name, RoundRobinTenants)
+    registry.register_ordering(FifoOrdering.name, FifoOrdering)
     return registry

@@ -8,8 +8,15 @@ from typing import Any
 from services.common.clock import FakeClock
 from services.common.config import MeshConfig
 from services.scheduler.core import SchedulerCore
-from services.scheduler.records import AdmitOptions
-from services.scheduler.registry import EngineInfo, EngineLoad
+from services.scheduler.engine_registry import EngineInfo, EngineLoad
+from services.scheduler.events import (
+    EngineCommand,
+    EngineJoined,
+    KvEventsReported,
+    LoadReported,
+    RequestArrived,
+)
+from services.scheduler.records import AdmitOptions, Notice
 
 MODEL = "m"
 
@@ -45,21 +52,33 @@ def add_engine(
     report: bool = True,
     **load: Any,
 ) -> int:
-    token = core.engine_hello(EngineInfo(
+    token = core.handle(EngineJoined(EngineInfo(
         engine_id=engine_id, address=f"{engine_id}:1", model=model, block_size=block_size,
         total_blocks=total_blocks, max_running=max_running, weight=weight, max_model_len=0,
-    ))
+    ))).token
     if report:
         report_load(core, engine_id, token, **load)
     return token
 
 
 def report_load(core: SchedulerCore, engine_id: str, token: int, **load: Any):
-    base = dict(serving=True, blocks_total=core.engines.get(engine_id).info.total_blocks)
+    base = dict(serving=True, blocks_total=core.fleet.get(engine_id).info.total_blocks)
     base.update(load)
     if "request_ids" in base:
         base["request_ids"] = frozenset(base["request_ids"])
-    return core.engine_load(engine_id, token, EngineLoad(**base))
+    return core.handle(LoadReported(engine_id, token, EngineLoad(**base))).notices
+
+
+def admit(core: SchedulerCore, options: AdmitOptions) -> Notice:
+    """The arriving request's own first answer (Queued, Placed on re-attach,
+    or Rejected); what the dispatch after it did is in the core's state."""
+    return core.handle(RequestArrived(options)).notices[0][1]
+
+
+def asks_resync(core: SchedulerCore, engine_id: str, token: int, seq: int, stored: list[int],
+                removed: list[int], cleared: bool) -> bool:
+    outbox = core.handle(KvEventsReported(engine_id, token, seq, stored, removed, cleared))
+    return (engine_id, EngineCommand.RESYNC) in outbox.commands
 
 
 def placed_engine(deliveries, request_id: str) -> str | None:

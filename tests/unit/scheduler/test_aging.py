@@ -6,9 +6,10 @@ import pytest
 
 from services.common.config import AgingConfig, ConfigError
 from services.scheduler.aging import AgingRule
+from services.scheduler.events import RequestDone, Tick
 from services.scheduler.records import QueuedInfo
 
-from .helpers import add_engine, make_core, opts, placed_engine, report_load
+from .helpers import add_engine, admit, make_core, opts, placed_engine, report_load
 
 RULE = AgingRule((0.0, 30.0, 30.0))
 
@@ -40,18 +41,18 @@ def test_bad_threshold_names_the_setting() -> None:
 def test_queue_promotes_on_time_and_repeatedly() -> None:
     core, clock = make_core()
     add_engine(core, "busy", report=False)  # registered, never reported: not placeable
-    core.admit(opts("batch", priority=2))
+    admit(core, opts("batch", priority=2))
     promotions = "kvmesh_scheduler_promotions_total"
 
     clock.advance(29.0)
-    core.tick()
+    core.handle(Tick())
     assert dict(core.queued_updates())["batch"].priority == 2
     clock.advance(1.0)
-    core.tick()
+    core.handle(Tick())
     assert dict(core.queued_updates())["batch"].priority == 1
     assert core.metrics.value(promotions, {"from_priority": "2", "to_priority": "1"}) == 1
     clock.advance(30.0)
-    core.tick()
+    core.handle(Tick())
     assert dict(core.queued_updates())["batch"].priority == 0
     assert core.metrics.value(promotions, {"from_priority": "1", "to_priority": "0"}) == 1
 
@@ -60,9 +61,9 @@ def test_aged_request_overtakes_newer_higher_class() -> None:
     """A P2 request aged to P0 leaves before a P1 that arrived later."""
     core, clock = make_core(engine_queue_slack=0)
     token = add_engine(core, "e1", max_running=1, report=False)
-    core.admit(opts("old-batch", tenant="a", priority=2))
+    admit(core, opts("old-batch", tenant="a", priority=2))
     clock.advance(61.0)
-    core.admit(opts("fresh-p1", tenant="b", priority=1))
+    admit(core, opts("fresh-p1", tenant="b", priority=1))
     report_load(core, "e1", token)  # one slot: its first report places one
     assert core.request_state("old-batch").value == "placed"
     assert core.request_state("fresh-p1").value == "queued"
@@ -71,7 +72,7 @@ def test_aged_request_overtakes_newer_higher_class() -> None:
 def test_readmitted_request_keeps_its_age() -> None:
     """arrival_unix from before a scheduler restart counts for aging."""
     core, clock = make_core()
-    first = core.admit(opts("r", priority=2, arrival_unix=clock.wall() - 45.0))
+    first = admit(core, opts("r", priority=2, arrival_unix=clock.wall() - 45.0))
     assert isinstance(first, QueuedInfo)
     assert first.priority == 1
     assert core.metrics.value(
@@ -83,16 +84,16 @@ def test_no_starvation_under_constant_p0_load() -> None:
     leaves before P0 requests that arrived after it."""
     core, clock = make_core(engine_queue_slack=0)
     add_engine(core, "e1", max_running=1)
-    core.admit(opts("batch", tenant="b", priority=2))
+    admit(core, opts("batch", tenant="b", priority=2))
     placed: list[str] = []
     for i in range(80):
-        core.admit(opts(f"chat-{i}", tenant="a", priority=0))
-        for rid, notice in core.tick():
+        admit(core, opts(f"chat-{i}", tenant="a", priority=0))
+        for rid, notice in core.handle(Tick()).notices:
             if placed_engine([(rid, notice)], rid):
                 placed.append(rid)
         # the engine finishes whatever it holds each second
         for rid in list(placed):
-            core.done(rid)
+            core.handle(RequestDone(rid))
             placed.remove(rid)
         if core.request_state("batch") is None or core.request_state("batch").value != "queued":
             break

@@ -18,7 +18,7 @@ from services.scheduler.placement import (
     builtin_profiles,
     builtin_registry,
 )
-from services.scheduler.queue_policies import FAIRNESS_POLICIES, ORDERING_POLICIES, FairnessState
+from services.scheduler.queue_policies import FairnessState, FifoOrdering, RoundRobinTenants
 from services.scheduler.records import AdmitOptions, QueueEntry
 
 REGISTRY = builtin_registry(SchedulerConfig())
@@ -160,9 +160,25 @@ def test_custom_profile_from_config() -> None:
 
 # ---------------------------------------------------------------- queue policies
 
-@pytest.mark.parametrize("name", sorted(FAIRNESS_POLICIES))
+def test_queue_policies_register_like_placement_plugins() -> None:
+    """Explicit names, duplicates rejected, unknown names are a ConfigError
+    naming the setting."""
+    assert "round_robin_tenants" in REGISTRY.fairness and "fifo" in REGISTRY.ordering
+    registry = builtin_registry(SchedulerConfig())
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register_fairness(RoundRobinTenants.name, RoundRobinTenants)
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register_ordering(FifoOrdering.name, FifoOrdering)
+    with pytest.raises(ConfigError, match=r"scheduler\.queue_fairness: unknown fairness policy 'nope'"):
+        registry.make_fairness("nope")
+    with pytest.raises(ConfigError, match=r"scheduler\.queue_ordering: unknown ordering policy 'nope'"):
+        registry.make_ordering("nope")
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY.fairness))
 def test_fairness_policy_contract(name: str) -> None:
-    policy = FAIRNESS_POLICIES[name]()
+    policy = REGISTRY.make_fairness(name)
+    assert policy.name == name
     state = FairnessState()
     assert policy.next_tenant(state) is None and policy.rotation(state) == []
     for tenant in ("a", "b", "a", "c"):
@@ -176,11 +192,19 @@ def test_fairness_policy_contract(name: str) -> None:
     policy.left(state, "b")
     policy.left(state, "b")                                           # idempotent
     assert "b" not in policy.rotation(state)
+    assert policy.next_tenant(state) == policy.rotation(state)[0]
+    last = policy.next_tenant(state)
+    policy.served(state, last, still_queued=False)                    # its last request
+    assert last not in policy.rotation(state)
+    for tenant in policy.rotation(state):
+        policy.left(state, tenant)
+    assert policy.next_tenant(state) is None and policy.rotation(state) == []
 
 
-@pytest.mark.parametrize("name", sorted(ORDERING_POLICIES))
+@pytest.mark.parametrize("name", sorted(REGISTRY.ordering))
 def test_ordering_policy_contract(name: str) -> None:
-    policy = ORDERING_POLICIES[name]()
+    policy = REGISTRY.make_ordering(name)
+    assert policy.name == name
     entries = [
         QueueEntry(AdmitOptions(request_id=f"r{i}", model="m", prompt_tokens=1), seq=i,
                    arrival=1.0, base_class=1, cls=1, expires_at=9.0)
@@ -189,3 +213,14 @@ def test_ordering_policy_contract(name: str) -> None:
     keys = [policy.key(e) for e in entries]
     assert len(set(keys)) == len(keys)                                # distinct on equal arrival
     assert sorted(keys) == keys                                       # then admission order
+
+
+@pytest.mark.parametrize("setting", ["queue_fairness", "queue_ordering"])
+def test_unknown_queue_policy_in_config_names_the_setting(setting: str) -> None:
+    from services.common.clock import FakeClock
+    from services.scheduler.core import SchedulerCore
+
+    from .helpers import make_config
+
+    with pytest.raises(ConfigError, match=rf"scheduler\.{setting}: unknown .*'nope'.*registered"):
+        SchedulerCore(make_config(**{setting: "nope"}), FakeClock())

@@ -7,18 +7,28 @@ from collections import Counter
 import pytest
 
 from services.common.config import ConfigError
+from services.scheduler.events import (
+    EngineLeft,
+    FirstToken,
+    KvSnapshotReported,
+    ReplaceRequested,
+    RequestArrived,
+    RequestDone,
+    StreamClosed,
+)
 from services.scheduler.records import PlacedInfo, QueuedInfo, RejectedInfo, RejectReason
 
-from .helpers import add_engine, make_core, opts, placed_engine, report_load
+from .helpers import add_engine, admit, asks_resync, make_core, opts, placed_engine, report_load
 
 PREFIX = tuple(range(1, 9))     # 8 hash blocks = 128 tokens
 
 
 def place(core, rid: str, **kw) -> str | None:
-    first = core.admit(opts(rid, **kw))
+    notices = core.handle(RequestArrived(opts(rid, **kw))).notices
+    first = notices[0][1]
     if isinstance(first, PlacedInfo):
         return first.engine_id
-    return placed_engine(core.dispatch(), rid) or (
+    return placed_engine(notices, rid) or (
         core.lease_of(rid).engine_id if core.lease_of(rid) else None)
 
 
@@ -28,7 +38,7 @@ def test_sticky_keeps_prefix_on_its_engine_then_spills_when_saturated() -> None:
     core, _ = make_core(policy="sticky_until_saturated", sticky_margin_seconds=0.5)
     t1 = add_engine(core, "e1", max_running=8)
     add_engine(core, "e2", max_running=8)
-    core.engine_kv_snapshot("e1", t1, 0, PREFIX)
+    core.handle(KvSnapshotReported("e1", t1, 0, PREFIX))
 
     assert place(core, "r1", prompt_tokens=128, prefix_hashes=PREFIX) == "e1"
     assert core.lease_of("r1").cached_tokens == 128
@@ -49,7 +59,7 @@ def test_sticky_counts_the_prefill_a_cold_engine_would_pay() -> None:
     t1 = add_engine(core, "e1", max_running=8)
     add_engine(core, "e2", max_running=8)
     prefix = tuple(range(1000, 1125))  # 125 blocks = 2,000 tokens
-    core.engine_kv_snapshot("e1", t1, 0, prefix)
+    core.handle(KvSnapshotReported("e1", t1, 0, prefix))
     report_load(core, "e1", t1, running=2, queued_tokens=2000)
     assert place(core, "r1", prompt_tokens=2000, prefix_hashes=prefix) == "e1"
     # Five times that queue: now waiting costs more than prefilling on e2.
@@ -116,8 +126,8 @@ def test_kv_precise_follows_engine_kv_events() -> None:
     core, _ = make_core(policy="kv_precise")
     add_engine(core, "e1")
     t2 = add_engine(core, "e2")
-    core.engine_kv_snapshot("e2", t2, 0, [])
-    assert not core.engine_kv_events("e2", t2, 1, PREFIX[:4], [], False)
+    core.handle(KvSnapshotReported("e2", t2, 0, []))
+    assert not asks_resync(core, "e2", t2, 1, PREFIX[:4], [], False)
     assert place(core, "r", prompt_tokens=128, prefix_hashes=PREFIX) == "e2"
     assert core.lease_of("r").cached_tokens == 64
 
@@ -134,18 +144,17 @@ def test_reservations_prevent_overfilling_in_a_burst_between_reports() -> None:
     token = add_engine(core, "e1", total_blocks=100, max_running=64)
     # each request: 320 prompt + 16 decode tokens = 21 blocks -> 4 fit in 100
     for i in range(10):
-        core.admit(opts(f"r{i}", prompt_tokens=320, max_tokens=16))
-    core.dispatch()
+        admit(core, opts(f"r{i}", prompt_tokens=320, max_tokens=16))
     placed = [f"r{i}" for i in range(10) if core.lease_of(f"r{i}")]
     assert len(placed) == 4
-    assert core.reservations.reserved("e1") == 84
+    assert core.fleet.reservations.reserved("e1") == 84
     # the report shows them: reservations settle into blocks_used, still no room
     report_load(core, "e1", token, blocks_used=84, running=4, request_ids=placed)
-    assert core.reservations.reserved("e1") == 0
+    assert core.fleet.reservations.reserved("e1") == 0
     assert sum(1 for i in range(10) if core.lease_of(f"r{i}")) == 4
     # two finish; the next report frees their blocks -> exactly two more placed
-    core.done(placed[0])
-    core.done(placed[1])
+    core.handle(RequestDone(placed[0]))
+    core.handle(RequestDone(placed[1]))
     report_load(core, "e1", token, blocks_used=42, running=2, request_ids=placed[2:])
     assert sum(1 for i in range(10) if core.lease_of(f"r{i}")) == 4
     assert core.queued_total() == 4
@@ -155,8 +164,7 @@ def test_lease_slots_cap_in_flight_work() -> None:
     core, _ = make_core(engine_queue_slack=2, p0_reserved_leases=0)
     add_engine(core, "e1", max_running=3)
     for i in range(10):
-        core.admit(opts(f"r{i}"))
-    core.dispatch()
+        admit(core, opts(f"r{i}"))
     assert sum(1 for i in range(10) if core.lease_of(f"r{i}")) == 5
 
 
@@ -164,22 +172,18 @@ def test_reserved_lease_slot_takes_a_p0_at_once_when_batch_work_fills_the_engine
     core, _ = make_core(engine_queue_slack=2, p0_reserved_leases=1)
     add_engine(core, "e1", max_running=3)
     for i in range(10):
-        core.admit(opts(f"p2-{i}", priority=2))
-    core.dispatch()
+        admit(core, opts(f"p2-{i}", priority=2))
     assert sum(1 for i in range(10) if core.lease_of(f"p2-{i}")) == 4  # 5 slots, one kept for P0
-    core.admit(opts("p0", priority=0))
-    core.dispatch()
+    admit(core, opts("p0", priority=0))
     assert core.lease_of("p0") is not None and core.lease_of("p0").engine_id == "e1"
-    core.admit(opts("p0-second", priority=0))
-    core.dispatch()
+    admit(core, opts("p0-second", priority=0))
     assert core.lease_of("p0-second") is None  # the reserve is one slot, not a bypass
 
 
 def test_reserve_never_takes_the_last_lease_slot() -> None:
     core, _ = make_core(engine_queue_slack=0, p0_reserved_leases=5)
     add_engine(core, "e1", max_running=1)
-    core.admit(opts("p1"))
-    core.dispatch()
+    admit(core, opts("p1"))
     assert core.lease_of("p1") is not None
 
 
@@ -189,8 +193,7 @@ def test_stale_engine_is_not_placed_on() -> None:
     core, clock = make_core(stale_report_seconds=2.0)
     token = add_engine(core, "e1", report=True)
     clock.advance(2.5)
-    assert isinstance(core.admit(opts("r")), QueuedInfo)
-    core.dispatch()
+    assert isinstance(admit(core, opts("r")), QueuedInfo)
     assert core.lease_of("r") is None
     assert core.state().engines[0].view.fresh is False
     report_load(core, "e1", token)
@@ -200,11 +203,11 @@ def test_stale_engine_is_not_placed_on() -> None:
 def test_closed_engine_drops_kv_entries_and_leases() -> None:
     core, _ = make_core(policy="kv_precise")
     t1 = add_engine(core, "e1")
-    core.engine_kv_snapshot("e1", t1, 0, PREFIX)
+    core.handle(KvSnapshotReported("e1", t1, 0, PREFIX))
     assert place(core, "r", prompt_tokens=128, prefix_hashes=PREFIX) == "e1"
-    core.engine_closed("e1", t1)
-    assert core.kv.blocks("e1") == 0
-    assert core.kv.prefix_matches(PREFIX, ["e1"]) == {"e1": 0}
+    core.handle(EngineLeft("e1", t1))
+    assert core.fleet.kv.blocks("e1") == 0
+    assert core.fleet.kv.prefix_matches(PREFIX, ["e1"]) == {"e1": 0}
     assert core.lease_of("r") is None
     assert core.request_state("r").value == "orphaned"
     assert core.state().leases_total == 0 and core.state().engines == []
@@ -214,25 +217,25 @@ def test_late_close_of_a_replaced_stream_is_ignored() -> None:
     core, _ = make_core()
     old = add_engine(core, "e1")
     new = add_engine(core, "e1")         # reconnect before the old stream's close arrived
-    core.engine_closed("e1", old)
-    assert core.engines.get("e1") is not None
-    core.engine_closed("e1", new)
-    assert core.engines.get("e1") is None
+    core.handle(EngineLeft("e1", old))
+    assert core.fleet.get("e1") is not None
+    core.handle(EngineLeft("e1", new))
+    assert core.fleet.get("e1") is None
 
 
 def test_kv_seq_gap_triggers_resync_and_snapshot_recovers() -> None:
     core, _ = make_core()
     t = add_engine(core, "e1")
-    assert core.engine_kv_events("e1", t, 1, [1], [], False) is True     # events before snapshot
-    core.engine_kv_snapshot("e1", t, 5, [1, 2])
-    assert core.engine_kv_events("e1", t, 6, [3], [1], False) is False
-    assert core.kv.blocks("e1") == 2
-    assert core.engine_kv_events("e1", t, 8, [4], [], False) is True     # 7 went missing
-    assert core.engine_kv_events("e1", t, 9, [5], [], False) is False    # ignored until snapshot
-    assert not core.kv.holds("e1", 5)
-    core.engine_kv_snapshot("e1", t, 20, [2, 3, 4, 5])
-    assert core.engine_kv_events("e1", t, 21, [], [], True) is False     # cleared
-    assert core.kv.blocks("e1") == 0
+    assert asks_resync(core, "e1", t, 1, [1], [], False) is True     # events before snapshot
+    core.handle(KvSnapshotReported("e1", t, 5, [1, 2]))
+    assert asks_resync(core, "e1", t, 6, [3], [1], False) is False
+    assert core.fleet.kv.blocks("e1") == 2
+    assert asks_resync(core, "e1", t, 8, [4], [], False) is True     # 7 went missing
+    assert asks_resync(core, "e1", t, 9, [5], [], False) is False    # ignored until snapshot
+    assert not core.fleet.kv.holds("e1", 5)
+    core.handle(KvSnapshotReported("e1", t, 20, [2, 3, 4, 5]))
+    assert asks_resync(core, "e1", t, 21, [], [], True) is False     # cleared
+    assert core.fleet.kv.blocks("e1") == 0
     assert core.metrics.value("kvmesh_scheduler_kv_resyncs_total") == 2
 
 
@@ -244,15 +247,14 @@ def test_replace_places_elsewhere_ahead_of_the_queue() -> None:
     first = place(core, "r1")
     second = place(core, "r2")
     assert {first, second} == {"e1", "e2"}
-    assert isinstance(core.admit(opts("r3")), QueuedInfo)
-    core.dispatch()
-    core.engine_closed(first, tokens[first])
+    assert isinstance(admit(core, opts("r3")), QueuedInfo)
+    core.handle(EngineLeft(first, tokens[first]))
     assert core.request_state("r1").value == "orphaned"
     # r1's engine failed: nothing free on the other engine yet -> waits in the lane
-    assert core.replace("r1", [first], 200, 10, []) == []
+    assert core.handle(ReplaceRequested("r1", (first,), 200, 10, ())).notices == []
     assert core.request_state("r1").value == "replacing"
     # room appears on the other engine: the replacement goes before queued r3
-    out = dict(core.done("r2"))
+    out = dict(core.handle(RequestDone("r2")).notices)
     assert isinstance(out["r1"], PlacedInfo) and out["r1"].engine_id == second
     assert core.request_state("r3").value == "queued"
 
@@ -261,7 +263,7 @@ def test_replace_with_every_engine_excluded_is_rejected() -> None:
     core, _ = make_core()
     add_engine(core, "e1")
     assert place(core, "r") == "e1"
-    out = dict(core.replace("r", ["e1"], 40, 10, []))
+    out = dict(core.handle(ReplaceRequested("r", ("e1",), 40, 10, ())).notices)
     assert isinstance(out["r"], RejectedInfo) and out["r"].reason is RejectReason.NO_ENGINE
     assert core.request_state("r") is None
 
@@ -269,21 +271,20 @@ def test_replace_with_every_engine_excluded_is_rejected() -> None:
 def test_replace_while_queued_is_invalid() -> None:
     core, _ = make_core()
     add_engine(core, "e1", report=False)
-    core.admit(opts("r"))
-    out = dict(core.replace("r", [], 40, 10, []))
+    admit(core, opts("r"))
+    out = dict(core.handle(ReplaceRequested("r", (), 40, 10, ())).notices)
     assert out["r"].reason is RejectReason.INVALID
 
 
 def test_reattach_after_scheduler_restart() -> None:
     core, _ = make_core()
     add_engine(core, "e1")
-    placed = core.admit(opts("r", running_on_engine="e1"))
+    placed = admit(core, opts("r", running_on_engine="e1"))
     assert isinstance(placed, PlacedInfo) and placed.engine_id == "e1"
-    assert core.reservations.reserved("e1") == 0
+    assert core.fleet.reservations.reserved("e1") == 0
     assert core.state().engines[0].view.leases == 1
     # unknown engine -> placed normally
-    assert isinstance(core.admit(opts("s", running_on_engine="gone")), QueuedInfo)
-    core.dispatch()
+    assert isinstance(admit(core, opts("s", running_on_engine="gone")), QueuedInfo)
     assert core.lease_of("s").engine_id == "e1"
 
 
@@ -291,10 +292,10 @@ def test_finish_is_idempotent_and_frees_everything() -> None:
     core, _ = make_core()
     add_engine(core, "e1")
     place(core, "r")
-    core.first_token("r")
-    core.done("r")
-    core.done("r")
-    core.withdraw("r")
+    core.handle(FirstToken("r"))
+    core.handle(RequestDone("r"))
+    core.handle(RequestDone("r"))
+    core.handle(StreamClosed("r"))
     assert core.state().leases_total == 0
-    assert core.reservations.reserved("e1") == 0
+    assert core.fleet.reservations.reserved("e1") == 0
     assert core.metrics.value("kvmesh_scheduler_requests_finished_total", {"outcome": "done"}) == 1

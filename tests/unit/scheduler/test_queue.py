@@ -7,11 +7,12 @@ import itertools
 import pytest
 
 from services.scheduler.aging import AgingRule
+from services.scheduler.events import StreamClosed
 from services.scheduler.queue import ModelQueue
 from services.scheduler.queue_policies import FifoOrdering, RoundRobinTenants
 from services.scheduler.records import AdmitOptions, QueueEntry
 
-from .helpers import add_engine, make_core, opts, report_load
+from .helpers import add_engine, admit, make_core, opts, report_load
 
 _seq = itertools.count()
 
@@ -130,8 +131,8 @@ def test_p0_admitted_behind_50_p2_is_placed_first() -> None:
     core, _ = make_core(engine_queue_slack=0)
     token = add_engine(core, "e1", max_running=1, report=False)
     for i in range(50):
-        core.admit(opts(f"batch-{i}", tenant="batch", priority=2))
-    queued = core.admit(opts("chat", tenant="chat", priority=0))
+        admit(core, opts(f"batch-{i}", tenant="batch", priority=2))
+    queued = admit(core, opts("chat", tenant="chat", priority=0))
     assert queued.position == 0
     report_load(core, "e1", token)
     assert core.request_state("chat").value == "placed"
@@ -141,12 +142,12 @@ def test_p0_admitted_behind_50_p2_is_placed_first() -> None:
 def test_withdraw_from_core_leaves_the_queue_at_once() -> None:
     core, _ = make_core()
     add_engine(core, "e1", report=False)
-    core.admit(opts("a"))
-    core.admit(opts("b"))
-    core.withdraw("a")
+    admit(core, opts("a"))
+    admit(core, opts("b"))
+    core.handle(StreamClosed("a"))
     assert core.request_state("a") is None
     assert dict(core.queued_updates())["b"].position == 0
     assert core.queued_total() == 1
-    core.withdraw("a")                      # idempotent
+    core.handle(StreamClosed("a"))                      # idempotent
     assert core.metrics.value(
         "kvmesh_scheduler_requests_finished_total", {"outcome": "withdrawn"}) == 1

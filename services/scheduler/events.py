@@ -1,0 +1,180 @@
+"""What the transport tells the scheduler core (events) and what the core
+hands back to deliver (`Outbox`).
+
+`SchedulerCore.handle(event)` is the core's only mutating entry point: it
+applies one event, then always runs dispatch, and returns one `Outbox` with
+every notice and engine command that event caused -- the event's own answer
+and whatever the dispatch placed or rejected. No caller can forget to
+dispatch, because no caller dispatches.
+
+Events are plain frozen records; the gRPC layer (grpc_api.py) builds them
+from stream messages, the timers in server.py build `Tick`, and tests build
+them directly.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .engine_registry import EngineInfo, EngineLoad
+from .records import AdmitOptions, Notice
+
+__all__ = [
+    "Delivery",
+    "DrainRequested",
+    "EngineCommand",
+    "EngineJoined",
+    "EngineLeft",
+    "Event",
+    "FirstToken",
+    "KvEventsReported",
+    "KvSnapshotReported",
+    "LoadReported",
+    "Outbox",
+    "ReplaceRequested",
+    "RequestArrived",
+    "RequestDone",
+    "ShutdownStarted",
+    "StreamClosed",
+    "Tick",
+]
+
+# (request id, what to tell its Admit stream)
+Delivery = tuple[str, Notice]
+
+
+# ---------------------------------------------------------------- Admit streams
+
+@dataclass(frozen=True)
+class RequestArrived:
+    """An Admit stream's first message: queue the request (or re-attach it
+    to the engine it already runs on)."""
+
+    options: AdmitOptions
+
+
+@dataclass(frozen=True)
+class StreamClosed:
+    """The Admit stream ended: leave the queue / end the lease. Idempotent."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class RequestDone:
+    """The gateway reports completion: the lease ends now."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ReplaceRequested:
+    """The request's engine failed: place it again, avoiding `exclude`."""
+
+    request_id: str
+    exclude: tuple[str, ...]
+    prompt_tokens: int
+    max_tokens: int
+    prefix_hashes: tuple[int, ...]
+
+
+# ---------------------------------------------------------------- Connect streams
+
+@dataclass(frozen=True)
+class EngineJoined:
+    """An engine's hello. `handle` raises `DuplicateEngineError` when the id
+    is connected from another address (nothing changes then)."""
+
+    info: EngineInfo
+
+
+@dataclass(frozen=True)
+class LoadReported:
+    engine_id: str
+    token: int
+    load: EngineLoad
+
+
+@dataclass(frozen=True)
+class KvEventsReported:
+    engine_id: str
+    token: int
+    seq: int
+    # Any sequence: the gRPC layer passes the message's repeated fields
+    # without copying them (KV events are the busiest engine message).
+    stored: Sequence[int]
+    removed: Sequence[int]
+    cleared: bool
+
+
+@dataclass(frozen=True)
+class KvSnapshotReported:
+    engine_id: str
+    token: int
+    seq: int
+    hashes: Sequence[int]
+
+
+@dataclass(frozen=True)
+class EngineLeft:
+    """The engine's Connect stream ended (only the current token counts)."""
+
+    engine_id: str
+    token: int
+
+
+@dataclass(frozen=True)
+class DrainRequested:
+    """Stop placing on an engine; its running work finishes."""
+
+    engine_id: str
+
+
+# ---------------------------------------------------------------- the scheduler itself
+
+@dataclass(frozen=True)
+class Tick:
+    """Housekeeping from the clock: aging, TTL expiry, gauges."""
+
+
+@dataclass(frozen=True)
+class ShutdownStarted:
+    """Reject everything still waiting with DRAINING; refuse new work."""
+
+
+Event = (
+    RequestArrived | StreamClosed | FirstToken | RequestDone | ReplaceRequested
+    | EngineJoined | LoadReported | KvEventsReported | KvSnapshotReported | EngineLeft
+    | DrainRequested | Tick | ShutdownStarted
+)
+
+
+class EngineCommand(enum.Enum):
+    """What the scheduler asks an engine over its Connect stream."""
+
+    RESYNC = "resync"    # the KV event stream had a gap: send a snapshot
+    DRAIN = "drain"      # take no new work; finish what runs
+
+
+@dataclass
+class Outbox:
+    """Everything one handled event asks the transport to deliver.
+
+    `notices` are in the order they happened. For `RequestArrived` the first
+    notice is always the arriving request's own first answer (Queued,
+    Placed on re-attach, or Rejected); a Placed or Rejected for it from the
+    same dispatch follows later in the list.
+    """
+
+    notices: list[Delivery] = field(default_factory=list)
+    commands: list[tuple[str, EngineCommand]] = field(default_factory=list)
+    # EngineJoined only: the registration's token, which the engine's stream
+    # presents with every later event (a stale stream's events are ignored).
+    token: int = 0

@@ -1,0 +1,225 @@
+"""The engine-facing state of the scheduler: which engines are connected
+(engine_registry.py), which prefix blocks each one caches (kv_index.py),
+the blocks promised to placements not yet in a load report
+(reservations.py), the live leases, and the `EngineView`s placement reads.
+
+Ownership rule: `EngineFleet` is owned by `SchedulerCore` and called only
+from it (so only from the core's one thread, see core.py). It knows engines
+and leases, never queues or requests' lifecycles: the core decides when a
+lease opens or ends, the fleet keeps the books in step (engine lease sets,
+reservations, service-time estimates) and answers what placement needs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from services.common.config import SchedulerConfig
+
+from .engine_registry import EngineInfo, EngineLoad, EngineRecord, EngineRegistry
+from .kv_index import KvIndex
+from .placement import EngineView
+from .records import AdmissionError, AdmitOptions, Lease, RejectReason
+from .reservations import ReservationBook, blocks_needed
+
+__all__ = ["EngineFleet", "EngineStat"]
+
+
+@dataclass(frozen=True)
+class EngineStat:
+    """One engine as GetState shows it."""
+
+    view: EngineView
+    address: str
+    cached_blocks: int
+    backend: str
+
+
+class EngineFleet:
+    def __init__(self, config: SchedulerConfig, started: float, retry_min: float) -> None:
+        self._config = config
+        self._started = started
+        self._retry_min = retry_min
+        self._registry = EngineRegistry(config.initial_service_seconds)
+        self.kv = KvIndex()
+        self.reservations = ReservationBook()
+        self._leases: dict[str, Lease] = {}
+        self._lease_ids = itertools.count(1)
+        # Last time an engine for each model was seen: a model nobody serves
+        # is accepted for engine_grace_seconds after that (or after start-up).
+        self._model_seen: dict[str, float] = {}
+
+    # ------------------------------------------------------------ registry
+
+    def __iter__(self) -> Iterator[EngineRecord]:
+        return iter(self._registry)
+
+    def __len__(self) -> int:
+        return len(self._registry)
+
+    def get(self, engine_id: str) -> EngineRecord | None:
+        return self._registry.get(engine_id)
+
+    def current(self, engine_id: str, token: int) -> EngineRecord | None:
+        """The engine's record if `token` is its current registration."""
+        record = self._registry.get(engine_id)
+        return record if record is not None and record.token == token else None
+
+    def join(self, info: EngineInfo, now: float) -> int:
+        """Register an engine; returns the token its stream must present.
+        Raises `DuplicateEngineError` for an id connected from elsewhere."""
+        record, old = self._registry.register(info, now)
+        if old is not None:
+            self.kv.drop_engine(info.engine_id)      # the new snapshot replaces it
+        self._model_seen[info.model] = now
+        return record.token
+
+    def report_load(self, engine_id: str, token: int, load: EngineLoad, now: float) -> None:
+        record = self.current(engine_id, token)
+        if record is None:
+            return
+        record.load = load
+        record.last_report_at = now
+        self.reservations.settle(engine_id, set(load.request_ids))
+
+    def kv_events(
+        self, engine_id: str, token: int, seq: int,
+        stored: Sequence[int], removed: Sequence[int], cleared: bool,
+    ) -> bool:
+        """Apply KV events; True = ask the engine for a snapshot (Resync)."""
+        if self.current(engine_id, token) is None:
+            return False
+        return self.kv.apply_events(engine_id, seq, stored, removed, cleared)
+
+    def kv_snapshot(self, engine_id: str, token: int, seq: int, hashes: Sequence[int]) -> None:
+        if self.current(engine_id, token) is not None:
+            self.kv.apply_snapshot(engine_id, seq, hashes)
+
+    def leave(self, engine_id: str, token: int) -> list[Lease] | None:
+        """Forget an engine, its KV entries, reservations and leases at once.
+        Returns the leases it held (now ended), or None when `token` is not
+        the current registration (a stale stream's late close)."""
+        record = self._registry.unregister(engine_id, token)
+        if record is None:
+            return None
+        self.kv.drop_engine(engine_id)
+        self.reservations.drop_engine(engine_id)
+        ended = [lease for lid in record.leases if (lease := self._leases.pop(lid, None))]
+        record.leases.clear()
+        return ended
+
+    def drain(self, engine_id: str) -> bool:
+        record = self._registry.get(engine_id)
+        if record is None:
+            return False
+        record.draining = True
+        return True
+
+    def fresh_count(self, now: float) -> int:
+        return sum(1 for e in self._registry if e.fresh(now, self._config.stale_report_seconds))
+
+    # ------------------------------------------------------------ leases
+
+    def open_lease(
+        self, request_id: str, engine: EngineRecord, reserved: int, cached: int,
+        prompt_tokens: int, now: float,
+    ) -> Lease:
+        """Lease `engine` to a request and reserve its blocks (unless the
+        engine's report already shows the request running)."""
+        lease = Lease(
+            lease_id=f"lease-{next(self._lease_ids)}", request_id=request_id,
+            engine_id=engine.engine_id, placed_at=now, reserved_blocks=reserved,
+            cached_tokens=cached, prompt_tokens=prompt_tokens,
+        )
+        if reserved and request_id not in engine.load.request_ids:
+            self.reservations.reserve(engine.engine_id, request_id, reserved)
+        engine.leases.add(lease.lease_id)
+        self._leases[lease.lease_id] = lease
+        return lease
+
+    def close_lease(self, lease: Lease, now: float) -> None:
+        """End a lease (idempotent); its duration feeds the engine's
+        service-time estimate."""
+        if self._leases.pop(lease.lease_id, None) is None:
+            return
+        self.reservations.release(lease.engine_id, lease.request_id)
+        engine = self._registry.get(lease.engine_id)
+        if engine is not None:
+            engine.leases.discard(lease.lease_id)
+            engine.observe_service(now - lease.placed_at)
+
+    def lease_count(self) -> int:
+        return len(self._leases)
+
+    # ------------------------------------------------------------ what placement reads
+
+    def views(self, model: str, now: float) -> list[EngineView]:
+        return [self._view(e, now) for e in self._registry if e.info.model == model]
+
+    def stats(self, now: float) -> list[EngineStat]:
+        return [
+            EngineStat(self._view(e, now), e.info.address, self.kv.blocks(e.engine_id), e.info.backend)
+            for e in sorted(self._registry, key=lambda r: r.engine_id)
+        ]
+
+    def _view(self, e: EngineRecord, now: float) -> EngineView:
+        weight = e.info.weight if e.info.weight > 0 else 1.0
+        occupancy = max(len(e.leases), e.load.running + e.load.waiting)
+        excess = max(0, occupancy + 1 - e.info.max_running)
+        queue_seconds = (
+            e.load.queued_tokens / (self._config.prefill_tokens_per_second * weight)
+            + excess * e.service_seconds / max(1, e.info.max_running)
+        )
+        return EngineView(
+            engine_id=e.engine_id, model=e.info.model, serving=e.load.serving,
+            draining=e.draining, fresh=e.fresh(now, self._config.stale_report_seconds),
+            block_size=e.info.block_size, blocks_total=e.blocks_total(),
+            blocks_used=e.load.blocks_used, blocks_reserved=self.reservations.reserved(e.engine_id),
+            leases=len(e.leases), lease_limit=e.info.max_running + self._config.engine_queue_slack,
+            max_running=e.info.max_running, running=e.load.running, waiting=e.load.waiting,
+            queued_tokens=e.load.queued_tokens, weight=weight,
+            max_model_len=e.info.max_model_len, queue_seconds=queue_seconds,
+            cached_blocks=e.load.cached_blocks, p0_reserved_leases=self._config.p0_reserved_leases,
+        )
+
+    def check_servable(
+        self, options: AdmitOptions, exclude: frozenset[str], now: float, replacing: bool = False
+    ) -> None:
+        """Raise `AdmissionError` when no engine could ever take the request
+        (as opposed to none having room right now)."""
+        engines = [e for e in self._registry if e.info.model == options.model]
+        if engines:
+            self._model_seen[options.model] = now
+        else:
+            seen = self._model_seen.get(options.model, self._started)
+            if replacing or now - seen > self._config.engine_grace_seconds:
+                raise AdmissionError(
+                    RejectReason.NO_ENGINE,
+                    f"no engine serves model {options.model!r}; check the model name or start "
+                    "an engine for it",
+                    self._retry_min,
+                )
+            return
+        usable = [e for e in engines if e.engine_id not in exclude]
+        if not usable:
+            raise AdmissionError(
+                RejectReason.NO_ENGINE,
+                f"every engine serving {options.model!r} is excluded by the replace",
+                self._retry_min,
+            )
+        need_len = options.prompt_tokens + options.max_tokens
+        for e in usable:
+            fits_len = e.info.max_model_len <= 0 or need_len <= e.info.max_model_len
+            cold = blocks_needed(
+                options.prompt_tokens, options.max_tokens, 0, e.info.block_size,
+                self._config.decode_headroom_tokens,
+            )
+            if fits_len and cold <= e.blocks_total():
+                return
+        raise AdmissionError(
+            RejectReason.TOO_LARGE,
+            f"{options.prompt_tokens} prompt + {options.max_tokens} max tokens fit on no engine "
+            f"serving {options.model!r}; shorten the prompt or lower max_tokens",
+        )

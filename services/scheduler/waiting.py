@@ -1,0 +1,122 @@
+"""The waiting side of the scheduler: per model, the class queues
+(queue.py) and the Replace lane of requests that lost their engine and go
+ahead of the queue.
+
+Ownership rule: `WaitingRoom` is owned by `SchedulerCore` and called only
+from it (so only from the core's one thread, see core.py). It keeps the
+order of waiting requests and says who is next or past its time; the core
+decides what happens to them (place, reject, finish).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .aging import AgingRule
+from .queue import ModelQueue, Promotion
+from .queue_policies import FairnessPolicy, OrderingPolicy
+from .records import QueueEntry, RequestRecord
+
+__all__ = ["Expired", "QueueStat", "WaitingRoom"]
+
+
+@dataclass(frozen=True)
+class QueueStat:
+    """One (class, tenant) queue as GetState shows it."""
+
+    priority: int
+    tenant: str
+    queued: int
+    oldest_wait_seconds: float
+
+
+@dataclass
+class Expired:
+    """What one pass of time did to the waiting requests."""
+
+    promotions: list[Promotion]
+    entries: list[QueueEntry]               # past their class TTL in a queue
+    replacements: list[RequestRecord]       # past their deadline in a Replace lane
+
+
+class WaitingRoom:
+    def __init__(self, aging: AgingRule, fairness: FairnessPolicy, ordering: OrderingPolicy) -> None:
+        self._aging = aging
+        self._fairness = fairness
+        self._ordering = ordering
+        self._queues: dict[str, ModelQueue] = {}
+        self._lanes: dict[str, OrderedDict[str, RequestRecord]] = {}
+
+    def models(self) -> list[str]:
+        """Models with a queue or a lane (possibly empty until `drop_empty`)."""
+        return list(self._lanes.keys() | self._queues.keys())
+
+    def queue(self, model: str) -> ModelQueue:
+        """The model's queue, created on first use."""
+        queue = self._queues.get(model)
+        if queue is None:
+            queue = self._queues[model] = ModelQueue(self._aging, self._fairness, self._ordering)
+        return queue
+
+    def existing_queue(self, model: str) -> ModelQueue | None:
+        return self._queues.get(model)
+
+    def lane(self, model: str) -> OrderedDict[str, RequestRecord] | None:
+        return self._lanes.get(model)
+
+    def add_replacement(self, rec: RequestRecord) -> None:
+        self._lanes.setdefault(rec.options.model, OrderedDict())[rec.options.request_id] = rec
+
+    def remove(self, rec: RequestRecord, queued: bool) -> None:
+        """Take the request out of its queue (when `queued`) and its lane."""
+        request_id = rec.options.request_id
+        if queued:
+            queue = self._queues.get(rec.options.model)
+            if queue is not None:
+                queue.remove(request_id)
+        lane = self._lanes.get(rec.options.model)
+        if lane is not None:
+            lane.pop(request_id, None)
+
+    def advance(self, now: float) -> Expired:
+        """Apply aging and find everything past its time (still in place;
+        the core rejects them)."""
+        expired = Expired([], [], [])
+        for queue in self._queues.values():
+            promotions, entries = queue.advance(now)
+            expired.promotions.extend(promotions)
+            expired.entries.extend(entries)
+        for lane in self._lanes.values():
+            expired.replacements.extend(r for r in lane.values() if r.replace_expires_at <= now)
+        return expired
+
+    def drop_empty(self) -> None:
+        for model in [m for m, q in self._queues.items() if len(q) == 0]:
+            del self._queues[model]
+        for model in [m for m, lane in self._lanes.items() if not lane]:
+            del self._lanes[model]
+
+    def class_len(self, cls: int) -> int:
+        return sum(q.class_len(cls) for q in self._queues.values())
+
+    def tenant_len(self, tenant: str) -> int:
+        return sum(q.tenant_len(tenant) for q in self._queues.values())
+
+    def queued_total(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def positions(self) -> Iterator[tuple[QueueEntry, int]]:
+        for queue in self._queues.values():
+            yield from queue.positions()
+
+    def stats(self, now: float) -> list[QueueStat]:
+        stats: dict[tuple[int, str], tuple[int, float]] = {}
+        for queue in self._queues.values():
+            for cls_queue in queue.classes:
+                for tenant, entries in cls_queue.tenant_entries():
+                    count, oldest = stats.get((cls_queue.cls, tenant), (0, 0.0))
+                    wait = max(now - min(e.arrival for e in entries), 0.0)
+                    stats[(cls_queue.cls, tenant)] = (count + len(entries), max(oldest, wait))
+        return [QueueStat(c, t, n, w) for (c, t), (n, w) in sorted(stats.items())]
