@@ -2,6 +2,27 @@
 admission control, the engine registry and KV index, pluggable placement,
 block reservations and leases. Control plane only: tokens never pass here.
 
+Ownership rule: all mutable scheduler state belongs to one `SchedulerCore`
+(core.py), called only from the event loop's thread and only through
+`SchedulerCore.handle(event) -> Outbox`, which applies the event, always
+dispatches, and returns what to deliver. The core keeps its state in three
+objects only it calls: `RequestBook` (request_book.py), `WaitingRoom`
+(waiting.py) and `EngineFleet` (fleet.py).
+
+A request's phases and the file that owns each:
+  admit     core.py `_admit`, with admission_limits.py (caps, TTL,
+            retry-after), aging.py, waiting.py + queue.py + queue_policies.py;
+  place     placement/ (filters, scorers, pickers, named policies) over the
+            engine views of fleet.py;
+  dispatch  core.py `_dispatch` (Replace lanes, then queues, in order);
+            leases and reservations in fleet.py;
+  finish    request_book.py `RequestBook.finish` (exactly once).
+Around them: events.py (what the core accepts and returns), grpc_api.py
+(Admit / Connect / GetState streams <-> events; the one place for protobuf
+and gRPC status codes), server.py (process: gRPC server, timers, metrics),
+engine_registry.py, kv_index.py, reservations.py (the fleet's books),
+records.py (records, enums, errors), metrics.py.
+
 Entry points: `services.scheduler.server.SchedulerService` and
 `services.scheduler.server.serve`.
 """

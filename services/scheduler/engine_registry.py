@@ -9,6 +9,7 @@ The same id from another address while the first stream is open is refused:
 two engines configured with one id would otherwise take each other's
 registration, leases and KV index in turns. Freshness:
 an engine with no load report for `stale_report_seconds` is not placed on.
+Owned by `EngineFleet` (fleet.py), the only code that calls it.
 """
 
 from __future__ import annotations

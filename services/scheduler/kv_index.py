@@ -5,7 +5,7 @@ Two maps kept in step: hash -> engines and engine -> hashes, so a lookup is
 O(prefix length x engines) and dropping an engine is O(its blocks). The
 per-engine sequence check lives here too: a KvEvents message must carry the
 previous seq + 1, otherwise the view is unreliable and the engine is asked
-for a snapshot (the caller sends Resync).
+for a snapshot (the caller sends Resync). Owned by `EngineFleet` (fleet.py).
 """
 
 from __future__ import annotations

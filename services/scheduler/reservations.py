@@ -1,7 +1,7 @@
 """Block reservations: blocks a placement will need, counted against an
 engine until its load report shows the request (then the blocks are in the
 report's blocks_used) or the lease ends, so a burst of placements between two
-reports cannot overfill one engine.
+reports cannot overfill one engine. Owned by `EngineFleet` (fleet.py).
 """
 
 from __future__ import annotations

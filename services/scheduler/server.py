@@ -28,8 +28,8 @@ from services.common.mesh_tls import add_port, identity_for
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from .core import SchedulerCore
-from .metrics import SchedulerMetrics
 from .grpc_api import SchedulerServicer
+from .metrics import SchedulerMetrics
 
 __all__ = ["SchedulerService", "serve"]
 

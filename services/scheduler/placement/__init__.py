@@ -1,6 +1,8 @@
 """Placement as plugins (llm-d style): filters narrow the engines, scorers
 rate them in [0, 1], a picker chooses one. Contracts: interfaces.py; the one
-registry: registry.py; named policies and the framework: policies.py."""
+registry of the scheduler's plugins (these and the queue's fairness and
+ordering policies): registry.py; named policies and the framework:
+policies.py."""
 
 from .interfaces import EngineView, Filter, Picker, PickerState, PlacementRequest, ScoredEngine, Scorer
 from .policies import Placement, PlacementPolicy, build_policy, builtin_profiles
