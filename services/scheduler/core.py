@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.clock import Clock
-from services.common.config import ConfigError, MeshConfig
+from services.common.config import MeshConfig
 
 from .admission import AdmissionLimits, DispatchRateMeter, validate_options
 from .aging import AgingRule
@@ -49,7 +49,7 @@ from .records import (
 from .registry import EngineInfo, EngineLoad, EngineRecord, EngineRegistry
 from .reservations import ReservationBook, blocks_needed
 
-__all__ = ["EngineStat", "QueueStat", "SchedulerCore", "StateView", "validate_scheduler_config"]
+__all__ = ["EngineStat", "QueueStat", "SchedulerCore", "StateView"]
 
 # (request id, what to tell its Admit stream)
 Delivery = tuple[str, Notice]
@@ -80,31 +80,10 @@ class StateView:
     leases_total: int
 
 
-def validate_scheduler_config(config: MeshConfig) -> None:
-    """Bounds the YAML loader cannot express; errors name the setting."""
-    s = config.scheduler
-    positive = (
-        "stale_report_seconds", "queued_update_seconds", "tick_seconds",
-        "prefill_tokens_per_second", "initial_service_seconds",
-    )
-    for name in positive:
-        if getattr(s, name) <= 0:
-            raise ConfigError(f"scheduler.{name}: must be > 0")
-    for name in ("sticky_margin_seconds", "engine_grace_seconds"):
-        if getattr(s, name) < 0:
-            raise ConfigError(f"scheduler.{name}: must be >= 0")
-    for name in ("decode_headroom_tokens", "engine_queue_slack"):
-        if getattr(s, name) < 0:
-            raise ConfigError(f"scheduler.{name}: must be >= 0")
-    if config.hash_block_tokens <= 0:
-        raise ConfigError("hash_block_tokens: must be > 0")
-
-
 class SchedulerCore:
     def __init__(
         self, config: MeshConfig, clock: Clock, metrics: SchedulerMetrics | None = None
     ) -> None:
-        validate_scheduler_config(config)
         self._config = config.scheduler
         self._hash_block_tokens = config.hash_block_tokens
         self._clock = clock
