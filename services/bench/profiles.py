@@ -4,7 +4,7 @@ with its source, kept as YAML under config/sim-profiles/.
 A profile file has
   name, model, gpu, source      what it models and where every figure comes from
   engine:                       block_size, total_blocks, max_running per engine
-  sim:                          SimCostConfig fields (services/common/config.py)
+  sim:                          SimCostConfig fields (services/common/config/engines.py)
   reference:                    the source's own step times, {tokens: ms}: one
                                 forward pass over that many tokens
 `check_profile` compares the sim's predicted step times with the reference

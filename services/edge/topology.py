@@ -6,7 +6,7 @@ limits and timeouts. `services.edge.render` turns it into a full Envoy v3
 bootstrap. Unknown keys are errors and every error names the setting path,
 exactly like the mesh config (the same strict loader is used).
 
-The types live here and not in services/common/config.py: only the edge and
+The types live here and not in services/common/config/: only the edge and
 the launcher read them. The launcher builds a run-time topology from the
 mesh config (actual ports) with `Topology.with_ports`.
 """

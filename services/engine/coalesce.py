@@ -34,11 +34,6 @@ class StreamPacing:
     min_running: int = 1
     unpaced_priorities: frozenset[int] = frozenset()
 
-    def __post_init__(self) -> None:
-        bad = sorted(p for p in self.unpaced_priorities if p not in (0, 1, 2))
-        if bad:
-            raise ValueError(f"coalesce_unpaced_priorities: {bad} are not priority classes (0, 1, 2)")
-
     def hold_seconds(self, live: int, priority: int = 1) -> float:
         """How long to hold a stream of class `priority` after a delta went
         out, with `live` generations on the engine (0 = send the next one as

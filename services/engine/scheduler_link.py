@@ -134,7 +134,7 @@ class SchedulerLink:
         self._http_address = http_address
         self._backend_name = backend_name or engine.backend
         self._identity = identity_for(config, "engine")
-        self._interval = max(0.005, engine.report_interval_seconds)
+        self._interval = engine.report_interval_seconds
         self.min_report_gap = max(0.005, self._interval / 4)
         self._wake = asyncio.Event()
         self._events = KvEventLog(self._wake)

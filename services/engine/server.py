@@ -15,9 +15,7 @@ and everything stops.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
 
 from services.common.clock import Clock, SystemClock
 from services.common.config import ConfigError, EngineConfig, MeshConfig
@@ -25,6 +23,7 @@ from services.common.gc_heap import freeze_startup_heap
 from services.common.grpc_server import make_server
 from services.common.mesh_tls import add_port, identity_for
 from services.common.proto.kvmesh.v1 import engine_pb2_grpc
+from services.common.service_main import run_until_signalled
 from services.engine.backend import EngineBackend
 from services.engine.grpc_api import EngineServicer
 from services.engine.http_api import OpenAIHttpServer
@@ -44,11 +43,6 @@ SERVICE_NAME = "kvmesh.v1.Engine"
 
 def make_backend(config: MeshConfig, engine: EngineConfig) -> EngineBackend:
     """The backend `engine.backend` names; vLLM is imported only when asked for."""
-    if engine.block_size <= 0 or engine.block_size % config.hash_block_tokens:
-        raise ConfigError(
-            f"engine.block_size: {engine.block_size} is not a multiple of "
-            f"hash_block_tokens {config.hash_block_tokens}"
-        )
     if engine.backend == "sim":
         from services.engine.sim import SimBackend  # noqa: PLC0415
 
@@ -89,11 +83,8 @@ class EngineService:
         self.clock = clock or SystemClock()
         self.model_name = resolve_model(config, engine).name
         self.metrics = EngineMetrics(self.model_name, engine.engine_id, self._safe_load)
-        try:
-            pacing = StreamPacing(engine.coalesce_interval_ms / 1000.0, engine.coalesce_min_running,
-                                  frozenset(engine.coalesce_unpaced_priorities))
-        except ValueError as exc:
-            raise ConfigError(f"engines.template.{exc}") from exc
+        pacing = StreamPacing(engine.coalesce_interval_ms / 1000.0, engine.coalesce_min_running,
+                              frozenset(engine.coalesce_unpaced_priorities))
         self.runtime = EngineRuntime(self.backend, self.metrics, self.clock, pacing)
         self.port = 0
         self.link: SchedulerLink | None = None
@@ -187,14 +178,6 @@ class EngineService:
 
 async def serve(config: MeshConfig, engine: EngineConfig) -> None:
     """Run one engine until cancelled or SIGTERM/SIGINT, then stop gracefully."""
+    # The engine freezes its heap itself, before it turns SERVING.
     service = EngineService(config, engine, freeze_heap=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(sig, stop.set)
-    try:
-        await service.start()
-        await stop.wait()
-    finally:
-        await asyncio.shield(service.stop())
+    await run_until_signalled("engine", service.start, service.stop, freeze_heap=False)

@@ -8,17 +8,13 @@ tenant "anonymous" with no limits and no ceiling.
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from services.common.config import ApiKeyConfig, ConfigError, GatewayConfig
+from services.common.config import ApiKeyConfig, GatewayConfig, api_key_digest
 from services.gateway.errors import ErrorKind, GatewayError
 
 __all__ = ["ANONYMOUS", "KeyStore", "Principal", "api_key_from_headers", "effective_priority"]
-
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-
 
 @dataclass(frozen=True)
 class Principal:
@@ -90,24 +86,8 @@ class KeyStore:
 
 def _index(keys: Sequence[ApiKeyConfig]) -> dict[str, Principal]:
     out: dict[str, Principal] = {}
-    for i, key in enumerate(keys):
-        where = f"gateway.api_keys[{i}]"
-        digest = key.sha256.strip().lower()
-        if not _HEX64.match(digest):
-            raise ConfigError(f"{where}.sha256: expected 64 hex digits (kvmesh key hash KEY), got {key.sha256!r}")
-        if digest in out:
-            raise ConfigError(f"{where}.sha256: duplicate key")
-        if not key.tenant:
-            raise ConfigError(f"{where}.tenant: required")
-        if key.priority_ceiling not in (0, 1, 2):
-            raise ConfigError(f"{where}.priority_ceiling: must be 0, 1 or 2, got {key.priority_ceiling}")
-        for name, value in (
-            ("requests_per_second", key.requests_per_second),
-            ("tokens_per_minute", key.tokens_per_minute),
-            ("max_generation_seconds", key.max_generation_seconds),
-        ):
-            if value < 0:
-                raise ConfigError(f"{where}.{name}: must be >= 0, got {value}")
+    for key in keys:
+        digest = api_key_digest(key)
         out[digest] = Principal(
             key_id=digest[:12],
             tenant=key.tenant,

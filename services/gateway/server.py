@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import socket
 import ssl
 
@@ -24,10 +23,10 @@ from aiohttp import web
 
 from services.common.clock import Clock, SystemClock
 from services.common.config import MeshConfig
-from services.common.gc_heap import freeze_startup_heap
 from services.common.grpc_server import HealthReporter, make_server
 from services.common.mesh_tls import add_port, identity_for
 from services.common.proto.kvmesh.v1 import inference_pb2_grpc
+from services.common.service_main import run_until_signalled
 from services.gateway.admission import AdmissionClient
 from services.gateway.driver import DriverSettings, GenerationDriver
 from services.gateway.engine_client import EnginePool
@@ -165,20 +164,4 @@ class GatewayService:
 async def serve(config: MeshConfig, replica: int = 0) -> None:
     """Run one gateway replica until cancelled (SIGTERM/SIGINT), then stop."""
     service = GatewayService(config, replica)
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    installed: list[signal.Signals] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stopping.set)
-            installed.append(sig)
-        except (NotImplementedError, RuntimeError):  # not the main thread / platform
-            pass
-    await service.start()
-    freeze_startup_heap()
-    try:
-        await stopping.wait()
-    finally:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
-        await service.stop()
+    await run_until_signalled("gateway", service.start, service.stop, freeze_heap=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from services.common.config import ConfigError, SchedulerConfig
+from services.common.config import SchedulerConfig
 
 from .records import NUM_CLASSES, AdmissionError, AdmitOptions, RejectReason
 
@@ -24,8 +24,6 @@ class DispatchRateMeter:
     per event; memory is bounded by the events inside the window."""
 
     def __init__(self, window: float) -> None:
-        if window <= 0:
-            raise ConfigError("scheduler.dispatch_rate_window_seconds: must be > 0")
         self._window = window
         self._events: deque[float] = deque()
         self._started: float | None = None
@@ -60,25 +58,6 @@ class AdmissionLimits:
 
     @classmethod
     def from_config(cls, config: SchedulerConfig) -> AdmissionLimits:
-        if len(config.queue_caps) != NUM_CLASSES or any(c < 0 for c in config.queue_caps):
-            raise ConfigError(
-                f"scheduler.queue_caps: need {NUM_CLASSES} caps >= 0 [P0, P1, P2], "
-                f"got {config.queue_caps}"
-            )
-        if len(config.queue_ttl_seconds) != NUM_CLASSES or any(
-            t <= 0 for t in config.queue_ttl_seconds
-        ):
-            raise ConfigError(
-                f"scheduler.queue_ttl_seconds: need {NUM_CLASSES} TTLs > 0 [P0, P1, P2], "
-                f"got {config.queue_ttl_seconds}"
-            )
-        if config.tenant_queue_cap < 0:
-            raise ConfigError("scheduler.tenant_queue_cap: must be >= 0")
-        if not 0 < config.retry_after_min_seconds <= config.retry_after_max_seconds:
-            raise ConfigError(
-                "scheduler.retry_after_min_seconds / retry_after_max_seconds: need "
-                "0 < min <= max"
-            )
         return cls(
             tuple(config.queue_caps),
             tuple(config.queue_ttl_seconds),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.config import AgingConfig, ConfigError
+from services.common.config import AgingConfig
 
 from .records import NUM_CLASSES
 
@@ -28,9 +28,6 @@ class AgingRule:
 
     @classmethod
     def from_config(cls, config: AgingConfig) -> AgingRule:
-        for name in ("p1_seconds", "p2_seconds"):
-            if getattr(config, name) <= 0:
-                raise ConfigError(f"scheduler.aging.{name}: must be > 0 seconds")
         return cls((0.0, config.p1_seconds, config.p2_seconds))
 
     def __post_init__(self) -> None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.clock import Clock
-from services.common.config import ConfigError, MeshConfig
+from services.common.config import MeshConfig
 
 from . import events as ev
 from .admission_limits import AdmissionLimits, DispatchRateMeter, validate_options
@@ -66,7 +66,7 @@ from .records import (
 from .request_book import RequestBook
 from .waiting import QueueStat, WaitingRoom
 
-__all__ = ["EngineStat", "QueueStat", "SchedulerCore", "StateView", "validate_scheduler_config"]
+__all__ = ["EngineStat", "QueueStat", "SchedulerCore", "StateView"]
 
 
 @dataclass(frozen=True)
@@ -78,31 +78,10 @@ class StateView:
     leases_total: int
 
 
-def validate_scheduler_config(config: MeshConfig) -> None:
-    """Bounds the YAML loader cannot express; errors name the setting."""
-    s = config.scheduler
-    positive = (
-        "stale_report_seconds", "queued_update_seconds", "tick_seconds",
-        "prefill_tokens_per_second", "initial_service_seconds",
-    )
-    for name in positive:
-        if getattr(s, name) <= 0:
-            raise ConfigError(f"scheduler.{name}: must be > 0")
-    for name in ("sticky_margin_seconds", "engine_grace_seconds"):
-        if getattr(s, name) < 0:
-            raise ConfigError(f"scheduler.{name}: must be >= 0")
-    for name in ("decode_headroom_tokens", "engine_queue_slack"):
-        if getattr(s, name) < 0:
-            raise ConfigError(f"scheduler.{name}: must be >= 0")
-    if config.hash_block_tokens <= 0:
-        raise ConfigError("hash_block_tokens: must be > 0")
-
-
 class SchedulerCore:
     def __init__(
         self, config: MeshConfig, clock: Clock, metrics: SchedulerMetrics | None = None
     ) -> None:
-        validate_scheduler_config(config)
         self._config = config.scheduler
         self._hash_block_tokens = config.hash_block_tokens
         self._clock = clock

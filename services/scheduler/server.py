@@ -15,17 +15,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 from typing import Any
 
 from prometheus_client import start_http_server
 
 from services.common.clock import Clock, SystemClock
 from services.common.config import MeshConfig
-from services.common.gc_heap import freeze_startup_heap
 from services.common.grpc_server import make_server
 from services.common.mesh_tls import add_port, identity_for
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.service_main import run_until_signalled
 
 from .core import SchedulerCore
 from .grpc_api import SchedulerServicer
@@ -117,20 +116,6 @@ async def serve(config: MeshConfig) -> None:
     SIGTERM/SIGINT; either way it stops gracefully (waiting requests get
     DRAINING, streams close)."""
     service = SchedulerService(config)
-    await service.start(config.scheduler.port)
-    freeze_startup_heap()
-    loop = asyncio.get_running_loop()
-    stopping = asyncio.Event()
-    handled = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        # Only possible in the main thread; in-process callers cancel instead.
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(sig, stopping.set)
-            handled.append(sig)
-    try:
-        await stopping.wait()
-        log.info("scheduler stopping on signal")
-    finally:
-        for sig in handled:
-            loop.remove_signal_handler(sig)
-        await service.stop()
+    await run_until_signalled(
+        "scheduler", lambda: service.start(config.scheduler.port), service.stop, freeze_heap=True
+    )

@@ -37,8 +37,6 @@ class SimBackend:
     def __init__(self, config: MeshConfig, engine: EngineConfig, codec: TextCodec | None = None) -> None:
         spec = resolve_model(config, engine)
         self.codec = codec or load_codec(spec.path, engine.sim.vocab_size)
-        if engine.sim.speed_factor < 0:
-            raise ValueError(f"engine.sim.speed_factor must be >= 0, got {engine.sim.speed_factor}")
         capacity = engine.block_size * engine.total_blocks
         max_len = min(spec.max_model_len or DEFAULT_MAX_MODEL_LEN, capacity)
         self.info = BackendInfo(

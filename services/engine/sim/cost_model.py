@@ -30,7 +30,7 @@ decode batches 1-128 within 3%, prefill of 384+ tokens within 8%, small
 prefill chunks (128-256 tokens) 18-25% high (the additive model cannot bend
 at the memory-bound knee). services/bench/profiles.py applies a profile.
 
-The constants live in `SimCostConfig` (services/common/config.py).
+The constants live in `SimCostConfig` (services/common/config/engines.py).
 `speed_factor` multiplies every cost; 0 makes the simulator free (a step still
 yields to the event loop, see sim/backend.py), which benchmarks of the mesh's
 own overhead and unit tests use.

@@ -101,8 +101,6 @@ class ApproxPrefixMemory:
     engines' caches for routers that do not see KV events."""
 
     def __init__(self, capacity: int) -> None:
-        if capacity <= 0:
-            raise ConfigError("scheduler.approx_prefix_capacity: must be > 0")
         self._capacity = capacity
         self._sent: OrderedDict[int, set[str]] = OrderedDict()
 
@@ -262,9 +260,6 @@ def build_policy(name: str, config: SchedulerConfig, registry: PluginRegistry) -
     if profile is None:
         raise ConfigError(f"scheduler.policy: unknown policy {name!r}; known: {sorted(profiles)}")
     where = f"scheduler.policy_profiles.{name}"
-    for scorer_name, weight in profile.scorers.items():
-        if weight < 0:
-            raise ConfigError(f"{where}.scorers.{scorer_name}: weight must be >= 0")
     return PlacementPolicy(
         name=name,
         filters=[registry.make_filter(f, f"{where}.filters") for f in profile.filters],

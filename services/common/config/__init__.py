@@ -1,0 +1,54 @@
+"""All of kvmesh's configuration: typed dataclasses, loaded from one YAML file.
+
+The mesh config is one document; `kvmesh up` hands the same file to every
+child process, and each service reads its own section. Every field says its
+default, its bounds and why, where it is declared:
+
+    mesh.py         the document (MeshConfig), models, mesh TLS, Envoy
+    engines.py      engines: the template engine, its simulator and vLLM
+    scheduler.py    scheduler: aging, admission limits, placement, queues
+    gateway.py      gateway and its API keys
+    errors.py       ConfigError
+    loader.py       load_config: YAML -> dataclasses (type phase), then
+    validation.py   validate_config: bounds and cross-setting rules (bounds phase)
+
+Loading runs both phases once; unknown keys are errors, and every error
+names the full setting path ("scheduler.aging.p2_seconds") so a mistyped
+setting can never be silently ignored. After load, components trust their
+config and check none of it again. They check only what the config cannot
+know, at start-up: plugin and policy names, known only to the scheduler's
+registries when it builds its policies, and files on disk (tokenizer files,
+mesh TLS certificates, sim profiles). A config built in code (tests) skips
+the bounds phase unless it calls `validate_config`.
+"""
+
+from __future__ import annotations
+
+from .engines import EngineConfig, EnginesConfig, SimCostConfig, VllmConfig
+from .errors import ConfigError
+from .gateway import ApiKeyConfig, GatewayConfig
+from .loader import config_from_dict, load_config
+from .mesh import EnvoyConfig, MeshConfig, MeshTlsConfig, ModelConfig
+from .scheduler import AgingConfig, PolicyProfileConfig, SchedulerConfig
+from .validation import api_key_digest, validate_config
+
+__all__ = [
+    "AgingConfig",
+    "ApiKeyConfig",
+    "ConfigError",
+    "EngineConfig",
+    "EnginesConfig",
+    "EnvoyConfig",
+    "GatewayConfig",
+    "MeshConfig",
+    "MeshTlsConfig",
+    "ModelConfig",
+    "PolicyProfileConfig",
+    "SchedulerConfig",
+    "SimCostConfig",
+    "VllmConfig",
+    "api_key_digest",
+    "config_from_dict",
+    "load_config",
+    "validate_config",
+]

@@ -1,0 +1,61 @@
+"""Gateway settings and its API keys, under `gateway` in the YAML. Bounds
+(and the keys' hashes, tenants and ceilings) are checked at load by
+`validation.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["ApiKeyConfig", "GatewayConfig"]
+
+
+@dataclass
+class ApiKeyConfig:
+    """An API key. Only its SHA-256 is stored (`kvmesh key hash KEY`)."""
+
+    # 64 hex digits (case and surrounding blanks ignored); unique per key.
+    sha256: str = ""
+    # Required: whose quota and fair share the key's requests count against.
+    tenant: str = ""
+    # Best class the key may ask for: 0 allows P0. One of 0, 1, 2.
+    priority_ceiling: int = 0
+    # Models the key may use; empty = all.
+    models: list[str] = field(default_factory=list)
+    # Token buckets; 0 = unlimited. Bounds: >= 0 (as for the next one).
+    requests_per_second: float = 0.0
+    tokens_per_minute: float = 0.0
+    # Longest generation in seconds for this key; 0 = the gateway default.
+    max_generation_seconds: float = 0.0
+
+
+@dataclass
+class GatewayConfig:
+    """One gateway replica: its listeners, API keys and per-request limits."""
+
+    host: str = "127.0.0.1"
+    # Ports 0 .. 65535: 0 binds any free port (metrics: 0 = off).
+    http_port: int = 8000
+    grpc_port: int = 50061
+    metrics_port: int = 9102
+    # Where the scheduler's gRPC service is.
+    scheduler_address: str = "127.0.0.1:50051"
+    # Off only for local experiments: then every request is tenant "anonymous".
+    auth_enabled: bool = True
+    api_keys: list[ApiKeyConfig] = field(default_factory=list)
+    # SSE comment every 15 s: below common 30-60 s proxy idle timeouts, and
+    # the figure from the source articles (45 s without one = zombie). > 0
+    # (the edge's stream idle timeout must exceed twice this).
+    heartbeat_seconds: float = 15.0
+    # Longest generation before a timeout event (source articles: 120 s). > 0.
+    max_generation_seconds: float = 120.0
+    # Bodies larger than this get 413. > 0.
+    max_body_bytes: int = 1_048_576
+    # max_tokens when the client gives none. > 0.
+    default_max_tokens: int = 256
+    # Prompts appear in logs only when true.
+    log_prompts: bool = False
+    # Engine failures before the first token are retried elsewhere this often;
+    # mid-stream failures migrate the stream at most this often. >= 0
+    # (0 = the first engine failure ends the request).
+    max_migrations: int = 3

@@ -1,0 +1,140 @@
+"""Scheduler settings: aging, admission limits, placement policies and the
+queue policies, under `scheduler` in the YAML. Bounds are checked at load by
+`validation.py`; plugin and policy names are checked against the scheduler's
+registries when it builds its policies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["AgingConfig", "PolicyProfileConfig", "SchedulerConfig"]
+
+
+@dataclass
+class AgingConfig:
+    """Seconds a request waits in a class before it moves up one class.
+
+    30 s is the figure from the articles kvmesh was founded on: long enough
+    that interactive traffic keeps its edge, short enough that batch work is
+    never starved. Aging repeats: a P2 request reaches P0 after 60 s.
+    """
+
+    # Seconds a P1 request waits before it moves up to P0. Bounds: > 0.
+    p1_seconds: float = 30.0
+    # Seconds a P2 request waits before it moves up to P1 (then p1_seconds
+    # more to reach P0). Bounds: > 0.
+    p2_seconds: float = 30.0
+
+
+@dataclass
+class PolicyProfileConfig:
+    """A placement policy as a list of registered plugins
+    (services/scheduler/placement/registry.py names them)."""
+
+    # Filters applied in order; each keeps the engines that pass.
+    filters: list[str] = field(
+        default_factory=lambda: [
+            "model", "serving", "fresh", "not_draining", "not_excluded",
+            "fits_context", "has_room", "lease_slots",
+        ]
+    )
+    # Scorer name -> weight (>= 0); the framework clamps each score to
+    # [0, 1] and takes the weighted mean.
+    scorers: dict[str, float] = field(default_factory=lambda: {"load": 1.0})
+    # Picker name: chooses one engine from the scored ones.
+    picker: str = "max_score"
+    # Where cached-prefix knowledge comes from: "kv_index" (engines' KV
+    # events), "approx" (where this policy sent each prefix) or "none".
+    prefix_source: Literal["kv_index", "approx", "none"] = "kv_index"
+
+
+@dataclass
+class SchedulerConfig:
+    """The scheduler process: its ports, admission limits, placement and
+    queue policies. Names of policies are checked against the scheduler's
+    registries when it starts (the config cannot know them)."""
+
+    host: str = "127.0.0.1"
+    # gRPC port (0 = any free port) and Prometheus port (0 = off); <= 65535.
+    port: int = 50051
+    metrics_port: int = 9101
+    # Placement policy by registered name (services/scheduler/placement/).
+    policy: str = "sticky_until_saturated"
+    # Which registered queue fairness policy the scheduler uses: which
+    # tenant's request goes next. Round robin keeps one tenant's burst from
+    # starving the others.
+    queue_fairness: str = "round_robin_tenants"
+    # Which registered queue ordering policy the scheduler uses: which of a
+    # tenant's requests goes next (FIFO within a class, after aging).
+    queue_ordering: str = "fifo"
+    aging: AgingConfig = field(default_factory=AgingConfig)
+    # Most requests queued per class [P0, P1, P2]; past it -> 429. Three
+    # caps, each >= 0.
+    queue_caps: list[int] = field(default_factory=lambda: [1000, 2000, 10000])
+    # Longest wait per class in seconds before -> 503 expired [P0, P1, P2].
+    # Three TTLs, each > 0.
+    queue_ttl_seconds: list[float] = field(default_factory=lambda: [60.0, 300.0, 3600.0])
+    # Most requests one tenant may have queued (all classes). >= 0.
+    tenant_queue_cap: int = 2000
+    # An engine with no report for this long is not placed on. > 0, and
+    # above engines' report_interval_seconds.
+    stale_report_seconds: float = 2.0
+    # sticky_until_saturated: keep a prefix on its engine unless that engine's
+    # estimated queueing exceeds the best cold engine's by this many seconds.
+    # >= 0.
+    sticky_margin_seconds: float = 0.5
+    # Tokens of decode room reserved per placement beyond the prompt,
+    # capped by max_tokens; keeps a burst from overfilling an engine. >= 0.
+    decode_headroom_tokens: int = 256
+    # Placements an engine may have in flight beyond max_running; they wait
+    # in the engine's own queue, which keeps its batch full between reports.
+    # >= 0.
+    engine_queue_slack: int = 2
+    # Of those lease slots (max_running + engine_queue_slack), how many per
+    # engine only P0 may take. Without them a P0 arriving at a saturated
+    # engine waits here until any request finishes, and by then the batch
+    # work already queued on the engine takes the freed running slot; with
+    # one kept free, the P0 goes to the engine at once and is first in its
+    # priority queue for the next slot. >= 0; placement never reserves more
+    # than an engine's lease slots - 1, whatever this says.
+    p0_reserved_leases: int = 1
+    # Seconds between Queued position updates to each waiting request. > 0.
+    queued_update_seconds: float = 1.0
+    # Retry-after (Little's law: queue ahead / recent dispatch rate) is
+    # clamped to [min, max] seconds: below 1 s a client would hammer a full
+    # queue; above 60 s it would give up on a queue that is merely busy.
+    # With no dispatch seen in the window the max is given. 0 < min <= max.
+    retry_after_min_seconds: float = 1.0
+    retry_after_max_seconds: float = 60.0
+    # Seconds of placements the dispatch rate is measured over. 30 s smooths
+    # bursts yet follows a change of load within one aging period. Bounds: > 0.
+    dispatch_rate_window_seconds: float = 30.0
+    # After start-up the scheduler queues requests for models no engine has
+    # registered yet for this long (engines reconnect with backoff after a
+    # scheduler restart); later such requests are rejected NO_ENGINE at once.
+    # >= 0.
+    engine_grace_seconds: float = 10.0
+    # Seconds between housekeeping passes (aging promotions, TTL expiry,
+    # stale engines). Dispatch itself is event-driven; this pass only catches
+    # what time alone changes. 0.1 s keeps TTL and aging within 100 ms. > 0.
+    tick_seconds: float = 0.1
+    # Estimate of an engine's prefill speed at weight 1, in prompt tokens/s,
+    # used to turn an engine's queued prompt tokens into seconds of queueing
+    # (sticky_until_saturated). 20k tok/s matches the sim's default cost model.
+    # > 0.
+    prefill_tokens_per_second: float = 20000.0
+    # Seconds a request holds a batch slot before anything is measured; the
+    # per-engine figure then follows an EWMA of observed lease durations. > 0.
+    initial_service_seconds: float = 2.0
+    # Most prefix hashes `prefix_approx` remembers (LRU); bounds its memory
+    # when it cannot see engines' evictions. 1M hashes ~ 100 MB worst case.
+    # > 0.
+    approx_prefix_capacity: int = 200_000
+    # Seed for the random tie-break among equally scored engines (shuffle,
+    # then stable sort), so runs are reproducible.
+    placement_seed: int = 0
+    # Extra or overriding placement policies by name; see
+    # services/scheduler/placement/policies.py for the built-in ones.
+    policy_profiles: dict[str, PolicyProfileConfig] = field(default_factory=dict)

@@ -1,0 +1,214 @@
+"""The validation phase: every bound and cross-setting rule of a mesh config,
+checked once at load (`load_config` runs it after the type phase).
+
+Each rule names the setting's full path as written in the YAML
+("engines.template.block_size", "gateway.api_keys[0].tenant"), so one rule
+serves the mesh's engines and an engine run alone (`kvmesh engine` derives
+its settings from `engines.template` too). The bounds are those documented
+where each field is declared; a rule here and its field's comment say the
+same thing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from .engines import EngineConfig
+from .errors import ConfigError
+from .gateway import ApiKeyConfig
+from .mesh import MeshConfig
+from .scheduler import SchedulerConfig
+
+__all__ = ["api_key_digest", "validate_config"]
+
+# The request priority classes, best first: P0 interactive .. P2 batch.
+_PRIORITY_CLASSES = (0, 1, 2)
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_MAX_PORT = 65535
+# Faster load reports than every 5 ms would flood the scheduler with
+# messages that carry no news (10 engines -> 2,000 messages/s).
+MIN_REPORT_INTERVAL_SECONDS = 0.005
+
+
+def api_key_digest(key: ApiKeyConfig) -> str:
+    """The key's SHA-256 as the gateway compares it: lower-case hex, trimmed."""
+    return key.sha256.strip().lower()
+
+
+@dataclass(frozen=True)
+class _Section:
+    """One settings object and its full path, with the checks rules share."""
+
+    path: str
+    settings: Any
+
+    def at(self, name: str) -> _Section:
+        return _Section(f"{self.path}.{name}", getattr(self.settings, name))
+
+    def fail(self, name: str, problem: str) -> NoReturn:
+        raise ConfigError(f"{self.path}.{name}: {problem}")
+
+    def positive(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self.settings, name)
+            if not value > 0:
+                self.fail(name, f"must be > 0, got {value}")
+
+    def non_negative(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self.settings, name)
+            if not value >= 0:
+                self.fail(name, f"must be >= 0, got {value}")
+
+    def within(self, name: str, low: float, high: float) -> None:
+        value = getattr(self.settings, name)
+        if not low <= value <= high:
+            self.fail(name, f"must be within {low:g} .. {high:g}, got {value}")
+
+    def ports(self, *names: str) -> None:
+        """TCP ports; 0 = off or any free port, as each field says."""
+        for name in names:
+            self.within(name, 0, _MAX_PORT)
+
+    def multiple_of(self, name: str, unit: int, unit_name: str) -> None:
+        value = getattr(self.settings, name)
+        if value % unit:
+            self.fail(name, f"{value} is not a multiple of {unit_name} {unit}")
+
+
+def validate_config(config: MeshConfig, where: str = "config") -> None:
+    """Raise ConfigError for the first setting out of its bounds. `where`
+    prefixes each path (the file name at load)."""
+    mesh = _Section(where, config)
+    mesh.positive("hash_block_tokens")
+    _check_models(mesh)
+    # The scheduler before the engines: an engine's rules compare with it.
+    _check_scheduler_timing(mesh.at("scheduler"))
+    _check_scheduler_limits(mesh.at("scheduler"))
+    _check_engines(mesh)
+    _check_engine(mesh.at("engines").at("template"), config)
+    _check_gateway(mesh.at("gateway"))
+    _check_api_keys(mesh.at("gateway"))
+    envoy = mesh.at("envoy")
+    envoy.ports("port", "admin_port")
+    envoy.non_negative("base_id")
+
+
+def _check_models(mesh: _Section) -> None:
+    seen: set[str] = set()
+    for i, model in enumerate(mesh.settings.models):
+        entry = _Section(f"{mesh.path}.models[{i}]", model)
+        if not model.name:
+            entry.fail("name", "required")
+        if model.name in seen:
+            entry.fail("name", f"{model.name!r} is listed twice")
+        seen.add(model.name)
+        entry.non_negative("max_model_len")
+
+
+def _check_engines(mesh: _Section) -> None:
+    engines = mesh.at("engines")
+    engines.non_negative("count")
+    engines.ports("base_port", "metrics_base_port", "http_base_port")
+    last = max(engines.settings.count - 1, 0)
+    for name in ("base_port", "metrics_base_port", "http_base_port"):
+        base = getattr(engines.settings, name)
+        if base and base + last > _MAX_PORT:
+            engines.fail(name, f"engine {last} would listen on {base + last}, past {_MAX_PORT}")
+
+
+def _check_engine(engine: _Section, config: MeshConfig) -> None:
+    e: EngineConfig = engine.settings
+    if not e.engine_id:
+        engine.fail("engine_id", "required")
+    engine.ports("port", "metrics_port", "http_port")
+    engine.positive("block_size", "total_blocks", "max_running", "weight")
+    engine.multiple_of("block_size", config.hash_block_tokens, "hash_block_tokens")
+    if e.report_interval_seconds < MIN_REPORT_INTERVAL_SECONDS:
+        engine.fail("report_interval_seconds",
+                    f"must be >= {MIN_REPORT_INTERVAL_SECONDS}, got {e.report_interval_seconds}")
+    stale = config.scheduler.stale_report_seconds
+    if e.report_interval_seconds >= stale:
+        engine.fail("report_interval_seconds",
+                    f"must be below scheduler.stale_report_seconds ({stale}), else the scheduler "
+                    f"takes the engine for stale between two reports; got {e.report_interval_seconds}")
+    engine.non_negative("stop_grace_seconds", "coalesce_interval_ms", "coalesce_min_running")
+    _check_classes(engine, "coalesce_unpaced_priorities", e.coalesce_unpaced_priorities)
+    sim = engine.at("sim")
+    sim.non_negative("prefill_seconds_per_token", "decode_seconds_per_step",
+                     "decode_seconds_per_sequence", "decode_seconds_per_kilotoken_context",
+                     "speed_factor")
+    sim.positive("chunk_tokens")
+    sim.within("vocab_size", 2, float("inf"))
+    sim.within("eos_probability", 0.0, 1.0)
+    vllm = engine.at("vllm")
+    vllm.positive("kv_cache_gib", "max_num_seqs")
+    vllm.non_negative("max_num_batched_tokens", "block_size")
+    vllm.ports("kv_events_port")
+    vllm.multiple_of("block_size", config.hash_block_tokens, "hash_block_tokens")
+
+
+def _check_classes(section: _Section, name: str, classes: Sequence[int]) -> None:
+    bad = sorted(p for p in classes if p not in _PRIORITY_CLASSES)
+    if bad:
+        section.fail(name, f"{bad} are not priority classes {_PRIORITY_CLASSES}")
+
+
+def _check_scheduler_timing(scheduler: _Section) -> None:
+    scheduler.ports("port", "metrics_port")
+    scheduler.at("aging").positive("p1_seconds", "p2_seconds")
+    scheduler.positive(
+        "stale_report_seconds", "queued_update_seconds", "tick_seconds",
+        "prefill_tokens_per_second", "initial_service_seconds",
+        "dispatch_rate_window_seconds",
+    )
+    scheduler.non_negative("sticky_margin_seconds", "engine_grace_seconds")
+
+
+def _check_scheduler_limits(scheduler: _Section) -> None:
+    s: SchedulerConfig = scheduler.settings
+    n = len(_PRIORITY_CLASSES)
+    if len(s.queue_caps) != n or any(c < 0 for c in s.queue_caps):
+        scheduler.fail("queue_caps", f"need {n} caps >= 0 [P0, P1, P2], got {s.queue_caps}")
+    if len(s.queue_ttl_seconds) != n or any(t <= 0 for t in s.queue_ttl_seconds):
+        scheduler.fail("queue_ttl_seconds",
+                       f"need {n} TTLs > 0 [P0, P1, P2], got {s.queue_ttl_seconds}")
+    scheduler.non_negative("tenant_queue_cap", "decode_headroom_tokens", "engine_queue_slack",
+                           "p0_reserved_leases")
+    if not 0 < s.retry_after_min_seconds <= s.retry_after_max_seconds:
+        scheduler.fail("retry_after_min_seconds",
+                       f"need 0 < retry_after_min_seconds <= retry_after_max_seconds, got "
+                       f"{s.retry_after_min_seconds} and {s.retry_after_max_seconds}")
+    scheduler.positive("approx_prefix_capacity")
+    for name, profile in s.policy_profiles.items():
+        scorers = _Section(f"{scheduler.path}.policy_profiles.{name}.scorers", profile.scorers)
+        for scorer, weight in profile.scorers.items():
+            if weight < 0:
+                scorers.fail(scorer, f"weight must be >= 0, got {weight}")
+
+
+def _check_gateway(gateway: _Section) -> None:
+    gateway.ports("http_port", "grpc_port", "metrics_port")
+    gateway.positive("heartbeat_seconds", "max_generation_seconds", "max_body_bytes",
+                     "default_max_tokens")
+    gateway.non_negative("max_migrations")
+
+
+def _check_api_keys(gateway: _Section) -> None:
+    seen: set[str] = set()
+    for i, key in enumerate(gateway.settings.api_keys):
+        entry = _Section(f"{gateway.path}.api_keys[{i}]", key)
+        digest = api_key_digest(key)
+        if not _HEX64.fullmatch(digest):
+            entry.fail("sha256", f"expected 64 hex digits (kvmesh key hash KEY), got {key.sha256!r}")
+        if digest in seen:
+            entry.fail("sha256", "duplicate key")
+        seen.add(digest)
+        if not key.tenant:
+            entry.fail("tenant", "required")
+        if key.priority_ceiling not in _PRIORITY_CLASSES:
+            entry.fail("priority_ceiling", f"must be 0, 1 or 2, got {key.priority_ceiling}")
+        entry.non_negative("requests_per_second", "tokens_per_minute", "max_generation_seconds")
