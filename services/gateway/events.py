@@ -1,7 +1,8 @@
 """What a generation tells its transport: the events of one request's stream.
 
-The driver produces them (`driver.GenerationDriver`), `event_stream.EventStream`
-carries them to the transport, and the transports render them
+The driver produces them (`driver.GenerationDriver`; queue positions come
+from its `lease_link.LeaseLink`), `event_stream.EventStream` carries them to
+the transport, and the transports render them
 (`http_api` / `openai_format` as OpenAI JSON and SSE, `grpc_api` as
 `kvmesh.v1.GenerateEvent`). Records only: immutable, no behaviour beyond the
 proto mapping of `FinishReason`.

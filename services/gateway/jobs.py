@@ -1,5 +1,9 @@
 """A validated request becomes a `Job`: token ids, prefix hashes, the
-max_tokens it may use, its class and its time budget. Transport-neutral."""
+max_tokens it may use, its class and its time budget. Transport-neutral.
+
+A `Job` is built once per request (by the front door) and only read after
+that. Its arrival is stamped on the gateway's injected clock: wall time for
+the scheduler (aging, kept across re-admission), monotonic time for TTFT."""
 
 from __future__ import annotations
 

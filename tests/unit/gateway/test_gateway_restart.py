@@ -71,3 +71,35 @@ async def test_running_request_reattaches_after_scheduler_restart(mesh: Mesh) ->
     assert again.messages == ["first_token", "done"]
     for server in mesh.servers[1:]:
         await server.stop(0)
+
+
+async def test_queued_request_is_admitted_again_after_scheduler_restart(mesh: Mesh) -> None:
+    """A request waiting in the queue when the scheduler dies is admitted
+    again on the restarted one, with its original arrival time."""
+    mesh.scheduler.queue_hold = asyncio.Event()          # never placed by the first scheduler
+    address = mesh.config.gateway.scheduler_address
+    async with openai.AsyncOpenAI(base_url=f"{mesh.http}/v1", api_key=KEY_FULL, max_retries=0, timeout=30) as c:
+        request = asyncio.create_task(c.chat.completions.create(model=MODEL, messages=CHAT))
+
+        async def queued() -> None:
+            while not mesh.scheduler.admits:
+                await asyncio.sleep(0.02)
+        await asyncio.wait_for(queued(), 10)
+        await asyncio.sleep(0.1)                           # the gateway has read its queue place
+        await mesh.servers[0].stop(0)
+        restarted = FakeScheduler()
+        restarted.engines = dict(mesh.scheduler.engines)
+        server = grpc.aio.server()
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(restarted, server)
+        assert server.add_insecure_port(address)
+        await server.start()
+        mesh.servers.append(server)
+        out = await asyncio.wait_for(request, 30)
+    assert out.usage.completion_tokens == 6
+    assert len(restarted.admits) == 1
+    again = restarted.admits[0].request
+    assert again.arrival_unix == mesh.scheduler.admits[0].request.arrival_unix and not again.running_on_engine
+    text = mesh.gateway.metrics.render().decode()  # type: ignore[attr-defined]
+    assert 'kvmesh_gateway_scheduler_readmissions_total{state="queued"} 1.0' in text
+    for server in mesh.servers[1:]:
+        await server.stop(0)
