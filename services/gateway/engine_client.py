@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import cast
 
 import grpc
 
@@ -54,11 +55,12 @@ class EngineStream:
         is an engine failure, never a clean end."""
         while True:
             try:
-                event = await self._call.read()
+                read = await self._call.read()
             except grpc.aio.AioRpcError as exc:
                 raise classify_engine_rpc_error(exc, self.engine_id) from exc
-            if event is grpc.aio.EOF:
+            if read is grpc.aio.EOF:
                 raise EngineFailure(self.engine_id, f"engine {self.engine_id} ended the stream without finishing")
+            event = cast(engine_pb2.EngineGenerateEvent, read)  # grpc.aio types reads as object
             yield event
             if event.HasField("finished"):
                 return

@@ -223,3 +223,17 @@ def grpc_status(exc: GatewayError) -> tuple[grpc.StatusCode, str, tuple[tuple[st
     if exc.retry_after is not None:
         trailers = (("retry-after", str(max(1, math.ceil(exc.retry_after)))),)
     return _TABLE[exc.kind].grpc_code, message, trailers
+
+
+class SchedulerRestarting(GatewayError):
+    """`from_scheduler_rpc_error`'s error from a scheduler that answered this
+    gateway before: a restart to wait out (re-admit, re-attach), not a
+    misconfiguration to report at once. A client that still gets it sees the
+    same status, code and message as for any unreachable scheduler."""
+
+    @classmethod
+    def of(cls, unreachable: GatewayError) -> SchedulerRestarting:
+        return cls(
+            unreachable.kind, unreachable.message, param=unreachable.param, code=unreachable.code,
+            retry_after=unreachable.retry_after, headers=unreachable.headers,
+        )

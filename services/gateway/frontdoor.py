@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from services.common.clock import Clock
 from services.common.config import MeshConfig
 from services.gateway.jobs import Job, build_job
 from services.gateway.keys import KeyStore, Principal, effective_priority
@@ -28,11 +29,14 @@ class Admitted:
 
 
 class Frontdoor:
-    def __init__(self, config: MeshConfig, keys: KeyStore, limiter: RateLimiter, tokenizers: TokenizerRegistry) -> None:
+    def __init__(
+        self, config: MeshConfig, keys: KeyStore, limiter: RateLimiter, tokenizers: TokenizerRegistry, clock: Clock
+    ) -> None:
         self._config = config
         self.keys = keys
         self.limiter = limiter
         self.tokenizers = tokenizers
+        self._clock = clock  # stamps each job's arrival
 
     def authenticate(self, raw_key: str | None) -> Principal:
         return self.keys.authenticate(raw_key)
@@ -43,7 +47,8 @@ class Frontdoor:
         tokenizer = self.tokenizers.get(request.model)
         self.keys.check_model(principal, request.model)
         job = await build_job(
-            request, tokenizer, principal, effective_priority(priority, principal), request_id, self._config
+            request, tokenizer, principal, effective_priority(priority, principal), request_id, self._config,
+            self._clock,
         )
         grant = self.limiter.admit(principal, len(job.prompt_ids) + job.max_tokens)
         if self._config.gateway.log_prompts:

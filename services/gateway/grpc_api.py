@@ -20,13 +20,14 @@ from typing import Any, NoReturn
 import grpc
 
 from services.common.proto.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from services.gateway.admission import AdmissionClient
-from services.gateway.driver import Event, Finished, GenerationDriver, Heartbeat, QueuedUpdate, TextDelta
+from services.gateway.driver import GenerationDriver
 from services.gateway.errors import GatewayError, grpc_status
+from services.gateway.events import Event, Finished, Heartbeat, QueuedUpdate, TextDelta
 from services.gateway.frontdoor import Frontdoor
 from services.gateway.jobs import request_id_from
 from services.gateway.keys import api_key_from_headers
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.validation import (
     GenerationInput,
     chat_from_proto,
@@ -80,12 +81,12 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
         self,
         frontdoor: Frontdoor,
         driver: GenerationDriver,
-        admission: AdmissionClient,
+        scheduler: SchedulerClient,
         metrics: GatewayMetrics,
     ) -> None:
         self._frontdoor = frontdoor
         self._driver = driver
-        self._admission = admission
+        self._scheduler = scheduler
         self._metrics = metrics
 
     async def _abort(self, context: grpc.aio.ServicerContext, route: str, exc: GatewayError) -> NoReturn:
@@ -148,7 +149,7 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
         except GatewayError as exc:
             await self._abort(context, "grpc.ListModels", exc)
         engines: dict[str, int] = {}
-        state = await self._admission.get_state(timeout=1.0)
+        state = await self._scheduler.get_state(timeout=1.0)
         if state is not None:
             for engine in state.engines:
                 if engine.serving and not engine.draining:

@@ -21,15 +21,17 @@ from aiohttp import web
 
 from services.common.config import MeshConfig
 from services.common.proto.kvmesh.v1 import common_pb2
-from services.gateway.admission import AdmissionClient
-from services.gateway.driver import EventStream, Finished, GenerationDriver, Heartbeat, TextDelta
+from services.gateway.driver import GenerationDriver
 from services.gateway.errors import ErrorKind, GatewayError, http_error
+from services.gateway.event_stream import EventStream
+from services.gateway.events import Finished, Heartbeat, TextDelta
 from services.gateway.frontdoor import Admitted, Frontdoor
 from services.gateway.jobs import request_id_from
 from services.gateway.keys import api_key_from_headers
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_format import SSE_DONE, SSE_HEARTBEAT, ChatFormatter, CompletionFormatter, sse
 from services.gateway.openapi import openapi_document
+from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.validation import parse_chat_body, parse_completion_body, parse_priority_header
 
 __all__ = ["HttpApi"]
@@ -56,7 +58,7 @@ class HttpApi:
         config: MeshConfig,
         frontdoor: Frontdoor,
         driver: GenerationDriver,
-        admission: AdmissionClient,
+        admission: SchedulerClient,
         metrics: GatewayMetrics,
     ) -> None:
         self._config = config

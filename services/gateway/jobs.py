@@ -1,13 +1,17 @@
 """A validated request becomes a `Job`: token ids, prefix hashes, the
-max_tokens it may use, its class and its time budget. Transport-neutral."""
+max_tokens it may use, its class and its time budget. Transport-neutral.
+
+A `Job` is built once per request (by the front door) and only read after
+that. Its arrival is stamped on the gateway's injected clock: wall time for
+the scheduler (aging, kept across re-admission), monotonic time for TTFT."""
 
 from __future__ import annotations
 
 import re
-import time
 import uuid
 from dataclasses import dataclass
 
+from services.common.clock import Clock
 from services.common.config import MeshConfig
 from services.common.proto.kvmesh.v1 import scheduler_pb2
 from services.gateway.errors import ErrorKind, GatewayError
@@ -63,8 +67,9 @@ async def build_job(
     priority: int,
     request_id: str,
     config: MeshConfig,
+    clock: Clock,
 ) -> Job:
-    arrival_unix, arrival_monotonic = time.time(), time.monotonic()
+    arrival_unix, arrival_monotonic = clock.wall(), clock.monotonic()
     block = config.hash_block_tokens
     if request.messages is not None:
         prompt = await tokenizer.tokenize_chat(request.messages, block)
@@ -72,10 +77,28 @@ async def build_job(
         prompt = await tokenizer.from_ids(request.prompt_ids, block)
     else:
         prompt = await tokenizer.tokenize_text(request.prompt_text or "", block)
-    n_prompt = len(prompt.token_ids)
-    if n_prompt == 0:
+    if not prompt.token_ids:
         raise GatewayError(ErrorKind.INVALID_REQUEST, "the prompt is empty after tokenization", param="prompt")
-    context = tokenizer.max_model_len
+    return Job(
+        request_id=request_id,
+        route=request.route,
+        model=request.model,
+        tenant=principal.tenant,
+        priority=priority,
+        prompt_ids=prompt.token_ids,
+        prefix_hashes=prompt.prefix_hashes,
+        sampling=request.sampling,
+        max_tokens=_max_tokens(request, len(prompt.token_ids), tokenizer.max_model_len, config),
+        max_generation_seconds=_time_limit(request, principal, config),
+        arrival_unix=arrival_unix,
+        arrival_monotonic=arrival_monotonic,
+        hash_block_tokens=block,
+    )
+
+
+def _max_tokens(request: GenerationInput, n_prompt: int, context: int, config: MeshConfig) -> int:
+    """What the completion may use: the client's ask if it fits the model's
+    context, else the default capped by what is left of the context."""
     asked = request.sampling.max_tokens
     param = "max_tokens" if request.route == "completion" else "max_completion_tokens"
     if asked is None:
@@ -87,35 +110,24 @@ async def build_job(
                 param="messages" if request.route == "chat" else "prompt",
                 code="context_length_exceeded",
             )
-        max_tokens = min(config.gateway.default_max_tokens, context - n_prompt)
-    else:
-        if n_prompt + asked > context:
-            raise GatewayError(
-                ErrorKind.INVALID_REQUEST,
-                f"this model's maximum context length is {context} tokens, but you requested "
-                f"{n_prompt + asked} tokens ({n_prompt} in the prompt, {asked} for the completion); "
-                f"shorten the prompt or lower {param}",
-                param=param,
-                code="context_length_exceeded",
-            )
-        max_tokens = asked
+        return min(config.gateway.default_max_tokens, context - n_prompt)
+    if n_prompt + asked > context:
+        raise GatewayError(
+            ErrorKind.INVALID_REQUEST,
+            f"this model's maximum context length is {context} tokens, but you requested "
+            f"{n_prompt + asked} tokens ({n_prompt} in the prompt, {asked} for the completion); "
+            f"shorten the prompt or lower {param}",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return asked
+
+
+def _time_limit(request: GenerationInput, principal: Principal, config: MeshConfig) -> float:
+    """The tightest of the gateway's, the key's and the request's limits."""
     limit = config.gateway.max_generation_seconds
     if principal.max_generation_seconds > 0:
         limit = min(limit, principal.max_generation_seconds)
     if request.max_generation_seconds is not None:
         limit = min(limit, request.max_generation_seconds)
-    return Job(
-        request_id=request_id,
-        route=request.route,
-        model=request.model,
-        tenant=principal.tenant,
-        priority=priority,
-        prompt_ids=prompt.token_ids,
-        prefix_hashes=prompt.prefix_hashes,
-        sampling=request.sampling,
-        max_tokens=max_tokens,
-        max_generation_seconds=limit,
-        arrival_unix=arrival_unix,
-        arrival_monotonic=arrival_monotonic,
-        hash_block_tokens=block,
-    )
+    return limit

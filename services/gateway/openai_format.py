@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from services.common.proto.kvmesh.v1 import common_pb2
-from services.gateway.driver import Finished, TextDelta, Usage
+from services.gateway.events import Finished, TextDelta, Usage
 
 __all__ = ["ChatFormatter", "CompletionFormatter", "Formatter", "sse", "usage_dict"]
 

@@ -27,7 +27,6 @@ from services.common.grpc_server import HealthReporter, make_server
 from services.common.mesh_tls import add_port, identity_for
 from services.common.proto.kvmesh.v1 import inference_pb2_grpc
 from services.common.service_main import run_until_signalled
-from services.gateway.admission import AdmissionClient
 from services.gateway.driver import DriverSettings, GenerationDriver
 from services.gateway.engine_client import EnginePool
 from services.gateway.frontdoor import Frontdoor
@@ -36,6 +35,7 @@ from services.gateway.http_api import HttpApi
 from services.gateway.keys import KeyStore
 from services.gateway.limits import RateLimiter
 from services.gateway.metrics import GatewayMetrics, metrics_app
+from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.tokenization import TokenizerRegistry
 
 __all__ = ["GatewayService", "serve"]
@@ -64,8 +64,9 @@ class GatewayService:
         gw = config.gateway
         self.metrics = GatewayMetrics(replica)
         self.tokenizers = TokenizerRegistry(config.models)
-        self.frontdoor = Frontdoor(config, KeyStore(gw), RateLimiter(clock or SystemClock()), self.tokenizers)
-        self._admission: AdmissionClient | None = None
+        self.clock = clock or SystemClock()
+        self.frontdoor = Frontdoor(config, KeyStore(gw), RateLimiter(self.clock), self.tokenizers, self.clock)
+        self._admission: SchedulerClient | None = None
         self._engines: EnginePool | None = None
         self._grpc: grpc.aio.Server | None = None
         self._runners: list[web.AppRunner] = []
@@ -78,13 +79,14 @@ class GatewayService:
         http_port = gw.http_port if http_port is None else http_port
         grpc_port = gw.grpc_port if grpc_port is None else grpc_port
         identity = identity_for(self.config, "gateway")
-        self._admission = AdmissionClient(gw.scheduler_address, identity)
+        self._admission = SchedulerClient(gw.scheduler_address, identity)
         self._engines = EnginePool(identity)
         driver = GenerationDriver(
             self._admission,
             self._engines,
             DriverSettings(max_migrations=gw.max_migrations, heartbeat_seconds=gw.heartbeat_seconds),
             self.metrics,
+            self.clock,
         )
 
         server, health = make_server([SERVICE_NAME], identity)

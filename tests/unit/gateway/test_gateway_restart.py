@@ -36,11 +36,21 @@ class ReattachingScheduler(FakeScheduler):
                 record.done = message.done
 
 
+async def _restart_scheduler(mesh: Mesh, scheduler: FakeScheduler) -> FakeScheduler:
+    """`scheduler` comes up on the dead one's address, knowing its engines."""
+    scheduler.engines = dict(mesh.scheduler.engines)
+    server = grpc.aio.server()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, server)
+    assert server.add_insecure_port(mesh.config.gateway.scheduler_address)
+    await server.start()
+    mesh.servers.append(server)
+    return scheduler
+
+
 async def test_running_request_reattaches_after_scheduler_restart(mesh: Mesh) -> None:
     engine = mesh.engines["engine-a"]
     engine.answer_tokens, engine.token_delay = 60, 0.03
     old_server = mesh.servers[0]
-    address = mesh.config.gateway.scheduler_address
     async with openai.AsyncOpenAI(base_url=f"{mesh.http}/v1", api_key=KEY_FULL, max_retries=0, timeout=30) as c:
         stream = await c.chat.completions.create(model=MODEL, messages=CHAT, stream=True, max_tokens=60)
         text, restarted = "", None
@@ -49,13 +59,7 @@ async def test_running_request_reattaches_after_scheduler_restart(mesh: Mesh) ->
                 text += chunk.choices[0].delta.content or ""
             if restarted is None and len(text) > 0:
                 await old_server.stop(0)          # the scheduler dies mid-stream
-                restarted = ReattachingScheduler()
-                restarted.engines = dict(mesh.scheduler.engines)
-                server = grpc.aio.server()
-                scheduler_pb2_grpc.add_SchedulerServicer_to_server(restarted, server)
-                assert server.add_insecure_port(address)
-                await server.start()
-                mesh.servers.append(server)
+                restarted = await _restart_scheduler(mesh, ReattachingScheduler())
     assert restarted is not None
     # The stream was never interrupted: one engine call, every token.
     assert len(engine.requests) == 1
@@ -69,5 +73,30 @@ async def test_running_request_reattaches_after_scheduler_restart(mesh: Mesh) ->
     assert again.request.running_on_engine == "engine-a"
     assert again.request.arrival_unix == mesh.scheduler.admits[0].request.arrival_unix
     assert again.messages == ["first_token", "done"]
+    for server in mesh.servers[1:]:
+        await server.stop(0)
+
+
+async def test_queued_request_is_admitted_again_after_scheduler_restart(mesh: Mesh) -> None:
+    """A request waiting in the queue when the scheduler dies is admitted
+    again on the restarted one, with its original arrival time."""
+    mesh.scheduler.queue_hold = asyncio.Event()          # never placed by the first scheduler
+    async with openai.AsyncOpenAI(base_url=f"{mesh.http}/v1", api_key=KEY_FULL, max_retries=0, timeout=30) as c:
+        request = asyncio.create_task(c.chat.completions.create(model=MODEL, messages=CHAT))
+
+        async def queued() -> None:
+            while not mesh.scheduler.admits:
+                await asyncio.sleep(0.02)
+        await asyncio.wait_for(queued(), 10)
+        await asyncio.sleep(0.1)                           # the gateway has read its queue place
+        await mesh.servers[0].stop(0)
+        restarted = await _restart_scheduler(mesh, FakeScheduler())
+        out = await asyncio.wait_for(request, 30)
+    assert out.usage.completion_tokens == 6
+    assert len(restarted.admits) == 1
+    again = restarted.admits[0].request
+    assert again.arrival_unix == mesh.scheduler.admits[0].request.arrival_unix and not again.running_on_engine
+    text = mesh.gateway.metrics.render().decode()  # type: ignore[attr-defined]
+    assert 'kvmesh_gateway_scheduler_readmissions_total{state="queued"} 1.0' in text
     for server in mesh.servers[1:]:
         await server.stop(0)

@@ -23,8 +23,9 @@ from services.gateway.tokenization import ModelTokenizer
 from services.gateway.validation import parse_chat_body, parse_completion_body, parse_priority_header
 
 MODULES = [
-    "admission", "driver", "engine_client", "errors", "frontdoor", "grpc_api", "http_api", "jobs", "keys",
-    "limits", "metrics", "openai_format", "openapi", "server", "tokenization", "validation",
+    "driver", "engine_client", "errors", "event_stream", "events", "frontdoor", "grpc_api", "http_api", "jobs",
+    "keys", "lease_link", "limits", "metrics", "openai_format", "openapi", "scheduler_client", "server",
+    "spare_calls", "stop_seam", "tokenization", "validation",
 ]
 
 

@@ -1,10 +1,22 @@
-"""Client side of `Scheduler.Admit`: one bidi stream per request.
+"""The gateway's client of the scheduler: its channel (`SchedulerClient`) and
+one bidi `Scheduler.Admit` stream per request (`AdmitSession`).
 
 The lease lives exactly as long as the stream, so every path out of a request
-ends the call: `finish` (done + half-close, then wait briefly for the
-scheduler to end it) or `cancel` (at once: client gone, request failed).
-gRPC status codes from the scheduler become domain errors here and nowhere
-else (through `errors.from_scheduler_rpc_error` / `errors.from_rejection`).
+ends the call: `report_done` + `close` (done + half-close, then wait briefly
+for the scheduler to end it) or `cancel` (at once: client gone, request
+failed). What a request does with its stream over its life (re-admission,
+re-attachment after a scheduler restart) is `lease_link.LeaseLink`'s.
+
+Error boundary: gRPC status codes from the scheduler become domain errors here
+and nowhere else (through `errors.from_scheduler_rpc_error` /
+`errors.from_rejection`). An unreachable scheduler that answered this gateway
+before raises the subclass `errors.SchedulerRestarting`: a restart to wait
+out, not a misconfiguration to report at once.
+
+Ownership: the `SchedulerClient` belongs to the gateway service and, with it,
+the one fact shared by all requests: whether the scheduler has ever answered
+(`_Reachability`, set when the channel is READY or a stream gets an answer).
+Each `AdmitSession` is used by one task only (its request's pump).
 """
 
 from __future__ import annotations
@@ -13,16 +25,18 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
 
 import grpc
 
 from services.common.grpc_server import client_options
 from services.common.mesh_tls import MeshIdentity, aio_channel
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.gateway.errors import GatewayError, from_rejection, from_scheduler_rpc_error
+from services.gateway.errors import GatewayError, SchedulerRestarting, from_rejection, from_scheduler_rpc_error
 from services.gateway.spare_calls import SpareCall
 
-__all__ = ["AdmissionClient", "AdmitSession"]
+__all__ = ["AdmitSession", "SchedulerClient"]
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +45,28 @@ log = logging.getLogger(__name__)
 _CLOSE_GRACE_SECONDS = 2.0
 
 
+@dataclass
+class _Reachability:
+    """Whether the scheduler has answered this gateway since it started (its
+    channel was READY, or an Admit stream got a message). From then on an
+    unreachable scheduler is a restart to wait out (re-admit with backoff),
+    not a misconfiguration to report at once."""
+
+    answered: bool = False
+
+    def unreachable(self, err: grpc.RpcError | None) -> GatewayError:
+        """The error for a stream that failed or ended without an answer."""
+        exc = from_scheduler_rpc_error(err)
+        return SchedulerRestarting.of(exc) if self.answered else exc
+
+
 class AdmitSession:
     """One request's Admit stream. Used by one task only (the driver's)."""
 
-    def __init__(self, call: grpc.aio.StreamStreamCall, on_answer: Callable[[], None] | None = None) -> None:
+    def __init__(self, call: grpc.aio.StreamStreamCall, reachability: _Reachability) -> None:
         self._call = call
         self._finished = False
-        self._on_answer = on_answer
+        self._reachability = reachability
 
     @property
     def broken(self) -> bool:
@@ -60,22 +89,21 @@ class AdmitSession:
         try:
             await self._call.write(scheduler_pb2.AdmitClientMessage(request=request))
         except grpc.aio.AioRpcError as exc:
-            raise from_scheduler_rpc_error(exc) from exc
+            raise self._reachability.unreachable(exc) from exc
         except asyncio.InvalidStateError as exc:  # call already over
-            raise from_scheduler_rpc_error(None) from exc
+            raise self._reachability.unreachable(None) from exc
 
     async def next_outcome(self) -> scheduler_pb2.Queued | scheduler_pb2.Placed:
         """The next `queued` or `placed`; a `rejected` or a broken stream raises."""
         while True:
             try:
-                message = await self._call.read()
+                read = await self._call.read()
             except grpc.aio.AioRpcError as exc:
-                raise from_scheduler_rpc_error(exc) from exc
-            if message is grpc.aio.EOF:
-                raise from_scheduler_rpc_error(None)
-            if self._on_answer is not None:
-                self._on_answer()
-                self._on_answer = None
+                raise self._reachability.unreachable(exc) from exc
+            if read is grpc.aio.EOF:
+                raise self._reachability.unreachable(None)
+            self._reachability.answered = True
+            message = cast(scheduler_pb2.AdmitServerMessage, read)  # grpc.aio types reads as object
             kind = message.WhichOneof("msg")
             if kind == "queued":
                 return message.queued
@@ -102,7 +130,7 @@ class AdmitSession:
         try:
             await self._call.write(message)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-            raise from_scheduler_rpc_error(exc if isinstance(exc, grpc.aio.AioRpcError) else None) from exc
+            raise self._reachability.unreachable(exc if isinstance(exc, grpc.aio.AioRpcError) else None) from exc
 
     async def report_done(self, done: scheduler_pb2.RequestDone) -> None:
         """Send the outcome and half-close (cheap: no round trip). Call
@@ -137,7 +165,7 @@ class AdmitSession:
             await self._call.write(message)
 
 
-class AdmissionClient:
+class SchedulerClient:
     """Owns the gateway's channel to the scheduler."""
 
     def __init__(self, address: str, identity: MeshIdentity | None = None) -> None:
@@ -154,14 +182,7 @@ class AdmissionClient:
         )
         self._stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self._spare = SpareCall(self._stub.Admit)
-        # True once the scheduler was reachable (channel READY, or an Admit
-        # stream got an answer): from then on an unreachable scheduler is a
-        # restart to wait out (re-admit with backoff), not a misconfiguration
-        # to report at once.
-        self.answered = False
-
-    def _mark_answered(self) -> None:
-        self.answered = True
+        self._reachability = _Reachability()
 
     def is_ready(self) -> bool:
         return self.channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY
@@ -170,13 +191,13 @@ class AdmissionClient:
         await self.channel.wait_for_state_change(last)
         state = self.channel.get_state(try_to_connect=True)
         if state == grpc.ChannelConnectivity.READY:
-            self.answered = True
+            self._reachability.answered = True
         return state
 
     async def open(self, request: scheduler_pb2.AdmitRequest) -> AdmitSession:
         # Fail fast (no wait_for_ready): an unreachable scheduler is a 503 now,
         # not a hang. A restart while queued is re-admitted by the driver.
-        session = AdmitSession(self._spare.take(), self._mark_answered)
+        session = AdmitSession(self._spare.take(), self._reachability)
         try:
             await session.send_request(request)
         except GatewayError:

@@ -1,0 +1,119 @@
+"""Between one request's driver and its transport: a bounded queue, heartbeats
+and the gateway side of backpressure by coalescing.
+
+Ownership: `EventStream` starts the request's ONE pump task, which runs the
+driver and alone owns the request's state (its Admit stream, engine call and
+generated tokens). The transport only iterates the stream (and calls
+`mark_output` / `aclose`). Backpressure: a slow client stops iterating, the
+full queue stops the pump, the pump stops reading from the engine, and the
+engine coalesces. Cancelling the stream (client gone) cancels the pump task,
+which cancels the engine call and the Admit call at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import cast
+
+from services.common.clock import Clock
+from services.gateway.errors import ErrorKind, GatewayError
+from services.gateway.events import Emit, Event, Finished, Heartbeat, TextDelta
+
+__all__ = ["EventStream"]
+
+log = logging.getLogger(__name__)
+
+# Events queued between the pump and the transport. Small on purpose: the
+# engine coalesces when we fall behind, so a deep buffer only adds memory.
+_QUEUE_DEPTH = 8
+
+
+class EventStream:
+    """Runs a driver in its own task behind a bounded queue, and adds
+    heartbeats: if nothing was sent for `heartbeat_seconds`, iteration yields
+    `Heartbeat()`. Iteration ends after `Finished`. Always `aclose()` it
+    (cancels the driver if still running)."""
+
+    _END = object()
+
+    def __init__(self, run: Callable[[Emit], Awaitable[None]], heartbeat_seconds: float, clock: Clock) -> None:
+        self._queue: asyncio.Queue[object] = asyncio.Queue(_QUEUE_DEPTH)
+        self._heartbeat = heartbeat_seconds
+        self._clock = clock
+        self._last_output = clock.monotonic()
+        # An event taken from the queue while merging deltas, yielded next.
+        self._held: object | None = None
+        self._task = asyncio.create_task(self._pump(run))
+
+    async def _pump(self, run: Callable[[Emit], Awaitable[None]]) -> None:
+        try:
+            await run(self._queue.put)
+        except GatewayError as exc:
+            await self._queue.put(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any bug must end the stream, not hang it
+            log.exception("generation driver failed")
+            await self._queue.put(GatewayError(ErrorKind.INTERNAL, f"internal error: {type(exc).__name__}"))
+        await self._queue.put(self._END)
+
+    def mark_output(self) -> None:
+        """The transport wrote something: restart the heartbeat timer."""
+        self._last_output = self._clock.monotonic()
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Event]:
+        while True:
+            try:
+                if self._held is not None:
+                    item, self._held = self._held, None
+                else:
+                    item = self._queue.get_nowait()
+            except asyncio.QueueEmpty:
+                wait = self._last_output + self._heartbeat - self._clock.monotonic()
+                try:
+                    async with asyncio.timeout(max(wait, 0.0)):
+                        item = await self._queue.get()
+                except TimeoutError:
+                    self.mark_output()
+                    yield Heartbeat()
+                    continue
+            if item is self._END:
+                return
+            if isinstance(item, GatewayError):
+                raise item
+            if isinstance(item, TextDelta) and not self._queue.empty():
+                item = self._merge_queued(item)
+            yield cast(Event, item)  # what is left in the queue: the driver's events
+            if isinstance(item, Finished):
+                return  # the last event; the pump only tidies up after it
+
+    def _merge_queued(self, first: TextDelta) -> TextDelta:
+        """Backpressure by coalescing, gateway side: deltas that queued up
+        while the transport was writing go out as ONE event (one JSON encode,
+        one SSE write), in order, nothing dropped. The first other event is
+        held back and yielded next."""
+        texts, ids, logprobs = [first.text], list(first.token_ids), list(first.logprobs)
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except asyncio.QueueEmpty:
+                break
+            if not isinstance(item, TextDelta):
+                self._held = item
+                break
+            texts.append(item.text)
+            ids.extend(item.token_ids)
+            logprobs.extend(item.logprobs)
+        return TextDelta("".join(texts), ids, logprobs)
+
+    async def aclose(self) -> None:
+        if not self._task.done():
+            self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task

@@ -1,0 +1,277 @@
+"""One request's link to the scheduler: its lease, kept across scheduler restarts.
+
+The lease is the request's Admit stream (`scheduler_client.AdmitSession`): it
+is told `first_token` and `replace`, and ends with `done`. `LeaseLink` keeps
+one for the request over its whole life:
+
+- admitting (`admit`): a scheduler that is restarting
+  (`errors.SchedulerRestarting`: unreachable, but it answered this gateway
+  before) is waited for with backoff, up to `_READMIT_SECONDS`, before the
+  error goes to the client; one never reached fails at once;
+- waiting (`wait_placed`): `queued` positions go to the client; a scheduler
+  that restarts meanwhile gets the request again with its original arrival
+  time and the prompt it has now (prompt + generated, like `replace`);
+- running (`running_on`): the request keeps streaming from its engine if the
+  scheduler restarts, while a child task re-attaches the lease
+  (`AdmitRequest.running_on_engine`, retried with backoff until the engine
+  has re-registered); `first_token` / `done` then go to the new stream;
+- moving (`replace`): the request leaves a failed engine;
+- ending (`report_done` + `close`, or `abandon`).
+
+Ownership: the request's pump task alone calls a `LeaseLink`. The re-attach
+child task is the one other writer: it only swaps in the re-attached stream,
+and the pump ends it before the lease moves or ends (`replace`,
+`report_done`, `abandon`). The tokens generated so far are the driver's
+list, read here (never written) to describe the request as it stands now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+from services.common.clock import Clock
+from services.common.prefix_hash import block_hashes
+from services.common.proto.kvmesh.v1 import scheduler_pb2
+from services.gateway.errors import GatewayError, SchedulerRestarting
+from services.gateway.events import Emit, Finished, QueuedUpdate
+from services.gateway.jobs import Job
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.scheduler_client import AdmitSession, SchedulerClient
+
+__all__ = ["LeaseLink"]
+
+log = logging.getLogger(__name__)
+
+# A scheduler restart while a request waits: admit again (same arrival time)
+# for this long before answering 503. A restart takes 2-5 s on a busy 2-core
+# machine (Python start-up, then engines re-register); leave room for more.
+_READMIT_SECONDS = 30.0
+# Backoff between re-admission / re-attach attempts while the scheduler (and
+# the engines' registrations) come back: first wait, cap.
+_BACKOFF_FIRST_SECONDS = 0.1
+_BACKOFF_MAX_SECONDS = 1.0
+
+
+@dataclass
+class _Backoff:
+    """Waits that double from the first to the cap."""
+
+    delay: float = _BACKOFF_FIRST_SECONDS
+
+    async def wait(self) -> None:
+        await asyncio.sleep(self.delay)
+        self.delay = min(self.delay * 2, _BACKOFF_MAX_SECONDS)
+
+
+async def _open(
+    scheduler: SchedulerClient, clock: Clock, request: scheduler_pb2.AdmitRequest
+) -> AdmitSession:
+    """Open an Admit stream, retrying with backoff for up to
+    `_READMIT_SECONDS` while the scheduler restarts."""
+    deadline = clock.monotonic() + _READMIT_SECONDS
+    backoff = _Backoff()
+    while True:
+        try:
+            return await scheduler.open(request)
+        except SchedulerRestarting:
+            if clock.monotonic() + backoff.delay >= deadline:
+                raise
+        log.debug("request %s: scheduler unreachable; admitting again in %.2fs", request.request_id, backoff.delay)
+        await backoff.wait()
+
+
+class LeaseLink:
+    """One request's lease on the scheduler (see the module docstring)."""
+
+    def __init__(
+        self,
+        session: AdmitSession,
+        job: Job,
+        generated: list[int],
+        scheduler: SchedulerClient,
+        metrics: GatewayMetrics,
+        clock: Clock,
+    ) -> None:
+        self._session = session
+        self._job = job
+        self._generated = generated
+        self._scheduler = scheduler
+        self._metrics = metrics
+        self._clock = clock
+        # The engine generating now, and whether the current lease was told
+        # `first_token` (told again on a re-attached stream).
+        self._engine_id = ""
+        self._told_first = False
+        # Re-attaching the lease after a scheduler restart (a child of the pump).
+        self._reattach: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def admit(
+        cls, job: Job, generated: list[int], scheduler: SchedulerClient, metrics: GatewayMetrics, clock: Clock
+    ) -> LeaseLink:
+        """Ask the scheduler for a lease (waiting out a restart)."""
+        session = await _open(scheduler, clock, job.admit_request())
+        return cls(session, job, generated, scheduler, metrics, clock)
+
+    # ---------------------------------------------------------------- phases
+
+    async def wait_placed(self, emit: Emit) -> scheduler_pb2.Placed:
+        """Relay `queued` until `placed`. A scheduler that restarts while we
+        wait gets the request again with the original arrival time."""
+        readmit_until: float | None = None
+        backoff = _Backoff()
+        while True:
+            try:
+                outcome = await self._session.next_outcome()
+            except SchedulerRestarting:
+                self._session.cancel()
+                now = self._clock.monotonic()
+                if readmit_until is None:
+                    readmit_until = now + _READMIT_SECONDS
+                if now >= readmit_until:
+                    raise
+                await backoff.wait()
+                self._session = await _open(self._scheduler, self._clock, self._request())
+                self._metrics.readmissions.labels("queued").inc()
+                log.info("request %s: re-admitted after a scheduler restart", self._job.request_id)
+                continue
+            readmit_until, backoff = None, _Backoff()
+            if isinstance(outcome, scheduler_pb2.Placed):
+                return outcome
+            await emit(QueuedUpdate(outcome.position, outcome.estimated_wait_seconds, outcome.priority))
+
+    def running_on(self, engine_id: str) -> None:
+        """The request starts generating on `engine_id`: if the Admit stream
+        breaks from now on, re-attach the lease in a child task."""
+        self._engine_id = engine_id
+        self._told_first = False
+        self._watch()
+
+    async def first_token(self) -> bool:
+        """Tell the scheduler about the current engine's first token; False
+        (and nothing sent) if it was told already."""
+        if self._told_first:
+            return False
+        self._told_first = True
+        # Let the transport write the first token before we spend a gRPC
+        # write on the advisory `first_token` (TTFT path).
+        await asyncio.sleep(0)
+        await self._session.first_token()
+        # The next request's Admit stream opens now, off its TTFT path.
+        self._scheduler.replenish()
+        return True
+
+    async def replace(self, excluded: list[str], emit: Emit) -> scheduler_pb2.Placed:
+        """Move the request off failed engines: a placement that excludes
+        `excluded`, for prompt + generated and the max_tokens left."""
+        # A re-attach in progress is superseded: the request moves anyway.
+        await self._stop_reattach()
+        tokens = self._job.prompt_ids + self._generated
+        # A scheduler gone too: `wait_placed` reads the broken stream and
+        # admits the request again with prompt + generated.
+        with contextlib.suppress(SchedulerRestarting):
+            await self._session.replace(
+                exclude=list(excluded),
+                prompt_tokens=len(tokens),
+                max_tokens=self._job.max_tokens - len(self._generated),
+                prefix_hashes=block_hashes(tokens, self._job.hash_block_tokens),
+            )
+        return await self.wait_placed(emit)
+
+    async def report_done(self, finished: Finished) -> None:
+        """Send the outcome (cheap, no round trip); `close()` afterwards."""
+        # A re-attach still under way holds no lease yet: nothing to report.
+        await self._stop_reattach()
+        await self._session.report_done(
+            scheduler_pb2.RequestDone(
+                prompt_tokens=finished.usage.prompt_tokens,
+                completion_tokens=finished.usage.completion_tokens,
+                cached_tokens=finished.usage.cached_tokens,
+                finish_reason=finished.reason.value,
+            )
+        )
+
+    async def close(self) -> None:
+        """After `report_done`: let the scheduler end the stream."""
+        await self._session.close()
+
+    async def abandon(self) -> None:
+        """The request failed or was cancelled: end the lease at once."""
+        self._session.cancel()
+        await self._stop_reattach()
+
+    # ---------------------------------------------------------------- re-attach
+
+    def _watch(self) -> None:
+        session = self._session
+
+        def broken() -> None:
+            if self._session is session and (self._reattach is None or self._reattach.done()):
+                self._reattach = asyncio.get_running_loop().create_task(
+                    self._reattach_lease(), name=f"reattach-{self._job.request_id}")
+
+        session.on_broken(broken)
+
+    async def _reattach_lease(self) -> None:
+        """Re-attach the running request on the restarted scheduler, retried
+        with backoff until it is answered `placed` on that very engine. Ends
+        when attached or when the pump cancels it (the request ended/moved)."""
+        backoff = _Backoff()
+        while True:
+            await backoff.wait()
+            session = await self._attach_once()
+            if session is None:
+                continue
+            old, self._session = self._session, session
+            old.cancel()
+            self._metrics.readmissions.labels("running").inc()
+            log.info("request %s: lease re-attached on engine %s after a scheduler restart",
+                     self._job.request_id, self._engine_id)
+            if self._told_first:
+                await session.first_token()
+            self._watch()
+            return
+
+    async def _attach_once(self) -> AdmitSession | None:
+        """One attempt: an AdmitRequest with `running_on_engine`. The engine
+        re-registers a moment after the scheduler is back; until then the
+        answer is a queue place or a placement elsewhere, withdrawn at once."""
+        try:
+            session = await self._scheduler.open(self._request(self._engine_id))
+        except GatewayError:
+            return None
+        try:
+            outcome = await session.next_outcome()
+        except GatewayError:
+            session.cancel()
+            return None
+        except BaseException:
+            session.cancel()
+            raise
+        if not (isinstance(outcome, scheduler_pb2.Placed) and outcome.engine_id == self._engine_id):
+            session.cancel()
+            return None
+        return session
+
+    async def _stop_reattach(self) -> None:
+        task, self._reattach = self._reattach, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _request(self, running_on: str = "") -> scheduler_pb2.AdmitRequest:
+        """The request as it stands now: after a migration the prompt is
+        prompt + generated and max_tokens what is left (like `replace`)."""
+        request = self._job.admit_request()
+        if self._generated:
+            tokens = self._job.prompt_ids + self._generated
+            request.prompt_tokens = len(tokens)
+            request.max_tokens = max(1, self._job.max_tokens - len(self._generated))
+            del request.prefix_hashes[:]
+            request.prefix_hashes.extend(block_hashes(tokens, self._job.hash_block_tokens))
+        request.running_on_engine = running_on
+        return request
