@@ -46,7 +46,7 @@ def parse_priority_header(value: str | None) -> int:
 
 # ------------------------------------------------------------ gRPC messages
 
-_PRIORITY = {
+_PRIORITY: dict[int, int] = {
     inference_pb2.PRIORITY_UNSPECIFIED: 1,
     inference_pb2.PRIORITY_P0: 0,
     inference_pb2.PRIORITY_P1: 1,
