@@ -30,7 +30,6 @@ from services.common.openai_api.responses import (
     sse,
 )
 from services.common.proto.kvmesh.v1 import common_pb2
-from services.gateway.admission import AdmissionClient
 from services.gateway.driver import EventStream, Finished, GenerationDriver, Heartbeat, TextDelta
 from services.gateway.errors import ErrorKind, GatewayError, http_error
 from services.gateway.frontdoor import Admitted, Frontdoor
@@ -38,6 +37,7 @@ from services.gateway.jobs import request_id_from
 from services.gateway.keys import api_key_from_headers
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import openapi_document
+from services.gateway.scheduler_client import AdmissionClient
 from services.gateway.validation import parse_priority_header
 
 __all__ = ["HttpApi"]
