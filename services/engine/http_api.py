@@ -6,25 +6,43 @@ POST /v1/completions and /v1/chat/completions (stream true/false; prompt as
 text or token ids), GET /v1/models, GET /health, plus what sglang-router asks
 workers: GET /model_info, /server_info, /get_load, and what vllm-router's
 cache_aware asks: POST /v1/chat/completions/render and /v1/completions/render
-(the prompt's token ids, nothing generated). Engine errors map here to
-HTTP status + OpenAI error JSON (400 invalid, 503 not accepting).
+(the prompt's token ids, nothing generated).
+
+Parsing, tokenizing and formatting are the gateway's own
+(services/common/openai_api/, services/common/tokenizer.py via the engine's
+codec), so a chat gets the same prompt token ids here as through kvmesh.
+What is this endpoint's alone: `model` may be left out (this engine serves
+one), vLLM's sampling extensions and a body `priority` are read, max_tokens
+defaults to `DEFAULT_MAX_TOKENS` (within the context), and each choice
+carries its token ids. `_errors` is the one place engine errors become HTTP
+status + OpenAI error JSON (400 invalid, 409 duplicate id, 503 not accepting).
 """
 
 from __future__ import annotations
 
-import json
 import ssl
-import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 
-from services.engine.backend import GenerationOutput, GenerationRequest, InvalidRequest, Sampling
+from services.common.openai_api.errors import ApiError, ErrorKind, error_body, error_response
+from services.common.openai_api.requests import (
+    GenerationInput,
+    invalid,
+    parse_chat_body,
+    parse_completion_body,
+    parse_json_body,
+)
+from services.common.openai_api.responses import SSE_DONE, ChatFormatter, CompletionFormatter, Formatter, sse
+from services.common.proto.kvmesh.v1 import engine_pb2
+from services.engine.backend import GenerationOutput, GenerationRequest, InvalidRequest
 from services.engine.errors import DuplicateRequest, NotAccepting
+from services.engine.grpc_api import request_from_proto
+from services.engine.model import TextCodec
 from services.engine.runtime import EngineRuntime
-from services.engine.tokenizer import TextCodec
 
 __all__ = ["OpenAIHttpServer"]
 
@@ -32,13 +50,32 @@ DEFAULT_MAX_TOKENS = 256
 # aiohttp's default backlog of 128 drops connections in bursts (DESIGN.md).
 LISTEN_BACKLOG = 4096
 
-
-class _BadRequest(Exception):
-    pass
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _error(status: int, message: str, kind: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+def _engine_error(exc: Exception) -> ApiError:
+    if isinstance(exc, DuplicateRequest):
+        return ApiError(ErrorKind.CONFLICT, str(exc), code="duplicate_request_id")
+    if isinstance(exc, NotAccepting):
+        return ApiError(ErrorKind.UNAVAILABLE, str(exc), code="not_accepting")
+    return ApiError(ErrorKind.INVALID_REQUEST, str(exc))
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return error_response(exc)
+    except (InvalidRequest, DuplicateRequest, NotAccepting) as exc:
+        return error_response(_engine_error(exc))
+
+
+def _priority(body: dict[str, Any]) -> int:
+    value = body.get("priority", 1)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid("priority must be an integer (0 runs first)", "priority")
+    return value
 
 
 class OpenAIHttpServer:
@@ -48,8 +85,8 @@ class OpenAIHttpServer:
         self._model = model_name
         self._runner: web.AppRunner | None = None
 
-    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> None:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
@@ -60,7 +97,10 @@ class OpenAIHttpServer:
         # vllm-router's cache_aware asks every worker for a request's token ids.
         app.router.add_post("/v1/chat/completions/render", self._render_chat)
         app.router.add_post("/v1/completions/render", self._render_completion)
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        return app
+
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> None:
+        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
         await web.TCPSite(self._runner, host, port, backlog=LISTEN_BACKLOG, ssl_context=ssl_context).start()
 
@@ -92,6 +132,34 @@ class OpenAIHttpServer:
         return web.json_response({"load": load.running + load.waiting, "running": load.running,
                                   "waiting": load.waiting, "blocks_used": load.blocks_used})
 
+    # ---------------------------------------------------------------- requests
+
+    async def _parse(self, request: web.Request, chat: bool) -> tuple[GenerationInput, GenerationRequest]:
+        body = parse_json_body(await request.read())
+        if isinstance(body, dict) and not body.get("model"):
+            body = {**body, "model": self._model}  # this engine serves one model: naming it is optional
+        parse = parse_chat_body if chat else parse_completion_body
+        parsed = parse(body, vllm_extensions=True)
+        prompt = self._prompt_ids(parsed)
+        max_tokens = parsed.sampling.max_tokens
+        if max_tokens is None:
+            max_tokens = DEFAULT_MAX_TOKENS
+            context = self._runtime.backend.info.max_model_len
+            if context:
+                max_tokens = max(1, min(max_tokens, context - len(prompt)))
+        # Logprobs are not served here: the engine is not asked for them.
+        sampling = replace(parsed.sampling, logprobs=None).to_proto(max_tokens)
+        message = engine_pb2.EngineRequest(request_id=f"http-{uuid.uuid4().hex}", prompt_token_ids=prompt,
+                                           sampling=sampling, priority=_priority(body))
+        return parsed, request_from_proto(message)
+
+    def _prompt_ids(self, parsed: GenerationInput) -> list[int]:
+        if parsed.messages is not None:
+            return self._codec.chat_prompt(parsed.messages).token_ids
+        if parsed.prompt_text is not None:
+            return self._codec.text_prompt(parsed.prompt_text).token_ids
+        return list(parsed.prompt_ids or [])
+
     # ---------------------------------------------------------------- render
 
     async def _render_chat(self, request: web.Request) -> web.Response:
@@ -104,13 +172,7 @@ class OpenAIHttpServer:
         """The prompt's token ids as this engine would run them, nothing
         generated (vLLM's render endpoints: a chat render is one object, a
         completions render a list of one per prompt)."""
-        try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise _BadRequest("the body must be a JSON object")
-            gen = self._parse(body, chat)
-        except (ValueError, _BadRequest, InvalidRequest) as exc:
-            return _error(400, str(exc), "invalid_request_error")
+        _, gen = await self._parse(request, chat)
         rendered = {"request_id": gen.request_id, "model": self._model, "token_ids": gen.prompt_token_ids,
                     "sampling_params": {"max_tokens": gen.sampling.max_tokens}}
         return web.json_response(rendered if chat else [rendered])
@@ -124,73 +186,21 @@ class OpenAIHttpServer:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise _BadRequest("the body must be a JSON object")
-            gen_request = self._parse(body, chat)
-            generation = self._runtime.open(gen_request)
-        except (ValueError, _BadRequest, InvalidRequest) as exc:
-            return _error(400, str(exc), "invalid_request_error")
-        except DuplicateRequest as exc:
-            return _error(409, str(exc), "invalid_request_error")
-        except NotAccepting as exc:
-            return _error(503, str(exc), "service_unavailable")
+        parsed, gen_request = await self._parse(request, chat)
+        generation = self._runtime.open(gen_request)
+        formatter_cls: type[Formatter] = ChatFormatter if chat else CompletionFormatter
+        formatter = formatter_cls(gen_request.request_id, self._model, parsed.include_usage, token_ids=True)
         outputs = generation.outputs()
         try:
-            if body.get("stream"):
-                return await self._stream(request, outputs, gen_request, chat, body)
-            return await self._whole(outputs, gen_request, chat)
-        except InvalidRequest as exc:
-            return _error(400, str(exc), "invalid_request_error")
+            if parsed.stream:
+                return await self._stream(request, outputs, formatter)
+            return await self._whole(outputs, formatter)
         finally:
             await outputs.aclose()
             generation.close()
 
-    def _parse(self, body: dict[str, Any], chat: bool) -> GenerationRequest:
-        if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise _BadRequest("messages must be a non-empty list")
-            prompt = self._codec.encode(self._codec.render_chat(messages))
-        else:
-            prompt = self._prompt_ids(body.get("prompt"))
-        stop = body.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else list(stop)
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
-        info = self._runtime.backend.info
-        if info.max_model_len and "max_tokens" not in body and "max_completion_tokens" not in body:
-            max_tokens = max(1, min(max_tokens, info.max_model_len - len(prompt)))
-        sampling = Sampling(
-            max_tokens=int(max_tokens), temperature=body.get("temperature"), top_p=body.get("top_p"),
-            top_k=body.get("top_k"), min_tokens=int(body.get("min_tokens") or 0), stop=stop,
-            stop_token_ids=list(body.get("stop_token_ids") or []), seed=body.get("seed"),
-            ignore_eos=bool(body.get("ignore_eos", False)),
-        )
-        return GenerationRequest(request_id=f"http-{uuid.uuid4().hex}", prompt_token_ids=prompt,
-                                 sampling=sampling, priority=int(body.get("priority", 1)))
-
-    def _prompt_ids(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            return self._codec.encode(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) and t >= 0 for t in prompt):
-            return prompt
-        raise _BadRequest("prompt must be a string or a list of token ids (one prompt per request)")
-
-    def _envelope(self, request_id: str, chat: bool, chunk: bool) -> dict[str, Any]:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
-        return {"id": request_id, "object": kind, "created": int(time.time()), "model": self._model}
-
     @staticmethod
-    def _usage(out: GenerationOutput) -> dict[str, Any]:
-        return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                "total_tokens": out.prompt_tokens + out.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
-
-    async def _whole(self, outputs: AsyncIterator[GenerationOutput], req: GenerationRequest,
-                     chat: bool) -> web.Response:
+    async def _whole(outputs: AsyncIterator[GenerationOutput], formatter: Formatter) -> web.Response:
         text: list[str] = []
         ids: list[int] = []
         last = GenerationOutput(token_ids=[], text="")
@@ -198,39 +208,26 @@ class OpenAIHttpServer:
             text.append(out.text)
             ids.extend(out.token_ids)
             last = out
-        choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice["text"] = "".join(text)
-        choice["token_ids"] = ids
-        body = {**self._envelope(req.request_id, chat, False), "choices": [choice],
-                "usage": self._usage(last)}
-        return web.json_response(body)
+        return web.json_response(formatter.response("".join(text), (), last.finish_reason, last, ids))
 
-    async def _stream(self, request: web.Request, outputs: AsyncIterator[GenerationOutput],
-                      req: GenerationRequest, chat: bool, body: dict[str, Any]) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})
+    @staticmethod
+    async def _stream(request: web.Request, outputs: AsyncIterator[GenerationOutput],
+                      formatter: Formatter) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        envelope = self._envelope(req.request_id, chat, True)
-
-        async def send(choice: dict[str, Any], usage: dict[str, Any] | None = None) -> None:
-            event = {**envelope, "choices": [choice] if choice else []}
-            if usage is not None:
-                event["usage"] = usage
-            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-
-        if chat:
-            await send({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-        async for out in outputs:
-            if out.text or out.token_ids or out.finish_reason:
-                content = {"delta": {"content": out.text}} if chat else {"text": out.text}
-                await send({"index": 0, **content, "token_ids": out.token_ids,
-                            "finish_reason": out.finish_reason})
-            if out.finish_reason is not None and include_usage:
-                await send({}, self._usage(out))
-        await response.write(b"data: [DONE]\n\n")
+        first = formatter.first_chunk()
+        if first is not None:
+            await response.write(sse(first))
+        try:
+            async for out in outputs:
+                if out.text or out.token_ids:
+                    await response.write(formatter.delta_sse(out.text, (), out.token_ids))
+                if out.finish_reason is not None:
+                    await response.write(sse(formatter.final_chunk(out.finish_reason)))
+                    if formatter.include_usage:
+                        await response.write(sse(formatter.usage_chunk(out)))
+        except InvalidRequest as exc:  # refused after the stream started: the error is an event
+            await response.write(sse(error_body(_engine_error(exc))))
+        await response.write(SSE_DONE)
         await response.write_eof()
         return response

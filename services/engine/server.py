@@ -28,11 +28,10 @@ from services.engine.backend import EngineBackend
 from services.engine.grpc_api import EngineServicer
 from services.engine.http_api import OpenAIHttpServer
 from services.engine.metrics import EngineMetrics, MetricsServer
-from services.engine.model import resolve_model
+from services.engine.model import TextCodec, load_codec, resolve_model
 from services.engine.coalesce import StreamPacing
 from services.engine.runtime import EngineRuntime
 from services.engine.scheduler_link import SchedulerLink, advertised_host
-from services.engine.tokenizer import TextCodec, load_codec
 
 __all__ = ["EngineService", "make_backend", "serve"]
 

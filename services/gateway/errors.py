@@ -1,11 +1,14 @@
 """The gateway's error vocabulary and its ONE mapping boundary per transport.
 
 Everything the gateway can refuse or fail with is a `GatewayError` carrying a
-closed `ErrorKind`. This module alone decides:
+closed `ErrorKind` — the OpenAI surface's own error vocabulary
+(services/common/openai_api/errors.py, shared with the engine's HTTP
+endpoint), under the gateway's name. This module alone decides:
 
 - upstream gRPC status / scheduler rejections -> domain errors
   (`from_scheduler_rpc_error`, `from_rejection`, `classify_engine_rpc_error`),
-- domain errors -> HTTP status + OpenAI error JSON + headers (`http_error`),
+- domain errors -> HTTP status + OpenAI error JSON + headers (`http_error`,
+  the OpenAI surface's mapping),
 - domain errors -> gRPC status code + message + trailing metadata (`grpc_status`).
 
 "Engine failed" (`EngineFailure`: the engine died or dropped the stream, so
@@ -16,12 +19,11 @@ it into `GenerationFailed`.
 
 from __future__ import annotations
 
-import enum
 import math
-from dataclasses import dataclass
 
 import grpc
 
+from services.common.openai_api.errors import ApiError, ErrorKind, HttpError, http_error, http_status_of
 from services.common.proto.kvmesh.v1 import scheduler_pb2
 
 __all__ = [
@@ -37,71 +39,25 @@ __all__ = [
     "http_status_of",
 ]
 
+# The gateway's request-level failure is the OpenAI surface's: the parsing
+# and tokenizing it shares with the engine's endpoint raise it directly.
+GatewayError = ApiError
 
-class ErrorKind(enum.Enum):
-    """Closed set of outcomes a client can be refused with; also a metric label."""
-
-    INVALID_REQUEST = "invalid_request"
-    BODY_TOO_LARGE = "body_too_large"
-    UNAUTHENTICATED = "unauthenticated"
-    PERMISSION_DENIED = "permission_denied"
-    NOT_FOUND = "not_found"
-    RATE_LIMITED = "rate_limited"        # this key's token bucket
-    OVERLOADED = "overloaded"            # the scheduler's queues are full
-    UNAVAILABLE = "unavailable"          # no engine / scheduler unreachable / draining
-    CONFLICT = "conflict"                # request id already running
-    TIMEOUT = "timeout"                  # max generation time ran out
-    GENERATION_FAILED = "generation_failed"
-    INTERNAL = "internal"
-
-
-@dataclass(frozen=True)
-class _Mapping:
-    http_status: int
-    openai_type: str
-    grpc_code: grpc.StatusCode
-
-
-# The one table. OpenAI's own types where OpenAI has one.
-_TABLE: dict[ErrorKind, _Mapping] = {
-    ErrorKind.INVALID_REQUEST: _Mapping(400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT),
-    ErrorKind.BODY_TOO_LARGE: _Mapping(413, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT),
-    ErrorKind.UNAUTHENTICATED: _Mapping(401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED),
-    ErrorKind.PERMISSION_DENIED: _Mapping(403, "permission_error", grpc.StatusCode.PERMISSION_DENIED),
-    ErrorKind.NOT_FOUND: _Mapping(404, "invalid_request_error", grpc.StatusCode.NOT_FOUND),
-    ErrorKind.RATE_LIMITED: _Mapping(429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED),
-    ErrorKind.OVERLOADED: _Mapping(429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED),
-    ErrorKind.UNAVAILABLE: _Mapping(503, "service_unavailable_error", grpc.StatusCode.UNAVAILABLE),
-    ErrorKind.CONFLICT: _Mapping(409, "invalid_request_error", grpc.StatusCode.ALREADY_EXISTS),
-    ErrorKind.TIMEOUT: _Mapping(504, "timeout_error", grpc.StatusCode.DEADLINE_EXCEEDED),
-    ErrorKind.GENERATION_FAILED: _Mapping(502, "server_error", grpc.StatusCode.INTERNAL),
-    ErrorKind.INTERNAL: _Mapping(500, "server_error", grpc.StatusCode.INTERNAL),
+# kind -> gRPC status code (the HTTP side is the OpenAI surface's table).
+_GRPC_CODES: dict[ErrorKind, grpc.StatusCode] = {
+    ErrorKind.INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.BODY_TOO_LARGE: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    ErrorKind.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorKind.RATE_LIMITED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.CONFLICT: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorKind.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorKind.GENERATION_FAILED: grpc.StatusCode.INTERNAL,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
-
-
-class GatewayError(Exception):
-    """A request-level failure with a message that says what to change."""
-
-    def __init__(
-        self,
-        kind: ErrorKind,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        retry_after: float | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-        self.param = param
-        self.code = code
-        self.retry_after = retry_after
-        self.headers = dict(headers or {})
-
-    def __repr__(self) -> str:
-        return f"GatewayError({self.kind.value}, {self.message!r})"
 
 
 class EngineFailure(Exception):
@@ -183,36 +139,6 @@ def classify_engine_rpc_error(err: grpc.aio.AioRpcError, engine_id: str) -> Gate
     return EngineFailure(engine_id, f"engine {engine_id}: {err.code().name}: {err.details()}")
 
 
-# ------------------------------------------------------------ domain -> HTTP
-
-
-@dataclass(frozen=True)
-class HttpError:
-    status: int
-    body: dict[str, object]
-    headers: dict[str, str]
-
-
-def http_error(exc: GatewayError) -> HttpError:
-    mapping = _TABLE[exc.kind]
-    headers = dict(exc.headers)
-    if exc.retry_after is not None:
-        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
-    body = {
-        "error": {
-            "message": exc.message,
-            "type": mapping.openai_type,
-            "param": exc.param,
-            "code": exc.code or exc.kind.value,
-        }
-    }
-    return HttpError(mapping.http_status, body, headers)
-
-
-def http_status_of(kind: ErrorKind) -> int:
-    return _TABLE[kind].http_status
-
-
 # ------------------------------------------------------------ domain -> gRPC
 
 
@@ -222,7 +148,7 @@ def grpc_status(exc: GatewayError) -> tuple[grpc.StatusCode, str, tuple[tuple[st
     trailers: tuple[tuple[str, str], ...] = ()
     if exc.retry_after is not None:
         trailers = (("retry-after", str(max(1, math.ceil(exc.retry_after)))),)
-    return _TABLE[exc.kind].grpc_code, message, trailers
+    return _GRPC_CODES[exc.kind], message, trailers
 
 
 class SchedulerRestarting(GatewayError):

@@ -3,7 +3,7 @@
 The driver produces them (`driver.GenerationDriver`; queue positions come
 from its `lease_link.LeaseLink`), `event_stream.EventStream` carries them to
 the transport, and the transports render them
-(`http_api` / `openai_format` as OpenAI JSON and SSE, `grpc_api` as
+(`http_api` with `services.common.openai_api` as OpenAI JSON and SSE, `grpc_api` as
 `kvmesh.v1.GenerateEvent`). Records only: immutable, no behaviour beyond the
 proto mapping of `FinishReason`.
 

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 from services.common.clock import Clock
 from services.common.config import MeshConfig
+from services.common.openai_api.requests import GenerationInput
 from services.gateway.jobs import Job, build_job
 from services.gateway.keys import KeyStore, Principal, effective_priority
 from services.gateway.limits import Grant, RateLimiter
 from services.gateway.tokenization import TokenizerRegistry
-from services.gateway.validation import GenerationInput
 
 __all__ = ["Admitted", "Frontdoor"]
 

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 import grpc
 
+from services.common.openai_api.requests import GenerationInput
 from services.common.proto.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.gateway.driver import GenerationDriver
 from services.gateway.errors import GatewayError, grpc_status
@@ -29,7 +30,6 @@ from services.gateway.keys import api_key_from_headers
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.validation import (
-    GenerationInput,
     chat_from_proto,
     generate_from_proto,
     priority_from_proto,

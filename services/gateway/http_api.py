@@ -12,7 +12,6 @@ while queued. So a request the scheduler rejects quickly still gets a real
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -20,6 +19,16 @@ from typing import Any
 from aiohttp import web
 
 from services.common.config import MeshConfig
+from services.common.openai_api.errors import error_response
+from services.common.openai_api.requests import parse_chat_body, parse_completion_body, parse_json_body
+from services.common.openai_api.responses import (
+    SSE_DONE,
+    SSE_HEARTBEAT,
+    ChatFormatter,
+    CompletionFormatter,
+    Formatter,
+    sse,
+)
 from services.common.proto.kvmesh.v1 import common_pb2
 from services.gateway.driver import GenerationDriver
 from services.gateway.errors import ErrorKind, GatewayError, http_error
@@ -29,10 +38,9 @@ from services.gateway.frontdoor import Admitted, Frontdoor
 from services.gateway.jobs import request_id_from
 from services.gateway.keys import api_key_from_headers
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.openai_format import SSE_DONE, SSE_HEARTBEAT, ChatFormatter, CompletionFormatter, sse
 from services.gateway.openapi import openapi_document
 from services.gateway.scheduler_client import SchedulerClient
-from services.gateway.validation import parse_chat_body, parse_completion_body, parse_priority_header
+from services.gateway.validation import parse_priority_header
 
 __all__ = ["HttpApi"]
 
@@ -45,11 +53,14 @@ _REQUEST_ID = web.RequestKey("request_id", str)
 
 
 def _error_response(exc: GatewayError, request_id: str | None) -> web.Response:
-    mapped = http_error(exc)
-    headers = dict(mapped.headers)
-    if request_id:
-        headers["x-request-id"] = request_id
-    return web.json_response(mapped.body, status=mapped.status, headers=headers)
+    return error_response(exc, {"x-request-id": request_id} if request_id else None)
+
+
+def _failure(finished: Finished) -> GatewayError:
+    """A generation that ended without success, as the client's error."""
+    kind = ErrorKind.TIMEOUT if finished.reason.value == "timeout" else ErrorKind.GENERATION_FAILED
+    message = finished.message or f"the generation ended with {finished.reason.value}"
+    return GatewayError(kind, message, code=finished.reason.value)
 
 
 class HttpApi:
@@ -58,13 +69,13 @@ class HttpApi:
         config: MeshConfig,
         frontdoor: Frontdoor,
         driver: GenerationDriver,
-        admission: SchedulerClient,
+        scheduler: SchedulerClient,
         metrics: GatewayMetrics,
     ) -> None:
         self._config = config
         self._frontdoor = frontdoor
         self._driver = driver
-        self._admission = admission
+        self._scheduler = scheduler
         self._metrics = metrics
 
     def app(self) -> web.Application:
@@ -123,17 +134,7 @@ class HttpApi:
         limit = self._config.gateway.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-        raw = await request.read()
-        try:
-            return json.loads(raw)
-        except ValueError as exc:  # also invalid UTF-8 (UnicodeDecodeError)
-            raise GatewayError(
-                ErrorKind.INVALID_REQUEST, f"the body is not valid JSON: {exc}", code="invalid_json"
-            ) from exc
-        except RecursionError as exc:  # [[[[... deeper than the parser's stack
-            raise GatewayError(
-                ErrorKind.INVALID_REQUEST, "the body's JSON is nested too deeply; flatten it", code="invalid_json"
-            ) from exc
+        return parse_json_body(await request.read())
 
     # ---------------------------------------------------------------- generation
 
@@ -151,7 +152,7 @@ class HttpApi:
         generation = parse_chat_body(body) if route == "chat" else parse_completion_body(body)
         priority = parse_priority_header(request.headers.get("x-priority"))
         admitted = await self._frontdoor.admit(generation, principal, priority, request_id)
-        formatter_cls = ChatFormatter if route == "chat" else CompletionFormatter
+        formatter_cls: type[Formatter] = ChatFormatter if route == "chat" else CompletionFormatter
         formatter = formatter_cls(request_id, generation.model, generation.include_usage)
         headers = {"x-request-id": request_id, **admitted.grant.headers}
         tally = _Tally()
@@ -173,7 +174,7 @@ class HttpApi:
         self,
         request: web.Request,
         stream: EventStream,
-        formatter: ChatFormatter | CompletionFormatter,
+        formatter: Formatter,
         headers: dict[str, str],
         tally: _Tally,
     ) -> web.StreamResponse:
@@ -202,7 +203,7 @@ class HttpApi:
                 if isinstance(event, TextDelta):
                     tally.completion_tokens += len(event.token_ids)
                     out = await started()
-                    await out.write(formatter.delta_sse(event))
+                    await out.write(formatter.delta_sse(event.text, event.logprobs))
                     stream.mark_output()
                 elif isinstance(event, Finished):
                     out = await started()
@@ -225,13 +226,10 @@ class HttpApi:
         return out
 
     @staticmethod
-    def _final_bytes(formatter: ChatFormatter | CompletionFormatter, finished: Finished) -> bytes:
+    def _final_bytes(formatter: Formatter, finished: Finished) -> bytes:
         if not finished.reason.ok:
-            kind = ErrorKind.TIMEOUT if finished.reason.value == "timeout" else ErrorKind.GENERATION_FAILED
-            message = finished.message or f"the generation ended with {finished.reason.value}"
-            error = GatewayError(kind, message, code=finished.reason.value)
-            return sse(http_error(error).body) + SSE_DONE
-        out = sse(formatter.final_chunk(finished))
+            return sse(http_error(_failure(finished)).body) + SSE_DONE
+        out = sse(formatter.final_chunk(finished.reason.value))
         if formatter.include_usage:
             out += sse(formatter.usage_chunk(finished.usage))
         return out + SSE_DONE
@@ -239,7 +237,7 @@ class HttpApi:
     async def _collect(
         self,
         stream: EventStream,
-        formatter: ChatFormatter | CompletionFormatter,
+        formatter: Formatter,
         headers: dict[str, str],
         tally: _Tally,
     ) -> web.Response:
@@ -256,10 +254,9 @@ class HttpApi:
         if finished is None:
             raise GatewayError(ErrorKind.INTERNAL, "the generation ended without a result")
         if not finished.reason.ok:
-            kind = ErrorKind.TIMEOUT if finished.reason.value == "timeout" else ErrorKind.GENERATION_FAILED
-            raise GatewayError(kind, finished.message or f"the generation ended with {finished.reason.value}",
-                               code=finished.reason.value)
-        return web.json_response(formatter.response("".join(texts), logprobs, finished), headers=headers)
+            raise _failure(finished)
+        body = formatter.response("".join(texts), logprobs, finished.reason.value, finished.usage)
+        return web.json_response(body, headers=headers)
 
     # ---------------------------------------------------------------- other routes
 
@@ -281,13 +278,13 @@ class HttpApi:
         return web.json_response(card)
 
     async def health(self, _: web.Request) -> web.Response:
-        if not self._admission.is_ready():
+        if not self._scheduler.is_ready():
             raise GatewayError(
                 ErrorKind.UNAVAILABLE,
-                f"the scheduler at {self._admission.address} is not reachable",
+                f"the scheduler at {self._scheduler.address} is not reachable",
                 code="scheduler_unavailable",
             )
-        return web.json_response({"status": "ok", "scheduler": self._admission.address})
+        return web.json_response({"status": "ok", "scheduler": self._scheduler.address})
 
     async def openapi(self, _: web.Request) -> web.Response:
         return web.json_response(openapi_document())

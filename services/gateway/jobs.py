@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 from services.common.clock import Clock
 from services.common.config import MeshConfig
+from services.common.openai_api.requests import GenerationInput, SamplingOptions
 from services.common.proto.kvmesh.v1 import scheduler_pb2
 from services.gateway.errors import ErrorKind, GatewayError
 from services.gateway.keys import Principal
 from services.gateway.tokenization import ModelTokenizer
-from services.gateway.validation import GenerationInput, SamplingOptions
 
 __all__ = ["Job", "build_job", "request_id_from"]
 

@@ -58,6 +58,80 @@ _STREAM_OR_JSON = {
 }
 
 
+def _schemas() -> dict[str, Any]:
+    message = {
+        "type": "object", "required": ["role"],
+        "properties": {"role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+                       "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]}},
+    }
+    return {
+        "Error": {
+            "type": "object",
+            "required": ["error"],
+            "properties": {"error": {"type": "object", "properties": {
+                "message": {"type": "string"}, "type": {"type": "string"},
+                "param": {"type": "string", "nullable": True}, "code": {"type": "string", "nullable": True},
+            }}},
+        },
+        "ChatCompletionRequest": {
+            "type": "object",
+            "required": ["model", "messages"],
+            "properties": {
+                "model": {"type": "string"},
+                "messages": {"type": "array", "minItems": 1, "items": message},
+                "max_completion_tokens": {"type": "integer", "minimum": 1},
+                "logprobs": {"type": "boolean"},
+                "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+                **_SAMPLING,
+            },
+        },
+        "CompletionRequest": {
+            "type": "object",
+            "required": ["model", "prompt"],
+            "properties": {
+                "model": {"type": "string"},
+                "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]},
+                "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
+                **_SAMPLING,
+            },
+        },
+    }
+
+
+def _generation(summary: str, schema: str) -> dict[str, Any]:
+    return {"post": {
+        "summary": summary,
+        "parameters": _GEN_PARAMS,
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{schema}"}}}},
+        "responses": {**_STREAM_OR_JSON, **_error_responses(400, 401, 403, 404, 413, 429, 503)},
+    }}
+
+
+def _json_get(summary: str, description: str, errors: tuple[int, ...], **extra: Any) -> dict[str, Any]:
+    return {"get": {
+        "summary": summary,
+        **extra,
+        "responses": {"200": {"description": description,
+                              "content": {"application/json": {"schema": {"type": "object"}}}},
+                      **_error_responses(*errors)},
+    }}
+
+
+def _paths() -> dict[str, Any]:
+    return {
+        "/v1/chat/completions": _generation(
+            "Chat completion (OpenAI chat.completion / chat.completion.chunk)", "ChatCompletionRequest"),
+        "/v1/completions": _generation("Text completion (OpenAI text_completion)", "CompletionRequest"),
+        "/v1/models": _json_get("Models this key may use", "OpenAI model list", (401,)),
+        "/v1/models/{model}": _json_get(
+            "One model", "OpenAI model object", (401, 403, 404),
+            parameters=[{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]),
+        "/health": _json_get("200 only while the scheduler is reachable", "ready", (503,), security=[]),
+        "/openapi.json": _json_get("This document", "OpenAPI 3 document", (), security=[]),
+    }
+
+
 def openapi_document() -> dict[str, Any]:
     return {
         "openapi": "3.0.3",
@@ -65,86 +139,8 @@ def openapi_document() -> dict[str, Any]:
                  "description": "OpenAI-compatible API served by the kvmesh gateway."},
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-            "schemas": {
-                "Error": {
-                    "type": "object",
-                    "required": ["error"],
-                    "properties": {"error": {"type": "object", "properties": {
-                        "message": {"type": "string"}, "type": {"type": "string"},
-                        "param": {"type": "string", "nullable": True}, "code": {"type": "string", "nullable": True},
-                    }}},
-                },
-                "ChatCompletionRequest": {
-                    "type": "object",
-                    "required": ["model", "messages"],
-                    "properties": {
-                        "model": {"type": "string"},
-                        "messages": {"type": "array", "minItems": 1, "items": {
-                            "type": "object", "required": ["role"],
-                            "properties": {"role": {"type": "string",
-                                                    "enum": ["system", "developer", "user", "assistant", "tool"]},
-                                           "content": {"oneOf": [{"type": "string"},
-                                                                 {"type": "array", "items": {"type": "object"}}]}},
-                        }},
-                        "max_completion_tokens": {"type": "integer", "minimum": 1},
-                        "logprobs": {"type": "boolean"},
-                        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
-                        **_SAMPLING,
-                    },
-                },
-                "CompletionRequest": {
-                    "type": "object",
-                    "required": ["model", "prompt"],
-                    "properties": {
-                        "model": {"type": "string"},
-                        "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]},
-                        "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
-                        **_SAMPLING,
-                    },
-                },
-            },
+            "schemas": _schemas(),
         },
         "security": [{"bearer": []}],
-        "paths": {
-            "/v1/chat/completions": {"post": {
-                "summary": "Chat completion (OpenAI chat.completion / chat.completion.chunk)",
-                "parameters": _GEN_PARAMS,
-                "requestBody": {"required": True, "content": {"application/json": {
-                    "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}}},
-                "responses": {**_STREAM_OR_JSON, **_error_responses(400, 401, 403, 404, 413, 429, 503)},
-            }},
-            "/v1/completions": {"post": {
-                "summary": "Text completion (OpenAI text_completion)",
-                "parameters": _GEN_PARAMS,
-                "requestBody": {"required": True, "content": {"application/json": {
-                    "schema": {"$ref": "#/components/schemas/CompletionRequest"}}}},
-                "responses": {**_STREAM_OR_JSON, **_error_responses(400, 401, 403, 404, 413, 429, 503)},
-            }},
-            "/v1/models": {"get": {
-                "summary": "Models this key may use",
-                "responses": {"200": {"description": "OpenAI model list",
-                                      "content": {"application/json": {"schema": {"type": "object"}}}},
-                              **_error_responses(401)},
-            }},
-            "/v1/models/{model}": {"get": {
-                "summary": "One model",
-                "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
-                "responses": {"200": {"description": "OpenAI model object",
-                                      "content": {"application/json": {"schema": {"type": "object"}}}},
-                              **_error_responses(401, 403, 404)},
-            }},
-            "/health": {"get": {
-                "summary": "200 only while the scheduler is reachable",
-                "security": [],
-                "responses": {"200": {"description": "ready",
-                                      "content": {"application/json": {"schema": {"type": "object"}}}},
-                              **_error_responses(503)},
-            }},
-            "/openapi.json": {"get": {
-                "summary": "This document",
-                "security": [],
-                "responses": {"200": {"description": "OpenAPI 3 document",
-                                      "content": {"application/json": {"schema": {"type": "object"}}}}},
-            }},
-        },
+        "paths": _paths(),
     }

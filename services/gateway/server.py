@@ -66,7 +66,7 @@ class GatewayService:
         self.tokenizers = TokenizerRegistry(config.models)
         self.clock = clock or SystemClock()
         self.frontdoor = Frontdoor(config, KeyStore(gw), RateLimiter(self.clock), self.tokenizers, self.clock)
-        self._admission: SchedulerClient | None = None
+        self._scheduler: SchedulerClient | None = None
         self._engines: EnginePool | None = None
         self._grpc: grpc.aio.Server | None = None
         self._runners: list[web.AppRunner] = []
@@ -79,10 +79,10 @@ class GatewayService:
         http_port = gw.http_port if http_port is None else http_port
         grpc_port = gw.grpc_port if grpc_port is None else grpc_port
         identity = identity_for(self.config, "gateway")
-        self._admission = SchedulerClient(gw.scheduler_address, identity)
+        self._scheduler = SchedulerClient(gw.scheduler_address, identity)
         self._engines = EnginePool(identity)
         driver = GenerationDriver(
-            self._admission,
+            self._scheduler,
             self._engines,
             DriverSettings(max_migrations=gw.max_migrations, heartbeat_seconds=gw.heartbeat_seconds),
             self.metrics,
@@ -91,7 +91,7 @@ class GatewayService:
 
         server, health = make_server([SERVICE_NAME], identity)
         inference_pb2_grpc.add_InferenceServicer_to_server(
-            InferenceApi(self.frontdoor, driver, self._admission, self.metrics), server
+            InferenceApi(self.frontdoor, driver, self._scheduler, self.metrics), server
         )
         bound_grpc = add_port(server, f"{gw.host}:{grpc_port}", identity)
         if bound_grpc == 0:
@@ -99,7 +99,7 @@ class GatewayService:
         await server.start()
         self._grpc = server
 
-        http = HttpApi(self.config, self.frontdoor, driver, self._admission, self.metrics)
+        http = HttpApi(self.config, self.frontdoor, driver, self._scheduler, self.metrics)
         # With mesh TLS the API port is Envoy's upstream: TLS, mesh certificates only.
         bound_http = await self._serve_http(http.app(), gw.host, http_port,
                                             identity.server_ssl_context() if identity else None)
@@ -135,13 +135,13 @@ class GatewayService:
 
     async def _follow_scheduler(self, health: HealthReporter) -> None:
         """SERVING exactly while the scheduler channel is READY."""
-        admission = self._admission
-        if admission is None:
+        scheduler = self._scheduler
+        if scheduler is None:
             return
-        state = admission.channel.get_state(try_to_connect=True)
+        state = scheduler.channel.get_state(try_to_connect=True)
         while True:
             await health.set_serving(state == grpc.ChannelConnectivity.READY)
-            state = await admission.wait_ready_change(state)
+            state = await scheduler.wait_ready_change(state)
 
     async def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
         if self._health_task is not None:
@@ -158,9 +158,9 @@ class GatewayService:
         if self._engines is not None:
             await self._engines.close()
             self._engines = None
-        if self._admission is not None:
-            await self._admission.close()
-            self._admission = None
+        if self._scheduler is not None:
+            await self._scheduler.close()
+            self._scheduler = None
 
 
 async def serve(config: MeshConfig, replica: int = 0) -> None:

@@ -1,9 +1,7 @@
-"""Each served model's tokenizer and chat template, loaded from its local dir.
-
-Uses `tokenizers` + jinja2 directly (the same sandboxed rendering transformers
-uses for `apply_chat_template`) rather than transformers' AutoTokenizer:
-importing transformers costs ~4.7 s here, `tokenizers` ~0.07 s, and the token
-ids are the same (same tokenizer.json). Nothing is ever fetched from a hub.
+"""Each served model's tokenizer, as the gateway uses it: the prompt's token
+ids (rendering and tokenizing are services/common/tokenizer.py's, shared with
+the engines' own OpenAI endpoints, so both give the same ids), its prefix
+block hashes, the context length, and template errors as `GatewayError`s.
 
 Tokenizing (+ prefix hashing) is CPU work. Measured here with SmolLM2's
 tokenizer: 100 chars 0.05 ms, 2k chars 0.8 ms, 8k chars 5 ms, 100k chars
@@ -15,20 +13,14 @@ where the ~0.1 ms thread hop would cost more than it saves.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
-from typing import Any
-
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
 
 from services.common.config import ConfigError, ModelConfig
 from services.common.prefix_hash import block_hashes
+from services.common.tokenizer import HfTokenizer, context_length
 from services.gateway.errors import ErrorKind, GatewayError
 
 __all__ = ["INLINE_CHARS", "ModelTokenizer", "TokenizedPrompt", "TokenizerRegistry"]
@@ -49,96 +41,37 @@ class TokenizedPrompt:
     text: str | None  # the rendered prompt (chat template applied), if any
 
 
-def _special(config: dict[str, Any], name: str) -> str | None:
-    value = config.get(name)
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _raise(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _load_template(model_dir: Path, tok_config: dict[str, Any]) -> str | None:
-    template_file = model_dir / "chat_template.jinja"
-    if template_file.is_file():
-        return template_file.read_text()
-    template = tok_config.get("chat_template")
-    if isinstance(template, list):  # [{name, template}, ...]: take "default"
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default") or next(iter(named.values()), None)
-    return template if isinstance(template, str) else None
-
-
 class ModelTokenizer:
-    """One model's tokenizer, chat template and context length. Immutable."""
+    """One model's tokenizer, chat template (services/common/tokenizer.py, the
+    same the engines' own endpoints use) and context length. Immutable."""
 
     def __init__(self, name: str, model_dir: Path, max_model_len: int = 0) -> None:
         self.name = name
         self.model_dir = model_dir
-        tok_file = model_dir / "tokenizer.json"
-        if not tok_file.is_file():
-            raise ConfigError(f"models[{name}].path: no tokenizer.json in {model_dir}")
-        self._tokenizer = Tokenizer.from_file(str(tok_file))
-        tok_config = _read_json(model_dir / "tokenizer_config.json")
-        self.bos_token = _special(tok_config, "bos_token")
-        self.eos_token = _special(tok_config, "eos_token")
-        self._specials = {
-            k: v for k in ("bos_token", "eos_token", "unk_token", "pad_token") if (v := _special(tok_config, k))
-        }
-        source = _load_template(model_dir, tok_config)
-        self._template: jinja2.Template | None = None
-        if source is not None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-            env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-                x, indent=indent, ensure_ascii=ensure_ascii
-            )
-            env.globals["raise_exception"] = _raise
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(source)
-        self.max_model_len = max_model_len or _context_from_config(model_dir)
+        try:
+            self._hf = HfTokenizer(model_dir, name)
+        except ConfigError as exc:
+            raise ConfigError(f"models[{name}].path: {exc}") from exc
+        self.max_model_len = max_model_len or context_length(model_dir)
         if self.max_model_len <= 0:
             raise ConfigError(
                 f"models[{name}].max_model_len: not set and {model_dir}/config.json has no max_position_embeddings"
             )
-        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = self._hf.vocab_size
 
     @property
     def has_chat_template(self) -> bool:
-        return self._template is not None
-
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
-        if self._template is None:
-            raise GatewayError(
-                ErrorKind.INVALID_REQUEST,
-                f"model {self.name!r} has no chat template; use /v1/completions with a raw prompt",
-                param="messages",
-            )
-        try:
-            return self._template.render(messages=list(messages), add_generation_prompt=True, **self._specials)
-        except jinja2.exceptions.TemplateError as exc:
-            raise GatewayError(
-                ErrorKind.INVALID_REQUEST, f"the model's chat template rejected the messages: {exc}", param="messages"
-            ) from exc
-
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+        return self._hf.has_chat_template
 
     # ---- whole-prompt preparation (maybe off the event loop)
 
     def _chat_sync(self, messages: Sequence[dict[str, str]], hash_block_tokens: int) -> TokenizedPrompt:
-        text = self.render_chat(messages)
-        # The template already holds BOS/specials: do not add them twice.
-        ids = self.encode(text, add_special_tokens=False)
-        return TokenizedPrompt(ids, block_hashes(ids, hash_block_tokens), text)
+        prompt = self._hf.chat_prompt(messages)
+        return TokenizedPrompt(prompt.token_ids, block_hashes(prompt.token_ids, hash_block_tokens), prompt.text)
 
-    def _text_sync(self, prompt: str, hash_block_tokens: int) -> TokenizedPrompt:
-        ids = self.encode(prompt, add_special_tokens=True)
-        return TokenizedPrompt(ids, block_hashes(ids, hash_block_tokens), prompt)
+    def _text_sync(self, text: str, hash_block_tokens: int) -> TokenizedPrompt:
+        prompt = self._hf.text_prompt(text)
+        return TokenizedPrompt(prompt.token_ids, block_hashes(prompt.token_ids, hash_block_tokens), text)
 
     async def tokenize_chat(self, messages: Sequence[dict[str, str]], hash_block_tokens: int) -> TokenizedPrompt:
         size = sum(len(m.get("content") or "") for m in messages)
@@ -163,25 +96,6 @@ class ModelTokenizer:
             return TokenizedPrompt(ids, block_hashes(ids, hash_block_tokens), None)
         hashes = await asyncio.to_thread(block_hashes, ids, hash_block_tokens)
         return TokenizedPrompt(ids, hashes, None)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: unreadable JSON: {exc}") from exc
-    return data if isinstance(data, dict) else {}
-
-
-def _context_from_config(model_dir: Path) -> int:
-    config = _read_json(model_dir / "config.json")
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = config.get(key)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 0
 
 
 class TokenizerRegistry:

@@ -10,9 +10,9 @@ import grpc
 import httpx
 import pytest
 
+from services.common.openai_api.requests import parse_chat_body, parse_completion_body
 from services.common.proto.kvmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.gateway.errors import ErrorKind, GatewayError
-from services.gateway.validation import parse_chat_body, parse_completion_body
 from services.launcher.mesh import Mesh
 
 from .targets import MODEL, leak_problems

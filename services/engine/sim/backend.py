@@ -22,11 +22,10 @@ from services.engine.backend import (
     LoadSnapshot,
     Sampling,
 )
-from services.engine.model import DEFAULT_MAX_MODEL_LEN, resolve_model
+from services.engine.model import DEFAULT_MAX_MODEL_LEN, TextCodec, load_codec, resolve_model
 from services.engine.sim.cost_model import step_seconds
 from services.engine.sim.core import CoreLimits, SimCore
 from services.engine.sim.text import TokenPicker
-from services.engine.tokenizer import TextCodec, load_codec
 
 __all__ = ["SimBackend"]
 

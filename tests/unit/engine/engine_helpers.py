@@ -11,7 +11,7 @@ from services.common.config import EngineConfig, MeshConfig
 from services.engine.backend import GenerationOutput, GenerationRequest, Sampling
 from services.engine.sim.core import CoreLimits, SimCore, SimRequest
 from services.engine.sim.text import TokenPicker
-from services.engine.tokenizer import SyntheticCodec
+from services.engine.model import SyntheticCodec
 
 
 def mesh_config() -> MeshConfig:

@@ -80,3 +80,28 @@ async def test_render_endpoints_return_the_prompt_token_ids(http) -> None:  # no
         async with session.post(f"{base}/v1/chat/completions/render", json={"messages": []}) as resp:
             assert resp.status == 400
     assert svc.backend.load().running == 0
+
+
+async def test_engine_only_fields_and_error_shape(http) -> None:  # noqa: ANN001
+    # Peers and load generators may leave out the model (the engine serves one)
+    # and send vLLM's extensions; errors are the gateway's OpenAI error JSON.
+    _, base = http
+    async with aiohttp.ClientSession() as session:
+        body = {"prompt": [300, 301], "max_tokens": 5, "ignore_eos": True, "min_tokens": 5, "priority": 0}
+        async with session.post(f"{base}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            whole = await resp.json()
+        assert whole["model"] == "sim" and len(whole["choices"][0]["token_ids"]) == 5
+        async with session.post(f"{base}/v1/completions", json={**body, "priority": "high"}) as resp:
+            assert resp.status == 400
+            assert (await resp.json())["error"]["param"] == "priority"
+        async with session.post(f"{base}/v1/completions", json={**body, "temperature": 9}) as resp:
+            error = (await resp.json())["error"]
+        assert resp.status == 400 and error["param"] == "temperature" and error["type"] == "invalid_request_error"
+        stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        async with session.post(f"{base}/v1/chat/completions", json={**stream, "messages": [
+                {"role": "user", "content": "lorem"}]}) as resp:
+            raw = (await resp.read()).decode()
+    events = [json.loads(line[6:]) for line in raw.split("\n") if line.startswith("data: {")]
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5

@@ -10,9 +10,9 @@ from engine_helpers import engine_config, mesh_config, prompt_of, request
 from services.common.config import ModelConfig
 from services.common.stop_text import StopText
 from services.engine.backend import GenerationOutput, GenerationRequest
+from services.engine.model import HfCodec, SyntheticCodec
 from services.engine.sim import SimBackend
 from services.engine.sim.text import TokenPicker, roll_all
-from services.engine.tokenizer import HfCodec, SyntheticCodec
 
 
 async def _run(backend: SimBackend, req: GenerationRequest) -> tuple[list[int], str, GenerationOutput]:
