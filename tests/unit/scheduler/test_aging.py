@@ -33,7 +33,7 @@ def test_next_promotion_times() -> None:
 
 
 def test_bad_threshold_names_the_setting() -> None:
-    with pytest.raises(ConfigError, match="scheduler.aging.p2_seconds"):
+    with pytest.raises(ConfigError, match=r"scheduler.aging.p2_seconds"):
         AgingRule.from_config(AgingConfig(p2_seconds=0))
 
 
