@@ -53,10 +53,10 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.bench.stats import percentile  # noqa: E402
-from services.common.config import MeshConfig, load_config  # noqa: E402
-from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc  # noqa: E402
-from services.launcher.mesh import Mesh, MeshOptions, start_on_free_ports  # noqa: E402
+from services.bench.stats import percentile
+from services.common.config import MeshConfig, load_config
+from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.launcher.mesh import Mesh, MeshOptions, start_on_free_ports
 
 MODEL = "tiny-llama"
 # The sim does not care about position embeddings; long streams need room.
@@ -402,7 +402,7 @@ def main() -> None:
     os.environ.setdefault("KVMESH_LOG_LEVEL", "WARNING")
     logging.basicConfig(level=logging.WARNING)
     try:
-        import uvloop  # noqa: PLC0415
+        import uvloop
 
         uvloop.install()
     except ImportError:

@@ -51,11 +51,11 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.bench.cli import bench, token_counter  # noqa: E402
-from services.bench.profiles import apply_profile, load_profile  # noqa: E402
-from services.bench.report import format_summary  # noqa: E402
-from services.bench.runner import Target, run_workload  # noqa: E402
-from services.bench.workloads import (  # noqa: E402
+from services.bench.cli import bench, token_counter
+from services.bench.profiles import apply_profile, load_profile
+from services.bench.report import format_summary
+from services.bench.runner import Target, run_workload
+from services.bench.workloads import (
     Arrival,
     ArrivalSpec,
     Conversation,
@@ -63,10 +63,10 @@ from services.bench.workloads import (  # noqa: E402
     WorkloadSpec,
     build_workload,
 )
-from services.common.config import MeshConfig, load_config  # noqa: E402
-from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
-from services.launcher.mesh import Mesh, MeshOptions  # noqa: E402
-from services.launcher.ports import free_port  # noqa: E402
+from services.common.config import MeshConfig, load_config
+from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.launcher.mesh import Mesh, MeshOptions
+from services.launcher.ports import free_port
 
 MODEL = "tiny-llama"
 POLICIES = ["round_robin", "least_load", "prefix_approx", "kv_precise", "sticky_until_saturated"]
@@ -139,7 +139,7 @@ def engine_successes(mesh: Mesh) -> list[int]:
     out = []
     for i in range(mesh.config.engines.count):
         port = mesh.config.engine_config(i).metrics_port
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:  # noqa: S310
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             text = r.read().decode()
         out.append(round(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                              if line.startswith("vllm:request_success_total{"))))
@@ -182,7 +182,7 @@ class Peer:
             try:
                 req = urllib.request.Request(self.url + "/v1/chat/completions", data=body,
                                              headers={"Content-Type": "application/json"})
-                with urllib.request.urlopen(req, timeout=10) as r:  # noqa: S310
+                with urllib.request.urlopen(req, timeout=10) as r:
                     if r.status == 200:
                         return
             except OSError:

@@ -32,13 +32,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.bench.stats import percentile  # noqa: E402
-from services.common.clock import FakeClock  # noqa: E402
-from services.common.config import MeshConfig  # noqa: E402
-from services.common.prefix_hash import block_hashes  # noqa: E402
-from services.scheduler.core import SchedulerCore  # noqa: E402
-from services.scheduler.engine_registry import EngineInfo, EngineLoad  # noqa: E402
-from services.scheduler.events import (  # noqa: E402
+from services.bench.stats import percentile
+from services.common.clock import FakeClock
+from services.common.config import MeshConfig
+from services.common.prefix_hash import block_hashes
+from services.scheduler.core import SchedulerCore
+from services.scheduler.engine_registry import EngineInfo, EngineLoad
+from services.scheduler.events import (
     EngineJoined,
     KvSnapshotReported,
     LoadReported,
@@ -46,7 +46,7 @@ from services.scheduler.events import (  # noqa: E402
     RequestDone,
     Tick,
 )
-from services.scheduler.records import AdmitOptions  # noqa: E402
+from services.scheduler.records import AdmitOptions
 
 POLICIES = ["round_robin", "least_load", "prefix_approx", "kv_precise", "sticky_until_saturated"]
 MODEL = "m"
@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     print(f"{args.engines} engines, {args.rate:g} admissions/s for {args.seconds:g} s (fake clock), "
           f"prefix {args.context_tokens} tokens; decision = admit + dispatch, wall time per call")
-    print("| policy | decisions | p50 ms | p99 ms | max ms | CPU p50 / p99 ms | done+dispatch p99 ms | share of one core |")
+    print("| policy | decisions | p50 ms | p99 ms | max ms | CPU p50 / p99 ms | done+dispatch p99 ms "
+          "| share of one core |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for policy in args.policies:
         r = run(policy, args)

@@ -47,10 +47,9 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.bench.sse import SseEvents  # noqa: E402
-from services.bench.stats import percentile  # noqa: E402
-from services.common.config import load_config  # noqa: E402
-from services.common.affinity import (  # noqa: E402
+from services.bench.sse import SseEvents
+from services.bench.stats import percentile
+from services.common.affinity import (
     descendants,
     omp_bind_spec,
     parse_cpus,
@@ -58,8 +57,9 @@ from services.common.affinity import (  # noqa: E402
     pin_vllm_processes,
     vllm_processes,
 )
-from services.launcher.mesh import Mesh, MeshOptions  # noqa: E402
-from services.launcher.ports import free_port  # noqa: E402
+from services.common.config import load_config
+from services.launcher.mesh import Mesh, MeshOptions
+from services.launcher.ports import free_port
 
 SECTION = "## kvmesh vs vLLM's own server (issue 4)"
 _WORDS = ("river stone cloud lantern orbit maple copper violet harbor quartz meadow signal timber "
@@ -304,7 +304,7 @@ class VllmServe:
                 "--scheduling-policy", "priority", "--seed", "0", "--disable-uvicorn-access-log"]
         log_path = cache / "vllm-serve.log"
         with open(log_path, "wb") as log:
-            self._proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log,  # noqa: S603 - our argv
+            self._proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True)
         self.base_url = f"http://127.0.0.1:{port}"
         asyncio.run(_wait_ready(f"{self.base_url}/health", self._proc, log_path))
@@ -360,8 +360,10 @@ def table(s: Settings, results: list[Result], note: str) -> str:
     ]
     for r in results:
         lines.append(
-            f"| {r.name} | {r.startup_seconds:.0f} | {r.sequential.ttft_ms(0.5):.1f} / {r.sequential.ttft_ms(0.99):.1f} "
-            f"| {r.concurrent.tokens_per_second:.0f} | {r.concurrent.ttft_ms(0.5):.0f} / {r.concurrent.ttft_ms(0.99):.0f} |"
+            f"| {r.name} | {r.startup_seconds:.0f} "
+            f"| {r.sequential.ttft_ms(0.5):.1f} / {r.sequential.ttft_ms(0.99):.1f} "
+            f"| {r.concurrent.tokens_per_second:.0f} "
+            f"| {r.concurrent.ttft_ms(0.5):.0f} / {r.concurrent.ttft_ms(0.99):.0f} |"
         )
     lines.append("")
     for mesh in meshes:

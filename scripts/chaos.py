@@ -46,9 +46,9 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.bench.sse import SseEvents  # noqa: E402
-from services.common.config import load_config  # noqa: E402
-from services.launcher.mesh import Mesh, MeshOptions  # noqa: E402
+from services.bench.sse import SseEvents
+from services.common.config import load_config
+from services.launcher.mesh import Mesh, MeshOptions
 
 MODEL = "tiny-llama"
 REQUEST_TIMEOUT_SECONDS = 120.0
@@ -92,7 +92,9 @@ async def one_request(session: aiohttp.ClientSession, mesh: Mesh, job: Job) -> t
                 async for event in events:
                     if "error" in event:
                         code = event["error"].get("code") or "error"
-                        return ("rejected", f"sse error {code}", "") if not text else ("lost", f"error after text: {code}", text)
+                        if not text:
+                            return ("rejected", f"sse error {code}", "")
+                        return ("lost", f"error after text: {code}", text)
                     for choice in event.get("choices", ()):
                         text += choice.get("text") or ""
                         finish = choice.get("finish_reason") or finish
@@ -142,7 +144,7 @@ def gateway_counters(mesh: Mesh, replicas: list[int]) -> dict[str, float]:
     for r in replicas:
         port = mesh.config.gateway.metrics_port + r
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:  # noqa: S310
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
                 text = resp.read().decode()
         except OSError:
             continue
@@ -172,7 +174,8 @@ def chaos(mesh: Mesh, rng: random.Random, until: float, tally: Tally) -> None:
             mesh.kill("scheduler")
             time.sleep(rng.uniform(0.0, 1.0))
             mesh.restart("scheduler")
-            tally.actions.append(f"{at:5.1f}s SIGKILL scheduler, healthy again after {time.monotonic() - start - at:.1f}s")
+            back = time.monotonic() - start - at
+            tally.actions.append(f"{at:5.1f}s SIGKILL scheduler, healthy again after {back:.1f}s")
         else:
             name = rng.choice(gateways)
             # Its counters die with it: keep them.

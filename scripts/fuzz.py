@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from tests.fuzz.targets import TARGETS, leak_problems, log_problems, run_target, start_fuzz_mesh  # noqa: E402
+from tests.fuzz.targets import TARGETS, leak_problems, log_problems, run_target, start_fuzz_mesh
 
 
 def main() -> int:

@@ -25,8 +25,8 @@ vLLM's polling core.
 from __future__ import annotations
 
 import argparse
-import json
 import asyncio
+import json
 import random
 import statistics
 import sys
@@ -43,9 +43,9 @@ from tokenizers import Tokenizer
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.common.config import load_config  # noqa: E402
-from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc  # noqa: E402
-from services.launcher.mesh import Mesh, MeshOptions  # noqa: E402
+from services.common.config import load_config
+from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.launcher.mesh import Mesh, MeshOptions
 
 _WORDS = "river stone cloud lantern orbit maple copper violet harbor quartz".split()
 _MAX_TOKENS = 4

@@ -50,10 +50,10 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.bench.sse import SseEvents  # noqa: E402
-from services.bench.stats import percentile  # noqa: E402
-from services.common.config import MeshConfig, load_config  # noqa: E402
-from services.launcher.mesh import Mesh, MeshOptions  # noqa: E402
+from services.bench.sse import SseEvents
+from services.bench.stats import percentile
+from services.common.config import MeshConfig, load_config
+from services.launcher.mesh import Mesh, MeshOptions
 
 POLICIES = ["round_robin", "least_load", "prefix_approx", "kv_precise", "sticky_until_saturated"]
 MODEL = "tiny-llama"
@@ -116,7 +116,7 @@ class PolicyResult:
 
 def build_workload(args: argparse.Namespace) -> list[Request]:
     """Seeded: the same requests, groups and arrival times for every policy."""
-    from tokenizers import Tokenizer  # noqa: PLC0415 - only the script needs it here
+    from tokenizers import Tokenizer  # only the script needs it here
 
     tokenizer = Tokenizer.from_file(str(ROOT / ".models" / MODEL / "tokenizer.json"))
     rng = random.Random(args.seed)
@@ -180,7 +180,7 @@ async def one_request(
                     ttft = time.monotonic() - sent
                 if event.get("usage"):
                     usage = event["usage"]
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         return Outcome(False, error=repr(exc))
     if ttft is None or not usage:
         return Outcome(False, error="stream ended without content or usage")
@@ -194,12 +194,12 @@ async def one_request(
 
 def engine_requests(mesh: Mesh) -> dict[str, int]:
     """Requests each engine finished (its vllm:request_success_total)."""
-    import urllib.request  # noqa: PLC0415
+    import urllib.request
 
     out = {}
     for i in range(mesh.config.engines.count):
         engine = mesh.config.engine_config(i)
-        with urllib.request.urlopen(f"http://127.0.0.1:{engine.metrics_port}/metrics", timeout=10) as r:  # noqa: S310
+        with urllib.request.urlopen(f"http://127.0.0.1:{engine.metrics_port}/metrics", timeout=10) as r:
             text = r.read().decode()
         out[engine.engine_id] = round(sum(
             float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

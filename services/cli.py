@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import logging
 import os
 import sys
@@ -31,7 +32,7 @@ DEFAULT_CONFIG = ROOT / "config" / "kvmesh.yaml"
 
 def _run(coro: Coroutine[Any, Any, None]) -> None:
     try:
-        import uvloop  # noqa: PLC0415
+        import uvloop
 
         uvloop.run(coro)
     except ImportError:  # pragma: no cover - uvloop is a dependency
@@ -44,13 +45,13 @@ def _config(ns: argparse.Namespace) -> MeshConfig:
 
 
 def _cmd_scheduler(ns: argparse.Namespace) -> None:
-    from services.scheduler.server import serve  # noqa: PLC0415
+    from services.scheduler.server import serve
 
     _run(serve(_config(ns)))
 
 
 def _cmd_engine(ns: argparse.Namespace) -> None:
-    from services.engine.server import serve  # noqa: PLC0415
+    from services.engine.server import serve
 
     config = _config(ns)
     engine = config.engine_config(ns.index)
@@ -62,7 +63,7 @@ def _cmd_engine(ns: argparse.Namespace) -> None:
 
 
 def _cmd_gateway(ns: argparse.Namespace) -> None:
-    from services.gateway.server import serve  # noqa: PLC0415
+    from services.gateway.server import serve
 
     config = _config(ns)
     if ns.http_port is not None:
@@ -75,20 +76,18 @@ def _cmd_gateway(ns: argparse.Namespace) -> None:
 
 
 def _cmd_up(ns: argparse.Namespace) -> None:
-    from services.launcher.up import run_up  # noqa: PLC0415
+    from services.launcher.up import run_up
 
     sys.exit(run_up(_config(ns), ns))
 
 
 def _cmd_envoy(ns: argparse.Namespace) -> None:
-    from services.edge.render import main as render_main  # noqa: PLC0415
+    from services.edge.render import main as render_main
 
     sys.exit(render_main(ns.rest))
 
 
 def _cmd_key(ns: argparse.Namespace) -> None:
-    import hashlib  # noqa: PLC0415
-
     print(hashlib.sha256(ns.key.encode()).hexdigest())
 
 
@@ -131,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
     env.add_argument("rest", nargs=argparse.REMAINDER)
     env.set_defaults(func=_cmd_envoy)
 
-    from services.bench.cli import add_parser as add_bench_parser  # noqa: PLC0415 - light imports only
+    from services.bench.cli import add_parser as add_bench_parser  # light imports only
 
     add_bench_parser(sub)
 

@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:  # noqa: ARG001
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if E2E_DIR in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.e2e)
@@ -39,8 +39,8 @@ def e2e_mesh(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     streams take visible time, so a test can leave mid-stream, yet whole
     answers still take well under a second.
     """
-    from services.common.config import load_config  # noqa: PLC0415 - keep collection light
-    from services.launcher.mesh import MeshOptions, start_on_free_ports  # noqa: PLC0415
+    from services.common.config import load_config  # keep collection light
+    from services.launcher.mesh import MeshOptions, start_on_free_ports
 
     if not (ROOT / ".models" / "tiny-llama").is_dir():
         pytest.skip(".models/tiny-llama is missing: run `make setup`")
@@ -53,7 +53,8 @@ def e2e_mesh(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     if tune is not None:
         tune(config)
     options = MeshOptions(
-        engines=2, backend="sim", gateways=getattr(request.module, "MESH_GATEWAYS", 1), model="tiny-llama", free_ports=True,
+        engines=2, backend="sim", gateways=getattr(request.module, "MESH_GATEWAYS", 1), model="tiny-llama",
+        free_ports=True,
         run_dir=tmp_path_factory.mktemp("mesh"),
     )
     mesh = start_on_free_ports(config, options)

@@ -18,10 +18,10 @@ __all__ = ["write_chart"]
 def write_chart(path: Path, results: list[RequestResult], summary: dict[str, Any], title: str) -> str:
     """Write the chart; returns which renderer drew it ("matplotlib" or "plain")."""
     try:
-        import matplotlib  # noqa: PLC0415 - optional
+        import matplotlib  # optional
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.pyplot as plt
     except ImportError:
         _plain_png(path, summary)
         return "plain"

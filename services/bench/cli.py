@@ -37,7 +37,7 @@ def token_counter(tokenizer_dir: str | None) -> TokenCounter | None:
     """len(tokens) with the model's tokenizer.json, or None (words stand in)."""
     if not tokenizer_dir:
         return None
-    from tokenizers import Tokenizer  # noqa: PLC0415 - only when asked
+    from tokenizers import Tokenizer  # only when asked
 
     tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
     return lambda text: len(tok.encode(text, add_special_tokens=False).ids)
@@ -48,9 +48,9 @@ async def bench(
     label: str = "bench", show_progress: bool = True,
 ) -> tuple[RunResult, dict[str, Any]]:
     """Build the workload, run it, summarize it."""
-    from services.bench.progress import ProgressBar  # noqa: PLC0415
-    from services.bench.runner import run_workload  # noqa: PLC0415
-    from services.bench.stats import summarize  # noqa: PLC0415
+    from services.bench.progress import ProgressBar
+    from services.bench.runner import run_workload
+    from services.bench.stats import summarize
 
     conversations = build_workload(spec, arrival, count_tokens)
     total = sum(len(c.turns) for c in conversations)
@@ -106,11 +106,11 @@ def _headers(items: list[str]) -> dict[str, str]:
 
 
 async def _main(ns: argparse.Namespace) -> int:
-    import aiohttp  # noqa: PLC0415
+    import aiohttp
 
-    from services.bench.chart import write_chart  # noqa: PLC0415
-    from services.bench.report import format_summary, write_json  # noqa: PLC0415
-    from services.bench.runner import Target, resolve_model  # noqa: PLC0415
+    from services.bench.chart import write_chart
+    from services.bench.report import format_summary, write_json
+    from services.bench.runner import Target, resolve_model
 
     mix = tuple(float(x) for x in ns.priority_mix.split(","))
     try:
@@ -118,7 +118,7 @@ async def _main(ns: argparse.Namespace) -> int:
             kind=WorkloadKind(ns.workload), conversations=ns.requests, seed=ns.seed, groups=ns.groups,
             context_tokens=ns.context_tokens, question_words=ns.question_words, max_tokens=ns.max_tokens,
             turns=ns.turns, think_seconds=ns.think_seconds, long_fraction=ns.long_fraction,
-            long_max_tokens=ns.long_max_tokens, priority_mix=mix,  # type: ignore[arg-type]
+            long_max_tokens=ns.long_max_tokens, priority_mix=mix,
         )
         arrival = ArrivalSpec(Arrival(ns.arrival), ns.rate, ns.gamma_shape, ns.concurrency)
     except ValueError as exc:
@@ -144,7 +144,7 @@ async def _main(ns: argparse.Namespace) -> int:
 
 def _cmd_bench(ns: argparse.Namespace) -> None:
     try:
-        import uvloop  # noqa: PLC0415
+        import uvloop
 
         code = uvloop.run(_main(ns))
     except ImportError:  # pragma: no cover - uvloop is a dependency

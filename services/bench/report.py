@@ -16,6 +16,11 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}"
 
 
+def _trip(block: dict[str, Any], key: str) -> str:
+    """p50/p90/p99 of one latency of a block, in ms."""
+    return "/".join(_ms(block[key].get(p)) for p in ("p50", "p90", "p99"))
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """One row per class plus "all": TTFT / inter-token / e2e percentiles (ms),
     throughput, prefix hit rate and rejections."""
@@ -24,9 +29,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     rows = [head, ["---"] * len(head)]
     blocks = [("all", summary["overall"]), *summary["classes"].items()]
     for name, b in blocks:
-        trip = lambda key: "/".join(_ms(b[key].get(p)) for p in ("p50", "p90", "p99"))  # noqa: E731
         rows.append([
-            name, f"{b['ok']}/{b['requests']}", str(b["rejected"]), trip("ttft_s"), trip("itl_s"), trip("e2e_s"),
+            name, f"{b['ok']}/{b['requests']}", str(b["rejected"]),
+            _trip(b, "ttft_s"), _trip(b, "itl_s"), _trip(b, "e2e_s"),
             f"{b['requests_per_s']:.2f}" if b["requests_per_s"] is not None else "-",
             f"{b['output_tokens_per_s']:.0f}" if b["output_tokens_per_s"] is not None else "-",
             f"{b['prefix_hit_rate']:.1%}" if b["prefix_hit_rate"] is not None else "-",

@@ -20,6 +20,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
@@ -66,12 +67,11 @@ async def resolve_model(session: aiohttp.ClientSession, base_url: str, api_key: 
     return str(data[0]["id"])
 
 
-async def _one_turn(
-    session: aiohttp.ClientSession, target: Target, conv: Conversation, turn: int,
-    messages: list[dict[str, str]], t0: float, result: RequestResult,
-) -> str:
-    """Send one turn, fill `result`; returns the assistant's text."""
-    body: dict = {
+def _request_of(
+    target: Target, conv: Conversation, turn: int, messages: list[dict[str, str]],
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The JSON body and headers of one streamed chat turn."""
+    body: dict[str, Any] = {
         "model": target.model, "messages": messages, "stream": True,
         "max_tokens": conv.turns[turn].max_tokens, "stream_options": {"include_usage": True},
         # Exact output lengths (the sim ignores EOS at 0 probability; vLLM-based peers honour this).
@@ -84,10 +84,32 @@ async def _one_turn(
         headers[target.priority_header] = str(conv.priority)
         if target.priority_in_body:
             body["priority"] = conv.priority
+    return body, headers
+
+
+def _record_usage(result: RequestResult, usage: dict[str, Any]) -> None:
+    """Token counts from the final usage chunk; a stream is ok once it had content (or asked for none)."""
+    if not usage:
+        result.error = "stream ended without a usage chunk (include_usage)"
+        return
+    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    result.completion_tokens = int(usage.get("completion_tokens") or 0)
+    result.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    result.ok = result.ttft is not None or result.completion_tokens == 0
+    if not result.ok:
+        result.error = "no content chunk before the end of the stream"
+
+
+async def _one_turn(
+    session: aiohttp.ClientSession, target: Target, conv: Conversation, turn: int,
+    messages: list[dict[str, str]], t0: float, result: RequestResult,
+) -> str:
+    """Send one turn, fill `result`; returns the assistant's text."""
+    body, headers = _request_of(target, conv, turn, messages)
     sent = time.monotonic()
     result.start = sent - t0
     text: list[str] = []
-    usage: dict = {}
+    usage: dict[str, Any] = {}
     last = sent
     try:
         async with session.post(target.base_url.rstrip("/") + target.path, json=body, headers=headers) as resp:
@@ -113,19 +135,11 @@ async def _one_turn(
                     text.append(piece)
                 if event.get("usage"):
                     usage = event["usage"]
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
+    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:200]
         return "".join(text)
     result.e2e = time.monotonic() - sent
-    if not usage:
-        result.error = "stream ended without a usage chunk (include_usage)"
-        return "".join(text)
-    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-    result.completion_tokens = int(usage.get("completion_tokens") or 0)
-    result.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    result.ok = result.ttft is not None or result.completion_tokens == 0
-    if not result.ok:
-        result.error = "no content chunk before the end of the stream"
+    _record_usage(result, usage)
     return "".join(text)
 
 

@@ -99,7 +99,9 @@ class WorkloadSpec:
     think_seconds: float = 0.0    # multi_turn: pause between turns
     long_fraction: float = 0.3    # long_output: share of long answers
     long_max_tokens: int = 512    # long_output: their length
-    priority_mix: tuple[float, float, float] = (0.2, 0.3, 0.5)  # P0, P1, P2
+    # P0, P1, P2; any length is accepted here and rejected below unless it is 3
+    # (the CLI passes whatever the user typed).
+    priority_mix: tuple[float, ...] = (0.2, 0.3, 0.5)
     salt: str = ""                # prepended to every context: a fresh cache per run
 
     def __post_init__(self) -> None:
@@ -158,7 +160,7 @@ def _context(rng: random.Random, group: int, tokens: int, salt: str, count: Toke
     return " ".join(parts)
 
 
-def _priority(rng: random.Random, mix: tuple[float, float, float]) -> int:
+def _priority(rng: random.Random, mix: tuple[float, ...]) -> int:
     return rng.choices((0, 1, 2), weights=mix)[0]
 
 

@@ -45,8 +45,8 @@ class PinResult:
 def parse_cpus(spec: str) -> set[int]:
     """"1", "0-3", "0,2-3" -> a set of core numbers (vLLM's OMP bind syntax)."""
     cpus: set[int] = set()
-    for part in spec.replace("|", ",").split(","):
-        part = part.strip()
+    for raw in spec.replace("|", ",").split(","):
+        part = raw.strip()
         if not part:
             continue
         lo, _, hi = part.partition("-")

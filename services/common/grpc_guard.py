@@ -82,10 +82,13 @@ def rebuild_handler(
     """`handler` of the same streaming kind, its behavior behind `before`
     (`wrap_behavior`), with `request_deserializer`."""
     streaming = (handler.request_streaming, handler.response_streaming)
-    behavior = {
+    behavior: Callable[..., Any] | None = {
         (False, False): handler.unary_unary, (False, True): handler.unary_stream,
         (True, False): handler.stream_unary, (True, True): handler.stream_stream,
     }[streaming]
+    if behavior is None:
+        # grpcio builds handlers with the behavior of their streaming kind set.
+        raise TypeError(f"{handler!r} has no behavior for request/response streaming {streaming}")
     factory = {
         (False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
         (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler,
@@ -126,9 +129,9 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
@@ -144,5 +147,5 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
 class RejectUndecodable(WrappingInterceptor):
     """Parses requests itself; see the module docstring."""
 
-    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:  # noqa: ARG002
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         return _guard(handler)

@@ -219,7 +219,27 @@ class Topology:
 
     def validate(self, heartbeat_seconds: float | None = None) -> None:
         """Raise TopologyError for values out of bounds. With the gateway's
-        heartbeat, also check that no idle timeout can cut a live stream."""
+        heartbeat, also check that no idle timeout can cut a live stream.
+        Checks run in declaration order; the first failure is raised."""
+        self._validate_addresses()
+        self._validate_timeouts()
+        self._validate_limits()
+        self._validate_tls()
+        if self.max_connections < 1:
+            raise TopologyError("max_connections: must be >= 1")
+        if heartbeat_seconds is not None and heartbeat_seconds > 0:
+            self._validate_idle_timeout(heartbeat_seconds)
+
+    def _validate_idle_timeout(self, heartbeat_seconds: float) -> None:
+        """A stream is idle at most one heartbeat apart; twice that leaves room for a late one."""
+        if self.timeouts.stream_idle_seconds <= 2 * heartbeat_seconds:
+            raise TopologyError(
+                f"timeouts.stream_idle_seconds: {self.timeouts.stream_idle_seconds} s would "
+                f"cut idle streams; make it more than twice gateway.heartbeat_seconds "
+                f"({heartbeat_seconds} s)"
+            )
+
+    def _validate_addresses(self) -> None:
         _port(self.listener.port, "listener.port")
         _port(self.admin.port, "admin.port")
         if not _is_loopback(self.admin.host):
@@ -232,6 +252,8 @@ class Topology:
         for i, gw in enumerate(self.gateways):
             _port(gw.http_port, f"gateways[{i}].http_port")
             _port(gw.grpc_port, f"gateways[{i}].grpc_port")
+
+    def _validate_timeouts(self) -> None:
         for name in ("connect_seconds", "stream_idle_seconds", "connection_idle_seconds",
                      "upstream_idle_seconds", "request_headers_seconds"):
             if getattr(self.timeouts, name) <= 0:
@@ -241,6 +263,8 @@ class Topology:
             raise TopologyError("health_check: interval_seconds and timeout_seconds must be > 0")
         if hc.unhealthy_threshold < 1 or hc.healthy_threshold < 1:
             raise TopologyError("health_check: thresholds must be >= 1")
+
+    def _validate_limits(self) -> None:
         if not 1024 <= self.max_request_bytes <= 64 * 1024 * 1024:
             raise TopologyError("max_request_bytes: must be within 1 KiB .. 64 MiB")
         if not 0 <= self.connect_retries <= 10:
@@ -250,20 +274,13 @@ class Topology:
             raise TopologyError("rate_limit: rates and bursts must be >= 0")
         if not 1 <= rate.max_keys <= 1_000_000:
             raise TopologyError("rate_limit.max_keys: must be within 1 .. 1000000")
+
+    def _validate_tls(self) -> None:
         if bool(self.tls.cert_chain) != bool(self.tls.private_key):
             raise TopologyError("tls: give both cert_chain and private_key, or neither (dev certificates)")
         up = self.upstream_tls
         if up.enabled and not (up.private_key and up.ca and up.server_name):
             raise TopologyError("upstream_tls: cert_chain needs private_key, ca and server_name")
-        if self.max_connections < 1:
-            raise TopologyError("max_connections: must be >= 1")
-        if heartbeat_seconds is not None and heartbeat_seconds > 0:
-            if self.timeouts.stream_idle_seconds <= 2 * heartbeat_seconds:
-                raise TopologyError(
-                    f"timeouts.stream_idle_seconds: {self.timeouts.stream_idle_seconds} s would "
-                    f"cut idle streams; make it more than twice gateway.heartbeat_seconds "
-                    f"({heartbeat_seconds} s)"
-                )
 
     def with_ports(
         self,

@@ -24,6 +24,10 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # transformers and torch load only inside the builders that need them (seconds each)
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "COMPLETE_MARKER",
@@ -124,7 +128,7 @@ def _finish(tmp: Path, model_dir: Path, recipe: str = "") -> None:
     tmp.rename(model_dir)
 
 
-def _save_tokenizer(tokenizer, out: Path) -> None:  # type: ignore[no-untyped-def]
+def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
     tokenizer.save_pretrained(str(out))
     config_path = out / "tokenizer_config.json"
     config = json.loads(config_path.read_text())

@@ -22,8 +22,8 @@ MODEL = "tiny-llama"
 def running_vllm_mesh(run_dir: Path, engines: int, tune: Callable[[MeshConfig], None]) -> Iterator[Mesh]:
     """The default config with a small KV cache, changed by `tune`; skips
     (with the reason) where the model or vLLM is missing."""
-    from services.common.config import load_config  # noqa: PLC0415 - keep collection light
-    from services.launcher.mesh import MeshOptions  # noqa: PLC0415
+    from services.common.config import load_config  # keep collection light
+    from services.launcher.mesh import MeshOptions
 
     if not (ROOT / ".models" / MODEL / "config.json").is_file():
         pytest.skip(f".models/{MODEL} is missing: run `make setup`")

@@ -54,7 +54,7 @@ async def _blocker(session: aiohttp.ClientSession, mesh: Mesh, started: asyncio.
 async def test_chat_page_queues_streams_and_stop_frees_blocks(e2e_mesh: Mesh) -> None:
     if not Path(CHROMIUM).exists():
         pytest.skip("chromium is not installed (scripts/setup.sh installs Debian's chromium as root)")
-    from playwright.async_api import async_playwright  # noqa: PLC0415 - only this test needs it
+    from playwright.async_api import async_playwright  # only this test needs it
 
     await _eventually(lambda: all(i.running == 0 for i in _engine_infos(e2e_mesh)), 30, "idle engines")
     ARTIFACTS.mkdir(exist_ok=True)
@@ -106,7 +106,7 @@ async def test_chat_page_queues_streams_and_stop_frees_blocks(e2e_mesh: Mesh) ->
                 await page.wait_for_selector("#status[data-state='stopped']", timeout=10_000)
                 await page.screenshot(path=str(ARTIFACTS / "chat-page.png"), full_page=True)
                 stopped_at = len(await answer.text_content() or "")
-                assert 0 < stopped_at
+                assert stopped_at > 0
                 blockers[1].cancel()
                 await _eventually(
                     lambda: all(i.running == 0 and i.blocks_used == 0 for i in _engine_infos(e2e_mesh)),

@@ -59,12 +59,13 @@ def test_clients_reach_the_api_through_envoy(e2e_mesh: Mesh) -> None:
         f"{e2e_mesh.endpoints.public_http}/v1/chat/completions", data=body, method="POST",
         headers={"Authorization": f"Bearer {e2e_mesh.api_key}", "Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:  # noqa: S310 - loopback
+    with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
         events = [line for line in resp.read().decode().splitlines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and len(events) >= 3
     with grpc.insecure_channel(e2e_mesh.endpoints.public_grpc) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
-        request = inference_pb2.ChatRequest(model=MODEL, messages=[inference_pb2.ChatMessage(role="user", content="hi")],
+        request = inference_pb2.ChatRequest(model=MODEL,
+                                            messages=[inference_pb2.ChatMessage(role="user", content="hi")],
                                             sampling=common_pb2.SamplingParams(max_tokens=4))
         kinds = [e.WhichOneof("event") for e in stub.Chat(
             request, metadata=[("authorization", f"Bearer {e2e_mesh.api_key}")], timeout=TIMEOUT)]
@@ -94,16 +95,16 @@ def test_services_refuse_callers_without_a_mesh_certificate(e2e_mesh: Mesh, tmp_
     anonymous = ssl.create_default_context(cafile=str(_identity(e2e_mesh, "admin").ca_file))
     anonymous.check_hostname = False
     with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
-        urllib.request.urlopen(health_url, timeout=TIMEOUT, context=anonymous)  # noqa: S310 - loopback
+        urllib.request.urlopen(health_url, timeout=TIMEOUT, context=anonymous)
     with pytest.raises((urllib.error.URLError, ConnectionError)):
-        urllib.request.urlopen(health_url.replace("https://", "http://"), timeout=TIMEOUT)  # noqa: S310
+        urllib.request.urlopen(health_url.replace("https://", "http://"), timeout=TIMEOUT)
     # So does an engine's own OpenAI endpoint: it serves without the gateway's keys.
     engine_http = f"https://127.0.0.1:{e2e_mesh.config.engine_config(0).http_port}/health"
     with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
-        urllib.request.urlopen(engine_http, timeout=TIMEOUT, context=anonymous)  # noqa: S310 - loopback
+        urllib.request.urlopen(engine_http, timeout=TIMEOUT, context=anonymous)
     admin = _identity(e2e_mesh, "admin").client_ssl_context()
     admin.check_hostname = False
-    with urllib.request.urlopen(engine_http, timeout=TIMEOUT, context=admin) as resp:  # noqa: S310 - loopback
+    with urllib.request.urlopen(engine_http, timeout=TIMEOUT, context=admin) as resp:
         assert resp.status == 200
 
 

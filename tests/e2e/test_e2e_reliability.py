@@ -7,6 +7,7 @@ uninterrupted run of the same request: no token repeated, none missing."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import pytest
@@ -173,7 +174,7 @@ async def test_engine_sigterm_drains_then_hands_over(e2e_mesh: Mesh) -> None:
         e = _engine(scheduler_state(mesh), "engine-1")
         seen.append(0 if e is None else e.leases)
         await asyncio.sleep(0.05)
-    assert all(b <= a for a, b in zip(seen, seen[1:])), f"new work was placed on a draining engine: {seen}"
+    assert all(b <= a for a, b in itertools.pairwise(seen)), f"new work was placed on a draining engine: {seen}"
 
     results = await _finish(tasks, session)
     after = await _finish(after_tasks, after_session)

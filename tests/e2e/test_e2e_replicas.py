@@ -24,7 +24,7 @@ def _chat_http(mesh: Mesh) -> dict:
         headers={"Authorization": f"Bearer {mesh.api_key}", "Content-Type": "application/json"},
     )
     try:
-        with urllib.request.urlopen(req, timeout=60) as resp:  # noqa: S310 - loopback
+        with urllib.request.urlopen(req, timeout=60) as resp:
             assert resp.status == 200
             return json.loads(resp.read())
     except urllib.error.HTTPError as exc:

@@ -26,12 +26,12 @@ from pathlib import Path
 import aiohttp
 import grpc
 import pytest
-from _vllm_mesh import MODEL, running_vllm_mesh
 import pytest_asyncio
+from _vllm_mesh import MODEL, running_vllm_mesh
 
-from services.common.proto.kvmesh.v1 import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from services.common.config import MeshConfig
 from services.common.affinity import omp_bind_spec, parse_cpus, vllm_processes
+from services.common.config import MeshConfig
+from services.common.proto.kvmesh.v1 import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.launcher.mesh import Mesh
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
@@ -99,7 +99,7 @@ def engine_metrics(mesh: Mesh) -> dict[str, float]:
     """The engine's Prometheus exposition as {series: value} (labels kept
     only for finished_reason, the one label these tests tell apart)."""
     port = mesh.config.engine_config(0).metrics_port
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=PROBE) as resp:  # noqa: S310 - loopback
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=PROBE) as resp:
         text = resp.read().decode()
     values: dict[str, float] = {}
     for line in text.splitlines():
@@ -358,7 +358,8 @@ async def test_priority_reaches_vllm(vllm_mesh: Mesh, http: aiohttp.ClientSessio
                        tasks=tasks, mesh=vllm_mesh)
         tasks[0].cancel()  # one running P2 leaves: vLLM picks the next request for its slot
         await asyncio.wait_for(p0.started.wait(), WAIT)
-        started_before_p0 = [s for s in queued if s.first_token_at is not None and s.first_token_at <= p0.first_token_at]
+        started_before_p0 = [s for s in queued
+                             if s.first_token_at is not None and s.first_token_at <= p0.first_token_at]
         await asyncio.wait_for(p0_task, WAIT)
     finally:
         for task in tasks:

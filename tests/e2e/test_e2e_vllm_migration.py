@@ -13,8 +13,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from _vllm_mesh import running_vllm_mesh
 from _streams import StreamResult, gateway_counter, run_streams, scheduler_state, wait_until
+from _vllm_mesh import running_vllm_mesh
 
 from services.common.config import MeshConfig
 from services.launcher.mesh import Mesh

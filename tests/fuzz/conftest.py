@@ -9,7 +9,7 @@ import pytest
 
 from services.launcher.mesh import Mesh
 
-from .targets import ROOT, MODEL, start_fuzz_mesh
+from .targets import MODEL, ROOT, start_fuzz_mesh
 
 
 @pytest.fixture(scope="session")

@@ -84,7 +84,7 @@ def _rss_mb(pid: int) -> float:
 
 def _engine_metric(mesh: Mesh, name: str, label: str = "") -> float:
     port = mesh.config.engine_config(0).metrics_port
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:  # noqa: S310
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         text = resp.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + "{") and label in line)

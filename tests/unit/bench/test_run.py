@@ -67,7 +67,7 @@ async def fake() -> AsyncIterator[tuple[FakeServer, str]]:
         await runner.cleanup()
 
 
-async def test_mixed_priority_open_loop_run_reports_classes_hits_and_rejections(fake, tmp_path: Path) -> None:  # noqa: ANN001
+async def test_mixed_priority_open_loop_run_reports_classes_hits_and_rejections(fake, tmp_path: Path) -> None:
     server, url = fake
     spec = WorkloadSpec(WorkloadKind.MIXED_PRIORITY, conversations=40, seed=3, groups=2, context_tokens=30,
                         max_tokens=4)
@@ -94,10 +94,10 @@ async def test_mixed_priority_open_loop_run_reports_classes_hits_and_rejections(
         assert (tmp_path / name).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
-async def test_closed_loop_multi_turn_resends_the_history_with_real_answers(fake) -> None:  # noqa: ANN001
+async def test_closed_loop_multi_turn_resends_the_history_with_real_answers(fake) -> None:
     server, url = fake
     spec = WorkloadSpec(WorkloadKind.MULTI_TURN, conversations=6, turns=3, max_tokens=3)
-    run, summary = await bench(spec, ArrivalSpec(Arrival.CLOSED, concurrency=2), Target(url, "m"),
+    _run, summary = await bench(spec, ArrivalSpec(Arrival.CLOSED, concurrency=2), Target(url, "m"),
                                show_progress=False)
     assert summary["overall"]["ok"] == 18
     last_turns = [b["messages"] for b in server.bodies if len(b["messages"]) == 6]
@@ -116,7 +116,7 @@ async def test_unreachable_endpoint_counts_failures_not_crashes() -> None:
     assert summary["overall"]["failed"] == 3 and all(r.status == 0 and r.error for r in run.results)
 
 
-async def test_cli_resolves_the_model_and_writes_json_and_chart(fake, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+async def test_cli_resolves_the_model_and_writes_json_and_chart(fake, tmp_path: Path, capsys) -> None:
     import argparse
 
     from services.bench.cli import _main, add_parser

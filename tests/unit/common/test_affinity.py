@@ -29,7 +29,7 @@ def test_what_is_not_a_core_list_is_refused(spec: str) -> None:
 
 def _sleeper(*title: str) -> subprocess.Popen[bytes]:
     """A child whose command line carries `title`, as vLLM's setproctitle does."""
-    return subprocess.Popen([sys.executable, "-c", "import sys, time; sys.stdin.read()", *title],  # noqa: S603
+    return subprocess.Popen([sys.executable, "-c", "import sys, time; sys.stdin.read()", *title],
                             stdin=subprocess.PIPE)
 
 

@@ -63,5 +63,5 @@ def test_engine_config_derives_ids_and_ports() -> None:
 def test_unreadable_file_is_a_config_error(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("scheduler: [unclosed")
-    with pytest.raises(ConfigError, match="bad.yaml"):
+    with pytest.raises(ConfigError, match=r"bad.yaml"):
         load_config(bad)

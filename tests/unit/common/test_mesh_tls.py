@@ -40,7 +40,7 @@ def test_dev_certificates_are_kept_while_valid(tmp_path: Path) -> None:
 def test_identity_errors_name_the_missing_file(tmp_path: Path) -> None:
     ensure_mesh_certs(tmp_path)
     (tmp_path / "gateway.pem").unlink()
-    with pytest.raises(ConfigError, match="gateway.pem"):
+    with pytest.raises(ConfigError, match=r"gateway.pem"):
         MeshIdentity.load(tmp_path, "gateway")
     with pytest.raises(ConfigError, match="unknown role"):
         MeshIdentity.load(tmp_path, "root")

@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import ssl
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -53,8 +53,8 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
     def __init__(self, seen: Seen) -> None:
         self.seen = seen
 
-    async def Chat(self, request: inference_pb2.ChatRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        self.seen.grpc_metadata.append({k: v for k, v in context.invocation_metadata()})
+    async def Chat(self, request: inference_pb2.ChatRequest, context: grpc.aio.ServicerContext):  # noqa: N802 - the proto's method name
+        self.seen.grpc_metadata.append(dict(context.invocation_metadata()))
         for i in range(DELTAS):
             yield inference_pb2.GenerateEvent(
                 request_id="r1", delta=inference_pb2.DeltaEvent(text=f"t{i} ", token_ids=[i])
@@ -85,7 +85,7 @@ async def _models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": []})
 
 
-async def _health(request: web.Request) -> web.Response:  # noqa: ARG001
+async def _health(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
@@ -137,7 +137,7 @@ async def running_edge(tmp_path: Path, base: Topology) -> AsyncIterator[Edge]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    http_port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - port-0 bind
+    http_port = site._server.sockets[0].getsockname()[1]  # port-0 bind
 
     port, admin = free_port(), free_port()
     topology = base.with_ports(

@@ -67,7 +67,7 @@ def test_free_port_block_is_consecutive_and_free() -> None:
 def test_a_mesh_never_hands_out_one_port_twice(monkeypatch: pytest.MonkeyPatch) -> None:
     """Probing finds a port free until a child binds it, so two probes can
     find the same one: the allocator must remember what it gave away."""
-    import services.launcher.ports as ports  # noqa: PLC0415
+    import services.launcher.ports as ports
 
     fixed = iter([25720, 25720, 25720, 25722, 25730, 40001, 40001, 40002])
     monkeypatch.setattr(ports.random.Random, "randrange", lambda _self, _low, _high: next(fixed))
@@ -143,7 +143,7 @@ def test_specs_pass_the_resolved_config_and_ports(tmp_path: Path) -> None:
 def test_written_files_load_back(tmp_path: Path) -> None:
     _needs_tiny_llama()
     mesh = _mesh(tmp_path)
-    mesh._write_files()  # noqa: SLF001 - the files start() writes
+    mesh._write_files()  # the files start() writes
     assert load_config(mesh.config_path).scheduler.port == mesh.config.scheduler.port
     envoy = yaml.safe_load(mesh.envoy_config_path.read_text())
     listener = envoy["static_resources"]["listeners"][0]
@@ -177,7 +177,7 @@ class FakeMesh(Mesh):
 def _healthy(name: str, role: Role, port: int, mesh: Mesh) -> ChildSpec:
     return ChildSpec(name=name, role=role, argv=[sys.executable, "-c", HEALTHY_CHILD, str(port)],
                      probes=[Probe(ProbeKind.GRPC_HEALTH, f"127.0.0.1:{port}")],
-                     env=mesh._env(), start_timeout=60)  # noqa: SLF001
+                     env=mesh._env(), start_timeout=60)
 
 
 def _fake(tmp_path: Path) -> FakeMesh:
@@ -213,7 +213,7 @@ def test_a_child_dying_on_its_own_is_reported(tmp_path: Path) -> None:
         pid = mesh.pid("scheduler")
         assert pid is not None
         os.kill(pid, signal.SIGKILL)  # a crash the mesh did not ask for
-        mesh._children["scheduler"].process.wait()  # noqa: SLF001
+        mesh._children["scheduler"].process.wait()
         gone = mesh.exited()
         assert [(g.name, g.returncode) for g in gone] == [("scheduler", -9)]
         assert mesh.exited() == []  # reported once
@@ -228,7 +228,7 @@ def test_a_child_that_dies_at_start_names_itself_and_its_log(tmp_path: Path) -> 
         ChildSpec(name="gateway-0", role=Role.GATEWAY,
                   argv=[sys.executable, "-c", "import sys; print('bad setting gateway.x'); sys.exit(3)"],
                   probes=[Probe(ProbeKind.HTTP_OK, f"http://127.0.0.1:{free_port()}/health")],
-                  env=mesh._env(), start_timeout=60),  # noqa: SLF001
+                  env=mesh._env(), start_timeout=60),
     ]
     with pytest.raises(MeshError) as info:
         mesh.start()
@@ -242,7 +242,7 @@ def test_a_child_that_never_gets_healthy_times_out(tmp_path: Path) -> None:
     mesh = _fake(tmp_path)
     mesh.fake_specs = [ChildSpec(
         name="scheduler", role=Role.SCHEDULER, argv=[sys.executable, "-c", "import time; time.sleep(60)"],
-        probes=[Probe(ProbeKind.GRPC_HEALTH, f"127.0.0.1:{free_port()}")], env=mesh._env(),  # noqa: SLF001
+        probes=[Probe(ProbeKind.GRPC_HEALTH, f"127.0.0.1:{free_port()}")], env=mesh._env(),
         start_timeout=1.0,
     )]
     with pytest.raises(MeshError, match="scheduler did not become healthy within 1 s"):
@@ -280,7 +280,7 @@ def test_tls_topology_gets_dev_certificates_and_https_examples(tmp_path: Path) -
     config = load_config(CONFIG)
     config.envoy.topology = "envoy/topology-tls.yaml"
     mesh = Mesh(config, MeshOptions(free_ports=True, run_dir=tmp_path, model="tiny-llama"))
-    mesh._write_files()  # noqa: SLF001 - the files start() writes
+    mesh._write_files()  # the files start() writes
     ca = tmp_path / "tls" / "ca.pem"
     assert mesh.endpoints.tls_ca == ca and ca.exists()
     assert mesh.endpoints.public_http.startswith("https://127.0.0.1:")
@@ -297,5 +297,5 @@ def test_tls_topology_gets_dev_certificates_and_https_examples(tmp_path: Path) -
     # A second mesh in the same run dir keeps the same CA (clients keep trusting it).
     again = Mesh(config, MeshOptions(free_ports=True, run_dir=tmp_path, model="tiny-llama"))
     before = ca.read_bytes()
-    again._write_files()  # noqa: SLF001
+    again._write_files()
     assert ca.read_bytes() == before

@@ -29,7 +29,7 @@ def test_backoff_restarts_at_once_then_doubles_then_resets() -> None:
 
 
 def test_scheduler_restarts_always_others_never(tmp_path: Path) -> None:
-    from services.common.config import load_config  # noqa: PLC0415
+    from services.common.config import load_config
 
     if not (ROOT / ".models" / "tiny-llama").is_dir():
         pytest.skip(".models/tiny-llama is missing: run `make setup`")

@@ -53,7 +53,7 @@ async def collect(call: grpc.aio.StreamStreamCall) -> tuple[list[int], str, engi
             return ids, text, event.finished
 
 
-async def wait_until(predicate, timeout: float = 5.0) -> None:  # noqa: ANN001
+async def wait_until(predicate, timeout: float = 5.0) -> None:
     async with asyncio.timeout(timeout):
         while not predicate():
             await asyncio.sleep(0.005)
@@ -173,7 +173,7 @@ async def test_draining_refuses_new_work_but_finishes_running(service: EngineSer
 
 
 async def test_health_not_serving_until_backend_started() -> None:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     gate = asyncio.Event()
     svc = EngineService(mesh_config(), engine_config())
@@ -208,7 +208,7 @@ async def test_health_not_serving_until_backend_started() -> None:
 
 
 async def test_metrics_use_vllm_names() -> None:
-    import aiohttp  # noqa: PLC0415
+    import aiohttp
 
     port = free_port()
     svc = EngineService(mesh_config(), engine_config(metrics_port=port))
@@ -270,12 +270,12 @@ async def test_a_call_opened_ahead_serves_a_request_later_and_ends_on_stop() -> 
         async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.port}") as channel:
             stub = engine_pb2_grpc.EngineStub(channel)
             ahead = stub.Generate()
-            await wait_until(lambda: len(svc._servicer.idle_calls._waiting) == 1)  # noqa: SLF001
+            await wait_until(lambda: len(svc._servicer.idle_calls._waiting) == 1)
             await ahead.write(gen_request("later", prompt_of(8), max_tokens=5))
             ids, _, finished = await collect(ahead)
             assert len(ids) == 5 and finished.usage.completion_tokens == 5
             unused = stub.Generate()
-            await wait_until(lambda: len(svc._servicer.idle_calls._waiting) == 1)  # noqa: SLF001
+            await wait_until(lambda: len(svc._servicer.idle_calls._waiting) == 1)
             await asyncio.wait_for(svc.stop(), timeout=30)
             stopped = True
             with pytest.raises(grpc.aio.AioRpcError) as info:

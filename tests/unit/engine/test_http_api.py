@@ -23,7 +23,7 @@ async def http() -> AsyncIterator[tuple[EngineService, str]]:
         await svc.stop()
 
 
-async def test_completions_with_token_ids_match_the_grpc_tokens(http) -> None:  # noqa: ANN001
+async def test_completions_with_token_ids_match_the_grpc_tokens(http) -> None:
     svc, base = http
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{base}/health") as resp:
@@ -47,7 +47,7 @@ async def test_completions_with_token_ids_match_the_grpc_tokens(http) -> None:  
     assert svc.backend.load().blocks_used == 0
 
 
-async def test_chat_and_errors(http) -> None:  # noqa: ANN001
+async def test_chat_and_errors(http) -> None:
     _, base = http
     async with aiohttp.ClientSession() as session:
         chat = {"model": "sim", "messages": [{"role": "user", "content": "lorem ipsum"}], "max_tokens": 4}
@@ -62,7 +62,7 @@ async def test_chat_and_errors(http) -> None:  # noqa: ANN001
             assert resp.status == 400
 
 
-async def test_render_endpoints_return_the_prompt_token_ids(http) -> None:  # noqa: ANN001
+async def test_render_endpoints_return_the_prompt_token_ids(http) -> None:
     # vllm-router's cache_aware policy asks every worker for these (BENCHMARKS.md peers).
     svc, base = http
     async with aiohttp.ClientSession() as session:

@@ -21,7 +21,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.messages: asyncio.Queue[scheduler_pb2.EngineMessage] = asyncio.Queue()
         self.commands: asyncio.Queue[scheduler_pb2.SchedulerCommand] = asyncio.Queue()
 
-    async def Connect(self, request_iterator, context):  # noqa: N802, ANN001, ANN201
+    async def Connect(self, request_iterator, context):  # noqa: N802 - the proto's method name
         async def pump() -> None:
             async for message in request_iterator:
                 await self.messages.put(message)
@@ -81,7 +81,7 @@ async def generate(svc: EngineService, rid: str, prompt: list[int], max_tokens: 
                 return
 
 
-async def test_hello_snapshot_then_loads(mesh) -> None:  # noqa: ANN001
+async def test_hello_snapshot_then_loads(mesh) -> None:
     svc, fake, _ = mesh
     first = await fake.messages.get()
     hello = first.hello
@@ -96,7 +96,7 @@ async def test_hello_snapshot_then_loads(mesh) -> None:  # noqa: ANN001
     assert load.serving and load.blocks_total == 256
 
 
-async def test_kv_events_follow_the_snapshot_seq_and_resync(mesh) -> None:  # noqa: ANN001
+async def test_kv_events_follow_the_snapshot_seq_and_resync(mesh) -> None:
     svc, fake, _ = mesh
     snapshot = (await fake.next("kv_snapshot")).kv_snapshot
     prompt = prompt_of(64)
@@ -122,7 +122,7 @@ async def test_kv_events_follow_the_snapshot_seq_and_resync(mesh) -> None:  # no
     assert later.seq == fresh.seq + 1
 
 
-async def test_drain_refuses_new_generations(mesh) -> None:  # noqa: ANN001
+async def test_drain_refuses_new_generations(mesh) -> None:
     svc, fake, _ = mesh
     await fake.next("kv_snapshot")
     await fake.commands.put(scheduler_pb2.SchedulerCommand(drain=scheduler_pb2.Drain()))
@@ -132,7 +132,7 @@ async def test_drain_refuses_new_generations(mesh) -> None:  # noqa: ANN001
     assert svc.runtime.draining
 
 
-async def test_reconnects_after_the_scheduler_restarts(mesh) -> None:  # noqa: ANN001
+async def test_reconnects_after_the_scheduler_restarts(mesh) -> None:
     svc, fake, server = mesh
     await fake.next("kv_snapshot")
     await generate(svc, "a", prompt_of(40), 2)

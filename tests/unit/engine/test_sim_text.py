@@ -151,7 +151,7 @@ def test_token_choice_depends_on_every_token() -> None:
 
 
 def _word_level_tokenizer(directory: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     words = ["<|endoftext|>", "<unk>", " hello", " world", " alpha", " beta", "Hello", "!", " gamma"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))

@@ -52,7 +52,7 @@ def sha(key: str) -> str:
 
 
 def _build_tiny_model(directory: Path) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: PLC0415
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     words = ["[UNK]", "<|im_start|>", "<|im_end|>", "system", "user", "assistant",
              "hello", "world", "the", "capital", "of", "france", "is", "what", "say", "hi", "a", "b", "c"]
@@ -117,7 +117,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.address = ""
         self.server: grpc.aio.Server | None = None
 
-    async def Generate(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+    async def Generate(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # noqa: N802 - the proto's method name
         first = await context.read()
         request = first.request
         self.requests.append(request)
@@ -225,7 +225,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.AdmitServerMessage(rejected=scheduler_pb2.Rejected(
             code=scheduler_pb2.REJECT_CODE_NO_ENGINE, message="all excluded", retry_after_seconds=1))
 
-    async def Admit(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+    async def Admit(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # noqa: N802 - the proto's method name
         first = await context.read()
         record = AdmitRecord(first.request)
         self.admits.append(record)
@@ -271,7 +271,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             self.admit_cancelled.set()
             raise
 
-    async def GetState(self, request: scheduler_pb2.GetStateRequest,
+    async def GetState(self, request: scheduler_pb2.GetStateRequest,  # noqa: N802 - the proto's method name
                        context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerState:
         return scheduler_pb2.SchedulerState(engines=[
             scheduler_pb2.EngineState(engine_id=e, address=a, model=MODEL, serving=True)
@@ -332,7 +332,7 @@ def make_config(model_dir: Path, scheduler_address: str, **gateway: object) -> M
 
 @pytest.fixture
 async def mesh(model_dir: Path) -> AsyncIterator[Mesh]:
-    from services.gateway.server import GatewayService  # noqa: PLC0415
+    from services.gateway.server import GatewayService
 
     scheduler = FakeScheduler()
     sched_server, sched_address = await _serve(scheduler_pb2_grpc.add_SchedulerServicer_to_server, scheduler)

@@ -212,9 +212,9 @@ async def test_scheduler_rejections(mesh: Mesh, code: int, exc: type[Exception],
 
 
 async def test_scheduler_unreachable_503(model_dir: object) -> None:
-    from conftest import make_config  # noqa: PLC0415
+    from conftest import make_config
 
-    from services.gateway.server import GatewayService  # noqa: PLC0415
+    from services.gateway.server import GatewayService
 
     gateway = GatewayService(make_config(model_dir, "127.0.0.1:1"))  # nothing listens on port 1
     http_port, _ = await gateway.start(http_port=0, grpc_port=0)

@@ -19,7 +19,7 @@ class ReattachingScheduler(FakeScheduler):
     """Like the real scheduler: a request `running_on_engine` a known engine
     is answered `placed` there at once (no queue)."""
 
-    async def Admit(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+    async def Admit(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # noqa: N802 - the proto's method name
         first = await context.read()
         record = AdmitRecord(first.request)
         self.admits.append(record)

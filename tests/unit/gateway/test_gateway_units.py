@@ -154,9 +154,9 @@ async def test_metrics_count_requests_and_migrations(mesh: Mesh) -> None:
 
 
 async def test_metrics_endpoint(model_dir: Path) -> None:
-    from conftest import make_config  # noqa: PLC0415
+    from conftest import make_config
 
-    from services.gateway.server import GatewayService  # noqa: PLC0415
+    from services.gateway.server import GatewayService
 
     gateway = GatewayService(make_config(model_dir, "127.0.0.1:1", metrics_port=0))
     gateway.config.gateway.metrics_port = 0
@@ -166,7 +166,7 @@ async def test_metrics_endpoint(model_dir: Path) -> None:
     finally:
         await gateway.stop(grace=0.1)
     # With a port: bind a free one by asking the OS first.
-    import socket  # noqa: PLC0415
+    import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -50,7 +50,7 @@ def test_caps_reject_with_the_right_code(
     last = results[-1]
     assert isinstance(last, RejectedInfo)
     assert last.reason is expected
-    limits = AdmissionLimits.from_config(core._config)  # noqa: SLF001
+    limits = AdmissionLimits.from_config(core._config)
     assert limits.retry_min <= last.retry_after_seconds <= limits.retry_max
     assert core.metrics.value(
         "kvmesh_scheduler_rejections_total", {"reason": expected.value}) == 1

@@ -130,7 +130,7 @@ def test_registry_rejects_duplicates_and_unknown_names() -> None:
     registry = builtin_registry(SchedulerConfig())
     with pytest.raises(ValueError, match="already registered"):
         registry.register_filter("model", registry.filters["model"])
-    with pytest.raises(ConfigError, match="unknown scorer 'nope'.*registered"):
+    with pytest.raises(ConfigError, match=r"unknown scorer 'nope'.*registered"):
         registry.make_scorer("nope", "scheduler.policy_profiles.x.scorers")
 
 
@@ -145,7 +145,7 @@ def test_every_builtin_policy_builds_and_places(name: str) -> None:
 
 class _NoKv:
     def prefix_matches(self, prefix, engines):  # type: ignore[no-untyped-def]
-        return {e: 0 for e in engines}
+        return dict.fromkeys(engines, 0)
 
 
 def test_custom_profile_from_config() -> None:
@@ -154,7 +154,7 @@ def test_custom_profile_from_config() -> None:
     config = SchedulerConfig(policy_profiles={"mine": PolicyProfileConfig(scorers={"weight": 1.0})})
     assert build_policy("mine", config, REGISTRY).name == "mine"
     bad = SchedulerConfig(policy_profiles={"bad": PolicyProfileConfig(filters=["nope"])})
-    with pytest.raises(ConfigError, match="policy_profiles.bad.filters"):
+    with pytest.raises(ConfigError, match=r"policy_profiles.bad.filters"):
         build_policy("bad", bad, REGISTRY)
 
 

@@ -60,7 +60,7 @@ def hello(engine_id: str = "eng-1", address: str = "127.0.0.1:1") -> pb.EngineMe
 
 
 async def test_queued_then_placed_then_done(stack) -> None:
-    service, stub, channel = stack
+    _service, stub, channel = stack
     health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
     assert health.status == health_pb2.HealthCheckResponse.SERVING   # serving with zero engines
 
@@ -114,7 +114,7 @@ async def test_queued_then_placed_then_done(stack) -> None:
 
 
 async def test_cancelled_admit_leaves_the_queue(stack) -> None:
-    service, stub, _ = stack
+    _service, stub, _ = stack
     calls = []
     for rid, tenant in (("a", "x"), ("b", "y")):
         call = stub.Admit(timeout=TIMEOUT * 3)
@@ -130,7 +130,7 @@ async def test_cancelled_admit_leaves_the_queue(stack) -> None:
 
 
 async def test_engine_stream_close_drops_leases(stack) -> None:
-    service, stub, _ = stack
+    _service, stub, _ = stack
     engine = stub.Connect(timeout=TIMEOUT * 3)
     await engine.write(hello("eng-2"))
     await engine.write(pb.EngineMessage(load=pb.LoadReport(serving=True, blocks_total=1000)))
@@ -270,7 +270,7 @@ async def test_admit_call_opened_ahead_is_placed_later_and_ended_on_stop(stack) 
     assert (await asyncio.wait_for(ahead.read(), TIMEOUT)).WhichOneof("msg") in ("queued", "rejected")
     ahead.cancel()
     unused = stub.Admit(timeout=TIMEOUT * 6)
-    waiting = service.servicer._idle_calls._waiting  # noqa: SLF001
+    waiting = service.servicer._idle_calls._waiting
     async with asyncio.timeout(TIMEOUT):
         while not waiting:
             await asyncio.sleep(0.01)

@@ -133,7 +133,7 @@ def test_kv_precise_follows_engine_kv_events() -> None:
 
 
 def test_unknown_policy_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="scheduler.policy"):
+    with pytest.raises(ConfigError, match=r"scheduler.policy"):
         make_core(policy="fastest")
 
 

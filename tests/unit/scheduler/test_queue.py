@@ -111,7 +111,7 @@ def test_mass_withdrawal_compacts_heaps() -> None:
     for i in range(4990):
         queue.remove(f"r{i}")
     queue.advance(0.0)
-    heap = queue.classes[1]._tenants["a"]  # noqa: SLF001 - checking the memory bound
+    heap = queue.classes[1]._tenants["a"]  # checking the memory bound
     assert heap.live == 10
     assert len(heap.items) < 200
     assert drain(queue) == [f"r{i}" for i in range(4990, 5000)]
