@@ -28,11 +28,10 @@ def engine_config(**overrides: object) -> EngineConfig:
 
 
 def make_core(block_size: int = 16, total_blocks: int = 64, max_running: int = 8,
-              chunk_tokens: int = 512, max_model_len: int = 4096) -> SimCore:
+              chunk_tokens: int = 512) -> SimCore:
     codec = SyntheticCodec(32000)
     limits = CoreLimits(block_size=block_size, total_blocks=total_blocks, max_running=max_running,
-                        max_model_len=max_model_len, hash_block_tokens=16, chunk_tokens=chunk_tokens,
-                        vocab_size=codec.vocab_size)
+                        hash_block_tokens=16, chunk_tokens=chunk_tokens)
     return SimCore(limits, TokenPicker(codec.clean_token_ids, codec.eos_token_id, 0.0),
                    codec.token_text, codec.eos_token_id)
 
