@@ -28,6 +28,8 @@ class FinishReason(enum.StrEnum):
     @classmethod
     def parse(cls, name: str | None) -> FinishReason:
         """A reason by its name; None or an unknown name is ERROR."""
+        if name is None:
+            return cls.ERROR
         try:
             return cls(name)
         except ValueError:
@@ -38,7 +40,7 @@ class FinishReason(enum.StrEnum):
         """kvmesh.v1.FinishReason -> member; unset or unknown is ERROR."""
         return _FROM_PROTO.get(value, cls.ERROR)
 
-    def to_proto(self) -> int:
+    def to_proto(self) -> common_pb2.FinishReason:
         return _TO_PROTO[self]
 
     @property
@@ -47,12 +49,13 @@ class FinishReason(enum.StrEnum):
         return self in (FinishReason.STOP, FinishReason.LENGTH)
 
 
-# Literal tables (read-only after import).
-_FROM_PROTO = {
-    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
-    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-    common_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
-    common_pb2.FINISH_REASON_TIMEOUT: FinishReason.TIMEOUT,
-    common_pb2.FINISH_REASON_ERROR: FinishReason.ERROR,
-}
-_TO_PROTO = {member: value for value, member in _FROM_PROTO.items()}
+# Literal table (read-only after import), and its two directions.
+_PAIRS: tuple[tuple[common_pb2.FinishReason, FinishReason], ...] = (
+    (common_pb2.FINISH_REASON_STOP, FinishReason.STOP),
+    (common_pb2.FINISH_REASON_LENGTH, FinishReason.LENGTH),
+    (common_pb2.FINISH_REASON_ABORT, FinishReason.ABORT),
+    (common_pb2.FINISH_REASON_TIMEOUT, FinishReason.TIMEOUT),
+    (common_pb2.FINISH_REASON_ERROR, FinishReason.ERROR),
+)
+_FROM_PROTO: dict[int, FinishReason] = dict(_PAIRS)
+_TO_PROTO: dict[FinishReason, common_pb2.FinishReason] = {member: value for value, member in _PAIRS}
