@@ -19,12 +19,7 @@ import pytest_asyncio
 
 from services.common.config import EngineConfig, MeshConfig, ModelConfig
 from services.common.prefix_hash import block_hashes
-from services.engine.backend import (
-    GenerationOutput,
-    GenerationRequest,
-    InvalidRequest,
-    Sampling,
-)
+from services.engine.backend import GenerationOutput, GenerationRequest, InvalidRequest, Sampling
 from services.engine.runtime import validate_request
 from services.models.build import TinyLlamaShape
 

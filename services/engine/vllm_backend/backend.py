@@ -39,21 +39,11 @@ from services.engine.backend import (
     KvListener,
     LoadSnapshot,
 )
-from services.engine.vllm_backend.convert import (
-    RequestUsage,
-    held_text,
-    sampling_params,
-)
+from services.engine.vllm_backend.convert import RequestUsage, held_text, sampling_params
 from services.engine.vllm_backend.env import prepare_environment, resolve_path
 from services.engine.vllm_backend.kv_events import KvEventSubscriber
 from services.engine.vllm_backend.kv_translate import KvDelta, KvTranslator
-from services.engine.vllm_backend.launch import (
-    engine_args,
-    pin_processes,
-    replay_endpoint,
-    resolved_info,
-    warm_up,
-)
+from services.engine.vllm_backend.launch import engine_args, pin_processes, replay_endpoint, resolved_info, warm_up
 from services.engine.vllm_backend.stats import EngineStats, make_stat_logger_factory
 from services.engine.vllm_backend.vllm_api import VllmApi, import_vllm
 

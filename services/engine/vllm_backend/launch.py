@@ -17,12 +17,7 @@ from typing import Any
 
 from services.common.affinity import omp_cores, pin_vllm_processes
 from services.common.config import VllmConfig
-from services.engine.backend import (
-    BackendInfo,
-    GenerationOutput,
-    GenerationRequest,
-    Sampling,
-)
+from services.engine.backend import BackendInfo, GenerationOutput, GenerationRequest, Sampling
 from services.engine.vllm_backend.vllm_api import VllmApi
 
 __all__ = ["engine_args", "pin_processes", "replay_endpoint", "resolved_info", "warm_up"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
-from engine_helpers import engine_config, mesh_config, prompt_of, request
+from engine_helpers import engine_config, engine_stub, mesh_config, prompt_of, request, started
 
 from services.common.finish_reason import FinishReason
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -118,18 +118,14 @@ RULES = {
 
 @pytest.fixture(params=sorted(BACKENDS))
 async def service(request: pytest.FixtureRequest) -> AsyncIterator[EngineService]:
-    svc = EngineService(mesh_config(), engine_config(), backend=BACKENDS[request.param]())
-    await svc.start()
-    try:
+    async with started(EngineService(mesh_config(), engine_config(), backend=BACKENDS[request.param]())) as svc:
         yield svc
-    finally:
-        await svc.stop()
 
 
 @pytest.fixture
 async def stub(service: EngineService) -> AsyncIterator[engine_pb2_grpc.EngineStub]:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel:
-        yield engine_pb2_grpc.EngineStub(channel)
+    async with engine_stub(service) as client:
+        yield client
 
 
 async def refusal(stub: engine_pb2_grpc.EngineStub,
