@@ -62,10 +62,14 @@ class _Range:
     low: float
     high: float = math.inf
     low_open: bool = False  # low itself is not allowed
+    integer: bool = False
 
-    def check(self, value: float | None) -> None:
+    def check(self, value: object) -> None:
         if value is None:
             return
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            kind = "an integer" if self.integer else "a number"
+            raise InvalidRequest(f"sampling.{self.field} must be {kind}, got {value!r}")
         above = value > self.low if self.low_open else value >= self.low
         if not (above and value <= self.high and math.isfinite(value)):
             left = "(" if self.low_open else "["
@@ -79,12 +83,12 @@ class _Range:
 _SAMPLING_RANGES = (
     _Range("temperature", 0.0, 2.0),
     _Range("top_p", 0.0, 1.0, low_open=True),
-    _Range("top_k", -1),  # -1 and 0 both mean "no top-k" (vLLM's convention)
+    _Range("top_k", -1, integer=True),  # -1 and 0 both mean "no top-k" (vLLM's convention)
     _Range("min_p", 0.0, 1.0),
     _Range("presence_penalty", -2.0, 2.0),
     _Range("frequency_penalty", -2.0, 2.0),
     _Range("repetition_penalty", 0.0, low_open=True),
-    _Range("logprobs", 0),
+    _Range("logprobs", 0, integer=True),
 )
 
 

@@ -187,6 +187,19 @@ async def test_an_id_reused_right_after_a_cancel_is_a_duplicate_until_the_backen
     await runtime.stop(0.0)
 
 
+@pytest.mark.parametrize(("sampling", "match"), [
+    ({"temperature": "hot"}, "sampling.temperature must be a number"),
+    ({"top_k": 2.5}, "sampling.top_k must be an integer"),
+    ({"logprobs": True}, "sampling.logprobs must be an integer"),
+    ({"top_p": float("nan")}, "sampling.top_p must be in"),
+    ({"repetition_penalty": float("inf")}, "sampling.repetition_penalty must be in"),
+])
+def test_sampling_values_of_the_wrong_kind_are_invalid(sampling: dict[str, object], match: str) -> None:
+    """The engine's HTTP endpoint passes JSON values through unchecked."""
+    with pytest.raises(InvalidRequest, match=match):
+        validate_request(request("x", [1, 2], **sampling), INFO)
+
+
 # Moved from the sim core's tests: these rules are the runtime's now.
 @pytest.mark.parametrize(("prompt", "max_tokens", "match"), [
     ([], 4, "empty"),
