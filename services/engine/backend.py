@@ -4,6 +4,14 @@ Two backends implement it: `sim` (services/engine/sim/) and `vllm`
 (services/engine/vllm_backend/). The engine service (gRPC Generate/Abort/GetInfo,
 the Connect stream to the scheduler, metrics, the OpenAI HTTP endpoint) is
 written once against this protocol and never knows which backend it drives.
+
+Division of checks: the runtime (services/engine/runtime.py) applies every
+rule the backends share before `generate` is called -- a request reaching a
+backend has a non-empty id that no request the backend still holds uses, a
+non-empty prompt inside the vocabulary, prompt + max_tokens within
+`info.max_model_len`, a priority in 0..2 and sampling values in range. A
+backend checks only what is its own (the sim: enough KV blocks; vLLM: its
+SamplingParams and input processing) and raises InvalidRequest for it.
 """
 
 from __future__ import annotations
@@ -11,6 +19,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from services.common.finish_reason import FinishReason
 
 __all__ = [
     "BackendInfo",
@@ -70,12 +80,12 @@ class GenerationRequest:
 @dataclass
 class GenerationOutput:
     """One step's new tokens for one request. `finish_reason` is set on the
-    last output only: "stop", "length", "abort" or "error"."""
+    last output only: stop, length, abort or error."""
 
     token_ids: list[int]
     text: str
     logprobs: list[dict] | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -117,8 +127,9 @@ class EngineBackend(Protocol):
         """Abort everything and release resources."""
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
-        """Stream outputs. Raise InvalidRequest (before the first output) if it
-        can never run. Closing the iterator early (aclose, cancellation) must
+        """Stream outputs for a request that passed the runtime's shared rules.
+        Raise InvalidRequest (before the first output) if it can never run
+        here for a reason of this backend's own. Closing the iterator early (aclose, cancellation) must
         abort the request in the engine at once and free its blocks."""
 
     async def abort(self, request_id: str) -> bool:

@@ -1,5 +1,8 @@
 """The engine service's request errors, one class per answer a client gets.
-gRPC (grpc_api.py) and HTTP (http_api.py) each map them at their boundary."""
+gRPC (grpc_api.py) and HTTP (http_api.py) each map them at their boundary:
+InvalidRequest -> INVALID_ARGUMENT / 400, DuplicateRequest -> ALREADY_EXISTS /
+409, NotAccepting -> UNAVAILABLE / 503. The runtime raises all three;
+backends raise only InvalidRequest (declared with their contract, backend.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ __all__ = ["DuplicateRequest", "EngineError", "InvalidRequest", "NotAccepting"]
 
 
 class EngineError(Exception):
-    """Base of the engine's own refusals (InvalidRequest is the backend's)."""
+    """Base of the runtime's refusals that are not about the request's content."""
 
 
 class DuplicateRequest(EngineError):

@@ -23,23 +23,16 @@ import logging
 
 import grpc
 
+from services.common.finish_reason import FinishReason
 from services.common.idle_calls import IdleCalls
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine.backend import GenerationOutput, GenerationRequest, InvalidRequest, Sampling
 from services.engine.errors import DuplicateRequest, NotAccepting
 from services.engine.runtime import EngineRuntime, Generation
 
-__all__ = ["EngineServicer", "FINISH_REASONS", "request_from_proto"]
+__all__ = ["EngineServicer", "request_from_proto"]
 
 log = logging.getLogger(__name__)
-
-FINISH_REASONS = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-    "timeout": common_pb2.FINISH_REASON_TIMEOUT,
-    "error": common_pb2.FINISH_REASON_ERROR,
-}
 
 
 def request_from_proto(msg: engine_pb2.EngineRequest) -> GenerationRequest:
@@ -75,7 +68,7 @@ def _delta(out: GenerationOutput) -> engine_pb2.EngineGenerateEvent:
 
 def _finished(out: GenerationOutput) -> engine_pb2.EngineGenerateEvent:
     return engine_pb2.EngineGenerateEvent(finished=engine_pb2.EngineFinished(
-        finish_reason=FINISH_REASONS.get(out.finish_reason or "error", common_pb2.FINISH_REASON_ERROR),
+        finish_reason=FinishReason.parse(out.finish_reason).to_proto(),
         usage=common_pb2.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
                                cached_tokens=out.cached_tokens),
         message=out.message,
@@ -133,7 +126,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             raise
         except Exception as exc:  # this request failed; the engine lives on
             await context.write(_finished(GenerationOutput(
-                token_ids=[], text="", finish_reason="error", message=f"engine error: {exc}")))
+                token_ids=[], text="", finish_reason=FinishReason.ERROR, message=f"engine error: {exc}")))
         finally:
             await outputs.aclose()
 

@@ -1,14 +1,24 @@
 """The engine's request registry over one backend, shared by every transport.
 
-`EngineRuntime` decides whether a generation may start (started, not
-draining, id not live, request valid for this engine), keeps the live
-generations by id (for Abort and duplicate checks), and counts metrics.
+Who checks what (each rule in one place, one answer per rule):
+- `EngineRuntime.open`: the engine's state (starting, draining, stopping ->
+  NotAccepting, UNAVAILABLE) and a live duplicate request id
+  (DuplicateRequest, ALREADY_EXISTS);
+- `validate_request`: every rule the backends share -- ids, prompt, priority,
+  lengths against the backend's BackendInfo, sampling ranges (InvalidRequest,
+  INVALID_ARGUMENT);
+- the backend: only its own limits (services/engine/backend.py says which),
+  also as InvalidRequest.
+The transports (grpc_api.py, http_api.py) only map these errors.
+
 `Generation` runs one request: a pump task drains the backend's stream into a
 `DeltaBuffer` (so the backend never waits for a slow reader) and the
 transport takes merged outputs from it.
 
 Ownership: all state here is touched only from the event loop thread; the
-registry is changed by `open` and by a generation's `close`, exactly once each.
+registry is changed by `open` and by a generation's `close`, exactly once
+each. A closed generation's id stays registered until its pump has closed the
+backend's stream, so no backend ever sees an id twice.
 """
 
 from __future__ import annotations
@@ -16,15 +26,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from services.common.clock import Clock, SystemClock
+from services.common.finish_reason import FinishReason
 from services.engine.backend import (
+    BackendInfo,
     EngineBackend,
     GenerationOutput,
     GenerationRequest,
     InvalidRequest,
     LoadSnapshot,
+    Sampling,
 )
 from services.engine.coalesce import DeltaBuffer, StreamPacing
 from services.engine.errors import DuplicateRequest, NotAccepting
@@ -37,8 +52,51 @@ log = logging.getLogger(__name__)
 MAX_PRIORITY = 2
 
 
-def validate_request(request: GenerationRequest, max_model_len: int, vocab_size: int) -> None:
-    """The checks every backend shares; raises InvalidRequest saying what to change."""
+@dataclass(frozen=True)
+class _Range:
+    """An optional sampling field's allowed values (None = engine default,
+    always allowed). The bounds are vLLM's, the strictest backend's, so a
+    request valid on one backend is valid on every one."""
+
+    field: str
+    low: float
+    high: float = math.inf
+    low_open: bool = False  # low itself is not allowed
+    integer: bool = False
+
+    def check(self, value: object) -> None:
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            kind = "an integer" if self.integer else "a number"
+            raise InvalidRequest(f"sampling.{self.field} must be {kind}, got {value!r}")
+        above = value > self.low if self.low_open else value >= self.low
+        if not (above and value <= self.high and math.isfinite(value)):
+            left = "(" if self.low_open else "["
+            right = "]" if math.isfinite(self.high) else ")"
+            raise InvalidRequest(
+                f"sampling.{self.field} must be in {left}{self.low:g}, {self.high:g}{right}, got {value!r}"
+            )
+
+
+# Literal table: one row per optional sampling field with a range.
+_SAMPLING_RANGES = (
+    _Range("temperature", 0.0, 2.0),
+    _Range("top_p", 0.0, 1.0, low_open=True),
+    _Range("top_k", -1, integer=True),  # -1 and 0 both mean "no top-k" (vLLM's convention)
+    _Range("min_p", 0.0, 1.0),
+    _Range("presence_penalty", -2.0, 2.0),
+    _Range("frequency_penalty", -2.0, 2.0),
+    _Range("repetition_penalty", 0.0, low_open=True),
+    _Range("logprobs", 0, integer=True),
+)
+
+
+def validate_request(request: GenerationRequest, info: BackendInfo) -> None:
+    """The rules every backend shares, checked here once for every transport;
+    raises InvalidRequest (INVALID_ARGUMENT) saying what to change. A backend
+    checks only what is its own (the sim: KV capacity; vLLM: its sampling
+    and input checks). A live duplicate id is `EngineRuntime.open`'s rule."""
     if not request.request_id:
         raise InvalidRequest("request_id is empty: give every request a unique id")
     prompt = request.prompt_token_ids
@@ -53,13 +111,25 @@ def validate_request(request: GenerationRequest, max_model_len: int, vocab_size:
             f"resumed_tokens ({request.resumed_tokens}) exceeds the {len(prompt)} tokens sent"
         )
     total = len(prompt) + request.sampling.max_tokens
-    if max_model_len and total > max_model_len:
+    if info.max_model_len and total > info.max_model_len:
         raise InvalidRequest(
             f"prompt ({len(prompt)} tokens) + max_tokens ({request.sampling.max_tokens}) = {total} "
-            f"exceeds max_model_len {max_model_len}; shorten the prompt or lower max_tokens"
+            f"exceeds max_model_len {info.max_model_len}; shorten the prompt or lower max_tokens"
         )
-    if vocab_size and max(prompt) >= vocab_size:
-        raise InvalidRequest(f"token id {max(prompt)} is out of the vocabulary (size {vocab_size})")
+    if info.vocab_size:
+        bad = next((t for t in prompt if not 0 <= t < info.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is out of the vocabulary (size {info.vocab_size})")
+    _validate_sampling(request.sampling)
+
+
+def _validate_sampling(sampling: Sampling) -> None:
+    for rule in _SAMPLING_RANGES:
+        rule.check(getattr(sampling, rule.field))
+    if not 0 <= sampling.min_tokens <= sampling.max_tokens:
+        raise InvalidRequest(
+            f"sampling.min_tokens must be in [0, max_tokens={sampling.max_tokens}], got {sampling.min_tokens}"
+        )
 
 
 class Generation:
@@ -105,7 +175,7 @@ class Generation:
             self._pump.cancel()
         resumed = self.request.resumed_tokens
         final = GenerationOutput(
-            token_ids=[], text="", finish_reason="abort", message=message,
+            token_ids=[], text="", finish_reason=FinishReason.ABORT, message=message,
             prompt_tokens=len(self.request.prompt_token_ids) - resumed,
             cached_tokens=self._cached, completion_tokens=resumed + self._completion,
         )
@@ -123,9 +193,15 @@ class Generation:
         if self._closed:
             return
         self._closed = True
-        if self._pump is not None and not self._pump.done():
-            self._pump.cancel()
-        self._runtime._unregister(self)
+        pump = self._pump
+        if pump is None or pump.done():
+            self._runtime._unregister(self)
+            return
+        pump.cancel()
+        # The id stays live until the backend has let go of the request (the
+        # pump closes its stream), so a request reusing it meanwhile is refused
+        # here as a duplicate rather than reaching a backend that still holds it.
+        pump.add_done_callback(lambda _pump: self._runtime._unregister(self))
 
     async def _run_pump(self) -> None:
         stream = self._runtime.backend.generate(self.request)
@@ -235,8 +311,7 @@ class EngineRuntime:
             raise DuplicateRequest(
                 f"request id {request.request_id!r} is already running here; use a new id"
             )
-        info = self.backend.info
-        validate_request(request, info.max_model_len, info.vocab_size)
+        validate_request(request, self.backend.info)
         generation = Generation(self, request)
         self._live[request.request_id] = generation
         self._notify()

@@ -1,9 +1,10 @@
 """The engine's Connect stream to the scheduler (engine side).
 
-Protocol (see the brief): `hello`, then a `kv_snapshot` (seq S), then `load`
-every report_interval_seconds and promptly after a change (at most one per
-`min_report_gap`), and `kv_events` with seq S+1, S+2, ... as the prefix cache
-changes. `resync` from the scheduler -> a fresh `kv_snapshot`; `drain` ->
+The protocol (`Scheduler.Connect` in protos/kvmesh/v1/scheduler.proto; the
+engine's membership lives exactly as long as this stream): `hello`, then a
+`kv_snapshot` (seq S), then `load` every report_interval_seconds and promptly
+after a change (at most one per `min_report_gap`), and `kv_events` with seq
+S+1, S+2, ... as the prefix cache changes. `resync` from the scheduler -> a fresh `kv_snapshot`; `drain` ->
 the engine refuses new generations and finishes the running ones. When the
 stream breaks (scheduler restart, network), the link reconnects with
 exponential backoff capped at 2 s and sends hello + snapshot again.

@@ -20,6 +20,7 @@ import pytest_asyncio
 from services.common.config import EngineConfig, MeshConfig, ModelConfig
 from services.common.prefix_hash import block_hashes
 from services.engine.backend import GenerationOutput, GenerationRequest, InvalidRequest, Sampling
+from services.engine.runtime import validate_request
 from services.models.build import TinyLlamaShape
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
@@ -173,11 +174,23 @@ async def test_text_held_for_a_stop_string_is_reported(backend) -> None:  # type
         ([5] * (TinyLlamaShape().max_position_embeddings - 8), greedy(20), "max_model_len"),
         ([5, 49152], greedy(4), "vocabulary"),
         ([5, 6], Sampling(max_tokens=4, temperature=-1.0), "sampling"),
+        # vLLM's own limit (max_logprobs 20), past the shared rules.
+        ([5, 6], greedy(4, logprobs=1000), "logprobs"),
     ],
 )
 async def test_invalid_requests_fail_before_output(backend, prompt, sampling, match) -> None:  # type: ignore[no-untyped-def]
+    """As in the engine: the runtime's shared rules (against the limits vLLM
+    resolved), then the backend's own checks."""
+    request = GenerationRequest("bad", prompt, sampling)
     with pytest.raises(InvalidRequest, match=match):
-        await collect(backend, GenerationRequest("bad", prompt, sampling))
+        validate_request(request, backend.info)
+        await collect(backend, request)
+    assert backend.load().request_ids == []
+
+
+async def test_vllms_own_sampling_check_refuses_before_output(backend) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(InvalidRequest, match="sampling"):
+        await collect(backend, GenerationRequest("bad", [5, 6], Sampling(max_tokens=4, temperature=-1.0)))
     assert backend.load().request_ids == []
 
 

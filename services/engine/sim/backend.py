@@ -36,6 +36,8 @@ class SimBackend:
     def __init__(self, config: MeshConfig, engine: EngineConfig, codec: TextCodec | None = None) -> None:
         spec = resolve_model(config, engine)
         self.codec = codec or load_codec(spec.path, engine.sim.vocab_size)
+        # Capped at the KV capacity: the runtime's shared max_model_len rule
+        # then refuses what could never fit before the core sees it.
         capacity = engine.block_size * engine.total_blocks
         max_len = min(spec.max_model_len or DEFAULT_MAX_MODEL_LEN, capacity)
         self.info = BackendInfo(
@@ -52,10 +54,8 @@ class SimBackend:
                 block_size=engine.block_size,
                 total_blocks=engine.total_blocks,
                 max_running=engine.max_running,
-                max_model_len=max_len,
                 hash_block_tokens=config.hash_block_tokens,
                 chunk_tokens=engine.sim.chunk_tokens,
-                vocab_size=self.codec.vocab_size,
             ),
             TokenPicker(self.codec.clean_token_ids, self.codec.eos_token_id, engine.sim.eos_probability),
             self.codec.token_text,
@@ -89,7 +89,7 @@ class SimBackend:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         if self._loop_task is None:
             raise RuntimeError("SimBackend.generate before start()")
-        req = self._core.add(request)  # raises InvalidRequest
+        req = self._core.add(request)  # raises InvalidRequest if it can never fit
         self._kick()
         try:
             while True:

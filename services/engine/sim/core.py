@@ -16,7 +16,9 @@ computed, blocks cached, one token sampled per finished prefill/decode).
   first admission a request's prompt is matched against the prefix cache; the
   hit is reported as cached_tokens and those tokens are not prefilled.
 * A request that could never fit (more blocks than the engine has) is refused
-  at submission, so the queue can never deadlock.
+  at submission, so the queue can never deadlock. That is the sim's only
+  request check: the rules every backend shares (ids, prompt, lengths,
+  vocabulary, sampling) are the runtime's (services/engine/runtime.py).
 
 Ownership: a `SimCore` is owned by one `SimBackend`. Every method is
 synchronous and runs on the event loop thread, and no method awaits, so a
@@ -34,6 +36,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from services.common.finish_reason import FinishReason
 from services.common.prefix_hash import ROOT_HASH, chain_hash
 from services.common.stop_text import StopText
 from services.engine.backend import (
@@ -61,10 +64,8 @@ class CoreLimits:
     block_size: int
     total_blocks: int
     max_running: int
-    max_model_len: int
     hash_block_tokens: int
     chunk_tokens: int
-    vocab_size: int
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % self.hash_block_tokens:
@@ -181,33 +182,21 @@ class SimCore:
 
     # ---------------------------------------------------------------- submit / abort
 
-    def validate(self, request: GenerationRequest) -> None:
+    def check_capacity(self, request: GenerationRequest) -> None:
+        """The sim's own rule (the runtime applied the shared ones): a request
+        that could never hold all its tokens' blocks would wait forever."""
         lim = self.limits
-        prompt = request.prompt_token_ids
-        if not prompt:
-            raise InvalidRequest("prompt_token_ids is empty: send at least one token")
-        if request.sampling.max_tokens <= 0:
-            raise InvalidRequest("sampling.max_tokens must be at least 1")
-        total = len(prompt) + request.sampling.max_tokens
-        if total > lim.max_model_len:
+        total = len(request.prompt_token_ids) + request.sampling.max_tokens
+        need = math.ceil(total / lim.block_size)
+        if need > lim.total_blocks:
             raise InvalidRequest(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({request.sampling.max_tokens}) = "
-                f"{total} exceeds max_model_len {lim.max_model_len}; shorten the prompt or lower max_tokens"
+                f"{total} tokens need {need} KV blocks; this engine has {lim.total_blocks}; lower max_tokens"
             )
-        if math.ceil(total / lim.block_size) > lim.total_blocks:
-            raise InvalidRequest(
-                f"{total} tokens need {math.ceil(total / lim.block_size)} KV blocks; this engine has "
-                f"{lim.total_blocks}; lower max_tokens"
-            )
-        bad = next((t for t in prompt if t >= lim.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"token id {bad} is out of the vocabulary (size {lim.vocab_size})")
-        if request.request_id in self._waiting or request.request_id in self._running:
-            raise InvalidRequest(f"request id {request.request_id!r} is already running")
 
     def add(self, request: GenerationRequest) -> SimRequest:
-        """Queue a validated request; raises InvalidRequest otherwise."""
-        self.validate(request)
+        """Queue a request that passed the runtime's shared rules (so its id
+        is not held here); raises InvalidRequest if it can never fit."""
+        self.check_capacity(request)
         self._arrivals += 1
         req = SimRequest(
             request_id=request.request_id,
@@ -228,7 +217,7 @@ class SimCore:
         req = self._waiting.pop(request_id, None) or self._running.pop(request_id, None)
         if req is None:
             return False
-        self._finish(req, "abort", message)
+        self._finish(req, FinishReason.ABORT, message)
         return True
 
     def abort_all(self, message: str) -> None:
@@ -245,7 +234,8 @@ class SimCore:
         # request's cached prefix will not be prefilled, so it does not count.
         # Counting whole prompts made a warm engine under shared-prefix load
         # look ~20x busier than it is, and sticky placement spilled requests
-        # to cold engines (a full prefill each) -- BENCHMARKS.md, issue 8.
+        # to cold engines (a full prefill each): found by the router
+        # comparison in BENCHMARKS.md ("Routers side by side").
         bs = self.limits.block_size
         queued = sum(len(r.tokens) - len(self._prefix_hit(r)) * bs for r in self._waiting.values()) + sum(
             max(0, len(r.tokens) - 1 - r.num_computed) for r in self._running.values()
@@ -412,9 +402,9 @@ class SimCore:
         req.sink.push(token, text, self._logprob(token, text) if sampling.logprobs is not None else None,
                       req.stop_text.held)
         if may_stop and (is_eos or stop_id or stop_str):
-            self._finish(req, "stop")
+            self._finish(req, FinishReason.STOP)
         elif req.generated >= sampling.max_tokens:
-            self._finish(req, "length")
+            self._finish(req, FinishReason.LENGTH)
         else:
             return False
         del self._running[req.request_id]
@@ -425,7 +415,7 @@ class SimCore:
         return {"token_id": token, "token": text, "logprob": 0.0,
                 "top": [{"token_id": token, "token": text, "logprob": 0.0}]}
 
-    def _finish(self, req: SimRequest, reason: str, message: str = "") -> None:
+    def _finish(self, req: SimRequest, reason: FinishReason, message: str = "") -> None:
         self.pool.release(req.blocks)
         req.blocks = []
         req.state = RequestState.FINISHED

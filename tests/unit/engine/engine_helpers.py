@@ -4,11 +4,16 @@ and a synchronous driver for SimCore."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+
+import grpc
 
 from services.common.config import EngineConfig, MeshConfig
+from services.common.proto.kvmesh.v1 import engine_pb2_grpc
 from services.engine.backend import GenerationOutput, GenerationRequest, Sampling
+from services.engine.server import EngineService
 from services.engine.sim.core import CoreLimits, SimCore, SimRequest
 from services.engine.sim.text import TokenPicker
 from services.engine.model import SyntheticCodec
@@ -27,12 +32,28 @@ def engine_config(**overrides: object) -> EngineConfig:
     return engine
 
 
+@contextlib.asynccontextmanager
+async def started(svc: EngineService) -> AsyncIterator[EngineService]:
+    """The engine service running in-process until the block ends."""
+    await svc.start()
+    try:
+        yield svc
+    finally:
+        await svc.stop()
+
+
+@contextlib.asynccontextmanager
+async def engine_stub(svc: EngineService) -> AsyncIterator[engine_pb2_grpc.EngineStub]:
+    """A client of the running service's gRPC API."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.port}") as channel:
+        yield engine_pb2_grpc.EngineStub(channel)
+
+
 def make_core(block_size: int = 16, total_blocks: int = 64, max_running: int = 8,
-              chunk_tokens: int = 512, max_model_len: int = 4096) -> SimCore:
+              chunk_tokens: int = 512) -> SimCore:
     codec = SyntheticCodec(32000)
     limits = CoreLimits(block_size=block_size, total_blocks=total_blocks, max_running=max_running,
-                        max_model_len=max_model_len, hash_block_tokens=16, chunk_tokens=chunk_tokens,
-                        vocab_size=codec.vocab_size)
+                        hash_block_tokens=16, chunk_tokens=chunk_tokens)
     return SimCore(limits, TokenPicker(codec.clean_token_ids, codec.eos_token_id, 0.0),
                    codec.token_text, codec.eos_token_id)
 

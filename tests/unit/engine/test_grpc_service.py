@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from engine_helpers import engine_config, free_port, mesh_config, prompt_of
+from engine_helpers import engine_config, engine_stub, free_port, mesh_config, prompt_of, started
 
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine.backend import GenerationOutput
@@ -19,18 +19,14 @@ from services.engine.server import EngineService
 async def service() -> AsyncIterator[EngineService]:
     engine = engine_config()
     engine.sim.speed_factor = 0.02  # ~0.2 ms per step: streams take a little while
-    svc = EngineService(mesh_config(), engine)
-    await svc.start()
-    try:
+    async with started(EngineService(mesh_config(), engine)) as svc:
         yield svc
-    finally:
-        await svc.stop()
 
 
 @pytest.fixture
 async def stub(service: EngineService) -> AsyncIterator[engine_pb2_grpc.EngineStub]:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel:
-        yield engine_pb2_grpc.EngineStub(channel)
+    async with engine_stub(service) as client:
+        yield client
 
 
 def gen_request(rid: str, prompt: list[int], max_tokens: int = 20, **kw: object) -> engine_pb2.EngineGenerateMessage:

@@ -163,18 +163,6 @@ def test_chunked_prefill_respects_the_token_budget() -> None:
     assert steps >= 4
 
 
-@pytest.mark.parametrize(("prompt", "max_tokens", "match"), [
-    ([], 4, "empty"),
-    ([1] * 10, 0, "max_tokens"),
-    ([1] * 4000, 200, "max_model_len"),
-    ([40000], 4, "vocabulary"),
-])
-def test_invalid_requests(prompt: list[int], max_tokens: int, match: str) -> None:
-    core = make_core()
-    with pytest.raises(InvalidRequest, match=match):
-        core.add(request("x", prompt, max_tokens=max_tokens))
-
-
 def test_request_larger_than_the_engine_is_refused() -> None:
     core = make_core(total_blocks=4)
     with pytest.raises(InvalidRequest, match="KV blocks"):

@@ -1,0 +1,136 @@
+"""Starting vLLM for `VllmBackend.start()`: the engine arguments from
+kvmesh's config, what vLLM resolved (read back into BackendInfo), the warm-up
+generations, and pinning vLLM's processes to the OpenMP cores.
+
+Stateless functions; the backend owns the engine they start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from services.common.affinity import omp_cores, pin_vllm_processes
+from services.common.config import VllmConfig
+from services.engine.backend import BackendInfo, GenerationOutput, GenerationRequest, Sampling
+from services.engine.vllm_backend.vllm_api import VllmApi
+
+__all__ = ["engine_args", "pin_processes", "replay_endpoint", "resolved_info", "warm_up"]
+
+log = logging.getLogger("kvmesh.engine.vllm")
+
+_GIB = 1 << 30
+# Unix socket paths are limited to 107 bytes; longer scratch paths skip replay.
+_MAX_IPC_PATH = 100
+
+
+def replay_endpoint(scratch: Path) -> str | None:
+    """An ipc endpoint in `scratch` for vLLM's KV-event replay socket, or None
+    (no replay) when the path is too long for a Unix socket."""
+    path = scratch / "kv-replay.ipc"
+    if len(str(path)) > _MAX_IPC_PATH:
+        log.warning("scratch path too long for an ipc socket; KV replay disabled")
+        return None
+    path.unlink(missing_ok=True)
+    return f"ipc://{path}"
+
+
+def engine_args(api: VllmApi, v: VllmConfig, model_path: Path, model_name: str, max_model_len: int,
+                kv_endpoint: str | None, replay: str | None) -> Any:
+    """vLLM's AsyncEngineArgs. `kv_endpoint` None = no KV events (no prefix cache)."""
+    kv_events = None
+    if kv_endpoint is not None:
+        kv_events = api.kv_events_config(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=kv_endpoint,  # no wildcard: vLLM connects to us
+            replay_endpoint=replay,
+            topic="",
+        )
+    return api.engine_args(
+        model=str(model_path),
+        tokenizer=str(model_path),
+        served_model_name=[model_name],
+        dtype=v.dtype,
+        enforce_eager=v.enforce_eager,
+        kv_cache_memory_bytes=int(v.kv_cache_gib * _GIB),
+        max_num_seqs=v.max_num_seqs,
+        max_num_batched_tokens=v.max_num_batched_tokens or None,
+        max_model_len=max_model_len or None,
+        block_size=v.block_size or None,
+        enable_prefix_caching=v.enable_prefix_caching,
+        seed=v.seed,
+        scheduling_policy="priority",
+        kv_events_config=kv_events,
+        # Our stat logger replaces vLLM's periodic log line and Prometheus.
+        disable_log_stats=True,
+    )
+
+
+def resolved_info(llm: Any, model_name: str, hash_block_tokens: int) -> BackendInfo:
+    """What the started engine really has (vLLM resolves block size, blocks,
+    model length and vocabulary itself)."""
+    vllm_config = llm.vllm_config
+    cache = vllm_config.cache_config
+    model = vllm_config.model_config
+    block_size = int(cache.block_size)
+    if block_size % hash_block_tokens:
+        raise ValueError(
+            f"vLLM block size {block_size} is not a multiple of hash_block_tokens "
+            f"{hash_block_tokens}: set engines.template.vllm.block_size to a multiple of it"
+        )
+    return BackendInfo(
+        model=model_name,
+        block_size=block_size,
+        total_blocks=int(cache.num_gpu_blocks or 0),
+        max_running=int(vllm_config.scheduler_config.max_num_seqs),
+        max_model_len=int(model.max_model_len),
+        vocab_size=int(model.get_vocab_size()),
+    )
+
+
+async def warm_up(generate: Callable[[GenerationRequest], AsyncIterator[GenerationOutput]]) -> None:
+    """Short real generations before reporting ready: the first step, the
+    first logprobs request and the first penalised/top-k sample each pay
+    one-off costs (allocation, kernel selection, TorchScript; ~2 s for
+    logprobs here) that a client should not see."""
+    prompt = list(range(1, 17))
+    variants = [
+        Sampling(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1),
+        Sampling(
+            max_tokens=4, temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=1,
+            presence_penalty=0.1, frequency_penalty=0.1, repetition_penalty=1.1,
+            ignore_eos=True,
+        ),
+    ]
+
+    async def one(sampling: Sampling) -> None:
+        request = GenerationRequest(
+            request_id=f"kvmesh-warmup-{uuid.uuid4().hex[:8]}",
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            priority=0,
+        )
+        async for out in generate(request):
+            if out.finish_reason is not None and not out.finish_reason.ok:
+                raise RuntimeError(f"vLLM warm-up failed: {out.finish_reason} {out.message}")
+
+    await asyncio.gather(*(one(s) for s in variants))
+
+
+def pin_processes(omp_threads_bind: str) -> None:
+    """Pin vLLM's engine core and worker (children of this process) to the
+    OpenMP cores, when the binding is a core list."""
+    try:
+        cpus = omp_cores(omp_threads_bind)
+    except ValueError:
+        log.info("vLLM's processes not pinned: OpenMP binding %r is not a core list", omp_threads_bind)
+        return
+    pinned = pin_vllm_processes(os.getpid(), cpus)
+    log.info("vLLM's engine core and worker (%d processes, %d threads) pinned to cores %s",
+             len(pinned.pids), pinned.threads, ",".join(map(str, sorted(cpus))))
