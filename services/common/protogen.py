@@ -31,7 +31,7 @@ STUB_PACKAGE = "services.common.proto"
 def _include_dirs() -> list[str]:
     """grpc_tools ships google/protobuf; googleapis-common-protos ships google/api."""
     well_known = str(resources.files("grpc_tools") / "_proto")
-    import google.api.annotations_pb2 as annotations  # noqa: PLC0415 - namespace package
+    import google.api.annotations_pb2 as annotations
 
     googleapis = str(Path(annotations.__file__).resolve().parents[2])
     return [str(PROTO_ROOT), well_known, googleapis]

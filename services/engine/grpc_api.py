@@ -83,7 +83,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         # Generate calls gateways opened ahead of their next request.
         self.idle_calls = IdleCalls()
 
-    async def Generate(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+    async def Generate(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         first = await self.idle_calls.first_message(context)
         if first is grpc.aio.EOF or first.WhichOneof("msg") != "request":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -124,7 +124,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
-        except Exception as exc:  # this request failed; the engine lives on
+        except Exception as exc:  # noqa: BLE001 - this request failed (any cause); the engine lives on
             await context.write(_finished(GenerationOutput(
                 token_ids=[], text="", finish_reason=FinishReason.ERROR, message=f"engine error: {exc}")))
         finally:
@@ -141,13 +141,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     generation.cancel("cancelled by the client")
                     return
 
-    async def Abort(self, request: engine_pb2.AbortRequest,  # noqa: N802
+    async def Abort(self, request: engine_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> engine_pb2.AbortResponse:
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
         return engine_pb2.AbortResponse(found=await self._runtime.abort(request.request_id))
 
-    async def GetInfo(self, request: engine_pb2.GetInfoRequest,  # noqa: N802
+    async def GetInfo(self, request: engine_pb2.GetInfoRequest,
                       context: grpc.aio.ServicerContext) -> engine_pb2.EngineInfo:
         info = self._runtime.backend.info
         load = self._runtime.load()

@@ -195,13 +195,13 @@ class Generation:
         self._closed = True
         pump = self._pump
         if pump is None or pump.done():
-            self._runtime._unregister(self)
+            self._runtime.release(self)
             return
         pump.cancel()
         # The id stays live until the backend has let go of the request (the
         # pump closes its stream), so a request reusing it meanwhile is refused
         # here as a duplicate rather than reaching a backend that still holds it.
-        pump.add_done_callback(lambda _pump: self._runtime._unregister(self))
+        pump.add_done_callback(lambda _pump: self._runtime.release(self))
 
     async def _run_pump(self) -> None:
         stream = self._runtime.backend.generate(self.request)
@@ -289,7 +289,9 @@ class EngineRuntime:
         self.stopping = True
         self._notify()
         deadline = self.clock.monotonic() + grace_seconds
-        while self._live and self.clock.monotonic() < deadline:
+        # Polled, not awaited on an Event: the grace bound runs on the injected
+        # clock, which a timed Event wait could not follow.
+        while self._live and self.clock.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         for generation in list(self._live.values()):
             generation.hand_over("engine stopping after its drain timeout; continue on another engine")
@@ -324,7 +326,8 @@ class EngineRuntime:
             return True
         return await self.backend.abort(request_id)
 
-    def _unregister(self, generation: Generation) -> None:
+    def release(self, generation: Generation) -> None:
+        """Forget a generation (its own `close` calls this once the backend let go)."""
         if self._live.get(generation.request.request_id) is generation:
             del self._live[generation.request.request_id]
             self._notify()

@@ -25,11 +25,11 @@ from services.common.mesh_tls import add_port, identity_for
 from services.common.proto.kvmesh.v1 import engine_pb2_grpc
 from services.common.service_main import run_until_signalled
 from services.engine.backend import EngineBackend
+from services.engine.coalesce import StreamPacing
 from services.engine.grpc_api import EngineServicer
 from services.engine.http_api import OpenAIHttpServer
 from services.engine.metrics import EngineMetrics, MetricsServer
 from services.engine.model import TextCodec, load_codec, resolve_model
-from services.engine.coalesce import StreamPacing
 from services.engine.runtime import EngineRuntime
 from services.engine.scheduler_link import SchedulerLink, advertised_host
 
@@ -43,12 +43,12 @@ SERVICE_NAME = "kvmesh.v1.Engine"
 def make_backend(config: MeshConfig, engine: EngineConfig) -> EngineBackend:
     """The backend `engine.backend` names; vLLM is imported only when asked for."""
     if engine.backend == "sim":
-        from services.engine.sim import SimBackend  # noqa: PLC0415
+        from services.engine.sim import SimBackend
 
         return SimBackend(config, engine)
     if engine.backend == "vllm":
         try:
-            from services.engine.vllm_backend import VllmBackend  # noqa: PLC0415
+            from services.engine.vllm_backend import VllmBackend
         except ImportError as exc:
             raise ConfigError(
                 f"engine.backend: 'vllm' needs services.engine.vllm_backend and vLLM installed "
@@ -94,7 +94,7 @@ class EngineService:
         self._http: OpenAIHttpServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def _safe_load(self):  # noqa: ANN202 - LoadSnapshot; metrics scrape before start
+    def _safe_load(self):
         return self.runtime.load()
 
     @property

@@ -55,7 +55,7 @@ class EventStream:
             await self._queue.put(exc)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - any bug must end the stream, not hang it
+        except Exception as exc:
             log.exception("generation driver failed")
             await self._queue.put(GatewayError(ErrorKind.INTERNAL, f"internal error: {type(exc).__name__}"))
         await self._queue.put(self._END)

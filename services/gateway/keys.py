@@ -65,7 +65,8 @@ class KeyStore:
             )
         principal = self._by_digest.get(hashlib.sha256(raw_key.encode()).hexdigest())
         if principal is None:
-            raise GatewayError(ErrorKind.UNAUTHENTICATED, "invalid API key: check the key you send", code="invalid_api_key")
+            raise GatewayError(
+                ErrorKind.UNAUTHENTICATED, "invalid API key: check the key you send", code="invalid_api_key")
         return principal
 
     @staticmethod

@@ -214,7 +214,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     # ------------------------------------------------------------ Admit
 
-    async def Admit(self, request_iterator, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]  # noqa: N802
+    async def Admit(self, request_iterator, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
         first = await self._idle_calls.first_message(context)
         if first is grpc.aio.EOF:
             return
@@ -297,7 +297,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     # ------------------------------------------------------------ Connect
 
-    async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]  # noqa: N802
+    async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
         first = await context.read()
         if first is grpc.aio.EOF:
             return
@@ -361,6 +361,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     # ------------------------------------------------------------ GetState
 
-    async def GetState(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+    async def GetState(self, request, context):  # type: ignore[no-untyped-def]
         return _state_proto(self.core.state())
 

@@ -103,7 +103,7 @@ class KvIndex:
 
     def prefix_matches(self, prefix: Sequence[int], engines: Iterable[str]) -> dict[str, int]:
         """Per engine, how many leading hashes of `prefix` it holds (0 if none)."""
-        alive = {e: 0 for e in engines}
+        alive = dict.fromkeys(engines, 0)
         candidates = set(alive)
         for i, h in enumerate(prefix):
             holders = self._holders.get(h)

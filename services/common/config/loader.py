@@ -83,6 +83,12 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
         _, item = typing.get_args(tp)
         return {str(k): _convert(item, v, f"{where}.{k}") for k, v in value.items()}
+    return _convert_scalar(tp, value, where)
+
+
+def _convert_scalar(tp: Any, value: Any, where: str) -> Any:
+    """`value` as one of the scalars a YAML document holds. bool is checked
+    apart from int: YAML's `true` must not pass as the integer 1."""
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true or false, got {value!r}")

@@ -23,8 +23,8 @@ from services.engine.backend import (
     Sampling,
 )
 from services.engine.model import DEFAULT_MAX_MODEL_LEN, TextCodec, load_codec, resolve_model
-from services.engine.sim.cost_model import step_seconds
 from services.engine.sim.core import CoreLimits, SimCore
+from services.engine.sim.cost_model import step_seconds
 from services.engine.sim.text import TokenPicker
 
 __all__ = ["SimBackend"]

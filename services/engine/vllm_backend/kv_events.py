@@ -16,6 +16,7 @@ translator is cleared (reported as `cleared`) and rebuilds from later events.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -75,10 +76,8 @@ class KvEventSubscriber:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
             self._task = None
         self._sub.close(linger=0)
         self._ctx.term()

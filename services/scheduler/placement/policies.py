@@ -93,7 +93,7 @@ class PrefixSource(Protocol):
 
 class _NoPrefix:
     def prefix_matches(self, prefix: Sequence[int], engines: Iterable[str]) -> dict[str, int]:
-        return {e: 0 for e in engines}
+        return dict.fromkeys(engines, 0)
 
 
 class ApproxPrefixMemory:
@@ -120,7 +120,7 @@ class ApproxPrefixMemory:
             engines.discard(engine_id)
 
     def prefix_matches(self, prefix: Sequence[int], engines: Iterable[str]) -> dict[str, int]:
-        result = {e: 0 for e in engines}
+        result = dict.fromkeys(engines, 0)
         candidates = set(result)
         for i, h in enumerate(prefix):
             candidates &= self._sent.get(h, set())

@@ -17,7 +17,7 @@ HI = [{"role": "user", "content": "hi"}]
 
 
 def _model(directory: Path, tok_config: dict, template_file: str | None = None, config: dict | None = None) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors  # noqa: PLC0415
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
     words = ["<s>", "</s>", "<unk>", "hi", "user", "assistant", ":", "A", "B"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
@@ -79,5 +79,5 @@ def test_context_length_and_missing_files(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="unreadable JSON"):
         context_length(tmp_path)
-    with pytest.raises(ConfigError, match="no tokenizer.json"):
+    with pytest.raises(ConfigError, match=r"no tokenizer\.json"):
         HfTokenizer(tmp_path / "nowhere")

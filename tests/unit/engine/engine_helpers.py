@@ -13,10 +13,10 @@ import grpc
 from services.common.config import EngineConfig, MeshConfig
 from services.common.proto.kvmesh.v1 import engine_pb2_grpc
 from services.engine.backend import GenerationOutput, GenerationRequest, Sampling
+from services.engine.model import SyntheticCodec
 from services.engine.server import EngineService
 from services.engine.sim.core import CoreLimits, SimCore, SimRequest
 from services.engine.sim.text import TokenPicker
-from services.engine.model import SyntheticCodec
 
 
 def mesh_config() -> MeshConfig:

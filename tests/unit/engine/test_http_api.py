@@ -82,7 +82,7 @@ async def test_render_endpoints_return_the_prompt_token_ids(http) -> None:
     assert svc.backend.load().running == 0
 
 
-async def test_engine_only_fields_and_error_shape(http) -> None:  # noqa: ANN001
+async def test_engine_only_fields_and_error_shape(http) -> None:
     # Peers and load generators may leave out the model (the engine serves one)
     # and send vLLM's extensions; errors are the gateway's OpenAI error JSON.
     _, base = http

@@ -52,8 +52,8 @@ def backend(script: list[Any]) -> tuple[VllmBackend, FakeLlm]:
     config = MeshConfig(models=[ModelConfig(name="m", path="/nonexistent")])
     b = VllmBackend(config, EngineConfig(backend="vllm", model="m"))
     llm = FakeLlm(script)
-    b._llm = llm  # noqa: SLF001 - started by hand, without vLLM
-    b._api = VllmApi(async_llm=None, engine_args=None, kv_events_config=None,  # noqa: SLF001
+    b._llm = llm
+    b._api = VllmApi(async_llm=None, engine_args=None, kv_events_config=None,
                      tokens_prompt=dict, sampling_params=lambda **kw: kw, delta="delta",
                      kv_event_batch=None, client_error=ClientError)
     return b, llm
