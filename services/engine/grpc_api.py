@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import cast
 
 import grpc
 
@@ -38,16 +39,22 @@ log = logging.getLogger(__name__)
 def request_from_proto(msg: engine_pb2.EngineRequest) -> GenerationRequest:
     s = msg.sampling
 
-    def opt(name: str) -> object:
-        return getattr(s, name) if s.HasField(name) else None
+    # Optional (proto3 `optional`) fields: None when unset.
+    def opt_float(name: str) -> float | None:
+        return cast(float, getattr(s, name)) if s.HasField(name) else None
+
+    def opt_int(name: str) -> int | None:
+        return cast(int, getattr(s, name)) if s.HasField(name) else None
 
     sampling = Sampling(
         max_tokens=s.max_tokens,
-        temperature=opt("temperature"), top_p=opt("top_p"), top_k=opt("top_k"), min_p=opt("min_p"),
+        temperature=opt_float("temperature"), top_p=opt_float("top_p"), top_k=opt_int("top_k"),
+        min_p=opt_float("min_p"),
         min_tokens=s.min_tokens, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
-        seed=opt("seed"), presence_penalty=opt("presence_penalty"),
-        frequency_penalty=opt("frequency_penalty"), repetition_penalty=opt("repetition_penalty"),
-        logprobs=opt("logprobs"), ignore_eos=s.ignore_eos,
+        seed=opt_int("seed"), presence_penalty=opt_float("presence_penalty"),
+        frequency_penalty=opt_float("frequency_penalty"),
+        repetition_penalty=opt_float("repetition_penalty"),
+        logprobs=opt_int("logprobs"), ignore_eos=s.ignore_eos,
     )
     return GenerationRequest(
         request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids), sampling=sampling,
@@ -100,7 +107,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         # One line per request, keyed by the gateway's id (x-request-id).
         log.info("request %s started (%d prompt tokens, priority %d)", request.request_id,
                  len(request.prompt_token_ids), request.priority)
-        context.add_done_callback(lambda _ctx: generation.cancel("the client closed the call"))
+        context.add_done_callback(
+            lambda _ctx: generation.cancel("the client closed the call"))  # type: ignore[arg-type]  # types-grpcio: a class no function matches
         reader = asyncio.create_task(self._read_cancel(context, generation))
         try:
             await self._stream(generation, context)

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from services.common.clock import Clock, SystemClock
@@ -150,7 +150,7 @@ class Generation:
         # so the gateway migrates the stream from its next token.
         self.handed_over = False
 
-    async def outputs(self) -> AsyncIterator[GenerationOutput]:
+    async def outputs(self) -> AsyncGenerator[GenerationOutput, None]:
         """Merged outputs; the last has finish_reason set. Raises
         InvalidRequest before any output if the backend refuses the request."""
         if not self._buffer.closed:  # cancelled before it began: never start the backend

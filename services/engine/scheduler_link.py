@@ -25,7 +25,9 @@ import contextlib
 import logging
 import socket
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeAlias, cast
 
 import grpc
 
@@ -43,6 +45,12 @@ BACKOFF_INITIAL_SECONDS = 0.05
 BACKOFF_MAX_SECONDS = 2.0
 # Pending KV hashes beyond this are replaced by a snapshot (bounded memory).
 MAX_PENDING_HASHES = 200_000
+
+# The engine's side of Scheduler.Connect (a string: grpc.aio's call classes are
+# generic only in the type stubs).
+_ConnectCall: TypeAlias = (
+    "grpc.aio.StreamStreamCall[scheduler_pb2.EngineMessage, scheduler_pb2.SchedulerCommand]"
+)
 
 
 def advertised_host(host: str) -> str:
@@ -104,8 +112,8 @@ class KvEventLog:
     def __bool__(self) -> bool:
         return bool(self._batches)
 
-    def _open(self, fits: object) -> _Batch:
-        if not self._batches or not fits(self._batches[-1]):  # type: ignore[operator]
+    def _open(self, fits: Callable[[_Batch], bool]) -> _Batch:
+        if not self._batches or not fits(self._batches[-1]):
             self._batches.append(_Batch())
         return self._batches[-1]
 
@@ -238,7 +246,7 @@ class SchedulerLink:
             backend=self._backend_name, http_address=self._http_address,
         )
 
-    async def _send_snapshot(self, call: grpc.aio.StreamStreamCall) -> None:
+    async def _send_snapshot(self, call: _ConnectCall) -> None:
         # Synchronous from here to the message's creation: no event can slip
         # between the snapshot and the log reset.
         hashes = self._runtime.kv_snapshot()
@@ -247,11 +255,13 @@ class SchedulerLink:
         snapshot = scheduler_pb2.KvSnapshot(seq=self._seq, hashes=hashes)
         await call.write(scheduler_pb2.EngineMessage(kv_snapshot=snapshot))
 
-    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+    async def _read(self, call: _ConnectCall) -> None:
         while True:
-            command = await call.read()
-            if command is grpc.aio.EOF:
+            message = await call.read()
+            if message is grpc.aio.EOF:
                 return
+            # grpc.aio types read() as object (EOF or the response).
+            command = cast(scheduler_pb2.SchedulerCommand, message)
             kind = command.WhichOneof("cmd")
             if kind == "drain":
                 self._runtime.drain()
@@ -259,7 +269,7 @@ class SchedulerLink:
                 self._resync = True
                 self._wake.set()
 
-    async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
+    async def _write(self, call: _ConnectCall) -> None:
         loop = asyncio.get_running_loop()
         await self._send_load(call)
         last_load = loop.time()
@@ -284,7 +294,7 @@ class SchedulerLink:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=due - now)
 
-    async def _send_load(self, call: grpc.aio.StreamStreamCall) -> None:
+    async def _send_load(self, call: _ConnectCall) -> None:
         self._changed = False
         load = self._runtime.load()
         report = scheduler_pb2.LoadReport(

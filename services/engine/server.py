@@ -17,14 +17,16 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import grpc
+
 from services.common.clock import Clock, SystemClock
 from services.common.config import ConfigError, EngineConfig, MeshConfig
 from services.common.gc_heap import freeze_startup_heap
-from services.common.grpc_server import make_server
+from services.common.grpc_server import HealthReporter, make_server
 from services.common.mesh_tls import add_port, identity_for
 from services.common.proto.kvmesh.v1 import engine_pb2_grpc
 from services.common.service_main import run_until_signalled
-from services.engine.backend import EngineBackend
+from services.engine.backend import EngineBackend, LoadSnapshot
 from services.engine.coalesce import StreamPacing
 from services.engine.grpc_api import EngineServicer
 from services.engine.http_api import OpenAIHttpServer
@@ -87,14 +89,14 @@ class EngineService:
         self.runtime = EngineRuntime(self.backend, self.metrics, self.clock, pacing)
         self.port = 0
         self.link: SchedulerLink | None = None
-        self._server = None
+        self._server: grpc.aio.Server | None = None
         self._servicer: EngineServicer | None = None
-        self._health = None
+        self._health: HealthReporter | None = None
         self._metrics_server: MetricsServer | None = None
         self._http: OpenAIHttpServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def _safe_load(self):
+    def _safe_load(self) -> LoadSnapshot:
         return self.runtime.load()
 
     @property
@@ -106,14 +108,15 @@ class EngineService:
         register with the scheduler. Returns the bound gRPC port."""
         engine = self.engine
         identity = identity_for(self.config, "engine")
-        self._server, self._health = make_server([SERVICE_NAME], identity)
-        await self._health.set_serving(False)  # an explicit NOT_SERVING, not NOT_FOUND
+        server, health = make_server([SERVICE_NAME], identity)
+        self._server, self._health = server, health
+        await health.set_serving(False)  # an explicit NOT_SERVING, not NOT_FOUND
         self._servicer = EngineServicer(self.runtime, engine.engine_id, engine.backend)
-        engine_pb2_grpc.add_EngineServicer_to_server(self._servicer, self._server)
-        self.port = add_port(self._server, f"{engine.host}:{engine.port}", identity)
+        engine_pb2_grpc.add_EngineServicer_to_server(self._servicer, server)
+        self.port = add_port(server, f"{engine.host}:{engine.port}", identity)
         if not self.port:
             raise OSError(f"engine.port: cannot bind {engine.host}:{engine.port}")
-        await self._server.start()
+        await server.start()
         try:
             if engine.metrics_port:
                 self._metrics_server = MetricsServer(self.metrics)
@@ -131,7 +134,7 @@ class EngineService:
                 # Before SERVING: the one full collection (~0.3 s with vLLM
                 # loaded) must not stall requests already placed here.
                 freeze_startup_heap()
-            await self._health.set_serving(True)
+            await health.set_serving(True)
             self.runtime.add_listener(self._sync_health)
             if engine.scheduler_address:
                 self.link = SchedulerLink(self.config, engine, self.runtime, self.address,

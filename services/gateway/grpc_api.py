@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import grpc
 
@@ -53,7 +53,8 @@ def event_to_proto(request_id: str, event: Event) -> inference_pb2.GenerateEvent
             queued=inference_pb2.QueuedEvent(
                 position=event.position,
                 estimated_wait_seconds=event.estimated_wait_seconds,
-                priority=priority_to_proto(event.priority),
+                # priority_to_proto returns one of the Priority values, typed int.
+                priority=cast(inference_pb2.Priority, priority_to_proto(event.priority)),
             ),
         )
     if isinstance(event, Finished):

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any, TypeAlias, TypeVar, cast
 
 import grpc
 
@@ -58,6 +60,24 @@ _COMMANDS = {
 
 # Marks the end of an Admit stream's client side (EOF, cancel or read error).
 _CLIENT_GONE = object()
+
+# The servicer contexts of the two streams (strings: grpc.aio's classes are
+# generic only in the type stubs).
+_AdmitContext: TypeAlias = (
+    "grpc.aio.ServicerContext[scheduler_pb2.AdmitClientMessage, scheduler_pb2.AdmitServerMessage]"
+)
+_ConnectContext: TypeAlias = (
+    "grpc.aio.ServicerContext[scheduler_pb2.EngineMessage, scheduler_pb2.SchedulerCommand]"
+)
+
+_In = TypeVar("_In")
+
+
+async def _read(context: grpc.aio.ServicerContext[_In, Any]) -> _In | None:
+    """The client's next message, or None at the end of its stream: grpc.aio
+    returns EOF there, which the type stubs leave out of `read()`."""
+    msg: object = await context.read()
+    return None if msg is grpc.aio.EOF else cast(_In, msg)
 
 
 class ProtocolError(Exception):
@@ -214,7 +234,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     # ------------------------------------------------------------ Admit
 
-    async def Admit(self, request_iterator, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+    async def Admit(
+        self, request_iterator: AsyncIterator[scheduler_pb2.AdmitClientMessage], context: _AdmitContext
+    ) -> None:
         first = await self._idle_calls.first_message(context)
         if first is grpc.aio.EOF:
             return
@@ -250,7 +272,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 item = box.get_nowait() if not box.empty() else await box.get()
                 if item is _CLIENT_GONE:
                     return
-                await context.write(_to_proto(item))  # type: ignore[arg-type]
+                # Mailboxes hold notices and the _CLIENT_GONE sentinel only.
+                await context.write(_to_proto(cast(Notice, item)))
                 if isinstance(item, RejectedInfo):
                     return
         finally:
@@ -260,15 +283,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self.deliver(self.core.handle(ev.StreamClosed(request_id)))
 
     async def _read_admit(
-        self, request_id: str, context: grpc.aio.ServicerContext, box: asyncio.Queue[object]
+        self, request_id: str, context: _AdmitContext, box: asyncio.Queue[object]
     ) -> None:
         """Client messages after the request. EOF is treated as the client
         leaving: a cancelled call looks like a half-close to the reader, and
         the protocol half-closes only after `done`, when nothing is left."""
         try:
             while True:
-                msg = await context.read()
-                if msg is grpc.aio.EOF:
+                msg = await _read(context)
+                if msg is None:
                     return
                 self._on_admit_message(request_id, msg, box)
         except asyncio.CancelledError:
@@ -297,9 +320,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     # ------------------------------------------------------------ Connect
 
-    async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
-        first = await context.read()
-        if first is grpc.aio.EOF:
+    async def Connect(
+        self, request_iterator: AsyncIterator[scheduler_pb2.EngineMessage], context: _ConnectContext
+    ) -> None:
+        first = await _read(context)
+        if first is None:
             return
         if first.WhichOneof("msg") != "hello":
             await context.abort(
@@ -321,8 +346,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         try:
             self.deliver(joined)
             while True:
-                msg = await context.read()
-                if msg is grpc.aio.EOF:
+                msg = await _read(context)
+                if msg is None:
                     return
                 self._on_engine_message(info.engine_id, channel, msg)
         finally:
@@ -350,7 +375,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             log.warning("engine %s sent a second hello on one stream; ignored", engine_id)
 
     @staticmethod
-    async def _write_commands(context: grpc.aio.ServicerContext, channel: _EngineChannel) -> None:
+    async def _write_commands(context: _ConnectContext, channel: _EngineChannel) -> None:
         try:
             while True:
                 await context.write(await channel.commands.get())
@@ -361,6 +386,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     # ------------------------------------------------------------ GetState
 
-    async def GetState(self, request, context):  # type: ignore[no-untyped-def]
+    async def GetState(
+        self,
+        request: scheduler_pb2.GetStateRequest,
+        context: grpc.aio.ServicerContext[scheduler_pb2.GetStateRequest, scheduler_pb2.SchedulerState],
+    ) -> scheduler_pb2.SchedulerState:
         return _state_proto(self.core.state())
 

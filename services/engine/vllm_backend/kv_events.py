@@ -49,7 +49,7 @@ class KvEventSubscriber:
     ) -> None:
         self._translator: KvTranslator | None = None
         self._sink = sink
-        self._decoder = msgspec.msgpack.Decoder(type=batch_type)
+        self._decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(type=batch_type)
         self._ctx = zmq.asyncio.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -113,19 +113,23 @@ class KvEventSubscriber:
                 self.gaps += 1
                 log.warning("kv events: gap, expected seq %d got %d", self._next_seq, seq)
                 if not await self._replay(self._next_seq, seq):
-                    self._sink(self._translator.clear())
+                    self._sink(self._require_translator().clear())
             self._apply(seq, payload)
 
-    def _apply(self, seq: int, payload: bytes) -> None:
+    def _require_translator(self) -> KvTranslator:
         if self._translator is None:
             raise RuntimeError("KvEventSubscriber.start() was not called")
+        return self._translator
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        translator = self._require_translator()
         try:
             batch = self._decoder.decode(payload)
         except msgspec.DecodeError:
             log.exception("kv events: undecodable batch %d; clearing", seq)
-            delta = self._translator.clear()
+            delta = translator.clear()
         else:
-            delta = self._translator.apply(batch.events)
+            delta = translator.apply(batch.events)
         self._next_seq = seq + 1
         self.batches += 1
         if not delta.empty():

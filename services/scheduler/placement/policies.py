@@ -31,7 +31,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Literal, Protocol, cast
 
 from services.common.config import ConfigError, PolicyProfileConfig, SchedulerConfig
 
@@ -65,10 +65,12 @@ _DEFAULT_FILTERS = [
 def builtin_profiles() -> dict[str, PolicyProfileConfig]:
     """The built-in policies as profiles (a fresh copy each call)."""
 
-    def profile(scorers: dict[str, float], picker: str, source: str) -> PolicyProfileConfig:
+    def profile(
+        scorers: dict[str, float], picker: str, source: Literal["kv_index", "approx", "none"]
+    ) -> PolicyProfileConfig:
         return PolicyProfileConfig(
             filters=list(_DEFAULT_FILTERS), scorers=scorers, picker=picker,
-            prefix_source=source,  # type: ignore[arg-type]
+            prefix_source=source,
         )
 
     return {
@@ -137,7 +139,9 @@ def _with_request_fields(view: EngineView, **fields: int) -> EngineView:
     cost of every placement decision (scripts/bench_scheduler.py); a copy of
     the field dict is ~0.7 us and yields an equal, still-frozen view."""
     if not hasattr(view, "__dict__"):  # a slotted subclass: take the slow, general path
-        return dataclasses.replace(view, **fields)
+        # The dataclass plugin checks each keyword against every field's type;
+        # the callers pass only EngineView's int fields.
+        return dataclasses.replace(view, **cast("dict[str, Any]", fields))
     out = object.__new__(type(view))
     out.__dict__.update(view.__dict__)
     out.__dict__.update(fields)
