@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.bench.cli import bench, token_counter  # noqa: E402
-from services.bench.profiles import apply_profile, load_profile  # noqa: E402
+from services.engine.sim.profiles import apply_profile, load_profile  # noqa: E402
 from services.bench.report import format_summary  # noqa: E402
 from services.bench.runner import Target, run_workload  # noqa: E402
 from services.bench.workloads import (  # noqa: E402

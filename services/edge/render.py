@@ -43,7 +43,7 @@ from typing import Any
 
 import yaml
 
-from services.edge.devcerts import DEFAULT_DIR as DEV_CERT_DIR
+from services.tools.devcerts import DEFAULT_DIR as DEV_CERT_DIR
 from services.edge.topology import GatewayEndpoint, Topology, TopologyError, load_topology
 
 __all__ = ["ENVOY_DIR", "PUBLIC_GRPC_PREFIXES", "RENDERED_DIR", "main", "render", "render_yaml", "rendered_path_for"]

@@ -40,7 +40,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.affinity import descendants, omp_cores, pin_threads
 from services.common.config import ApiKeyConfig, ConfigError, MeshConfig, config_from_dict
 from services.common.mesh_tls import ROLES, MeshIdentity, identity_for, mesh_cert_dir, server_name, sync_channel
-from services.edge.devcerts import ensure_dev_certs, ensure_mesh_certs
+from services.tools.devcerts import ensure_dev_certs, ensure_mesh_certs
 from services.edge.render import render_yaml
 from services.edge.topology import (
     AdminSpec,

@@ -26,7 +26,7 @@ from services.common.proto.kvmesh.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from services.edge.devcerts import ensure_mesh_certs
+from services.tools.devcerts import ensure_mesh_certs
 from services.launcher.mesh import Mesh
 
 MODEL = "tiny-llama"

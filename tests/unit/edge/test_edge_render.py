@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.edge.devcerts import ensure_dev_certs
+from services.tools.devcerts import ensure_dev_certs
 from services.edge.render import ENVOY_DIR, main, render, render_yaml, rendered_path_for
 from services.edge.topology import Topology, TopologyError, load_topology
 from services.launcher.mesh import envoy_binary
