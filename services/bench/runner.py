@@ -66,11 +66,10 @@ async def resolve_model(session: aiohttp.ClientSession, base_url: str, api_key: 
     return str(data[0]["id"])
 
 
-async def _one_turn(
-    session: aiohttp.ClientSession, target: Target, conv: Conversation, turn: int,
-    messages: list[dict[str, str]], t0: float, result: RequestResult,
-) -> str:
-    """Send one turn, fill `result`; returns the assistant's text."""
+def _request(
+    target: Target, conv: Conversation, turn: int, messages: list[dict[str, str]],
+) -> tuple[dict, dict[str, str]]:
+    """The body and headers of one turn's streamed chat request."""
     body: dict = {
         "model": target.model, "messages": messages, "stream": True,
         "max_tokens": conv.turns[turn].max_tokens, "stream_options": {"include_usage": True},
@@ -84,6 +83,26 @@ async def _one_turn(
         headers[target.priority_header] = str(conv.priority)
         if target.priority_in_body:
             body["priority"] = conv.priority
+    return body, headers
+
+
+def _settle_usage(result: RequestResult, usage: dict) -> None:
+    """Token counts from the stream's usage chunk; ok once content arrived
+    (or nothing was to be generated)."""
+    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    result.completion_tokens = int(usage.get("completion_tokens") or 0)
+    result.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    result.ok = result.ttft is not None or result.completion_tokens == 0
+    if not result.ok:
+        result.error = "no content chunk before the end of the stream"
+
+
+async def _one_turn(
+    session: aiohttp.ClientSession, target: Target, conv: Conversation, turn: int,
+    messages: list[dict[str, str]], t0: float, result: RequestResult,
+) -> str:
+    """Send one turn, fill `result`; returns the assistant's text."""
+    body, headers = _request(target, conv, turn, messages)
     sent = time.monotonic()
     result.start = sent - t0
     text: list[str] = []
@@ -120,12 +139,7 @@ async def _one_turn(
     if not usage:
         result.error = "stream ended without a usage chunk (include_usage)"
         return "".join(text)
-    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-    result.completion_tokens = int(usage.get("completion_tokens") or 0)
-    result.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    result.ok = result.ttft is not None or result.completion_tokens == 0
-    if not result.ok:
-        result.error = "no content chunk before the end of the stream"
+    _settle_usage(result, usage)
     return "".join(text)
 
 
