@@ -1,4 +1,4 @@
-"""Routers side by side over the SAME sim engines (issue 8).
+"""Routers side by side over the SAME sim engines (BENCHMARKS.md, "Routers side by side").
 
 Starts one mesh -- scheduler, N sim engines (each also serving its own
 OpenAI HTTP endpoint and vLLM-named metrics), a gateway and Envoy -- with the

@@ -1,7 +1,7 @@
 """Scheduler overhead: placement decision latency at 1,000 admissions/s with
-32 engines, in-process (issue 8).
+32 engines, in-process (BENCHMARKS.md, "Scheduler overhead").
 
-Drives one `SchedulerCore` exactly as services/scheduler/service.py does --
+Drives one `SchedulerCore` exactly as services/scheduler/grpc_api.py does --
 `admit()` then `dispatch()` for a new request, `done()` when it ends,
 `engine_load()` for every load report, `tick()` every 100 ms -- on a fake
 clock that advances with a seeded Poisson arrival process, and times every
@@ -38,7 +38,7 @@ from services.common.config import MeshConfig  # noqa: E402
 from services.common.prefix_hash import block_hashes  # noqa: E402
 from services.scheduler.core import SchedulerCore  # noqa: E402
 from services.scheduler.records import AdmitOptions  # noqa: E402
-from services.scheduler.registry import EngineInfo, EngineLoad  # noqa: E402
+from services.scheduler.engine_registry import EngineInfo, EngineLoad  # noqa: E402
 
 POLICIES = ["round_robin", "least_load", "prefix_approx", "kv_precise", "sticky_until_saturated"]
 MODEL = "m"
