@@ -52,7 +52,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.bench.cli import bench, token_counter  # noqa: E402
-from services.engine.sim.profiles import apply_profile, load_profile  # noqa: E402
 from services.bench.report import format_summary  # noqa: E402
 from services.bench.runner import Target, run_workload  # noqa: E402
 from services.bench.workloads import (  # noqa: E402
@@ -65,6 +64,7 @@ from services.bench.workloads import (  # noqa: E402
 )
 from services.common.config import MeshConfig, load_config  # noqa: E402
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+from services.engine.sim.profiles import apply_profile, load_profile  # noqa: E402
 from services.launcher.mesh import Mesh, MeshOptions  # noqa: E402
 from services.launcher.ports import free_port  # noqa: E402
 

@@ -37,8 +37,8 @@ from services.common.clock import FakeClock  # noqa: E402
 from services.common.config import MeshConfig  # noqa: E402
 from services.common.prefix_hash import block_hashes  # noqa: E402
 from services.scheduler.core import SchedulerCore  # noqa: E402
-from services.scheduler.records import AdmitOptions  # noqa: E402
 from services.scheduler.engine_registry import EngineInfo, EngineLoad  # noqa: E402
+from services.scheduler.records import AdmitOptions  # noqa: E402
 
 POLICIES = ["round_robin", "least_load", "prefix_approx", "kv_precise", "sticky_until_saturated"]
 MODEL = "m"

@@ -24,8 +24,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.engine.sim.profiles import apply_profile, load_profile  # noqa: E402
 from services.common.config import load_config  # noqa: E402
+from services.engine.sim.profiles import apply_profile, load_profile  # noqa: E402
 from services.launcher.mesh import Mesh, MeshOptions  # noqa: E402
 
 MODEL = "tiny-llama"
