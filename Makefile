@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml scripts/setup.sh services/models/build.py
 
 # Regenerate the protobuf stubs and Envoy's descriptor set from protos/.
 protos: setup
-	$(BIN)/python -m services.common.protogen
+	$(BIN)/python -m services.tools.protogen
 
 # Re-render the checked-in Envoy configs from their topologies.
 render: setup

@@ -1,4 +1,4 @@
-"""What the mesh adds over calling an engine directly (issue 5).
+"""What the mesh adds over calling an engine directly (BENCHMARKS.md, "Gateway overhead").
 
 Zero-cost sim engines (`speed_factor 0`: a step costs only its Python time),
 no Envoy: the figures are the gateway + scheduler overhead alone. One run,

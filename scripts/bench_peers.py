@@ -1,4 +1,4 @@
-"""Routers side by side over the SAME sim engines (issue 8).
+"""Routers side by side over the SAME sim engines (BENCHMARKS.md, "Routers side by side").
 
 Starts one mesh -- scheduler, N sim engines (each also serving its own
 OpenAI HTTP endpoint and vLLM-named metrics), a gateway and Envoy -- with the
@@ -52,7 +52,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.bench.cli import bench, token_counter
-from services.bench.profiles import apply_profile, load_profile
 from services.bench.report import format_summary
 from services.bench.runner import Target, run_workload
 from services.bench.workloads import (
@@ -65,6 +64,7 @@ from services.bench.workloads import (
 )
 from services.common.config import MeshConfig, load_config
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.engine.sim.profiles import apply_profile, load_profile
 from services.launcher.mesh import Mesh, MeshOptions
 from services.launcher.ports import free_port
 

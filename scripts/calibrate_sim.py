@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.bench.profiles import check_profile, load_profile
+from services.engine.sim.profiles import check_profile, load_profile
 
 OPS = ["input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
        "mlp_up_proj", "mlp_act", "mlp_down_proj", "add", "add"]

@@ -18,8 +18,8 @@ front of a short distinct question instead (the shared-prefix case of
 BENCHMARKS.md's router comparison: the context is cached, the path's cost per
 prompt token shows). `--chat` sends the context as a system message to
 /v1/chat/completions. Prints TTFT p50 / mean per point and the differences.
-This is how BENCHMARKS.md (issue 4) found Envoy's threads waiting behind
-vLLM's polling core.
+This is how BENCHMARKS.md's comparison of kvmesh with vLLM's own server found
+Envoy's threads waiting behind vLLM's polling core.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.bench.profiles import apply_profile, load_profile
 from services.common.config import load_config
+from services.engine.sim.profiles import apply_profile, load_profile
 from services.launcher.mesh import Mesh, MeshOptions
 
 MODEL = "tiny-llama"

@@ -15,7 +15,7 @@ Certificates: role = subject CN `kvmesh-<role>`; each also names
 context's `server_hostname`): a gateway dialing an engine knows it reached an
 engine, wherever that engine's address points. Certificates need both server
 and client auth: every service is both. `kvmesh up` generates a development
-set (`services/edge/devcerts.py`, `ensure_mesh_certs`) unless
+set (`services/tools/devcerts.py`, `ensure_mesh_certs`) unless
 `mesh_tls.cert_dir` names a folder of your own with the same file names.
 """
 

@@ -146,7 +146,7 @@ class TranscoderSpec:
     /v1/generate as SSE via stream_sse_style_delimited) for browsers."""
 
     enabled: bool = True
-    # Descriptor set from `python -m services.common.protogen`. Relative to
+    # Descriptor set from `python -m services.tools.protogen`. Relative to
     # Envoy's working directory (the repository root); the launcher renders
     # an absolute path.
     descriptor: str = "envoy/kvmesh.pb"

@@ -26,8 +26,8 @@ from services.common.proto.kvmesh.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from services.edge.devcerts import ensure_mesh_certs
 from services.launcher.mesh import Mesh
+from services.tools.devcerts import ensure_mesh_certs
 
 MODEL = "tiny-llama"
 TIMEOUT = 30.0

@@ -2,13 +2,14 @@
 one vLLM engine serving the tiny random-weight Llama, all real processes on
 free ports. ONE mesh for this module (vLLM starts in ~30-60 s here).
 
-What it shows (issue 4): streamed answers; a client leaving mid-stream is an
-abort inside vLLM and its blocks are free in the next load report; a repeated
-long prompt is served from vLLM's prefix cache (`usage` says so); vLLM's KV
-events reach the scheduler's index, in the shared 16-token hash space; a
-request's priority reaches vLLM's own scheduler; the engine's vLLM-named
-metrics carry vLLM's live values. Behaviour only, never speed; every wait is
-event-driven with a generous timeout.
+What it shows (the behaviour behind BENCHMARKS.md's comparison with vLLM's own
+server): streamed answers; a client leaving mid-stream is an abort inside vLLM
+and its blocks are free in the next load report; a repeated long prompt is
+served from vLLM's prefix cache (`usage` says so); vLLM's KV events reach the
+scheduler's index, in the shared 16-token hash space; a request's priority
+reaches vLLM's own scheduler; the engine's vLLM-named metrics carry vLLM's live
+values. Behaviour only, never speed; every wait is event-driven with a generous
+timeout.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Streams through a real gateway process (issue 5): backpressure and disconnects.
+"""Streams through a real gateway process: backpressure and disconnects.
 
 One mesh of real processes for the module -- scheduler, one zero-cost sim
 engine (`speed_factor 0`: tokens come as fast as the engine's Python loop

@@ -28,7 +28,7 @@ chunks of 512, 29,206 16-token blocks. `scripts/calibrate_sim.py` derives
 them and `--check` compares the sim's step times with the source's own:
 decode batches 1-128 within 3%, prefill of 384+ tokens within 8%, small
 prefill chunks (128-256 tokens) 18-25% high (the additive model cannot bend
-at the memory-bound knee). services/bench/profiles.py applies a profile.
+at the memory-bound knee). services/engine/sim/profiles.py applies a profile.
 
 The constants live in `SimCostConfig` (services/common/config/engines.py).
 `speed_factor` multiplies every cost; 0 makes the simulator free (a step still

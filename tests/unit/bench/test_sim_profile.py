@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.profiles import apply_profile, check_profile, load_profile
 from services.common.config import ConfigError, MeshConfig
+from services.engine.sim.profiles import apply_profile, check_profile, load_profile
 
 PROFILE = Path(__file__).resolve().parents[3] / "config" / "sim-profiles" / "llama3-8b-a100.yaml"
 

@@ -13,7 +13,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from services.common.config import ConfigError, MeshConfig
 from services.common.mesh_tls import METHOD_ROLES, ROLES, MeshIdentity, identity_for, server_name
 from services.common.proto.kvmesh.v1 import engine_pb2, inference_pb2, scheduler_pb2
-from services.edge.devcerts import ensure_mesh_certs
+from services.tools.devcerts import ensure_mesh_certs
 
 
 def test_dev_certificates_name_their_role_and_serve_both_ways(tmp_path: Path) -> None:

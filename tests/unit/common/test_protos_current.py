@@ -6,7 +6,7 @@ from __future__ import annotations
 import filecmp
 from pathlib import Path
 
-from services.common import protogen
+from services.tools import protogen
 
 
 def _files(root: Path) -> dict[str, Path]:

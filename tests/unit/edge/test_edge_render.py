@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.edge.devcerts import ensure_dev_certs
 from services.edge.render import ENVOY_DIR, main, render, render_yaml, rendered_path_for
 from services.edge.topology import Topology, TopologyError, load_topology
 from services.launcher.mesh import envoy_binary
+from services.tools.devcerts import ensure_dev_certs
 
 ROOT = Path(__file__).resolve().parents[3]
 TOPOLOGIES = sorted(ENVOY_DIR.glob("*.yaml"))

@@ -26,11 +26,11 @@ from aiohttp import web
 
 from services.common.grpc_server import make_server
 from services.common.proto.kvmesh.v1 import inference_pb2, inference_pb2_grpc
-from services.edge.devcerts import ensure_dev_certs
 from services.edge.render import render_yaml
 from services.edge.topology import AdminSpec, GatewayEndpoint, ListenerSpec, Topology
 from services.launcher.mesh import envoy_binary
 from services.launcher.ports import free_port
+from services.tools.devcerts import ensure_dev_certs
 
 ROOT = Path(__file__).resolve().parents[3]
 GRPCURL = str(Path(sys.prefix) / "bin" / "grpcurl")

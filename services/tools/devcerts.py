@@ -1,8 +1,8 @@
 """Development TLS certificates: Envoy's public listener, and the mesh's own
 services when `mesh_tls` is on.
 
-    python -m services.edge.devcerts [--out .run/tls]
-    python -m services.edge.devcerts --mesh [--out .run/mesh-tls]
+    python -m services.tools.devcerts [--out .run/tls]
+    python -m services.tools.devcerts --mesh [--out .run/mesh-tls]
 
 Public listener: a local CA (ca.pem, ca-key.pem) and a server certificate
 signed by it (server.pem, server-key.pem) for localhost, 127.0.0.1 and ::1.
@@ -173,7 +173,7 @@ def ensure_mesh_certs(folder: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.edge.devcerts", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m services.tools.devcerts", description=__doc__.splitlines()[0])
     parser.add_argument("--out", help=f"folder (default {DEFAULT_DIR}, with --mesh {MESH_DIR})")
     parser.add_argument("--mesh", action="store_true", help="the mesh's CA and per-role certificates instead")
     ns = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """Generate the Python stubs and Envoy's descriptor set from protos/.
 
-Run as `make protos` (python -m services.common.protogen). A test runs it into
+Run as `make protos` (python -m services.tools.protogen). A test runs it into
 a temporary folder and fails when the checked-in output differs.
 
 protoc writes absolute imports (`from kvmesh.v1 import common_pb2`); we rewrite

@@ -1,0 +1,150 @@
+"""The two upstream clusters, both over every gateway replica: gRPC
+(HTTP/2) and HTTP (HTTP/1.1, as aiohttp cannot be an HTTP/2 upstream).
+Least-request balancing, active health checks, outlier detection on
+connection-level failures only, circuit breakers far above one machine's
+load, and mutual TLS to the gateways when the mesh runs TLS.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+from services.edge.fragments import TYPE, seconds, socket_address
+from services.edge.topology import GatewayEndpoint, Topology
+
+__all__ = ["cluster"]
+
+
+_HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+
+
+def cluster(topology: Topology, name: str, grpc: bool) -> dict[str, Any]:
+    """The gateways' gRPC (`grpc=True`, HTTP/2) or HTTP (HTTP/1.1) ports as
+    one load-balanced, health-checked cluster."""
+    gateways: list[GatewayEndpoint] = topology.gateways
+    endpoints = [
+        {"endpoint": {"address": socket_address(gw.host, gw.grpc_port if grpc else gw.http_port)}}
+        for gw in gateways
+    ]
+    if grpc:
+        protocol: dict[str, Any] = {
+            "http2_protocol_options": {
+                # Notice a vanished gateway on long-idle streams.
+                "connection_keepalive": {"interval": "30s", "timeout": "10s"},
+                "max_concurrent_streams": 1024,
+            }
+        }
+    else:
+        protocol = {"http_protocol_options": {}}
+    tls = {"transport_socket": _upstream_tls_socket(topology, grpc)} if topology.upstream_tls.enabled else {}
+    return {
+        "name": name,
+        "type": "STATIC" if all(_is_ip(gw.host) for gw in gateways) else "STRICT_DNS",
+        "connect_timeout": seconds(topology.timeouts.connect_seconds),
+        # Streams are long and uneven: send each new one to the least busy replica.
+        "lb_policy": "LEAST_REQUEST",
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]},
+        "typed_extension_protocol_options": {
+            _HTTP_OPTIONS: {
+                TYPE: f"type.googleapis.com/{_HTTP_OPTIONS}",
+                "common_http_protocol_options": {
+                    "idle_timeout": seconds(topology.timeouts.upstream_idle_seconds)
+                },
+                "explicit_http_config": protocol,
+            }
+        },
+        "health_checks": [_health_check(topology, grpc)],
+        "outlier_detection": _outlier_detection(),
+        "circuit_breakers": _circuit_breakers(),
+        "upstream_connection_options": {
+            "tcp_keepalive": {"keepalive_time": 60, "keepalive_interval": 10, "keepalive_probes": 3}
+        },
+        **tls,
+    }
+
+
+def _health_check(topology: Topology, grpc: bool) -> dict[str, Any]:
+    """Active checks: gRPC health on the gRPC port, GET on the HTTP port."""
+    hc = topology.health_check
+    check: dict[str, Any] = (
+        {"grpc_health_check": {"service_name": hc.grpc_service}} if grpc
+        else {"http_health_check": {"path": hc.http_path}}
+    )
+    return {
+        "timeout": seconds(hc.timeout_seconds),
+        "interval": seconds(hc.interval_seconds),
+        # Default 60 s: a restarted replica would wait a minute to return.
+        "no_traffic_interval": seconds(hc.interval_seconds),
+        "unhealthy_threshold": hc.unhealthy_threshold,
+        "healthy_threshold": hc.healthy_threshold,
+        "always_log_health_check_failures": True,
+        **check,
+    }
+
+
+def _outlier_detection() -> dict[str, Any]:
+    """Passive checks: eject on connection-level failures only (resets,
+    refused, timeouts); a gateway answering 503 "no engine" works correctly."""
+    return {
+        "split_external_local_origin_errors": True,
+        "consecutive_local_origin_failure": 3,
+        "enforcing_consecutive_local_origin_failure": 100,
+        "enforcing_local_origin_success_rate": 0,
+        "enforcing_consecutive_5xx": 0,
+        "enforcing_consecutive_gateway_failure": 0,
+        "enforcing_success_rate": 0,
+        "interval": "5s",
+        "base_ejection_time": "10s",
+        "max_ejection_percent": 50,
+    }
+
+
+def _circuit_breakers() -> dict[str, Any]:
+    limit = 100_000  # far above what one machine serves: breakers must not shape traffic
+    return {
+        "thresholds": [
+            {
+                "priority": "DEFAULT",
+                "max_connections": limit,
+                "max_pending_requests": limit,
+                "max_requests": limit,
+                "max_retries": 1000,
+            }
+        ]
+    }
+
+
+def _upstream_tls_socket(topology: Topology, grpc: bool) -> dict[str, Any]:
+    """Mutual TLS to the gateways (mesh TLS): Envoy's mesh certificate, the
+    mesh CA, and the gateways' role name checked as SNI and SAN."""
+    up = topology.upstream_tls
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            TYPE: "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            "sni": up.server_name,
+            "common_tls_context": {
+                # gRPC servers insist on h2 by ALPN; aiohttp speaks HTTP/1.1.
+                "alpn_protocols": ["h2"] if grpc else ["http/1.1"],
+                "tls_params": {"tls_minimum_protocol_version": "TLSv1_2"},
+                "tls_certificates": [
+                    {"certificate_chain": {"filename": up.cert_chain}, "private_key": {"filename": up.private_key}}
+                ],
+                "validation_context": {
+                    "trusted_ca": {"filename": up.ca},
+                    "match_typed_subject_alt_names": [
+                        {"san_type": "DNS", "matcher": {"exact": up.server_name}}
+                    ],
+                },
+            },
+        },
+    }
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,116 @@
+"""The config a mesh's children read: the caller's config with everything
+settled (counts, model, ports, absolute paths, mesh TLS certificates, the
+API key), and the cores the mesh's front processes may use.
+
+Pure planning: nothing here starts a process; `resolve_config` only writes
+development mesh certificates when mesh TLS is on without certificates of
+the operator's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import secrets
+from pathlib import Path
+
+from services.common.affinity import omp_cores
+from services.common.config import ApiKeyConfig, ConfigError, MeshConfig, config_from_dict
+from services.common.mesh_tls import ROLES, MeshIdentity, mesh_cert_dir
+from services.launcher.options import MeshOptions
+from services.launcher.port_plan import pick_free_ports
+from services.tools.devcerts import ensure_mesh_certs
+
+__all__ = ["ROOT", "absolute", "front_cores", "resolve_config"]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def absolute(path: str) -> Path:
+    """A config path: relative ones are relative to the repository root."""
+    p = Path(path)
+    return p if p.is_absolute() else ROOT / p
+
+
+def resolve_config(config: MeshConfig, opts: MeshOptions) -> tuple[MeshConfig, str]:
+    """A copy of `config` with everything the children need settled, and the
+    API key clients use (the caller's, or a generated dev key)."""
+    cfg = config_from_dict(MeshConfig, dataclasses.asdict(config), "config")
+    if opts.run_dir is not None:
+        cfg.run_dir = str(opts.run_dir)
+    cfg.run_dir = str(absolute(cfg.run_dir))
+    for model in cfg.models:
+        model.path = str(absolute(model.path))
+    _apply_counts_and_model(cfg, opts)
+    if opts.free_ports:
+        pick_free_ports(cfg, opts.gateways)
+    # Gateways and engines both dial the scheduler this mesh starts.
+    cfg.gateway.scheduler_address = f"{cfg.scheduler.host}:{cfg.scheduler.port}"
+    cfg.engines.template.scheduler_address = cfg.gateway.scheduler_address
+    if opts.mesh_tls:
+        cfg.mesh_tls.enabled = True
+    if cfg.mesh_tls.enabled:
+        _settle_mesh_certs(cfg)
+    api_key = opts.api_key or secrets.token_urlsafe(24)
+    digest = hashlib.sha256(api_key.encode()).hexdigest()
+    if not any(k.sha256 == digest for k in cfg.gateway.api_keys):
+        cfg.gateway.api_keys.append(ApiKeyConfig(sha256=digest, tenant="dev", priority_ceiling=0))
+    return cfg, api_key
+
+
+def _apply_counts_and_model(cfg: MeshConfig, opts: MeshOptions) -> None:
+    """Engine and gateway counts, backend and served model from the options."""
+    if opts.engines is not None:
+        if opts.engines < 1:
+            raise ConfigError("--engines: must be >= 1")
+        cfg.engines.count = opts.engines
+    if opts.gateways < 1:
+        raise ConfigError("--gateways: must be >= 1")
+    if opts.backend:
+        if opts.backend not in ("sim", "vllm"):
+            raise ConfigError(f"--backend: {opts.backend!r} is not one of ['sim', 'vllm']")
+        cfg.engines.backend = opts.backend  # type: ignore[assignment]
+    model_name = opts.model or cfg.engines.template.model or (cfg.models[0].name if cfg.models else "")
+    if not model_name:
+        raise ConfigError("models: the config lists no model to serve")
+    model = cfg.model(model_name)
+    if not Path(model.path).is_dir():
+        raise ConfigError(
+            f"models.{model_name}.path: {model.path} does not exist; run `make setup` to build it"
+        )
+    cfg.engines.template.model = model_name
+
+
+def _settle_mesh_certs(cfg: MeshConfig) -> None:
+    """Every child reads its certificate from `mesh_tls.cert_dir` (the
+    written config): development certificates unless the operator gave a
+    folder, and a missing file fails here, not in a child."""
+    folder = mesh_cert_dir(cfg)
+    if not cfg.mesh_tls.cert_dir:
+        ensure_mesh_certs(folder)
+    cfg.mesh_tls.cert_dir = str(folder)
+    for role in ROLES:
+        MeshIdentity.load(folder, role)
+
+
+def front_cores(cfg: MeshConfig) -> set[int]:
+    """Cores for Envoy, the gateways, the scheduler and the engine services
+    when this host's vLLM engines pin their own processes: every core this
+    launcher may use except vLLM's. Left to the kernel, their threads also
+    land on vLLM's core, where the engine core busy-polls: the mesh added
+    5.2 ms to vLLM's own first-token time so, 2.8 ms pinned (BENCHMARKS.md,
+    the comparison of kvmesh with vLLM's own server). Empty = leave them to
+    the kernel."""
+    if not hasattr(os, "sched_getaffinity"):
+        return set()
+    vllm_cores: set[int] = set()
+    for i in range(cfg.engines.count):
+        engine = cfg.engine_config(i)
+        if engine.backend != "vllm" or not engine.vllm.pin_vllm_processes:
+            continue
+        try:
+            vllm_cores |= omp_cores(engine.vllm.omp_threads_bind)
+        except ValueError:  # "auto" or another non-list: vLLM decides, so do not guess
+            return set()
+    return set(os.sched_getaffinity(0)) - vllm_cores if vllm_cores else set()

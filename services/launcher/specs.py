@@ -1,0 +1,118 @@
+"""The child specs of one mesh, in start order: the scheduler, one engine per
+configured engine, the gateway replicas, then Envoy. Every kvmesh child runs
+`python -m services.cli --config <resolved config>` with its role, a clean
+offline environment and health probes over mesh TLS when it is on."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from services.common.config import MeshConfig
+from services.common.mesh_tls import MeshIdentity, identity_for
+from services.launcher.children import ChildSpec, Probe, ProbeKind, RestartPolicy, Role
+from services.launcher.envoy_config import envoy_binary
+from services.launcher.options import Endpoints, MeshOptions, RunFiles
+from services.launcher.port_plan import gateway_ports
+
+__all__ = ["child_env", "child_specs"]
+
+# Seconds a service may take to become healthy. vLLM imports for ~15 s and
+# loads a model for ~30 s on two cores, but two engines starting together on a
+# busy machine took 5.5 min here; everything else takes a few seconds,
+# more on a noisy machine.
+_START_TIMEOUT = {"scheduler": 60.0, "gateway": 90.0, "sim": 90.0, "vllm": 900.0, "envoy": 60.0}
+
+
+def child_env(options: MeshOptions, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The launcher's environment for a child: offline Hugging Face,
+    unbuffered output, the caller's extra variables; never KVMESH_CONFIG (the
+    child gets the resolved config by flag)."""
+    env = dict(os.environ)
+    env.pop("KVMESH_CONFIG", None)
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(options.env)
+    env.update(extra or {})
+    return env
+
+
+def child_specs(cfg: MeshConfig, options: MeshOptions, files: RunFiles, endpoints: Endpoints) -> list[ChildSpec]:
+    """Every child in start order."""
+    plan = _Planner(cfg, options, files)
+    me = identity_for(cfg, "admin")
+    specs = [plan.scheduler(me)]
+    specs += [plan.engine(i, me) for i in range(cfg.engines.count)]
+    specs += [plan.gateway(r, me, endpoints) for r in range(options.gateways)]
+    if options.envoy:
+        specs.append(plan.envoy(endpoints))
+    return specs
+
+
+class _Planner:
+    """Builds one spec per role from the resolved config."""
+
+    def __init__(self, cfg: MeshConfig, options: MeshOptions, files: RunFiles) -> None:
+        self.cfg = cfg
+        self.options = options
+        self.files = files
+
+    def _kvmesh(self, *args: str) -> list[str]:
+        level = os.environ.get("KVMESH_LOG_LEVEL", "INFO")
+        return [sys.executable, "-m", "services.cli", "--config", str(self.files.config_path),
+                "--log-level", level, *args]
+
+    def _timeout(self, key: str) -> float:
+        return self.options.start_timeout or _START_TIMEOUT[key]
+
+    def scheduler(self, me: MeshIdentity | None) -> ChildSpec:
+        return ChildSpec(
+            name="scheduler", role=Role.SCHEDULER, argv=self._kvmesh("scheduler"),
+            probes=[Probe(ProbeKind.GRPC_HEALTH, self.cfg.gateway.scheduler_address, identity=me,
+                          server_role="scheduler")],
+            env=child_env(self.options), start_timeout=self._timeout("scheduler"),
+            # Soft state: engines re-register, gateways re-admit and re-attach.
+            restart=RestartPolicy.ALWAYS,
+        )
+
+    def engine(self, i: int, me: MeshIdentity | None) -> ChildSpec:
+        engine = self.cfg.engine_config(i)
+        extra: dict[str, str] = {}
+        if engine.backend == "vllm":
+            # vLLM and torch write caches and sockets; keep them in our scratch dir.
+            cache = self.files.cache_dir
+            extra = {"VLLM_CACHE_ROOT": str(cache / "vllm"),
+                     "TORCHINDUCTOR_CACHE_DIR": str(cache / "torchinductor"),
+                     "TMPDIR": str(cache / "tmp")}
+        return ChildSpec(
+            name=engine.engine_id, role=Role.ENGINE, argv=self._kvmesh("engine", "--index", str(i)),
+            probes=[Probe(ProbeKind.GRPC_HEALTH, f"{engine.host}:{engine.port}", identity=me,
+                          server_role="engine")],
+            env=child_env(self.options, extra), start_timeout=self._timeout(engine.backend),
+        )
+
+    def gateway(self, r: int, me: MeshIdentity | None, endpoints: Endpoints) -> ChildSpec:
+        http, grpc_port, metrics = gateway_ports(self.cfg, r)
+        host = self.cfg.gateway.host
+        return ChildSpec(
+            name=f"gateway-{r}", role=Role.GATEWAY,
+            argv=self._kvmesh("gateway", "--replica", str(r), "--http-port", str(http),
+                              "--grpc-port", str(grpc_port), "--metrics-port", str(metrics)),
+            probes=[Probe(ProbeKind.GRPC_HEALTH, f"{host}:{grpc_port}", identity=me, server_role="gateway"),
+                    Probe(ProbeKind.HTTP_OK, f"{endpoints.gateway_http[r]}/health", identity=me,
+                          server_role="gateway")],
+            env=child_env(self.options), start_timeout=self._timeout("gateway"),
+        )
+
+    def envoy(self, endpoints: Endpoints) -> ChildSpec:
+        cfg = self.cfg
+        base_id = (["--base-id", str(cfg.envoy.base_id)] if cfg.envoy.base_id
+                   else ["--use-dynamic-base-id"])
+        return ChildSpec(
+            name="envoy", role=Role.ENVOY,
+            argv=[envoy_binary(), "-c", str(self.files.envoy_config_path), *base_id,
+                  "--log-level", "warning"],
+            probes=[Probe(ProbeKind.HTTP_OK, f"http://127.0.0.1:{cfg.envoy.admin_port}/ready"),
+                    Probe(ProbeKind.HTTP_OK, f"{endpoints.public_http}/healthz",
+                          ca=str(endpoints.tls_ca or ""))],
+            env=child_env(self.options), start_timeout=self._timeout("envoy"),
+        )
