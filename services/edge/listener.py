@@ -116,9 +116,10 @@ def _access_log() -> dict[str, Any]:
 def _error_mapper(status: int | None, error_type: str, message: str) -> dict[str, Any]:
     """A local-reply mapper giving Envoy's own HTTP errors an OpenAI error body."""
     if status is None:
-        status_filter = {"comparison": {"op": "GE", "value": {"default_value": 400, "runtime_key": "kvmesh.edge.error_min"}}}
+        op, value, key = "GE", 400, "kvmesh.edge.error_min"
     else:
-        status_filter = {"comparison": {"op": "EQ", "value": {"default_value": status, "runtime_key": f"kvmesh.edge.error_{status}"}}}
+        op, value, key = "EQ", status, f"kvmesh.edge.error_{status}"
+    status_filter = {"comparison": {"op": op, "value": {"default_value": value, "runtime_key": key}}}
     return {
         "filter": {"status_code_filter": status_filter},
         "body_format_override": {

@@ -90,7 +90,8 @@ def render(topology: Topology) -> dict[str, Any]:
                 {
                     "name": "envoy.resource_monitors.global_downstream_max_connections",
                     "typed_config": {
-                        TYPE: "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+                        TYPE: "type.googleapis.com/envoy.extensions.resource_monitors."
+                        "downstream_connections.v3.DownstreamConnectionsConfig",
                         "max_active_downstream_connections": topology.max_connections,
                     },
                 }

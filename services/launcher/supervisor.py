@@ -12,6 +12,7 @@ processes a child spawned (vLLM's engine core) go with it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -72,7 +73,7 @@ class Supervisor:
         with open(child.log_path, "ab") as logfile:
             logfile.write(f"==== kvmesh: starting {spec.name}: {' '.join(spec.argv)}\n".encode())
             logfile.flush()
-            child.process = subprocess.Popen(  # noqa: S603 - our own argv
+            child.process = subprocess.Popen(
                 spec.argv, cwd=ROOT, env=spec.env, stdin=subprocess.DEVNULL,
                 stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True,
             )
@@ -238,7 +239,5 @@ def _signal_group(child: _Child, sig: signal.Signals) -> None:
     proc = child.process
     if proc is None:
         return
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

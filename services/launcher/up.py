@@ -175,7 +175,7 @@ def run_up(config: MeshConfig, ns: argparse.Namespace) -> int:
     not start. Config errors raise ConfigError (the CLI prints them)."""
     stop = threading.Event()
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:  # noqa: ARG001
+    def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
