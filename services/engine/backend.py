@@ -16,7 +16,7 @@ SamplingParams and input processing) and raises InvalidRequest for it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -126,7 +126,7 @@ class EngineBackend(Protocol):
     async def stop(self) -> None:
         """Abort everything and release resources."""
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
         """Stream outputs for a request that passed the runtime's shared rules.
         Raise InvalidRequest (before the first output) if it can never run
         here for a reason of this backend's own. Closing the iterator early (aclose, cancellation) must

@@ -221,7 +221,7 @@ class Generation:
             self._buffer.fail(exc)
         finally:
             with contextlib.suppress(Exception):
-                await stream.aclose()  # type: ignore[attr-defined]
+                await stream.aclose()
 
     def _observe(self, out: GenerationOutput) -> None:
         metrics = self._runtime.metrics
@@ -291,7 +291,7 @@ class EngineRuntime:
         deadline = self.clock.monotonic() + grace_seconds
         # Polled, not awaited on an Event: the grace bound runs on the injected
         # clock, which a timed Event wait could not follow.
-        while self._live and self.clock.monotonic() < deadline:  # noqa: ASYNC110
+        while self._live and self.clock.monotonic() < deadline:  # noqa: ASYNC110 - see above
             await asyncio.sleep(0.05)
         for generation in list(self._live.values()):
             generation.hand_over("engine stopping after its drain timeout; continue on another engine")

@@ -70,7 +70,7 @@ def _apply_counts_and_model(cfg: MeshConfig, opts: MeshOptions) -> None:
     if opts.backend:
         if opts.backend not in ("sim", "vllm"):
             raise ConfigError(f"--backend: {opts.backend!r} is not one of ['sim', 'vllm']")
-        cfg.engines.backend = opts.backend  # type: ignore[assignment]
+        cfg.engines.backend = "sim" if opts.backend == "sim" else "vllm"
     model_name = opts.model or cfg.engines.template.model or (cfg.models[0].name if cfg.models else "")
     if not model_name:
         raise ConfigError("models: the config lists no model to serve")

@@ -15,6 +15,7 @@ Owned by `EngineFleet` (fleet.py), the only code that calls it.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 __all__ = ["DuplicateEngineError", "EngineInfo", "EngineLoad", "EngineRecord", "EngineRegistry"]
@@ -91,7 +92,7 @@ class EngineRegistry:
     def __len__(self) -> int:
         return len(self._engines)
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[EngineRecord]:
         return iter(list(self._engines.values()))
 
     def get(self, engine_id: str) -> EngineRecord | None:

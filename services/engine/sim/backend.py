@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from services.common.config import EngineConfig, MeshConfig
 from services.engine.backend import (
@@ -86,7 +86,7 @@ class SimBackend:
 
     # ---------------------------------------------------------------- requests
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
         if self._loop_task is None:
             raise RuntimeError("SimBackend.generate before start()")
         req = self._core.add(request)  # raises InvalidRequest if it can never fit

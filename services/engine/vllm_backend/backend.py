@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from services.common.config import EngineConfig, MeshConfig
@@ -179,7 +179,7 @@ class VllmBackend:
             raise BackendNotStarted("the vLLM backend is not running")
         return self._api
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
         api = self._started_api()
         params = sampling_params(api, request.sampling)
         rid = request.request_id

@@ -139,7 +139,7 @@ def held_text(llm: Any, request_id: str) -> str:
         processor = llm.output_processor
         for internal_id in processor.external_req_ids.get(request_id, ()):
             detokenizer = processor.request_states[internal_id].detokenizer
-            return str(detokenizer.output_text[detokenizer._last_output_text_offset:])  # noqa: SLF001
+            return str(detokenizer.output_text[detokenizer._last_output_text_offset:])  # noqa: SLF001 - vLLM keeps it private; guarded below
     except (AttributeError, KeyError, TypeError):
         return ""
     return ""
