@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvmesh-setup-done
 
-.PHONY: up test setup protos render clean
+.PHONY: up test setup lint protos render clean
 
 up: setup
 	$(BIN)/kvmesh up $(ARGS)
@@ -19,6 +19,11 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml scripts/setup.sh services/models/build.py
 	bash scripts/setup.sh
 	touch $@
+
+# The lint and type gates alone (make test runs them too, in tests/unit/test_code_gates.py).
+lint: setup
+	$(BIN)/python -m ruff check services tests scripts
+	$(BIN)/python -m mypy
 
 # Regenerate the protobuf stubs and Envoy's descriptor set from protos/.
 protos: setup
