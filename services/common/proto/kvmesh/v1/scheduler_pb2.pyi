@@ -76,17 +76,29 @@ class RequestDone(_message.Message):
     finish_reason: str
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
+class Requeue(_message.Message):
+    __slots__ = ("prompt_tokens", "max_tokens", "prefix_hashes")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    max_tokens: int
+    prefix_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prefix_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class AdmitClientMessage(_message.Message):
-    __slots__ = ("request", "first_token", "done", "replace")
+    __slots__ = ("request", "first_token", "done", "replace", "requeue")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     REPLACE_FIELD_NUMBER: _ClassVar[int]
+    REQUEUE_FIELD_NUMBER: _ClassVar[int]
     request: AdmitRequest
     first_token: FirstToken
     done: RequestDone
     replace: Replace
-    def __init__(self, request: _Optional[_Union[AdmitRequest, _Mapping]] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., done: _Optional[_Union[RequestDone, _Mapping]] = ..., replace: _Optional[_Union[Replace, _Mapping]] = ...) -> None: ...
+    requeue: Requeue
+    def __init__(self, request: _Optional[_Union[AdmitRequest, _Mapping]] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., done: _Optional[_Union[RequestDone, _Mapping]] = ..., replace: _Optional[_Union[Replace, _Mapping]] = ..., requeue: _Optional[_Union[Requeue, _Mapping]] = ...) -> None: ...
 
 class Queued(_message.Message):
     __slots__ = ("position", "estimated_wait_seconds", "priority")
@@ -120,15 +132,27 @@ class Rejected(_message.Message):
     retry_after_seconds: float
     def __init__(self, code: _Optional[_Union[RejectCode, str]] = ..., message: _Optional[str] = ..., retry_after_seconds: _Optional[float] = ...) -> None: ...
 
+class Preempted(_message.Message):
+    __slots__ = ("engine_id", "preemptions", "by_priority")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    BY_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    preemptions: int
+    by_priority: int
+    def __init__(self, engine_id: _Optional[str] = ..., preemptions: _Optional[int] = ..., by_priority: _Optional[int] = ...) -> None: ...
+
 class AdmitServerMessage(_message.Message):
-    __slots__ = ("queued", "placed", "rejected")
+    __slots__ = ("queued", "placed", "rejected", "preempted")
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     PLACED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     queued: Queued
     placed: Placed
     rejected: Rejected
-    def __init__(self, queued: _Optional[_Union[Queued, _Mapping]] = ..., placed: _Optional[_Union[Placed, _Mapping]] = ..., rejected: _Optional[_Union[Rejected, _Mapping]] = ...) -> None: ...
+    preempted: Preempted
+    def __init__(self, queued: _Optional[_Union[Queued, _Mapping]] = ..., placed: _Optional[_Union[Placed, _Mapping]] = ..., rejected: _Optional[_Union[Rejected, _Mapping]] = ..., preempted: _Optional[_Union[Preempted, _Mapping]] = ...) -> None: ...
 
 class EngineHello(_message.Message):
     __slots__ = ("engine_id", "address", "model", "block_size", "total_blocks", "max_running", "weight", "max_model_len", "hash_block_tokens", "backend", "http_address")
@@ -274,16 +298,36 @@ class EngineState(_message.Message):
     backend: str
     def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., draining: _Optional[bool] = ..., fresh: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., blocks_reserved: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., weight: _Optional[float] = ..., backend: _Optional[str] = ...) -> None: ...
 
+class ClassState(_message.Message):
+    __slots__ = ("priority", "preemptions", "requeued", "preempted_now", "seconds_lost", "displaced", "protected")
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    REQUEUED_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_NOW_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_LOST_FIELD_NUMBER: _ClassVar[int]
+    DISPLACED_FIELD_NUMBER: _ClassVar[int]
+    PROTECTED_FIELD_NUMBER: _ClassVar[int]
+    priority: int
+    preemptions: int
+    requeued: int
+    preempted_now: int
+    seconds_lost: float
+    displaced: int
+    protected: int
+    def __init__(self, priority: _Optional[int] = ..., preemptions: _Optional[int] = ..., requeued: _Optional[int] = ..., preempted_now: _Optional[int] = ..., seconds_lost: _Optional[float] = ..., displaced: _Optional[int] = ..., protected: _Optional[int] = ...) -> None: ...
+
 class SchedulerState(_message.Message):
-    __slots__ = ("policy", "queues", "engines", "queued_total", "leases_total")
+    __slots__ = ("policy", "queues", "engines", "queued_total", "leases_total", "classes")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     QUEUES_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     LEASES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
     policy: str
     queues: _containers.RepeatedCompositeFieldContainer[QueueState]
     engines: _containers.RepeatedCompositeFieldContainer[EngineState]
     queued_total: int
     leases_total: int
-    def __init__(self, policy: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[QueueState, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineState, _Mapping]]] = ..., queued_total: _Optional[int] = ..., leases_total: _Optional[int] = ...) -> None: ...
+    classes: _containers.RepeatedCompositeFieldContainer[ClassState]
+    def __init__(self, policy: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[QueueState, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineState, _Mapping]]] = ..., queued_total: _Optional[int] = ..., leases_total: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassState, _Mapping]]] = ...) -> None: ...
