@@ -109,6 +109,13 @@ class EngineConfig:
     total_blocks: int = 4096
     # Most sequences in the running batch. > 0.
     max_running: int = 64
+    # Running slots beyond max_running that only P0 requests may take. The
+    # backend's batch is sized max_running + p0_headroom (vLLM's
+    # max_num_seqs, the simulator's batch) and the engine keeps the other
+    # classes to max_running, so an interactive request joins the running
+    # batch at the next step instead of waiting for a batch request to end.
+    # >= 0; 0 = a P0 waits for a free slot like any request (first in line).
+    p0_headroom: int = 4
     # Relative capacity for placement (a bigger GPU gets more work). > 0.
     weight: float = 1.0
     # Seconds between load reports. 0.1 s keeps placement fresh without

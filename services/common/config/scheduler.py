@@ -100,6 +100,18 @@ class SchedulerConfig:
     # priority queue for the next slot. >= 0; placement never reserves more
     # than an engine's lease slots - 1, whatever this says.
     p0_reserved_leases: int = 1
+    # Classes whose requests may preempt running work of a lower class when
+    # they cannot be placed at once: the scheduler ends a lower-class lease
+    # on the engine where the newcomer runs best and gives the slot to the
+    # newcomer; the preempted request keeps its stream and its tokens, goes
+    # back to its queue with its arrival time and continues later from the
+    # next token. [0] = interactive requests never wait behind batch work;
+    # add 1 to let P1 preempt P2 too; [] = no preemption. Values in {0, 1, 2}.
+    preempt_classes: list[int] = field(default_factory=lambda: [0])
+    # Times one request may be preempted; after that it is protected and runs
+    # to its end, so a batch request under a steady interactive stream still
+    # finishes (with aging, no request starves). >= 0; 0 = never preempt.
+    max_preemptions: int = 2
     # Seconds between Queued position updates to each waiting request. > 0.
     queued_update_seconds: float = 1.0
     # Retry-after (Little's law: queue ahead / recent dispatch rate) is

@@ -126,6 +126,7 @@ def _check_engine(engine: _Section, config: MeshConfig) -> None:
         engine.fail("engine_id", "required")
     engine.ports("port", "metrics_port", "http_port")
     engine.positive("block_size", "total_blocks", "max_running", "weight")
+    engine.non_negative("p0_headroom")
     engine.multiple_of("block_size", config.hash_block_tokens, "hash_block_tokens")
     if e.report_interval_seconds < MIN_REPORT_INTERVAL_SECONDS:
         engine.fail("report_interval_seconds",
@@ -177,7 +178,8 @@ def _check_scheduler_limits(scheduler: _Section) -> None:
         scheduler.fail("queue_ttl_seconds",
                        f"need {n} TTLs > 0 [P0, P1, P2], got {s.queue_ttl_seconds}")
     scheduler.non_negative("tenant_queue_cap", "decode_headroom_tokens", "engine_queue_slack",
-                           "p0_reserved_leases")
+                           "p0_reserved_leases", "max_preemptions")
+    _check_classes(scheduler, "preempt_classes", s.preempt_classes)
     if not 0 < s.retry_after_min_seconds <= s.retry_after_max_seconds:
         scheduler.fail("retry_after_min_seconds",
                        f"need 0 < retry_after_min_seconds <= retry_after_max_seconds, got "
