@@ -72,23 +72,37 @@ class AdmissionLimits:
             return self.retry_max
         return min(self.retry_max, max(self.retry_min, ahead / rate))
 
-    def check_caps(
-        self, cls: int, class_len: int, tenant: str, tenant_len: int, rate: float
-    ) -> None:
-        """Raise AdmissionError when the class or the tenant is full."""
+    def check_class_cap(self, cls: int, class_len: int, rate: float) -> None:
+        """Raise AdmissionError when the class queue is full. Caps are per
+        class, so nothing queued in another class can make room here."""
         if class_len >= self.queue_caps[cls]:
             raise AdmissionError(
                 RejectReason.QUEUE_FULL,
                 f"the P{cls} queue is full ({self.queue_caps[cls]} requests); retry later",
                 self.retry_after(class_len, rate),
             )
-        if tenant_len >= self.tenant_cap:
-            raise AdmissionError(
-                RejectReason.TENANT_FULL,
-                f"tenant {tenant!r} already has {tenant_len} requests queued "
-                f"(cap {self.tenant_cap}); wait for some to finish",
-                self.retry_after(tenant_len, rate),
-            )
+
+    def tenant_full(self, tenant: str, tenant_len: int, rate: float) -> AdmissionError | None:
+        """The error for a tenant at its queued cap (None below it). The
+        caller first tries to displace a lower class of the same tenant."""
+        if tenant_len < self.tenant_cap:
+            return None
+        return AdmissionError(
+            RejectReason.TENANT_FULL,
+            f"tenant {tenant!r} already has {tenant_len} requests queued "
+            f"(cap {self.tenant_cap}) and none of a lower class to make room; "
+            "wait for some to finish",
+            self.retry_after(tenant_len, rate),
+        )
+
+    def displaced_error(self, tenant: str, tenant_len: int, by_class: int, rate: float) -> AdmissionError:
+        """What a queued request displaced for a higher class is told."""
+        return AdmissionError(
+            RejectReason.TENANT_FULL,
+            f"displaced by a higher-class (P{by_class}) request of the same tenant {tenant!r}, "
+            f"which is at its queued cap ({self.tenant_cap}); retry later",
+            self.retry_after(tenant_len, rate),
+        )
 
     def expires_at(self, cls: int, arrival: float) -> float:
         """TTL is counted from arrival in the class the request was admitted

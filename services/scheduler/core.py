@@ -32,8 +32,8 @@ Phases of a request and where each lives:
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,10 +44,13 @@ from services.common.config import MeshConfig
 from . import events as ev
 from .admission_limits import AdmissionLimits, DispatchRateMeter, validate_options
 from .aging import AgingRule
+from .class_stats import ClassLedger, ClassStat
+from .comebacks import Comebacks
 from .events import Delivery, Outbox
 from .fleet import EngineFleet, EngineStat
+from .making_room import RoomMaker, placement_request
 from .metrics import SchedulerMetrics
-from .placement import PlacementPolicy, PlacementRequest, build_policy, builtin_registry
+from .placement import PlacementPolicy, build_policy, builtin_registry
 from .queue import ModelQueue, Promotion
 from .records import (
     NUM_CLASSES,
@@ -66,7 +69,9 @@ from .records import (
 from .request_book import RequestBook
 from .waiting import QueueStat, WaitingRoom
 
-__all__ = ["EngineStat", "QueueStat", "SchedulerCore", "StateView"]
+__all__ = ["ClassStat", "EngineStat", "QueueStat", "SchedulerCore", "StateView"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,7 @@ class StateView:
     engines: list[EngineStat]
     queued_total: int
     leases_total: int
+    classes: list[ClassStat]
 
 
 class SchedulerCore:
@@ -97,13 +103,22 @@ class SchedulerCore:
             plugins.make_ordering(self._config.queue_ordering),
         )
         self.fleet = EngineFleet(self._config, clock.monotonic(), self._limits.retry_min)
-        self._requests = RequestBook(self.fleet, self.waiting, self.metrics)
         self._seq = itertools.count()
+        self._ledger = ClassLedger(self.metrics)
+        self._requests = RequestBook(self.fleet, self.waiting, self.metrics, self._ledger)
+        self._preempt_classes = frozenset(self._config.preempt_classes)
+        self._room = RoomMaker(
+            self._requests, self.waiting, self.fleet, self.policy, self._limits, self._ledger, config)
+        self._comebacks = Comebacks(
+            self._requests, self.waiting, self.fleet, self._limits, self._ledger, self._seq,
+            self._count_promotions)
         self.shutting_down = False
         self._handlers: dict[type, Callable[[Any, Outbox, float], None]] = {
             ev.RequestArrived: self._on_arrived, ev.StreamClosed: self._on_closed,
             ev.FirstToken: self._on_first_token, ev.RequestDone: self._on_done,
-            ev.ReplaceRequested: self._on_replace, ev.EngineJoined: self._on_engine_joined,
+            ev.ReplaceRequested: self._comebacks.replace,
+            ev.RequeueRequested: self._comebacks.requeue,
+            ev.EngineJoined: self._on_engine_joined,
             ev.LoadReported: self._on_load, ev.KvEventsReported: self._on_kv_events,
             ev.KvSnapshotReported: self._on_kv_snapshot, ev.EngineLeft: self._on_engine_left,
             ev.DrainRequested: self._on_drain, ev.Tick: self._on_tick,
@@ -126,14 +141,17 @@ class SchedulerCore:
 
     def _on_arrived(self, event: ev.RequestArrived, out: Outbox, now: float) -> None:
         """The request's own first answer: Queued, Placed (re-attach) or
-        Rejected; a placement by the dispatch that follows comes after it."""
+        Rejected; a request it displaced, then a placement by the dispatch
+        that follows, come after it."""
+        displaced: list[Delivery] = []
         try:
-            notice: Notice = self._admit(event.options, now)
+            notice: Notice = self._admit(event.options, now, displaced)
         except AdmissionError as err:
             notice = self._requests.rejected(err.reason, err.message, err.retry_after)
         out.notices.append((event.options.request_id, notice))
+        out.notices.extend(displaced)
 
-    def _admit(self, options: AdmitOptions, now: float) -> Notice:
+    def _admit(self, options: AdmitOptions, now: float, displaced: list[Delivery]) -> Notice:
         validate_options(options)
         if options.request_id in self._requests:
             raise AdmissionError(
@@ -162,16 +180,15 @@ class SchedulerCore:
             )
         cls_now = self._aging.class_at(options.priority, arrival, now)
         rate = self._rate.rate(now)
-        self._limits.check_caps(
-            cls_now, self.waiting.class_len(cls_now), options.tenant, self.waiting.tenant_len(options.tenant), rate
-        )
+        self._limits.check_class_cap(cls_now, self.waiting.class_len(cls_now), rate)
+        displaced.extend(self._room.displace_for(options.tenant, cls_now, rate, now))
         entry = QueueEntry(
             options=options, seq=next(self._seq), arrival=arrival,
             base_class=options.priority, cls=options.priority, expires_at=expires_at,
         )
         queue = self.waiting.queue(options.model)
         self._count_promotions(queue.push(entry, now))
-        self._requests.add(RequestRecord(options, RequestState.QUEUED, entry=entry))
+        self._requests.add(RequestRecord(options, RequestState.QUEUED, entry=entry, arrival=arrival))
         self.metrics.admissions.labels(str(options.priority)).inc()
         return self._queued_info(queue.position_of(entry), entry.cls, rate)
 
@@ -188,7 +205,7 @@ class SchedulerCore:
         record = self.fleet.get(options.running_on_engine)
         if record is None or record.info.model != options.model:
             return None
-        rec = RequestRecord(options, RequestState.PLACED)
+        rec = RequestRecord(options, RequestState.PLACED, arrival=now)
         self._requests.add(rec)
         lease = self._requests.open_lease(rec, record, reserved=0, cached=0, now=now)
         self.metrics.placed(self.policy.name, "reattach", 0, 0)
@@ -211,35 +228,6 @@ class SchedulerCore:
         rec = self._requests.get(event.request_id)
         if rec is not None:
             self._requests.finish(rec, Outcome.DONE, now)
-
-    def _on_replace(self, event: ev.ReplaceRequested, out: Outbox, now: float) -> None:
-        """End the lease and queue the request in its model's Replace lane,
-        ahead of the queue. The answer (Placed or Rejected) comes with this
-        dispatch or a later one, when every eligible engine is full now."""
-        rec = self._requests.get(event.request_id)
-        if rec is None:
-            return
-        try:
-            if rec.state not in (RequestState.PLACED, RequestState.ORPHANED):
-                raise AdmissionError(RejectReason.INVALID, (
-                    "replace is only valid after placed" if rec.state is RequestState.QUEUED
-                    else "a replace is already pending"))
-            self._requests.end_lease(rec, now)
-            rec.options = dataclasses.replace(
-                rec.options, prompt_tokens=event.prompt_tokens, max_tokens=event.max_tokens,
-                prefix_hashes=event.prefix_hashes,
-            )
-            rec.exclude = frozenset(event.exclude)
-            if event.prompt_tokens <= 0:
-                raise AdmissionError(RejectReason.INVALID, "replace: prompt_tokens must be > 0")
-            self.fleet.check_servable(rec.options, rec.exclude, now, replacing=True)
-        except AdmissionError as err:
-            out.notices.append((event.request_id, self._requests.reject(
-                rec, now, err.reason, err.message, err.retry_after)))
-            return
-        rec.state = RequestState.REPLACING
-        rec.replace_expires_at = now + self._limits.ttl_seconds[rec.options.priority]
-        self.waiting.add_replacement(rec)
 
     # ------------------------------------------------------------ engines
 
@@ -304,6 +292,11 @@ class SchedulerCore:
                 break
             rec = self._requests[entry.request_id]
             notice = self._try_place(rec, now, entry=entry, queue=queue)
+            if notice is None and entry.cls in self._preempt_classes:
+                preempted = self._room.preempt_for(rec, entry.cls, now)
+                if preempted is not None:
+                    out.append(preempted)
+                    notice = self._try_place(rec, now, entry=entry, queue=queue)
             if notice is None:
                 break
             out.append((entry.request_id, notice))
@@ -315,10 +308,8 @@ class SchedulerCore:
     ) -> Notice | None:
         """Placed, Rejected (it can never be placed), or None (no room now)."""
         opts = rec.options
-        request = PlacementRequest(
-            opts.request_id, opts.model, opts.prompt_tokens, opts.max_tokens,
-            opts.prefix_hashes, rec.exclude, priority=entry.cls if entry is not None else opts.priority,
-        )
+        cls = entry.cls if entry is not None else opts.priority
+        request = placement_request(rec, cls)
         placement = self.policy.place(
             request, self.fleet.views(opts.model, now), self.fleet.kv,
             self._hash_block_tokens, self._config.decode_headroom_tokens,
@@ -340,7 +331,7 @@ class SchedulerCore:
         kind = "replace" if entry is None else ("warm" if placement.cached_tokens else "cold")
         rec.entry = None
         lease = self._requests.open_lease(
-            rec, engine, placement.blocks_needed, placement.cached_tokens, now)
+            rec, engine, placement.blocks_needed, placement.cached_tokens, now, cls)
         self._rate.record(now)
         self.metrics.placed(self.policy.name, kind, opts.prompt_tokens, placement.cached_tokens)
         return PlacedInfo(engine.engine_id, engine.info.address, lease.lease_id, placement.cached_tokens)
@@ -354,7 +345,7 @@ class SchedulerCore:
     def _on_shutdown(self, event: ev.ShutdownStarted, out: Outbox, now: float) -> None:
         self.shutting_down = True
         for rec in self._requests:
-            if rec.state in (RequestState.QUEUED, RequestState.REPLACING):
+            if rec.state in (RequestState.QUEUED, RequestState.REPLACING, RequestState.PREEMPTED):
                 out.notices.append((rec.options.request_id, self._requests.reject(
                     rec, now, RejectReason.DRAINING, "the scheduler is shutting down; retry shortly",
                     self._limits.retry_min)))
@@ -426,4 +417,4 @@ class SchedulerCore:
         now = self._clock.monotonic()
         return StateView(
             self.policy.name, self.waiting.stats(now), self.fleet.stats(now),
-            self.queued_total(), self.fleet.lease_count())
+            self.queued_total(), self.fleet.lease_count(), self._ledger.snapshot())

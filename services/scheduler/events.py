@@ -34,6 +34,7 @@ __all__ = [
     "LoadReported",
     "Outbox",
     "ReplaceRequested",
+    "RequeueRequested",
     "RequestArrived",
     "RequestDone",
     "ShutdownStarted",
@@ -80,6 +81,18 @@ class ReplaceRequested:
 
     request_id: str
     exclude: tuple[str, ...]
+    prompt_tokens: int
+    max_tokens: int
+    prefix_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RequeueRequested:
+    """After `Preempted`: queue the request again in its class with its
+    original arrival; prompt_tokens include the tokens generated so far and
+    max_tokens is what is left. Ignored unless the request is PREEMPTED."""
+
+    request_id: str
     prompt_tokens: int
     max_tokens: int
     prefix_hashes: tuple[int, ...]
@@ -150,7 +163,7 @@ class ShutdownStarted:
 
 
 Event = (
-    RequestArrived | StreamClosed | FirstToken | RequestDone | ReplaceRequested
+    RequestArrived | StreamClosed | FirstToken | RequestDone | ReplaceRequested | RequeueRequested
     | EngineJoined | LoadReported | KvEventsReported | KvSnapshotReported | EngineLeft
     | DrainRequested | Tick | ShutdownStarted
 )

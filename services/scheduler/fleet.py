@@ -46,6 +46,9 @@ class EngineFleet:
         self.kv = KvIndex()
         self.reservations = ReservationBook()
         self._leases: dict[str, Lease] = {}
+        # Blocks of preempted leases that an engine's last report still
+        # counts as used: free for placement until its next report.
+        self._freed: dict[str, int] = {}
         self._lease_ids = itertools.count(1)
         # Last time an engine for each model was seen: a model nobody serves
         # is accepted for engine_grace_seconds after that (or after start-up).
@@ -82,6 +85,7 @@ class EngineFleet:
             return
         record.load = load
         record.last_report_at = now
+        self._freed.pop(engine_id, None)
         self.reservations.settle(engine_id, set(load.request_ids))
 
     def kv_events(
@@ -106,6 +110,7 @@ class EngineFleet:
             return None
         self.kv.drop_engine(engine_id)
         self.reservations.drop_engine(engine_id)
+        self._freed.pop(engine_id, None)
         ended = [lease for lid in record.leases if (lease := self._leases.pop(lid, None))]
         record.leases.clear()
         return ended
@@ -124,14 +129,14 @@ class EngineFleet:
 
     def open_lease(
         self, request_id: str, engine: EngineRecord, reserved: int, cached: int,
-        prompt_tokens: int, now: float,
+        prompt_tokens: int, now: float, cls: int = 1,
     ) -> Lease:
         """Lease `engine` to a request and reserve its blocks (unless the
         engine's report already shows the request running)."""
         lease = Lease(
             lease_id=f"lease-{next(self._lease_ids)}", request_id=request_id,
             engine_id=engine.engine_id, placed_at=now, reserved_blocks=reserved,
-            cached_tokens=cached, prompt_tokens=prompt_tokens,
+            cached_tokens=cached, prompt_tokens=prompt_tokens, cls=cls,
         )
         if reserved and request_id not in engine.load.request_ids:
             self.reservations.reserve(engine.engine_id, request_id, reserved)
@@ -139,12 +144,16 @@ class EngineFleet:
         self._leases[lease.lease_id] = lease
         return lease
 
-    def close_lease(self, lease: Lease, now: float) -> None:
+    def close_lease(self, lease: Lease, now: float, preempted: bool = False) -> None:
         """End a lease (idempotent); its duration feeds the engine's
-        service-time estimate."""
+        service-time estimate. A `preempted` lease's blocks count as free at
+        once: from its reservation, or (once the engine reported it) from the
+        engine's used blocks until its next report."""
         if self._leases.pop(lease.lease_id, None) is None:
             return
-        self.reservations.release(lease.engine_id, lease.request_id)
+        released = self.reservations.release(lease.engine_id, lease.request_id)
+        if preempted and not released and lease.reserved_blocks:
+            self._freed[lease.engine_id] = self._freed.get(lease.engine_id, 0) + lease.reserved_blocks
         engine = self._registry.get(lease.engine_id)
         if engine is not None:
             engine.leases.discard(lease.lease_id)
@@ -152,6 +161,12 @@ class EngineFleet:
 
     def lease_count(self) -> int:
         return len(self._leases)
+
+    def leases_on(self, engine_id: str) -> list[Lease]:
+        record = self._registry.get(engine_id)
+        if record is None:
+            return []
+        return [lease for lid in record.leases if (lease := self._leases.get(lid)) is not None]
 
     # ------------------------------------------------------------ what placement reads
 
@@ -176,7 +191,8 @@ class EngineFleet:
             engine_id=e.engine_id, model=e.info.model, serving=e.load.serving,
             draining=e.draining, fresh=e.fresh(now, self._config.stale_report_seconds),
             block_size=e.info.block_size, blocks_total=e.blocks_total(),
-            blocks_used=e.load.blocks_used, blocks_reserved=self.reservations.reserved(e.engine_id),
+            blocks_used=max(0, e.load.blocks_used - self._freed.get(e.engine_id, 0)),
+            blocks_reserved=self.reservations.reserved(e.engine_id),
             leases=len(e.leases), lease_limit=e.info.max_running + self._config.engine_queue_slack,
             max_running=e.info.max_running, running=e.load.running, waiting=e.load.waiting,
             queued_tokens=e.load.queued_tokens, weight=weight,

@@ -34,6 +34,7 @@ from .records import (
     AdmitOptions,
     Notice,
     PlacedInfo,
+    PreemptedInfo,
     QueuedInfo,
     RejectedInfo,
     RejectReason,
@@ -94,6 +95,10 @@ def _to_proto(notice: Notice) -> scheduler_pb2.AdmitServerMessage:
         return scheduler_pb2.AdmitServerMessage(placed=scheduler_pb2.Placed(
             engine_id=notice.engine_id, engine_address=notice.engine_address,
             lease_id=notice.lease_id, cached_tokens=notice.cached_tokens))
+    if isinstance(notice, PreemptedInfo):
+        return scheduler_pb2.AdmitServerMessage(preempted=scheduler_pb2.Preempted(
+            engine_id=notice.engine_id, preemptions=notice.preemptions,
+            by_priority=notice.by_priority))
     return scheduler_pb2.AdmitServerMessage(rejected=scheduler_pb2.Rejected(
         code=_REJECT_CODES[notice.reason], message=notice.message,
         retry_after_seconds=notice.retry_after_seconds))
@@ -168,6 +173,13 @@ def _state_proto(view: StateView) -> scheduler_pb2.SchedulerState:
             for e in view.engines
         ],
         queued_total=view.queued_total, leases_total=view.leases_total,
+        classes=[
+            scheduler_pb2.ClassState(
+                priority=c.priority, preemptions=c.preemptions, requeued=c.requeued,
+                preempted_now=c.preempted_now, seconds_lost=c.seconds_lost,
+                displaced=c.displaced, protected=c.protected)
+            for c in view.classes
+        ],
     )
 
 
@@ -206,6 +218,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                          notice.engine_id, notice.lease_id, notice.cached_tokens)
             elif isinstance(notice, RejectedInfo):
                 log.info("request %s rejected: %s", request_id, notice.reason.value)
+            elif isinstance(notice, PreemptedInfo):
+                log.info("request %s preempted on %s for a P%d request (%d so far)", request_id,
+                         notice.engine_id, notice.by_priority, notice.preemptions)
             box = self._mailboxes.get(request_id)
             if box is not None:
                 box.put_nowait(notice)
@@ -309,6 +324,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self.deliver(self.core.handle(ev.FirstToken(request_id)))
         elif kind == "done":
             self.deliver(self.core.handle(ev.RequestDone(request_id)))
+        elif kind == "requeue":
+            q = msg.requeue
+            self.deliver(self.core.handle(ev.RequeueRequested(
+                request_id, q.prompt_tokens, q.max_tokens, tuple(q.prefix_hashes))))
         elif kind == "replace":
             r = msg.replace
             self.deliver(self.core.handle(ev.ReplaceRequested(

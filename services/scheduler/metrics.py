@@ -69,6 +69,40 @@ class SchedulerMetrics:
         )
         self._prompt_total = 0
         self._cached_total = 0
+        self._add_preemption_metrics(r)
+
+    def _add_preemption_metrics(self, r: CollectorRegistry) -> None:
+        """Per admitted class: preemptions, requeues, displacements, the
+        preemption bound reached, time lost, and requests preempted now."""
+        self.preemptions = Counter(
+            "kvmesh_scheduler_preemptions_total",
+            "Running requests whose lease went to a higher class, by admitted class",
+            ["priority"], registry=r,
+        )
+        self.requeued = Counter(
+            "kvmesh_scheduler_requeued_total", "Preempted requests queued again, by admitted class",
+            ["priority"], registry=r,
+        )
+        self.displaced = Counter(
+            "kvmesh_scheduler_displaced_total",
+            "Queued requests refused (429) to make room for a higher class of the same tenant",
+            ["priority"], registry=r,
+        )
+        self.protected = Counter(
+            "kvmesh_scheduler_preemption_protected_total",
+            "Requests that reached scheduler.max_preemptions (not preempted again)",
+            ["priority"], registry=r,
+        )
+        self.preempted_seconds = Histogram(
+            "kvmesh_scheduler_preempted_seconds",
+            "Seconds from a preemption to the request's next placement, by admitted class",
+            ["priority"], buckets=_WAIT_BUCKETS, registry=r,
+        )
+        self.preempted_now = Gauge(
+            "kvmesh_scheduler_preempted_requests",
+            "Requests preempted and not placed again yet, by admitted class",
+            ["priority"], registry=r,
+        )
 
     def placed(self, policy: str, kind: str, prompt_tokens: int, cached_tokens: int) -> None:
         self.placements.labels(policy, kind).inc()

@@ -1,7 +1,9 @@
 """Class queues for one model: priority classes, tenant fairness inside a
 class, ordering inside a tenant, aging, TTL, and O(log n) removal.
 
-Layout: class -> tenant -> a heap of entries by the ordering policy's key.
+Layout: class -> tenant -> a heap of entries by the ordering policy's key,
+plus a heap by admission order (newest first) so admission can find a
+tenant's newest request of a class to displace in O(log n).
 Removal is lazy: a withdrawn or promoted entry is marked (`queued` false or
 `cls` changed) and live counts are adjusted at once, so `remove` is O(1) and
 stale heap items are skipped (amortised O(log n)) when they reach the top; a
@@ -32,6 +34,8 @@ _COMPACT_SLACK = 64
 class _TenantHeap:
     items: list[tuple[tuple[Hashable, ...], int, QueueEntry]] = field(default_factory=list)
     live: int = 0
+    # (-seq, entry): newest first; resumed (requeued) entries are left out.
+    newest: list[tuple[int, QueueEntry]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,8 @@ class ClassQueue:
         if heap is None:
             heap = self._tenants[entry.tenant] = _TenantHeap()
         heapq.heappush(heap.items, (self._ordering.key(entry), entry.seq, entry))
+        if not entry.resumed:
+            heapq.heappush(heap.newest, (-entry.seq, entry))
         heap.live += 1
         self.live += 1
         self._fairness.joined(self._state, entry.tenant)
@@ -78,12 +84,24 @@ class ClassQueue:
         elif len(heap.items) > 2 * heap.live + _COMPACT_SLACK:
             heap.items = [item for item in heap.items if self._alive(item[2])]
             heapq.heapify(heap.items)
+            heap.newest = [item for item in heap.newest if self._alive(item[1])]
+            heapq.heapify(heap.newest)
 
     def _head(self, tenant: str) -> QueueEntry:
         heap = self._tenants[tenant]
         while not self._alive(heap.items[0][2]):
             heapq.heappop(heap.items)
         return heap.items[0][2]
+
+    def newest(self, tenant: str) -> QueueEntry | None:
+        """The tenant's most recently admitted entry here (not resumed ones),
+        or None. Amortised O(log n): stale items are dropped on the way."""
+        heap = self._tenants.get(tenant)
+        if heap is None:
+            return None
+        while heap.newest and not self._alive(heap.newest[0][1]):
+            heapq.heappop(heap.newest)
+        return heap.newest[0][1] if heap.newest else None
 
     def peek(self) -> QueueEntry | None:
         tenant = self._fairness.next_tenant(self._state)

@@ -18,6 +18,7 @@ __all__ = [
     "Lease",
     "Outcome",
     "PlacedInfo",
+    "PreemptedInfo",
     "QueueEntry",
     "QueuedInfo",
     "RejectReason",
@@ -36,6 +37,7 @@ class RequestState(enum.Enum):
     QUEUED = "queued"          # waiting in a class queue
     REPLACING = "replacing"    # lost its engine, waiting ahead of the queue
     PLACED = "placed"          # holds a lease on an engine
+    PREEMPTED = "preempted"    # its lease went to a higher class; waits for the gateway's Requeue
     ORPHANED = "orphaned"      # its engine went away; the gateway will Replace or leave
     FINISHED = "finished"      # final: done, withdrawn, rejected or expired
 
@@ -101,6 +103,9 @@ class QueueEntry:
     cls: int                   # class it waits in now (after aging)
     expires_at: float
     queued: bool = True        # false once popped or withdrawn
+    # Requeued after a preemption: it has streamed tokens already, so no
+    # TTL (expires_at is inf) and never displaced by admission.
+    resumed: bool = False
 
     @property
     def request_id(self) -> str:
@@ -122,6 +127,7 @@ class Lease:
     reserved_blocks: int
     cached_tokens: int
     prompt_tokens: int
+    cls: int = 1               # the class it was placed in (after aging): preemption compares it
     first_token_at: float | None = None
 
 
@@ -141,6 +147,16 @@ class PlacedInfo:
 
 
 @dataclass(frozen=True)
+class PreemptedInfo:
+    """The request's lease ended for a higher class's request; the gateway
+    stops the engine stream, keeps the tokens and answers Requeue."""
+
+    engine_id: str
+    preemptions: int           # times preempted, this one included
+    by_priority: int           # class of the request that took the slot
+
+
+@dataclass(frozen=True)
 class RejectedInfo:
     reason: RejectReason
     message: str
@@ -148,7 +164,7 @@ class RejectedInfo:
 
 
 # What the core tells one waiting Admit stream.
-Notice = QueuedInfo | PlacedInfo | RejectedInfo
+Notice = QueuedInfo | PlacedInfo | RejectedInfo | PreemptedInfo
 
 
 @dataclass
@@ -161,3 +177,6 @@ class RequestRecord:
     lease: Lease | None = None
     exclude: frozenset[str] = field(default_factory=frozenset)
     replace_expires_at: float = 0.0
+    arrival: float = 0.0       # monotonic; a requeue keeps it (aging continues)
+    preemptions: int = 0       # times its lease went to a higher class
+    preempted_at: float | None = None  # set while preempted and not placed again

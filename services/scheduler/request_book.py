@@ -11,20 +11,33 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from .class_stats import ClassLedger
 from .engine_registry import EngineRecord
 from .fleet import EngineFleet
 from .metrics import SchedulerMetrics
-from .records import Lease, Outcome, RejectedInfo, RejectReason, RequestRecord, RequestState
+from .records import (
+    Lease,
+    Outcome,
+    PreemptedInfo,
+    RejectedInfo,
+    RejectReason,
+    RequestRecord,
+    RequestState,
+)
 from .waiting import WaitingRoom
 
 __all__ = ["RequestBook"]
 
 
 class RequestBook:
-    def __init__(self, fleet: EngineFleet, waiting: WaitingRoom, metrics: SchedulerMetrics) -> None:
+    def __init__(
+        self, fleet: EngineFleet, waiting: WaitingRoom, metrics: SchedulerMetrics,
+        ledger: ClassLedger,
+    ) -> None:
         self._fleet = fleet
         self._waiting = waiting
         self._metrics = metrics
+        self._ledger = ledger
         self._records: dict[str, RequestRecord] = {}
 
     def __contains__(self, request_id: str) -> bool:
@@ -43,11 +56,17 @@ class RequestBook:
         self._records[rec.options.request_id] = rec
 
     def open_lease(
-        self, rec: RequestRecord, engine: EngineRecord, reserved: int, cached: int, now: float
+        self, rec: RequestRecord, engine: EngineRecord, reserved: int, cached: int, now: float,
+        cls: int | None = None,
     ) -> Lease:
+        """Lease `engine` in class `cls` (default: the admitted class)."""
         rec.lease = self._fleet.open_lease(
-            rec.options.request_id, engine, reserved, cached, rec.options.prompt_tokens, now)
+            rec.options.request_id, engine, reserved, cached, rec.options.prompt_tokens, now,
+            rec.options.priority if cls is None else cls)
         rec.state = RequestState.PLACED
+        if rec.preempted_at is not None:
+            self._ledger.resumed(rec.options.priority, max(0.0, now - rec.preempted_at))
+            rec.preempted_at = None
         self._metrics.leases.set(self._fleet.lease_count())
         return rec.lease
 
@@ -56,6 +75,20 @@ class RequestBook:
         if lease is not None:
             self._fleet.close_lease(lease, now)
             self._metrics.leases.set(self._fleet.lease_count())
+
+    def preempt(self, rec: RequestRecord, by_class: int, bound: int, now: float) -> PreemptedInfo:
+        """End a running request's lease for a request of class `by_class`;
+        it waits PREEMPTED for the gateway's Requeue. Returns its notice."""
+        lease, rec.lease = rec.lease, None
+        if lease is None:
+            raise RuntimeError(f"preempting {rec.options.request_id}, which holds no lease")
+        self._fleet.close_lease(lease, now, preempted=True)
+        self._metrics.leases.set(self._fleet.lease_count())
+        rec.state = RequestState.PREEMPTED
+        rec.preemptions += 1
+        rec.preempted_at = now
+        self._ledger.preempted(rec.options.priority, reached_bound=rec.preemptions >= bound)
+        return PreemptedInfo(lease.engine_id, rec.preemptions, by_class)
 
     def orphan(self, ended: list[Lease]) -> None:
         """These leases' engine went away: their requests wait ORPHANED for
@@ -72,6 +105,9 @@ class RequestBook:
             return
         self._waiting.remove(rec, queued=rec.state is RequestState.QUEUED)
         self.end_lease(rec, now)
+        if rec.preempted_at is not None:
+            self._ledger.abandoned(rec.options.priority)
+            rec.preempted_at = None
         rec.state = RequestState.FINISHED
         rec.entry = None
         self._records.pop(rec.options.request_id, None)

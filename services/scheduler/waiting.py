@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from .aging import AgingRule
 from .queue import ModelQueue, Promotion
 from .queue_policies import FairnessPolicy, OrderingPolicy
-from .records import QueueEntry, RequestRecord
+from .records import NUM_CLASSES, QueueEntry, RequestRecord
 
 __all__ = ["Expired", "QueueStat", "WaitingRoom"]
 
@@ -103,6 +103,16 @@ class WaitingRoom:
 
     def tenant_len(self, tenant: str) -> int:
         return sum(q.tenant_len(tenant) for q in self._queues.values())
+
+    def displaceable(self, tenant: str, above: int) -> QueueEntry | None:
+        """The tenant's newest queued request of its lowest class below class
+        `above` (numerically greater), or None: what admission displaces for
+        a newcomer of class `above`. O(models x classes x log n)."""
+        for cls in range(NUM_CLASSES - 1, above, -1):
+            found = [e for q in self._queues.values() if (e := q.classes[cls].newest(tenant))]
+            if found:
+                return max(found, key=lambda e: e.seq)
+        return None
 
     def queued_total(self) -> int:
         return sum(len(q) for q in self._queues.values())

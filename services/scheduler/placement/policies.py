@@ -250,6 +250,16 @@ class PlacementPolicy:
             self.approx.remember(request.prefix_hashes, chosen.engine_id)
         return Placement(chosen, chosen.cached_tokens, chosen.blocks_needed)
 
+    def passes(self, request: PlacementRequest, view: EngineView) -> bool:
+        """Whether one completed view passes every filter (no pick, no
+        memory): preemption's test that a victim's slot makes room."""
+        views = [view]
+        for f in self.filters:
+            views = f.filter(request, views)
+            if not views:
+                return False
+        return True
+
     def forget_engine(self, engine_id: str) -> None:
         self.state.rr_current.pop(engine_id, None)
         if self.approx is not None:

@@ -37,7 +37,9 @@ def _full_setup(**kw: object):
     ("caps", "tenant_cap", "admits", "expected"),
     [
         ([10, 2, 10], 100, [("a", 1), ("b", 1), ("c", 1)], RejectReason.QUEUE_FULL),
-        ([10, 10, 10], 2, [("t", 1), ("t", 2), ("t", 0)], RejectReason.TENANT_FULL),
+        # At the tenant cap with nothing of a lower class queued: refused.
+        ([10, 10, 10], 2, [("t", 1), ("t", 0), ("t", 1)], RejectReason.TENANT_FULL),
+        ([10, 10, 10], 2, [("t", 0), ("t", 0), ("t", 0)], RejectReason.TENANT_FULL),
         ([10, 10, 0], 100, [("t", 2)], RejectReason.QUEUE_FULL),
     ],
 )

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from services.scheduler.aging import AgingRule
-from services.scheduler.events import RequestDone, Tick
-from services.scheduler.records import QueuedInfo
+from services.scheduler.events import RequestArrived, RequestDone, Tick
+from services.scheduler.records import PlacedInfo, QueuedInfo
 
-from .helpers import add_engine, admit, make_core, opts, placed_engine, report_load
+from .helpers import add_engine, admit, make_core, opts, report_load
 
 RULE = AgingRule((0.0, 30.0, 30.0))
 
@@ -77,20 +77,18 @@ def test_no_starvation_under_constant_p0_load() -> None:
     """Even with P0 work always waiting, a P2 request ages to P0 and then
     leaves before P0 requests that arrived after it."""
     core, clock = make_core(engine_queue_slack=0)
-    add_engine(core, "e1", max_running=1)
-    admit(core, opts("batch", tenant="b", priority=2))
-    placed: list[str] = []
-    for i in range(80):
-        admit(core, opts(f"chat-{i}", tenant="a", priority=0))
-        for rid, notice in core.handle(Tick()).notices:
-            if placed_engine([(rid, notice)], rid):
-                placed.append(rid)
-        # the engine finishes whatever it holds each second
-        for rid in list(placed):
-            core.handle(RequestDone(rid))
-            placed.remove(rid)
-        if core.request_state("batch") is None or core.request_state("batch").value != "queued":
+    token = add_engine(core, "e1", max_running=1)
+    admit(core, opts("warm", tenant="a", priority=0))     # holds the one slot
+    assert isinstance(admit(core, opts("batch", tenant="b", priority=2)), QueuedInfo)
+    running = ["warm"]
+    for second in range(80):
+        notices = core.handle(RequestArrived(opts(f"chat-{second}", tenant="a", priority=0))).notices
+        for rid in running:      # the engine finishes whatever it holds each second
+            notices += core.handle(RequestDone(rid)).notices
+        running = [rid for rid, notice in notices if isinstance(notice, PlacedInfo)]
+        if "batch" in running:
             break
         clock.advance(1.0)
-    assert core.request_state("batch") is not None
-    assert core.request_state("batch").value == "placed"
+        report_load(core, "e1", token)
+    assert "batch" in running
+    assert second == 60          # P2 -> P1 at 30 s, P1 -> P0 at 60 s, then first by arrival

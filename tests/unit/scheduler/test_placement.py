@@ -169,7 +169,8 @@ def test_lease_slots_cap_in_flight_work() -> None:
 
 
 def test_reserved_lease_slot_takes_a_p0_at_once_when_batch_work_fills_the_engine() -> None:
-    core, _ = make_core(engine_queue_slack=2, p0_reserved_leases=1)
+    # Preemption off: this is the reserved slot alone (test_preemption.py has the rest).
+    core, _ = make_core(engine_queue_slack=2, p0_reserved_leases=1, preempt_classes=[])
     add_engine(core, "e1", max_running=3)
     for i in range(10):
         admit(core, opts(f"p2-{i}", priority=2))

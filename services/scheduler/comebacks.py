@@ -1,0 +1,127 @@
+"""Requests that come back after losing their lease, and the one place
+they are queued again:
+
+  Replace  the request's engine failed (the gateway saw it): its lease ends
+           and it waits in its model's Replace lane, ahead of the queue,
+           avoiding the engines it names, until its class TTL;
+  Requeue  its lease went to a higher class (core.py preempted it): it goes
+           back into its class queue with its ORIGINAL arrival, so aging
+           continues where it was, with the tokens it generated in its
+           prompt.
+
+Ownership rule: `Comebacks` is owned by `SchedulerCore` and called only from
+`SchedulerCore.handle` (so only from the core's one thread, see core.py);
+it changes records, the waiting room and leases only through the objects
+the core hands it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+from collections.abc import Callable
+
+from . import events as ev
+from .admission_limits import AdmissionLimits
+from .class_stats import ClassLedger
+from .events import Outbox
+from .fleet import EngineFleet
+from .queue import Promotion
+from .records import AdmissionError, QueueEntry, RejectReason, RequestRecord, RequestState
+from .request_book import RequestBook
+from .waiting import WaitingRoom
+
+__all__ = ["Comebacks"]
+
+log = logging.getLogger(__name__)
+
+
+class Comebacks:
+    def __init__(
+        self, book: RequestBook, waiting: WaitingRoom, fleet: EngineFleet, limits: AdmissionLimits,
+        ledger: ClassLedger, seq: itertools.count[int], promoted: Callable[[list[Promotion]], None],
+    ) -> None:
+        self._book = book
+        self._waiting = waiting
+        self._fleet = fleet
+        self._limits = limits
+        self._ledger = ledger
+        self._seq = seq
+        self._promoted = promoted
+
+    def replace(self, event: ev.ReplaceRequested, out: Outbox, now: float) -> None:
+        """End the lease and queue the request in its model's Replace lane,
+        ahead of the queue. The answer (Placed or Rejected) comes with this
+        dispatch or a later one, when every eligible engine is full now."""
+        rec = self._book.get(event.request_id)
+        if rec is None:
+            return
+        if rec.state is RequestState.PREEMPTED:
+            # Crossed our Preempted: its lease is gone already; queue it as a
+            # Requeue would, still avoiding the engines it names.
+            self._requeue(rec, event.prompt_tokens, event.max_tokens, event.prefix_hashes,
+                          frozenset(event.exclude), out, now)
+            return
+        try:
+            if rec.state not in (RequestState.PLACED, RequestState.ORPHANED):
+                raise AdmissionError(RejectReason.INVALID, (
+                    "replace is only valid after placed" if rec.state is RequestState.QUEUED
+                    else "a replace is already pending"))
+            self._book.end_lease(rec, now)
+            rec.options = dataclasses.replace(
+                rec.options, prompt_tokens=event.prompt_tokens, max_tokens=event.max_tokens,
+                prefix_hashes=event.prefix_hashes,
+            )
+            rec.exclude = frozenset(event.exclude)
+            if event.prompt_tokens <= 0:
+                raise AdmissionError(RejectReason.INVALID, "replace: prompt_tokens must be > 0")
+            self._fleet.check_servable(rec.options, rec.exclude, now, replacing=True)
+        except AdmissionError as err:
+            out.notices.append((event.request_id, self._book.reject(
+                rec, now, err.reason, err.message, err.retry_after)))
+            return
+        rec.state = RequestState.REPLACING
+        rec.replace_expires_at = now + self._limits.ttl_seconds[rec.options.priority]
+        self._waiting.add_replacement(rec)
+
+    def requeue(self, event: ev.RequeueRequested, out: Outbox, now: float) -> None:
+        """A preempted request comes back, with the tokens it generated in its
+        prompt; anything else (a Requeue crossing a done, a repeat) is ignored."""
+        rec = self._book.get(event.request_id)
+        if rec is None or rec.state is not RequestState.PREEMPTED:
+            log.debug("requeue for %s ignored: %s", event.request_id,
+                      "unknown" if rec is None else rec.state.value)
+            return
+        self._requeue(rec, event.prompt_tokens, event.max_tokens, event.prefix_hashes,
+                      frozenset(), out, now)
+
+    def _requeue(
+        self, rec: RequestRecord, prompt_tokens: int, max_tokens: int,
+        prefix_hashes: tuple[int, ...], exclude: frozenset[str], out: Outbox, now: float,
+    ) -> None:
+        """Back into its class queue with its ORIGINAL arrival, so aging
+        continues where it was. No TTL (expires_at = inf): it has streamed
+        tokens to its client already, and rejecting it now would lose them;
+        its wait is bounded by aging instead (it reaches P0, which nothing
+        preempts, within the aging thresholds of its arrival). Caps do not
+        apply either: it was admitted once."""
+        if prompt_tokens <= 0:
+            out.notices.append((rec.options.request_id, self._book.reject(
+                rec, now, RejectReason.INVALID, "requeue: prompt_tokens must be > 0")))
+            return
+        rec.options = dataclasses.replace(
+            rec.options, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+            prefix_hashes=prefix_hashes)
+        rec.exclude = exclude
+        entry = QueueEntry(
+            options=rec.options, seq=next(self._seq), arrival=rec.arrival,
+            base_class=rec.options.priority, cls=rec.options.priority, expires_at=math.inf,
+            resumed=True,
+        )
+        self._promoted(self._waiting.queue(rec.options.model).push(entry, now))
+        rec.entry = entry
+        rec.state = RequestState.QUEUED
+        self._ledger.requeued(rec.options.priority)
+

@@ -1,0 +1,101 @@
+"""How a higher class gets room now, at the two places it can be short:
+
+  admission  a tenant at its queued cap: the newcomer displaces that
+             tenant's newest queued request of its lowest class below the
+             newcomer's (429 TENANT_FULL with Retry-After, saying why);
+             with nothing lower queued the newcomer is refused as before.
+             Class caps are per class, so nothing below can make room there
+             (admission_limits.py refuses as before). Requests requeued
+             after a preemption are never displaced: they have streamed
+             tokens already.
+  dispatch   the head of a model's queue is of a class in
+             `scheduler.preempt_classes` and no engine can take it: one
+             lower-class, unprotected lease is preempted on the engine
+             where it runs best (the rule is preemption.py's), so the
+             core's next placement attempt puts it there at once.
+
+Ownership rule: `RoomMaker` is owned by `SchedulerCore` and called only
+from its dispatch and admission (so only from the core's one thread, see
+core.py); it changes leases and records only through `RequestBook`.
+"""
+
+from __future__ import annotations
+
+from services.common.config import MeshConfig
+
+from .admission_limits import AdmissionLimits
+from .class_stats import ClassLedger
+from .events import Delivery
+from .fleet import EngineFleet
+from .placement import PlacementPolicy, PlacementRequest
+from .preemption import Candidate, choose_victim
+from .records import RequestRecord
+from .request_book import RequestBook
+from .waiting import WaitingRoom
+
+__all__ = ["RoomMaker", "placement_request"]
+
+
+def placement_request(rec: RequestRecord, cls: int) -> PlacementRequest:
+    """What placement sees of a request waiting in class `cls`."""
+    o = rec.options
+    return PlacementRequest(
+        o.request_id, o.model, o.prompt_tokens, o.max_tokens, o.prefix_hashes, rec.exclude,
+        priority=cls)
+
+
+class RoomMaker:
+    def __init__(
+        self, book: RequestBook, waiting: WaitingRoom, fleet: EngineFleet,
+        policy: PlacementPolicy, limits: AdmissionLimits, ledger: ClassLedger, config: MeshConfig,
+    ) -> None:
+        self._book = book
+        self._waiting = waiting
+        self._fleet = fleet
+        self._policy = policy
+        self._limits = limits
+        self._ledger = ledger
+        self._hash_block_tokens = config.hash_block_tokens
+        self._headroom = config.scheduler.decode_headroom_tokens
+        self._max_preemptions = config.scheduler.max_preemptions
+
+    def displace_for(self, tenant: str, cls: int, rate: float, now: float) -> list[Delivery]:
+        """Room in `tenant`'s cap for a newcomer of class `cls`: nothing to do
+        below the cap; at it, the displaced request's Rejected notice (it is
+        finished); raises the newcomer's AdmissionError when nothing of a
+        lower class is queued. O(models x classes x log n)."""
+        tenant_len = self._waiting.tenant_len(tenant)
+        refused = self._limits.tenant_full(tenant, tenant_len, rate)
+        if refused is None:
+            return []
+        entry = self._waiting.displaceable(tenant, cls)
+        if entry is None:
+            raise refused
+        err = self._limits.displaced_error(tenant, tenant_len, cls, rate)
+        self._ledger.displaced(entry.base_class)
+        return [(entry.request_id, self._book.reject(
+            self._book[entry.request_id], now, err.reason, err.message, err.retry_after))]
+
+    def preempt_for(self, rec: RequestRecord, cls: int, now: float) -> Delivery | None:
+        """End one lower-class lease so `rec`, waiting in class `cls` with no
+        room on any engine now, fits on the engine where it runs best.
+        Returns the victim's Preempted notice, or None when nothing may be
+        preempted (everything running is of its class or higher, or
+        protected): then it waits as before."""
+        request = placement_request(rec, cls)
+        views = self._policy.complete_views(
+            request, self._fleet.views(rec.options.model, now), self._fleet.kv,
+            self._hash_block_tokens, self._headroom)
+        candidates = [
+            Candidate(v.engine_id, lease.request_id, lease.cls, lease.placed_at,
+                      victim.preemptions, lease.reserved_blocks)
+            for v in views for lease in self._fleet.leases_on(v.engine_id)
+            if (victim := self._book.get(lease.request_id)) is not None and victim.lease is lease
+        ]
+        choice = choose_victim(
+            cls, views, candidates, self._max_preemptions,
+            lambda view: self._policy.passes(request, view))
+        if choice is None:
+            return None
+        victim = self._book[choice.victim.request_id]
+        return (victim.options.request_id, self._book.preempt(victim, cls, self._max_preemptions, now))
