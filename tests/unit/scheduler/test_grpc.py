@@ -295,3 +295,60 @@ async def test_a_taken_port_fails_to_start_instead_of_sharing_it() -> None:
     finally:
         await second.stop(grace=0.1)
         await first.stop(grace=0.1)
+
+
+async def _read_until(call: grpc.aio.StreamStreamCall, kind: str) -> pb.AdmitServerMessage:
+    """The next message of `kind`, skipping Queued position updates."""
+    while True:
+        msg = await asyncio.wait_for(call.read(), TIMEOUT)
+        if msg.WhichOneof("msg") != "queued":
+            assert msg.WhichOneof("msg") == kind, msg
+            return msg
+
+
+async def test_preempted_then_requeued_then_placed_again() -> None:
+    """A fake gateway's P2 Admit stream gets Preempted when a P0 takes the
+    engine's only slot, answers Requeue, and is Placed again once the P0 is
+    done; GetState counts it per class."""
+    config = make_config(queued_update_seconds=0.1, tick_seconds=0.05,
+                         engine_queue_slack=0, p0_reserved_leases=0)
+    service = SchedulerService(config, clock=FakeClock())
+    port = await service.start(port=0)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=client_options())
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    try:
+        engine = stub.Connect(timeout=TIMEOUT * 3)
+        one_slot = hello("eng-1")
+        one_slot.hello.max_running = 1
+        await engine.write(one_slot)
+        await engine.write(pb.EngineMessage(load=pb.LoadReport(serving=True, blocks_total=1000)))
+        await wait_state(stub, lambda s: len(s.engines) == 1 and s.engines[0].fresh)
+
+        batch = stub.Admit(timeout=TIMEOUT * 3)
+        await batch.write(admit_msg("b", tenant="batch", priority=2))
+        assert (await _read_until(batch, "placed")).placed.engine_id == "eng-1"
+
+        chat = stub.Admit(timeout=TIMEOUT * 3)
+        await chat.write(admit_msg("chat", tenant="web", priority=0))
+        assert (await _read_until(chat, "placed")).placed.engine_id == "eng-1"
+        preempted = (await _read_until(batch, "preempted")).preempted
+        assert (preempted.engine_id, preempted.preemptions, preempted.by_priority) == ("eng-1", 1, 0)
+
+        await batch.write(pb.AdmitClientMessage(requeue=pb.Requeue(
+            prompt_tokens=80, max_tokens=4, prefix_hashes=[1, 2, 3, 4, 5])))
+        await wait_state(stub, lambda s: s.queued_total == 1)
+        await chat.write(pb.AdmitClientMessage(done=pb.RequestDone(completion_tokens=16)))
+        await chat.done_writing()
+        assert (await _read_until(batch, "placed")).placed.engine_id == "eng-1"
+
+        state = await wait_state(stub, lambda s: s.leases_total == 1)
+        classes = {c.priority: c for c in state.classes}
+        assert sorted(classes) == [0, 1, 2]
+        p2 = classes[2]
+        assert (p2.preemptions, p2.requeued, p2.preempted_now, p2.displaced, p2.protected) == (1, 1, 0, 0, 0)
+        assert classes[0].preemptions == 0
+        batch.cancel()
+        engine.cancel()
+    finally:
+        await channel.close()
+        await service.stop(grace=0.5)
