@@ -7,21 +7,30 @@ Ownership rule: all mutable scheduler state belongs to one `SchedulerCore`
 `SchedulerCore.handle(event) -> Outbox`, which applies the event, always
 dispatches, and returns what to deliver. The core keeps its state in three
 objects only it calls: `RequestBook` (request_book.py), `WaitingRoom`
-(waiting.py) and `EngineFleet` (fleet.py).
+(waiting.py) and `EngineFleet` (fleet.py), plus the per-class counters of
+class_stats.py.
 
 A request's phases and the file that owns each:
   admit     core.py `_admit`, with admission_limits.py (caps, TTL,
-            retry-after), aging.py, waiting.py + queue.py + queue_policies.py;
+            retry-after), making_room.py (a tenant at its cap: the lowest
+            class is displaced), aging.py, waiting.py + queue.py +
+            queue_policies.py;
   place     placement/ (filters, scorers, pickers, named policies) over the
             engine views of fleet.py;
+  preempt   making_room.py `RoomMaker.preempt_for` (a preempt-class queue
+            head with no room: one lower-class lease ends), the victim rule
+            in preemption.py (pure), `RequestBook.preempt`;
   dispatch  core.py `_dispatch` (Replace lanes, then queues, in order);
             leases and reservations in fleet.py;
+  requeue   comebacks.py (Requeue after a preemption, Replace after an
+            engine failure);
   finish    request_book.py `RequestBook.finish` (exactly once).
 Around them: events.py (what the core accepts and returns), grpc_api.py
 (Admit / Connect / GetState streams <-> events; the one place for protobuf
 and gRPC status codes), server.py (process: gRPC server, timers, metrics),
 engine_registry.py, kv_index.py, reservations.py (the fleet's books),
-records.py (records, enums, errors), metrics.py.
+records.py (records, enums, errors), class_stats.py (per-class preemption
+and displacement counters for GetState and metrics), metrics.py.
 
 Entry points: `services.scheduler.server.SchedulerService` and
 `services.scheduler.server.serve`.

@@ -4,7 +4,11 @@ Ownership rule: the core owns all mutable scheduler state, through three
 objects only it calls: `RequestBook` (request_book.py: every admitted
 request's record and lease), `WaitingRoom` (waiting.py: the model queues
 and Replace lanes) and `EngineFleet` (fleet.py: the engine registry, KV
-index, reservations, leases and engine views). All of it changes only
+index, reservations, leases and engine views), plus the per-class counters
+of `ClassLedger` (class_stats.py). Two helpers it owns act on them only
+when it calls: `RoomMaker` (making_room.py: displacement at admission,
+preemption in dispatch) and `Comebacks` (comebacks.py: Replace and
+Requeue). All of it changes only
 inside `SchedulerCore.handle`, which is called only from the event loop's
 thread (grpc_api.py for stream messages, server.py's
 timers for `Tick`). `handle` is synchronous and runs to completion without
@@ -20,14 +24,29 @@ dispatches at all. Each request is finalised exactly once, by
 
 Phases of a request and where each lives:
   admit     `_admit` here: checks (admission_limits.py), the aging class
-            (aging.py), then into its model's queue (waiting.py, queue.py;
-            fairness and ordering from queue_policies.py);
+            (aging.py), at a tenant's cap the displacement of its lowest
+            class (making_room.py), then into its model's queue
+            (waiting.py, queue.py; fairness and ordering from
+            queue_policies.py);
   place     `_try_place` here asks the placement policy (placement/) over
             the fleet's engine views (fleet.py);
+  preempt   when a queue head of a class in `scheduler.preempt_classes`
+            cannot be placed, `RoomMaker.preempt_for` ends one lower-class,
+            unprotected lease (victim rule: preemption.py) and the head is
+            placed on that engine in the same dispatch; the victim is told
+            Preempted and waits PREEMPTED;
   dispatch  `_dispatch` here: per model the Replace lane, then the queue,
-            in order, until one cannot be placed; leases via the fleet;
+            in order (preempting for a preempt-class head), until one
+            cannot be placed; leases via the fleet;
+  requeue   a preempted request's Requeue puts it back in its class queue
+            with its original arrival, no TTL (comebacks.py);
   finish    `RequestBook.finish` (request_book.py): out of queue and lane,
-            lease ended, counted; idempotent.
+            lease ended, counted; idempotent, from any state (PREEMPTED
+            included).
+
+Lifecycle (records.RequestState): QUEUED -> PLACED -> FINISHED, with
+PLACED -> PREEMPTED -> (Requeue) QUEUED, PLACED -> ORPHANED / REPLACING ->
+PLACED, and FINISHED reachable from every state.
 """
 
 from __future__ import annotations

@@ -182,8 +182,10 @@ class Outbox:
 
     `notices` are in the order they happened. For `RequestArrived` the first
     notice is always the arriving request's own first answer (Queued,
-    Placed on re-attach, or Rejected); a Placed or Rejected for it from the
-    same dispatch follows later in the list.
+    Placed on re-attach, or Rejected); a Rejected for a request it displaced
+    at its tenant's cap, and a Placed or Rejected for it from the same
+    dispatch, follow later in the list. A dispatch that preempts lists the
+    victim's Preempted before the Placed of the request that took its slot.
     """
 
     notices: list[Delivery] = field(default_factory=list)

@@ -7,7 +7,9 @@ Concurrency rule: every handler, reader task and timer runs on one event
 loop, and the core is called only synchronously from it (see core.py), so
 the core has one owner without locks. Each Admit stream has a bounded
 mailbox the core's notices are put into; its handler is the only writer of
-its stream. Each Connect stream has a command mailbox and one writer task.
+its stream. A `Preempted` notice does not end the stream: the gateway
+answers `Requeue` on it and a later `Placed` (or `Rejected`) follows.
+Each Connect stream has a command mailbox and one writer task.
 
 This is the one place domain outcomes become protobuf messages and gRPC
 status codes (`_to_proto`, `_REJECT_CODES`, `_hello_info`).

@@ -2,7 +2,8 @@
 
 Ownership rule: `RequestBook` is owned by `SchedulerCore` and called only
 from it (so only from the core's one thread, see core.py). It is the only
-code that opens or ends a request's lease and the only code that finalises
+code that opens or ends a request's lease (a preemption too: `preempt`
+ends it and leaves the record PREEMPTED) and the only code that finalises
 a request: `finish` is idempotent, and every exit path (done, withdraw,
 reject, expiry) goes through it, so each request is counted exactly once.
 """

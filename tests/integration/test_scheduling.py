@@ -70,8 +70,10 @@ def _words(seed: int, n: int) -> str:
 
 
 async def _start_blockers(session: aiohttp.ClientSession, mesh: Mesh) -> list[asyncio.Task]:
-    """Fill every engine slot with a long generation; return their tasks."""
-    tasks = [asyncio.create_task(chat(session, mesh, f"blocker {i}", BLOCKER_TOKENS))
+    """Fill every engine slot with a long generation; return their tasks.
+    The blockers are P0: a P0 never waits for lower-class running work (it
+    preempts it), so only P0 work keeps a newcomer of any class queued."""
+    tasks = [asyncio.create_task(chat(session, mesh, f"blocker {i}", BLOCKER_TOKENS, priority=0))
              for i in range(SLOTS)]
     await wait_state(mesh, lambda s: s.leases_total == SLOTS and s.queued_total == 0,
                      f"{SLOTS} blockers holding every engine slot")
