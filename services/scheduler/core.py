@@ -36,8 +36,8 @@ Phases of a request and where each lives:
             placed on that engine in the same dispatch; the victim is told
             Preempted and waits PREEMPTED;
   dispatch  `_dispatch` here: per model the Replace lane, then the queue,
-            in order (preempting for a preempt-class head), until one
-            cannot be placed; leases via the fleet;
+            in order (preempting for a preempt-class head of either), until
+            one cannot be placed; leases via the fleet;
   requeue   a preempted request's Requeue puts it back in its class queue
             with its original arrival, no TTL (comebacks.py);
   finish    `RequestBook.finish` (request_book.py): out of queue and lane,
@@ -116,11 +116,8 @@ class SchedulerCore:
         self._rate = DispatchRateMeter(self._config.dispatch_rate_window_seconds)
         plugins = builtin_registry(self._config)
         self.policy: PlacementPolicy = build_policy(self._config.policy, self._config, plugins)
-        self.waiting = WaitingRoom(
-            self._aging,
-            plugins.make_fairness(self._config.queue_fairness),
-            plugins.make_ordering(self._config.queue_ordering),
-        )
+        self.waiting = WaitingRoom(self._aging, plugins.make_fairness(self._config.queue_fairness),
+                                   plugins.make_ordering(self._config.queue_ordering))
         self.fleet = EngineFleet(self._config, clock.monotonic(), self._limits.retry_min)
         self._seq = itertools.count()
         self._ledger = ClassLedger(self.metrics)
@@ -299,7 +296,7 @@ class SchedulerCore:
         lane = self.waiting.lane(model)
         while lane:
             rec = next(iter(lane.values()))
-            notice = self._try_place(rec, now)
+            notice = self._place_or_preempt(rec, rec.options.priority, now, out)
             if notice is None:
                 return out
             lane.pop(rec.options.request_id, None)
@@ -310,16 +307,25 @@ class SchedulerCore:
             if entry is None:
                 break
             rec = self._requests[entry.request_id]
-            notice = self._try_place(rec, now, entry=entry, queue=queue)
-            if notice is None and entry.cls in self._preempt_classes:
-                preempted = self._room.preempt_for(rec, entry.cls, now)
-                if preempted is not None:
-                    out.append(preempted)
-                    notice = self._try_place(rec, now, entry=entry, queue=queue)
+            notice = self._place_or_preempt(rec, entry.cls, now, out, entry, queue)
             if notice is None:
                 break
             out.append((entry.request_id, notice))
         return out
+
+    def _place_or_preempt(
+        self, rec: RequestRecord, cls: int, now: float, out: list[Delivery],
+        entry: QueueEntry | None = None, queue: ModelQueue | None = None,
+    ) -> Notice | None:
+        """`_try_place`; with no room now and `cls` a preempt class, preempt
+        one lower-class lease (its Preempted into `out`) and place there."""
+        notice = self._try_place(rec, now, entry, queue)
+        if notice is None and cls in self._preempt_classes:
+            preempted = self._room.preempt_for(rec, cls, now)
+            if preempted is not None:
+                out.append(preempted)
+                notice = self._try_place(rec, now, entry, queue)
+        return notice
 
     def _try_place(
         self, rec: RequestRecord, now: float,
@@ -343,7 +349,8 @@ class SchedulerCore:
             return None
         if entry is not None and queue is not None:
             queue.pop(entry)
-            self.metrics.queue_wait.labels(str(entry.base_class)).observe(max(0.0, now - entry.arrival))
+            if not entry.resumed:   # a requeued request's wait is kvmesh_scheduler_preempted_seconds
+                self.metrics.queue_wait.labels(str(entry.base_class)).observe(max(0.0, now - entry.arrival))
         engine = self.fleet.get(placement.view.engine_id)
         if engine is None:  # pragma: no cover - views come from the registry
             raise RuntimeError("placement chose an unknown engine")
@@ -377,10 +384,8 @@ class SchedulerCore:
         for entry in expired.entries:
             rec = self._requests.get(entry.request_id)
             if rec is not None:
-                message = (
-                    f"waited {now - entry.arrival:.1f} s in the queue, past the "
-                    f"P{entry.base_class} time-to-live; retry later"
-                )
+                message = (f"waited {now - entry.arrival:.1f} s in the queue, past the "
+                           f"P{entry.base_class} time-to-live; retry later")
                 out.append((entry.request_id, self._requests.reject(
                     rec, now, RejectReason.EXPIRED, message, self._retry_after_for(entry.cls))))
         for rec in expired.replacements:

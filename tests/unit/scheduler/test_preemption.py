@@ -9,8 +9,10 @@ from typing import Any
 import pytest
 
 from services.scheduler.events import (
+    EngineLeft,
     KvSnapshotReported,
     Outbox,
+    ReplaceRequested,
     RequestArrived,
     RequestDone,
     RequeueRequested,
@@ -214,8 +216,6 @@ def test_max_preemptions_protects_a_request() -> None:
 
 
 def test_a_replace_crossing_a_preempted_queues_it_like_a_requeue() -> None:
-    from services.scheduler.events import ReplaceRequested
-
     core, _, _ = _preempted()
     core.handle(ReplaceRequested("b", ("e9",), 40, 8, ()))
     assert core.request_state("b") is RequestState.QUEUED
@@ -328,3 +328,19 @@ def test_a_requeued_request_is_never_displaced() -> None:
     refused = admit(core, opts("chat-2", tenant="batch", priority=0))
     assert isinstance(refused, RejectedInfo) and refused.reason is RejectReason.TENANT_FULL
     assert core.request_state("b") is RequestState.QUEUED
+
+
+def test_a_p0_replacement_preempts_too_avoiding_the_engines_it_excludes() -> None:
+    """A P0 whose engine failed waits in the Replace lane: it does not wait
+    for lower-class running work either."""
+    core, _ = make_core(**TIGHT)
+    tokens = {e: add_engine(core, e, max_running=1) for e in ("e1", "e2")}
+    admit(core, opts("chat", tenant="web", priority=0))
+    failed = core.lease_of("chat").engine_id
+    other = "e2" if failed == "e1" else "e1"
+    admit(core, opts("b", tenant="batch", priority=2))
+    assert core.lease_of("b").engine_id == other
+    core.handle(EngineLeft(failed, tokens[failed]))
+    out = core.handle(ReplaceRequested("chat", (failed,), 40, 8, ()))
+    assert kinds(out) == [("b", "PreemptedInfo"), ("chat", "PlacedInfo")]
+    assert core.lease_of("chat").engine_id == other
