@@ -204,6 +204,10 @@ class LeaseLink:
     async def replace(self, excluded: list[str], emit: Emit) -> scheduler_pb2.Placed:
         """Move the request off failed engines: a placement that excludes
         `excluded`, for prompt + generated and the max_tokens left."""
+        if self._preempted_at is not None:
+            # A `Preempted` crossed the engine's failure: the scheduler has
+            # taken the lease back already and waits for `Requeue`.
+            return await self.requeue(emit)
         # A re-attach in progress is superseded: the request moves anyway.
         self._running = False
         await self._stop_reattach()

@@ -219,7 +219,7 @@ class AdmitSession:
                 else:
                     while await self._call.read() is not grpc.aio.EOF:
                         pass
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError, GatewayError):
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
             pass  # the lease ends with the stream either way
         finally:
             self._call.cancel()
