@@ -2,10 +2,22 @@
 
 Phases (`_Generation.run`): admit -> wait until placed -> generate on the
 placed engine, relaying its deltas -> on engine failure, migrate and generate
-again -> finish. Migration: the driver asks for a placement that excludes the
-failed engine and continues from prompt + tokens generated so far, with
-max_tokens reduced, up to `max_migrations` times: the client sees one
-seamless stream, from exactly the next token.
+again; on preemption, requeue, wait and continue -> finish.
+
+- Migration: the driver asks for a placement that excludes the failed engine
+  and continues from prompt + tokens generated so far, with max_tokens
+  reduced, up to `max_migrations` times: the client sees one seamless
+  stream, from exactly the next token.
+- Preemption: the scheduler gives the request's slot to a higher class and
+  says `Preempted` on the Admit stream. The lease link stops the engine
+  stream at once (its reader task calls `EngineStream.stop`, so the relay
+  pays nothing per token: its pending engine read raises `EngineStopped`);
+  the driver keeps every token so far and the text held back for stop
+  strings (the same seam as a lost engine), answers `Requeue` and waits
+  for the next placement -- the client's stream stays open, heartbeats
+  only -- then continues there exactly like a migration. A preemption is
+  not a failure: it uses no migration and excludes no engine.
+  `max_generation_seconds` bounds the whole generation, waits included.
 
 Who owns what: each request's driver runs in ONE task (the pump of its
 `event_stream.EventStream`), which alone owns the request's state: the
@@ -23,13 +35,15 @@ event whose reason is ERROR / TIMEOUT / ABORT.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from services.common.clock import Clock
 from services.common.proto.kvmesh.v1 import engine_pb2, scheduler_pb2
 from services.gateway.engine_client import EnginePool, EngineStream
-from services.gateway.errors import EngineFailure, ErrorKind, GatewayError
+from services.gateway.errors import EngineFailure, EngineStopped, ErrorKind, GatewayError
 from services.gateway.event_stream import EventStream
 from services.gateway.events import Emit, Finished, FinishReason, TextDelta, Usage
 from services.gateway.jobs import Job
@@ -105,42 +119,46 @@ class _Generation:
         await lease.close()
 
     async def _generate(self, lease: LeaseLink, placed: scheduler_pb2.Placed) -> Finished:
-        """Stream from the placed engine; on engine failure, migrate."""
-        job, engines = self._job, self._driver.engines
-        deadline = asyncio.get_running_loop().time() + job.max_generation_seconds
+        """Stream from the placed engine; on engine failure, migrate; when
+        preempted, requeue and continue where it is placed next."""
+        deadline = asyncio.get_running_loop().time() + self._job.max_generation_seconds
         while True:
-            lease.running_on(placed.engine_id)
-            stream = engines.open(placed.engine_address, placed.engine_id)
+            stream = self._driver.engines.open(placed.engine_address, placed.engine_id)
+            lease.running_on(placed.engine_id, stream.stop)
+            move: Callable[[Emit], Awaitable[scheduler_pb2.Placed]]
             try:
                 async with asyncio.timeout_at(deadline):
                     return await self._relay(lease, placed, stream)
             except TimeoutError:
                 await stream.abort()
-                return self._end(
-                    FinishReason.TIMEOUT,
-                    f"the generation ran past its {job.max_generation_seconds:g}s limit", ErrorKind.TIMEOUT,
-                )
+                return self._timed_out()
+            except EngineStopped:
+                stream.cancel()
+                ended = await self._left_engine()
+                move = lease.requeue
             except EngineFailure as failure:
                 stream.cancel()
                 ended = await self._engine_lost(failure)
-                if ended is not None:
-                    return ended
-                placed = await lease.replace(self._excluded, self._emit)
-                self._driver.metrics.migrations.inc()
+                move = functools.partial(lease.replace, self._excluded)
+                if ended is None:
+                    self._driver.metrics.migrations.inc()
             except BaseException:
                 stream.cancel()
                 raise
+            if ended is not None:
+                return ended
+            try:
+                async with asyncio.timeout_at(deadline):
+                    placed = await move(self._emit)
+            except TimeoutError:
+                return self._timed_out()
 
     async def _engine_lost(self, failure: EngineFailure) -> Finished | None:
         """The engine failed: how the request ends now, or None to migrate."""
-        job = self._job
-        if job.max_tokens - len(self._generated) <= 0:
-            # Every token arrived; only the engine's `finished` was lost, and
-            # with it the text it still held back.
-            await self._send_tail(self._seam.flush())
-            return self._end(FinishReason.LENGTH, "", ErrorKind.GENERATION_FAILED)
+        if self._job.max_tokens - len(self._generated) <= 0:
+            return await self._left_engine()
         failures = len(self._excluded) + 1
-        log.warning("request %s: %s (failure %d)", job.request_id, failure.message, failures)
+        log.warning("request %s: %s (failure %d)", self._job.request_id, failure.message, failures)
         if failures > self._driver.settings.max_migrations:
             return self._end(
                 FinishReason.ERROR,
@@ -148,10 +166,27 @@ class _Generation:
                 ErrorKind.UNAVAILABLE,
             )
         self._excluded.append(failure.engine_id)
+        return await self._left_engine()
+
+    async def _left_engine(self) -> Finished | None:
+        """The request left its engine mid-stream (failed or preempted): how
+        it ends now, or None to continue on the next engine."""
+        if self._job.max_tokens - len(self._generated) <= 0:
+            # Every token arrived; only the engine's `finished` was lost, and
+            # with it the text it still held back.
+            await self._send_tail(self._seam.flush())
+            return self._end(FinishReason.LENGTH, "", ErrorKind.GENERATION_FAILED)
         if self._seam.on_engine_lost(len(self._generated)):
+            # What the engine held back completes a stop string already.
             await self._send_tail(self._seam.flush())
             return self._end(FinishReason.STOP, "", ErrorKind.GENERATION_FAILED)
         return None
+
+    def _timed_out(self) -> Finished:
+        return self._end(
+            FinishReason.TIMEOUT,
+            f"the generation ran past its {self._job.max_generation_seconds:g}s limit", ErrorKind.TIMEOUT,
+        )
 
     async def _relay(self, lease: LeaseLink, placed: scheduler_pb2.Placed, stream: EngineStream) -> Finished:
         """Start the request on `stream` (resuming after what was generated)

@@ -5,13 +5,13 @@ created on first use from the event loop and closed in `close()`. Status
 codes from an engine become domain errors here (through
 `errors.classify_engine_rpc_error`): a request fault (INVALID_ARGUMENT...)
 is the client's error, anything else is an `EngineFailure` the driver may
-migrate away from.
+migrate away from. A stream the gateway stopped itself (`EngineStream.stop`,
+a preemption) raises `EngineStopped` instead, in the task reading it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import cast
 
@@ -20,7 +20,7 @@ import grpc
 from services.common.grpc_server import client_options
 from services.common.mesh_tls import MeshIdentity, aio_channel
 from services.common.proto.kvmesh.v1 import engine_pb2, engine_pb2_grpc
-from services.gateway.errors import EngineFailure, classify_engine_rpc_error
+from services.gateway.errors import EngineFailure, EngineStopped, classify_engine_rpc_error
 from services.gateway.spare_calls import SpareCall
 
 __all__ = ["EnginePool", "EngineStream"]
@@ -41,14 +41,33 @@ class EngineStream:
     def __init__(self, call: grpc.aio.StreamStreamCall, engine_id: str) -> None:
         self._call = call
         self.engine_id = engine_id
+        # Set by `stop()`: the call was cancelled on purpose, from outside.
+        self._stopped = False
 
     async def start(self, request: engine_pb2.EngineRequest) -> None:
         try:
             await self._call.write(engine_pb2.EngineGenerateMessage(request=request))
-        except grpc.aio.AioRpcError as exc:
-            raise classify_engine_rpc_error(exc, self.engine_id) from exc
-        except asyncio.InvalidStateError as exc:
-            raise EngineFailure(self.engine_id, f"engine {self.engine_id}: stream closed before the request") from exc
+        except (asyncio.CancelledError, asyncio.InvalidStateError, grpc.aio.AioRpcError) as exc:
+            self._raise_if_stopped(exc)
+            if isinstance(exc, grpc.aio.AioRpcError):
+                raise classify_engine_rpc_error(exc, self.engine_id) from exc
+            if isinstance(exc, asyncio.InvalidStateError):
+                raise EngineFailure(
+                    self.engine_id, f"engine {self.engine_id}: stream closed before the request") from exc
+            raise
+
+    def _stopped_here(self) -> bool:
+        """Did `stop()` cancel the call -- and is the calling task itself not
+        being cancelled? (A cancelled call's reads and writes raise
+        CancelledError in grpc.aio, like a cancelled task.)"""
+        task = asyncio.current_task()
+        return self._stopped and not (task is not None and task.cancelling())
+
+    def _raise_if_stopped(self, exc: BaseException) -> None:
+        """A read or write failed because `stop()` cancelled the call: that
+        is `EngineStopped`."""
+        if self._stopped_here():
+            raise EngineStopped(self.engine_id) from exc
 
     async def events(self) -> AsyncIterator[engine_pb2.EngineGenerateEvent]:
         """Deltas, then one `finished`. A stream that ends without `finished`
@@ -56,9 +75,14 @@ class EngineStream:
         while True:
             try:
                 read = await self._call.read()
-            except grpc.aio.AioRpcError as exc:
-                raise classify_engine_rpc_error(exc, self.engine_id) from exc
+            except (asyncio.CancelledError, grpc.aio.AioRpcError) as exc:
+                self._raise_if_stopped(exc)
+                if isinstance(exc, grpc.aio.AioRpcError):
+                    raise classify_engine_rpc_error(exc, self.engine_id) from exc
+                raise
             if read is grpc.aio.EOF:
+                if self._stopped:
+                    raise EngineStopped(self.engine_id)
                 raise EngineFailure(self.engine_id, f"engine {self.engine_id} ended the stream without finishing")
             event = cast(engine_pb2.EngineGenerateEvent, read)  # grpc.aio types reads as object
             yield event
@@ -67,18 +91,36 @@ class EngineStream:
 
     async def abort(self) -> None:
         """Polite cancel (a `cancel` message) then end the call."""
-        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        try:
             async with asyncio.timeout(0.5):
                 await self._call.write(engine_pb2.EngineGenerateMessage(cancel=engine_pb2.CancelGeneration()))
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass
+        except asyncio.CancelledError:
+            if not self._stopped_here():
+                raise
         self._call.cancel()
 
     def cancel(self) -> None:
         self._call.cancel()
 
+    def stop(self) -> None:
+        """Stop the generation now, from outside the task reading the stream
+        (the request was preempted): the engine aborts it and frees its KV;
+        the reader's pending or next `events()` read (or `start`) raises
+        `EngineStopped`. What was read before stays the caller's."""
+        self._stopped = True
+        self._call.cancel()
+
     async def close(self) -> None:
         """After `finished`: half-close and let the call end."""
-        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        try:
             await self._call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass
+        except asyncio.CancelledError:
+            if not self._stopped_here():
+                raise
         self._call.cancel()
 
 

@@ -14,7 +14,9 @@ endpoint), under the gateway's name. This module alone decides:
 "Engine failed" (`EngineFailure`: the engine died or dropped the stream, so
 the request migrates elsewhere) is deliberately NOT a `GatewayError`: it never
 reaches a client as such. Only when migrations run out does the driver turn
-it into `GenerationFailed`.
+it into `GenerationFailed`. Nor is `EngineStopped`: the gateway stopped the
+engine stream itself because the scheduler preempted the request, which then
+continues elsewhere -- no engine failed.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from services.common.proto.kvmesh.v1 import scheduler_pb2
 
 __all__ = [
     "EngineFailure",
+    "EngineStopped",
     "ErrorKind",
     "GatewayError",
     "HttpError",
@@ -67,6 +70,15 @@ class EngineFailure(Exception):
         super().__init__(message)
         self.engine_id = engine_id
         self.message = message
+
+
+class EngineStopped(Exception):
+    """The gateway stopped the engine stream itself (`EngineStream.stop`: the
+    request was preempted). Neither the engine nor the request failed."""
+
+    def __init__(self, engine_id: str) -> None:
+        super().__init__(f"engine {engine_id}: stream stopped by the gateway (preempted)")
+        self.engine_id = engine_id
 
 
 # ------------------------------------------------------------ upstream -> domain

@@ -10,7 +10,9 @@ here because `Finished` carries it.
 
 Order on a stream: any number of `QueuedUpdate`, then `TextDelta`s, then one
 `Finished` (the last event); `Heartbeat` whenever nothing else was sent for a
-while.
+while. A stream that waits again after its first token (preempted, or moving
+off a failed engine) sends no `QueuedUpdate`: only heartbeats until its next
+`TextDelta`.
 """
 
 from __future__ import annotations

@@ -8,21 +8,30 @@ one for the request over its whole life:
   (`errors.SchedulerRestarting`: unreachable, but it answered this gateway
   before) is waited for with backoff, up to `_READMIT_SECONDS`, before the
   error goes to the client; one never reached fails at once;
-- waiting (`wait_placed`): `queued` positions go to the client; a scheduler
-  that restarts meanwhile gets the request again with its original arrival
-  time and the prompt it has now (prompt + generated, like `replace`);
+- waiting (`wait_placed`): `queued` positions go to the client until its
+  first token (after it, the client's stream just stays open: heartbeats); a
+  scheduler that restarts meanwhile gets the request again with its original
+  arrival time and the prompt it has now (prompt + generated, like `replace`);
 - running (`running_on`): the request keeps streaming from its engine if the
   scheduler restarts, while a child task re-attaches the lease
   (`AdmitRequest.running_on_engine`, retried with backoff until the engine
   has re-registered); `first_token` / `done` then go to the new stream;
+- preempted: a `Preempted` from the scheduler (its slot went to a higher
+  class) calls the `stop` given to `running_on` at once, from the Admit
+  stream's reader task (`AdmitSession.listen`): the driver's engine read
+  then raises and the driver calls `requeue` -- `Requeue` with prompt +
+  generated, then waiting again as above. A `Preempted` once the request is
+  no longer running on an engine (moving, requeued, done) is ignored;
 - moving (`replace`): the request leaves a failed engine;
 - ending (`report_done` + `close`, or `abandon`).
 
 Ownership: the request's pump task alone calls a `LeaseLink`. The re-attach
-child task is the one other writer: it only swaps in the re-attached stream,
-and the pump ends it before the lease moves or ends (`replace`,
-`report_done`, `abandon`). The tokens generated so far are the driver's
-list, read here (never written) to describe the request as it stands now.
+child task is one other writer: it only swaps in the re-attached stream, and
+the pump ends it before the lease moves or ends (`replace`, `requeue`,
+`report_done`, `abandon`). The Admit stream's reader task is the other: it
+only records a preemption and calls `stop` (`_on_preempted`), synchronously.
+The tokens generated so far are the driver's list, read here (never written)
+to describe the request as it stands now.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.clock import Clock
@@ -83,6 +93,10 @@ async def _open(
         await backoff.wait()
 
 
+def _nothing() -> None:
+    pass
+
+
 class LeaseLink:
     """One request's lease on the scheduler (see the module docstring)."""
 
@@ -105,6 +119,11 @@ class LeaseLink:
         # `first_token` (told again on a re-attached stream).
         self._engine_id = ""
         self._told_first = False
+        # Generating on that engine (a preemption or a broken stream acts
+        # only then), how to stop its stream, and when it was preempted.
+        self._running = False
+        self._stop_engine: Callable[[], None] = _nothing
+        self._preempted_at: float | None = None
         # Re-attaching the lease after a scheduler restart (a child of the pump).
         self._reattach: asyncio.Task[None] | None = None
 
@@ -141,14 +160,32 @@ class LeaseLink:
             readmit_until, backoff = None, _Backoff()
             if isinstance(outcome, scheduler_pb2.Placed):
                 return outcome
-            await emit(QueuedUpdate(outcome.position, outcome.estimated_wait_seconds, outcome.priority))
+            if not self._generated:  # after the first token: heartbeats only
+                await emit(QueuedUpdate(outcome.position, outcome.estimated_wait_seconds, outcome.priority))
 
-    def running_on(self, engine_id: str) -> None:
-        """The request starts generating on `engine_id`: if the Admit stream
-        breaks from now on, re-attach the lease in a child task."""
+    def running_on(self, engine_id: str, stop: Callable[[], None]) -> None:
+        """The request starts generating on `engine_id`. From now on a
+        `Preempted` calls `stop()` at once (it must stop the engine stream;
+        the driver then calls `requeue`), and if the Admit stream breaks, the
+        lease is re-attached in a child task."""
         self._engine_id = engine_id
         self._told_first = False
+        self._running = True
+        self._stop_engine = stop
+        self._session.listen(self._on_preempted)
         self._watch()
+
+    def _on_preempted(self, preempted: scheduler_pb2.Preempted) -> None:
+        """The reader task got `Preempted`: stop the engine stream now, unless
+        the request no longer runs (it finished, moves or waits already)."""
+        if not self._running:
+            log.debug("request %s: late Preempted ignored", self._job.request_id)
+            return
+        self._running = False
+        self._preempted_at = self._clock.monotonic()
+        log.info("request %s: preempted on engine %s by a P%d request (%d times)", self._job.request_id,
+                 self._engine_id, preempted.by_priority, preempted.preemptions)
+        self._stop_engine()
 
     async def first_token(self) -> bool:
         """Tell the scheduler about the current engine's first token; False
@@ -167,7 +204,12 @@ class LeaseLink:
     async def replace(self, excluded: list[str], emit: Emit) -> scheduler_pb2.Placed:
         """Move the request off failed engines: a placement that excludes
         `excluded`, for prompt + generated and the max_tokens left."""
+        if self._preempted_at is not None:
+            # A `Preempted` crossed the engine's failure: the scheduler has
+            # taken the lease back already and waits for `Requeue`.
+            return await self.requeue(emit)
         # A re-attach in progress is superseded: the request moves anyway.
+        self._running = False
         await self._stop_reattach()
         tokens = self._job.prompt_ids + self._generated
         # A scheduler gone too: `wait_placed` reads the broken stream and
@@ -181,9 +223,34 @@ class LeaseLink:
             )
         return await self.wait_placed(emit)
 
+    async def requeue(self, emit: Emit) -> scheduler_pb2.Placed:
+        """After a preemption (the driver stopped the engine stream and kept
+        its tokens): `Requeue` with prompt + generated and the max_tokens
+        left, then wait for the next placement like a queued request."""
+        self._running = False
+        await self._stop_reattach()
+        preempted_at, self._preempted_at = self._preempted_at, None
+        priority = str(self._job.priority)
+        self._metrics.preemptions.labels(priority).inc()
+        tokens = self._job.prompt_ids + self._generated
+        try:
+            # A scheduler gone too: `wait_placed` reads the broken stream and
+            # admits the request again (prompt + generated, same arrival).
+            with contextlib.suppress(SchedulerRestarting):
+                await self._session.requeue(
+                    prompt_tokens=len(tokens),
+                    max_tokens=self._job.max_tokens - len(self._generated),
+                    prefix_hashes=block_hashes(tokens, self._job.hash_block_tokens),
+                )
+            return await self.wait_placed(emit)
+        finally:
+            since = self._clock.monotonic() if preempted_at is None else preempted_at
+            self._metrics.preempted_seconds.labels(priority).observe(self._clock.monotonic() - since)
+
     async def report_done(self, finished: Finished) -> None:
         """Send the outcome (cheap, no round trip); `close()` afterwards."""
         # A re-attach still under way holds no lease yet: nothing to report.
+        self._running = False
         await self._stop_reattach()
         await self._session.report_done(
             scheduler_pb2.RequestDone(
@@ -200,6 +267,7 @@ class LeaseLink:
 
     async def abandon(self) -> None:
         """The request failed or was cancelled: end the lease at once."""
+        self._running = False
         self._session.cancel()
         await self._stop_reattach()
 
@@ -209,7 +277,9 @@ class LeaseLink:
         session = self._session
 
         def broken() -> None:
-            if self._session is session and (self._reattach is None or self._reattach.done()):
+            if not self._running or self._session is not session:
+                return
+            if self._reattach is None or self._reattach.done():
                 self._reattach = asyncio.get_running_loop().create_task(
                     self._reattach_lease(), name=f"reattach-{self._job.request_id}")
 
@@ -225,13 +295,20 @@ class LeaseLink:
             session = await self._attach_once()
             if session is None:
                 continue
+            try:
+                if self._told_first:
+                    await session.first_token()
+            except BaseException:
+                session.cancel()
+                raise
+            # No await from here on: the pump sees the old stream or the new
+            # one, listened to and watched.
             old, self._session = self._session, session
             old.cancel()
             self._metrics.readmissions.labels("running").inc()
             log.info("request %s: lease re-attached on engine %s after a scheduler restart",
                      self._job.request_id, self._engine_id)
-            if self._told_first:
-                await session.first_token()
+            session.listen(self._on_preempted)
             self._watch()
             return
 

@@ -10,6 +10,9 @@ __all__ = ["GatewayMetrics", "metrics_app"]
 
 # Interactive TTFT targets are < 0.5 s (P0) and < 2 s (P1); batch can wait minutes.
 _TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+# A preempted request waits for a slot in its class again: seconds (a P0 burst
+# ends) to minutes (batch work under a long interactive peak).
+_PREEMPTED_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
 
 
@@ -36,6 +39,17 @@ class GatewayMetrics:
         self.migrations = Counter(
             "kvmesh_gateway_migrations_total", "Streams moved to another engine after an engine failure",
             registry=self.registry,
+        )
+        self.preemptions = Counter(
+            "kvmesh_gateway_preemptions_total",
+            "Streams stopped on their engine because the scheduler gave the slot to a higher class "
+            "(each continues later from the next token), by the stream's priority",
+            ["priority"], registry=self.registry,
+        )
+        self.preempted_seconds = Histogram(
+            "kvmesh_gateway_preempted_seconds",
+            "Time a preempted stream waited for its next placement (or its end), by the stream's priority",
+            ["priority"], buckets=_PREEMPTED_BUCKETS, registry=self.registry,
         )
         self.readmissions = Counter(
             "kvmesh_gateway_scheduler_readmissions_total",

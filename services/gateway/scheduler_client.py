@@ -13,10 +13,18 @@ and nowhere else (through `errors.from_scheduler_rpc_error` /
 before raises the subclass `errors.SchedulerRestarting`: a restart to wait
 out, not a misconfiguration to report at once.
 
+Reading: until the request first runs on an engine, its task reads the stream
+itself (`next_outcome`: the TTFT path has no hop). From `listen()` on, ONE
+reader task reads it -- the request's task is busy reading its engine then,
+and a pending grpc.aio read must never be cancelled (that cancels the call)
+-- and hands a `preempted` straight to a callback, everything else to
+`next_outcome` through an inbox.
+
 Ownership: the `SchedulerClient` belongs to the gateway service and, with it,
 the one fact shared by all requests: whether the scheduler has ever answered
 (`_Reachability`, set when the channel is READY or a stream gets an answer).
-Each `AdmitSession` is used by one task only (its request's pump).
+Each `AdmitSession` is used by one task only (its request's pump), plus the
+session's own reader task after `listen()`, which only reads.
 """
 
 from __future__ import annotations
@@ -44,6 +52,8 @@ log = logging.getLogger(__name__)
 # stream before cancelling it ourselves (either way the lease is released).
 _CLOSE_GRACE_SECONDS = 2.0
 
+_Inbound = scheduler_pb2.AdmitServerMessage | GatewayError
+
 
 @dataclass
 class _Reachability:
@@ -67,6 +77,12 @@ class AdmitSession:
         self._call = call
         self._finished = False
         self._reachability = reachability
+        # After `listen()`: the reader task, what it read for `next_outcome`
+        # (ending with a GatewayError or None at the stream's end), and who
+        # is told of a `preempted`.
+        self._reader: asyncio.Task[None] | None = None
+        self._inbox: asyncio.Queue[_Inbound | None] = asyncio.Queue()
+        self._on_preempted: Callable[[scheduler_pb2.Preempted], None] | None = None
 
     @property
     def broken(self) -> bool:
@@ -93,17 +109,56 @@ class AdmitSession:
         except asyncio.InvalidStateError as exc:  # call already over
             raise self._reachability.unreachable(None) from exc
 
+    def listen(self, on_preempted: Callable[[scheduler_pb2.Preempted], None]) -> None:
+        """From now on the reader task reads the stream: a `preempted` calls
+        `on_preempted` at once (from that task), anything else waits for
+        `next_outcome`. Later calls only change the callback."""
+        self._on_preempted = on_preempted
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read_all(), name="admit-reader")
+
+    async def _read_all(self) -> None:
+        while True:
+            try:
+                message = await self._read()
+            except GatewayError as exc:
+                self._inbox.put_nowait(exc)
+                return
+            if message is None:
+                self._inbox.put_nowait(None)
+                return
+            if message.WhichOneof("msg") == "preempted":
+                if self._on_preempted is not None:
+                    self._on_preempted(message.preempted)
+                continue
+            self._inbox.put_nowait(message)
+
+    async def _read(self) -> scheduler_pb2.AdmitServerMessage | None:
+        """The next message; None at the stream's end; a failed stream raises."""
+        try:
+            read = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise self._reachability.unreachable(exc) from exc
+        if read is grpc.aio.EOF:
+            return None
+        self._reachability.answered = True
+        return cast(scheduler_pb2.AdmitServerMessage, read)  # grpc.aio types reads as object
+
     async def next_outcome(self) -> scheduler_pb2.Queued | scheduler_pb2.Placed:
         """The next `queued` or `placed`; a `rejected` or a broken stream raises."""
         while True:
-            try:
-                read = await self._call.read()
-            except grpc.aio.AioRpcError as exc:
-                raise self._reachability.unreachable(exc) from exc
-            if read is grpc.aio.EOF:
+            if self._reader is None:
+                message = await self._read()
+            else:
+                inbound = await self._inbox.get()
+                if isinstance(inbound, GatewayError):
+                    self._inbox.put_nowait(inbound)  # the stream stays broken
+                    raise inbound
+                message = inbound
+            if message is None:
+                if self._reader is not None:
+                    self._inbox.put_nowait(None)
                 raise self._reachability.unreachable(None)
-            self._reachability.answered = True
-            message = cast(scheduler_pb2.AdmitServerMessage, read)  # grpc.aio types reads as object
             kind = message.WhichOneof("msg")
             if kind == "queued":
                 return message.queued
@@ -111,7 +166,8 @@ class AdmitSession:
                 return message.placed
             if kind == "rejected":
                 raise from_rejection(message.rejected)
-            log.warning("ignoring unknown Admit message %r", kind)
+            # `preempted` here is stale: the request was not running.
+            log.warning("ignoring Admit message %r", kind)
 
     async def first_token(self) -> None:
         await self._send(scheduler_pb2.AdmitClientMessage(first_token=scheduler_pb2.FirstToken()))
@@ -132,12 +188,24 @@ class AdmitSession:
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             raise self._reachability.unreachable(exc if isinstance(exc, grpc.aio.AioRpcError) else None) from exc
 
+    async def requeue(self, prompt_tokens: int, max_tokens: int, prefix_hashes: list[int]) -> None:
+        """Answer `preempted`: the request, as it stands now, waits again."""
+        message = scheduler_pb2.AdmitClientMessage(
+            requeue=scheduler_pb2.Requeue(
+                prompt_tokens=prompt_tokens, max_tokens=max_tokens, prefix_hashes=prefix_hashes)
+        )
+        try:
+            await self._call.write(message)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            raise self._reachability.unreachable(exc if isinstance(exc, grpc.aio.AioRpcError) else None) from exc
+
     async def report_done(self, done: scheduler_pb2.RequestDone) -> None:
         """Send the outcome and half-close (cheap: no round trip). Call
         `close()` afterwards to release the stream."""
         if self._finished:
             return
         self._finished = True
+        self._on_preempted = None  # a `preempted` crossing `done` is moot
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
             await self._call.write(scheduler_pb2.AdmitClientMessage(done=done))
             await self._call.done_writing()
@@ -146,8 +214,11 @@ class AdmitSession:
         """Let the scheduler end the stream (bounded wait), then make sure it is over."""
         try:
             async with asyncio.timeout(_CLOSE_GRACE_SECONDS):
-                while await self._call.read() is not grpc.aio.EOF:
-                    pass
+                if self._reader is not None:
+                    await asyncio.wait([self._reader])  # it reads to the end
+                else:
+                    while await self._call.read() is not grpc.aio.EOF:
+                        pass
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
             pass  # the lease ends with the stream either way
         finally:
@@ -156,6 +227,7 @@ class AdmitSession:
     def cancel(self) -> None:
         """End the stream now: the scheduler drops the queue entry or lease."""
         self._finished = True
+        self._on_preempted = None
         self._call.cancel()
 
     async def _send(self, message: scheduler_pb2.AdmitClientMessage) -> None:
@@ -200,7 +272,7 @@ class SchedulerClient:
         session = AdmitSession(self._spare.take(), self._reachability)
         try:
             await session.send_request(request)
-        except GatewayError:
+        except BaseException:  # GatewayError, or the request's task cancelled
             session.cancel()
             raise
         return session

@@ -4,15 +4,18 @@ An engine applies the request's stop strings to its own text and holds back
 a tail that may begin one (`EngineDelta.held_text`, never sent). When that
 engine dies, the request resumes on another engine, and a stop string that
 begins in the dead engine's held tail and ends in the next engine's text is
-seen whole by neither. `StopSeam` carries the held tail across the seam and,
-from then on, applies the stop strings itself to that tail followed by the
-next engine's text (`services.common.stop_text.StopText`, the engines' own
-rules), so the client sees what an unbroken run would have sent.
+seen whole by neither. A preemption is the same seam: the gateway stops the
+engine stream itself and the request continues where it is placed next.
+`StopSeam` carries the held tail across the seam and, from then on, applies
+the stop strings itself to that tail followed by the next engine's text
+(`services.common.stop_text.StopText`, the engines' own rules), so the client
+sees what an unbroken run would have sent.
 
 Ownership: one `StopSeam` per request, used only by the request's pump task
 (the driver): `on_delta` for every engine delta, `on_engine_lost` when an
-engine fails and the request will move, `on_finished` when an engine
-finishes, `flush` when the request ends without an engine's `finished`.
+engine fails or the request is preempted, and the request will move;
+`on_finished` when an engine finishes; `flush` when the request ends without
+an engine's `finished`.
 """
 
 from __future__ import annotations
@@ -57,8 +60,8 @@ class StopSeam:
         return text, stopped
 
     def on_engine_lost(self, generated: int) -> bool:
-        """The engine failed after `generated` tokens in all and the request
-        resumes elsewhere: carry the text held back so far (a possible
+        """The engine failed (or the request was preempted) after `generated`
+        tokens in all and the request resumes on the next engine: carry the text held back so far (a possible
         stop-string start, never sent) across the seam. True if that text
         already completes a stop string: the request is finished, and
         `flush()` is what precedes the stop."""

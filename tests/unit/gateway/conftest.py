@@ -2,10 +2,15 @@
 
 - `FakeScheduler`: answers Admit with `queued` (optionally several, or held
   until released), then `placed` on the first engine not excluded; answers
-  `replace` with another placement; can reject with any code.
+  `replace` with another placement; can reject with any code. Preemption:
+  `preempt(record)` sends `Preempted` on a request's stream (or at once on
+  its `first_token` / `done`); a `requeue` is answered like a queued request
+  (queued updates, held until released, then placed on the next engine of
+  `requeue_engines`, or rejected).
 - `FakeEngine`: streams deterministic tokens where each token is a pure
   function of ALL tokens before it (like the sim), so a migrated stream can
-  be compared token for token; can break after N tokens; records cancels.
+  be compared token for token; can break after N tokens, or pause after N
+  tokens (one call, until cancelled); records its requests and cancels.
 - A tokenizer: the real `.models/tiny-llama` one if it exists, else a tiny
   `tokenizers` WordLevel model with a jinja chat template built in a tmp dir.
 """
@@ -13,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import time
@@ -111,6 +117,11 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.token_delay = token_delay
         self.break_after = break_after       # abort with UNAVAILABLE after this many tokens of one call
         self.cached_tokens = cached_tokens
+        # Once: the next call stops producing after this many tokens and
+        # waits until cancelled (sets `paused`).
+        self.pause_after: int | None = None
+        self.paused = asyncio.Event()
+        self.cancels = 0
         self.requests: list[engine_pb2.EngineRequest] = []
         self.cancelled = asyncio.Event()
         self.cancelled_at: float | None = None
@@ -137,6 +148,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         total = request.resumed_tokens
         produced = 0
         reason = common_pb2.FINISH_REASON_STOP
+        pause_after, self.pause_after = self.pause_after, None
         # Stop strings as vLLM applies them, holding back a possible start.
         stop_text = StopText(list(request.sampling.stop))
         try:
@@ -151,6 +163,10 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                     break
                 if self.break_after is not None and produced >= self.break_after:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "fake engine broke")
+                if pause_after is not None and produced >= pause_after:
+                    self.paused.set()
+                    await stop.wait()
+                    continue
                 if self.token_delay:
                     await asyncio.sleep(self.token_delay)
                 t = next_token(tokens)
@@ -182,6 +198,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
             watcher.cancel()
 
     def _mark_cancelled(self) -> None:
+        self.cancels += 1
         if self.cancelled_at is None:
             self.cancelled_at = time.monotonic()
         self.cancelled.set()
@@ -193,8 +210,11 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
 @dataclass
 class AdmitRecord:
     request: scheduler_pb2.AdmitRequest
-    messages: list[str] = field(default_factory=list)       # first_token / done / replace
+    messages: list[str] = field(default_factory=list)       # first_token / done / replace / requeue
     replaces: list[scheduler_pb2.Replace] = field(default_factory=list)
+    requeues: list[scheduler_pb2.Requeue] = field(default_factory=list)
+    context: grpc.aio.ServicerContext | None = None
+    preemptions: int = 0
     done: scheduler_pb2.RequestDone | None = None
     cancelled: bool = False
     done_seen: asyncio.Event = field(default_factory=asyncio.Event)
@@ -216,6 +236,36 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.queue_hold: asyncio.Event | None = None   # hold in the queue until set
         self.update_seconds = 0.05
         self.admit_cancelled = asyncio.Event()
+        # Preemption: send `Preempted` at once on these messages; after a
+        # `requeue`, this many queued updates (or hold until released), then
+        # placed on the next of `requeue_engines` (else the first engine),
+        # or `requeue_reject`.
+        self.preempt_on: set[str] = set()
+        self.requeue_queued = 1
+        self.requeue_hold: asyncio.Event | None = None
+        self.requeue_engines: list[str] = []
+        self.requeue_reject: scheduler_pb2.Rejected | None = None
+
+    async def preempt(self, record: AdmitRecord, by_priority: int = 0) -> None:
+        """Tell a running request its slot went to a higher class."""
+        assert record.context is not None
+        record.preemptions += 1
+        await record.context.write(scheduler_pb2.AdmitServerMessage(preempted=scheduler_pb2.Preempted(
+            engine_id="?", preemptions=record.preemptions, by_priority=by_priority)))
+
+    async def _requeued(self, record: AdmitRecord, context: grpc.aio.ServicerContext) -> None:
+        priority = record.request.priority
+        for position in range(self.requeue_queued, 0, -1):
+            await context.write(scheduler_pb2.AdmitServerMessage(queued=scheduler_pb2.Queued(
+                position=position, priority=priority)))
+        if self.requeue_hold is not None:
+            await self.requeue_hold.wait()
+        if self.requeue_reject is not None:
+            await context.write(scheduler_pb2.AdmitServerMessage(rejected=self.requeue_reject))
+            return
+        engine = self.requeue_engines.pop(0) if self.requeue_engines else next(iter(self.engines))
+        await context.write(scheduler_pb2.AdmitServerMessage(placed=scheduler_pb2.Placed(
+            engine_id=engine, engine_address=self.engines[engine], lease_id=f"lease-{engine}-again")))
 
     def _placed(self, exclude: set[str]) -> scheduler_pb2.AdmitServerMessage:
         for engine_id, address in self.engines.items():
@@ -227,8 +277,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Admit(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # noqa: N802 - the proto's method name
         first = await context.read()
-        record = AdmitRecord(first.request)
+        record = AdmitRecord(first.request, context=context)
         self.admits.append(record)
+        requeued: list[asyncio.Task[None]] = []
         try:
             if self.reject is not None:
                 await context.write(scheduler_pb2.AdmitServerMessage(rejected=self.reject))
@@ -266,10 +317,19 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                 elif kind == "replace":
                     record.replaces.append(message.replace)
                     await context.write(self._placed(set(message.replace.exclude_engines)))
+                elif kind == "requeue":
+                    record.requeues.append(message.requeue)
+                    # Answered aside: the stream is still read meanwhile (a `done`).
+                    requeued.append(asyncio.create_task(self._requeued(record, context)))
+                if kind in self.preempt_on:
+                    await self.preempt(record)
         except asyncio.CancelledError:
             record.cancelled = True
             self.admit_cancelled.set()
             raise
+        finally:
+            for task in requeued:
+                task.cancel()
 
     async def GetState(self, request: scheduler_pb2.GetStateRequest,  # noqa: N802 - the proto's method name
                        context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerState:
@@ -330,21 +390,29 @@ def make_config(model_dir: Path, scheduler_address: str, **gateway: object) -> M
     return MeshConfig(models=[ModelConfig(name=MODEL, path=str(model_dir))], gateway=gw)
 
 
-@pytest.fixture
-async def mesh(model_dir: Path) -> AsyncIterator[Mesh]:
+@contextlib.asynccontextmanager
+async def open_mesh(model_dir: Path, **gateway: object) -> AsyncIterator[Mesh]:
+    """A gateway (its config's gateway section changed by `gateway`) wired
+    to a fake scheduler and one fake engine, "engine-a"."""
     from services.gateway.server import GatewayService
 
     scheduler = FakeScheduler()
     sched_server, sched_address = await _serve(scheduler_pb2_grpc.add_SchedulerServicer_to_server, scheduler)
-    config = make_config(model_dir, sched_address)
-    gateway = GatewayService(config)
-    http_port, grpc_port = await gateway.start(http_port=0, grpc_port=0)
-    m = Mesh(scheduler, {}, gateway, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", config,
+    config = make_config(model_dir, sched_address, **gateway)
+    service = GatewayService(config)
+    http_port, grpc_port = await service.start(http_port=0, grpc_port=0)
+    m = Mesh(scheduler, {}, service, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", config,
              [sched_server])
     await m.add_engine(FakeEngine("engine-a"))
     try:
         yield m
     finally:
-        await gateway.stop(grace=0.5)
+        await service.stop(grace=0.5)
         for server in m.servers:
             await server.stop(0)
+
+
+@pytest.fixture
+async def mesh(model_dir: Path) -> AsyncIterator[Mesh]:
+    async with open_mesh(model_dir) as m:
+        yield m
