@@ -201,7 +201,10 @@ class Generation:
 
     def submit(self) -> None:
         """Start the backend stream (the runtime's gate decides when)."""
-        if self._buffer.closed or self._pump is not None:
+        if self._pump is not None:
+            return
+        if self._buffer.closed:  # ended meanwhile (withdraw makes it rare): give the slot back
+            asyncio.get_running_loop().call_soon(self._runtime.gate.left, self)
             return
         self._pump = asyncio.create_task(self._run_pump(), name=f"pump-{self.request.request_id}")
         # Whatever ends the pump (finish, cancel, error), the backend has let
