@@ -9,7 +9,10 @@ Division of checks: the runtime (services/engine/runtime.py) applies every
 rule the backends share before `generate` is called -- a request reaching a
 backend has a non-empty id that no request the backend still holds uses, a
 non-empty prompt inside the vocabulary, prompt + max_tokens within
-`info.max_model_len`, a priority in 0..2 and sampling values in range. A
+`info.max_model_len`, a priority in 0..2 and sampling values in range; and
+the runtime hands a backend at most `info.max_running` requests of priority
+> 0 at a time, so its batch of max_running + p0_headroom always has room for
+a P0 (services/engine/batch_gate.py). A
 backend checks only what is its own (the sim: enough KV blocks; vLLM: its
 SamplingParams and input processing) and raises InvalidRequest for it.
 """
@@ -43,9 +46,13 @@ class BackendInfo:
     model: str
     block_size: int          # tokens per KV block
     total_blocks: int
-    max_running: int
+    max_running: int         # advertised batch (scheduler's lease math); classes > P0 never exceed it
     max_model_len: int
     vocab_size: int
+    # Running slots the backend's batch has beyond max_running, which only
+    # P0 requests reach (the runtime's BatchGate holds the other classes to
+    # max_running): the backend's batch is max_running + p0_headroom.
+    p0_headroom: int = 0
 
 
 @dataclass

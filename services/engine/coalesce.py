@@ -25,7 +25,7 @@ __all__ = ["DeltaBuffer", "StreamPacing"]
 
 @dataclass(frozen=True)
 class StreamPacing:
-    """While at least `min_running` generations are live on the engine, a
+    """While at least `min_running` generations are in the backend, a
     stream's deltas go out at most every `interval_seconds`, unless its
     priority class is in `unpaced_priorities`. The first token and the final
     output are never held."""
@@ -36,7 +36,7 @@ class StreamPacing:
 
     def hold_seconds(self, live: int, priority: int = 1) -> float:
         """How long to hold a stream of class `priority` after a delta went
-        out, with `live` generations on the engine (0 = send the next one as
+        out, with `live` generations in the backend (0 = send the next one as
         soon as it exists)."""
         if self.interval_seconds <= 0 or live < self.min_running or priority in self.unpaced_priorities:
             return 0.0

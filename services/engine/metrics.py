@@ -1,5 +1,6 @@
 """vLLM-named Prometheus metrics, so dashboards and routers built for vLLM
-read kvmesh engines unchanged.
+read kvmesh engines unchanged, plus kvmesh's own engine series
+(`kvmesh_engine_*`: the batch gate of services/engine/batch_gate.py).
 
 prometheus_client keeps the ':' of vLLM's names and, like vLLM itself (which
 uses prometheus_client too), exposes counters with the `_total` suffix:
@@ -54,6 +55,16 @@ class EngineMetrics:
         self._values = values
         self._ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
                                labels, buckets=_TTFT_BUCKETS, registry=r).labels(*values)
+        self._held = Gauge("kvmesh_engine_runtime_waiting",
+                           "Requests the engine runtime holds back from the backend (classes > P0 "
+                           "beyond max_running); vllm:num_requests_waiting counts them too.",
+                           labels, registry=r).labels(*values)
+        self._over = Gauge("kvmesh_engine_p0_headroom_in_use",
+                           "Requests in the backend beyond max_running: P0s using p0_headroom "
+                           "(beyond it they wait first in the backend's queue).",
+                           labels, registry=r).labels(*values)
+        self._p0_over = counter("kvmesh_engine_p0_over_admissions",
+                                "P0 requests started while max_running or more requests were in the backend.")
         self._e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, end to end.",
                               labels, buckets=_E2E_BUCKETS, registry=r).labels(*values)
 
@@ -69,6 +80,13 @@ class EngineMetrics:
         self._hits.inc(min(out.cached_tokens, out.prompt_tokens) if out.prompt_tokens else 0)
         self._success.labels(*self._values, out.finish_reason or "error").inc()
         self._e2e.observe(max(0.0, seconds))
+
+    def batch_gate(self, held: int, over_max_running: int) -> None:
+        self._held.set(held)
+        self._over.set(over_max_running)
+
+    def p0_over_admitted(self) -> None:
+        self._p0_over.inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -13,7 +13,39 @@ The transports (grpc_api.py, http_api.py) only map these errors.
 
 `Generation` runs one request: a pump task drains the backend's stream into a
 `DeltaBuffer` (so the backend never waits for a slow reader) and the
-transport takes merged outputs from it.
+transport takes merged outputs from it. The pump starts when the runtime's
+`BatchGate` (services/engine/batch_gate.py) lets the request into the
+backend: a P0 at once, another class only while fewer than max_running
+non-P0 requests are in the backend, else it waits in the gate, in (priority,
+arrival) order, until one leaves. The gate's waiting requests are live like
+the others: cancel and Abort end them (nothing reached the backend), a
+stopping engine hands them over at once (they would only start late here),
+a draining one starts them as slots free, and load reports count them as
+waiting (their ids in request_ids, their prompts in queued_tokens).
+
+Interactive requests never wait behind batch work; two levels see to it:
+- the scheduler (services/scheduler) leases each engine max_running +
+  engine_queue_slack slots, some kept for P0. When a P0 cannot be placed at
+  once -- every slot it may use is leased -- it preempts a running lower-class
+  lease, which the gateway ends losslessly and re-queues. That level acts
+  across engines and between leases: it decides which engine has the work.
+- the engine (this runtime, p0_headroom, and the backend's priority policy)
+  acts on what has reached it. A P0 placed on an engine whose max_running
+  slots hold batch work (the P0-reserved lease, a lease freed by a
+  preemption whose victim is still being cancelled, a migration, the
+  engine's own HTTP endpoint) joins the running batch at the next step in
+  the headroom, instead of waiting seconds for a batch request to end; and
+  when KV blocks run short, the backend preempts its lowest-priority running
+  request (vLLM's priority policy; the sim models it) and recomputes it
+  later, invisible to the scheduler. A P0 waiting in the backend only for
+  blocks is admitted when a running request next needs a block and the
+  lowest-priority one is preempted (vLLM v1 never preempts for a waiting
+  request; see sim/core.py) -- the scheduler's block reservations at
+  placement keep that rare. The engine never ends a lease itself: only the
+  scheduler knows whether a victim can continue elsewhere sooner.
+Both backends share this code path: the sim's batch is max_running +
+p0_headroom (sim/backend.py), vLLM's max_num_seqs is vllm.max_num_seqs +
+p0_headroom (vllm_backend/launch.py); each advertises max_running only.
 
 Ownership: all state here is touched only from the event loop thread; the
 registry is changed by `open` and by a generation's `close`, exactly once
@@ -28,7 +60,7 @@ import contextlib
 import logging
 import math
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from services.common.clock import Clock, SystemClock
 from services.common.finish_reason import FinishReason
@@ -41,6 +73,7 @@ from services.engine.backend import (
     LoadSnapshot,
     Sampling,
 )
+from services.engine.batch_gate import BatchGate
 from services.engine.coalesce import DeltaBuffer, StreamPacing
 from services.engine.errors import DuplicateRequest, NotAccepting
 from services.engine.metrics import EngineMetrics
@@ -154,7 +187,7 @@ class Generation:
         """Merged outputs; the last has finish_reason set. Raises
         InvalidRequest before any output if the backend refuses the request."""
         if not self._buffer.closed:  # cancelled before it began: never start the backend
-            self._pump = asyncio.create_task(self._run_pump(), name=f"pump-{self.request.request_id}")
+            self._runtime.gate.offer(self)
         pacing, hold = self._runtime.pacing, 0.0
         try:
             while True:
@@ -162,9 +195,21 @@ class Generation:
                 yield out
                 if out.finish_reason is not None:
                     return
-                hold = pacing.hold_seconds(self._runtime.live_count, self.request.priority)
+                hold = pacing.hold_seconds(self._runtime.gate.in_backend, self.request.priority)
         finally:
             self.close()
+
+    def submit(self) -> None:
+        """Start the backend stream (the runtime's gate decides when)."""
+        if self._pump is not None:
+            return
+        if self._buffer.closed:  # ended meanwhile (withdraw makes it rare): give the slot back
+            asyncio.get_running_loop().call_soon(self._runtime.gate.left, self)
+            return
+        self._pump = asyncio.create_task(self._run_pump(), name=f"pump-{self.request.request_id}")
+        # Whatever ends the pump (finish, cancel, error), the backend has let
+        # go of the request by then: its slot goes to the next held request.
+        self._pump.add_done_callback(lambda _pump: self._runtime.gate.left(self))
 
     def cancel(self, message: str = "cancelled by the client") -> None:
         """Abort now: stop the backend stream (which frees its blocks) and end
@@ -173,6 +218,8 @@ class Generation:
             return
         if self._pump is not None:
             self._pump.cancel()
+        else:
+            self._runtime.gate.withdraw(self)
         resumed = self.request.resumed_tokens
         final = GenerationOutput(
             token_ids=[], text="", finish_reason=FinishReason.ABORT, message=message,
@@ -194,6 +241,8 @@ class Generation:
             return
         self._closed = True
         pump = self._pump
+        if pump is None:
+            self._runtime.gate.withdraw(self)
         if pump is None or pump.done():
             self._runtime.release(self)
             return
@@ -252,6 +301,7 @@ class EngineRuntime:
         self.draining = False
         self.stopping = False
         self._live: dict[str, Generation] = {}
+        self.gate: BatchGate[Generation] = BatchGate(lambda: self.backend.info.max_running, metrics)
         self._listeners: list[Callable[[], None]] = []
         self._start_attempted = False
 
@@ -287,6 +337,8 @@ class EngineRuntime:
         `grace_seconds`, hand the rest over (their clients continue them on
         another engine), stop the backend."""
         self.stopping = True
+        for held in self.gate.held:  # not started here: another engine starts them sooner
+            held.hand_over("engine stopping before this request started; continue on another engine")
         self._notify()
         deadline = self.clock.monotonic() + grace_seconds
         # Polled, not awaited on an Event: the grace bound runs on the injected
@@ -342,7 +394,13 @@ class EngineRuntime:
         if not self.started:
             info = self.backend.info
             return LoadSnapshot(0, 0, 0, info.total_blocks, 0, 0, [])
-        return self.backend.load()
+        load = self.backend.load()
+        held = self.gate.held_ids
+        if not held:
+            return load
+        return replace(load, waiting=load.waiting + len(held),
+                       queued_tokens=load.queued_tokens + self.gate.held_tokens,
+                       request_ids=[*load.request_ids, *held])
 
     def kv_snapshot(self) -> list[int]:
         return self.backend.kv_snapshot() if self.started else []

@@ -28,6 +28,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / ".models" / "tiny-llama"
 MAX_NUM_SEQS = 4
+P0_HEADROOM = 1
+BATCH = MAX_NUM_SEQS + P0_HEADROOM  # vLLM's own max_num_seqs
 WAIT = 60.0  # generous: a noisy 2-core machine
 
 
@@ -69,6 +71,7 @@ async def backend() -> AsyncIterator:
     )
     engine = EngineConfig(engine_id="vllm-test", backend="vllm", model="tiny-llama")
     engine.vllm.max_num_seqs = MAX_NUM_SEQS
+    engine.p0_headroom = P0_HEADROOM
     engine.vllm.kv_cache_gib = 0.25
     b = VllmBackend(config, engine)
     try:
@@ -111,7 +114,9 @@ async def test_info_is_read_from_vllm(backend) -> None:  # type: ignore[no-untyp
     assert info.total_blocks > 0
     assert info.max_model_len == TinyLlamaShape().max_position_embeddings
     assert info.vocab_size == 49152
-    assert info.max_running == MAX_NUM_SEQS
+    assert info.max_running == MAX_NUM_SEQS  # advertised; vLLM's batch has the P0 headroom too
+    assert info.p0_headroom == P0_HEADROOM
+    assert backend._llm.vllm_config.scheduler_config.max_num_seqs == BATCH
 
 
 async def test_streamed_completion(backend) -> None:  # type: ignore[no-untyped-def]
@@ -280,7 +285,8 @@ async def test_priority_reaches_vllm(backend) -> None:  # type: ignore[no-untype
     """With every slot busy, a P0 request sent after queued P2 requests is
     scheduled before them (FCFS would run the P2s first)."""
     order: list[str] = []
-    running_started = [asyncio.Event() for _ in range(MAX_NUM_SEQS)]
+    # Driven past the runtime's gate: every slot of vLLM's batch, headroom included.
+    running_started = [asyncio.Event() for _ in range(BATCH)]
 
     async def run(rid: str, priority: int, max_tokens: int, started: asyncio.Event | None) -> str:
         request = GenerationRequest(rid, unique_prompt(8), greedy(max_tokens), priority=priority)
@@ -295,7 +301,7 @@ async def test_priority_reaches_vllm(backend) -> None:  # type: ignore[no-untype
 
     tasks: list[Awaitable[str]] = []
     # Fill every slot; staggered lengths free one slot at a time.
-    for i in range(MAX_NUM_SEQS):
+    for i in range(BATCH):
         tasks.append(
             asyncio.create_task(run(f"fill-{i}", 2, 60 + 40 * i, running_started[i]))
         )
@@ -308,3 +314,30 @@ async def test_priority_reaches_vllm(backend) -> None:  # type: ignore[no-untype
     assert order.index("urgent-p0") < order.index("late-p2-0")
     assert order.index("urgent-p0") < order.index("late-p2-1")
     assert backend.load().request_ids == []
+
+
+async def test_a_p0_runs_in_the_headroom_while_max_running_p2s_run(backend) -> None:  # type: ignore[no-untyped-def]
+    """The runtime keeps classes > P0 to max_running (MAX_NUM_SEQS); vLLM's
+    batch has P0_HEADROOM more slots, so a P0 runs to its end at once while
+    every advertised slot holds a long P2."""
+    started = [asyncio.Event() for _ in range(MAX_NUM_SEQS)]
+    finished: list[str] = []
+
+    async def run(rid: str, priority: int, max_tokens: int, first: asyncio.Event | None) -> None:
+        request = GenerationRequest(rid, unique_prompt(8), greedy(max_tokens), priority=priority)
+        async for out in backend.generate(request):
+            if out.token_ids and first is not None:
+                first.set()
+            if out.finish_reason is not None:
+                finished.append(rid)
+
+    fills = [asyncio.create_task(run(f"long-p2-{i}", 2, 1500, started[i])) for i in range(MAX_NUM_SEQS)]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), WAIT)
+        await asyncio.wait_for(run("headroom-p0", 0, 8, None), WAIT)
+        assert finished == ["headroom-p0"]  # no P2 ended to make room
+    finally:
+        for task in fills:
+            task.cancel()
+        await asyncio.gather(*fills, return_exceptions=True)
+    await until(lambda: backend.unfinished_in_vllm() == 0, "vLLM to drop the cancelled requests")

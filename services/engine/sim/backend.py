@@ -47,13 +47,16 @@ class SimBackend:
             max_running=engine.max_running,
             max_model_len=max_len,
             vocab_size=self.codec.vocab_size,
+            p0_headroom=engine.p0_headroom,
         )
         self._cost = engine.sim
         self._core = SimCore(
             CoreLimits(
                 block_size=engine.block_size,
                 total_blocks=engine.total_blocks,
-                max_running=engine.max_running,
+                # The batch has the P0 headroom; the runtime holds the other
+                # classes to max_running (services/engine/batch_gate.py).
+                max_running=engine.max_running + engine.p0_headroom,
                 hash_block_tokens=config.hash_block_tokens,
                 chunk_tokens=engine.sim.chunk_tokens,
             ),

@@ -14,7 +14,16 @@ computed, blocks cached, one token sampled per finished prefill/decode).
   has room (`max_running`), budget and blocks; the first that does not fit
   blocks the ones behind it (strict priority, never over-allocate). At its
   first admission a request's prompt is matched against the prefix cache; the
-  hit is reported as cached_tokens and those tokens are not prefilled.
+  hit is reported as cached_tokens and those tokens are not prefilled. No
+  request is admitted in a step that had to preempt.
+* A waiting request never preempts a running one, whatever its priority: a
+  P0 head short only of blocks waits until a running request next needs a
+  block and the lowest-priority running one is preempted (or one finishes).
+  That is vLLM v1's priority policy exactly (it preempts only while
+  scheduling RUNNING requests; its waiting loop stops at the first request
+  without blocks), and the sim is there to predict vLLM. Batch slots are the
+  engine's p0_headroom (services/engine/batch_gate.py); a P0 that cannot be
+  placed is the scheduler's to preempt for (services/engine/runtime.py).
 * A request that could never fit (more blocks than the engine has) is refused
   at submission, so the queue can never deadlock. That is the sim's only
   request check: the rules every backend shares (ids, prompt, lengths,

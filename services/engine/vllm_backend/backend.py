@@ -8,7 +8,8 @@ the engine service's event loop and owns, on that loop only:
   (fed by vLLM's stat-logger hook, also called on this loop).
 
 Mapping to vLLM: token-id prompts (TokensPrompt), DELTA outputs, priority
-scheduling (lower value first, as kvmesh's P0..P2), `abort(id)` on cancel.
+scheduling (lower value first, as kvmesh's P0..P2; max_num_seqs includes the
+P0 headroom, see launch.py), `abort(id)` on cancel.
 The adapter's other modules each do one job for it: vllm_api.py (the vLLM
 names, imported once), launch.py (engine arguments, resolved config,
 warm-up, pinning), convert.py (sampling in, outputs out), kv_events.py and
@@ -63,6 +64,7 @@ class VllmBackend:
 
     def __init__(self, config: MeshConfig, engine: EngineConfig) -> None:
         self._mesh = config
+        self._engine = engine
         self._vcfg = engine.vllm
         model = config.model(engine.model)
         self._model_name = model.name
@@ -76,6 +78,7 @@ class VllmBackend:
             max_running=self._vcfg.max_num_seqs,
             max_model_len=model.max_model_len,
             vocab_size=0,
+            p0_headroom=engine.p0_headroom,
         )
         self._llm: Any = None
         self._api: VllmApi | None = None
@@ -103,7 +106,8 @@ class VllmBackend:
         began = time.monotonic()
         replay = await self._launch()
         try:
-            self.info = resolved_info(self._llm, self._model_name, self._mesh.hash_block_tokens)
+            self.info = resolved_info(self._llm, self._model_name, self._mesh.hash_block_tokens,
+                                      self._engine.p0_headroom)
             self._translator = KvTranslator(self.info.block_size, self._mesh.hash_block_tokens)
             if self._subscriber is not None:
                 self._subscriber.start(self._translator, replay)
@@ -136,7 +140,7 @@ class VllmBackend:
             # else no prefix cache, no events: the scheduler gets no affinity
             replay = replay_endpoint(self._scratch)
             kv_endpoint = self._subscriber.endpoint if self._subscriber is not None else None
-            args = engine_args(api, self._vcfg, self._model_path, self._model_name,
+            args = engine_args(api, self._engine, self._model_path, self._model_name,
                                self.info.max_model_len, kv_endpoint, replay)
             factory = make_stat_logger_factory(self._stats, self._stats_recorded)
             # Construction waits for the engine core's handshake; vLLM needs it

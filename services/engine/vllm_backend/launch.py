@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.affinity import omp_cores, pin_vllm_processes
-from services.common.config import VllmConfig
+from services.common.config import EngineConfig
 from services.engine.backend import BackendInfo, GenerationOutput, GenerationRequest, Sampling
 from services.engine.vllm_backend.vllm_api import VllmApi
 
@@ -40,9 +40,14 @@ def replay_endpoint(scratch: Path) -> str | None:
     return f"ipc://{path}"
 
 
-def engine_args(api: VllmApi, v: VllmConfig, model_path: Path, model_name: str, max_model_len: int,
+def engine_args(api: VllmApi, engine: EngineConfig, model_path: Path, model_name: str, max_model_len: int,
                 kv_endpoint: str | None, replay: str | None) -> Any:
-    """vLLM's AsyncEngineArgs. `kv_endpoint` None = no KV events (no prefix cache)."""
+    """vLLM's AsyncEngineArgs. `kv_endpoint` None = no KV events (no prefix
+    cache). vLLM's batch (max_num_seqs) is vllm.max_num_seqs + p0_headroom:
+    the runtime keeps the classes > P0 to vllm.max_num_seqs, so a P0 always
+    finds a running slot and vLLM's priority policy preempts the lowest
+    class first when blocks run short."""
+    v = engine.vllm
     kv_events = None
     if kv_endpoint is not None:
         kv_events = api.kv_events_config(
@@ -59,7 +64,7 @@ def engine_args(api: VllmApi, v: VllmConfig, model_path: Path, model_name: str, 
         dtype=v.dtype,
         enforce_eager=v.enforce_eager,
         kv_cache_memory_bytes=int(v.kv_cache_gib * _GIB),
-        max_num_seqs=v.max_num_seqs,
+        max_num_seqs=v.max_num_seqs + engine.p0_headroom,
         max_num_batched_tokens=v.max_num_batched_tokens or None,
         max_model_len=max_model_len or None,
         block_size=v.block_size or None,
@@ -72,9 +77,10 @@ def engine_args(api: VllmApi, v: VllmConfig, model_path: Path, model_name: str, 
     )
 
 
-def resolved_info(llm: Any, model_name: str, hash_block_tokens: int) -> BackendInfo:
+def resolved_info(llm: Any, model_name: str, hash_block_tokens: int, p0_headroom: int = 0) -> BackendInfo:
     """What the started engine really has (vLLM resolves block size, blocks,
-    model length and vocabulary itself)."""
+    model length and vocabulary itself); max_running is its max_num_seqs
+    less the P0 headroom `engine_args` added."""
     vllm_config = llm.vllm_config
     cache = vllm_config.cache_config
     model = vllm_config.model_config
@@ -88,9 +94,10 @@ def resolved_info(llm: Any, model_name: str, hash_block_tokens: int) -> BackendI
         model=model_name,
         block_size=block_size,
         total_blocks=int(cache.num_gpu_blocks or 0),
-        max_running=int(vllm_config.scheduler_config.max_num_seqs),
+        max_running=int(vllm_config.scheduler_config.max_num_seqs) - p0_headroom,
         max_model_len=int(model.max_model_len),
         vocab_size=int(model.get_vocab_size()),
+        p0_headroom=p0_headroom,
     )
 
 

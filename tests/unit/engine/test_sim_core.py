@@ -7,6 +7,7 @@ from engine_helpers import RecordingListener, make_core, prompt_of, request, run
 
 from services.common.prefix_hash import block_hashes
 from services.engine.backend import InvalidRequest
+from services.engine.sim.core import RequestState
 
 
 def test_blocks_are_taken_and_given_back_and_full_blocks_stay_cached() -> None:
@@ -196,3 +197,40 @@ def test_queued_tokens_leave_out_a_waiting_requests_cached_prefix() -> None:
     core.add(request("c", prompt_of(40, start=2000), max_tokens=1))
     assert core.load().waiting == 2
     assert core.load().queued_tokens == (103 - 96) + 40
+
+
+def test_a_running_p0_under_kv_pressure_takes_its_blocks_from_the_lowest_class() -> None:
+    # A P0 admitted into the batch (the engine's p0_headroom) beside a P2, with
+    # every block taken: when one of them next needs a block, the P2 yields.
+    core = make_core(total_blocks=6, max_running=3)
+    lo = core.add(request("lo", prompt_of(40, start=4000), max_tokens=20, priority=2))
+    hi = core.add(request("hi", prompt_of(40), max_tokens=20, priority=0))
+    core.apply(core.schedule())
+    assert hi.state is lo.state is RequestState.RUNNING and core.pool.used == 6
+    lo_preempted = False
+    while hi.state is not RequestState.FINISHED:
+        plan = core.schedule()
+        assert hi.state is RequestState.RUNNING  # never the P0
+        lo_preempted |= lo.state is RequestState.WAITING
+        core.apply(plan)
+    assert lo_preempted
+    run_core(core)
+    assert lo.state is RequestState.FINISHED and core.pool.used == 0
+
+
+def test_a_waiting_p0_short_of_blocks_does_not_preempt_as_in_vllm() -> None:
+    # vLLM v1's priority policy: a waiting request never preempts; the P0
+    # head goes in at the first step after a running request needing a block
+    # preempted the lowest-priority one.
+    core = make_core(total_blocks=6, max_running=3)
+    first = core.add(request("p2-first", prompt_of(40, start=4000), max_tokens=30, priority=2))
+    second = core.add(request("p2-second", prompt_of(40, start=6000), max_tokens=30, priority=2))
+    core.apply(core.schedule())
+    hi = core.add(request("hi", prompt_of(20), max_tokens=4, priority=0))
+    core.apply(core.schedule())
+    assert hi.state is RequestState.WAITING and first.state is second.state is RequestState.RUNNING
+    run_core(core, until=lambda: hi.state is not RequestState.WAITING)
+    assert first.state is RequestState.RUNNING and second.state is RequestState.WAITING  # the latest P2
+    assert second.generated < 30  # preempted, not finished
+    run_core(core)
+    assert core.pool.used == 0

@@ -1,10 +1,12 @@
 """VllmBackend's request loop over a fake AsyncLLM (no vLLM needed): how
-vLLM's outputs, its end of stream and its errors become kvmesh outputs.
+vLLM's outputs, its end of stream and its errors become kvmesh outputs;
+and the engine arguments (the batch with its P0 headroom).
 The real engine is exercised by tests/vllm/test_vllm_backend.py."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,6 +16,7 @@ from services.common.config import EngineConfig, MeshConfig, ModelConfig
 from services.common.finish_reason import FinishReason
 from services.engine.backend import GenerationRequest, InvalidRequest, Sampling
 from services.engine.vllm_backend import VllmBackend
+from services.engine.vllm_backend.launch import engine_args, resolved_info
 from services.engine.vllm_backend.vllm_api import VllmApi
 
 
@@ -93,3 +96,19 @@ async def test_closing_early_closes_vllms_stream() -> None:
     assert b.load().request_ids == ["r"]
     await stream.aclose()
     assert llm.closed and b.load().request_ids == []
+
+
+def test_vllms_batch_has_the_p0_headroom_and_the_engine_advertises_max_running() -> None:
+    engine = EngineConfig(backend="vllm", model="m", p0_headroom=3)
+    engine.vllm.max_num_seqs = 16
+    api = VllmApi(async_llm=None, engine_args=lambda **kw: kw, kv_events_config=None, tokens_prompt=dict,
+                  sampling_params=dict, delta="delta", kv_event_batch=None, client_error=ClientError)
+    args = engine_args(api, engine, Path("/m"), "m", 0, None, None)
+    assert args["max_num_seqs"] == 19 and args["scheduling_policy"] == "priority"
+
+    llm = SimpleNamespace(vllm_config=SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=16, num_gpu_blocks=100),
+        model_config=SimpleNamespace(max_model_len=2048, get_vocab_size=lambda: 1000),
+        scheduler_config=SimpleNamespace(max_num_seqs=19)))
+    info = resolved_info(llm, "m", 16, p0_headroom=3)
+    assert (info.max_running, info.p0_headroom) == (16, 3)
