@@ -73,7 +73,8 @@ class VllmConfig:
     pin_vllm_processes: bool = True
     # Most sequences in vLLM's running batch. > 0.
     max_num_seqs: int = 16
-    # Prompt tokens per step; 0 = vLLM's default. Bounds: >= 0.
+    # Prompt tokens per step; 0 = vLLM's default. Bounds: 0, or at least
+    # max_num_seqs + the engine's p0_headroom (vLLM refuses a smaller budget).
     max_num_batched_tokens: int = 0
     enable_prefix_caching: bool = True
     # TCP port for vLLM's ZMQ KV-event publisher; 0 = pick a free one.

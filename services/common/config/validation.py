@@ -150,6 +150,13 @@ def _check_engine(engine: _Section, config: MeshConfig) -> None:
     vllm.non_negative("max_num_batched_tokens", "block_size")
     vllm.ports("kv_events_port")
     vllm.multiple_of("block_size", config.hash_block_tokens, "hash_block_tokens")
+    batch = e.vllm.max_num_seqs + e.p0_headroom
+    if 0 < e.vllm.max_num_batched_tokens < batch:
+        # vLLM refuses to start when a step's token budget cannot hold one
+        # token of every sequence its batch may run.
+        vllm.fail("max_num_batched_tokens",
+                  f"must be 0 (vLLM's default) or >= max_num_seqs + p0_headroom ({batch}), "
+                  f"got {e.vllm.max_num_batched_tokens}")
 
 
 def _check_classes(section: _Section, name: str, classes: Sequence[int]) -> None:
