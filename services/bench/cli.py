@@ -45,20 +45,28 @@ def token_counter(tokenizer_dir: str | None) -> TokenCounter | None:
 
 async def bench(
     spec: WorkloadSpec, arrival: ArrivalSpec, target: Target, count_tokens: TokenCounter | None = None,
-    label: str = "bench", show_progress: bool = True,
+    label: str = "bench", show_progress: bool = True, scheduler: str | None = None,
 ) -> tuple[RunResult, dict[str, Any]]:
-    """Build the workload, run it, summarize it."""
+    """Build the workload, run it, summarize it. With `scheduler` (a kvmesh
+    scheduler's gRPC address) the summary also gets `scheduler_classes`: the
+    per-class preemptions, re-queues and time lost during the run (GetState
+    before and after; {} when the scheduler reports none)."""
     from services.bench.progress import ProgressBar
     from services.bench.runner import run_workload
+    from services.bench.scheduler_classes import class_deltas, read_classes
     from services.bench.stats import summarize
 
     conversations = build_workload(spec, arrival, count_tokens)
     total = sum(len(c.turns) for c in conversations)
     bar = ProgressBar(total, label) if show_progress else None
+    before = await asyncio.to_thread(read_classes, scheduler) if scheduler else {}
     run = await run_workload(conversations, arrival, target, progress=bar)
     if bar is not None:
         bar.close()
-    return run, summarize(run.results, run.duration)
+    summary = summarize(run.results, run.duration)
+    if scheduler:
+        summary["scheduler_classes"] = class_deltas(before, await asyncio.to_thread(read_classes, scheduler))
+    return run, summary
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -87,6 +95,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--priority-mix", default="0.2,0.3,0.5", help="P0,P1,P2 fractions (mixed_priority)")
     p.add_argument("--priority-in-body", action="store_true", help="also send vLLM's body field `priority`")
     p.add_argument("--tokenizer", help="model dir with tokenizer.json: exact context lengths")
+    p.add_argument("--scheduler", metavar="HOST:PORT",
+                   help="a kvmesh scheduler's gRPC address (plaintext): report its per-class preemptions")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", help="write results JSON here")
     p.add_argument("--chart", help="write a PNG chart here")
@@ -130,7 +140,8 @@ async def _main(ns: argparse.Namespace) -> int:
             model = await resolve_model(s, ns.url, ns.api_key)
     target = Target(ns.url, model, ns.api_key, ns.path, _headers(ns.header), ns.timeout,
                     priority_in_body=ns.priority_in_body)
-    run, summary = await bench(spec, arrival, target, token_counter(ns.tokenizer), show_progress=not ns.quiet)
+    run, summary = await bench(spec, arrival, target, token_counter(ns.tokenizer), show_progress=not ns.quiet,
+                               scheduler=ns.scheduler)
     print(format_summary(summary))
     meta = {"url": ns.url, "model": model, "workload": ns.workload, "arrival": ns.arrival, "rate": ns.rate,
             "concurrency": ns.concurrency, "seed": ns.seed, "requests": ns.requests}

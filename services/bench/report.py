@@ -21,11 +21,27 @@ def _trip(block: dict[str, Any], key: str) -> str:
     return "/".join(_ms(block[key].get(p)) for p in ("p50", "p90", "p99"))
 
 
+def _preempted(figures: dict[str, dict[str, float]] | None, name: str) -> list[str]:
+    """The preemption column (`kvmesh bench --scheduler`): preempted /
+    requeued / seconds lost of one class, summed for "all"."""
+    if figures is None:
+        return []
+    rows = list(figures.values()) if name == "all" else [figures[name]] if name in figures else []
+    if not rows:
+        return ["-"]
+    total = {k: sum(r.get(k, 0.0) for r in rows) for k in ("preemptions", "requeued", "seconds_lost")}
+    return [f"{total['preemptions']:.0f} / {total['requeued']:.0f} / {total['seconds_lost']:.1f}"]
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """One row per class plus "all": TTFT / inter-token / e2e percentiles (ms),
-    throughput, prefix hit rate and rejections."""
+    throughput, prefix hit rate and rejections; with the scheduler's figures
+    (`scheduler_classes`), preemptions / re-queues / seconds lost too."""
     head = ["class", "ok/sent", "rej", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms", "e2e p50/p90/p99 ms",
             "req/s", "out tok/s", "hit rate"]
+    figures = summary.get("scheduler_classes")
+    if figures is not None:
+        head.append("preempted / requeued / s lost")
     rows = [head, ["---"] * len(head)]
     blocks = [("all", summary["overall"]), *summary["classes"].items()]
     for name, b in blocks:
@@ -35,6 +51,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{b['requests_per_s']:.2f}" if b["requests_per_s"] is not None else "-",
             f"{b['output_tokens_per_s']:.0f}" if b["output_tokens_per_s"] is not None else "-",
             f"{b['prefix_hit_rate']:.1%}" if b["prefix_hit_rate"] is not None else "-",
+            *_preempted(figures, name),
         ])
     return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
