@@ -53,7 +53,7 @@ class StreamResult:
 
 async def stream_completion(
     session: aiohttp.ClientSession, mesh: Mesh, prompt: str, max_tokens: int, result: StreamResult | None = None,
-    stop: list[str] | None = None,
+    stop: list[str] | None = None, priority: int | None = None,
 ) -> StreamResult:
     """POST /v1/completions (stream) through Envoy; never raises for a
     failed request, records it in the result instead."""
@@ -63,6 +63,8 @@ async def stream_completion(
     if stop:
         body["stop"] = stop
     headers = {"Authorization": f"Bearer {mesh.api_key}"}
+    if priority is not None:
+        headers["X-Priority"] = str(priority)
     try:
         async with asyncio.timeout(STREAM_TIMEOUT_SECONDS):
             async with session.post(f"{mesh.endpoints.public_http}/v1/completions", json=body,
