@@ -31,7 +31,14 @@ within `--max-ratio` of idle, 0 mismatches, 0 lost, throughput recovers);
 exit status 1 when one fails. `--json FILE` writes everything.
 
     .venv/bin/python scripts/scenario_preemption.py                        # ~2 min
-    .venv/bin/python scripts/scenario_preemption.py --clients 60 --p0 10 --p2-tokens 200
+    .venv/bin/python scripts/scenario_preemption.py --clients 30 --p0 5 --p2-tokens 150 \
+        --window 3 --set engines.template.max_running=8                   # ~30 s
+    .venv/bin/python scripts/scenario_preemption.py --set scheduler.p0_reserved_leases=0
+
+With the default config a P0 finds the lease slot each engine keeps for P0
+(`scheduler.p0_reserved_leases: 1`), so the engine's side of issue 13 (a P0
+joins the running batch at once) is what acts; with no lease kept, every P0
+finds all slots taken and the scheduler must preempt a P2 lease.
 
 Bounded: every loop ends by itself (a request times out after
 `--request-timeout` s, the flood after its phases), the mesh is stopped on
