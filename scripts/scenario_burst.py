@@ -170,6 +170,10 @@ def summarize(args: argparse.Namespace, streams: list[TimedStream], poller: Poll
             "rejects_without_retry_after": sum(s.retry_after is None for s in rejected),
             "completed_e2e_ms_p50": _ms(completed, 50),
             "completed_ttft_ms_min_p50": [_ms(ttfts, 0), _ms(ttfts, 50)],
+            # What a failed stream said (a few, for the report): a preemption
+            # must never turn into one of these.
+            "failure_examples": [f"{s.status} {s.finish_reason} {s.error}"[:200]
+                                 for s in mine if not s.ok and s.status != 429][:5],
         }
         if p == 0:
             for s in rejected:
@@ -201,6 +205,9 @@ def report(doc: dict[str, Any]) -> bool:
                      str(c["rejects_without_retry_after"]),
                      " / ".join(str(v) for v in c["completed_ttft_ms_min_p50"])])
     print("\n".join("| " + " | ".join(r) + " |" for r in rows))
+    for name, c in doc["classes"].items():
+        for example in c.get("failure_examples", ()):
+            print(f"{name} failed: {example}")
     print(f"most queued at once (GetState, {doc['snapshots']} snapshots): P0 / P1 / P2 = "
           + " / ".join(str(n) for n in doc["max_queued_per_class"]))
     if doc["scheduler_classes"]:
@@ -227,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="config override (repeat)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--run-dir", help="keep the mesh's config and logs here (default: a temporary folder)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     config = load_config(Path(args.config))
@@ -234,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     config.gateway.metrics_port = 0
     for item in args.set or ():
         apply_override(config, item)
-    with tempfile.TemporaryDirectory(prefix="kvmesh-burst-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kvmesh-burst-") as scratch:
+        tmp = args.run_dir or scratch
         options = MeshOptions(engines=args.engines, backend="sim", model=args.model, free_ports=True,
                               run_dir=Path(tmp))
         print(f"starting a mesh: {args.engines} sim engines ...", file=sys.stderr, flush=True)

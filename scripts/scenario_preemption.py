@@ -61,16 +61,16 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.bench.scheduler_classes import class_deltas, class_figures
+from services.bench.scheduler_classes import scheduler_state as get_scheduler_state
 from services.bench.stats import percentile
 from services.bench.timed_stream import ChatCall, TimedStream, chat_stream, tokens_between
 from services.common.config import MeshConfig, load_config
-from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.proto.kvmesh.v1 import scheduler_pb2
 from services.launcher.mesh import Mesh, MeshOptions, start_on_free_ports
 
 P0_GAP_SECONDS = 0.2
@@ -105,11 +105,8 @@ def apply_override(config: MeshConfig, item: str) -> None:
 
 
 def scheduler_state(mesh: Mesh) -> scheduler_pb2.SchedulerState | None:
-    try:
-        with grpc.insecure_channel(mesh.endpoints.scheduler) as channel:
-            return scheduler_pb2_grpc.SchedulerStub(channel).GetState(scheduler_pb2.GetStateRequest(), timeout=5)
-    except grpc.RpcError:
-        return None
+    state: scheduler_pb2.SchedulerState | None = get_scheduler_state(mesh.endpoints.scheduler)
+    return state
 
 
 def lease_slots(mesh: Mesh) -> int:
@@ -365,9 +362,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="config override (repeat)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--run-dir", help="keep the mesh's config and logs here (default: a temporary folder)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    with tempfile.TemporaryDirectory(prefix="kvmesh-preemption-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kvmesh-preemption-") as scratch:
+        tmp = args.run_dir or scratch
         options = MeshOptions(engines=args.engines, backend="sim", model=args.model, free_ports=True,
                               run_dir=Path(tmp))
         print(f"starting a mesh: {args.engines} sim engines ...", file=sys.stderr, flush=True)

@@ -3,15 +3,15 @@ from GetState: preemptions, requeued, preempted now, seconds lost, displaced,
 protected), read before and after a run so `kvmesh bench --scheduler` and the
 priority scripts can report what the run itself caused.
 
-An empty result means the scheduler fills no `classes` (one older than
-issue 13) or could not be reached: callers print "-" then.
+An empty result means the scheduler fills no `classes` (a scheduler from
+before preemption) or could not be reached: callers print "-" then.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CUMULATIVE", "class_deltas", "class_figures", "read_classes"]
+__all__ = ["CUMULATIVE", "class_deltas", "class_figures", "read_classes", "scheduler_state"]
 
 # Counters that only grow; `preempted_now` is a level and is reported as is.
 CUMULATIVE = ("preemptions", "requeued", "seconds_lost", "displaced", "protected")
@@ -29,20 +29,25 @@ def class_figures(state: Any) -> dict[int, dict[str, float]]:
     return out
 
 
-def read_classes(address: str, timeout: float = 5.0) -> dict[int, dict[str, float]]:
-    """GetState from the scheduler at `address` (plaintext gRPC); {} when
-    it is unreachable or fills no classes."""
+def scheduler_state(address: str, timeout: float = 5.0) -> Any:
+    """GetState from the scheduler at `address` (plaintext gRPC), None while
+    it is unreachable."""
     import grpc  # only when asked: kvmesh bench runs against any endpoint
 
     from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
     try:
         with grpc.insecure_channel(address) as channel:
-            state = scheduler_pb2_grpc.SchedulerStub(channel).GetState(scheduler_pb2.GetStateRequest(),
-                                                                        timeout=timeout)
+            return scheduler_pb2_grpc.SchedulerStub(channel).GetState(scheduler_pb2.GetStateRequest(),
+                                                                       timeout=timeout)
     except grpc.RpcError:
-        return {}
-    return class_figures(state)
+        return None
+
+
+def read_classes(address: str, timeout: float = 5.0) -> dict[int, dict[str, float]]:
+    """The per-class figures of the scheduler at `address`; {} when it is
+    unreachable or fills no classes."""
+    return class_figures(scheduler_state(address, timeout))
 
 
 def class_deltas(before: dict[int, dict[str, float]],

@@ -124,6 +124,11 @@ class LeaseLink:
         self._running = False
         self._stop_engine: Callable[[], None] = _nothing
         self._preempted_at: float | None = None
+        # Between a `Placed` and the start on that engine, a `Preempted` is
+        # about that new lease (the scheduler may take it back at once): it
+        # is kept and acted on when the request starts there.
+        self._placed_not_started = False
+        self._early_preemption: scheduler_pb2.Preempted | None = None
         # Re-attaching the lease after a scheduler restart (a child of the pump).
         self._reattach: asyncio.Task[None] | None = None
 
@@ -159,6 +164,7 @@ class LeaseLink:
                 continue
             readmit_until, backoff = None, _Backoff()
             if isinstance(outcome, scheduler_pb2.Placed):
+                self._placed_not_started = True
                 return outcome
             if not self._generated:  # after the first token: heartbeats only
                 await emit(QueuedUpdate(outcome.position, outcome.estimated_wait_seconds, outcome.priority))
@@ -172,13 +178,20 @@ class LeaseLink:
         self._told_first = False
         self._running = True
         self._stop_engine = stop
+        self._placed_not_started = False
         self._session.listen(self._on_preempted)
         self._watch()
+        early, self._early_preemption = self._early_preemption, None
+        if early is not None:
+            self._on_preempted(early)
 
     def _on_preempted(self, preempted: scheduler_pb2.Preempted) -> None:
         """The reader task got `Preempted`: stop the engine stream now, unless
         the request no longer runs (it finished, moves or waits already)."""
         if not self._running:
+            if self._placed_not_started:
+                self._early_preemption = preempted
+                return
             log.debug("request %s: late Preempted ignored", self._job.request_id)
             return
         self._running = False

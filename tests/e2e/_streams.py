@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import aiohttp
 import grpc
 
+from services.bench.scheduler_classes import scheduler_state as get_scheduler_state
 from services.bench.sse import SseEvents
-from services.common.proto.kvmesh.v1 import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.common.proto.kvmesh.v1 import engine_pb2, engine_pb2_grpc, scheduler_pb2
 from services.launcher.mesh import Mesh
 
 __all__ = [
@@ -146,8 +147,5 @@ def gateway_counter(mesh: Mesh, name: str, labels: str = "", replica: int = 0) -
 
 def scheduler_state(mesh: Mesh) -> scheduler_pb2.SchedulerState | None:
     """The scheduler's GetState, None while it is unreachable."""
-    try:
-        with grpc.insecure_channel(mesh.endpoints.scheduler) as channel:
-            return scheduler_pb2_grpc.SchedulerStub(channel).GetState(scheduler_pb2.GetStateRequest(), timeout=5)
-    except grpc.RpcError:
-        return None
+    state: scheduler_pb2.SchedulerState | None = get_scheduler_state(mesh.endpoints.scheduler)
+    return state

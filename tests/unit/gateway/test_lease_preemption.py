@@ -104,6 +104,26 @@ async def test_preempted_when_not_running_is_ignored() -> None:
     assert stops == []
 
 
+async def test_preempted_between_placed_and_the_start_stops_the_new_engine_at_once() -> None:
+    """After a requeue the stream is read ahead: the scheduler may place the
+    request and take the new lease back before the driver starts on that
+    engine. That `Preempted` is about the new lease: it must not be dropped
+    (the request would run without a lease while the scheduler waits for its
+    `Requeue`), but stop the new engine stream as soon as it starts."""
+    session = ScriptedSession([PLACED, PLACED])
+    lease, _ = _lease(session, [7])
+    stops: list[str] = []
+    lease.running_on("engine-a", lambda: stops.append("a"))
+    session.preempt()
+    assert await lease.requeue(Emitted()) == PLACED  # placed again ...
+    session.preempt()  # ... and preempted again before the driver started there
+    assert stops == ["a"]
+    lease.running_on("engine-b", lambda: stops.append("b"))
+    assert stops == ["a", "b"]
+    assert await lease.requeue(Emitted()) == PLACED
+    assert [kind for kind, _ in session.sent] == ["requeue", "requeue"]
+
+
 async def test_preempted_crossing_an_engine_failure_is_answered_with_requeue() -> None:
     """The engine failed and, before the gateway said `replace`, the
     scheduler preempted the request: it waits for `Requeue`, not `Replace`."""
