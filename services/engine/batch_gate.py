@@ -4,15 +4,19 @@ classes up to the engine's advertised `max_running` (the p0_headroom rule).
 The backend's batch is `max_running + p0_headroom` (BackendInfo says both).
 A request of priority > 0 is handed to the backend only while fewer than
 `max_running` non-P0 requests are in it (running or in its own queue); the
-rest wait here, in (priority, arrival) order, and go in the moment one of
-those leaves -- event-driven, from the generation's pump ending, never
-polled. So at least `p0_headroom` running slots are always free of batch
-work, and a P0 joins the running batch at the backend's next step. P0
+rest wait here in the order they arrived -- the order the scheduler placed
+them in, which already weighed their classes and their aging -- and go in
+the moment one of those leaves, event-driven (the generation's pump ending),
+never polled. Not by class here: a P2 the scheduler placed before a stream
+of P1 requests would wait behind every one of them, beyond the reach of the
+scheduler's aging (a lease is not queued there), and could time out.
+So at least `p0_headroom` running slots are always free of batch work,
+and a P0 joins the running batch at the backend's next step. P0
 requests beyond the headroom wait in the backend's own queue, first in line
 (its priority order).
 
 Removal of a held request (cancel, abort, hand-over) is O(1): the entry
-leaves `_held` and its heap entry is dropped lazily when it reaches the top.
+leaves `_held`, an insertion-ordered dict that is also the queue.
 
 Ownership: owned by one EngineRuntime; every method runs on the event loop
 thread and none awaits.
@@ -20,7 +24,6 @@ thread and none awaits.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
@@ -48,9 +51,7 @@ class BatchGate(Generic[G]):
         # Read at each decision: vLLM resolves its limits only when it starts.
         self._max_running = max_running
         self._metrics = metrics
-        self._held: dict[str, G] = {}   # arrival order
-        self._heap: list[tuple[int, int, str, G]] = []
-        self._arrivals = 0
+        self._held: dict[str, G] = {}   # arrival order: the queue
         self._held_tokens = 0
         self._others = 0  # non-P0 requests in the backend
         self._p0 = 0      # P0 requests in the backend
@@ -90,11 +91,8 @@ class BatchGate(Generic[G]):
             self._others += 1
             gen.submit()
         else:
-            self._arrivals += 1
-            request = gen.request
-            self._held[request.request_id] = gen
-            heapq.heappush(self._heap, (request.priority, self._arrivals, request.request_id, gen))
-            self._held_tokens += len(request.prompt_token_ids)
+            self._held[gen.request.request_id] = gen
+            self._held_tokens += len(gen.request.prompt_token_ids)
         self._report(limit)
 
     def withdraw(self, gen: G) -> bool:
@@ -116,11 +114,9 @@ class BatchGate(Generic[G]):
         else:
             self._others -= 1
         limit = self._max_running()
-        while self._others < limit and self._heap:
-            _, _, request_id, held = heapq.heappop(self._heap)
-            if self._held.get(request_id) is not held:
-                continue  # withdrawn: lazy removal
-            del self._held[request_id]
+        while self._others < limit and self._held:
+            request_id = next(iter(self._held))
+            held = self._held.pop(request_id)
             self._held_tokens -= len(held.request.prompt_token_ids)
             self._others += 1
             held.submit()

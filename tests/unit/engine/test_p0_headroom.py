@@ -186,7 +186,10 @@ class _Fake:
         self.submitted = True
 
 
-def test_the_gate_releases_held_requests_by_class_then_arrival() -> None:
+def test_the_gate_releases_held_requests_in_the_order_they_were_placed() -> None:
+    """Not by class: the scheduler placed them in this order after weighing
+    their classes and aging; a held P2 must not wait behind every P1 that
+    reaches the engine after it (its lease would time out there)."""
     metrics = EngineMetrics("m", "e", lambda: LoadSnapshot(0, 0, 0, 0, 0, 0, []))
     gate: BatchGate[_Fake] = BatchGate(lambda: 1, metrics)
     running, p2_old, p1, p2_new, p0 = (_Fake("run", 2), _Fake("p2-old", 2), _Fake("p1", 1),
@@ -197,8 +200,8 @@ def test_the_gate_releases_held_requests_by_class_then_arrival() -> None:
     assert gate.held_ids == ["p2-old", "p1", "p2-new"] and gate.held_tokens == 9
     assert gate.withdraw(p2_new) and not gate.withdraw(p2_new)
     gate.left(running)
-    assert p1.submitted and not p2_old.submitted  # class first
+    assert p2_old.submitted and not p1.submitted  # placed first, goes first
     gate.left(p0)  # a P0 leaving frees no slot of the other classes
-    assert not p2_old.submitted
-    gate.left(p1)
-    assert p2_old.submitted and not p2_new.submitted and gate.held_ids == []
+    assert not p1.submitted
+    gate.left(p2_old)
+    assert p1.submitted and not p2_new.submitted and gate.held_ids == []
