@@ -11,13 +11,10 @@ Who checks what (each rule in one place, one answer per rule):
   also as InvalidRequest.
 The transports (grpc_api.py, http_api.py) only map these errors.
 
-One request failing (InvalidRequest, a final "error" output) ends only it.
-The backend failing as a whole -- dead (EngineDead from a stream, or its
-`dead_reason()`) or hung (no output while it holds requests, past a bound
-from its own step times: liveness.py) -- is `EngineRuntime.fail`: every
-live generation is handed over like at a drain timeout (its stream ends
-UNAVAILABLE and the gateway continues it elsewhere), the engine stops
-serving at once, and `died` is set so the process exits for a restart.
+One request failing ends only it. The backend failing as a whole -- dead
+(EngineDead, `dead_reason()`) or hung (liveness.py) -- is `EngineRuntime.fail`:
+every live generation is handed over (UNAVAILABLE: the gateway continues it
+elsewhere), the engine stops serving, and `died` asks the process to exit.
 
 `Generation` runs one request: a pump task drains the backend's stream into a
 `DeltaBuffer` (so the backend never waits for a slow reader) and the

@@ -30,6 +30,7 @@ from types import FrameType
 from services.common.config import MeshConfig
 from services.common.mesh_tls import server_name
 from services.launcher.mesh import (
+    ChildExit,
     Endpoints,
     Mesh,
     MeshError,
@@ -161,12 +162,14 @@ class Restarts:
         self._mesh = mesh
         self._stop = stop
         self._backoff: dict[str, _Backoff] = {}
+        self.exits: list[ChildExit] = []  # every exit seen, in order
         self.restarted: list[str] = []  # names, in restart order
 
     def check(self) -> None:
         """One pass over the children that exited since the last one."""
         mesh = self._mesh
         for gone in mesh.exited():
+            self.exits.append(gone)
             policy = mesh.restart_policy(gone.name)
             print(
                 f"kvmesh: {gone.name} (pid {gone.pid}) exited unexpectedly with code "

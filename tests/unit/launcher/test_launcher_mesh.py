@@ -227,7 +227,8 @@ def test_an_engine_that_dies_is_restarted_with_its_name_and_port(tmp_path: Path)
         os.kill(old, signal.SIGKILL)  # as if it exited 3 after its backend died
         mesh._children["engine-0"].process.wait()
         restarts.check()
-        assert restarts.restarted == ["engine-0"]
+        assert restarts.restarted == ["engine-0"] and [(e.name, e.returncode) for e in restarts.exits] == [
+            ("engine-0", -9)]
         assert mesh.is_running("engine-0") and mesh.pid("engine-0") != old
         channels: dict[str, grpc.Channel] = {}
         assert probe_ok(Probe(ProbeKind.GRPC_HEALTH, f"127.0.0.1:{port}"), channels)  # same port, healthy
