@@ -1,6 +1,7 @@
-"""A dead engine is dead: SIGKILL of one vLLM engine's `VLLM::EngineCore`
-process (what a GPU fault, an OOM kill or a crashed kernel looks like) while
-greedy streams run, its engine service still alive.
+"""A dead engine is dead, a hung one is detected: SIGKILL, then SIGSTOP, of
+one vLLM engine's `VLLM::EngineCore` process (what a GPU fault, an OOM kill,
+a crashed or a wedged kernel look like) while greedy streams run, its
+engine service still alive.
 
 Every stream completes with text identical to an uninterrupted greedy run
 (the engine ends its streams UNAVAILABLE and the gateway migrates them, no
@@ -8,10 +9,12 @@ Every stream completes with text identical to an uninterrupted greedy run
 (new requests meanwhile all run on the other one); the engine process exits
 with code 3 and the launcher's supervision loop -- the one `kvmesh up`
 runs -- restarts it with the same id and port, and it serves again (the
-same greedy tokens as the surviving engine).
+same greedy tokens as the surviving engine). SIGSTOP: no output while the
+engine holds streams, declared hung past its bound (the floor, 20 s here),
+then the same as a kill; the restart reaps the stopped core.
 
-ONE test, its own mesh: two vLLM engines start in ~1-2 minutes on 2 cores,
-the restarted one again.
+Two tests, one mesh: two vLLM engines start in ~1-2 minutes on 2 cores,
+each faulted one again.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from services.common.affinity import vllm_processes
 from services.common.config import MeshConfig
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, scheduler_pb2
 from services.common.service_main import EXIT_SERVICE_FAILED
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import ChildExit, Mesh
 from services.launcher.up import Restarts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(2400)]
@@ -42,10 +45,16 @@ pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(2400)]
 STREAMS = 8
 MAX_TOKENS = 1500  # ~10 s of decode: no stream ends before the kill
 RESTART_SECONDS = 900.0  # a vLLM engine's start-up on a busy 2-core machine
+# The hang floor here (30 s by default): steps of this mesh are ~0.1 s, so
+# the bound is the floor. Not lower: with another vLLM mesh running on the
+# same 2 cores, a fresh engine's first batch took 6 s without an output
+# (5 s here declared that engine hung).
+HANG_FLOOR_SECONDS = 20.0
 
 
 def _tune(config: MeshConfig) -> None:
     config.engines.template.vllm.max_num_seqs = 8
+    config.engines.template.hang_floor_seconds = HANG_FLOOR_SECONDS
 
 
 @dataclass
@@ -112,14 +121,30 @@ async def _greedy(mesh: Mesh, prompts: list[str], max_tokens: int) -> list[Strea
         await session.close()
 
 
-async def test_vllm_engine_core_sigkill_migrates_every_stream_and_the_engine_restarts(
-        supervised: Supervised) -> None:
-    mesh, restarts = supervised.mesh, supervised.restarts
-    prompts = [f"Stream {i}: the quick brown fox jumps over the lazy dog, and then" for i in range(STREAMS)]
+@dataclass
+class Faulted:
+    """One fault under greedy streams: who got it, what the clients saw."""
+
+    victim: str
+    survivor: str
+    old_pid: int
+    core: int
+    baseline: list[StreamResult]
+    elapsed: float  # fault -> last token
+    moved: float    # migrations
+
+
+async def fault_mid_stream(mesh: Mesh, sig: signal.Signals) -> Faulted:
+    """Greedy streams spread over both engines, mid-answer; `sig` to the
+    EngineCore of the engine holding the most; every stream must complete
+    with the text of the uninterrupted run. Prompts new to the mesh: a
+    restarted engine's cache is empty, and prompts the other one holds
+    would all be placed there."""
+    prompts = [f"{sig.name} stream {i}: the quick brown fox jumps over the lazy dog, and then"
+               for i in range(STREAMS)]
     baseline = await _greedy(mesh, prompts, MAX_TOKENS)
     assert all(r.ok for r in baseline), [r.error for r in baseline if not r.ok]
     migrations = gateway_counter(mesh, "kvmesh_gateway_migrations_total")
-
     results, tasks, session = await run_streams(mesh, prompts, [MAX_TOKENS] * STREAMS)
     try:
         def spread() -> bool:
@@ -132,33 +157,71 @@ async def test_vllm_engine_core_sigkill_migrates_every_stream_and_the_engine_res
         victim = max(state.engines, key=lambda e: e.leases).engine_id
         survivor = next(e.engine_id for e in state.engines if e.engine_id != victim)
         old_pid = mesh.pid(victim)
+        assert old_pid is not None
         core = engine_core(mesh, victim)
         assert sum(r.done for r in results) < STREAMS
-        killed = time.monotonic()
-        os.kill(core, signal.SIGKILL)  # the engine service itself lives on
+        began = time.monotonic()
+        os.kill(core, sig)  # the engine service itself lives on
         results = list(await asyncio.gather(*tasks))
-        elapsed = time.monotonic() - killed
+        elapsed = time.monotonic() - began
     finally:
         await session.close()
-
     failed = [(i, r.status, r.finish_reason, r.error) for i, r in enumerate(results) if not r.ok]
     assert not failed, failed
     for i, (got, want) in enumerate(zip(results, baseline, strict=True)):
         assert got.text == want.text, f"stream {i}: the migrated text differs from the uninterrupted greedy run"
     moved = gateway_counter(mesh, "kvmesh_gateway_migrations_total") - migrations
     assert moved >= 1
+    return Faulted(victim, survivor, old_pid, core, baseline, elapsed, moved)
+
+
+async def exit_of(restarts: Restarts, name: str, seen: int) -> ChildExit:
+    """The first exit of `name` among the supervisor's exits after the first `seen`."""
+    def exited() -> ChildExit | None:
+        return next((e for e in restarts.exits[seen:] if e.name == name), None)
+    await wait_until(lambda: exited() is not None, 120, f"{name}'s process to exit")
+    gone = exited()
+    assert gone is not None
+    assert gone.returncode == EXIT_SERVICE_FAILED, f"{name} exited {gone.returncode}; see {gone.log_path}"
+    return gone
+
+
+async def back_and_serving(mesh: Mesh, restarts: Restarts, fault: Faulted, restarts_before: int) -> None:
+    """Restarted by the supervision loop (same id, same port), registered,
+    and generating the survivor's greedy tokens, straight on its gRPC port."""
+    victim = fault.victim
+
+    def back() -> bool:
+        view = engine_state(scheduler_state(mesh), victim)
+        return restarts.restarted.count(victim) > restarts_before and view is not None and view.serving \
+            and view.fresh
+    await wait_until(back, RESTART_SECONDS, f"{victim} to be restarted and serving", poll=1.0)
+    assert mesh.pid(victim) != fault.old_pid
+    state = scheduler_state(mesh)
+    addresses = {e.engine_id: e.address for e in state.engines} if state is not None else {}
+    prompt_ids = [100 + (i * 37) % 5000 for i in range(48)]
+    tag = f"{victim}-{restarts_before}"
+    again = await direct_generate(addresses[victim], f"after-restart-{tag}", prompt_ids, 64)
+    assert len(again) == 64
+    assert again == await direct_generate(addresses[fault.survivor], f"survivor-{tag}", prompt_ids, 64)
+
+
+async def test_vllm_engine_core_sigkill_migrates_every_stream_and_the_engine_restarts(
+        supervised: Supervised) -> None:
+    mesh, restarts = supervised.mesh, supervised.restarts
+    seen, restarted = len(restarts.exits), len(restarts.restarted)
+    counts = {name: restarts.restarted.count(name) for name in mesh.names}
+    fault = await fault_mid_stream(mesh, signal.SIGKILL)
+    victim = fault.victim
 
     # Dead: the process exited 3 (the supervisor saw it), and until it is
     # back the scheduler places nothing on it.
-    def exited() -> bool:
-        return any(e.name == victim for e in restarts.exits)
-    await wait_until(exited, 120, f"{victim}'s process to exit")
-    gone = next(e for e in restarts.exits if e.name == victim)
-    assert gone.returncode == EXIT_SERVICE_FAILED, f"{victim} exited {gone.returncode}; see {gone.log_path}"
+    gone = await exit_of(restarts, victim, seen)
     placed_on_dead: list[int] = []
     restarted_meanwhile = False
-    if victim not in restarts.restarted:
-        _, tasks, session = await run_streams(mesh, prompts[:4], [40] * 4)
+    if victim not in restarts.restarted[restarted:]:
+        prompts = [f"Meanwhile {i}: the quick brown fox" for i in range(4)]
+        _, tasks, session = await run_streams(mesh, prompts, [40] * 4)
         try:
             while not all(t.done() for t in tasks):
                 view = engine_state(await asyncio.to_thread(scheduler_state, mesh), victim)
@@ -168,27 +231,39 @@ async def test_vllm_engine_core_sigkill_migrates_every_stream_and_the_engine_res
             meanwhile = [t.result() for t in tasks]
         finally:
             await session.close()
-        restarted_meanwhile = victim in restarts.restarted
+        restarted_meanwhile = victim in restarts.restarted[restarted:]
         assert all(r.ok for r in meanwhile), [r.error for r in meanwhile if not r.ok]
         assert restarted_meanwhile or not placed_on_dead, placed_on_dead
 
-    # Back: restarted by the supervision loop (same id, same port), serving.
-    def back() -> bool:
-        view = engine_state(scheduler_state(mesh), victim)
-        return victim in restarts.restarted and view is not None and view.serving and view.fresh
-    await wait_until(back, RESTART_SECONDS, f"{victim} to be restarted and serving", poll=1.0)
-    assert mesh.pid(victim) != old_pid
-    back_after = time.monotonic() - killed
+    await back_and_serving(mesh, restarts, fault, counts[victim])
+    print(f"vLLM EngineCore SIGKILL on {victim} ({fault.survivor} survived): {STREAMS}/{STREAMS} greedy streams "
+          f"identical to the uninterrupted run, {fault.moved:.0f} migrated, {fault.elapsed:.1f}s from kill to "
+          f"last token; {victim} exited {gone.returncode}, nothing placed on it while down"
+          f"{' (it was back before the check)' if restarted_meanwhile else ''}; serving again")
 
-    # It serves again: straight to its gRPC port, the same greedy tokens as the survivor's.
-    state = scheduler_state(mesh)
-    addresses = {e.engine_id: e.address for e in state.engines} if state is not None else {}
-    prompt_ids = [100 + (i * 37) % 5000 for i in range(48)]
-    again = await direct_generate(addresses[victim], "after-restart-victim", prompt_ids, 64)
-    assert len(again) == 64
-    assert again == await direct_generate(addresses[survivor], "after-restart-survivor", prompt_ids, 64)
-    print(f"vLLM EngineCore SIGKILL on {victim} ({survivor} survived): {STREAMS}/{STREAMS} greedy streams "
-          f"identical to the uninterrupted run, {moved:.0f} migrated, {elapsed:.1f}s from kill to last token; "
-          f"{victim} exited {gone.returncode}, nothing placed on it while down"
-          f"{' (it was back before the check)' if restarted_meanwhile else ''}; serving again "
-          f"{back_after:.0f}s after the kill")
+
+async def test_vllm_engine_core_sigstop_is_a_hang_detected_within_the_bound(supervised: Supervised) -> None:
+    """SIGSTOP of the core (a wedged GPU kernel looks so): no output while the
+    engine holds streams; past the hang bound the engine fails like a dead
+    one, the streams migrate, and the restart reaps the stopped core."""
+    mesh, restarts = supervised.mesh, supervised.restarts
+    seen = len(restarts.exits)
+    counts = {name: restarts.restarted.count(name) for name in mesh.names}
+    fault = await fault_mid_stream(mesh, signal.SIGSTOP)
+    victim = fault.victim
+    gone = await exit_of(restarts, victim, seen)
+    log = gone.log_path.read_text(errors="replace")
+    assert "backend hung: no output for" in log, f"see {gone.log_path}"
+    # Detected within the bound (HANG_FLOOR here; k x p99 step if larger):
+    # the streams' last tokens came after the bound, one check period
+    # (<= 1 s) and the migration.
+    detected = log.rsplit("backend hung: no output for ", 1)[1].split(" s", 1)[0]
+    bound = log.rsplit("(bound ", 1)[1].split(" s", 1)[0]
+    assert float(detected) <= float(bound) + 1.5, (detected, bound)
+    assert fault.elapsed >= HANG_FLOOR_SECONDS - 0.5, fault.elapsed
+    await back_and_serving(mesh, restarts, fault, counts[victim])
+    stat = Path(f"/proc/{fault.core}/stat")
+    assert not stat.exists() or b" Z " in stat.read_bytes(), "the stopped core outlived its engine"
+    print(f"vLLM EngineCore SIGSTOP on {victim}: hang declared after {detected} s without output "
+          f"(bound {bound} s); {STREAMS}/{STREAMS} streams identical, {fault.moved:.0f} migrated, "
+          f"{fault.elapsed:.1f}s from SIGSTOP to last token; exited {gone.returncode}, restarted, serving again")
