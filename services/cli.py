@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.config import ConfigError, MeshConfig, load_config
+from services.common.service_main import EXIT_SERVICE_FAILED, ServiceFailed
 
 __all__ = ["main"]
 
@@ -153,6 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as exc:
         print(f"kvmesh: config error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except ServiceFailed as exc:  # e.g. an engine whose backend died: exit for a restart
+        print(f"kvmesh: {exc}", file=sys.stderr)
+        sys.exit(EXIT_SERVICE_FAILED)
     except KeyboardInterrupt:
         pass
 

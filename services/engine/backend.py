@@ -15,6 +15,13 @@ the runtime hands a backend at most `info.max_running` requests of priority
 a P0 (services/engine/batch_gate.py). A
 backend checks only what is its own (the sim: enough KV blocks; vLLM: its
 SamplingParams and input processing) and raises InvalidRequest for it.
+
+Failures, two kinds kept apart: one request's (InvalidRequest, or a final
+output with finish_reason "error": the engine lives on) and the whole
+backend's (`EngineDead`: its core process or a worker died, the simulator
+crashed). A backend raises EngineDead from every live `generate` when it
+can run nothing any more, and says so from `dead_reason()` even with no
+request live; the runtime then fails the engine as a whole (runtime.py).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from services.common.finish_reason import FinishReason
 __all__ = [
     "BackendInfo",
     "EngineBackend",
+    "EngineDead",
     "GenerationOutput",
     "GenerationRequest",
     "InvalidRequest",
@@ -39,6 +47,11 @@ __all__ = [
 
 class InvalidRequest(ValueError):
     """The request can never run on this engine (maps to INVALID_ARGUMENT)."""
+
+
+class EngineDead(RuntimeError):
+    """The backend as a whole failed, not this request: nothing can run on it
+    any more (vLLM's EngineDeadError, a dead worker, a simulator crash)."""
 
 
 @dataclass(frozen=True)
@@ -154,3 +167,7 @@ class EngineBackend(Protocol):
     def on_change(self, callback: Callable[[], None] | None) -> None:
         """Called (from the event loop) when load changed notably, so a
         report can go out before the next interval."""
+
+    def dead_reason(self) -> str | None:
+        """None while the backend can serve; once it never can again (its
+        core process died...), why. Cheap: polled about once a second."""

@@ -11,6 +11,11 @@ Who checks what (each rule in one place, one answer per rule):
   also as InvalidRequest.
 The transports (grpc_api.py, http_api.py) only map these errors.
 
+One request failing ends only it. The backend failing as a whole -- dead
+(EngineDead, `dead_reason()`) or hung (liveness.py) -- is `EngineRuntime.fail`:
+every live generation is handed over (UNAVAILABLE: the gateway continues it
+elsewhere), the engine stops serving, and `died` asks the process to exit.
+
 `Generation` runs one request: a pump task drains the backend's stream into a
 `DeltaBuffer` (so the backend never waits for a slow reader) and the
 transport takes merged outputs from it. The pump starts when the runtime's
@@ -67,6 +72,7 @@ from services.common.finish_reason import FinishReason
 from services.engine.backend import (
     BackendInfo,
     EngineBackend,
+    EngineDead,
     GenerationOutput,
     GenerationRequest,
     InvalidRequest,
@@ -76,6 +82,7 @@ from services.engine.backend import (
 from services.engine.batch_gate import BatchGate
 from services.engine.coalesce import DeltaBuffer, StreamPacing
 from services.engine.errors import DuplicateRequest, NotAccepting
+from services.engine.liveness import HangPolicy, LivenessWatch
 from services.engine.metrics import EngineMetrics
 
 __all__ = ["EngineRuntime", "Generation", "validate_request"]
@@ -175,6 +182,7 @@ class Generation:
         self._pump: asyncio.Task[None] | None = None
         self._created = runtime.clock.monotonic()
         self._first_token = False
+        self._last_output: float | None = None  # the previous output's time (step intervals)
         self._completion = 0
         self._cached = 0
         self._closed = False
@@ -206,6 +214,8 @@ class Generation:
         if self._buffer.closed:  # ended meanwhile (withdraw makes it rare): give the slot back
             asyncio.get_running_loop().call_soon(self._runtime.gate.left, self)
             return
+        if self._runtime.gate.in_backend == 1:  # the backend was idle: output is owed from now
+            self._runtime.liveness.entered()
         self._pump = asyncio.create_task(self._run_pump(), name=f"pump-{self.request.request_id}")
         # Whatever ends the pump (finish, cancel, error), the backend has let
         # go of the request by then: its slot goes to the next held request.
@@ -217,7 +227,8 @@ class Generation:
         if self._buffer.closed:
             return
         if self._pump is not None:
-            self._pump.cancel()
+            if self._pump is not asyncio.current_task():  # a pump failing the engine ends itself
+                self._pump.cancel()
         else:
             self._runtime.gate.withdraw(self)
         resumed = self.request.resumed_tokens
@@ -264,7 +275,9 @@ class Generation:
                 self._buffer.fail(RuntimeError("the backend ended the stream without a finish"))
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # surfaced to the transport, which maps it
+        except EngineDead as exc:  # not this request's fault: the engine fails, this included
+            self._runtime.fail(f"backend dead: {exc}")
+        except Exception as exc:  # this request failed: surfaced to the transport, which maps it
             if not isinstance(exc, InvalidRequest):
                 log.exception("generation %s failed in the backend", self.request.request_id)
             self._buffer.fail(exc)
@@ -274,15 +287,16 @@ class Generation:
 
     def _observe(self, out: GenerationOutput) -> None:
         metrics = self._runtime.metrics
+        now = self._last_output = self._runtime.liveness.output(self._last_output)
         if out.token_ids:
             if not self._first_token:
                 self._first_token = True
-                metrics.first_token(self._runtime.clock.monotonic() - self._created)
+                metrics.first_token(now - self._created)
             self._completion += len(out.token_ids)
             metrics.generated(len(out.token_ids))
         if out.finish_reason is not None:
             self._cached = out.cached_tokens
-            metrics.finished(out, self._runtime.clock.monotonic() - self._created)
+            metrics.finished(out, now - self._created)
 
 
 class EngineRuntime:
@@ -292,6 +306,7 @@ class EngineRuntime:
         metrics: EngineMetrics,
         clock: Clock | None = None,
         pacing: StreamPacing | None = None,
+        hang: HangPolicy | None = None,
     ) -> None:
         self.backend = backend
         self.metrics = metrics
@@ -300,17 +315,23 @@ class EngineRuntime:
         self.started = False
         self.draining = False
         self.stopping = False
+        # Why the engine failed as a whole (`fail`), None while it has not;
+        # `died` is set with it (the process then exits for a restart).
+        self.dead: str | None = None
+        self.died = asyncio.Event()
         self._live: dict[str, Generation] = {}
         self.gate: BatchGate[Generation] = BatchGate(lambda: self.backend.info.max_running, metrics)
         self._listeners: list[Callable[[], None]] = []
         self._start_attempted = False
+        self.liveness = LivenessWatch(hang or HangPolicy(), self.clock, lambda: self.gate.in_backend,
+                                      backend.dead_reason, self.fail)
 
     # ---------------------------------------------------------------- state
 
     @property
     def serving(self) -> bool:
         """Backend started and taking new work."""
-        return self.started and not self.draining and not self.stopping
+        return self.started and not self.draining and not self.stopping and self.dead is None
 
     def add_listener(self, callback: Callable[[], None]) -> None:
         """Called when serving/draining or the live set changes."""
@@ -324,6 +345,7 @@ class EngineRuntime:
         self._start_attempted = True
         await self.backend.start()
         self.started = True
+        self.liveness.start()
         self._notify()
 
     def drain(self) -> None:
@@ -347,14 +369,32 @@ class EngineRuntime:
             await asyncio.sleep(0.05)
         for generation in list(self._live.values()):
             generation.hand_over("engine stopping after its drain timeout; continue on another engine")
+        await self.liveness.stop()
         if self._start_attempted:  # also after a failed start: release what it got
             self._start_attempted = False
             await self.backend.stop()
         self.started = False
 
+    def fail(self, reason: str) -> None:
+        """The engine failed as a whole, not one request (idempotent): hand
+        every live generation over (the held ones first, so none starts),
+        stop serving (health NOT_SERVING, load reports serving=false) and
+        set `died`: the process exits non-zero and its supervisor restarts it."""
+        if self.dead is not None:
+            return
+        self.dead = reason
+        log.error("engine failed: %s; handing over %d live generations, then exiting for a restart",
+                  reason, len(self._live))
+        for generation in [*self.gate.held, *self._live.values()]:
+            generation.hand_over(f"engine failed ({reason}); continue on another engine")
+        self._notify()
+        self.died.set()
+
     # ---------------------------------------------------------------- requests
 
     def open(self, request: GenerationRequest) -> Generation:
+        if self.dead is not None:
+            raise NotAccepting(f"engine failed ({self.dead}); try another engine")
         if not self.started:
             raise NotAccepting("engine is starting (model loading / warm-up); try another engine")
         if self.stopping:
@@ -391,7 +431,7 @@ class EngineRuntime:
     # ---------------------------------------------------------------- views
 
     def load(self) -> LoadSnapshot:
-        if not self.started:
+        if not self.started or self.dead is not None:
             info = self.backend.info
             return LoadSnapshot(0, 0, 0, info.total_blocks, 0, 0, [])
         load = self.backend.load()
@@ -403,4 +443,4 @@ class EngineRuntime:
                        request_ids=[*load.request_ids, *held])
 
     def kv_snapshot(self) -> list[int]:
-        return self.backend.kv_snapshot() if self.started else []
+        return self.backend.kv_snapshot() if self.started and self.dead is None else []

@@ -10,6 +10,12 @@ placing here), running generations finish for `stop_grace_seconds` (the
 drain timeout), the rest are handed over (their streams end UNAVAILABLE and
 the gateway migrates them), then the Connect stream closes (deregistered)
 and everything stops.
+
+Failure (the backend died or hung: runtime.py `fail`): the live streams are
+handed over at once, health turns NOT_SERVING and a load report with
+`serving: false` goes out, then `serve` stops the engine and raises
+ServiceFailed -- the process exits with EXIT_SERVICE_FAILED and its
+supervisor (`kvmesh up`, Kubernetes) starts it again, same id and port.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from services.engine.backend import EngineBackend, LoadSnapshot
 from services.engine.coalesce import StreamPacing
 from services.engine.grpc_api import EngineServicer
 from services.engine.http_api import OpenAIHttpServer
+from services.engine.liveness import HangPolicy
 from services.engine.metrics import EngineMetrics, MetricsServer
 from services.engine.model import TextCodec, load_codec, resolve_model
 from services.engine.runtime import EngineRuntime
@@ -86,7 +93,8 @@ class EngineService:
         self.metrics = EngineMetrics(self.model_name, engine.engine_id, self._safe_load)
         pacing = StreamPacing(engine.coalesce_interval_ms / 1000.0, engine.coalesce_min_running,
                               frozenset(engine.coalesce_unpaced_priorities))
-        self.runtime = EngineRuntime(self.backend, self.metrics, self.clock, pacing)
+        hang = HangPolicy(engine.hang_floor_seconds, engine.hang_step_multiple)
+        self.runtime = EngineRuntime(self.backend, self.metrics, self.clock, pacing, hang)
         self.port = 0
         self.link: SchedulerLink | None = None
         self._server: grpc.aio.Server | None = None
@@ -153,8 +161,13 @@ class EngineService:
             return codec
         return load_codec(resolve_model(self.config, self.engine).path, self.engine.sim.vocab_size)
 
+    async def failure(self) -> str:
+        """Returns (why) once the engine failed as a whole."""
+        await self.runtime.died.wait()
+        return self.runtime.dead or "engine failed"
+
     def _sync_health(self) -> None:
-        # Draining or stopping: health checks (Envoy, grpcurl) see it too.
+        # Draining, stopping or failed: health checks (Envoy, grpcurl) see it too.
         if self._health is not None and self._health.serving and not self.runtime.serving:
             task = asyncio.get_running_loop().create_task(self._health.set_serving(False))
             self._tasks.add(task)
@@ -165,7 +178,9 @@ class EngineService:
             await self._health.set_serving(False)
         if self._servicer is not None:
             self._servicer.idle_calls.close()
-        await self.runtime.stop(self.engine.stop_grace_seconds if self.runtime.live_count else 0.0)
+        # A failed engine handed its generations over already: nothing to drain.
+        drain = self.runtime.live_count and self.runtime.dead is None
+        await self.runtime.stop(self.engine.stop_grace_seconds if drain else 0.0)
         if self.link is not None:
             await self.link.stop()
             self.link = None
@@ -182,4 +197,5 @@ async def serve(config: MeshConfig, engine: EngineConfig) -> None:
     """Run one engine until cancelled or SIGTERM/SIGINT, then stop gracefully."""
     # The engine freezes its heap itself, before it turns SERVING.
     service = EngineService(config, engine, freeze_heap=True)
-    await run_until_signalled("engine", service.start, service.stop, freeze_heap=False)
+    await run_until_signalled("engine", service.start, service.stop, freeze_heap=False,
+                              failure=service.failure)

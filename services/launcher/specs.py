@@ -88,6 +88,9 @@ class _Planner:
             probes=[Probe(ProbeKind.GRPC_HEALTH, f"{engine.host}:{engine.port}", identity=me,
                           server_role="engine")],
             env=child_env(self.options, extra), start_timeout=self._timeout(engine.backend),
+            # An engine whose backend died or hung hands its streams over and
+            # exits 3; it restarts empty, with the same id and port.
+            restart=RestartPolicy.ALWAYS,
         )
 
     def gateway(self, r: int, me: MeshIdentity | None, endpoints: Endpoints) -> ChildSpec:

@@ -186,6 +186,10 @@ class Supervisor:
         child = self._child(name)
         if self.is_running(name):
             self._stop([child])
+        else:
+            # What the exited child left in its group (a hung vLLM engine
+            # core) must not hold its ports or cores.
+            _signal_group(child, signal.SIGKILL)
         self._spawn(child.spec)
         self._wait_healthy(self._children[name])
 

@@ -1,11 +1,16 @@
 """`kvmesh up`: start the mesh, print how to use it, supervise until Ctrl-C.
 
-The supervisor loop polls its children twice a second. A child that exits on
-its own is reported with its exit code and log; what happens next is the
-child's `RestartPolicy`: the scheduler is ALWAYS restarted (soft state: engines
-re-register, gateways re-admit and re-attach), the others are NEVER. Restarts
-back off: a child that dies again soon after a restart waits 1, 2, 4 ... up to
-30 s before the next one, so a crash loop does not spin.
+The supervisor loop (`supervise`, also run by tests around a mesh) polls its
+children twice a second. A child that exits on its own is reported with its
+exit code and log; what happens next is the child's `RestartPolicy`: the
+scheduler is ALWAYS restarted (soft state: engines re-register, gateways
+re-admit and re-attach), and so are engines (one exits with code 3 when its
+backend died or hung, after handing its streams over; it comes back with the
+same id and port, empty, and registers again); gateways and Envoy are NEVER.
+Restarts back off: a child that dies again soon after a restart waits 1, 2,
+4 ... up to 30 s before the next one, so a crash loop does not spin. A
+restart waits until the child is healthy (minutes for a vLLM engine); other
+exits are handled after it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from types import FrameType
 from services.common.config import MeshConfig
 from services.common.mesh_tls import server_name
 from services.launcher.mesh import (
+    ChildExit,
     Endpoints,
     Mesh,
     MeshError,
@@ -33,7 +39,7 @@ from services.launcher.mesh import (
     RestartPolicy,
 )
 
-__all__ = ["Examples", "examples", "run_up"]
+__all__ = ["Examples", "Restarts", "examples", "run_up", "supervise"]
 
 log = logging.getLogger("kvmesh.launcher")
 
@@ -147,27 +153,49 @@ class _Backoff:
         return self.delay
 
 
-def _supervise(mesh: Mesh, stop: threading.Event) -> None:
-    backoff: dict[str, _Backoff] = {}
-    while not stop.wait(_SUPERVISE_SECONDS):
+class Restarts:
+    """The supervisor's answer to children that exit on their own: report
+    each, restart it if its policy says so (with backoff). Driven from the
+    one thread that drives the mesh."""
+
+    def __init__(self, mesh: Mesh, stop: threading.Event) -> None:
+        self._mesh = mesh
+        self._stop = stop
+        self._backoff: dict[str, _Backoff] = {}
+        self.exits: list[ChildExit] = []  # every exit seen, in order
+        self.restarted: list[str] = []  # names, in restart order
+
+    def check(self) -> None:
+        """One pass over the children that exited since the last one."""
+        mesh = self._mesh
         for gone in mesh.exited():
+            self.exits.append(gone)
             policy = mesh.restart_policy(gone.name)
             print(
                 f"kvmesh: {gone.name} (pid {gone.pid}) exited unexpectedly with code "
                 f"{gone.returncode}; see {gone.log_path}. Restart policy: {policy.value}.",
                 file=sys.stderr, flush=True,
             )
-            if policy is RestartPolicy.ALWAYS:
-                history = backoff.setdefault(gone.name, _Backoff())
-                delay = history.next_delay(time.monotonic())
-                if delay and stop.wait(delay):
-                    return
-                history.last_restart = time.monotonic()
-                try:
-                    mesh.restart(gone.name)
-                    print(f"kvmesh: {gone.name} restarted", file=sys.stderr, flush=True)
-                except MeshError as exc:
-                    print(f"kvmesh: restarting {gone.name} failed: {exc}", file=sys.stderr, flush=True)
+            if policy is not RestartPolicy.ALWAYS:
+                continue
+            history = self._backoff.setdefault(gone.name, _Backoff())
+            delay = history.next_delay(time.monotonic())
+            if delay and self._stop.wait(delay):
+                return
+            history.last_restart = time.monotonic()
+            try:
+                mesh.restart(gone.name)
+                self.restarted.append(gone.name)
+                print(f"kvmesh: {gone.name} restarted", file=sys.stderr, flush=True)
+            except MeshError as exc:
+                print(f"kvmesh: restarting {gone.name} failed: {exc}", file=sys.stderr, flush=True)
+
+
+def supervise(mesh: Mesh, stop: threading.Event) -> None:
+    """Watch the mesh's children until `stop` is set."""
+    restarts = Restarts(mesh, stop)
+    while not stop.wait(_SUPERVISE_SECONDS):
+        restarts.check()
 
 
 def run_up(config: MeshConfig, ns: argparse.Namespace) -> int:
@@ -193,7 +221,7 @@ def run_up(config: MeshConfig, ns: argparse.Namespace) -> int:
             return 1
         try:
             _print_ready(mesh, generated_key=options.api_key is None)
-            _supervise(mesh, stop)
+            supervise(mesh, stop)
             print("kvmesh: stopping...", flush=True)
         finally:
             mesh.stop_all()

@@ -135,6 +135,24 @@ class EngineConfig:
     # the gateway migrates them from the next token), deregisters and exits.
     # Bounds: >= 0; keep it under the launcher's 10 s SIGTERM->SIGKILL grace.
     stop_grace_seconds: float = 2.0
+    # Hang detection (services/engine/liveness.py): a backend that holds
+    # requests and produces no output for max(hang_floor_seconds,
+    # hang_step_multiple x the p99 of its recent step intervals) is hung --
+    # a SIGSTOPped vLLM core, a wedged step -- and fails like a dead one: its
+    # streams end UNAVAILABLE (the gateway migrates them), it stops serving,
+    # and the process exits non-zero for its supervisor to restart. A step
+    # interval is the time between two outputs of one request (last 256).
+    # The floor covers the longest silence a healthy backend has, which no
+    # step statistics predict: a request's first step (a long prompt's
+    # prefill chunk on a CPU) on an otherwise idle engine, an event loop
+    # stalled by a GC pass, a busy machine's scheduling; 30 s leaves a wide
+    # margin over those and is how long a hung engine with fast steps holds
+    # its streams. Bounds: >= 1 s (below that, a hiccup is taken for a hang).
+    hang_floor_seconds: float = 30.0
+    # The multiple of the p99 step interval: a step 20x slower than nearly
+    # every recent one is no step but a hang; an engine under a heavy batch
+    # (steps of 2 s) is then given 40 s. Bounds: >= 1.
+    hang_step_multiple: float = 20.0
     # Coalescing under load (DESIGN: backpressure by coalescing): while at
     # least `coalesce_min_running` generations run here, a stream's deltas go
     # out at most every `coalesce_interval_ms`; tokens in between travel in

@@ -31,6 +31,8 @@ _MAX_PORT = 65535
 # Faster load reports than every 5 ms would flood the scheduler with
 # messages that carry no news (10 engines -> 2,000 messages/s).
 MIN_REPORT_INTERVAL_SECONDS = 0.005
+# A hang floor under a second takes a scheduling hiccup for a hang.
+MIN_HANG_FLOOR_SECONDS = 1.0
 
 
 def api_key_digest(key: ApiKeyConfig) -> str:
@@ -137,6 +139,8 @@ def _check_engine(engine: _Section, config: MeshConfig) -> None:
                     f"must be below scheduler.stale_report_seconds ({stale}), else the scheduler "
                     f"takes the engine for stale between two reports; got {e.report_interval_seconds}")
     engine.non_negative("stop_grace_seconds", "coalesce_interval_ms", "coalesce_min_running")
+    engine.within("hang_floor_seconds", MIN_HANG_FLOOR_SECONDS, float("inf"))
+    engine.within("hang_step_multiple", 1.0, float("inf"))
     _check_classes(engine, "coalesce_unpaced_priorities", e.coalesce_unpaced_priorities)
     sim = engine.at("sim")
     sim.non_negative("prefill_seconds_per_token", "decode_seconds_per_step",

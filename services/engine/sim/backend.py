@@ -4,6 +4,12 @@ One task runs the step loop: schedule a step, let the cost model's time pass
 (`asyncio.sleep`, 0 s when speed_factor is 0 -- a step still yields to the
 event loop so gRPC and the scheduler link keep running), apply it. It sleeps on
 an event while there is no work.
+
+Faults, for tests (the simulator's stand-ins for a vLLM core SIGKILLed or
+SIGSTOPped): `crash(reason)` kills the backend -- every live stream raises
+EngineDead, new ones too, and `dead_reason()` says why; a step that raises
+is such a crash. `hang()` wedges the step loop mid-step (no output at all
+while requests are in it) until `resume()`.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from collections.abc import AsyncGenerator, Callable
 from services.common.config import EngineConfig, MeshConfig
 from services.engine.backend import (
     BackendInfo,
+    EngineDead,
     GenerationOutput,
     GenerationRequest,
     KvListener,
@@ -23,7 +30,7 @@ from services.engine.backend import (
     Sampling,
 )
 from services.engine.model import DEFAULT_MAX_MODEL_LEN, TextCodec, load_codec, resolve_model
-from services.engine.sim.core import CoreLimits, SimCore
+from services.engine.sim.core import CoreLimits, SimCore, SimRequest
 from services.engine.sim.cost_model import step_seconds
 from services.engine.sim.text import TokenPicker
 
@@ -65,6 +72,10 @@ class SimBackend:
             self.codec.eos_token_id,
         )
         self._wake = asyncio.Event()
+        self._unwedged = asyncio.Event()  # cleared while hung (fault hook)
+        self._unwedged.set()
+        self._dead: str | None = None
+        self._streams: dict[str, SimRequest] = {}  # live generate() streams, to fail on a crash
         self._loop_task: asyncio.Task[None] | None = None
         self._on_change: Callable[[], None] | None = None
 
@@ -90,9 +101,12 @@ class SimBackend:
     # ---------------------------------------------------------------- requests
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
+        if self._dead is not None:
+            raise EngineDead(self._dead)
         if self._loop_task is None:
             raise RuntimeError("SimBackend.generate before start()")
         req = self._core.add(request)  # raises InvalidRequest if it can never fit
+        self._streams[request.request_id] = req
         self._kick()
         try:
             while True:
@@ -101,6 +115,7 @@ class SimBackend:
                 if out.finish_reason is not None:
                     return
         finally:
+            self._streams.pop(request.request_id, None)
             # Closed early (aclose / cancellation): abort at once, free blocks.
             if not req.sink.finished and self._core.abort(request.request_id, "stream closed"):
                 self._kick()
@@ -122,6 +137,28 @@ class SimBackend:
 
     def on_change(self, callback: Callable[[], None] | None) -> None:
         self._on_change = callback
+
+    def dead_reason(self) -> str | None:
+        return self._dead
+
+    # ---------------------------------------------------------------- faults (tests)
+
+    def crash(self, reason: str = "the simulator crashed") -> None:
+        """Die as a whole: the step loop stops, every live stream raises EngineDead."""
+        if self._dead is not None:
+            return
+        self._dead = reason
+        if self._loop_task is not None and self._loop_task is not asyncio.current_task():
+            self._loop_task.cancel()
+        for req in self._streams.values():
+            req.sink.fail(EngineDead(reason))
+
+    def hang(self) -> None:
+        """Wedge the step loop mid-step: no output until `resume()`."""
+        self._unwedged.clear()
+
+    def resume(self) -> None:
+        self._unwedged.set()
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached prefix (emits `cleared`)."""
@@ -148,10 +185,10 @@ class SimBackend:
             started = loop.time()
             try:
                 plan = self._core.schedule()
-            except Exception:  # a sim bug must not hang every stream: fail them
-                log.exception("sim step failed; aborting all requests")
-                self._core.abort_all("engine error in the simulator")
-                continue
+            except Exception as exc:  # a sim bug: the backend is dead, like a crashed vLLM core
+                log.exception("sim step failed")
+                self.crash(f"the simulator's step failed: {type(exc).__name__}: {exc}")
+                return
             if not plan.entries:
                 # Nothing fits now (only possible transiently); wait for a change.
                 self._wake.clear()
@@ -160,6 +197,7 @@ class SimBackend:
             seconds = step_seconds(self._cost, plan.work)
             # The step's own Python time counts as simulated time already.
             await asyncio.sleep(max(0.0, seconds - (loop.time() - started)))
+            await self._unwedged.wait()
             finished = self._core.apply(plan)
             if finished or plan.changed:
                 self._changed()

@@ -91,7 +91,7 @@ class OutputSink:
     the reader is busy are merged into one pending output (never dropped,
     one pending record per request whatever the reader's speed)."""
 
-    __slots__ = ("_ids", "_text", "_held", "_logprobs", "_final", "_event")
+    __slots__ = ("_ids", "_text", "_held", "_logprobs", "_final", "_error", "_event")
 
     def __init__(self) -> None:
         self._ids: list[int] = []
@@ -99,6 +99,7 @@ class OutputSink:
         self._held = ""
         self._logprobs: list[dict] | None = None
         self._final: GenerationOutput | None = None
+        self._error: Exception | None = None  # the backend failed: raised by next()
         self._event = asyncio.Event()
 
     def push(self, token_id: int, text: str, logprob: dict | None, held: str = "") -> None:
@@ -115,12 +116,18 @@ class OutputSink:
             self._final = final
             self._event.set()
 
+    def fail(self, error: Exception) -> None:
+        self._error = error
+        self._event.set()
+
     @property
     def finished(self) -> bool:
         return self._final is not None
 
     async def next(self) -> GenerationOutput:
         while not self._ids and self._final is None:
+            if self._error is not None:
+                raise self._error
             self._event.clear()
             await self._event.wait()
         out = GenerationOutput(token_ids=self._ids, text="".join(self._text), logprobs=self._logprobs,

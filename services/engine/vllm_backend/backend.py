@@ -20,6 +20,11 @@ Checks: the runtime applies the rules every backend shares before
 `generate`; this adapter adds only vLLM's own -- its SamplingParams
 validation and the input checks of its processor (a VLLMClientError before
 the first output), both InvalidRequest.
+
+Failures: vLLM's EngineDeadError (its engine core process died: vLLM
+raises it for every live request, and `errored` turns true even while
+idle) is EngineDead, the engine's failure; any other error ends only its
+request, with finish_reason "error".
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from services.common.config import EngineConfig, MeshConfig
 from services.common.finish_reason import FinishReason
 from services.engine.backend import (
     BackendInfo,
+    EngineDead,
     GenerationOutput,
     GenerationRequest,
     InvalidRequest,
@@ -225,11 +231,13 @@ class VllmBackend:
         except StopAsyncIteration:
             # vLLM ends an aborted stream without a final output of its own.
             return usage.finish(FinishReason.ABORT, "aborted")
+        except api.engine_dead as exc:  # the core died: every live request gets this
+            raise EngineDead(f"vLLM's engine core died ({type(exc).__name__}: {exc})") from exc
         except api.client_error as exc:
             if usage.outputs == 0:
                 raise InvalidRequest(str(exc)) from exc
             return usage.finish(FinishReason.ERROR, str(exc))
-        except Exception as exc:  # engine dead or internal error: this request fails
+        except Exception as exc:  # an internal error of this request: it fails, the engine lives on
             log.exception("vLLM generation %s failed", rid)
             return usage.finish(FinishReason.ERROR, f"engine error: {type(exc).__name__}: {exc}")
         return usage.convert(out)
@@ -268,6 +276,11 @@ class VllmBackend:
 
     def on_change(self, callback: Callable[[], None] | None) -> None:
         self._on_change = callback
+
+    def dead_reason(self) -> str | None:
+        if self._llm is None or self._stopped or not self._llm.errored:
+            return None
+        return "vLLM's engine core died (AsyncLLM.errored)"
 
     @property
     def stats(self) -> EngineStats:

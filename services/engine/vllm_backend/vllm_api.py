@@ -26,6 +26,9 @@ class VllmApi:
     delta: Any               # RequestOutputKind.DELTA: each output carries only new tokens
     kv_event_batch: Any      # vllm.distributed.kv_events.KVEventBatch (ZMQ payload type)
     client_error: type[Exception]  # vllm.exceptions.VLLMClientError: the request's fault
+    # vllm.v1.engine.exceptions.EngineDeadError: the engine core died (every
+    # live request gets it): the engine's failure, not the request's.
+    engine_dead: type[Exception]
 
 
 def import_vllm() -> VllmApi:
@@ -40,4 +43,5 @@ def import_vllm() -> VllmApi:
         delta=sampling.RequestOutputKind.DELTA,
         kv_event_batch=importlib.import_module("vllm.distributed.kv_events").KVEventBatch,
         client_error=importlib.import_module("vllm.exceptions").VLLMClientError,
+        engine_dead=importlib.import_module("vllm.v1.engine.exceptions").EngineDeadError,
     )

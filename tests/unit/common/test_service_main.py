@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from services.common.service_main import run_until_signalled
+from services.common.service_main import ServiceFailed, run_until_signalled
 
 
 class Service:
@@ -56,4 +56,22 @@ async def test_a_failed_start_still_stops_and_raises() -> None:
     service = Service(fail=True)
     with pytest.raises(OSError, match="port taken"):
         await run_until_signalled("svc", service.start, service.stop, freeze_heap=False)
+    assert service.events == ["start", "stop"]
+
+
+async def test_a_service_that_fails_is_stopped_and_raises_service_failed() -> None:
+    service = Service()
+    broken = asyncio.Event()
+
+    async def failure() -> str:
+        await broken.wait()
+        return "backend dead: core exited"
+
+    task = asyncio.create_task(run_until_signalled("svc", service.start, service.stop, freeze_heap=False,
+                                                   failure=failure))
+    await asyncio.sleep(0.05)
+    assert service.events == ["start"]
+    broken.set()
+    with pytest.raises(ServiceFailed, match="svc failed: backend dead: core exited"):
+        await asyncio.wait_for(task, 5)
     assert service.events == ["start", "stop"]

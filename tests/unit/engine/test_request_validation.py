@@ -78,6 +78,9 @@ class BareBackend:
     def on_change(self, callback: Callable[[], None] | None) -> None:
         pass
 
+    def dead_reason(self) -> str | None:
+        return None
+
 
 BACKENDS: dict[str, Callable[[], EngineBackend | None]] = {
     "sim": lambda: None,  # EngineService builds the configured sim

@@ -14,7 +14,7 @@ import pytest
 
 from services.common.config import EngineConfig, MeshConfig, ModelConfig
 from services.common.finish_reason import FinishReason
-from services.engine.backend import GenerationRequest, InvalidRequest, Sampling
+from services.engine.backend import EngineDead, GenerationRequest, InvalidRequest, Sampling
 from services.engine.vllm_backend import VllmBackend
 from services.engine.vllm_backend.launch import engine_args, resolved_info
 from services.engine.vllm_backend.vllm_api import VllmApi
@@ -22,6 +22,10 @@ from services.engine.vllm_backend.vllm_api import VllmApi
 
 class ClientError(Exception):
     pass
+
+
+class EngineDeadError(Exception):
+    """vLLM's, raised for every live request when its engine core dies."""
 
 
 def completion(ids: list[int], reason: str | None = None) -> SimpleNamespace:
@@ -35,6 +39,7 @@ class FakeLlm:
     def __init__(self, script: list[Any]) -> None:
         self.script = script
         self.closed = False
+        self.errored = False  # AsyncLLM.errored: its engine core is dead
 
     def get_num_queued_tokens(self) -> int:
         return 0
@@ -58,7 +63,7 @@ def backend(script: list[Any]) -> tuple[VllmBackend, FakeLlm]:
     b._llm = llm
     b._api = VllmApi(async_llm=None, engine_args=None, kv_events_config=None,
                      tokens_prompt=dict, sampling_params=lambda **kw: kw, delta="delta",
-                     kv_event_batch=None, client_error=ClientError)
+                     kv_event_batch=None, client_error=ClientError, engine_dead=EngineDeadError)
     return b, llm
 
 
@@ -72,7 +77,7 @@ async def run(b: VllmBackend) -> list[Any]:
     ([completion([5]), completion([6], "repetition")], [None, FinishReason.ERROR]),
     ([completion([5])], [None, FinishReason.ABORT]),  # vLLM ends an aborted stream silently
     ([completion([5]), ClientError("bad")], [None, FinishReason.ERROR]),
-    ([completion([5]), RuntimeError("dead")], [None, FinishReason.ERROR]),
+    ([completion([5]), RuntimeError("internal")], [None, FinishReason.ERROR]),  # this request's failure
 ])
 async def test_outputs_end_with_one_finish(script: list[Any], reasons: list[Any]) -> None:
     b, _ = backend(script)
@@ -89,6 +94,19 @@ async def test_a_client_error_before_any_output_is_invalid_request() -> None:
     assert llm.closed and b.load().request_ids == []
 
 
+async def test_a_dead_engine_core_is_the_engines_failure_not_the_requests() -> None:
+    b, llm = backend([completion([5]), EngineDeadError("EngineCore encountered an issue")])
+    request = GenerationRequest("r", [1, 2, 3], Sampling(max_tokens=4))
+    stream = b.generate(request)
+    assert (await anext(stream)).token_ids == [5]
+    with pytest.raises(EngineDead, match="engine core died"):
+        await anext(stream)
+    assert llm.closed and b.load().request_ids == []
+    assert b.dead_reason() is None
+    llm.errored = True  # vLLM's monitor saw the core process exit
+    assert "engine core died" in (b.dead_reason() or "")
+
+
 async def test_closing_early_closes_vllms_stream() -> None:
     b, llm = backend([completion([5]), completion([6]), completion([7], "length")])
     stream = b.generate(GenerationRequest("r", [1], Sampling(max_tokens=4)))
@@ -102,7 +120,8 @@ def test_vllms_batch_has_the_p0_headroom_and_the_engine_advertises_max_running()
     engine = EngineConfig(backend="vllm", model="m", p0_headroom=3)
     engine.vllm.max_num_seqs = 16
     api = VllmApi(async_llm=None, engine_args=lambda **kw: kw, kv_events_config=None, tokens_prompt=dict,
-                  sampling_params=dict, delta="delta", kv_event_batch=None, client_error=ClientError)
+                  sampling_params=dict, delta="delta", kv_event_batch=None, client_error=ClientError,
+                  engine_dead=EngineDeadError)
     args = engine_args(api, engine, Path("/m"), "m", 0, None, None)
     assert args["max_num_seqs"] == 19 and args["scheduling_policy"] == "priority"
 

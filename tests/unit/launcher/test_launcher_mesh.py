@@ -11,8 +11,10 @@ import signal
 import socket
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
 
@@ -27,7 +29,8 @@ from services.launcher.mesh import (
     Role,
 )
 from services.launcher.ports import PortAllocator, free_port, free_port_block, port_is_free
-from services.launcher.up import examples
+from services.launcher.probes import probe_ok
+from services.launcher.up import Restarts, examples
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIG = ROOT / "config" / "kvmesh.yaml"
@@ -203,6 +206,42 @@ def test_start_kill_restart_and_stop(tmp_path: Path) -> None:
     finally:
         mesh.stop_all()
     assert not mesh.is_running("scheduler") and not mesh.is_running("engine-0")
+
+
+def test_an_engine_that_dies_is_restarted_with_its_name_and_port(tmp_path: Path) -> None:
+    """What `kvmesh up` does when an engine exits by itself (its backend died
+    or hung): one supervision pass restarts it, healthy on the same port."""
+    mesh = _fake(tmp_path)
+    policy = {spec.role: spec.restart for spec in Mesh.specs(mesh)}  # the real specs' policies
+    port = free_port()
+    engine = _healthy("engine-0", Role.ENGINE, port, mesh)
+    engine.restart = policy[Role.ENGINE]
+    gateway = _healthy("gateway-0", Role.GATEWAY, free_port(), mesh)
+    gateway.restart = policy[Role.GATEWAY]
+    mesh.fake_specs = [_healthy("scheduler", Role.SCHEDULER, free_port(), mesh), engine, gateway]
+    mesh.start()
+    try:
+        restarts = Restarts(mesh, threading.Event())
+        old = mesh.pid("engine-0")
+        assert old is not None
+        os.kill(old, signal.SIGKILL)  # as if it exited 3 after its backend died
+        mesh._children["engine-0"].process.wait()
+        restarts.check()
+        assert restarts.restarted == ["engine-0"] and [(e.name, e.returncode) for e in restarts.exits] == [
+            ("engine-0", -9)]
+        assert mesh.is_running("engine-0") and mesh.pid("engine-0") != old
+        channels: dict[str, grpc.Channel] = {}
+        assert probe_ok(Probe(ProbeKind.GRPC_HEALTH, f"127.0.0.1:{port}"), channels)  # same port, healthy
+        for channel in channels.values():
+            channel.close()
+        gateway_pid = mesh.pid("gateway-0")
+        assert gateway_pid is not None
+        os.kill(gateway_pid, signal.SIGKILL)
+        mesh._children["gateway-0"].process.wait()
+        restarts.check()
+        assert restarts.restarted == ["engine-0"] and not mesh.is_running("gateway-0")  # reported only
+    finally:
+        mesh.stop_all()
 
 
 def test_a_child_dying_on_its_own_is_reported(tmp_path: Path) -> None:

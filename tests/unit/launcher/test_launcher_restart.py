@@ -1,5 +1,6 @@
-"""`kvmesh up`'s restart policy: the scheduler is restarted (soft state), with
-backoff when it keeps crashing."""
+"""`kvmesh up`'s restart policy: the scheduler and the engines are restarted
+(soft state; an engine exits by itself when its backend died or hung), with
+backoff when one keeps crashing."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def test_backoff_restarts_at_once_then_doubles_then_resets() -> None:
     assert b.next_delay(200.0 + _RESTART_STABLE_SECONDS + 1) == 0.0  # it ran long enough
 
 
-def test_scheduler_restarts_always_others_never(tmp_path: Path) -> None:
+def test_scheduler_and_engines_restart_always_others_never(tmp_path: Path) -> None:
     from services.common.config import load_config
 
     if not (ROOT / ".models" / "tiny-llama").is_dir():
@@ -37,5 +38,5 @@ def test_scheduler_restarts_always_others_never(tmp_path: Path) -> None:
     mesh = Mesh(config, MeshOptions(engines=1, model="tiny-llama", envoy=False, free_ports=True, run_dir=tmp_path))
     policies = {spec.role: spec.restart for spec in mesh.specs()}
     assert policies[Role.SCHEDULER] is RestartPolicy.ALWAYS
-    assert policies[Role.ENGINE] is RestartPolicy.NEVER
+    assert policies[Role.ENGINE] is RestartPolicy.ALWAYS
     assert policies[Role.GATEWAY] is RestartPolicy.NEVER

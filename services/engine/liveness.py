@@ -1,0 +1,158 @@
+"""Is the backend alive? The engine's watch for a dead or a hung backend.
+
+Both are the engine's failure, never one request's (runtime.py `fail`):
+- dead: the backend says so (`EngineBackend.dead_reason()`, polled here, so
+  a core that dies while the engine is idle is noticed too), or a live
+  stream raised EngineDead (the runtime's pump reports that at once);
+- hung: the backend holds requests and has produced no output for longer
+  than the hang bound, max(floor, k x p99 of its recent step intervals).
+
+A step interval is the time between two consecutive outputs of ONE request:
+one step's outputs reach all its requests together, so intervals taken
+across requests would be mostly zeros, while a request's own outputs are a
+step apart (more when it waited or was preempted, which only widens the
+bound). The last STEP_WINDOW intervals count. Progress is any output of the
+backend; the moment the backend goes from idle to holding requests counts
+too, so idle time is never taken for a hang. A request's first output is no
+interval (its prefill and queueing are not a step): the floor covers it.
+
+`HangDetector` is pure -- fed times, it answers -- so the bound is tested on
+a fake clock. `LivenessWatch` runs it: every check period (a quarter of the
+floor, at most MAX_CHECK_SECONDS) it asks the backend and the detector, and
+calls `on_failure(reason)` once. A hang is thus declared within bound +
+period of the last progress.
+
+Ownership: one EngineRuntime owns one LivenessWatch; every method runs on
+the event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.common.clock import Clock
+
+__all__ = ["HangDetector", "HangPolicy", "LivenessWatch", "MAX_CHECK_SECONDS", "STEP_WINDOW"]
+
+# Step intervals the bound is computed from: a few seconds of a busy engine,
+# minutes of a quiet one -- recent enough to follow a load change.
+STEP_WINDOW = 256
+HANG_QUANTILE = 0.99
+MAX_CHECK_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class HangPolicy:
+    """engines.template.hang_floor_seconds / hang_step_multiple (their
+    defaults, documented in services/common/config/engines.py)."""
+
+    floor_seconds: float = 30.0
+    step_multiple: float = 20.0
+
+
+class HangDetector:
+    def __init__(self, policy: HangPolicy, now: float) -> None:
+        self.policy = policy
+        self._intervals: deque[float] = deque(maxlen=STEP_WINDOW)
+        self._last_progress = now
+
+    def output(self, now: float, interval: float | None) -> None:
+        """The backend produced an output; `interval` is the time since the
+        same request's previous output (None for its first)."""
+        self._last_progress = now
+        if interval is not None:
+            self._intervals.append(interval)
+
+    def idle(self, now: float) -> None:
+        """The backend holds no request (or has just received its first):
+        no progress is owed until now."""
+        self._last_progress = now
+
+    def step_p99(self) -> float:
+        if not self._intervals:
+            return 0.0
+        ordered = sorted(self._intervals)
+        return ordered[max(0, math.ceil(HANG_QUANTILE * len(ordered)) - 1)]
+
+    def bound(self) -> float:
+        """Seconds without progress after which a busy backend is hung."""
+        return max(self.policy.floor_seconds, self.policy.step_multiple * self.step_p99())
+
+    def hung(self, now: float) -> str | None:
+        """Why the backend is hung at `now` (it holds requests), or None."""
+        silent, bound = now - self._last_progress, self.bound()
+        if silent <= bound:
+            return None
+        return (f"backend hung: no output for {silent:.1f} s while holding requests (bound {bound:.1f} s "
+                f"= max({self.policy.floor_seconds:g} s, {self.policy.step_multiple:g} x p99 step "
+                f"{self.step_p99() * 1000:.0f} ms))")
+
+
+class LivenessWatch:
+    """The detector's task and the backend's own death report."""
+
+    def __init__(
+        self,
+        policy: HangPolicy,
+        clock: Clock,
+        in_backend: Callable[[], int],
+        dead_reason: Callable[[], str | None],
+        on_failure: Callable[[str], None],
+    ) -> None:
+        self.detector = HangDetector(policy, clock.monotonic())
+        self._clock = clock
+        self._in_backend = in_backend
+        self._dead_reason = dead_reason
+        self._on_failure = on_failure
+        self._task: asyncio.Task[None] | None = None
+        self.failure: str | None = None
+        self.period = min(MAX_CHECK_SECONDS, policy.floor_seconds / 4)
+
+    def start(self) -> None:
+        if self._task is None:
+            self.detector.idle(self._clock.monotonic())
+            self._task = asyncio.create_task(self._run(), name="liveness-watch")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def output(self, previous: float | None) -> float:
+        """An output arrived now; `previous` is the time of the same
+        request's previous output (None: its first). Returns now."""
+        now = self._clock.monotonic()
+        self.detector.output(now, None if previous is None else now - previous)
+        return now
+
+    def entered(self) -> None:
+        """A request entered an idle backend: progress is owed from now."""
+        self.detector.idle(self._clock.monotonic())
+
+    def check(self) -> str | None:
+        """One look now; the failure (reported once) or None."""
+        if self.failure is not None:
+            return self.failure
+        now = self._clock.monotonic()
+        dead = self._dead_reason()
+        if dead is not None:
+            self.failure = f"backend dead: {dead}"
+        elif self._in_backend() == 0:
+            self.detector.idle(now)
+        else:
+            self.failure = self.detector.hung(now)
+        if self.failure is not None:
+            self._on_failure(self.failure)
+        return self.failure
+
+    async def _run(self) -> None:
+        # Polled: the bound runs on the injected clock, and no event says "nothing happened".
+        while self.check() is None:  # noqa: ASYNC110 - see above
+            await asyncio.sleep(self.period)
