@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import math
 import sys
@@ -49,7 +48,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scenario_preemption import apply_override
+from scenario_preemption import apply_override, write_json
 
 from services.bench.cli import bench, token_counter
 from services.bench.report import format_summary
@@ -184,10 +183,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.context_tokens}-token contexts, max_tokens {args.max_tokens}, mix {args.priority_mix}; "
           f"capacity {capacity:.2f} req/s; {args.seconds:g} s of arrivals per overload; seed {args.seed}")
     print(table(runs, args.speed_factor))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "capacity_rps": capacity, "runs": runs},
-                                              indent=1, default=str))
+    write_json(args.json, {"args": vars(args), "capacity_rps": capacity, "runs": runs})
     return 0
 
 

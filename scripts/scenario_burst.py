@@ -36,11 +36,9 @@ import argparse
 import asyncio
 import bisect
 import contextlib
-import json
 import logging
 import random
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -52,14 +50,13 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scenario_preemption import apply_override
+from scenario_preemption import add_mesh_args, on_mesh, write_json
 
 from services.bench.scheduler_classes import class_figures
 from services.bench.stats import percentile
 from services.bench.timed_stream import ChatCall, TimedStream, chat_stream
-from services.common.config import load_config
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.launcher.mesh import Mesh, MeshOptions, start_on_free_ports
+from services.launcher.mesh import Mesh
 
 TENANT = "dev"  # the tenant of the key the launcher generates
 
@@ -229,33 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--poll", type=float, default=0.02, help="seconds between GetState snapshots")
     p.add_argument("--request-timeout", type=float, default=600.0)
-    p.add_argument("--model", default="tiny-llama")
-    p.add_argument("--config", default=str(ROOT / "config" / "kvmesh.yaml"))
-    p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="config override (repeat)")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--json", help="write the figures here")
-    p.add_argument("--run-dir", help="keep the mesh's config and logs here (default: a temporary folder)")
+    add_mesh_args(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    config = load_config(Path(args.config))
-    config.scheduler.metrics_port = 0
-    config.gateway.metrics_port = 0
-    for item in args.set or ():
-        apply_override(config, item)
-    with tempfile.TemporaryDirectory(prefix="kvmesh-burst-") as scratch:
-        tmp = args.run_dir or scratch
-        options = MeshOptions(engines=args.engines, backend="sim", model=args.model, free_ports=True,
-                              run_dir=Path(tmp))
-        print(f"starting a mesh: {args.engines} sim engines ...", file=sys.stderr, flush=True)
-        mesh = start_on_free_ports(config, options)
-        try:
-            doc = asyncio.run(burst(mesh, args))
-        finally:
-            mesh.stop_all()
+    doc = on_mesh(args, "kvmesh-burst-", burst)
     held = report(doc)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(doc, indent=1, default=str))
+    write_json(args.json, doc)
     return 0 if held else 1
 
 

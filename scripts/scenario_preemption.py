@@ -56,6 +56,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,39 @@ def apply_override(config: MeshConfig, item: str) -> None:
     if not hasattr(target, name):
         raise SystemExit(f"--set {item!r}: no setting {path}")
     setattr(target, name, yaml.safe_load(raw))
+
+
+def add_mesh_args(p: argparse.ArgumentParser) -> None:
+    """The options the in-process-mesh scenarios (this one, scenario_burst.py)
+    share, after their own: model, config and `--set` overrides, seed, `--json`
+    and `--run-dir` (used by `mesh_config`, `on_mesh` and `write_json`)."""
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--config", default=str(ROOT / "config" / "kvmesh.yaml"))
+    p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="config override (repeat)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", help="write the figures here")
+    p.add_argument("--run-dir", help="keep the mesh's config and logs here (default: a temporary folder)")
+
+
+def on_mesh(args: argparse.Namespace, prefix: str,
+            body: Callable[[Mesh, argparse.Namespace], Coroutine[Any, Any, dict[str, Any]]]) -> dict[str, Any]:
+    """Start `args.engines` sim engines (config from `mesh_config`, files in
+    `--run-dir` or a temporary folder), run `body` on them, stop the mesh."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as scratch:
+        options = MeshOptions(engines=args.engines, backend="sim", model=args.model, free_ports=True,
+                              run_dir=Path(args.run_dir or scratch))
+        print(f"starting a mesh: {args.engines} sim engines ...", file=sys.stderr, flush=True)
+        mesh = start_on_free_ports(mesh_config(args), options)
+        try:
+            return asyncio.run(body(mesh, args))
+        finally:
+            mesh.stop_all()
+
+
+def write_json(path: str | None, doc: dict[str, Any]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(doc, indent=1, default=str))
 
 
 def scheduler_state(mesh: Mesh) -> scheduler_pb2.SchedulerState | None:
@@ -357,28 +391,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference-concurrency", type=int, default=64)
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--max-ratio", type=float, default=3.0, help="check: P0 p99 at most this times idle")
-    p.add_argument("--model", default="tiny-llama")
-    p.add_argument("--config", default=str(ROOT / "config" / "kvmesh.yaml"))
-    p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="config override (repeat)")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--json", help="write the figures here")
-    p.add_argument("--run-dir", help="keep the mesh's config and logs here (default: a temporary folder)")
+    add_mesh_args(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    with tempfile.TemporaryDirectory(prefix="kvmesh-preemption-") as scratch:
-        tmp = args.run_dir or scratch
-        options = MeshOptions(engines=args.engines, backend="sim", model=args.model, free_ports=True,
-                              run_dir=Path(tmp))
-        print(f"starting a mesh: {args.engines} sim engines ...", file=sys.stderr, flush=True)
-        mesh = start_on_free_ports(mesh_config(args), options)
-        try:
-            doc = asyncio.run(run(mesh, args))
-        finally:
-            mesh.stop_all()
+    doc = on_mesh(args, "kvmesh-preemption-", run)
     held = report(doc, args.max_ratio)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(doc, indent=1, default=str))
+    write_json(args.json, doc)
     return 0 if held else 1
 
 

@@ -205,7 +205,7 @@ class _Generation:
                     # A stop string across the seam: neither engine saw it whole.
                     await stream.abort()
                     return self._end(FinishReason.STOP, "", ErrorKind.GENERATION_FAILED)
-                if await lease.first_token():
+                if not lease.told_first and await lease.first_token():
                     # The next request's engine stream opens now, off its TTFT path.
                     self._driver.engines.replenish(placed.engine_address)
                 continue

@@ -200,6 +200,12 @@ class LeaseLink:
                  self._engine_id, preempted.by_priority, preempted.preemptions)
         self._stop_engine()
 
+    @property
+    def told_first(self) -> bool:
+        """The current lease was told `first_token` (checked per delta by the
+        driver, so the coroutine below runs once per engine, not per token)."""
+        return self._told_first
+
     async def first_token(self) -> bool:
         """Tell the scheduler about the current engine's first token; False
         (and nothing sent) if it was told already."""

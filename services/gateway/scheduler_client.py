@@ -102,8 +102,12 @@ class AdmitSession:
         self._call.add_done_callback(fire)
 
     async def send_request(self, request: scheduler_pb2.AdmitRequest) -> None:
+        await self._write(scheduler_pb2.AdmitClientMessage(request=request))
+
+    async def _write(self, message: scheduler_pb2.AdmitClientMessage) -> None:
+        """Write a message the lease depends on; a broken stream raises."""
         try:
-            await self._call.write(scheduler_pb2.AdmitClientMessage(request=request))
+            await self._call.write(message)
         except grpc.aio.AioRpcError as exc:
             raise self._reachability.unreachable(exc) from exc
         except asyncio.InvalidStateError as exc:  # call already over
@@ -183,10 +187,7 @@ class AdmitSession:
                 prefix_hashes=prefix_hashes,
             )
         )
-        try:
-            await self._call.write(message)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-            raise self._reachability.unreachable(exc if isinstance(exc, grpc.aio.AioRpcError) else None) from exc
+        await self._write(message)
 
     async def requeue(self, prompt_tokens: int, max_tokens: int, prefix_hashes: list[int]) -> None:
         """Answer `preempted`: the request, as it stands now, waits again."""
@@ -194,10 +195,7 @@ class AdmitSession:
             requeue=scheduler_pb2.Requeue(
                 prompt_tokens=prompt_tokens, max_tokens=max_tokens, prefix_hashes=prefix_hashes)
         )
-        try:
-            await self._call.write(message)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-            raise self._reachability.unreachable(exc if isinstance(exc, grpc.aio.AioRpcError) else None) from exc
+        await self._write(message)
 
     async def report_done(self, done: scheduler_pb2.RequestDone) -> None:
         """Send the outcome and half-close (cheap: no round trip). Call

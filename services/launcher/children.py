@@ -2,7 +2,7 @@
 environment, health probes, start-up timeout and restart policy), the records
 a supervisor reports, and the launcher's errors.
 
-Records only; `plan.py` decides ports and config, `specs.py` builds the specs,
+Records only; `port_plan.py` and `resolve.py` decide ports and config, `specs.py` builds the specs,
 `supervisor.py` runs them.
 """
 

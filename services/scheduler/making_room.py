@@ -82,16 +82,23 @@ class RoomMaker:
         Returns the victim's Preempted notice, or None when nothing may be
         preempted (everything running is of its class or higher, or
         protected): then it waits as before."""
+        # Eligible victims first (choose_victim's own test, applied early):
+        # with none -- a stuck head among equal or protected classes, asked
+        # again on every dispatch -- skip prefix matching and view completion.
+        model = rec.options.model
+        candidates = [
+            Candidate(e.engine_id, lease.request_id, lease.cls, lease.placed_at,
+                      victim.preemptions, lease.reserved_blocks)
+            for e in self._fleet if e.info.model == model for lease in self._fleet.leases_on(e.engine_id)
+            if lease.cls > cls and (victim := self._book.get(lease.request_id)) is not None
+            and victim.lease is lease and victim.preemptions < self._max_preemptions
+        ]
+        if not candidates:
+            return None
         request = placement_request(rec, cls)
         views = self._policy.complete_views(
-            request, self._fleet.views(rec.options.model, now), self._fleet.kv,
-            self._hash_block_tokens, self._headroom)
-        candidates = [
-            Candidate(v.engine_id, lease.request_id, lease.cls, lease.placed_at,
-                      victim.preemptions, lease.reserved_blocks)
-            for v in views for lease in self._fleet.leases_on(v.engine_id)
-            if (victim := self._book.get(lease.request_id)) is not None and victim.lease is lease
-        ]
+            request, self._fleet.views(model, now), self._fleet.kv, self._hash_block_tokens,
+            self._headroom)
         choice = choose_victim(
             cls, views, candidates, self._max_preemptions,
             lambda view: self._policy.passes(request, view))
