@@ -18,6 +18,9 @@ from services.launcher.mesh import Mesh
 
 STREAMS = 50
 LONG_TOKENS = 400
+# Long enough to outlive the drain timeout by seconds however late the test
+# sends SIGTERM on a loaded machine (400 tokens took ~2 s: too close to it).
+DRAIN_LONG_TOKENS = 1600
 # A stop string no answer contains: the engine holds back text for it all the same.
 NEVER_STOP = "\x00\x01\x02\x03"
 
@@ -151,7 +154,7 @@ async def test_engine_sigterm_drains_then_hands_over(e2e_mesh: Mesh) -> None:
     n = 24
     prompts = _prompts("drain", n)
     # Half finish within the drain timeout, half outlive it and migrate.
-    lengths = [30 if i % 2 else LONG_TOKENS for i in range(n)]
+    lengths = [30 if i % 2 else DRAIN_LONG_TOKENS for i in range(n)]
     after_prompts = _prompts("after", 10)
     expected = await _expected(mesh, prompts + after_prompts, lengths + [24] * 10)
     migrations = gateway_counter(mesh, "kvmesh_gateway_migrations_total")
