@@ -3,10 +3,12 @@ global one, so several gateways can live in one test process)."""
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["GatewayMetrics", "metrics_app"]
+__all__ = ["GatewayMetrics", "StreamCount", "metrics_app"]
 
 # Interactive TTFT targets are < 0.5 s (P0) and < 2 s (P1); batch can wait minutes.
 _TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -14,6 +16,34 @@ _TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 3
 # ends) to minutes (batch work under a long interactive peak).
 _PREEMPTED_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
+
+
+class StreamCount:
+    """The in-flight gauge, also counted here so a draining gateway can
+    wait for it to reach zero (`wait_idle`) without polling. Transports call
+    `inc()` / `dec()` as on a Gauge."""
+
+    def __init__(self, gauge: Gauge) -> None:
+        self._gauge = gauge
+        self.count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def inc(self) -> None:
+        self.count += 1
+        self._gauge.inc()
+        self._idle.clear()
+
+    def dec(self) -> None:
+        self.count -= 1
+        self._gauge.dec()
+        if self.count <= 0:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Returns once no request is in flight."""
+        while self.count > 0:
+            await self._idle.wait()
 
 
 class GatewayMetrics:
@@ -32,9 +62,18 @@ class GatewayMetrics:
             "kvmesh_gateway_inter_token_latency_seconds", "Mean gap between tokens within each engine delta",
             buckets=_ITL_BUCKETS, registry=self.registry,
         )
-        self.active_streams = Gauge(
+        self.active_streams = StreamCount(Gauge(
             "kvmesh_gateway_active_streams", "Requests in flight (queued or generating)",
             registry=self.registry,
+        ))
+        self.draining = Gauge(
+            "kvmesh_gateway_draining", "1 while the gateway drains (after SIGTERM): not ready, still serving",
+            registry=self.registry,
+        )
+        self.drain_cut = Counter(
+            "kvmesh_gateway_drain_cut_total",
+            "Streams still open at the drain bound, closed without cancelling their generations "
+            "(their clients resume elsewhere)", registry=self.registry,
         )
         self.migrations = Counter(
             "kvmesh_gateway_migrations_total", "Streams moved to another engine after an engine failure",

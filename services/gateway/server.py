@@ -7,7 +7,14 @@ of the scheduler and the engines. Stateless; run N replicas behind Envoy.
     await service.stop()
 
 Health (gRPC health service and GET /health) follows the scheduler channel:
-SERVING only while it is READY.
+SERVING only while it is READY -- and never again once draining.
+
+SIGTERM drains (`serve` -> `drain()`, drain.py): not ready at once, serving
+on until the load balancer has noticed and in-flight streams have finished,
+at most `gateway.drain_seconds`; streams still open then are cut without
+cancelling their generations (the process ends like a crash), so their
+clients resume elsewhere. `stop()` alone (in-process users) cancels what
+is still running.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from services.common.grpc_server import HealthReporter, make_server
 from services.common.mesh_tls import add_port, identity_for
 from services.common.proto.kvmesh.v1 import inference_pb2_grpc
 from services.common.service_main import run_until_signalled
+from services.gateway.drain import Drain, DrainSettings
 from services.gateway.driver import DriverSettings, GenerationDriver
 from services.gateway.engine_client import EnginePool
 from services.gateway.frontdoor import Frontdoor
@@ -53,7 +61,8 @@ LISTEN_BACKLOG = 4096
 # (DESIGN: backpressure by coalescing). 64 KiB (the kernel doubles it) still
 # moves far more than any token stream needs at loopback/LAN round trips.
 SEND_BUFFER_BYTES = 64 * 1024
-# Seconds in-flight requests get to finish on stop before they are cancelled.
+# Seconds in-flight requests get to finish on `stop()` before they are
+# cancelled (after a drain nothing is left in flight).
 STOP_GRACE_SECONDS = 5.0
 
 
@@ -71,6 +80,8 @@ class GatewayService:
         self._grpc: grpc.aio.Server | None = None
         self._runners: list[web.AppRunner] = []
         self._health_task: asyncio.Task[None] | None = None
+        self._health: HealthReporter | None = None
+        self.drain_state = Drain(DrainSettings.from_config(gw), self.metrics)
         self.metrics_port = 0
 
     async def start(self, http_port: int | None = None, grpc_port: int | None = None) -> tuple[int, int]:
@@ -99,13 +110,16 @@ class GatewayService:
         await server.start()
         self._grpc = server
 
-        http = HttpApi(self.config, self.frontdoor, driver, self._scheduler, self.metrics)
+        app = HttpApi(self.config, self.frontdoor, driver, self._scheduler, self.metrics).app()
+        # Inside the error middleware, so a draining /health is an OpenAI 503.
+        app.middlewares.append(self.drain_state.health_middleware)
         # With mesh TLS the API port is Envoy's upstream: TLS, mesh certificates only.
-        bound_http = await self._serve_http(http.app(), gw.host, http_port,
+        bound_http = await self._serve_http(app, gw.host, http_port,
                                             identity.server_ssl_context() if identity else None)
         if gw.metrics_port:
             self.metrics_port = await self._serve_http(metrics_app(self.metrics), gw.host, gw.metrics_port)
 
+        self._health = health
         self._health_task = asyncio.create_task(self._follow_scheduler(health))
         log.info(
             "gateway %d: http %s:%d grpc %s:%d scheduler %s",
@@ -143,12 +157,36 @@ class GatewayService:
             await health.set_serving(state == grpc.ChannelConnectivity.READY)
             state = await scheduler.wait_ready_change(state)
 
-    async def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
+    async def _stop_following(self) -> None:
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
             self._health_task = None
+
+    async def _not_ready(self) -> None:
+        """Health NOT_SERVING for good (the drain's first step)."""
+        await self._stop_following()
+        if self._health is not None:
+            await self._health.set_serving(False)
+
+    async def drain(self) -> int:
+        """The drain (drain.py), while everything keeps serving; returns the
+        requests still in flight at the bound (0 = drained). Nothing to do
+        for a service that never started."""
+        if self._health is None:
+            return 0
+        return await self.drain_state.run(self._not_ready)
+
+    async def drain_then_stop(self) -> None:
+        """SIGTERM: drain, cut what outlived the bound (ends the process), stop."""
+        open_streams = await self.drain()
+        if open_streams:
+            self.drain_state.cut(open_streams)
+        await self.stop()
+
+    async def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
+        await self._stop_following()
         if self._grpc is not None:
             await self._grpc.stop(grace)
             self._grpc = None
@@ -164,6 +202,7 @@ class GatewayService:
 
 
 async def serve(config: MeshConfig, replica: int = 0) -> None:
-    """Run one gateway replica until cancelled (SIGTERM/SIGINT), then stop."""
+    """Run one gateway replica until SIGTERM/SIGINT (or cancelled), then
+    drain and stop."""
     service = GatewayService(config, replica)
-    await run_until_signalled("gateway", service.start, service.stop, freeze_heap=True)
+    await run_until_signalled("gateway", service.start, service.drain_then_stop, freeze_heap=True)

@@ -59,3 +59,20 @@ class GatewayConfig:
     # mid-stream failures migrate the stream at most this often. >= 0
     # (0 = the first engine failure ends the request).
     max_migrations: int = 3
+    # Drain on SIGTERM (services/gateway/drain.py): the gateway turns not
+    # ready at once (gRPC health NOT_SERVING, GET /health 503) and keeps
+    # serving -- also requests that still arrive -- for
+    # `drain_unready_seconds`, the time its load balancer needs to take it
+    # out of rotation (Envoy: health-check interval x unhealthy_threshold +
+    # timeout = 1 x 2 + 1 s with the shipped edge; `kvmesh up` refuses an
+    # edge whose bound is longer). Then it waits for in-flight streams to
+    # finish; `drain_seconds` after SIGTERM it closes the streams still open
+    # WITHOUT cancelling their generations (they detach on their engines and
+    # a client resuming with Last-Event-ID continues them through another
+    # gateway), and stops. 30 s lets ordinary chat answers finish (a
+    # 1000-token answer at 40 tokens/s) while a rolling update of N gateways
+    # still takes minutes, not hours; Kubernetes' default
+    # terminationGracePeriodSeconds is also 30 s (raise it with this).
+    # Bounds: 0 <= drain_unready_seconds <= drain_seconds.
+    drain_seconds: float = 30.0
+    drain_unready_seconds: float = 3.0

@@ -207,7 +207,11 @@ def _check_gateway(gateway: _Section) -> None:
     gateway.ports("http_port", "grpc_port", "metrics_port")
     gateway.positive("heartbeat_seconds", "max_generation_seconds", "max_body_bytes",
                      "default_max_tokens")
-    gateway.non_negative("max_migrations")
+    gateway.non_negative("max_migrations", "drain_seconds", "drain_unready_seconds")
+    g = gateway.settings
+    if g.drain_unready_seconds > g.drain_seconds:
+        gateway.fail("drain_unready_seconds", f"must be <= drain_seconds ({g.drain_seconds}), "
+                     f"got {g.drain_unready_seconds}")
 
 
 def _check_api_keys(gateway: _Section) -> None:
