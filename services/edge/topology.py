@@ -98,9 +98,13 @@ class HealthCheckSpec:
     """Active health checks of every gateway replica (gRPC health for the
     gRPC cluster, GET /health for the HTTP cluster)."""
 
-    interval_seconds: float = 2.0
+    # Every second: a draining gateway (SIGTERM) leaves the rotation within
+    # `removal_seconds` = 1 x 2 + 1 = 3 s, its gateway.drain_unready_seconds;
+    # two cheap checks a second per replica cost nothing.
+    interval_seconds: float = 1.0
     timeout_seconds: float = 1.0
-    # Failed checks before a replica leaves the rotation.
+    # Failed checks before a replica leaves the rotation (2: one lost check
+    # on a busy host does not flap it).
     unhealthy_threshold: int = 2
     # Passed checks before it comes back; 1 = at once.
     healthy_threshold: int = 1
@@ -108,6 +112,13 @@ class HealthCheckSpec:
     grpc_service: str = "kvmesh.v1.Inference"
     # HTTP path answering 200 while the gateway can serve.
     http_path: str = "/health"
+
+    @property
+    def removal_seconds(self) -> float:
+        """Longest time from a replica failing its checks (a draining
+        gateway) to Envoy taking it out of the rotation: `unhealthy_threshold`
+        checks, one per interval, the last one waiting up to its timeout."""
+        return self.interval_seconds * self.unhealthy_threshold + self.timeout_seconds
 
 
 @dataclass

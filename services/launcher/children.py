@@ -15,6 +15,7 @@ from pathlib import Path
 from services.common.mesh_tls import MeshIdentity
 
 __all__ = [
+    "DEFAULT_STOP_GRACE_SECONDS",
     "ChildExit",
     "ChildSpec",
     "MeshError",
@@ -24,6 +25,12 @@ __all__ = [
     "RestartPolicy",
     "Role",
 ]
+
+
+# Seconds between SIGTERM and SIGKILL when stopping a child: above the
+# engine's drain timeout (engines.template.stop_grace_seconds, 2 s) and the
+# scheduler's stream flush; a gateway's spec adds its own drain bound.
+DEFAULT_STOP_GRACE_SECONDS = 10.0
 
 
 class MeshError(RuntimeError):
@@ -78,6 +85,8 @@ class ChildSpec:
     env: dict[str, str]
     start_timeout: float
     restart: RestartPolicy = RestartPolicy.NEVER
+    # SIGTERM -> SIGKILL when stopping it; must exceed its own drain bound.
+    stop_grace: float = DEFAULT_STOP_GRACE_SECONDS
 
 
 @dataclass

@@ -83,4 +83,12 @@ def render_envoy(cfg: MeshConfig, topology: Topology | None, gateways: int, dev_
             server_name=server_name("gateway"),
         ))
     topology.validate(heartbeat_seconds=cfg.gateway.heartbeat_seconds)
+    removal = topology.health_check.removal_seconds
+    if removal > cfg.gateway.drain_unready_seconds:
+        # A draining gateway would stop while Envoy still sends it requests.
+        raise MeshError(
+            f"gateway.drain_unready_seconds ({cfg.gateway.drain_unready_seconds:g}) is shorter than the time "
+            f"Envoy needs to take a draining gateway out of rotation ({removal:g} s: health_check "
+            "interval_seconds x unhealthy_threshold + timeout_seconds in the edge topology); raise it"
+        )
     return render_yaml(topology, f"{cfg.envoy.topology} with run-time ports")

@@ -38,6 +38,7 @@ from services.launcher.envoy_config import envoy_binary, load_run_topology, rend
 from services.launcher.options import Endpoints, MeshOptions, RunFiles
 from services.launcher.port_plan import endpoints, ports_in_use
 from services.launcher.resolve import front_cores, resolve_config
+from services.launcher.rolling import RollStep, envoy_healthy, roll
 from services.launcher.specs import child_env, child_specs
 from services.launcher.supervisor import Supervisor
 
@@ -53,6 +54,7 @@ __all__ = [
     "ProbeKind",
     "RestartPolicy",
     "Role",
+    "RollStep",
     "envoy_binary",
     "start_on_free_ports",
 ]
@@ -79,7 +81,8 @@ class Mesh(Supervisor):
         self.topology = load_run_topology(self.config, self.options.envoy)
         tls_ca = self.files.dev_cert_dir / "ca.pem" if uses_dev_certs(self.topology) else None
         self.endpoints = endpoints(self.config, self.options, tls_ca)
-        super().__init__(self.files.log_dir, cancel or threading.Event(), front_cores(self.config))
+        self._cancel_event = cancel or threading.Event()
+        super().__init__(self.files.log_dir, self._cancel_event, front_cores(self.config))
 
     def specs(self) -> list[ChildSpec]:
         """Every child in start order."""
@@ -126,6 +129,22 @@ class Mesh(Supervisor):
             self.stop_all()
             raise
         return self.endpoints
+
+    def rolling_restart(self, role: Role = Role.GATEWAY) -> list[RollStep]:
+        """Restart every child of `role` one at a time (rolling.py): each
+        gateway drains, exits, comes back, and is in Envoy's rotation again
+        before the next one stops. Blocks; drive it from the mesh's thread."""
+        names = [n for n in self.names if self._child(n).spec.role is role]
+        return roll(self, names, self._in_rotation, self._cancel_event)
+
+    def _in_rotation(self, name: str) -> bool:
+        """A gateway is in rotation once Envoy's health checks pass it (its
+        own probes passed already); anything else once it is healthy."""
+        if not name.startswith("gateway-") or not self.endpoints.envoy_port:
+            return True
+        r = int(name.removeprefix("gateway-"))
+        http = self.endpoints.gateway_http[r].split("://", 1)[1]
+        return envoy_healthy(self.endpoints.admin_port, http, self.endpoints.gateway_grpc[r])
 
     def __enter__(self) -> Mesh:
         self.start()

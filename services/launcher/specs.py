@@ -10,7 +10,7 @@ import sys
 
 from services.common.config import MeshConfig
 from services.common.mesh_tls import MeshIdentity, identity_for
-from services.launcher.children import ChildSpec, Probe, ProbeKind, RestartPolicy, Role
+from services.launcher.children import DEFAULT_STOP_GRACE_SECONDS, ChildSpec, Probe, ProbeKind, RestartPolicy, Role
 from services.launcher.envoy_config import envoy_binary
 from services.launcher.options import Endpoints, MeshOptions, RunFiles
 from services.launcher.port_plan import gateway_ports
@@ -104,6 +104,8 @@ class _Planner:
                     Probe(ProbeKind.HTTP_OK, f"{endpoints.gateway_http[r]}/health", identity=me,
                           server_role="gateway")],
             env=child_env(self.options), start_timeout=self._timeout("gateway"),
+            # SIGTERM drains it for up to drain_seconds; then it exits by itself.
+            stop_grace=self.cfg.gateway.drain_seconds + DEFAULT_STOP_GRACE_SECONDS,
         )
 
     def envoy(self, endpoints: Endpoints) -> ChildSpec:

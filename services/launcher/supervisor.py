@@ -25,7 +25,15 @@ from pathlib import Path
 import grpc
 
 from services.common.affinity import descendants, pin_threads
-from services.launcher.children import ChildExit, ChildSpec, MeshError, MeshInterrupted, RestartPolicy, Role
+from services.launcher.children import (
+    DEFAULT_STOP_GRACE_SECONDS,
+    ChildExit,
+    ChildSpec,
+    MeshError,
+    MeshInterrupted,
+    RestartPolicy,
+    Role,
+)
 from services.launcher.probes import probe_ok
 
 __all__ = ["STOP_GRACE_SECONDS", "Supervisor"]
@@ -34,8 +42,9 @@ log = logging.getLogger("kvmesh.launcher")
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Seconds between SIGTERM and SIGKILL when stopping.
-STOP_GRACE_SECONDS = 10.0
+# Seconds between SIGTERM and SIGKILL when stopping a child whose spec says
+# nothing else (a gateway waits out its drain: `ChildSpec.stop_grace`).
+STOP_GRACE_SECONDS = DEFAULT_STOP_GRACE_SECONDS
 _POLL_SECONDS = 0.1
 # Stop order: no new work first (Envoy, gateways), the scheduler last.
 _STOP_RANK = {Role.ENVOY: 0, Role.GATEWAY: 1, Role.ENGINE: 2, Role.SCHEDULER: 3}
@@ -205,33 +214,39 @@ class Supervisor:
             out.append(ChildExit(name, proc.pid, proc.returncode, child.log_path))
         return out
 
+    def stop_grace(self, name: str) -> float:
+        """SIGTERM -> SIGKILL for this child when stopped (its spec's)."""
+        return self._child(name).spec.stop_grace
+
     def restart_policy(self, name: str) -> RestartPolicy:
         return self._child(name).spec.restart
 
     # ------------------------------------------------------------ stop
 
-    def stop_all(self, grace: float = STOP_GRACE_SECONDS) -> None:
+    def stop_all(self, grace: float | None = None) -> None:
         """Stop every child: Envoy and gateways first (no new work), then
-        engines, then the scheduler."""
+        engines, then the scheduler. `grace`: SIGTERM -> SIGKILL for every
+        child; None = each child's `stop_grace`."""
         children = sorted(self._children.values(), key=lambda c: _STOP_RANK[c.spec.role])
         for r in range(len(_STOP_RANK)):
             self._stop([c for c in children if _STOP_RANK[c.spec.role] == r], grace)
 
-    def _stop(self, children: list[_Child], grace: float = STOP_GRACE_SECONDS) -> None:
+    def _stop(self, children: list[_Child], grace: float | None = None) -> None:
         for child in children:
             child.stopping = True
             if child.process is not None and child.process.poll() is None:
                 _signal_group(child, signal.SIGTERM)
-        deadline = time.monotonic() + grace
+        signalled = time.monotonic()
         for child in children:
             proc = child.process
             if proc is None:
                 continue
+            allowed = child.spec.stop_grace if grace is None else grace
             try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                proc.wait(timeout=max(0.0, signalled + allowed - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("%s (pid %d) ignored SIGTERM for %.0f s; killing it",
-                            child.spec.name, proc.pid, grace)
+                            child.spec.name, proc.pid, allowed)
             # Also reaps anything the child left in its group (vLLM's engine core).
             _signal_group(child, signal.SIGKILL)
             proc.wait()

@@ -7,6 +7,9 @@ scheduler is ALWAYS restarted (soft state: engines re-register, gateways
 re-admit and re-attach), and so are engines (one exits with code 3 when its
 backend died or hung, after handing its streams over; it comes back with the
 same id and port, empty, and registers again); gateways and Envoy are NEVER.
+SIGHUP to `kvmesh up` restarts the gateways one at a time
+(`Mesh.rolling_restart`: each drains, exits, comes back and is in Envoy's
+rotation again before the next one stops), e.g. after upgrading the code.
 Restarts back off: a child that dies again soon after a restart waits 1, 2,
 4 ... up to 30 s before the next one, so a crash loop does not spin. A
 restart waits until the child is healthy (minutes for a vLLM engine); other
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
 import signal
 import sys
@@ -191,11 +195,26 @@ class Restarts:
                 print(f"kvmesh: restarting {gone.name} failed: {exc}", file=sys.stderr, flush=True)
 
 
-def supervise(mesh: Mesh, stop: threading.Event) -> None:
-    """Watch the mesh's children until `stop` is set."""
+def supervise(mesh: Mesh, stop: threading.Event, roll: threading.Event | None = None) -> None:
+    """Watch the mesh's children until `stop` is set; roll the gateways
+    each time `roll` is set."""
     restarts = Restarts(mesh, stop)
     while not stop.wait(_SUPERVISE_SECONDS):
         restarts.check()
+        if roll is not None and roll.is_set():
+            roll.clear()
+            _roll_gateways(mesh)
+
+
+def _roll_gateways(mesh: Mesh) -> None:
+    print("kvmesh: rolling restart of the gateways (SIGHUP)", file=sys.stderr, flush=True)
+    try:
+        steps = mesh.rolling_restart()
+    except MeshError as exc:
+        print(f"kvmesh: rolling restart failed: {exc}", file=sys.stderr, flush=True)
+        return
+    done = ", ".join(f"{s.name} in {s.seconds:.1f} s" for s in steps)
+    print(f"kvmesh: rolling restart done: {done}", file=sys.stderr, flush=True)
 
 
 def run_up(config: MeshConfig, ns: argparse.Namespace) -> int:
@@ -206,7 +225,9 @@ def run_up(config: MeshConfig, ns: argparse.Namespace) -> int:
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
+    roll = threading.Event()
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda signum, frame: roll.set())
     options = _options(ns)
     try:
         mesh = Mesh(config, options, cancel=stop)
@@ -221,7 +242,8 @@ def run_up(config: MeshConfig, ns: argparse.Namespace) -> int:
             return 1
         try:
             _print_ready(mesh, generated_key=options.api_key is None)
-            supervise(mesh, stop)
+            print(f"  Rolling restart of the gateways: kill -HUP {os.getpid()}")
+            supervise(mesh, stop, roll)
             print("kvmesh: stopping...", flush=True)
         finally:
             mesh.stop_all()
