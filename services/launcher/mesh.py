@@ -81,8 +81,7 @@ class Mesh(Supervisor):
         self.topology = load_run_topology(self.config, self.options.envoy)
         tls_ca = self.files.dev_cert_dir / "ca.pem" if uses_dev_certs(self.topology) else None
         self.endpoints = endpoints(self.config, self.options, tls_ca)
-        self._cancel_event = cancel or threading.Event()
-        super().__init__(self.files.log_dir, self._cancel_event, front_cores(self.config))
+        super().__init__(self.files.log_dir, cancel or threading.Event(), front_cores(self.config))
 
     def specs(self) -> list[ChildSpec]:
         """Every child in start order."""
@@ -135,7 +134,7 @@ class Mesh(Supervisor):
         gateway drains, exits, comes back, and is in Envoy's rotation again
         before the next one stops. Blocks; drive it from the mesh's thread."""
         names = [n for n in self.names if self._child(n).spec.role is role]
-        return roll(self, names, self._in_rotation, self._cancel_event)
+        return roll(self, names, self._in_rotation, self._cancel)
 
     def _in_rotation(self, name: str) -> bool:
         """A gateway is in rotation once Envoy's health checks pass it (its

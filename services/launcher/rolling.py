@@ -8,7 +8,7 @@ at a time, so the mesh never serves with fewer than all-but-one of them:
     mark it healthy) -> the next one.
 
 `Mesh.rolling_restart` wires it to the mesh's Envoy; `kvmesh up` runs it on
-SIGHUP. Driven from the supervisor's one thread, like everything else there.
+SIGUSR1. Driven from the supervisor's one thread, like everything else there.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ scheduler is ALWAYS restarted (soft state: engines re-register, gateways
 re-admit and re-attach), and so are engines (one exits with code 3 when its
 backend died or hung, after handing its streams over; it comes back with the
 same id and port, empty, and registers again); gateways and Envoy are NEVER.
-SIGHUP to `kvmesh up` restarts the gateways one at a time
+SIGUSR1 to `kvmesh up` restarts the gateways one at a time
 (`Mesh.rolling_restart`: each drains, exits, comes back and is in Envoy's
 rotation again before the next one stops), e.g. after upgrading the code.
 Restarts back off: a child that dies again soon after a restart waits 1, 2,
@@ -207,7 +207,7 @@ def supervise(mesh: Mesh, stop: threading.Event, roll: threading.Event | None = 
 
 
 def _roll_gateways(mesh: Mesh) -> None:
-    print("kvmesh: rolling restart of the gateways (SIGHUP)", file=sys.stderr, flush=True)
+    print("kvmesh: rolling restart of the gateways (SIGUSR1)", file=sys.stderr, flush=True)
     try:
         steps = mesh.rolling_restart()
     except MeshError as exc:
@@ -227,7 +227,8 @@ def run_up(config: MeshConfig, ns: argparse.Namespace) -> int:
 
     roll = threading.Event()
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda signum, frame: roll.set())
+    # Not SIGHUP: a closed terminal sends that, and must not restart anything.
+    previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda signum, frame: roll.set())
     options = _options(ns)
     try:
         mesh = Mesh(config, options, cancel=stop)
@@ -242,7 +243,7 @@ def run_up(config: MeshConfig, ns: argparse.Namespace) -> int:
             return 1
         try:
             _print_ready(mesh, generated_key=options.api_key is None)
-            print(f"  Rolling restart of the gateways: kill -HUP {os.getpid()}")
+            print(f"  Rolling restart of the gateways: kill -USR1 {os.getpid()}")
             supervise(mesh, stop, roll)
             print("kvmesh: stopping...", flush=True)
         finally:

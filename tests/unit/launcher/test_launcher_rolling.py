@@ -96,3 +96,27 @@ def test_envoy_healthy_needs_both_clusters(admin_port: int) -> None:
     assert envoy_healthy(admin_port, "127.0.0.1:7000", "127.0.0.1:7001")
     assert not envoy_healthy(admin_port, "127.0.0.1:7100", "127.0.0.1:7101")  # gRPC check failing
     assert not envoy_healthy(admin_port, "127.0.0.1:7200", "127.0.0.1:7201")  # not an endpoint
+
+
+def test_supervise_rolls_the_gateways_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    from services.launcher.rolling import RollStep
+    from services.launcher.up import supervise
+
+    stop, roll_event = threading.Event(), threading.Event()
+
+    class FakeMesh:
+        rolls = 0
+
+        def exited(self) -> list[object]:
+            return []
+
+        def rolling_restart(self) -> list[RollStep]:
+            self.rolls += 1
+            stop.set()
+            return [RollStep("gateway-0", 0, 1.0), RollStep("gateway-1", 0, 1.5)]
+
+    mesh = FakeMesh()
+    roll_event.set()  # what SIGUSR1 to `kvmesh up` does
+    supervise(mesh, stop, roll_event)  # type: ignore[arg-type]
+    assert mesh.rolls == 1 and not roll_event.is_set()
+    assert "rolling restart done: gateway-0 in 1.0 s, gateway-1 in 1.5 s" in capsys.readouterr().err
