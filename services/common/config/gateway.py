@@ -71,8 +71,9 @@ class GatewayConfig:
     # a client resuming with Last-Event-ID continues them through another
     # gateway), and stops. 30 s lets ordinary chat answers finish (a
     # 1000-token answer at 40 tokens/s) while a rolling update of N gateways
-    # still takes minutes, not hours; Kubernetes' default
-    # terminationGracePeriodSeconds is also 30 s (raise it with this).
+    # still takes minutes, not hours. Its supervisor must wait longer before
+    # SIGKILL: `kvmesh up` waits drain_seconds + 10 s; on Kubernetes set
+    # terminationGracePeriodSeconds above it (the default, 30 s, is not).
     # Bounds: 0 <= drain_unready_seconds <= drain_seconds.
     drain_seconds: float = 30.0
     drain_unready_seconds: float = 3.0
