@@ -120,3 +120,21 @@ def test_supervise_rolls_the_gateways_when_asked(capsys: pytest.CaptureFixture[s
     supervise(mesh, stop, roll_event)  # type: ignore[arg-type]
     assert mesh.rolls == 1 and not roll_event.is_set()
     assert "rolling restart done: gateway-0 in 1.0 s, gateway-1 in 1.5 s" in capsys.readouterr().err
+
+
+def test_an_edge_slower_than_the_gateways_unready_wait_is_refused(tmp_path: object) -> None:
+    import dataclasses
+    from pathlib import Path
+
+    from services.common.config import MeshConfig
+    from services.edge.topology import HealthCheckSpec
+    from services.launcher.envoy_config import load_run_topology, render_envoy
+
+    config = MeshConfig()
+    topology = load_run_topology(config, envoy=True)
+    assert topology is not None
+    assert topology.health_check.removal_seconds == 3.0 == config.gateway.drain_unready_seconds
+    assert "gateway_http" in render_envoy(config, topology, 2, Path(str(tmp_path)))
+    slow = dataclasses.replace(topology, health_check=HealthCheckSpec(interval_seconds=5.0))
+    with pytest.raises(MeshError, match="drain_unready_seconds"):
+        render_envoy(config, slow, 2, Path(str(tmp_path)))
