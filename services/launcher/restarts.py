@@ -26,12 +26,11 @@ up.py, or a test's loop); the clock is injected for tests.
 from __future__ import annotations
 
 import sys
-import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TextIO
 
+from services.common.clock import Clock, SystemClock
 from services.launcher.children import ChildExit, MeshError, RestartPolicy
 
 __all__ = ["RestartRules", "RestartTarget", "Restarts"]
@@ -75,12 +74,12 @@ class Restarts:
         self,
         mesh: RestartTarget,
         rules: RestartRules | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | None = None,
         out: TextIO | None = None,
     ) -> None:
         self._mesh = mesh
         self.rules = rules or RestartRules()
-        self._clock = clock
+        self._clock = clock or SystemClock()
         self._out = out
         self._children: dict[str, _Child] = {}
         self.exits: list[ChildExit] = []
@@ -89,7 +88,7 @@ class Restarts:
 
     def check(self) -> None:
         """One pass: exits, then starting children, then due restarts."""
-        now = self._clock()
+        now = self._clock.monotonic()
         for gone in self._mesh.exited():
             self._exited(gone, now)
         for name, child in list(self._children.items()):

@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[3]
 
 @dataclass
 class FakeSupervisor:
-    """Children by name; a test says who exits and how each start goes."""
+    """Children by name; a test says who exits and how each start goes. Also
+    the clock (`now`, moved by the test)."""
 
     policies: dict[str, RestartPolicy]
     now: float = 1000.0
@@ -33,7 +34,10 @@ class FakeSupervisor:
     respawns: list[tuple[str, float]] = field(default_factory=list)
     starting: set[str] = field(default_factory=set)
 
-    def clock(self) -> float:
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
         return self.now
 
     def die(self, name: str, code: int = 3) -> None:
@@ -70,7 +74,7 @@ class FakeSupervisor:
 def _setup(rules: RestartRules | None = None) -> tuple[FakeSupervisor, Restarts]:
     fake = FakeSupervisor({"scheduler": RestartPolicy.ALWAYS, "engine-0": RestartPolicy.ALWAYS,
                            "engine-1": RestartPolicy.ALWAYS, "gateway-0": RestartPolicy.NEVER})
-    return fake, Restarts(fake, rules, clock=fake.clock, out=io.StringIO())
+    return fake, Restarts(fake, rules, clock=fake, out=io.StringIO())
 
 
 def _run(fake: FakeSupervisor, restarts: Restarts, until: float, step: float = 0.5) -> None:
