@@ -145,31 +145,45 @@ async def _greedy(mesh: Mesh, prompts: list[str], max_tokens: int) -> list[Strea
         await session.close()
 
 
+@dataclass(frozen=True)
+class View:
+    """The scheduler's view of the faulted engine at `at` s after the fault
+    (registered False: it is not in the scheduler's state)."""
+
+    at: float
+    registered: bool
+    serving: bool
+    leases: int
+
+
 @dataclass
 class Views:
-    """The scheduler's view of the faulted engine, polled from the fault
-    until the restarted engine serves: (seconds since the fault, serving,
-    leases), None while it is not registered."""
+    """Polled from the fault until the restarted engine serves."""
 
-    samples: list[tuple[float, bool, int] | None] = field(default_factory=list)
+    samples: list[View] = field(default_factory=list)
 
-    def dead_part(self) -> list[tuple[float, bool, int] | None]:
+    def dead_part(self) -> list[View]:
         """From the fault to the first sample serving again after it stopped."""
-        out: list[tuple[float, bool, int] | None] = []
+        out: list[View] = []
         stopped = False
-        for sample in self.samples:
-            serving = sample is not None and sample[1]
-            if stopped and serving:
+        for view in self.samples:
+            if stopped and view.serving:
                 break
-            stopped = stopped or not serving
-            out.append(sample)
+            stopped = stopped or not view.serving
+            out.append(view)
         return out
+
+    def stopped_after(self) -> float:
+        """Seconds from the fault to the first sample not serving (or gone)."""
+        return next(v.at for v in self.samples if not v.serving)
 
 
 async def watch_views(mesh: Mesh, engine_id: str, began: float, views: Views, stop: asyncio.Event) -> None:
     while not stop.is_set():
         view = engine_state(await asyncio.to_thread(scheduler_state, mesh), engine_id)
-        views.samples.append(None if view is None else (time.monotonic() - began, view.serving, view.leases))
+        now = time.monotonic() - began
+        views.samples.append(View(now, False, False, 0) if view is None
+                             else View(now, True, view.serving, view.leases))
         await asyncio.sleep(0.1)
 
 
@@ -177,8 +191,8 @@ def assert_nothing_placed_while_dead(views: Views, engine_id: str) -> None:
     """Until it serves again, the engine's leases only go down (the streams
     it held leave, nothing new comes) to 0, and it stopped serving."""
     dead = views.dead_part()
-    leases = [s[2] if s is not None else 0 for s in dead]
-    assert any(s is None or not s[1] for s in dead), f"{engine_id} never stopped serving: {dead}"
+    leases = [v.leases for v in dead]
+    assert any(not v.serving for v in dead), f"{engine_id} never stopped serving: {dead}"
     assert all(b <= a for a, b in itertools.pairwise(leases)), \
         f"something was placed on {engine_id} while it was dead: {dead}"
     assert leases[-1] == 0, f"{engine_id} still held leases when it came back: {dead}"
@@ -287,7 +301,7 @@ async def back_and_serving(mesh: Mesh, restarts: Restarts, fault: Faulted, resta
     await asyncio.sleep(0.3)  # a sample or two of the view serving again
     fault.stop_views.set()
     await fault.watcher
-    back_after = fault.views.samples[-1][0] if fault.views.samples[-1] is not None else 0.0
+    back_after = fault.views.samples[-1].at
     assert_nothing_placed_while_dead(fault.views, victim)
     assert mesh.pid(victim) != fault.old_pid
     state = scheduler_state(mesh)
@@ -314,7 +328,8 @@ async def _killed_and_restarted(supervised: Supervised, title: str) -> str:
     back_after = await back_and_serving(mesh, restarts, fault, counts[victim])
     return (f"vLLM {title} SIGKILL on {victim} ({fault.survivor} survived): {STREAMS}/{STREAMS} greedy "
             f"streams identical to the uninterrupted run, {fault.moved:.0f} migrated, {fault.elapsed:.1f}s "
-            f"from kill to last token; {victim} exited {gone.returncode}, nothing placed on it while down"
+            f"from kill to last token; the scheduler saw it not serving {fault.views.stopped_after():.1f}s "
+            f"after the kill; {victim} exited {gone.returncode}, nothing placed on it while down"
             f"{' (4 requests sent meanwhile ran on the other)' if sent else ''}; restarted and serving again "
             f"{back_after:.0f}s after the kill")
 
@@ -377,7 +392,8 @@ async def test_vllm_engine_core_sigstop_is_a_hang_detected_within_the_bound(supe
                      and s.queued_total == 0, 30, "leases and queues to be empty")
     (after, alive), = continued
     print(f"vLLM EngineCore SIGSTOP on {victim}: hang declared after {detected} s without output "
-          f"(bound {bound} s); {STREAMS}/{STREAMS} streams identical, {fault.moved:.0f} migrated, "
+          f"(bound {bound} s), not serving {fault.views.stopped_after():.1f}s after SIGSTOP; "
+          f"{STREAMS}/{STREAMS} streams identical, {fault.moved:.0f} migrated, "
           f"{fault.elapsed:.1f}s from SIGSTOP to last token; SIGCONT {after:.1f}s after SIGSTOP "
           f"({'the core continued' if alive else 'the core was already gone'}), no text twice; "
           f"exited {gone.returncode}, restarted and serving again {back_after:.0f}s after SIGSTOP")
