@@ -12,7 +12,8 @@ scheduler's view of it only goes down (serving false or gone, leases never
 rise, reach 0) and requests sent meanwhile all run on the other engine; the
 engine process exits with code 3 and the launcher's supervision loop -- the
 one `kvmesh up` runs -- restarts it with the same id and port, and it
-serves again (the same greedy tokens as the surviving engine). SIGSTOP: no
+serves again (the same greedy tokens as the surviving engine; requests
+through the gateway are placed on it and complete). SIGSTOP: no
 output while the engine holds streams, declared hung past its bound (the
 floor, 20 s here), then the same as a kill; the core continued (SIGCONT)
 after the hang was declared delivers nothing (no text twice), the engine
@@ -286,10 +287,30 @@ async def requests_meanwhile(mesh: Mesh, restarts: Restarts, victim: str, restar
     return True
 
 
+async def placed_on(mesh: Mesh, engine_id: str, tag: str) -> int:
+    """Requests through the gateway while both engines are idle: the
+    scheduler places some on `engine_id` and every one completes. Returns
+    the most leases it held at once."""
+    prompts = [f"After the restart {tag} {i}: the quick brown fox" for i in range(6)]
+    _, tasks, session = await run_streams(mesh, prompts, [60] * len(prompts))
+    held = 0
+    try:
+        while not all(t.done() for t in tasks):
+            view = engine_state(await asyncio.to_thread(scheduler_state, mesh), engine_id)
+            held = max(held, view.leases if view is not None else 0)
+            await asyncio.sleep(0.1)
+        results = [t.result() for t in tasks]
+    finally:
+        await session.close()
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    assert held > 0, f"nothing was placed on the restarted {engine_id}"
+    return held
+
+
 async def back_and_serving(mesh: Mesh, restarts: Restarts, fault: Faulted, restarts_before: int) -> float:
     """Restarted by the supervision loop (same id, same port), registered,
-    and generating the survivor's greedy tokens, straight on its gRPC port.
-    Stops the view watch; nothing was placed on the victim until then.
+    generating the survivor's greedy tokens straight on its gRPC port, and
+    placed on again by the scheduler. Stops the view watch; nothing was placed on the victim until then.
     Returns seconds from the fault to serving again."""
     victim = fault.victim
 
@@ -312,6 +333,7 @@ async def back_and_serving(mesh: Mesh, restarts: Restarts, fault: Faulted, resta
     assert len(again) == 64
     assert again == await direct_generate(addresses[fault.survivor], f"survivor-{tag}", prompt_ids, 64)
     vllm_tree(mesh, victim)  # the restarted engine has its core and worker again
+    await placed_on(mesh, victim, tag)
     return back_after
 
 
@@ -377,12 +399,13 @@ async def test_vllm_engine_core_sigstop_is_a_hang_detected_within_the_bound(supe
     gone = await exit_of(restarts, victim, seen)
     log = gone.log_path.read_text(errors="replace")
     assert "backend hung: no output for" in log, f"see {gone.log_path}"
-    # Detected within the bound (HANG_FLOOR here; k x p99 step if larger):
-    # the streams' last tokens came after the bound, one check period
-    # (<= 1 s) and the migration.
+    # Detected within the bound (HANG_FLOOR here; k x p99 step if larger)
+    # and one check period (<= 1 s), with 2 s for a loaded machine's event
+    # loop (21.0 s for a 20.0 s bound seen); the streams' last tokens came
+    # after that and the migration.
     detected = log.rsplit("backend hung: no output for ", 1)[1].split(" s", 1)[0]
     bound = log.rsplit("(bound ", 1)[1].split(" s", 1)[0]
-    assert float(detected) <= float(bound) + 1.5, (detected, bound)
+    assert float(detected) <= float(bound) + 3.0, (detected, bound)
     assert fault.elapsed >= HANG_FLOOR_SECONDS - 0.5, fault.elapsed
     back_after = await back_and_serving(mesh, restarts, fault, counts[victim])
     stat = Path(f"/proc/{fault.target}/stat")
