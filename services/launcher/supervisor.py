@@ -1,6 +1,11 @@
 """Child processes of one launcher: spawn, wait until healthy, watch, signal,
 restart and stop.
 
+A restart comes blocking (`restart`: start again, wait until healthy) or in
+two non-blocking halves for the supervision loop (`respawn`, then `started`
+once per pass until it says healthy or raises), so one slow starter (a vLLM
+engine: minutes) never holds up another child's restart.
+
 Ownership: one `Supervisor` owns its children and is driven from one thread
 (the launcher's main loop or a test fixture). Each child runs in its own
 session/process group, so Ctrl-C on a terminal reaches only the launcher,
@@ -19,7 +24,7 @@ import signal
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -31,6 +36,7 @@ from services.launcher.children import (
     ChildSpec,
     MeshError,
     MeshInterrupted,
+    Probe,
     RestartPolicy,
     Role,
 )
@@ -60,6 +66,21 @@ class _Child:
     reported: bool = False
 
 
+@dataclass
+class _Start:
+    """A child on its way to healthy: the probes it has still to pass, by
+    when, and the gRPC channels they use (closed when it is over)."""
+
+    pending: list[Probe]
+    deadline: float
+    channels: dict[str, grpc.Channel] = field(default_factory=dict)
+
+    def close(self) -> None:
+        for channel in self.channels.values():
+            channel.close()
+        self.channels.clear()
+
+
 class Supervisor:
     """The children started so far, by name, in first-start order. Each
     child's output goes to `log_dir/<name>.log`; a healthy child's threads go
@@ -71,6 +92,7 @@ class Supervisor:
         self._cancel = cancel
         self._children: dict[str, _Child] = {}
         self._order: list[str] = []
+        self._starts: dict[str, _Start] = {}  # respawned, not yet healthy
 
     # ------------------------------------------------------------ start
 
@@ -91,34 +113,37 @@ class Supervisor:
             self._order.append(spec.name)
         self._children[spec.name] = child
 
-    def _wait_healthy(self, child: _Child) -> None:
-        spec = child.spec
-        deadline = time.monotonic() + spec.start_timeout
-        pending = list(spec.probes)
-        channels: dict[str, grpc.Channel] = {}
+    def _wait_healthy(self, child: _Child, start: _Start | None = None) -> None:
+        start = start or _Start(list(child.spec.probes), time.monotonic() + child.spec.start_timeout)
         try:
-            while pending:
+            while not self._start_step(child, start):
                 if self._cancel.is_set():
-                    raise MeshInterrupted(f"start-up interrupted while waiting for {spec.name}")
-                proc = child.process
-                if proc is None or proc.poll() is not None:
-                    code = None if proc is None else proc.returncode
-                    raise MeshError(f"{spec.name} exited with code {code} before it became healthy. "
-                                    + self._log_hint(child))
-                if probe_ok(pending[0], channels):
-                    pending.pop(0)
-                    continue
-                if time.monotonic() > deadline:
-                    raise MeshError(
-                        f"{spec.name} did not become healthy within {spec.start_timeout:.0f} s "
-                        f"({pending[0].describe()} never answered). " + self._log_hint(child)
-                    )
+                    raise MeshInterrupted(f"start-up interrupted while waiting for {child.spec.name}")
                 self._cancel.wait(_POLL_SECONDS)
         finally:
-            for channel in channels.values():
-                channel.close()
+            start.close()
+
+    def _start_step(self, child: _Child, start: _Start) -> bool:
+        """One look at a starting child: True once every probe passed (then
+        its threads are pinned); MeshError if it exited or ran out of time."""
+        spec = child.spec
+        while start.pending:
+            proc = child.process
+            if proc is None or proc.poll() is not None:
+                code = None if proc is None else proc.returncode
+                raise MeshError(f"{spec.name} exited with code {code} before it became healthy. "
+                                + self._log_hint(child))
+            if not probe_ok(start.pending[0], start.channels):
+                if time.monotonic() > start.deadline:
+                    raise MeshError(
+                        f"{spec.name} did not become healthy within {spec.start_timeout:.0f} s "
+                        f"({start.pending[0].describe()} never answered). " + self._log_hint(child)
+                    )
+                return False
+            start.pending.pop(0)
         log.info("%s is healthy", spec.name)
         self._pin_front(child)
+        return True
 
     def _pin_front(self, child: _Child) -> None:
         """Every thread of a healthy child on the front cores; an engine's
@@ -192,15 +217,47 @@ class Supervisor:
     def restart(self, name: str) -> None:
         """Start a child again from its spec (after it exited or was killed)
         and wait until it is healthy."""
+        self.respawn(name)
+        self._wait_healthy(self._children[name], self._starts.pop(name))
+
+    def respawn(self, name: str) -> None:
+        """Start a child again from its spec without waiting: `started(name)`
+        says when it is healthy. A child still running is stopped first."""
         child = self._child(name)
+        self._end_start(name)
         if self.is_running(name):
             self._stop([child])
         else:
             # What the exited child left in its group (a hung vLLM engine
             # core) must not hold its ports or cores.
             _signal_group(child, signal.SIGKILL)
-        self._spawn(child.spec)
-        self._wait_healthy(self._children[name])
+        try:
+            self._spawn(child.spec)
+        except OSError as exc:
+            raise MeshError(f"could not start {name}: {exc}") from exc
+        self._starts[name] = _Start(list(child.spec.probes), time.monotonic() + child.spec.start_timeout)
+
+    def started(self, name: str) -> bool:
+        """One look at a respawned child: True once healthy (and from then
+        on), False while it starts, MeshError if it exited first or did not
+        become healthy within its start timeout (it may still be running:
+        `respawn` stops it)."""
+        start = self._starts.get(name)
+        if start is None:
+            return self.is_running(name)
+        try:
+            healthy = self._start_step(self._children[name], start)
+        except MeshError:
+            self._end_start(name)
+            raise
+        if healthy:
+            self._end_start(name)
+        return healthy
+
+    def _end_start(self, name: str) -> None:
+        start = self._starts.pop(name, None)
+        if start is not None:
+            start.close()
 
     def exited(self) -> list[ChildExit]:
         """Children that exited on their own since the last call."""
@@ -227,6 +284,8 @@ class Supervisor:
         """Stop every child: Envoy and gateways first (no new work), then
         engines, then the scheduler. `grace`: SIGTERM -> SIGKILL for every
         child; None = each child's `stop_grace`."""
+        for name in list(self._starts):
+            self._end_start(name)
         children = sorted(self._children.values(), key=lambda c: _STOP_RANK[c.spec.role])
         for r in range(len(_STOP_RANK)):
             self._stop([c for c in children if _STOP_RANK[c.spec.role] == r], grace)

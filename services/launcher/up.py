@@ -10,10 +10,12 @@ same id and port, empty, and registers again); gateways and Envoy are NEVER.
 SIGUSR1 to `kvmesh up` restarts the gateways one at a time
 (`Mesh.rolling_restart`: each drains, exits, comes back and is in Envoy's
 rotation again before the next one stops), e.g. after upgrading the code.
-Restarts back off: a child that dies again soon after a restart waits 1, 2,
-4 ... up to 30 s before the next one, so a crash loop does not spin. A
-restart waits until the child is healthy (minutes for a vLLM engine); other
-exits are handled after it.
+Restarts (restarts.py) back off: a child that dies again soon after a
+restart, or whose restart failed, waits 1, 2, 4 ... up to 30 s before the
+next attempt, at most 6 attempts in 10 minutes, and a failed restart is
+tried again. No restart waits for another: each pass takes one health look
+at every child being restarted (minutes for a vLLM engine) and starts the
+ones that are due.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import shlex
 import signal
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -34,25 +35,19 @@ from types import FrameType
 from services.common.config import MeshConfig
 from services.common.mesh_tls import server_name
 from services.launcher.mesh import (
-    ChildExit,
     Endpoints,
     Mesh,
     MeshError,
     MeshInterrupted,
     MeshOptions,
-    RestartPolicy,
 )
+from services.launcher.restarts import Restarts
 
 __all__ = ["Examples", "Restarts", "examples", "run_up", "supervise"]
 
 log = logging.getLogger("kvmesh.launcher")
 
 _SUPERVISE_SECONDS = 0.5
-# Restart backoff: first delay, cap, and how long a child must live for its
-# next crash to count as a fresh one (delay back to the first).
-_RESTART_BACKOFF_FIRST = 1.0
-_RESTART_BACKOFF_MAX = 30.0
-_RESTART_STABLE_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -140,65 +135,10 @@ def _print_ready(mesh: Mesh, generated_key: bool) -> None:
     print(end="", flush=True)
 
 
-@dataclass
-class _Backoff:
-    """Restart history of one child (the supervisor's own state)."""
-
-    delay: float = 0.0
-    last_restart: float = float("-inf")
-
-    def next_delay(self, now: float) -> float:
-        if now - self.last_restart > _RESTART_STABLE_SECONDS:
-            self.delay = 0.0  # it ran long enough: restart at once
-        elif self.delay == 0.0:
-            self.delay = _RESTART_BACKOFF_FIRST
-        else:
-            self.delay = min(self.delay * 2, _RESTART_BACKOFF_MAX)
-        return self.delay
-
-
-class Restarts:
-    """The supervisor's answer to children that exit on their own: report
-    each, restart it if its policy says so (with backoff). Driven from the
-    one thread that drives the mesh."""
-
-    def __init__(self, mesh: Mesh, stop: threading.Event) -> None:
-        self._mesh = mesh
-        self._stop = stop
-        self._backoff: dict[str, _Backoff] = {}
-        self.exits: list[ChildExit] = []  # every exit seen, in order
-        self.restarted: list[str] = []  # names, in restart order
-
-    def check(self) -> None:
-        """One pass over the children that exited since the last one."""
-        mesh = self._mesh
-        for gone in mesh.exited():
-            self.exits.append(gone)
-            policy = mesh.restart_policy(gone.name)
-            print(
-                f"kvmesh: {gone.name} (pid {gone.pid}) exited unexpectedly with code "
-                f"{gone.returncode}; see {gone.log_path}. Restart policy: {policy.value}.",
-                file=sys.stderr, flush=True,
-            )
-            if policy is not RestartPolicy.ALWAYS:
-                continue
-            history = self._backoff.setdefault(gone.name, _Backoff())
-            delay = history.next_delay(time.monotonic())
-            if delay and self._stop.wait(delay):
-                return
-            history.last_restart = time.monotonic()
-            try:
-                mesh.restart(gone.name)
-                self.restarted.append(gone.name)
-                print(f"kvmesh: {gone.name} restarted", file=sys.stderr, flush=True)
-            except MeshError as exc:
-                print(f"kvmesh: restarting {gone.name} failed: {exc}", file=sys.stderr, flush=True)
-
-
 def supervise(mesh: Mesh, stop: threading.Event, roll: threading.Event | None = None) -> None:
     """Watch the mesh's children until `stop` is set; roll the gateways
     each time `roll` is set."""
-    restarts = Restarts(mesh, stop)
+    restarts = Restarts(mesh)
     while not stop.wait(_SUPERVISE_SECONDS):
         restarts.check()
         if roll is not None and roll.is_set():

@@ -21,9 +21,10 @@ Checks: the runtime applies the rules every backend shares before
 validation and the input checks of its processor (a VLLMClientError before
 the first output), both InvalidRequest.
 
-Failures: vLLM's EngineDeadError (its engine core process died: vLLM
-raises it for every live request, and `errored` turns true even while
-idle) is EngineDead, the engine's failure; any other error ends only its
+Failures: vLLM's EngineDeadError (its engine core process died, or the
+worker process under it that runs the model -- the core's executor watches
+it and fails the core: vLLM raises it for every live request, and `errored`
+turns true even while idle) is EngineDead, the engine's failure; any other error ends only its
 request, with finish_reason "error".
 """
 
@@ -232,7 +233,7 @@ class VllmBackend:
             # vLLM ends an aborted stream without a final output of its own.
             return usage.finish(FinishReason.ABORT, "aborted")
         except api.engine_dead as exc:  # the core died: every live request gets this
-            raise EngineDead(f"vLLM's engine core died ({type(exc).__name__}: {exc})") from exc
+            raise EngineDead(f"vLLM's engine core or its worker died ({type(exc).__name__}: {exc})") from exc
         except api.client_error as exc:
             if usage.outputs == 0:
                 raise InvalidRequest(str(exc)) from exc
@@ -280,7 +281,7 @@ class VllmBackend:
     def dead_reason(self) -> str | None:
         if self._llm is None or self._stopped or not self._llm.errored:
             return None
-        return "vLLM's engine core died (AsyncLLM.errored)"
+        return "vLLM's engine core or its worker died (AsyncLLM.errored)"
 
     @property
     def stats(self) -> EngineStats:

@@ -26,7 +26,7 @@ class VllmApi:
     delta: Any               # RequestOutputKind.DELTA: each output carries only new tokens
     kv_event_batch: Any      # vllm.distributed.kv_events.KVEventBatch (ZMQ payload type)
     client_error: type[Exception]  # vllm.exceptions.VLLMClientError: the request's fault
-    # vllm.v1.engine.exceptions.EngineDeadError: the engine core died (every
+    # vllm.v1.engine.exceptions.EngineDeadError: the engine core or its worker died (every
     # live request gets it): the engine's failure, not the request's.
     engine_dead: type[Exception]
 

@@ -11,7 +11,7 @@ import signal
 import socket
 import sys
 import textwrap
-import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -210,7 +210,7 @@ def test_start_kill_restart_and_stop(tmp_path: Path) -> None:
 
 def test_an_engine_that_dies_is_restarted_with_its_name_and_port(tmp_path: Path) -> None:
     """What `kvmesh up` does when an engine exits by itself (its backend died
-    or hung): one supervision pass restarts it, healthy on the same port."""
+    or hung): the supervision passes restart it, healthy on the same port."""
     mesh = _fake(tmp_path)
     policy = {spec.role: spec.restart for spec in Mesh.specs(mesh)}  # the real specs' policies
     port = free_port()
@@ -221,12 +221,15 @@ def test_an_engine_that_dies_is_restarted_with_its_name_and_port(tmp_path: Path)
     mesh.fake_specs = [_healthy("scheduler", Role.SCHEDULER, free_port(), mesh), engine, gateway]
     mesh.start()
     try:
-        restarts = Restarts(mesh, threading.Event())
+        restarts = Restarts(mesh)
         old = mesh.pid("engine-0")
         assert old is not None
         os.kill(old, signal.SIGKILL)  # as if it exited 3 after its backend died
         mesh._children["engine-0"].process.wait()
-        restarts.check()
+        deadline = time.monotonic() + 60
+        while not restarts.restarted and time.monotonic() < deadline:
+            restarts.check()
+            time.sleep(0.1)
         assert restarts.restarted == ["engine-0"] and [(e.name, e.returncode) for e in restarts.exits] == [
             ("engine-0", -9)]
         assert mesh.is_running("engine-0") and mesh.pid("engine-0") != old
@@ -338,3 +341,35 @@ def test_tls_topology_gets_dev_certificates_and_https_examples(tmp_path: Path) -
     before = ca.read_bytes()
     again._write_files()
     assert ca.read_bytes() == before
+
+
+def test_respawn_returns_at_once_and_started_follows_the_child(tmp_path: Path) -> None:
+    """The supervision loop's non-blocking restart: `respawn` starts the
+    child and returns; `started` answers False while it is not healthy yet,
+    True once it is; a child that exits before it is healthy raises (with
+    its log), so the loop can try again."""
+    mesh = _fake(tmp_path)
+    port = free_port()
+    slow = _healthy("engine-0", Role.ENGINE, port, mesh)
+    mesh.fake_specs = [_healthy("scheduler", Role.SCHEDULER, free_port(), mesh), slow]
+    mesh.start()
+    try:
+        slow.argv = [sys.executable, "-c", "import time; time.sleep(2)\n" + HEALTHY_CHILD, str(port)]
+        mesh.kill("engine-0")
+        began = time.monotonic()
+        mesh.respawn("engine-0")
+        assert mesh.started("engine-0") is False and time.monotonic() - began < 2
+        deadline = time.monotonic() + 60
+        while not mesh.started("engine-0"):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert mesh.started("engine-0")  # and from then on
+        slow.argv = [sys.executable, "-c", "print('no model here'); raise SystemExit(1)"]
+        mesh.kill("engine-0")
+        mesh.respawn("engine-0")
+        mesh.wait("engine-0", 30)
+        with pytest.raises(MeshError, match="engine-0 exited with code 1 before it became healthy"):
+            mesh.started("engine-0")
+        assert [(e.name, e.returncode) for e in mesh.exited()] == [("engine-0", 1)]
+    finally:
+        mesh.stop_all()
