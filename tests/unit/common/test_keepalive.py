@@ -31,6 +31,8 @@ def test_clients_ping_and_never_stop_pinging_on_a_long_stream(network: NetworkCo
     options = dict(client_options())
     assert options["grpc.keepalive_time_ms"] == 3000
     assert options["grpc.keepalive_timeout_ms"] == 2000
+    # gRPC times a keepalive ping's ack with ping_timeout_ms (default 60 s).
+    assert options["grpc.http2.ping_timeout_ms"] == 2000
     assert options["grpc.keepalive_permit_without_calls"] == 1
     # Default 2: a gateway reading a long stream would stop pinging after two.
     assert options["grpc.http2.max_pings_without_data"] == 0
