@@ -164,12 +164,18 @@ async def test_the_scheduler_fences_over_the_connect_stream() -> None:
         engine = stub.Connect(timeout=60)
         await engine.write(hello("eng-1"))
 
+        sent = 0
+
         async def report() -> None:
+            """One report, handled before the clock moves on (its `waiting`
+            is a sequence number GetState shows)."""
+            nonlocal sent
+            sent += 1
             await engine.write(pb.EngineMessage(load=pb.LoadReport(
-                serving=True, blocks_total=1000, request_ids=["r1", "orphan"])))
+                serving=True, blocks_total=1000, waiting=sent, request_ids=["r1", "orphan"])))
+            await wait_state(stub, lambda s: len(s.engines) == 1 and s.engines[0].waiting == sent)
 
         await report()
-        await wait_state(stub, lambda s: len(s.engines) == 1 and s.engines[0].fresh)
         admit = stub.Admit(timeout=60)
         await admit.write(admit_msg("r1"))
         while (await asyncio.wait_for(admit.read(), 10)).WhichOneof("msg") != "placed":
