@@ -18,10 +18,13 @@ import signal
 import time
 import urllib.request
 
+import grpc
+import pytest
 from _streams import engine_infos, eventually, gateway_counter, run_streams, scheduler_state, wait_until
 from test_e2e_reliability import _assert_same, _engine, _expected, _finish, _prompts, _rejoined
 
 from services.common.config import MeshConfig
+from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.launcher.mesh import Mesh
 
 STREAMS = 16
@@ -115,3 +118,34 @@ async def test_engine_silently_partitioned_then_healed_loses_and_duplicates_noth
     _, again_tasks, again_session = await run_streams(mesh, prompts, lengths)
     _assert_same(await _finish(again_tasks, again_session), expected)
     assert mesh.exited() == []
+
+
+async def test_a_generation_no_lease_covers_is_fenced(e2e_mesh: Mesh) -> None:
+    """An engine runs a generation the scheduler leases to nobody (here: a
+    caller that went to the engine directly, as a gateway whose request was
+    migrated away and whose connection survived would): the scheduler fences
+    it within the fencing bound, the engine ends it (its caller told
+    UNAVAILABLE, never a cut answer) and counts it."""
+    mesh = e2e_mesh
+    fence = mesh.config.fencing
+    before = await asyncio.to_thread(_engine_counter, mesh, 0, "kvmesh_engine_fenced_total")
+    address = mesh.endpoints.engines[0]
+    started = time.monotonic()
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = engine_pb2_grpc.EngineStub(channel).Generate()
+        await call.write(engine_pb2.EngineGenerateMessage(request=engine_pb2.EngineRequest(
+            request_id="unleased-orphan", prompt_token_ids=list(range(100, 140)),
+            sampling=common_pb2.SamplingParams(max_tokens=16_000, ignore_eos=True))))
+        tokens = 0
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            async with asyncio.timeout(fence.rejoin_grace_seconds + fence.confirm_seconds + 30):
+                while (event := await call.read()) is not grpc.aio.EOF:
+                    assert not event.HasField("finished"), "the orphan ran to its end: never fenced"
+                    tokens += len(event.delta.token_ids)
+    elapsed = time.monotonic() - started
+    assert ended.value.code() == grpc.StatusCode.UNAVAILABLE and "fenced" in (ended.value.details() or "")
+    assert tokens > 0
+    fenced = await asyncio.to_thread(_engine_counter, mesh, 0, "kvmesh_engine_fenced_total")
+    assert fenced == before + 1
+    await eventually(lambda: engine_infos(mesh)[0].running == 0, 10, "the fenced generation to be gone")
+    print(f"an unleased generation was fenced {elapsed:.1f}s after it started ({tokens} tokens generated)")
