@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar, cast
 
 import grpc
+from prometheus_client import Counter
 
 from services.common.clock import Clock, SystemClock
 from services.common.config import MeshConfig
@@ -201,6 +202,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._clock = clock or SystemClock()
         # Generations engines run without a lease here (fencing.py).
         self.fences = FenceBook(config.fencing, self._clock.monotonic())
+        self._fenced = Counter(
+            "kvmesh_scheduler_fenced", "Generations engines were told to end: not leased to them.",
+            ["engine"], registry=core.metrics.registry)
         self._hash_block_tokens = config.hash_block_tokens
         self._mailboxes: dict[str, asyncio.Queue[object]] = {}
         self._engines: dict[str, _EngineChannel] = {}
@@ -409,6 +413,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         """Tell the engine to end what it runs without a lease here."""
         fenced = self.fences.check(engine_id, reported, self.core.lease_holder, self._clock.monotonic())
         if fenced:
+            self._fenced.labels(engine_id).inc(len(fenced))
             log.warning("engine %s runs %d generations not leased to it (%s); fencing them",
                         engine_id, len(fenced), ", ".join(fenced[:5]) + (" ..." if len(fenced) > 5 else ""))
             channel.commands.put_nowait(

@@ -191,6 +191,8 @@ async def test_the_scheduler_fences_over_the_connect_stream() -> None:
         assert command.WhichOneof("cmd") == "fence"
         assert list(command.fence.request_ids) == ["orphan"]
         assert service.servicer.fences.fenced_total == 1
+        assert service.metrics.registry.get_sample_value(
+            "kvmesh_scheduler_fenced_total", {"engine": "eng-1"}) == 1.0
         admit.cancel()
         engine.cancel()
     finally:
