@@ -54,6 +54,8 @@ class FencingConfig:
     migrated away while the engine was cut off, or whose gateway and request
     are gone) is sent back in a `Fence` command and the engine ends it."""
 
+    # Off = the scheduler sends no Fence (engines keep whatever they run
+    # until it ends or, detached, its resume grace runs out).
     enabled: bool = True
     # An id must be reported unleased on at least two consecutive reports
     # this many seconds apart before it is fenced: a lease that just ended
