@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.config import ConfigError, MeshConfig, load_config
+from services.common.grpc_server import configure_keepalive
 from services.common.service_main import EXIT_SERVICE_FAILED, ServiceFailed
 
 __all__ = ["main"]
@@ -42,7 +43,10 @@ def _run(coro: Coroutine[Any, Any, None]) -> None:
 
 def _config(ns: argparse.Namespace) -> MeshConfig:
     path = ns.config or os.environ.get("KVMESH_CONFIG") or DEFAULT_CONFIG
-    return load_config(path)
+    config = load_config(path)
+    # Every server and channel this service process makes keeps alive so.
+    configure_keepalive(config.network)
+    return config
 
 
 def _cmd_scheduler(ns: argparse.Namespace) -> None:

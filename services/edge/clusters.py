@@ -8,6 +8,7 @@ load, and mutual TLS to the gateways when the mesh runs TLS.
 from __future__ import annotations
 
 import ipaddress
+import math
 from typing import Any
 
 from services.edge.fragments import TYPE, seconds, socket_address
@@ -30,8 +31,11 @@ def cluster(topology: Topology, name: str, grpc: bool) -> dict[str, Any]:
     if grpc:
         protocol: dict[str, Any] = {
             "http2_protocol_options": {
-                # Notice a vanished gateway on long-idle streams.
-                "connection_keepalive": {"interval": "30s", "timeout": "10s"},
+                # Notice a vanished gateway (silent partition) on any stream.
+                "connection_keepalive": {
+                    "interval": seconds(topology.timeouts.upstream_keepalive_seconds),
+                    "timeout": seconds(topology.timeouts.upstream_keepalive_timeout_seconds),
+                },
                 "max_concurrent_streams": 1024,
             }
         }
@@ -57,11 +61,19 @@ def cluster(topology: Topology, name: str, grpc: bool) -> dict[str, Any]:
         "health_checks": [_health_check(topology, grpc)],
         "outlier_detection": _outlier_detection(),
         "circuit_breakers": _circuit_breakers(),
-        "upstream_connection_options": {
-            "tcp_keepalive": {"keepalive_time": 60, "keepalive_interval": 10, "keepalive_probes": 3}
-        },
+        "upstream_connection_options": {"tcp_keepalive": _tcp_keepalive(topology)},
         **tls,
     }
+
+
+def _tcp_keepalive(topology: Topology) -> dict[str, int]:
+    """First probe after the keepalive time of silence, then 3 probes over
+    the keepalive timeout: a silent gateway's connection is reset within
+    about their sum (the HTTP/1.1 cluster has no PINGs)."""
+    t = topology.timeouts
+    return {"keepalive_time": math.ceil(t.upstream_keepalive_seconds),
+            "keepalive_interval": max(1, math.ceil(t.upstream_keepalive_timeout_seconds / 3)),
+            "keepalive_probes": 3}
 
 
 def _health_check(topology: Topology, grpc: bool) -> dict[str, Any]:

@@ -91,6 +91,17 @@ class TimeoutSpec:
     upstream_idle_seconds: float = 60.0
     # Whole request headers must arrive within this (slowloris guard).
     request_headers_seconds: float = 10.0
+    # A gateway host that vanished without a reset (silent partition) is
+    # noticed on an upstream connection within the sum of these two: HTTP/2
+    # PING after upstream_keepalive_seconds of silence on the gRPC cluster,
+    # and the ack awaited upstream_keepalive_timeout_seconds; TCP keepalive
+    # on the HTTP/1.1 cluster (first probe after upstream_keepalive_seconds,
+    # 3 probes spread over the timeout). Envoy then ends the client's stream,
+    # which can resume on another gateway (Last-Event-ID). `kvmesh up` sets
+    # both from the mesh's `network` block; defaults are the same. Bounds:
+    # >= 1 (whole seconds for TCP keepalive; fractions are rounded up).
+    upstream_keepalive_seconds: float = 5.0
+    upstream_keepalive_timeout_seconds: float = 5.0
 
 
 @dataclass
@@ -269,6 +280,9 @@ class Topology:
                      "upstream_idle_seconds", "request_headers_seconds"):
             if getattr(self.timeouts, name) <= 0:
                 raise TopologyError(f"timeouts.{name}: must be > 0")
+        for name in ("upstream_keepalive_seconds", "upstream_keepalive_timeout_seconds"):
+            if getattr(self.timeouts, name) < 1:
+                raise TopologyError(f"timeouts.{name}: must be >= 1")
         hc = self.health_check
         if hc.interval_seconds <= 0 or hc.timeout_seconds <= 0:
             raise TopologyError("health_check: interval_seconds and timeout_seconds must be > 0")

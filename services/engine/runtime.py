@@ -418,6 +418,9 @@ class EngineRuntime:
             return True
         return await self.backend.abort(request_id)
 
+    def generation(self, request_id: str) -> Generation | None:
+        return self._live.get(request_id)
+
     def release(self, generation: Generation) -> None:
         """Forget a generation (its own `close` calls this once the backend let go)."""
         if self._live.get(generation.request.request_id) is generation:

@@ -5,7 +5,10 @@ engine's membership lives exactly as long as this stream): `hello`, then a
 `kv_snapshot` (seq S), then `load` every report_interval_seconds and promptly
 after a change (at most one per `min_report_gap`), and `kv_events` with seq
 S+1, S+2, ... as the prefix cache changes. `resync` from the scheduler -> a fresh `kv_snapshot`; `drain` ->
-the engine refuses new generations and finishes the running ones. When the
+the engine refuses new generations and finishes the running ones; `fence` ->
+the named generations, which the scheduler leases to no request here, end
+(fencing.py). Every load report lists the generations held, so after a
+healed partition the engine re-registers and its orphans are fenced. When the
 stream breaks (scheduler restart, network), the link reconnects with
 exponential backoff capped at 2 s and sends hello + snapshot again.
 
@@ -35,6 +38,7 @@ from services.common.config import EngineConfig, MeshConfig
 from services.common.grpc_server import client_options
 from services.common.mesh_tls import aio_channel, identity_for
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.engine.fencing import Fencer
 from services.engine.runtime import EngineRuntime
 
 __all__ = ["KvEventLog", "SchedulerLink", "advertised_host"]
@@ -143,6 +147,7 @@ class SchedulerLink:
         self._http_address = http_address
         self._backend_name = backend_name or engine.backend
         self._identity = identity_for(config, "engine")
+        self.fencer = Fencer(runtime, engine.engine_id)
         self._interval = engine.report_interval_seconds
         self.min_report_gap = max(0.005, self._interval / 4)
         self._wake = asyncio.Event()
@@ -268,6 +273,8 @@ class SchedulerLink:
             elif kind == "resync":
                 self._resync = True
                 self._wake.set()
+            elif kind == "fence":
+                self.fencer.apply(command.fence.request_ids)
 
     async def _write(self, call: _ConnectCall) -> None:
         loop = asyncio.get_running_loop()

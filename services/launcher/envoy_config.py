@@ -82,6 +82,10 @@ def render_envoy(cfg: MeshConfig, topology: Topology | None, gateways: int, dev_
             cert_chain=str(envoy.cert_file), private_key=str(envoy.key_file), ca=str(envoy.ca_file),
             server_name=server_name("gateway"),
         ))
+    # The mesh's `network` keepalive holds for the Envoy -> gateway hop too.
+    topology = dataclasses.replace(topology, timeouts=dataclasses.replace(
+        topology.timeouts, upstream_keepalive_seconds=cfg.network.keepalive_time_seconds,
+        upstream_keepalive_timeout_seconds=cfg.network.keepalive_timeout_seconds))
     topology.validate(heartbeat_seconds=cfg.gateway.heartbeat_seconds)
     removal = topology.health_check.removal_seconds
     if removal > cfg.gateway.drain_unready_seconds:

@@ -437,6 +437,10 @@ class SchedulerCore:
         rec = self._requests.get(request_id)
         return None if rec is None else rec.lease
 
+    def lease_holder(self, request_id: str) -> str | None:
+        rec = self._requests.get(request_id)
+        return None if rec is None else rec.holder()
+
     def state(self) -> StateView:
         now = self._clock.monotonic()
         return StateView(

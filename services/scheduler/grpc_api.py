@@ -9,7 +9,9 @@ the core has one owner without locks. Each Admit stream has a bounded
 mailbox the core's notices are put into; its handler is the only writer of
 its stream. A `Preempted` notice does not end the stream: the gateway
 answers `Requeue` on it and a later `Placed` (or `Rejected`) follows.
-Each Connect stream has a command mailbox and one writer task.
+Each Connect stream has a command mailbox and one writer task; each load
+report is checked against the lease table and what an engine runs without
+a lease there is sent back in a `Fence` command (fencing.py).
 
 This is the one place domain outcomes become protobuf messages and gRPC
 status codes (`_to_proto`, `_REJECT_CODES`, `_hello_info`).
@@ -19,12 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar, cast
 
 import grpc
+from prometheus_client import Counter
 
+from services.common.clock import Clock, SystemClock
 from services.common.config import MeshConfig
 from services.common.idle_calls import IdleCalls
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -32,6 +36,7 @@ from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from . import events as ev
 from .core import SchedulerCore, StateView
 from .engine_registry import DuplicateEngineError, EngineInfo, EngineLoad
+from .fencing import FenceBook
 from .records import (
     AdmitOptions,
     Notice,
@@ -192,8 +197,14 @@ class _EngineChannel:
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, core: SchedulerCore, config: MeshConfig) -> None:
+    def __init__(self, core: SchedulerCore, config: MeshConfig, clock: Clock | None = None) -> None:
         self.core = core
+        self._clock = clock or SystemClock()
+        # Generations engines run without a lease here (fencing.py).
+        self.fences = FenceBook(config.fencing, self._clock.monotonic())
+        self._fenced = Counter(
+            "kvmesh_scheduler_fenced", "Generations engines were told to end: not leased to them.",
+            ["engine"], registry=core.metrics.registry)
         self._hash_block_tokens = config.hash_block_tokens
         self._mailboxes: dict[str, asyncio.Queue[object]] = {}
         self._engines: dict[str, _EngineChannel] = {}
@@ -362,6 +373,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(err))
         channel = _EngineChannel(joined.token, asyncio.Queue())
         self._engines[info.engine_id] = channel
+        self.fences.joined(info.engine_id, self._clock.monotonic())
         writer = asyncio.create_task(self._write_commands(context, channel))
         log.info("engine %s connected (%s, model %s)", info.engine_id, info.address, info.model)
         try:
@@ -375,6 +387,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             writer.cancel()
             if self._engines.get(info.engine_id) is channel:
                 del self._engines[info.engine_id]
+                self.fences.left(info.engine_id)
             self.deliver(self.core.handle(ev.EngineLeft(info.engine_id, joined.token)))
             log.info("engine %s disconnected", info.engine_id)
 
@@ -384,6 +397,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         kind = msg.WhichOneof("msg")
         if kind == "load":
             self.deliver(self.core.handle(ev.LoadReported(engine_id, channel.token, _load(msg.load))))
+            self._fence(engine_id, channel, msg.load.request_ids)
         elif kind == "kv_events":
             kv = msg.kv_events
             self.deliver(self.core.handle(ev.KvEventsReported(
@@ -394,6 +408,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 engine_id, channel.token, snap.seq, snap.hashes)))
         elif kind == "hello":
             log.warning("engine %s sent a second hello on one stream; ignored", engine_id)
+
+    def _fence(self, engine_id: str, channel: _EngineChannel, reported: Sequence[str]) -> None:
+        """Tell the engine to end what it runs without a lease here."""
+        fenced = self.fences.check(engine_id, reported, self.core.lease_holder, self._clock.monotonic())
+        if fenced:
+            self._fenced.labels(engine_id).inc(len(fenced))
+            log.warning("engine %s runs %d generations not leased to it (%s); fencing them",
+                        engine_id, len(fenced), ", ".join(fenced[:5]) + (" ..." if len(fenced) > 5 else ""))
+            channel.commands.put_nowait(
+                scheduler_pb2.SchedulerCommand(fence=scheduler_pb2.Fence(request_ids=fenced)))
 
     @staticmethod
     async def _write_commands(context: _ConnectContext, channel: _EngineChannel) -> None:

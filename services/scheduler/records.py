@@ -180,3 +180,11 @@ class RequestRecord:
     arrival: float = 0.0       # monotonic; a requeue keeps it (aging continues)
     preemptions: int = 0       # times its lease went to a higher class
     preempted_at: float | None = None  # set while preempted and not placed again
+    orphaned_from: str = ""    # ORPHANED: the engine whose registration ended under it
+
+    def holder(self) -> str | None:
+        """The engine this request may run on (fencing.py): its lease's, or
+        the one it was ORPHANED from (its gateway may still stream from it)."""
+        if self.lease is not None:
+            return self.lease.engine_id
+        return self.orphaned_from if self.state is RequestState.ORPHANED else None

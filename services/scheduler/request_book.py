@@ -99,6 +99,7 @@ class RequestBook:
             if rec is not None and rec.lease is lease:
                 rec.lease = None
                 rec.state = RequestState.ORPHANED
+                rec.orphaned_from = lease.engine_id
 
     def finish(self, rec: RequestRecord, outcome: Outcome, now: float) -> None:
         """Finalise a request exactly once, from whatever state it is in."""

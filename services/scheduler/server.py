@@ -45,7 +45,7 @@ class SchedulerService:
         self.clock: Clock = clock or SystemClock()
         self.metrics = SchedulerMetrics()
         self.core = SchedulerCore(config, self.clock, self.metrics)
-        self.servicer = SchedulerServicer(self.core, config)
+        self.servicer = SchedulerServicer(self.core, config, self.clock)
         self._server: Any = None
         self._health: Any = None
         self._tasks: list[asyncio.Task[None]] = []

@@ -5,6 +5,7 @@ child process, and each service reads its own section. Every field says its
 default, its bounds and why, where it is declared:
 
     mesh.py         the document (MeshConfig), models, mesh TLS, Envoy
+    network.py      keepalive of every hop, lease fencing (silent partitions)
     engines.py      engines: the template engine, its simulator and vLLM
     scheduler.py    scheduler: aging, admission limits, placement, queues
     gateway.py      gateway and its API keys
@@ -29,6 +30,7 @@ from .errors import ConfigError
 from .gateway import ApiKeyConfig, GatewayConfig
 from .loader import config_from_dict, load_config
 from .mesh import EnvoyConfig, MeshConfig, MeshTlsConfig, ModelConfig
+from .network import FencingConfig, NetworkConfig
 from .scheduler import AgingConfig, PolicyProfileConfig, SchedulerConfig
 from .validation import api_key_digest, validate_config
 
@@ -39,10 +41,12 @@ __all__ = [
     "EngineConfig",
     "EnginesConfig",
     "EnvoyConfig",
+    "FencingConfig",
     "GatewayConfig",
     "MeshConfig",
     "MeshTlsConfig",
     "ModelConfig",
+    "NetworkConfig",
     "PolicyProfileConfig",
     "SchedulerConfig",
     "SimCostConfig",

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from .engines import EngineConfig, EnginesConfig
 from .errors import ConfigError
 from .gateway import GatewayConfig
+from .network import FencingConfig, NetworkConfig
 from .scheduler import SchedulerConfig
 
 __all__ = ["EnvoyConfig", "MeshConfig", "MeshTlsConfig", "ModelConfig"]
@@ -84,6 +85,9 @@ class MeshConfig:
     engines: EnginesConfig = field(default_factory=EnginesConfig)
     envoy: EnvoyConfig = field(default_factory=EnvoyConfig)
     mesh_tls: MeshTlsConfig = field(default_factory=MeshTlsConfig)
+    # Keepalive of every hop, and lease fencing (network.py).
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    fencing: FencingConfig = field(default_factory=FencingConfig)
 
     def engine_config(self, index: int) -> EngineConfig:
         """Engine `index` as `kvmesh up` starts it: the template with its own

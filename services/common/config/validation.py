@@ -97,6 +97,7 @@ def validate_config(config: MeshConfig, where: str = "config") -> None:
     envoy = mesh.at("envoy")
     envoy.ports("port", "admin_port")
     envoy.non_negative("base_id")
+    _check_partitions(mesh)
 
 
 def _check_models(mesh: _Section) -> None:
@@ -229,3 +230,10 @@ def _check_api_keys(gateway: _Section) -> None:
         if key.priority_ceiling not in _PRIORITY_CLASSES:
             entry.fail("priority_ceiling", f"must be 0, 1 or 2, got {key.priority_ceiling}")
         entry.non_negative("requests_per_second", "tokens_per_minute", "max_generation_seconds")
+
+
+def _check_partitions(mesh: _Section) -> None:
+    network = mesh.at("network")
+    network.within("keepalive_time_seconds", 1, 600)
+    network.within("keepalive_timeout_seconds", 1, 600)
+    mesh.at("fencing").non_negative("confirm_seconds", "startup_grace_seconds", "rejoin_grace_seconds")

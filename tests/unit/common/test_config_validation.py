@@ -97,6 +97,13 @@ def test_defaults_and_the_shipped_config_are_valid() -> None:
          "config.models[1].name: 'm' is listed twice"),
         ({"models": [{"path": "a"}]}, "config.models[0].name: required"),
         ({"envoy": {"admin_port": -1}}, "config.envoy.admin_port: must be within 0 .. 65535"),
+        # silent partitions: keepalive, fencing
+        ({"network": {"keepalive_time_seconds": 0.5}},
+         "config.network.keepalive_time_seconds: must be within 1 .. 600, got 0.5"),
+        ({"network": {"keepalive_timeout_seconds": 0}},
+         "config.network.keepalive_timeout_seconds: must be within 1 .. 600"),
+        ({"fencing": {"confirm_seconds": -1}}, "config.fencing.confirm_seconds: must be >= 0"),
+        ({"fencing": {"rejoin_grace_seconds": -1}}, "config.fencing.rejoin_grace_seconds: must be >= 0"),
     ],
 )
 def test_out_of_bounds_settings_name_their_path(data: dict[str, Any], message: str) -> None:

@@ -147,3 +147,33 @@ async def test_reconnects_after_the_scheduler_restarts(mesh) -> None:
         assert svc.link is not None and svc.link.sessions >= 2
     finally:
         await new_server.stop(0)
+
+
+async def test_a_fence_ends_the_named_generations_and_counts_them(mesh) -> None:
+    """The scheduler leases "orphan" to no request here: it ends at once (its
+    reader, if any, told UNAVAILABLE so it would migrate, never a cut answer);
+    an id not live here is ignored."""
+    svc, fake, _ = mesh
+    await fake.next("kv_snapshot")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.port}") as channel:
+        call = engine_pb2_grpc.EngineStub(channel).Generate()
+        await call.write(engine_pb2.EngineGenerateMessage(request=engine_pb2.EngineRequest(
+            request_id="orphan", prompt_token_ids=prompt_of(8, start=700),
+            sampling=common_pb2.SamplingParams(max_tokens=4000))))
+        async with asyncio.timeout(5):
+            while "orphan" not in (await fake.next("load")).load.request_ids:
+                pass
+        await fake.commands.put(scheduler_pb2.SchedulerCommand(
+            fence=scheduler_pb2.Fence(request_ids=["orphan", "never-here"])))
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            async with asyncio.timeout(5):
+                while (event := await call.read()) is not grpc.aio.EOF:
+                    assert not event.HasField("finished"), "a fenced generation must not finish"
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "fenced" in (ended.value.details() or "")
+    async with asyncio.timeout(5):
+        while "orphan" in (await fake.next("load")).load.request_ids:
+            pass
+    assert svc.runtime.live_count == 0 and svc.backend.load().blocks_used == 0
+    assert svc.link is not None and svc.link.fencer.fenced == 1
+    assert b'kvmesh_engine_fenced_total{engine="engine-0"} 1.0' in svc.metrics.exposition()

@@ -241,12 +241,14 @@ class Resync(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerCommand(_message.Message):
-    __slots__ = ("drain", "resync")
+    __slots__ = ("drain", "resync", "fence")
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     drain: Drain
     resync: Resync
-    def __init__(self, drain: _Optional[_Union[Drain, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ...) -> None: ...
+    fence: Fence
+    def __init__(self, drain: _Optional[_Union[Drain, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class GetStateRequest(_message.Message):
     __slots__ = ()
@@ -331,3 +333,9 @@ class SchedulerState(_message.Message):
     leases_total: int
     classes: _containers.RepeatedCompositeFieldContainer[ClassState]
     def __init__(self, policy: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[QueueState, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineState, _Mapping]]] = ..., queued_total: _Optional[int] = ..., leases_total: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassState, _Mapping]]] = ...) -> None: ...
+
+class Fence(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
