@@ -8,7 +8,9 @@ loopback never shows -- a host dropping off the network without a TCP reset.
         net.heal("eng0")
 
 Layout: the switch namespace holds bridge `br0`; each host namespace holds
-`eth0` (its address, a /24) whose veth peer `p-<host>` is a port of `br0`.
+`eth0` (its address, a /24) whose veth peer `p-<host>` is a port of `br0`,
+and a permanent neighbour entry for every other host (no ARP, see
+`_add_neighbours`).
 Nothing of the test network is in the root namespace: the switch has no
 uplink, so a packet of the test range can only reach another test host.
 
@@ -33,7 +35,8 @@ Names: namespaces `kvm14-<pid>-<seq>-<host>`; routes are tagged with
 protocol 214 and carry the owner's pid as their metric. Every wait and every
 `ip` call is bounded. A partition sets the host's switch port down: the host
 keeps its address and its processes run on, but no frame crosses the bridge
-either way -- its peers see silence, exactly like a pulled cable.
+either way, and neither side's kernel reports anything (no RST, no FIN, no
+"host unreachable"): both sides see silence until their keepalives expire.
 """
 
 from __future__ import annotations
@@ -212,6 +215,7 @@ class Host:
     ns: str
     address: str
     port: str  # its veth peer in the switch namespace
+    mac: str
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def spawn(self, argv: Sequence[str], log: IO[bytes], env: Mapping[str, str] | None = None,
@@ -278,6 +282,7 @@ class NetnsHarness:
             self._build_switch()
             for i, name in enumerate(self.names):
                 self._build_host(name, i + 2)
+            self._add_neighbours()
             self.assert_safe()
         except BaseException:
             self.close()
@@ -320,13 +325,27 @@ class NetnsHarness:
         ns, port = self.run_prefix + name, f"p-{name}"
         address = str(self.subnet[index])
         ip("netns", "add", ns)
-        self.hosts[name] = Host(name, ns, address, port)
-        ip("link", "add", "eth0", "type", "veth", "peer", "name", port, "netns", self.switch, ns=ns)
+        self.hosts[name] = Host(name, ns, address, port, mac=f"02:14:00:00:00:{index:02x}")
+        ip("link", "add", "eth0", "address", self.hosts[name].mac, "type", "veth", "peer", "name", port,
+           "netns", self.switch, ns=ns)
         ip("link", "set", port, "master", "br0", ns=self.switch)
         ip("link", "set", port, "up", ns=self.switch)
         ip("addr", "add", f"{address}/{self.subnet.prefixlen}", "dev", "eth0", ns=ns)
         ip("link", "set", "lo", "up", ns=ns)
         ip("link", "set", "eth0", "up", ns=ns)
+
+    def _add_neighbours(self) -> None:
+        """Every host knows every other's MAC (permanent entries: no ARP).
+        Else a cut host's ARP for a peer fails within seconds and its kernel
+        reports "No route to host" on its sockets (gRPC asks for such errors,
+        IP_RECVERR): the cut host would learn of the cut at once. With them
+        the cut is silent on both sides, as behind a failed router; only
+        keepalives tell."""
+        for host in self.hosts.values():
+            for peer in self.hosts.values():
+                if peer is not host:
+                    ip("neigh", "replace", peer.address, "lladdr", peer.mac, "nud", "permanent", "dev", "eth0",
+                       ns=host.ns)
 
     # ------------------------------------------------------------ checks
 

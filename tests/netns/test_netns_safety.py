@@ -26,6 +26,8 @@ from .harness import (
     ip,
 )
 
+IP_RECVERR = 11  # <linux/in.h>; not exported by Python's socket module
+
 pytestmark = [pytest.mark.usefixtures("netns_ok"), pytest.mark.timeout(120)]
 
 
@@ -107,7 +109,9 @@ def test_configs_may_name_only_the_harness_hosts() -> None:
 def test_partition_is_silent_then_heals() -> None:
     """A cut host's peers get no RST and no FIN: an open connection stays
     open (the peer's data is retransmitted into the void), a new connect
-    times out (never refused). Healed, the same connection delivers."""
+    times out (never refused). The cut host hears nothing either, even
+    with IP_RECVERR (as gRPC sets it): no "host unreachable". Healed, the
+    same connection delivers both ways."""
     with NetnsHarness(["a", "b"]) as net:
         a, b = net.hosts["a"], net.hosts["b"]
         server = a.call(lambda: _listener(a.address))
@@ -118,6 +122,12 @@ def test_partition_is_silent_then_heals() -> None:
             net.cut("a")
             conn.settimeout(2)
             conn.sendall(b"hello")
+            accepted.setsockopt(socket.IPPROTO_IP, IP_RECVERR, 1)
+            accepted.settimeout(0.5)
+            for _ in range(12):  # 6 s of the cut host sending into the void (ARP would fail in ~3 s)
+                accepted.sendall(b".")
+                with pytest.raises(TimeoutError):
+                    accepted.recv(1)  # no error reported on the cut side
             with pytest.raises(TimeoutError):
                 conn.recv(1)  # no RST (ConnectionResetError), no FIN (b"")
             with pytest.raises(TimeoutError):
@@ -125,10 +135,9 @@ def test_partition_is_silent_then_heals() -> None:
             assert "NO-CARRIER" in ip("link", "show", "eth0", ns=a.ns)
             net.heal("a")
             accepted.settimeout(15)  # TCP retransmits the bytes sent during the cut
-            assert accepted.recv(5) == b"hello"
-            accepted.sendall(b"back")
+            assert _recv_exactly(accepted, 5) == b"hello"
             conn.settimeout(15)
-            assert conn.recv(4) == b"back"
+            assert _recv_exactly(conn, 12) == b"." * 12
         finally:
             for s in (conn, accepted, server):
                 s.close()
@@ -170,6 +179,15 @@ def test_a_crashed_runs_leftovers_are_cleaned() -> None:
         ip("netns", "del", live_ns, check=False)
         ip("netns", "del", stale_ns, check=False)
         ip("route", "del", "blackhole", stale_route, "proto", ROUTE_PROTO, "metric", str(dead.pid), check=False)
+
+
+def _recv_exactly(s: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = s.recv(n - len(data))
+        assert chunk, "connection closed"
+        data += chunk
+    return data
 
 
 def _listener(address: str) -> socket.socket:

@@ -1,0 +1,249 @@
+"""Silent partitions on a real mesh of namespace hosts (scheduler, two sim
+engines, two gateways, Envoy, a client: tests/netns/mesh.py). A cut host's
+switch port goes down: no RST, no FIN, its peers only see silence, which
+the mesh's keepalives must notice. The sim's text is a pure function of the
+tokens before it (like greedy decoding), so every stream is compared with an
+uninterrupted run of the same request: nothing repeated, nothing missing.
+
+- An engine host cut with 20 streams in flight: 20/20 complete, identical;
+  time from the cut to the first migrated token is measured. Healed, the
+  engine holds no generation (none keeps running orphaned) and rejoins.
+- A gateway host cut: Envoy's health checks drop it and new requests succeed
+  through the other gateway; with resume (Last-Event-ID), the cut gateway's
+  streams continue through the other one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+import pytest
+
+from services.common.config import MeshConfig
+
+from .client import Stream, run_on, run_streams, wait_until
+from .mesh import ROOT, NetnsMesh, metric
+
+pytestmark = pytest.mark.timeout(300)
+
+STREAMS = 20
+TOKENS = 160
+# A stream whose next chunk came this long after the cut was on the cut
+# engine (a healthy stream gets a chunk every ~0.1 s at this sim speed).
+STALL_SECONDS = 2.0
+# After the heal, the engine must hold no generation within this. Every
+# path that ends an orphan (the engine's keepalive ending the gateway's dead
+# call, fencing of a lease the scheduler no longer holds there, the end of a
+# detached generation's resume grace) is bounded well below it.
+ORPHAN_BOUND_SECONDS = 45.0
+RESUME_GRACE_SECONDS = 5.0
+
+
+def MESH_TUNE(config: MeshConfig) -> None:  # noqa: N802 - the fixture's hook name
+    # ~12 tokens/s per stream: streams last long enough to be cut mid-answer.
+    config.engines.template.sim.speed_factor = 8.0
+    # A stalled stream is told from a quiet one within a few seconds.
+    config.gateway.heartbeat_seconds = 1.0
+    # Short bounds where this branch has the settings (helpers "fence", "resume").
+    _set_everywhere(config, "keepalive_time_seconds", 2.0)
+    _set_everywhere(config, "keepalive_timeout_seconds", 2.0)
+    _set_everywhere(config, "resume_grace_seconds", RESUME_GRACE_SECONDS)
+
+
+def _set_everywhere(node: Any, name: str, value: float) -> None:
+    """Set every config field called `name`, wherever it is declared."""
+    if not dataclasses.is_dataclass(node):
+        return
+    for f in dataclasses.fields(node):
+        if f.name == name:
+            setattr(node, name, value)
+        else:
+            _set_everywhere(getattr(node, f.name), name, value)
+
+
+def _resume_supported() -> bool:
+    return any("last-event-id" in p.read_text().lower() for p in (ROOT / "services" / "gateway").glob("*.py"))
+
+
+def _prompts(tag: str, n: int) -> list[str]:
+    return [f"{tag} request {i}: tell me a long story about hosts and bridges." for i in range(n)]
+
+
+def _expected(mesh: NetnsMesh, prompts: list[str], tokens: int) -> list[str]:
+    """The uninterrupted answers (same mesh, nothing cut)."""
+    streams = [Stream(p, tokens) for p in prompts]
+
+    async def run() -> None:
+        tasks, session = run_streams(mesh.public_http, streams)
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            await session.close()
+
+    run_on(mesh.client, run, timeout=150)
+    bad = [s for s in streams if not s.ok]
+    assert not bad, f"baseline run failed: {bad[0]}"
+    return [s.text for s in streams]
+
+
+def _assert_same(streams: list[Stream], expected: list[str]) -> None:
+    failed = [(i, s.status, s.finish_reason, s.error) for i, s in enumerate(streams) if not s.ok]
+    assert not failed, f"{len(failed)} streams did not complete: {failed[:5]}"
+    for i, (s, want) in enumerate(zip(streams, expected, strict=True)):
+        got = s.text
+        assert got == want, (
+            f"stream {i} differs from the uninterrupted run at char "
+            f"{next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))}"
+            f" (got {len(got)} chars, want {len(want)})")
+
+
+def _migrations(mesh: NetnsMesh) -> float:
+    return sum(mesh.gateway_counter(r, "kvmesh_gateway_migrations_total") for r in (0, 1))
+
+
+@dataclasses.dataclass
+class _CutRun:
+    streams: list[Stream]
+    cut_at: float
+    live_at_cut: int
+    # (seconds after the cut, generations the cut engine held), read on its own host.
+    timeline: list[tuple[float, int]]
+
+
+def _cut_engine_under_streams(mesh: NetnsMesh, prompts: list[str]) -> _CutRun:
+    streams = [Stream(p, TOKENS) for p in prompts]
+
+    async def run() -> _CutRun:
+        tasks, session = run_streams(mesh.public_http, streams)
+        try:
+            await wait_until(lambda: all(s.chunks >= 3 for s in streams), 60, "every stream to be mid-answer")
+            assert not any(s.done for s in streams), "a stream ended before the cut: make them longer"
+            live = await asyncio.to_thread(mesh.engine_live, 0)
+            cut_at = time.monotonic()
+            await asyncio.to_thread(mesh.net.cut, "eng0")
+            timeline: list[tuple[float, int]] = []
+            while not all(t.done() for t in tasks):
+                timeline.append((time.monotonic() - cut_at, await asyncio.to_thread(mesh.engine_live, 0)))
+                await asyncio.wait(tasks, timeout=1.0)
+            await asyncio.gather(*tasks)
+            return _CutRun(streams, cut_at, live, timeline)
+        finally:
+            await session.close()
+
+    return run_on(mesh.client, run, timeout=200)
+
+
+def test_engine_host_cut_streams_complete_identical_and_no_orphan_after_heal(netns_mesh: NetnsMesh) -> None:
+    mesh = netns_mesh
+    prompts = _prompts("cut", STREAMS)
+    expected = _expected(mesh, prompts, TOKENS)
+    migrations = _migrations(mesh)
+
+    try:
+        run = _cut_engine_under_streams(mesh, prompts)
+        ended = time.monotonic()
+        _assert_same(run.streams, expected)
+        assert run.live_at_cut > 0, "engine-0 held no stream when it was cut"
+        gaps = sorted(s.first_chunk_after(run.cut_at) - run.cut_at  # type: ignore[operator]
+                      for s in run.streams if s.first_chunk_after(run.cut_at) is not None)
+        stalled = [g for g in gaps if g > STALL_SECONDS]
+        moved = _migrations(mesh) - migrations
+        assert stalled and moved >= len(stalled), (stalled, moved)
+        print(f"\nengine host cut: {STREAMS}/{STREAMS} streams complete and identical; engine-0 held "
+              f"{run.live_at_cut}; {len(stalled)} stalled and migrated ({moved:.0f} migrations); cut -> first "
+              f"migrated token {stalled[0]:.1f}s, -> last stalled stream resumed {stalled[-1]:.1f}s, -> last "
+              f"token {ended - run.cut_at:.1f}s")
+        print("  engine-0's generations while cut off (s after cut, held): "
+              + ", ".join(f"{t:.0f}s:{n}" for t, n in run.timeline[::3]))
+    finally:
+        mesh.net.heal("eng0")
+    healed = time.monotonic()
+
+    # Healed: nothing orphaned keeps running there, and it serves again.
+    orphans_gone = mesh.wait_for(lambda: mesh.engine_live(0) == 0, ORPHAN_BOUND_SECONDS,
+                                 "engine-0 to hold no generation after the heal")
+    # ... and it generates nothing more.
+    tokens = metric(mesh.engine_metrics(0), "vllm:generation_tokens_total")
+    time.sleep(1.0)
+    assert metric(mesh.engine_metrics(0), "vllm:generation_tokens_total") == tokens
+    rejoined = mesh.wait_for(lambda: mesh.fresh_engines() == 2, 60, "engine-0 to rejoin the scheduler")
+    assert mesh.exited() == {}, f"services exited: {mesh.exited()}"
+    print(f"  healed: engine-0 holds 0 generations {orphans_gone:.1f}s after the heal "
+          f"(bound {ORPHAN_BOUND_SECONDS:.0f}s), fresh at the scheduler again after {rejoined:.1f}s; "
+          f"{time.monotonic() - healed:.1f}s")
+
+
+def test_gateway_host_cut_new_requests_succeed_through_envoy(netns_mesh: NetnsMesh) -> None:
+    mesh = netns_mesh
+    long_streams = [Stream(p, TOKENS) for p in _prompts("held", 6)]
+    new_streams = [Stream(p, 16) for p in _prompts("new", 10)]
+
+    async def run() -> tuple[float, float]:
+        tasks, session = run_streams(mesh.public_http, long_streams)
+        try:
+            await wait_until(lambda: all(s.chunks >= 1 for s in long_streams), 60, "long streams to run")
+            active = await asyncio.to_thread(mesh.gateway_counter, 0, "kvmesh_gateway_active_streams")
+            assert active > 0, "gateway-0 holds no stream"
+            cut_at = time.monotonic()
+            await asyncio.to_thread(mesh.net.cut, "gw0")
+            dropped = await asyncio.to_thread(
+                mesh.wait_for, lambda: not mesh.envoy_healthy("gw0"), 30, "Envoy to drop gateway-0")
+            new_tasks, new_session = run_streams(mesh.public_http, new_streams)
+            try:
+                await asyncio.gather(*new_tasks)
+            finally:
+                await new_session.close()
+            return dropped, time.monotonic() - cut_at
+        finally:
+            for t in tasks:
+                t.cancel()  # gateway-0's streams stall; resuming them is the next test's
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await session.close()
+
+    try:
+        dropped, elapsed = run_on(mesh.client, run, timeout=120)
+    finally:
+        mesh.net.heal("gw0")
+    bad = [(s.status, s.error) for s in new_streams if not s.ok]
+    assert not bad, f"{len(bad)} new requests failed after gateway-0 was cut: {bad[:3]}"
+    back = mesh.wait_for(lambda: mesh.envoy_healthy("gw0"), 60, "Envoy to take gateway-0 back")
+    print(f"\ngateway host cut: Envoy dropped gateway-0 {dropped:.1f}s after the cut; "
+          f"{len(new_streams)}/{len(new_streams)} new requests succeeded ({elapsed:.1f}s after the cut); "
+          f"healed, back in rotation after {back:.1f}s")
+
+
+@pytest.mark.skipif(not _resume_supported(), reason="needs resume")
+def test_gateway_host_cut_streams_resume_through_the_other_gateway(netns_mesh: NetnsMesh) -> None:
+    mesh = netns_mesh
+    n = 10
+    prompts = _prompts("resume", n)
+    expected = _expected(mesh, prompts, TOKENS)
+    streams = [Stream(p, TOKENS) for p in prompts]
+
+    async def run() -> float:
+        # A stream silent for 4 heartbeats is stalled: the client resumes it.
+        tasks, session = run_streams(mesh.public_http, streams, resume=True, stall_seconds=4.0)
+        try:
+            await wait_until(lambda: all(s.chunks >= 3 for s in streams), 60, "every stream to be mid-answer")
+            active = await asyncio.to_thread(mesh.gateway_counter, 0, "kvmesh_gateway_active_streams")
+            assert active > 0, "gateway-0 holds no stream"
+            cut_at = time.monotonic()
+            await asyncio.to_thread(mesh.net.cut, "gw0")
+            await asyncio.gather(*tasks)
+            return time.monotonic() - cut_at
+        finally:
+            await session.close()
+
+    try:
+        elapsed = run_on(mesh.client, run, timeout=200)
+    finally:
+        mesh.net.heal("gw0")
+    _assert_same(streams, expected)
+    resumed = sum(s.resumes > 0 for s in streams)
+    assert resumed >= 1, "no stream was resumed: did gateway-0 hold none?"
+    mesh.wait_for(lambda: mesh.envoy_healthy("gw0"), 60, "Envoy to take gateway-0 back")
+    print(f"\ngateway host cut with resume: {n}/{n} streams complete and identical, {resumed} resumed "
+          f"through gateway-1 (Last-Event-ID); {elapsed:.1f}s cut -> last token")
