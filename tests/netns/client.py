@@ -66,6 +66,7 @@ def _body(s: Stream) -> dict[str, Any]:
 
 async def _read(resp: aiohttp.ClientResponse, s: Stream, stall_seconds: float | None) -> None:
     """Consume one SSE response into `s` until [DONE] or the body ends."""
+    event_id = None  # the id of the event being read; it counts as seen once its data is
     while True:
         try:
             async with asyncio.timeout(stall_seconds):
@@ -76,10 +77,11 @@ async def _read(resp: aiohttp.ClientResponse, s: Stream, stall_seconds: float | 
             return
         line = raw.strip()
         if line.startswith(b"id:"):
-            s.last_event_id = line[3:].strip().decode()
+            event_id = line[3:].strip().decode()
         if not line.startswith(b"data:"):
             continue
         data = line[5:].strip()
+        s.last_event_id = event_id or s.last_event_id
         if data == b"[DONE]":
             s.done = True
             return
