@@ -97,13 +97,14 @@ async def _read(resp: aiohttp.ClientResponse, s: Stream, stall_seconds: float | 
 
 
 async def stream_completion(session: aiohttp.ClientSession, base_url: str, s: Stream,
-                            stall_seconds: float | None = None, resume: bool = False, attempts: int = 6) -> Stream:
+                            stall_seconds: float | None = None, resume: bool = False, attempts: int = 6,
+                            timeout: float = STREAM_TIMEOUT) -> Stream:
     """POST the request; never raises, records failures in `s`. With
     `resume`, a stalled or broken stream that has an event id is sent again
     with Last-Event-ID (up to `attempts` times)."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
     try:
-        async with asyncio.timeout(STREAM_TIMEOUT):
+        async with asyncio.timeout(timeout):
             for _ in range(attempts):
                 if s.last_event_id is not None:
                     headers["Last-Event-ID"] = s.last_event_id
@@ -122,7 +123,7 @@ async def stream_completion(session: aiohttp.ClientSession, base_url: str, s: St
                     s.resumes += 1
             s.error = f"gave up after {attempts} attempts"
     except TimeoutError:
-        s.error = f"no end after {STREAM_TIMEOUT} s"
+        s.error = f"no end after {timeout} s"
     return s
 
 

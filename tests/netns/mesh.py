@@ -247,12 +247,22 @@ class NetnsMesh:
         host = GATEWAYS[replica]
         return metric(self.get("client", f"http://{self.addr[host]}:{GATEWAY_METRICS}/metrics")[1], name)
 
-    def envoy_healthy(self, gateway: str) -> bool:
-        """Envoy's view (admin /clusters) of `gateway` in both clusters: healthy."""
+    def envoy_flags(self, gateway: str) -> dict[str, str]:
+        """Envoy's view (admin /clusters) of `gateway`: health flags per cluster."""
         text = self.get("envoy", f"http://127.0.0.1:{ENVOY_ADMIN}/clusters")[1]
         address = re.escape(self.addr[gateway])
-        flags = re.findall(rf"^({GRPC_CLUSTER}|{HTTP_CLUSTER})::{address}:\d+::health_flags::(\S+)$", text, re.M)
-        return len(flags) == 2 and all(f == "healthy" for _, f in flags)
+        found = re.findall(rf"^({GRPC_CLUSTER}|{HTTP_CLUSTER})::{address}:\d+::health_flags::(\S+)$", text, re.M)
+        return dict(found)
+
+    def envoy_healthy(self, gateway: str) -> bool:
+        """Both of Envoy's clusters send to `gateway`."""
+        flags = self.envoy_flags(gateway)
+        return len(flags) == 2 and all(f == "healthy" for f in flags.values())
+
+    def envoy_dropped(self, gateway: str) -> bool:
+        """Neither of Envoy's clusters sends to `gateway` (each checks it on its own)."""
+        flags = self.envoy_flags(gateway)
+        return len(flags) == 2 and all(f != "healthy" for f in flags.values())
 
     @staticmethod
     def wait_for(predicate: Callable[[], bool], timeout: float, what: str, poll: float = 0.2) -> float:

@@ -205,8 +205,8 @@ def test_gateway_host_cut_new_requests_succeed_through_envoy(netns_mesh: NetnsMe
             cut_at = time.monotonic()
             await asyncio.to_thread(mesh.net.cut, "gw0")
             dropped = await asyncio.to_thread(
-                mesh.wait_for, lambda: not mesh.envoy_healthy("gw0"), 30, "Envoy to drop gateway-0")
-            new_tasks, new_session = run_streams(mesh.public_http, new_streams)
+                mesh.wait_for, lambda: mesh.envoy_dropped("gw0"), 30, "Envoy to drop gateway-0")
+            new_tasks, new_session = run_streams(mesh.public_http, new_streams, timeout=30.0)
             try:
                 await asyncio.gather(*new_tasks)
             finally:
