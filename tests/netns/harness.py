@@ -379,8 +379,13 @@ class NetnsHarness:
         check_addresses(data, set(self.addresses.values()), where)
 
     def leftovers(self) -> list[str]:
-        """What of this run still exists (after close: should be nothing)."""
+        """What of this run still exists (after close: should be nothing):
+        namespaces, links in the root namespace with its names (none are
+        ever made there: veths are created inside the namespaces), the route."""
         left = [ns for ns in _namespaces() if ns.startswith(self.run_prefix)]
+        ports = {h.port for h in self.hosts.values()}
+        left += [f"link {name}" for name in re.findall(r"^\d+: ([^:@]+)", ip("-o", "link", "show"), re.M)
+                 if name in ports or name.startswith(PREFIX)]
         if self.subnet is not None and any(p == str(self.subnet) and pid == os.getpid()
                                            for p, pid in _our_routes()):
             left.append(f"route {self.subnet}")
