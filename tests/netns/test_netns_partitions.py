@@ -187,8 +187,10 @@ def test_engine_host_cut_streams_complete_identical_and_no_orphan_after_heal(net
     assert metric(mesh.engine_metrics(0), "vllm:generation_tokens_total") == tokens, "engine-0 still generates"
     mesh.wait_for(lambda: mesh.fresh_engines() == 2, 60, "engine-0 to rejoin the scheduler")
     assert mesh.exited() == {}, f"services exited: {mesh.exited()}"
+    fenced = metric(mesh.engine_metrics(0), "kvmesh_engine_fenced_total")  # helper "fence"'s counter, if any
     print(f"  healed with {run.live_at_heal} generations still on engine-0; it held none "
-          f"{zero_after_heal:.1f}s after the heal (bound {ORPHAN_BOUND_SECONDS:.0f}s); rejoined the scheduler")
+          f"{zero_after_heal:.1f}s after the heal (bound {ORPHAN_BOUND_SECONDS:.0f}s; {fenced:.0f} fenced); "
+          f"rejoined the scheduler")
 
 
 def test_gateway_host_cut_new_requests_succeed_through_envoy(netns_mesh: NetnsMesh) -> None:
