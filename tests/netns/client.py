@@ -1,0 +1,152 @@
+"""A streaming OpenAI client for the client host: /v1/completions over SSE
+through Envoy, recording when each chunk arrived (to measure how long a
+partition stalls a stream) and the SSE event ids. With `resume`, a stream
+that stalls (no byte, not even a heartbeat, for `stall_seconds`) or breaks is
+sent again with `Last-Event-ID` and continues where it stopped.
+
+Runs on the client host: `run_on(host, coro_factory)` runs an asyncio loop on
+a thread inside the host's namespace, so every socket it opens is the
+client host's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import aiohttp
+
+from .harness import Host
+from .mesh import API_KEY, MODEL
+
+__all__ = ["Stream", "run_on", "run_streams", "stream_completion"]
+
+T = TypeVar("T")
+STREAM_TIMEOUT = 150.0
+
+
+@dataclass
+class Stream:
+    """One request and what its client saw."""
+
+    prompt: str
+    max_tokens: int
+    status: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    done: bool = False
+    chunk_times: list[float] = field(default_factory=list)
+    last_event_id: str | None = None
+    resumes: int = 0
+
+    @property
+    def chunks(self) -> int:
+        return len(self.chunk_times)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.done and self.error is None and self.finish_reason in ("length", "stop")
+
+    def first_chunk_after(self, t: float) -> float | None:
+        return next((c for c in self.chunk_times if c > t), None)
+
+
+class _Stalled(Exception):
+    pass
+
+
+def _body(s: Stream) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": s.prompt, "max_tokens": s.max_tokens, "stream": True, "temperature": 0}
+
+
+async def _read(resp: aiohttp.ClientResponse, s: Stream, stall_seconds: float | None) -> None:
+    """Consume one SSE response into `s` until [DONE] or the body ends."""
+    event_id = None  # the id of the event being read; it counts as seen once its data is
+    while True:
+        try:
+            async with asyncio.timeout(stall_seconds):
+                raw = await resp.content.readline()
+        except TimeoutError as exc:
+            raise _Stalled from exc
+        if not raw:
+            return
+        line = raw.strip()
+        if line.startswith(b"id:"):
+            event_id = line[3:].strip().decode()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        s.last_event_id = event_id or s.last_event_id
+        if data == b"[DONE]":
+            s.done = True
+            return
+        event = json.loads(data)
+        if "error" in event:
+            s.error = json.dumps(event["error"])[:300]
+            continue
+        for choice in event.get("choices", ()):
+            s.text += choice.get("text") or ""
+            if choice.get("finish_reason"):
+                s.finish_reason = choice["finish_reason"]
+        s.chunk_times.append(time.monotonic())
+
+
+async def stream_completion(session: aiohttp.ClientSession, base_url: str, s: Stream,
+                            stall_seconds: float | None = None, resume: bool = False, attempts: int = 6,
+                            timeout: float = STREAM_TIMEOUT) -> Stream:
+    """POST the request; never raises, records failures in `s`. With
+    `resume`, a stalled or broken stream that has an event id is sent again
+    with Last-Event-ID (up to `attempts` times)."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    try:
+        async with asyncio.timeout(timeout):
+            for _ in range(attempts):
+                if s.last_event_id is not None:
+                    headers["Last-Event-ID"] = s.last_event_id
+                try:
+                    async with session.post(f"{base_url}/v1/completions", json=_body(s), headers=headers) as resp:
+                        s.status = resp.status
+                        if resp.status != 200:
+                            s.error = (await resp.text())[:300]
+                            return s
+                        await _read(resp, s, stall_seconds)
+                        return s
+                except (_Stalled, aiohttp.ClientError) as exc:
+                    if not (resume and s.last_event_id):
+                        s.error = f"{type(exc).__name__}: {exc}"
+                        return s
+                    s.resumes += 1
+            s.error = f"gave up after {attempts} attempts"
+    except TimeoutError:
+        s.error = f"no end after {timeout} s"
+    return s
+
+
+def run_streams(base_url: str, streams: list[Stream], **kw: Any) -> tuple[list[asyncio.Task[Stream]],
+                                                                          aiohttp.ClientSession]:
+    """Start every stream; the caller awaits the tasks, then closes the session."""
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    tasks = [asyncio.create_task(stream_completion(session, base_url, s, **kw)) for s in streams]
+    return tasks, session
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def run_on(host: Host, factory: Callable[[], Awaitable[T]], timeout: float) -> T:
+    """factory()'s coroutine on an event loop running inside `host`'s namespace."""
+    async def bounded() -> T:
+        async with asyncio.timeout(timeout):
+            return await factory()
+
+    return host.call(lambda: asyncio.run(bounded()), timeout=timeout + 10)
