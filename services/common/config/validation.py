@@ -97,6 +97,7 @@ def validate_config(config: MeshConfig, where: str = "config") -> None:
     envoy = mesh.at("envoy")
     envoy.ports("port", "admin_port")
     envoy.non_negative("base_id")
+    mesh.at("resume").non_negative("grace_seconds")
 
 
 def _check_models(mesh: _Section) -> None:
