@@ -65,6 +65,7 @@ from .admission_limits import AdmissionLimits, DispatchRateMeter, validate_optio
 from .aging import AgingRule
 from .class_stats import ClassLedger, ClassStat
 from .comebacks import Comebacks
+from .detached_leases import DetachedLeases
 from .events import Delivery, Outbox
 from .fleet import EngineFleet, EngineStat
 from .making_room import RoomMaker, placement_request
@@ -122,6 +123,7 @@ class SchedulerCore:
         self._seq = itertools.count()
         self._ledger = ClassLedger(self.metrics)
         self._requests = RequestBook(self.fleet, self.waiting, self.metrics, self._ledger)
+        self._detached = DetachedLeases(self._requests, self.fleet, config.resume.grace_seconds)
         self._preempt_classes = frozenset(self._config.preempt_classes)
         self._room = RoomMaker(
             self._requests, self.waiting, self.fleet, self.policy, self._limits, self._ledger, config)
@@ -169,6 +171,8 @@ class SchedulerCore:
 
     def _admit(self, options: AdmitOptions, now: float, displaced: list[Delivery]) -> Notice:
         validate_options(options)
+        if options.resume:
+            return self._detached.resume(options, now)
         if options.request_id in self._requests:
             raise AdmissionError(
                 RejectReason.INVALID,
@@ -231,7 +235,7 @@ class SchedulerCore:
 
     def _on_closed(self, event: ev.StreamClosed, out: Outbox, now: float) -> None:
         rec = self._requests.get(event.request_id)
-        if rec is not None:
+        if rec is not None and not self._detached.keep(rec, now):
             self._requests.finish(rec, Outcome.WITHDRAWN, now)
 
     def _on_first_token(self, event: ev.FirstToken, out: Outbox, now: float) -> None:
@@ -366,7 +370,8 @@ class SchedulerCore:
 
     def _on_tick(self, event: ev.Tick, out: Outbox, now: float) -> None:
         """Aging and TTL run in every dispatch; `handle` then drops empty
-        queues and refreshes the gauges."""
+        queues and refreshes the gauges. Detached leases expire here."""
+        self._detached.expire(now)
 
     def _on_shutdown(self, event: ev.ShutdownStarted, out: Outbox, now: float) -> None:
         self.shutting_down = True
