@@ -27,6 +27,14 @@ scheduler restart), its engine call (`engine_client.EngineStream`) and its
 unsent text around stop strings across a migration (`stop_seam.StopSeam`).
 `GenerationDriver` itself holds only what all requests share.
 
+Resume (README "Resuming a stream"): every relayed engine delta is counted
+across engines (`TextDelta.index`; each engine request carries the count so
+far as `delta_offset`). A job with `resume_from` (a client that lost its
+gateway re-sent the request) is re-admitted with `resume`, and the engine
+call re-attaches to the kept generation (`EngineStream.resume`): its replay
+rebuilds the tokens so far, and only deltas past `resume_from` reach the
+client -- nothing repeated or missing.
+
 Errors: failures before the first token raise `GatewayError` (the transport
 can still answer with a status); after it, the stream ends with a `Finished`
 event whose reason is ERROR / TIMEOUT / ABORT.
@@ -79,6 +87,14 @@ class GenerationDriver:
         self.settings = settings
         self.metrics = metrics
         self.clock = clock
+        # Set by `detach_all`: streams ended from now on stay resumable.
+        self.detaching = False
+
+    def detach_all(self) -> None:
+        """From now on, a request whose client stream is closed by this
+        gateway (a drain reaching its bound) leaves its generation and lease
+        kept for a resume instead of cancelling them."""
+        self.detaching = True
 
     def start(self, job: Job) -> EventStream:
         return EventStream(lambda emit: self.run(job, emit), self.settings.heartbeat_seconds, self.clock)
@@ -101,6 +117,10 @@ class _Generation:
         self._excluded: list[str] = []
         self._first_token_at: float | None = None
         self._last_delta_at = 0.0
+        # Engine deltas relayed so far (all engines), and the client's resume point.
+        self._deltas = 0
+        self._resume_from = job.resume_from
+        self._resume_pending = job.resume_from is not None
 
     async def run(self) -> None:
         driver = self._driver
@@ -109,7 +129,7 @@ class _Generation:
             placed = await lease.wait_placed(self._emit)
             finished = await self._generate(lease, placed)
         except BaseException:
-            await lease.abandon()
+            await lease.abandon(resumable=driver.detaching)
             raise
         driver.metrics.finished.labels(finished.reason.value).inc()
         # `done` goes out before the client's last event, so a transport that
@@ -143,7 +163,10 @@ class _Generation:
                 if ended is None:
                     self._driver.metrics.migrations.inc()
             except BaseException:
-                stream.cancel()
+                if self._driver.detaching:
+                    stream.detach()
+                else:
+                    stream.cancel()
                 raise
             if ended is not None:
                 return ended
@@ -191,16 +214,23 @@ class _Generation:
     async def _relay(self, lease: LeaseLink, placed: scheduler_pb2.Placed, stream: EngineStream) -> Finished:
         """Start the request on `stream` (resuming after what was generated)
         and relay its deltas to the client until it finishes."""
-        await stream.start(self._engine_request(placed))
+        if self._resume_pending:  # the first engine call of a resume re-attaches
+            self._resume_pending = False
+            await stream.resume(self._job.request_id, self._job.prompt_ids)
+        else:
+            await stream.start(self._engine_request(placed))
         async for event in stream.events():
             if event.HasField("delta"):
                 delta = event.delta
+                self._deltas += 1
                 if not delta.token_ids and not delta.text:
                     continue
-                self._observe_delta(len(delta.token_ids))
                 self._generated.extend(delta.token_ids)
                 text, stopped = self._seam.on_delta(delta.text, delta.held_text)
-                await self._emit(TextDelta(text, list(delta.token_ids), list(delta.logprobs)))
+                if self._resume_from is not None and self._deltas <= self._resume_from:
+                    continue  # replayed: the client has it
+                self._observe_delta(len(delta.token_ids))
+                await self._emit(TextDelta(text, list(delta.token_ids), list(delta.logprobs), self._deltas))
                 if stopped:
                     # A stop string across the seam: neither engine saw it whole.
                     await stream.abort()
@@ -209,6 +239,9 @@ class _Generation:
                     # The next request's engine stream opens now, off its TTFT path.
                     self._driver.engines.replenish(placed.engine_address)
                 continue
+            if event.HasField("resumed"):
+                self._on_resumed(event.resumed)
+                continue
             done = event.finished
             self._cached_tokens = min(done.usage.cached_tokens, len(self._job.prompt_ids))
             await stream.close()
@@ -216,6 +249,16 @@ class _Generation:
             reason = FinishReason.from_proto(done.finish_reason)
             return self._end(reason, done.message, ErrorKind.GENERATION_FAILED)
         raise EngineFailure(stream.engine_id, f"engine {stream.engine_id}: stream ended early")  # pragma: no cover
+
+    def _on_resumed(self, resumed: engine_pb2.EngineResumed) -> None:
+        """The engine kept the generation: what came before its replay."""
+        if self._resume_from is None or resumed.delta_offset > self._resume_from:
+            # The client's last event came from an engine before a migration:
+            # those deltas are gone (rare: a move just before the gateway died).
+            raise GatewayError(ErrorKind.CONFLICT, "this stream cannot be resumed exactly after "
+                               f"event {self._resume_from}; send the request again", code="resume_gap")
+        self._generated.extend(resumed.prior_token_ids)
+        self._deltas = resumed.delta_offset
 
     def _engine_request(self, placed: scheduler_pb2.Placed) -> engine_pb2.EngineRequest:
         """The request for the placed engine: after a migration, the prompt
@@ -231,6 +274,7 @@ class _Generation:
             priority=job.priority,
             lease_id=placed.lease_id,
             resumed_tokens=len(generated),
+            delta_offset=self._deltas,
         )
 
     async def _send_tail(self, text: str) -> None:

@@ -99,6 +99,7 @@ class EventStream:
         one SSE write), in order, nothing dropped. The first other event is
         held back and yielded next."""
         texts, ids, logprobs = [first.text], list(first.token_ids), list(first.logprobs)
+        index = first.index
         while True:
             try:
                 item = self._queue.get_nowait()
@@ -110,7 +111,8 @@ class EventStream:
             texts.append(item.text)
             ids.extend(item.token_ids)
             logprobs.extend(item.logprobs)
-        return TextDelta("".join(texts), ids, logprobs)
+            index = item.index
+        return TextDelta("".join(texts), ids, logprobs, index)
 
     async def aclose(self) -> None:
         if not self._task.done():

@@ -314,6 +314,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                 if kind == "done":
                     record.done = message.done
                     record.done_seen.set()
+                    if message.done.finish_reason == "abort":  # a withdrawal: the lease ends now
+                        record.cancelled = True
+                        self.admit_cancelled.set()
                 elif kind == "replace":
                     record.replaces.append(message.replace)
                     await context.write(self._placed(set(message.replace.exclude_engines)))
