@@ -1,0 +1,161 @@
+"""Stream resumption after a gateway is lost (README "Resuming a stream"):
+two gateways behind Envoy, streams running, one gateway SIGKILLed; every
+client whose stream broke re-sends the same request with `Last-Event-ID`
+through Envoy and gets the rest from the other gateway -- the full text
+exactly once, identical to an uninterrupted run. A resume with another
+tenant's key, or after the grace, is a clear 404."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from dataclasses import dataclass
+
+import aiohttp
+
+from services.bench.sse import SseEvents
+from services.common.config import ApiKeyConfig, MeshConfig
+from services.launcher.mesh import Mesh
+
+MESH_GATEWAYS = 2
+GRACE_SECONDS = 12.0
+OTHER_KEY = "resume-test-other-tenant-key"
+STREAMS = 8
+MAX_TOKENS = 500
+
+
+def _tune(config: MeshConfig) -> None:
+    config.resume.grace_seconds = GRACE_SECONDS
+    config.gateway.api_keys.append(ApiKeyConfig(
+        sha256=hashlib.sha256(OTHER_KEY.encode()).hexdigest(), tenant="other-tenant"))
+
+
+MESH_TUNE = _tune
+
+
+@dataclass
+class Client:
+    """One client's view: the text, the last event id, how it ended."""
+
+    prompt: str
+    text: str = ""
+    last_id: str | None = None
+    finish_reason: str | None = None
+    usage: dict | None = None
+    done: bool = False
+    resumes: int = 0
+    error: str | None = None
+
+
+def _body(mesh: Mesh, prompt: str) -> dict:
+    return {"model": mesh.config.engines.template.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+            "stream": True, "temperature": 0, "stream_options": {"include_usage": True}}
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, mesh: Mesh, client: Client, key: str,
+                  started: asyncio.Event | None = None) -> int:
+    """One attempt (a resume when the client has a last id); returns the
+    HTTP status. A broken connection leaves `done` False."""
+    headers = {"Authorization": f"Bearer {key}"}
+    if client.last_id is not None:
+        headers["Last-Event-ID"] = client.last_id
+    try:
+        async with session.post(f"{url}/v1/completions", json=_body(mesh, client.prompt), headers=headers) as resp:
+            if resp.status != 200:
+                client.error = (await resp.text())[:500]
+                return resp.status
+            events = SseEvents(resp.content)
+            async for event in events:
+                client.last_id = events.last_id
+                for choice in event.get("choices", ()):
+                    client.text += choice.get("text") or ""
+                    client.finish_reason = choice.get("finish_reason") or client.finish_reason
+                    if started is not None and client.text:
+                        started.set()
+                if event.get("usage"):
+                    client.usage = event["usage"]
+            client.done = events.done
+            return resp.status
+    except (TimeoutError, aiohttp.ClientError):
+        return 0
+
+
+async def _until_done(session: aiohttp.ClientSession, mesh: Mesh, client: Client,
+                      started: asyncio.Event) -> None:
+    url = mesh.endpoints.public_http
+    status = await _stream(session, url, mesh, client, mesh.api_key, started)
+    while not client.done and status in (0, 200) and client.resumes < 5:
+        assert client.last_id is not None, "the stream broke before its first event"
+        client.resumes += 1
+        status = await _stream(session, url, mesh, client, mesh.api_key)
+    assert client.done, f"status {status}: {client.error}"
+
+
+async def _reference(mesh: Mesh, prompts: list[str]) -> list[Client]:
+    async with aiohttp.ClientSession() as session:
+        clients = [Client(p) for p in prompts]
+        for client in clients:
+            assert await _stream(session, mesh.endpoints.public_http, mesh, client, mesh.api_key) == 200
+            assert client.done
+        return clients
+
+
+async def _kill_mid_stream(mesh: Mesh, prompts: list[str]) -> list[Client]:
+    clients = [Client(p) for p in prompts]
+    started = [asyncio.Event() for _ in prompts]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        tasks = [asyncio.create_task(_until_done(session, mesh, c, s)) for c, s in zip(clients, started)]
+        async with asyncio.timeout(120):
+            await asyncio.gather(*(s.wait() for s in started))
+        assert not any(c.done for c in clients), "streams ended before the kill; make them longer"
+        await asyncio.to_thread(mesh.kill, "gateway-1")
+        await asyncio.gather(*tasks)
+    return clients
+
+
+def test_sigkilled_gateway_streams_resume_exactly_once(e2e_mesh: Mesh) -> None:
+    prompts = [f"Resume stream {i}: tell me a long story about gateways." for i in range(STREAMS)]
+    want = asyncio.run(_reference(e2e_mesh, prompts))
+    got = asyncio.run(_kill_mid_stream(e2e_mesh, prompts))
+    print("resumes per client:", [c.resumes for c in got])
+    assert sum(c.resumes > 0 for c in got) >= 1, "no stream ran on the killed gateway"
+    for reference, client in zip(want, got):
+        assert client.text == reference.text, f"resumed {client.resumes}x: text differs"
+        assert client.finish_reason == reference.finish_reason
+        assert client.usage is not None and reference.usage is not None
+        assert client.usage["completion_tokens"] == reference.usage["completion_tokens"]
+        assert client.usage["prompt_tokens"] == reference.usage["prompt_tokens"]
+    e2e_mesh.restart("gateway-1")
+
+
+async def _detached_stream(mesh: Mesh, client: Client) -> None:
+    """A stream straight to gateway-1, which is killed after a few events."""
+    started = asyncio.Event()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        task = asyncio.create_task(_stream(session, mesh.endpoints.gateway_http[1], mesh, client,
+                                           mesh.api_key, started))
+        async with asyncio.timeout(60):
+            await started.wait()
+        await asyncio.to_thread(mesh.kill, "gateway-1")
+        await task
+    assert not client.done and client.last_id is not None
+
+
+async def _resume_status(mesh: Mesh, client: Client, key: str) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as session:
+        copy = Client(client.prompt, last_id=client.last_id)
+        status = await _stream(session, mesh.endpoints.public_http, mesh, copy, key)
+        return status, json.loads(copy.error or "{}")
+
+
+def test_resume_with_another_key_or_after_the_grace_is_a_404(e2e_mesh: Mesh) -> None:
+    client = Client("Resume stream refused: tell me a long story about keys.")
+    asyncio.run(_detached_stream(e2e_mesh, client))
+    status, body = asyncio.run(_resume_status(e2e_mesh, client, OTHER_KEY))
+    assert status == 404 and body["error"]["code"] == "resume_not_found", body
+    # Nobody resumes it: after the grace it is gone for its own key too.
+    asyncio.run(asyncio.sleep(GRACE_SECONDS + 3))
+    status, body = asyncio.run(_resume_status(e2e_mesh, client, e2e_mesh.api_key))
+    assert status == 404 and body["error"]["code"] == "resume_not_found", body
+    e2e_mesh.restart("gateway-1")
