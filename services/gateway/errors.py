@@ -160,6 +160,9 @@ _REQUEST_FAULTS = {
 
 def classify_engine_rpc_error(err: grpc.aio.AioRpcError, engine_id: str) -> GatewayError | EngineFailure:
     kind = _REQUEST_FAULTS.get(err.code())
+    if err.code() == grpc.StatusCode.ABORTED:  # a resume took the stream over elsewhere
+        return GatewayError(ErrorKind.CONFLICT, "this stream was resumed on another connection",
+                            code="stream_resumed")
     if kind is ErrorKind.CONFLICT:
         return GatewayError(
             kind,
@@ -168,9 +171,6 @@ def classify_engine_rpc_error(err: grpc.aio.AioRpcError, engine_id: str) -> Gate
         )
     if kind is ErrorKind.NOT_FOUND:  # only a resume asks for a generation by id
         return resume_not_found()
-    if err.code() == grpc.StatusCode.ABORTED:  # a resume took the stream over elsewhere
-        return GatewayError(kind or ErrorKind.CONFLICT, "this stream was resumed on another connection",
-                            code="stream_resumed")
     if kind is not None:
         return GatewayError(kind, f"the engine refused the request: {err.details()}")
     return EngineFailure(engine_id, f"engine {engine_id}: {err.code().name}: {err.details()}")
