@@ -10,10 +10,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import grpc
+import pytest
+from _streams import gateway_counter
 
 from services.bench.sse import SseEvents
 from services.common.config import ApiKeyConfig, MeshConfig
@@ -25,6 +29,9 @@ GRACE_SECONDS = 12.0
 OTHER_KEY = "resume-test-other-tenant-key"
 STREAMS = 8
 MAX_TOKENS = 500
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 
 
 def _tune(config: MeshConfig) -> None:
@@ -202,3 +209,65 @@ def test_grpc_stream_resumes_with_resume_from(e2e_mesh: Mesh) -> None:
     assert text(first) + text(rest) == text(want)
     assert rest[-1].finished.usage.completion_tokens == want[-1].finished.usage.completion_tokens
     assert rest[-1].finished.finish_reason == want[-1].finished.finish_reason
+
+
+async def _busy_gateway(mesh: Mesh) -> str:
+    """The gateway replica streaming the (only) running request."""
+    for _ in range(200):
+        for replica in range(MESH_GATEWAYS):
+            if await asyncio.to_thread(gateway_counter, mesh, "kvmesh_gateway_active_streams", "", replica) > 0:
+                return f"gateway-{replica}"
+        await asyncio.sleep(0.05)
+    raise AssertionError("no gateway reports the page's stream")
+
+
+@pytest.mark.browser
+async def test_chat_page_resumes_a_dropped_stream_by_itself(e2e_mesh: Mesh) -> None:
+    if not Path(CHROMIUM).exists():
+        pytest.skip("chromium is not installed (scripts/setup.sh installs Debian's chromium as root)")
+    from playwright.async_api import async_playwright  # only this test needs it
+
+    question = "Tell me a long story about a gateway that came back."
+    async with async_playwright() as p:
+        browser = await p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = await browser.new_page()
+            console: list[str] = []
+            page.on("console", lambda m: console.append(m.text))
+            await page.goto(f"{e2e_mesh.endpoints.public_http}/")
+            await page.fill("#key", e2e_mesh.api_key)
+            await page.dispatch_event("#key", "change")
+            model = e2e_mesh.config.engines.template.model
+            await page.wait_for_selector(f"#model option[value='{model}']", state="attached", timeout=30_000)
+            await page.select_option("#model", model)
+            await page.fill("#max-tokens", "1500")
+            answer = page.locator(".turn.assistant .text").last
+
+            async def ask() -> None:
+                await page.fill("#question", question)
+                await page.click("#send")
+
+            async def ended() -> str:
+                await page.wait_for_selector("#status:not([data-state='generating']):not([data-state='connecting'])"
+                                             ":not([data-state='resuming']):not([data-state='queued'])",
+                                             timeout=120_000)
+                return f"{await page.get_attribute('#status', 'data-state')}: {await page.text_content('#status')}"
+
+            await ask()  # uninterrupted: the reference answer
+            first_end = await ended()
+            assert first_end.startswith("done"), (first_end, console, await answer.get_attribute("data-resumes"),
+                                                  await answer.get_attribute("data-deltas"))
+            want = await answer.text_content()
+            await page.click("#clear")
+            await ask()
+            await page.wait_for_selector("#status[data-state='generating']", timeout=60_000)
+            await asyncio.to_thread(e2e_mesh.kill, await _busy_gateway(e2e_mesh))
+            status = await ended()
+            assert status.startswith("done"), status
+            assert int(await answer.get_attribute("data-resumes") or 0) >= 1
+            assert await answer.text_content() == want
+        finally:
+            await browser.close()
+    for replica in range(MESH_GATEWAYS):
+        if not e2e_mesh.is_running(f"gateway-{replica}"):
+            e2e_mesh.restart(f"gateway-{replica}")
