@@ -97,19 +97,25 @@ class GenerationDriver:
         self.detaching = True
 
     def start(self, job: Job) -> EventStream:
-        return EventStream(lambda emit: self.run(job, emit), self.settings.heartbeat_seconds, self.clock)
+        generation = _Generation(self, job)
+        return EventStream(generation.run, self.settings.heartbeat_seconds, self.clock, generation.before_close)
 
     async def run(self, job: Job, emit: Emit) -> None:
-        await _Generation(self, job, emit).run()
+        await _Generation(self, job).run(emit)
+
+
+async def _no_emit(_event: object) -> None:
+    raise RuntimeError("a generation emits only while it runs")
 
 
 class _Generation:
     """One request's run, owned by its pump task."""
 
-    def __init__(self, driver: GenerationDriver, job: Job, emit: Emit) -> None:
+    def __init__(self, driver: GenerationDriver, job: Job) -> None:
         self._driver = driver
         self._job = job
-        self._emit = emit
+        self._emit: Emit = _no_emit
+        self._stream: EngineStream | None = None  # the engine call now
         self._generated: list[int] = []
         self._cached_tokens = 0
         self._seam = StopSeam(job.sampling.stop, job.sampling.min_tokens)
@@ -122,7 +128,16 @@ class _Generation:
         self._resume_from = job.resume_from
         self._resume_pending = job.resume_from is not None
 
-    async def run(self) -> None:
+    async def before_close(self) -> None:
+        """The transport closes before the end (its client left): say
+        `cancel` on the engine call first. Cancelling the pump while it
+        waits in a grpc.aio read ends the call bare, which the engine would
+        take for a vanished gateway and keep the generation for a resume."""
+        if self._stream is not None and not self._driver.detaching:
+            await self._stream.say_cancel()
+
+    async def run(self, emit: Emit) -> None:
+        self._emit = emit
         driver = self._driver
         lease = await LeaseLink.admit(self._job, self._generated, driver.scheduler, driver.metrics, driver.clock)
         try:
@@ -143,7 +158,7 @@ class _Generation:
         preempted, requeue and continue where it is placed next."""
         deadline = asyncio.get_running_loop().time() + self._job.max_generation_seconds
         while True:
-            stream = self._driver.engines.open(placed.engine_address, placed.engine_id)
+            stream = self._stream = self._driver.engines.open(placed.engine_address, placed.engine_id)
             lease.running_on(placed.engine_id, stream.stop)
             move: Callable[[Emit], Awaitable[scheduler_pb2.Placed]]
             try:

@@ -52,7 +52,8 @@ class EngineStream:
         self.engine_id = engine_id
         # Set by `stop()`: the call was cancelled on purpose, from outside.
         self._stopped = False
-        self._ending = False
+        # `cancel` was (or is being) written: the engine ends the generation.
+        self._said_cancel = False
 
     async def start(self, request: engine_pb2.EngineRequest) -> None:
         await self._send_first(engine_pb2.EngineGenerateMessage(request=request))
@@ -121,11 +122,26 @@ class EngineStream:
                 raise
         self._call.cancel()
 
+    async def say_cancel(self) -> None:
+        """Write `cancel` now (bounded), leaving the call open: whoever ends
+        the call afterwards (even bare) no longer leaves the generation kept."""
+        if self._said_cancel or self._call.done():
+            return
+        self._said_cancel = True
+        try:
+            async with asyncio.timeout(0.5):
+                await self._call.write(_CANCEL)
+        except Exception:  # noqa: BLE001 - a call already broken or busy
+            pass
+
     def cancel(self) -> None:
         """End the call now, saying `cancel` first (in the background)."""
-        if self._ending or self._call.done():
+        if self._call.done():
             return
-        self._ending = True
+        if self._said_cancel:
+            self._call.cancel()
+            return
+        self._said_cancel = True
         task = asyncio.get_running_loop().create_task(self._cancel_then_end())
         _ENDING.add(task)
         task.add_done_callback(_ENDING.discard)

@@ -39,7 +39,12 @@ class EventStream:
 
     _END = object()
 
-    def __init__(self, run: Callable[[Emit], Awaitable[None]], heartbeat_seconds: float, clock: Clock) -> None:
+    def __init__(
+        self, run: Callable[[Emit], Awaitable[None]], heartbeat_seconds: float, clock: Clock,
+        before_close: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        # Awaited by `aclose` before it cancels a driver still running.
+        self._before_close = before_close
         self._queue: asyncio.Queue[object] = asyncio.Queue(_QUEUE_DEPTH)
         self._heartbeat = heartbeat_seconds
         self._clock = clock
@@ -116,6 +121,11 @@ class EventStream:
 
     async def aclose(self) -> None:
         if not self._task.done():
+            if self._before_close is not None:
+                try:
+                    await self._before_close()
+                except Exception:
+                    log.debug("before_close failed", exc_info=True)
             self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task

@@ -124,6 +124,9 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.cancels = 0
         self.requests: list[engine_pb2.EngineRequest] = []
         self.cancelled = asyncio.Event()
+        # `cancel` messages received (a call that just ends leaves a real
+        # engine's generation kept for a resume: services/engine/detached.py).
+        self.polite_cancels = 0
         self.cancelled_at: float | None = None
         self.address = ""
         self.server: grpc.aio.Server | None = None
@@ -140,6 +143,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                 if message is grpc.aio.EOF:
                     return
                 if message.HasField("cancel"):
+                    self.polite_cancels += 1
                     stop.set()
                     return
 

@@ -137,6 +137,7 @@ async def test_grpc_cancel_reaches_engine(mesh: Mesh) -> None:
         call.cancel()
         await asyncio.wait_for(engine.cancelled.wait(), 10)
         await asyncio.wait_for(mesh.scheduler.admit_cancelled.wait(), 10)
+        assert engine.polite_cancels == 1  # said: not kept for a resume
 
 
 async def test_grpc_deadline_and_max_generation_time(mesh: Mesh) -> None:

@@ -291,6 +291,8 @@ async def test_client_disconnect_cancels_engine(mesh: Mesh) -> None:
     delay = engine.cancelled_at - left_at
     print(f"engine saw the cancel {delay * 1000:.1f} ms after the client left")
     assert len(engine.requests) == 1
+    # Said, not just a closed call: the engine ends it rather than keeping it for a resume.
+    assert engine.polite_cancels == 1
 
 
 async def test_migration_is_seamless(mesh: Mesh) -> None:
