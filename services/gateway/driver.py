@@ -162,8 +162,7 @@ class _Generation:
             lease.running_on(placed.engine_id, stream.stop)
             move: Callable[[Emit], Awaitable[scheduler_pb2.Placed]]
             try:
-                async with asyncio.timeout_at(deadline):
-                    return await self._relay(lease, placed, stream)
+                return await self._relay_until(deadline, lease, placed, stream)
             except TimeoutError:
                 await stream.abort()
                 return self._timed_out()
@@ -190,6 +189,30 @@ class _Generation:
                     placed = await move(self._emit)
             except TimeoutError:
                 return self._timed_out()
+
+    async def _relay_until(
+        self, deadline: float, lease: LeaseLink, placed: scheduler_pb2.Placed, stream: EngineStream,
+    ) -> Finished:
+        """`_relay` until `deadline` (loop time), then TimeoutError. A timer
+        stops the engine call politely (`cancel` said), rather than a timeout
+        cancelling the pending read -- that would end the call bare, and the
+        engine would keep the generation for a resume (see `before_close`)."""
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            stream.stop()
+
+        timer = asyncio.get_running_loop().call_at(deadline, expire)
+        try:
+            return await self._relay(lease, placed, stream)
+        except EngineStopped:
+            if expired:
+                raise TimeoutError from None
+            raise
+        finally:
+            timer.cancel()
 
     async def _engine_lost(self, failure: EngineFailure) -> Finished | None:
         """The engine failed: how the request ends now, or None to migrate."""
