@@ -247,7 +247,7 @@ class SchedulerCore:
         """The lease ends now (the stream's close later finds nothing to do)."""
         rec = self._requests.get(event.request_id)
         if rec is not None:
-            self._requests.finish(rec, Outcome.DONE, now)
+            self._requests.finish(rec, Outcome.WITHDRAWN if event.withdrawn else Outcome.DONE, now)
 
     # ------------------------------------------------------------ engines
 

@@ -332,7 +332,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if kind == "first_token":
             self.deliver(self.core.handle(ev.FirstToken(request_id)))
         elif kind == "done":
-            self.deliver(self.core.handle(ev.RequestDone(request_id)))
+            self.deliver(self.core.handle(ev.RequestDone(request_id, msg.done.finish_reason == "abort")))
         elif kind == "requeue":
             q = msg.requeue
             self.deliver(self.core.handle(ev.RequeueRequested(
