@@ -3,6 +3,10 @@
 // event per GenerateEvent). fetch, not EventSource: it can send the API key
 // in the Authorization header (never in the URL, where it would reach logs)
 // and it can be aborted, which cancels the request in the mesh.
+// A stream that drops (its gateway died, the network blinked) resumes by
+// itself: the same request again with `resume: {requestId, lastIndex}` (the
+// last delta's `index`), a few times at most; the mesh continues it from the
+// next delta, nothing repeated (README "Resuming a stream").
 "use strict";
 
 (() => {
@@ -14,6 +18,8 @@
   // The conversation so far (what the model sees), and the running request.
   let history = [];
   let running = null; // {controller, stopped}
+  // Resume attempts for one answer, and the wait before each (ms, times the attempt).
+  const MAX_RESUMES = 5, RESUME_BACKOFF_MS = 500;
 
   function setStatus(state, text) {
     status.dataset.state = state;
@@ -77,6 +83,7 @@
       setStatus("queued", `Queued: ${where}.`);
       status.dataset.queuePosition = String(q.position);
     } else if (event.delta) {
+      out.dataset.lastIndex = String(event.index || 0);
       out.textContent += event.delta.text || "";
       out.dataset.deltas = String(Number(out.dataset.deltas || 0) + 1);
       setStatus("generating", "Generating…");
@@ -92,6 +99,60 @@
     return false; // heartbeats keep the connection alive; nothing to show
   }
 
+  // One attempt: POST the request (a resume when `resume` is set) and read
+  // its events into `out`. True once the answer's end arrived; a dropped
+  // connection returns false (or throws), an HTTP error throws.
+  async function streamOnce(request, resume, out, controller) {
+    const body = resume ? { ...request, resume } : request;
+    const resp = await fetch("/v1/chat", {
+      method: "POST",
+      headers: { ...authHeaders(), "Content-Type": "application/json" },
+      body: JSON.stringify(body),
+      signal: controller.signal,
+    });
+    if (!resp.ok) {
+      const err = new Error(`${resp.status}: ${await errorText(resp)}`);
+      err.status = resp.status;
+      throw err;
+    }
+    const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader();
+    let buffer = "", finished = false;
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return finished;
+      buffer += value;
+      // Events are separated by a blank line; keep a partial one for later.
+      const parts = buffer.split("\n\n");
+      buffer = parts.pop();
+      for (const part of parts) {
+        for (const line of part.split("\n")) {
+          if (!line.startsWith("data:")) continue;
+          const event = JSON.parse(line.slice(5));
+          if (event.requestId) out.dataset.requestId = event.requestId;
+          finished = handleEvent(event, out) || finished;
+        }
+      }
+    }
+  }
+
+  // The answer, resuming a dropped stream up to MAX_RESUMES times.
+  async function answer(request, out, controller) {
+    for (let attempt = 0; ; attempt++) {
+      const resume = attempt && out.dataset.requestId
+        ? { requestId: out.dataset.requestId, lastIndex: Number(out.dataset.lastIndex || 0) } : null;
+      try {
+        if (await streamOnce(request, resume, out, controller)) return true;
+      } catch (err) {
+        // A refusal (404: nothing to resume any more) or the user's Stop ends it.
+        if (err.status || (running && running.stopped) || !out.dataset.requestId) throw err;
+      }
+      if (attempt >= MAX_RESUMES || !out.dataset.requestId) return false;
+      out.dataset.resumes = String(attempt + 1);
+      setStatus("resuming", `Connection lost; resuming (${attempt + 1}/${MAX_RESUMES})…`);
+      await new Promise((r) => setTimeout(r, RESUME_BACKOFF_MS * (attempt + 1)));
+    }
+  }
+
   async function ask(text) {
     addTurn("user", text);
     const out = addTurn("assistant", "");
@@ -103,36 +164,14 @@
     stopButton.disabled = false;
     setStatus("connecting", "Sending…");
     delete status.dataset.queuePosition;
-    let finished = false;
+    const request = {
+      model: modelSelect.value,
+      messages: [...history],
+      priority: priority.value,
+      sampling: { maxTokens: Number(maxTokens.value) || 256 },
+    };
     try {
-      const resp = await fetch("/v1/chat", {
-        method: "POST",
-        headers: { ...authHeaders(), "Content-Type": "application/json" },
-        body: JSON.stringify({
-          model: modelSelect.value,
-          messages: history,
-          priority: priority.value,
-          sampling: { maxTokens: Number(maxTokens.value) || 256 },
-        }),
-        signal: controller.signal,
-      });
-      if (!resp.ok) throw new Error(`${resp.status}: ${await errorText(resp)}`);
-      const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader();
-      let buffer = "";
-      for (;;) {
-        const { value, done } = await reader.read();
-        if (done) break;
-        buffer += value;
-        // Events are separated by a blank line; keep a partial one for later.
-        const parts = buffer.split("\n\n");
-        buffer = parts.pop();
-        for (const part of parts) {
-          for (const line of part.split("\n")) {
-            if (!line.startsWith("data:")) continue;
-            finished = handleEvent(JSON.parse(line.slice(5)), out) || finished;
-          }
-        }
-      }
+      const finished = await answer(request, out, controller);
       if (!finished) setStatus("error", "The stream ended without an answer's end.");
       history.push({ role: "assistant", content: out.textContent });
     } catch (err) {

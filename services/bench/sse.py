@@ -17,11 +17,13 @@ class SseEvents:
 
     Comments (heartbeats) and blank lines are skipped; iteration ends at
     `data: [DONE]` (then `done` is True) or when the body ends without it.
+    `last_id` is the last `id:` seen (a resume's Last-Event-ID), or None.
     """
 
     def __init__(self, content: aiohttp.StreamReader) -> None:
         self._content = content
         self.done = False
+        self.last_id: str | None = None
 
     def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
         return self._events()
@@ -29,6 +31,9 @@ class SseEvents:
     async def _events(self) -> AsyncIterator[dict[str, Any]]:
         async for raw in self._content:
             line = raw.strip()
+            if line.startswith(b"id:"):
+                self.last_id = line[3:].strip().decode()
+                continue
             if not line.startswith(b"data:"):
                 continue
             data = line[5:].strip()

@@ -11,8 +11,13 @@ watches the client's side for a `cancel`. With grpc.aio a client cancelling
 the call while the server reads looks like a half-close (the read returns
 EOF), so EOF is never taken as "stop": the generation goes on until it
 finishes, a `cancel` arrives, or the call is cancelled -- which grpc.aio
-delivers by cancelling this handler, whose `finally` aborts the generation
-at once. A done callback on the call does the same as a second line.
+delivers by cancelling this handler. Its `finally` then ends the generation
+-- after a polite `cancel`, or once the final output went out -- or, when
+the call just broke (the gateway died or its link did), keeps it DETACHED
+for a resume (detached.py): a later call whose first message is `resume`
+re-attaches to it, gets `resumed`, every delta from the first, then the rest
+live. Unknown id -> NOT_FOUND; other prompt -> INVALID_ARGUMENT; a call
+superseded by a resume ends ABORTED.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from services.common.finish_reason import FinishReason
 from services.common.idle_calls import IdleCalls
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine.backend import GenerationOutput, GenerationRequest, InvalidRequest, Sampling
+from services.engine.detached import Attachment, UnknownGeneration
 from services.engine.errors import DuplicateRequest, NotAccepting
 from services.engine.runtime import EngineRuntime, Generation
 
@@ -92,9 +98,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def Generate(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         first = await self.idle_calls.first_message(context)
+        if first is not grpc.aio.EOF and first.WhichOneof("msg") == "resume":
+            await self._resume(first.resume, context)
+            return
         if first is grpc.aio.EOF or first.WhichOneof("msg") != "request":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "the first Generate message must be `request`")
+                                "the first Generate message must be `request` or `resume`")
         try:
             generation = self._runtime.open(request_from_proto(first.request))
         except InvalidRequest as exc:
@@ -104,21 +113,67 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         except NotAccepting as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         request = first.request
+        generation.delta_offset = request.delta_offset
         # One line per request, keyed by the gateway's id (x-request-id).
         log.info("request %s started (%d prompt tokens, priority %d)", request.request_id,
                  len(request.prompt_token_ids), request.priority)
-        context.add_done_callback(
-            lambda _ctx: generation.cancel("the client closed the call"))  # type: ignore[arg-type]  # types-grpcio: a class no function matches
-        reader = asyncio.create_task(self._read_cancel(context, generation))
+        await self._serve(generation, context, None)
+
+    async def _resume(self, msg: engine_pb2.ResumeGeneration, context: grpc.aio.ServicerContext) -> None:
         try:
-            await self._stream(generation, context)
+            generation = self._runtime.kept.find(msg.request_id, list(msg.prompt_token_ids))
+        except UnknownGeneration as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        request = generation.request
+        resumed = engine_pb2.EngineResumed(
+            prior_token_ids=request.prompt_token_ids[len(msg.prompt_token_ids):],
+            delta_offset=generation.delta_offset)
+        await self._serve(generation, context, resumed)
+
+    async def _serve(self, generation: Generation, context: grpc.aio.ServicerContext,
+                     resumed: engine_pb2.EngineResumed | None) -> None:
+        """Own `generation` for this call (detached.py): replay (a resume),
+        stream, and on the way out end it, keep it, or leave it be."""
+        mine = await self._runtime.kept.attach(generation)
+        reader = asyncio.create_task(self._read_cancel(context, generation, mine))
+        delivered = False
+        try:
+            if resumed is None or not await self._replay(generation, context, resumed):
+                await self._stream(generation, context)
+            delivered = True
+        except grpc.aio.AbortError:
+            delivered = True
+            raise
+        except asyncio.CancelledError:
+            if not mine.superseded:
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            delivered = True
+            await context.abort(grpc.StatusCode.ABORTED, "this stream was resumed by another call")
         finally:
             reader.cancel()
-            generation.cancel("the client closed the call")  # no-op once finished
-            generation.close()
+            self._runtime.kept.leave(generation, mine, delivered)
+
+    async def _replay(self, generation: Generation, context: grpc.aio.ServicerContext,
+                      resumed: engine_pb2.EngineResumed) -> bool:
+        """Send `resumed` and every output taken so far; True if that ended the stream."""
+        await context.write(engine_pb2.EngineGenerateEvent(resumed=resumed))
+        for out in list(generation.record.deltas):
+            await context.write(_delta(out))
+        final = generation.record.final
+        if final is None:
+            return False
+        if generation.handed_over:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, final.message)
+        await context.write(_finished(final))
+        return True
 
     async def _stream(self, generation: Generation, context: grpc.aio.ServicerContext) -> None:
-        outputs = generation.outputs()
+        outputs = generation.outputs(close=False)
         try:
             async for out in outputs:
                 if out.token_ids or out.text or out.logprobs:
@@ -139,13 +194,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await outputs.aclose()
 
     @staticmethod
-    async def _read_cancel(context: grpc.aio.ServicerContext, generation: Generation) -> None:
+    async def _read_cancel(context: grpc.aio.ServicerContext, generation: Generation, mine: Attachment) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError):
             while True:
                 msg = await context.read()
                 if msg is grpc.aio.EOF:
                     return  # half-close OR a cancel in disguise: never ends the generation
                 if msg.WhichOneof("msg") == "cancel":
+                    mine.polite = True
                     generation.cancel("cancelled by the client")
                     return
 

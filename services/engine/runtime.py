@@ -52,6 +52,8 @@ Both backends share this code path: the sim's batch is max_running +
 p0_headroom (sim/backend.py), vLLM's max_num_seqs is vllm.max_num_seqs +
 p0_headroom (vllm_backend/launch.py); each advertises max_running only.
 
+A generation whose caller vanished is kept for a resume (detached.py).
+
 Ownership: all state here is touched only from the event loop thread; the
 registry is changed by `open` and by a generation's `close`, exactly once
 each. A closed generation's id stays registered until its pump has closed the
@@ -63,114 +65,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from services.common.clock import Clock, SystemClock
 from services.common.finish_reason import FinishReason
 from services.engine.backend import (
-    BackendInfo,
     EngineBackend,
     EngineDead,
     GenerationOutput,
     GenerationRequest,
     InvalidRequest,
     LoadSnapshot,
-    Sampling,
 )
 from services.engine.batch_gate import BatchGate
 from services.engine.coalesce import DeltaBuffer, StreamPacing
+from services.engine.detached import Keeper, OutputRecord
 from services.engine.errors import DuplicateRequest, NotAccepting
 from services.engine.liveness import HangPolicy, LivenessWatch
 from services.engine.metrics import EngineMetrics
+from services.engine.request_rules import validate_request
 
 __all__ = ["EngineRuntime", "Generation", "validate_request"]
 
 log = logging.getLogger(__name__)
-
-MAX_PRIORITY = 2
-
-
-@dataclass(frozen=True)
-class _Range:
-    """An optional sampling field's allowed values (None = engine default,
-    always allowed). The bounds are vLLM's, the strictest backend's, so a
-    request valid on one backend is valid on every one."""
-
-    field: str
-    low: float
-    high: float = math.inf
-    low_open: bool = False  # low itself is not allowed
-    integer: bool = False
-
-    def check(self, value: object) -> None:
-        if value is None:
-            return
-        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
-            kind = "an integer" if self.integer else "a number"
-            raise InvalidRequest(f"sampling.{self.field} must be {kind}, got {value!r}")
-        above = value > self.low if self.low_open else value >= self.low
-        if not (above and value <= self.high and math.isfinite(value)):
-            left = "(" if self.low_open else "["
-            right = "]" if math.isfinite(self.high) else ")"
-            raise InvalidRequest(
-                f"sampling.{self.field} must be in {left}{self.low:g}, {self.high:g}{right}, got {value!r}"
-            )
-
-
-# Literal table: one row per optional sampling field with a range.
-_SAMPLING_RANGES = (
-    _Range("temperature", 0.0, 2.0),
-    _Range("top_p", 0.0, 1.0, low_open=True),
-    _Range("top_k", -1, integer=True),  # -1 and 0 both mean "no top-k" (vLLM's convention)
-    _Range("min_p", 0.0, 1.0),
-    _Range("presence_penalty", -2.0, 2.0),
-    _Range("frequency_penalty", -2.0, 2.0),
-    _Range("repetition_penalty", 0.0, low_open=True),
-    _Range("logprobs", 0, integer=True),
-)
-
-
-def validate_request(request: GenerationRequest, info: BackendInfo) -> None:
-    """The rules every backend shares, checked here once for every transport;
-    raises InvalidRequest (INVALID_ARGUMENT) saying what to change. A backend
-    checks only what is its own (the sim: KV capacity; vLLM: its sampling
-    and input checks). A live duplicate id is `EngineRuntime.open`'s rule."""
-    if not request.request_id:
-        raise InvalidRequest("request_id is empty: give every request a unique id")
-    prompt = request.prompt_token_ids
-    if not prompt:
-        raise InvalidRequest("prompt_token_ids is empty: send at least one token")
-    if request.sampling.max_tokens <= 0:
-        raise InvalidRequest("sampling.max_tokens must be at least 1")
-    if not 0 <= request.priority <= MAX_PRIORITY:
-        raise InvalidRequest(f"priority {request.priority} is out of range: use 0 (P0) .. 2 (P2)")
-    if request.resumed_tokens > len(prompt):
-        raise InvalidRequest(
-            f"resumed_tokens ({request.resumed_tokens}) exceeds the {len(prompt)} tokens sent"
-        )
-    total = len(prompt) + request.sampling.max_tokens
-    if info.max_model_len and total > info.max_model_len:
-        raise InvalidRequest(
-            f"prompt ({len(prompt)} tokens) + max_tokens ({request.sampling.max_tokens}) = {total} "
-            f"exceeds max_model_len {info.max_model_len}; shorten the prompt or lower max_tokens"
-        )
-    if info.vocab_size:
-        bad = next((t for t in prompt if not 0 <= t < info.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"token id {bad} is out of the vocabulary (size {info.vocab_size})")
-    _validate_sampling(request.sampling)
-
-
-def _validate_sampling(sampling: Sampling) -> None:
-    for rule in _SAMPLING_RANGES:
-        rule.check(getattr(sampling, rule.field))
-    if not 0 <= sampling.min_tokens <= sampling.max_tokens:
-        raise InvalidRequest(
-            f"sampling.min_tokens must be in [0, max_tokens={sampling.max_tokens}], got {sampling.min_tokens}"
-        )
-
 
 class Generation:
     """One live request. Iterate `outputs()` once; `cancel()` aborts at once."""
@@ -186,26 +104,36 @@ class Generation:
         self._completion = 0
         self._cached = 0
         self._closed = False
+        self._offered = False
+        # What the transport took (replayed on a resume), and the index of
+        # this engine's first delta in the client's stream (delta_offset).
+        self.record = OutputRecord()
+        self.delta_offset = 0
         # Ended by a stopping engine rather than by the client or the model:
         # the transport tells the client to continue elsewhere (UNAVAILABLE),
         # so the gateway migrates the stream from its next token.
         self.handed_over = False
 
-    async def outputs(self) -> AsyncGenerator[GenerationOutput, None]:
-        """Merged outputs; the last has finish_reason set. Raises
-        InvalidRequest before any output if the backend refuses the request."""
-        if not self._buffer.closed:  # cancelled before it began: never start the backend
+    async def outputs(self, close: bool = True) -> AsyncGenerator[GenerationOutput, None]:
+        """Merged outputs after those taken already; the last has
+        finish_reason set. Raises InvalidRequest before any output if the
+        backend refuses the request. `close=False`: the generation outlives
+        the iteration (the gRPC transport may keep it for a resume)."""
+        if not self._offered and not self._buffer.closed:  # cancelled before it began: never start it
+            self._offered = True
             self._runtime.gate.offer(self)
         pacing, hold = self._runtime.pacing, 0.0
         try:
-            while True:
+            while self.record.final is None:
                 out = await self._buffer.take(hold)
+                self.record.add(out)
                 yield out
                 if out.finish_reason is not None:
                     return
                 hold = pacing.hold_seconds(self._runtime.gate.in_backend, self.request.priority)
         finally:
-            self.close()
+            if close:
+                self.close()
 
     def submit(self) -> None:
         """Start the backend stream (the runtime's gate decides when)."""
@@ -307,6 +235,7 @@ class EngineRuntime:
         clock: Clock | None = None,
         pacing: StreamPacing | None = None,
         hang: HangPolicy | None = None,
+        resume_grace_seconds: float = 0.0,
     ) -> None:
         self.backend = backend
         self.metrics = metrics
@@ -320,6 +249,7 @@ class EngineRuntime:
         self.dead: str | None = None
         self.died = asyncio.Event()
         self._live: dict[str, Generation] = {}
+        self.kept = Keeper(self, resume_grace_seconds)
         self.gate: BatchGate[Generation] = BatchGate(lambda: self.backend.info.max_running, metrics)
         self._listeners: list[Callable[[], None]] = []
         self._start_attempted = False
@@ -359,6 +289,7 @@ class EngineRuntime:
         `grace_seconds`, hand the rest over (their clients continue them on
         another engine), stop the backend."""
         self.stopping = True
+        self.kept.expire_all()
         for held in self.gate.held:  # not started here: another engine starts them sooner
             held.hand_over("engine stopping before this request started; continue on another engine")
         self._notify()
@@ -426,6 +357,9 @@ class EngineRuntime:
         if self._live.get(generation.request.request_id) is generation:
             del self._live[generation.request.request_id]
             self._notify()
+
+    def live(self, request_id: str) -> Generation | None:
+        return self._live.get(request_id)
 
     @property
     def live_count(self) -> int:

@@ -94,7 +94,8 @@ class EngineService:
         pacing = StreamPacing(engine.coalesce_interval_ms / 1000.0, engine.coalesce_min_running,
                               frozenset(engine.coalesce_unpaced_priorities))
         hang = HangPolicy(engine.hang_floor_seconds, engine.hang_step_multiple)
-        self.runtime = EngineRuntime(self.backend, self.metrics, self.clock, pacing, hang)
+        self.runtime = EngineRuntime(self.backend, self.metrics, self.clock, pacing, hang,
+                                     config.resume.grace_seconds)
         self.port = 0
         self.link: SchedulerLink | None = None
         self._server: grpc.aio.Server | None = None

@@ -27,6 +27,14 @@ scheduler restart), its engine call (`engine_client.EngineStream`) and its
 unsent text around stop strings across a migration (`stop_seam.StopSeam`).
 `GenerationDriver` itself holds only what all requests share.
 
+Resume (README "Resuming a stream"): every relayed engine delta is counted
+across engines (`TextDelta.index`; each engine request carries the count so
+far as `delta_offset`). A job with `resume_from` (a client that lost its
+gateway re-sent the request) is re-admitted with `resume`, and the engine
+call re-attaches to the kept generation (`EngineStream.resume`): its replay
+rebuilds the tokens so far, and only deltas past `resume_from` reach the
+client -- nothing repeated or missing.
+
 Errors: failures before the first token raise `GatewayError` (the transport
 can still answer with a status); after it, the stream ends with a `Finished`
 event whose reason is ERROR / TIMEOUT / ABORT.
@@ -79,21 +87,35 @@ class GenerationDriver:
         self.settings = settings
         self.metrics = metrics
         self.clock = clock
+        # Set by `detach_all`: streams ended from now on stay resumable.
+        self.detaching = False
+
+    def detach_all(self) -> None:
+        """From now on, a request whose client stream is closed by this
+        gateway (a drain reaching its bound) leaves its generation and lease
+        kept for a resume instead of cancelling them."""
+        self.detaching = True
 
     def start(self, job: Job) -> EventStream:
-        return EventStream(lambda emit: self.run(job, emit), self.settings.heartbeat_seconds, self.clock)
+        generation = _Generation(self, job)
+        return EventStream(generation.run, self.settings.heartbeat_seconds, self.clock, generation.before_close)
 
     async def run(self, job: Job, emit: Emit) -> None:
-        await _Generation(self, job, emit).run()
+        await _Generation(self, job).run(emit)
+
+
+async def _no_emit(_event: object) -> None:
+    raise RuntimeError("a generation emits only while it runs")
 
 
 class _Generation:
     """One request's run, owned by its pump task."""
 
-    def __init__(self, driver: GenerationDriver, job: Job, emit: Emit) -> None:
+    def __init__(self, driver: GenerationDriver, job: Job) -> None:
         self._driver = driver
         self._job = job
-        self._emit = emit
+        self._emit: Emit = _no_emit
+        self._stream: EngineStream | None = None  # the engine call now
         self._generated: list[int] = []
         self._cached_tokens = 0
         self._seam = StopSeam(job.sampling.stop, job.sampling.min_tokens)
@@ -101,15 +123,28 @@ class _Generation:
         self._excluded: list[str] = []
         self._first_token_at: float | None = None
         self._last_delta_at = 0.0
+        # Engine deltas relayed so far (all engines), and the client's resume point.
+        self._deltas = 0
+        self._resume_from = job.resume_from
+        self._resume_pending = job.resume_from is not None
 
-    async def run(self) -> None:
+    async def before_close(self) -> None:
+        """The transport closes before the end (its client left): say
+        `cancel` on the engine call first. Cancelling the pump while it
+        waits in a grpc.aio read ends the call bare, which the engine would
+        take for a vanished gateway and keep the generation for a resume."""
+        if self._stream is not None and not self._driver.detaching:
+            await self._stream.say_cancel()
+
+    async def run(self, emit: Emit) -> None:
+        self._emit = emit
         driver = self._driver
         lease = await LeaseLink.admit(self._job, self._generated, driver.scheduler, driver.metrics, driver.clock)
         try:
             placed = await lease.wait_placed(self._emit)
             finished = await self._generate(lease, placed)
         except BaseException:
-            await lease.abandon()
+            await lease.abandon(resumable=driver.detaching)
             raise
         driver.metrics.finished.labels(finished.reason.value).inc()
         # `done` goes out before the client's last event, so a transport that
@@ -123,12 +158,11 @@ class _Generation:
         preempted, requeue and continue where it is placed next."""
         deadline = asyncio.get_running_loop().time() + self._job.max_generation_seconds
         while True:
-            stream = self._driver.engines.open(placed.engine_address, placed.engine_id)
+            stream = self._stream = self._driver.engines.open(placed.engine_address, placed.engine_id)
             lease.running_on(placed.engine_id, stream.stop)
             move: Callable[[Emit], Awaitable[scheduler_pb2.Placed]]
             try:
-                async with asyncio.timeout_at(deadline):
-                    return await self._relay(lease, placed, stream)
+                return await self._relay_until(deadline, lease, placed, stream)
             except TimeoutError:
                 await stream.abort()
                 return self._timed_out()
@@ -143,7 +177,10 @@ class _Generation:
                 if ended is None:
                     self._driver.metrics.migrations.inc()
             except BaseException:
-                stream.cancel()
+                if self._driver.detaching:
+                    stream.detach()
+                else:
+                    stream.cancel()
                 raise
             if ended is not None:
                 return ended
@@ -152,6 +189,30 @@ class _Generation:
                     placed = await move(self._emit)
             except TimeoutError:
                 return self._timed_out()
+
+    async def _relay_until(
+        self, deadline: float, lease: LeaseLink, placed: scheduler_pb2.Placed, stream: EngineStream,
+    ) -> Finished:
+        """`_relay` until `deadline` (loop time), then TimeoutError. A timer
+        stops the engine call politely (`cancel` said), rather than a timeout
+        cancelling the pending read -- that would end the call bare, and the
+        engine would keep the generation for a resume (see `before_close`)."""
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            stream.stop()
+
+        timer = asyncio.get_running_loop().call_at(deadline, expire)
+        try:
+            return await self._relay(lease, placed, stream)
+        except EngineStopped:
+            if expired:
+                raise TimeoutError from None
+            raise
+        finally:
+            timer.cancel()
 
     async def _engine_lost(self, failure: EngineFailure) -> Finished | None:
         """The engine failed: how the request ends now, or None to migrate."""
@@ -191,16 +252,23 @@ class _Generation:
     async def _relay(self, lease: LeaseLink, placed: scheduler_pb2.Placed, stream: EngineStream) -> Finished:
         """Start the request on `stream` (resuming after what was generated)
         and relay its deltas to the client until it finishes."""
-        await stream.start(self._engine_request(placed))
+        if self._resume_pending:  # the first engine call of a resume re-attaches
+            self._resume_pending = False
+            await stream.resume(self._job.request_id, self._job.prompt_ids)
+        else:
+            await stream.start(self._engine_request(placed))
         async for event in stream.events():
             if event.HasField("delta"):
                 delta = event.delta
+                self._deltas += 1
                 if not delta.token_ids and not delta.text:
                     continue
-                self._observe_delta(len(delta.token_ids))
                 self._generated.extend(delta.token_ids)
                 text, stopped = self._seam.on_delta(delta.text, delta.held_text)
-                await self._emit(TextDelta(text, list(delta.token_ids), list(delta.logprobs)))
+                if self._resume_from is not None and self._deltas <= self._resume_from:
+                    continue  # replayed: the client has it
+                self._observe_delta(len(delta.token_ids))
+                await self._emit(TextDelta(text, list(delta.token_ids), list(delta.logprobs), self._deltas))
                 if stopped:
                     # A stop string across the seam: neither engine saw it whole.
                     await stream.abort()
@@ -209,6 +277,9 @@ class _Generation:
                     # The next request's engine stream opens now, off its TTFT path.
                     self._driver.engines.replenish(placed.engine_address)
                 continue
+            if event.HasField("resumed"):
+                self._on_resumed(event.resumed)
+                continue
             done = event.finished
             self._cached_tokens = min(done.usage.cached_tokens, len(self._job.prompt_ids))
             await stream.close()
@@ -216,6 +287,16 @@ class _Generation:
             reason = FinishReason.from_proto(done.finish_reason)
             return self._end(reason, done.message, ErrorKind.GENERATION_FAILED)
         raise EngineFailure(stream.engine_id, f"engine {stream.engine_id}: stream ended early")  # pragma: no cover
+
+    def _on_resumed(self, resumed: engine_pb2.EngineResumed) -> None:
+        """The engine kept the generation: what came before its replay."""
+        if self._resume_from is None or resumed.delta_offset > self._resume_from:
+            # The client's last event came from an engine before a migration:
+            # those deltas are gone (rare: a move just before the gateway died).
+            raise GatewayError(ErrorKind.CONFLICT, "this stream cannot be resumed exactly after "
+                               f"event {self._resume_from}; send the request again", code="resume_gap")
+        self._generated.extend(resumed.prior_token_ids)
+        self._deltas = resumed.delta_offset
 
     def _engine_request(self, placed: scheduler_pb2.Placed) -> engine_pb2.EngineRequest:
         """The request for the placed engine: after a migration, the prompt
@@ -231,6 +312,7 @@ class _Generation:
             priority=job.priority,
             lease_id=placed.lease_id,
             resumed_tokens=len(generated),
+            delta_offset=self._deltas,
         )
 
     async def _send_tail(self, text: str) -> None:

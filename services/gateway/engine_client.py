@@ -7,6 +7,11 @@ codes from an engine become domain errors here (through
 is the client's error, anything else is an `EngineFailure` the driver may
 migrate away from. A stream the gateway stopped itself (`EngineStream.stop`,
 a preemption) raises `EngineStopped` instead, in the task reading it.
+
+Ending a call on purpose always says `cancel` first (`cancel`, `stop`,
+`abort`): the engine then ends the generation at once. A call that just
+breaks -- this gateway died, or `detach` -- leaves the generation detached
+on the engine for a resume (services/engine/detached.py).
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ __all__ = ["EnginePool", "EngineStream"]
 # by coalescing). 64 KiB per stream is still far above any token rate.
 _FLOW_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 64 * 1024)]
 
+_CANCEL = engine_pb2.EngineGenerateMessage(cancel=engine_pb2.CancelGeneration())
+# Calls being ended politely (`cancel` then end), held until done.
+_ENDING: set[asyncio.Task[None]] = set()
+
 
 class EngineStream:
     """One Generate call. Cancelling it (or the task reading it) aborts the
@@ -43,10 +52,20 @@ class EngineStream:
         self.engine_id = engine_id
         # Set by `stop()`: the call was cancelled on purpose, from outside.
         self._stopped = False
+        # `cancel` was (or is being) written: the engine ends the generation.
+        self._said_cancel = False
 
     async def start(self, request: engine_pb2.EngineRequest) -> None:
+        await self._send_first(engine_pb2.EngineGenerateMessage(request=request))
+
+    async def resume(self, request_id: str, prompt: list[int]) -> None:
+        """Re-attach to a generation the engine kept (its first event is `resumed`)."""
+        await self._send_first(engine_pb2.EngineGenerateMessage(
+            resume=engine_pb2.ResumeGeneration(request_id=request_id, prompt_token_ids=prompt)))
+
+    async def _send_first(self, message: engine_pb2.EngineGenerateMessage) -> None:
         try:
-            await self._call.write(engine_pb2.EngineGenerateMessage(request=request))
+            await self._call.write(message)
         except (asyncio.CancelledError, asyncio.InvalidStateError, grpc.aio.AioRpcError) as exc:
             self._raise_if_stopped(exc)
             if isinstance(exc, grpc.aio.AioRpcError):
@@ -84,6 +103,8 @@ class EngineStream:
                 if self._stopped:
                     raise EngineStopped(self.engine_id)
                 raise EngineFailure(self.engine_id, f"engine {self.engine_id} ended the stream without finishing")
+            if self._stopped:  # read after `stop()`: dropped (the driver keeps what it relayed)
+                raise EngineStopped(self.engine_id)
             event = cast(engine_pb2.EngineGenerateEvent, read)  # grpc.aio types reads as object
             yield event
             if event.HasField("finished"):
@@ -93,7 +114,7 @@ class EngineStream:
         """Polite cancel (a `cancel` message) then end the call."""
         try:
             async with asyncio.timeout(0.5):
-                await self._call.write(engine_pb2.EngineGenerateMessage(cancel=engine_pb2.CancelGeneration()))
+                await self._call.write(_CANCEL)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass
         except asyncio.CancelledError:
@@ -101,7 +122,42 @@ class EngineStream:
                 raise
         self._call.cancel()
 
+    async def say_cancel(self) -> None:
+        """Write `cancel` now (bounded), leaving the call open: whoever ends
+        the call afterwards (even bare) no longer leaves the generation kept."""
+        if self._said_cancel or self._call.done():
+            return
+        self._said_cancel = True
+        try:
+            async with asyncio.timeout(0.5):
+                await self._call.write(_CANCEL)
+        except Exception:  # noqa: BLE001 - a call already broken or busy
+            pass
+
     def cancel(self) -> None:
+        """End the call now, saying `cancel` first (in the background)."""
+        if self._call.done():
+            return
+        if self._said_cancel:
+            self._call.cancel()
+            return
+        self._said_cancel = True
+        task = asyncio.get_running_loop().create_task(self._cancel_then_end())
+        _ENDING.add(task)
+        task.add_done_callback(_ENDING.discard)
+
+    async def _cancel_then_end(self) -> None:
+        try:
+            async with asyncio.timeout(0.5):
+                await self._call.write(_CANCEL)
+        except Exception:  # noqa: BLE001 - a call already broken or busy: end it anyway
+            pass
+        finally:
+            self._call.cancel()
+
+    def detach(self) -> None:
+        """End the call WITHOUT `cancel`: the engine keeps the generation
+        for a resume (a draining gateway leaving its streams resumable)."""
         self._call.cancel()
 
     def stop(self) -> None:
@@ -110,7 +166,7 @@ class EngineStream:
         the reader's pending or next `events()` read (or `start`) raises
         `EngineStopped`. What was read before stays the caller's."""
         self._stopped = True
-        self._call.cancel()
+        self.cancel()
 
     async def close(self) -> None:
         """After `finished`: half-close and let the call end."""

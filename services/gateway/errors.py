@@ -40,6 +40,7 @@ __all__ = [
     "grpc_status",
     "http_error",
     "http_status_of",
+    "resume_not_found",
 ]
 
 # The gateway's request-level failure is the OpenAI surface's: the parsing
@@ -104,8 +105,25 @@ _REJECT_ADVICE: dict[int, str] = {
 }
 
 
+def resume_not_found() -> GatewayError:
+    """A resume of a stream that is not there to continue -- unknown,
+    finished, expired, or another tenant's: all one 404 (a 403 for another
+    tenant's id would tell a prober which ids exist)."""
+    return GatewayError(
+        ErrorKind.NOT_FOUND,
+        "no stream to resume under this Last-Event-ID: it finished, its resume grace ran out, or it was "
+        "started with another API key; send the request again without Last-Event-ID",
+        code="resume_not_found",
+    )
+
+
+_RESUME_REFUSED = (scheduler_pb2.REJECT_CODE_RESUME_UNKNOWN, scheduler_pb2.REJECT_CODE_RESUME_FORBIDDEN)
+
+
 def from_rejection(rejected: scheduler_pb2.Rejected) -> GatewayError:
     """The scheduler's `Rejected` -> the client-facing error."""
+    if rejected.code in _RESUME_REFUSED:
+        return resume_not_found()
     kind = _REJECT_KINDS.get(rejected.code, ErrorKind.UNAVAILABLE)
     advice = _REJECT_ADVICE.get(rejected.code, "the scheduler rejected the request")
     name = scheduler_pb2.RejectCode.Name(rejected.code) if rejected.code in _REJECT_KINDS else str(rejected.code)
@@ -135,17 +153,24 @@ _REQUEST_FAULTS = {
     grpc.StatusCode.INVALID_ARGUMENT: ErrorKind.INVALID_REQUEST,
     grpc.StatusCode.OUT_OF_RANGE: ErrorKind.INVALID_REQUEST,
     grpc.StatusCode.ALREADY_EXISTS: ErrorKind.CONFLICT,
+    grpc.StatusCode.NOT_FOUND: ErrorKind.NOT_FOUND,   # a resume of a generation the engine no longer has
+    grpc.StatusCode.ABORTED: ErrorKind.CONFLICT,      # taken over by a resume on another call
 }
 
 
 def classify_engine_rpc_error(err: grpc.aio.AioRpcError, engine_id: str) -> GatewayError | EngineFailure:
     kind = _REQUEST_FAULTS.get(err.code())
+    if err.code() == grpc.StatusCode.ABORTED:  # a resume took the stream over elsewhere
+        return GatewayError(ErrorKind.CONFLICT, "this stream was resumed on another connection",
+                            code="stream_resumed")
     if kind is ErrorKind.CONFLICT:
         return GatewayError(
             kind,
             f"request id is already running on engine {engine_id}; send a unique x-request-id",
             code="duplicate_request_id",
         )
+    if kind is ErrorKind.NOT_FOUND:  # only a resume asks for a generation by id
+        return resume_not_found()
     if kind is not None:
         return GatewayError(kind, f"the engine refused the request: {err.details()}")
     return EngineFailure(engine_id, f"engine {engine_id}: {err.code().name}: {err.details()}")

@@ -39,7 +39,12 @@ class EventStream:
 
     _END = object()
 
-    def __init__(self, run: Callable[[Emit], Awaitable[None]], heartbeat_seconds: float, clock: Clock) -> None:
+    def __init__(
+        self, run: Callable[[Emit], Awaitable[None]], heartbeat_seconds: float, clock: Clock,
+        before_close: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        # Awaited by `aclose` before it cancels a driver still running.
+        self._before_close = before_close
         self._queue: asyncio.Queue[object] = asyncio.Queue(_QUEUE_DEPTH)
         self._heartbeat = heartbeat_seconds
         self._clock = clock
@@ -99,6 +104,7 @@ class EventStream:
         one SSE write), in order, nothing dropped. The first other event is
         held back and yielded next."""
         texts, ids, logprobs = [first.text], list(first.token_ids), list(first.logprobs)
+        index = first.index
         while True:
             try:
                 item = self._queue.get_nowait()
@@ -110,10 +116,16 @@ class EventStream:
             texts.append(item.text)
             ids.extend(item.token_ids)
             logprobs.extend(item.logprobs)
-        return TextDelta("".join(texts), ids, logprobs)
+            index = item.index
+        return TextDelta("".join(texts), ids, logprobs, index)
 
     async def aclose(self) -> None:
         if not self._task.done():
+            if self._before_close is not None:
+                try:
+                    await self._before_close()
+                except Exception:
+                    log.debug("before_close failed", exc_info=True)
             self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task

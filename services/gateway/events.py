@@ -58,6 +58,9 @@ class TextDelta:
     text: str
     token_ids: list[int]
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    # Resume point: engine deltas relayed on this stream so far, this one
+    # included, across engines (the SSE `id: <request_id>.<index>`).
+    index: int = 0
 
 
 @dataclass(frozen=True)

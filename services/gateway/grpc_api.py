@@ -9,6 +9,11 @@ Handlers are coroutines that `await context.write(...)` (not async
 generators), so a client cancel or an expired deadline lands as
 CancelledError inside the handler's own try/finally, which cancels the
 request's Admit and Generate calls at once.
+
+Resume (README "Resuming a stream"): each `delta` event carries `index`; a
+request re-sent with `resume` {request_id, last_index} (same body, same key)
+continues that stream after event `last_index` -- the same rules and errors
+as the HTTP API's Last-Event-ID.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from services.gateway.driver import GenerationDriver
 from services.gateway.errors import GatewayError, grpc_status
 from services.gateway.events import Event, Finished, Heartbeat, QueuedUpdate, TextDelta
 from services.gateway.frontdoor import Frontdoor
-from services.gateway.jobs import request_id_from
+from services.gateway.jobs import parse_last_event_id, request_id_from
 from services.gateway.keys import api_key_from_headers
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.scheduler_client import SchedulerClient
@@ -46,6 +51,7 @@ def event_to_proto(request_id: str, event: Event) -> inference_pb2.GenerateEvent
         return inference_pb2.GenerateEvent(
             request_id=request_id,
             delta=inference_pb2.DeltaEvent(text=event.text, token_ids=event.token_ids, logprobs=event.logprobs),
+            index=event.index,
         )
     if isinstance(event, QueuedUpdate):
         return inference_pb2.GenerateEvent(
@@ -110,8 +116,11 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
         context: grpc.aio.ServicerContext,
     ) -> None:
         metadata = _metadata(context)
-        request_id = request_id_from(metadata.get("x-request-id"))
+        resume = request.resume if request.HasField("resume") else None
+        request_id = resume.request_id if resume else request_id_from(metadata.get("x-request-id"))
         try:
+            if resume is not None:
+                parse_last_event_id(f"{resume.request_id}.0")  # the same id rules as the HTTP API
             principal = self._frontdoor.authenticate(api_key_from_headers(metadata))
             generation = parse(request)
             priority = priority_from_proto(request.priority)
@@ -121,6 +130,8 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
                 current = generation.max_generation_seconds
                 generation.max_generation_seconds = remaining if current is None else min(current, remaining)
             admitted = await self._frontdoor.admit(generation, principal, priority, request_id)
+            if resume is not None:
+                admitted.job.resume_from = resume.last_index
         except GatewayError as exc:
             await self._abort(context, route, exc)
         await context.send_initial_metadata((("x-request-id", request_id),))

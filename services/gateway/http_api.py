@@ -5,6 +5,13 @@ place that turns it (and aiohttp's own 404/405/413) into OpenAI error JSON via
 `errors.http_error`. Once an SSE response has started, a failure is sent as an
 SSE `{"error": ...}` event followed by `data: [DONE]`.
 
+Resume (README "Resuming a stream"): the role chunk of a streamed response
+carries `id: <request_id>.0` and every text chunk `id: <request_id>.<n>`
+(`TextDelta.index`); the final chunks carry none (an SSE client keeps the
+last). A request with `Last-Event-ID` -- the same body, the same key -- is a
+resume of that stream: same request id, no role chunk, the next text chunk
+first.
+
 An SSE response starts lazily: at the first token, or at the first heartbeat
 while queued. So a request the scheduler rejects quickly still gets a real
 429/503 status, while a long wait in the queue keeps the connection alive.
@@ -35,7 +42,7 @@ from services.gateway.errors import ErrorKind, GatewayError, http_error
 from services.gateway.event_stream import EventStream
 from services.gateway.events import Finished, Heartbeat, TextDelta
 from services.gateway.frontdoor import Admitted, Frontdoor
-from services.gateway.jobs import request_id_from
+from services.gateway.jobs import parse_last_event_id, request_id_from
 from services.gateway.keys import api_key_from_headers
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import openapi_document
@@ -145,13 +152,19 @@ class HttpApi:
         return await self._generate(request, "completion")
 
     async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
-        request_id = request_id_from(request.headers.get("x-request-id"))
+        resume = parse_last_event_id(request.headers.get("last-event-id"))
+        request_id = resume[0] if resume else request_id_from(request.headers.get("x-request-id"))
         request[_REQUEST_ID] = request_id
         principal = self._frontdoor.authenticate(api_key_from_headers(request.headers))
         body = await self._read_json(request)
         generation = parse_chat_body(body) if route == "chat" else parse_completion_body(body)
         priority = parse_priority_header(request.headers.get("x-priority"))
+        if resume and not generation.stream:
+            raise GatewayError(ErrorKind.INVALID_REQUEST, "Last-Event-ID resumes a streamed response; "
+                               "set \"stream\": true", param="Last-Event-ID")
         admitted = await self._frontdoor.admit(generation, principal, priority, request_id)
+        if resume:
+            admitted.job.resume_from = resume[1]
         formatter_cls: type[Formatter] = ChatFormatter if route == "chat" else CompletionFormatter
         formatter = formatter_cls(request_id, generation.model, generation.include_usage)
         headers = {"x-request-id": request_id, **admitted.grant.headers}
@@ -160,7 +173,7 @@ class HttpApi:
         stream = self._driver.start(admitted.job)
         try:
             if generation.stream:
-                return await self._stream(request, stream, formatter, headers, tally)
+                return await self._stream(request, stream, formatter, headers, tally, resume is not None)
             return await self._collect(stream, formatter, headers, tally)
         finally:
             await stream.aclose()
@@ -177,8 +190,10 @@ class HttpApi:
         formatter: Formatter,
         headers: dict[str, str],
         tally: _Tally,
+        resumed: bool,
     ) -> web.StreamResponse:
         response: web.StreamResponse | None = None
+        sse_id = f"id: {request[_REQUEST_ID]}.".encode()
 
         async def started() -> web.StreamResponse:
             nonlocal response
@@ -193,9 +208,9 @@ class HttpApi:
                     },
                 )
                 await response.prepare(request)
-                first = formatter.first_chunk()
+                first = None if resumed else formatter.first_chunk()
                 if first is not None:
-                    await response.write(sse(first))
+                    await response.write(sse_id + b"0\n" + sse(first))
             return response
 
         try:
@@ -203,7 +218,8 @@ class HttpApi:
                 if isinstance(event, TextDelta):
                     tally.completion_tokens += len(event.token_ids)
                     out = await started()
-                    await out.write(formatter.delta_sse(event.text, event.logprobs))
+                    chunk = formatter.delta_sse(event.text, event.logprobs)
+                    await out.write(b"%s%d\n%s" % (sse_id, event.index, chunk))
                     stream.mark_output()
                 elif isinstance(event, Finished):
                     out = await started()

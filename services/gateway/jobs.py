@@ -19,7 +19,7 @@ from services.gateway.errors import ErrorKind, GatewayError
 from services.gateway.keys import Principal
 from services.gateway.tokenization import ModelTokenizer
 
-__all__ = ["Job", "build_job", "request_id_from"]
+__all__ = ["Job", "build_job", "parse_last_event_id", "request_id_from"]
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
@@ -29,6 +29,20 @@ def request_id_from(header: str | None) -> str:
     if header and _REQUEST_ID.match(header):
         return header
     return uuid.uuid4().hex
+
+
+def parse_last_event_id(header: str | None) -> tuple[str, int] | None:
+    """`Last-Event-ID: <request_id>.<n>` -> (request_id, n); None without
+    the header; a malformed one is the client's error (400)."""
+    if header is None:
+        return None
+    request_id, _, index = header.strip().rpartition(".")
+    if not _REQUEST_ID.match(request_id) or not index.isdigit() or len(index) > 9:
+        raise GatewayError(
+            ErrorKind.INVALID_REQUEST,
+            f"Last-Event-ID {header[:160]!r} is not an event id of this API: send the `id:` of the last "
+            "event you received, <request_id>.<n>", param="Last-Event-ID", code="invalid_last_event_id")
+    return request_id, int(index)
 
 
 @dataclass
@@ -46,6 +60,9 @@ class Job:
     arrival_unix: float
     arrival_monotonic: float
     hash_block_tokens: int
+    # A client's resume (Last-Event-ID / ResumeFrom): the index of the last
+    # event it has; None for a new request. README "Resuming a stream".
+    resume_from: int | None = None
 
     def admit_request(self) -> scheduler_pb2.AdmitRequest:
         return scheduler_pb2.AdmitRequest(
@@ -57,6 +74,7 @@ class Job:
             max_tokens=self.max_tokens,
             prefix_hashes=self.prefix_hashes,
             arrival_unix=self.arrival_unix,
+            resume=self.resume_from is not None,
         )
 
 

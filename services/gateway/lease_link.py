@@ -284,10 +284,15 @@ class LeaseLink:
         """After `report_done`: let the scheduler end the stream."""
         await self._session.close()
 
-    async def abandon(self) -> None:
-        """The request failed or was cancelled: end the lease at once."""
+    async def abandon(self, resumable: bool = False) -> None:
+        """The request failed or was cancelled: end the lease at once -- or,
+        `resumable`, just drop the stream so the scheduler keeps the lease
+        for a resume (a draining gateway leaving its streams)."""
         self._running = False
-        self._session.cancel()
+        if resumable:
+            self._session.cancel()
+        else:
+            self._session.withdraw()
         await self._stop_reattach()
 
     # ---------------------------------------------------------------- re-attach
@@ -370,4 +375,6 @@ class LeaseLink:
             del request.prefix_hashes[:]
             request.prefix_hashes.extend(block_hashes(tokens, self._job.hash_block_tokens))
         request.running_on_engine = running_on
+        if running_on:
+            request.resume = False  # re-attaching after a scheduler restart, not a client's resume
         return request

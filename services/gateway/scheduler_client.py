@@ -54,6 +54,10 @@ _CLOSE_GRACE_SECONDS = 2.0
 
 _Inbound = scheduler_pb2.AdmitServerMessage | GatewayError
 
+_WITHDRAWN = scheduler_pb2.AdmitClientMessage(done=scheduler_pb2.RequestDone(finish_reason="abort"))
+# Streams being ended politely (`done` then end), held until done.
+_ENDING: set[asyncio.Task[None]] = set()
+
 
 @dataclass
 class _Reachability:
@@ -222,8 +226,31 @@ class AdmitSession:
         finally:
             self._call.cancel()
 
+    def withdraw(self) -> None:
+        """End the stream on purpose (the request failed or its client left):
+        `done` first, in the background, so the scheduler releases the lease
+        at once instead of keeping it for a resume (a stream that just breaks)."""
+        if self._finished or self._call.done():
+            self.cancel()
+            return
+        self._finished = True
+        self._on_preempted = None
+        task = asyncio.get_running_loop().create_task(self._done_then_end())
+        _ENDING.add(task)
+        task.add_done_callback(_ENDING.discard)
+
+    async def _done_then_end(self) -> None:
+        try:
+            async with asyncio.timeout(0.5):
+                await self._call.write(_WITHDRAWN)
+        except Exception:  # noqa: BLE001 - a stream already broken or busy: end it anyway
+            pass
+        finally:
+            self._call.cancel()
+
     def cancel(self) -> None:
-        """End the stream now: the scheduler drops the queue entry or lease."""
+        """End the stream now: the scheduler drops the queue entry, and keeps
+        a lease detached for a resume (detached_leases.py)."""
         self._finished = True
         self._on_preempted = None
         self._call.cancel()

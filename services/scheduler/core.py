@@ -7,19 +7,15 @@ and Replace lanes) and `EngineFleet` (fleet.py: the engine registry, KV
 index, reservations, leases and engine views), plus the per-class counters
 of `ClassLedger` (class_stats.py). Two helpers it owns act on them only
 when it calls: `RoomMaker` (making_room.py: displacement at admission,
-preemption in dispatch) and `Comebacks` (comebacks.py: Replace and
-Requeue). All of it changes only
-inside `SchedulerCore.handle`, which is called only from the event loop's
-thread (grpc_api.py for stream messages, server.py's
-timers for `Tick`). `handle` is synchronous and runs to completion without
-awaiting, so no two events ever interleave and no lock is needed.
+preemption in dispatch), `Comebacks` (comebacks.py: Replace and Requeue)
+and `DetachedLeases` (detached_leases.py: leases kept for a stream resume).
+All of it changes only inside `SchedulerCore.handle`, called only from the
+event loop's thread (grpc_api.py for stream messages, server.py's timers
+for `Tick`); synchronous, so no two events interleave and no lock is needed.
 
 One entry point: `handle(event) -> Outbox` applies one event (events.py),
-then ALWAYS dispatches, and returns everything to deliver. Dispatch is
-idempotent and cheap when nothing waits, so running it after every event
-(even ones that cannot free room) costs little and means no caller can
-strand a placement by forgetting to dispatch -- the transport never
-dispatches at all. Each request is finalised exactly once, by
+then ALWAYS dispatches (idempotent, cheap when nothing waits: no caller can
+strand a placement by forgetting to), and returns everything to deliver. Each request is finalised exactly once, by
 `RequestBook.finish` (request_book.py), which every exit path goes through.
 
 Phases of a request and where each lives:
@@ -45,8 +41,8 @@ Phases of a request and where each lives:
             included).
 
 Lifecycle (records.RequestState): QUEUED -> PLACED -> FINISHED, with
-PLACED -> PREEMPTED -> (Requeue) QUEUED, PLACED -> ORPHANED / REPLACING ->
-PLACED, and FINISHED reachable from every state.
+PLACED -> PREEMPTED -> (Requeue) QUEUED, PLACED -> ORPHANED / REPLACING /
+DETACHED -> PLACED, and FINISHED reachable from every state.
 """
 
 from __future__ import annotations
@@ -65,6 +61,7 @@ from .admission_limits import AdmissionLimits, DispatchRateMeter, validate_optio
 from .aging import AgingRule
 from .class_stats import ClassLedger, ClassStat
 from .comebacks import Comebacks
+from .detached_leases import DetachedLeases
 from .events import Delivery, Outbox
 from .fleet import EngineFleet, EngineStat
 from .making_room import RoomMaker, placement_request
@@ -122,6 +119,7 @@ class SchedulerCore:
         self._seq = itertools.count()
         self._ledger = ClassLedger(self.metrics)
         self._requests = RequestBook(self.fleet, self.waiting, self.metrics, self._ledger)
+        self._detached = DetachedLeases(self._requests, self.fleet, config.resume.grace_seconds)
         self._preempt_classes = frozenset(self._config.preempt_classes)
         self._room = RoomMaker(
             self._requests, self.waiting, self.fleet, self.policy, self._limits, self._ledger, config)
@@ -169,6 +167,8 @@ class SchedulerCore:
 
     def _admit(self, options: AdmitOptions, now: float, displaced: list[Delivery]) -> Notice:
         validate_options(options)
+        if options.resume:
+            return self._detached.resume(options, now)
         if options.request_id in self._requests:
             raise AdmissionError(
                 RejectReason.INVALID,
@@ -231,7 +231,7 @@ class SchedulerCore:
 
     def _on_closed(self, event: ev.StreamClosed, out: Outbox, now: float) -> None:
         rec = self._requests.get(event.request_id)
-        if rec is not None:
+        if rec is not None and not self._detached.keep(rec, now):
             self._requests.finish(rec, Outcome.WITHDRAWN, now)
 
     def _on_first_token(self, event: ev.FirstToken, out: Outbox, now: float) -> None:
@@ -243,7 +243,7 @@ class SchedulerCore:
         """The lease ends now (the stream's close later finds nothing to do)."""
         rec = self._requests.get(event.request_id)
         if rec is not None:
-            self._requests.finish(rec, Outcome.DONE, now)
+            self._requests.finish(rec, Outcome.WITHDRAWN if event.withdrawn else Outcome.DONE, now)
 
     # ------------------------------------------------------------ engines
 
@@ -366,7 +366,8 @@ class SchedulerCore:
 
     def _on_tick(self, event: ev.Tick, out: Outbox, now: float) -> None:
         """Aging and TTL run in every dispatch; `handle` then drops empty
-        queues and refreshes the gauges."""
+        queues and refreshes the gauges. Detached leases expire here."""
+        self._detached.expire(now)
 
     def _on_shutdown(self, event: ev.ShutdownStarted, out: Outbox, now: float) -> None:
         self.shutting_down = True

@@ -70,9 +70,12 @@ class FirstToken:
 
 @dataclass(frozen=True)
 class RequestDone:
-    """The gateway reports completion: the lease ends now."""
+    """The gateway reports completion: the lease ends now. `withdrawn`: it
+    gave the request up (client gone, request failed; finish_reason "abort")
+    -- ended at once like a closed stream, but never kept for a resume."""
 
     request_id: str
+    withdrawn: bool = False
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,8 @@ _REJECT_CODES = {
     RejectReason.TOO_LARGE: scheduler_pb2.REJECT_CODE_TOO_LARGE,
     RejectReason.INVALID: scheduler_pb2.REJECT_CODE_INVALID,
     RejectReason.DRAINING: scheduler_pb2.REJECT_CODE_DRAINING,
+    RejectReason.RESUME_UNKNOWN: scheduler_pb2.REJECT_CODE_RESUME_UNKNOWN,
+    RejectReason.RESUME_FORBIDDEN: scheduler_pb2.REJECT_CODE_RESUME_FORBIDDEN,
 }
 
 _COMMANDS = {
@@ -116,7 +118,7 @@ def _options(msg: scheduler_pb2.AdmitRequest) -> AdmitOptions:
         request_id=msg.request_id, model=msg.model, tenant=msg.tenant, priority=msg.priority,
         prompt_tokens=msg.prompt_tokens, max_tokens=msg.max_tokens,
         prefix_hashes=tuple(msg.prefix_hashes), arrival_unix=msg.arrival_unix,
-        running_on_engine=msg.running_on_engine,
+        running_on_engine=msg.running_on_engine, resume=msg.resume,
     )
 
 
@@ -287,6 +289,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         # Unbounded but small by protocol: Queued updates go only into an
         # empty box, and each admission or replace yields one Placed/Rejected.
         box: asyncio.Queue[object] = asyncio.Queue()
+        superseded = self._mailboxes.get(request_id)
+        if superseded is not None:  # a resume took the request over: end the old stream
+            superseded.put_nowait(_CLIENT_GONE)
         self._mailboxes[request_id] = box
         reader = asyncio.create_task(self._read_admit(request_id, context, box))
         try:
@@ -306,9 +311,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     return
         finally:
             reader.cancel()
-            if self._mailboxes.get(request_id) is box:
+            if self._mailboxes.get(request_id) is box:  # else a resume owns the request now
                 del self._mailboxes[request_id]
-            self.deliver(self.core.handle(ev.StreamClosed(request_id)))
+                self.deliver(self.core.handle(ev.StreamClosed(request_id)))
 
     async def _read_admit(
         self, request_id: str, context: _AdmitContext, box: asyncio.Queue[object]
@@ -333,10 +338,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self, request_id: str, msg: scheduler_pb2.AdmitClientMessage, box: asyncio.Queue[object]
     ) -> None:
         kind = msg.WhichOneof("msg")
+        if self._mailboxes.get(request_id) is not box:
+            return  # a stream superseded by a resume: the request is not its own any more
         if kind == "first_token":
             self.deliver(self.core.handle(ev.FirstToken(request_id)))
         elif kind == "done":
-            self.deliver(self.core.handle(ev.RequestDone(request_id)))
+            self.deliver(self.core.handle(ev.RequestDone(request_id, msg.done.finish_reason == "abort")))
         elif kind == "requeue":
             q = msg.requeue
             self.deliver(self.core.handle(ev.RequeueRequested(

@@ -29,7 +29,7 @@ from .events import Delivery
 from .fleet import EngineFleet
 from .placement import PlacementPolicy, PlacementRequest
 from .preemption import Candidate, choose_victim
-from .records import RequestRecord
+from .records import RequestRecord, RequestState
 from .request_book import RequestBook
 from .waiting import WaitingRoom
 
@@ -92,6 +92,7 @@ class RoomMaker:
             for e in self._fleet if e.info.model == model for lease in self._fleet.leases_on(e.engine_id)
             if lease.cls > cls and (victim := self._book.get(lease.request_id)) is not None
             and victim.lease is lease and victim.preemptions < self._max_preemptions
+            and victim.state is not RequestState.DETACHED  # nobody could answer Requeue
         ]
         if not candidates:
             return None

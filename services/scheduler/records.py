@@ -39,6 +39,7 @@ class RequestState(enum.Enum):
     PLACED = "placed"          # holds a lease on an engine
     PREEMPTED = "preempted"    # its lease went to a higher class; waits for the gateway's Requeue
     ORPHANED = "orphaned"      # its engine went away; the gateway will Replace or leave
+    DETACHED = "detached"      # its gateway went away; lease kept for a resume (detached_leases.py)
     FINISHED = "finished"      # final: done, withdrawn, rejected or expired
 
 
@@ -52,6 +53,8 @@ class RejectReason(enum.Enum):
     TOO_LARGE = "too_large"
     INVALID = "invalid"
     DRAINING = "draining"
+    RESUME_UNKNOWN = "resume_unknown"      # nothing to resume under that id
+    RESUME_FORBIDDEN = "resume_forbidden"  # another tenant's (or model's) request
 
 
 class Outcome(enum.Enum):
@@ -89,6 +92,7 @@ class AdmitOptions:
     prefix_hashes: tuple[int, ...] = ()
     arrival_unix: float = 0.0
     running_on_engine: str = ""
+    resume: bool = False       # re-attach a detached lease (detached_leases.py)
 
 
 @dataclass(eq=False)

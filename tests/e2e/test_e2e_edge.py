@@ -143,6 +143,8 @@ async def test_request_id_reaches_every_service(e2e_mesh: Mesh) -> None:
                                 headers={**_auth(e2e_mesh), "X-Request-Id": request_id}) as resp:
             assert resp.status == 200
             assert resp.headers["x-request-id"] == request_id
+            event_id = await asyncio.wait_for(resp.content.readline(), timeout=60)
+            assert event_id == f"id: {request_id}.0\n".encode()  # the resume point (README)
             first = await asyncio.wait_for(resp.content.readline(), timeout=60)
             assert first.startswith(b"data:")
             assert request_id in json.loads(first[len(b"data:"):])["id"]

@@ -144,8 +144,9 @@ def _dechunk(raw: bytes) -> bytes:
 def _sse_events(body: bytes) -> list[dict]:
     events = []
     for block in body.split(b"\n\n"):
-        if block.startswith(b"data: {"):
-            events.append(json.loads(block[6:]))
+        for line in block.split(b"\n"):  # an `id:` line (resume point) may come first
+            if line.startswith(b"data: {"):
+                events.append(json.loads(line[6:]))
     assert body.rstrip().endswith(b"data: [DONE]"), body[-300:]
     return events
 

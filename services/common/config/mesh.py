@@ -13,7 +13,7 @@ from .gateway import GatewayConfig
 from .network import FencingConfig, NetworkConfig
 from .scheduler import SchedulerConfig
 
-__all__ = ["EnvoyConfig", "MeshConfig", "MeshTlsConfig", "ModelConfig"]
+__all__ = ["EnvoyConfig", "MeshConfig", "MeshTlsConfig", "ModelConfig", "ResumeConfig"]
 
 
 @dataclass
@@ -67,6 +67,27 @@ class MeshTlsConfig:
     cert_dir: str = ""
 
 
+# ---------------------------------------------------------------- resume
+
+
+@dataclass
+class ResumeConfig:
+    """Stream resumption after a gateway is lost (README "Resuming a
+    stream"). A generation whose gateway vanished -- its engine call and its
+    Admit stream broke without a polite cancel -- is kept DETACHED: the
+    engine keeps generating and buffering it, the scheduler keeps its lease
+    (capacity stays accounted; fencing still sees it leased there), so a
+    client re-sending the request with `Last-Event-ID` through any gateway
+    continues it. Read by the engines and the scheduler (one value for both)."""
+
+    # How long a detached generation waits for its client to resume it before
+    # it is cancelled (KV freed, lease released); 0 = never detach (cancel at
+    # once, as before). Bounds: >= 0. 15 s: a browser's EventSource retries
+    # after ~3 s and a client library within a few seconds; a detected
+    # partition (keepalive, ~15 s) may then take as long again to resume.
+    grace_seconds: float = 15.0
+
+
 # ---------------------------------------------------------------- mesh
 
 
@@ -88,6 +109,7 @@ class MeshConfig:
     # Keepalive of every hop, and lease fencing (network.py).
     network: NetworkConfig = field(default_factory=NetworkConfig)
     fencing: FencingConfig = field(default_factory=FencingConfig)
+    resume: ResumeConfig = field(default_factory=ResumeConfig)
 
     def engine_config(self, index: int) -> EngineConfig:
         """Engine `index` as `kvmesh up` starts it: the template with its own

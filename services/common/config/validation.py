@@ -98,6 +98,7 @@ def validate_config(config: MeshConfig, where: str = "config") -> None:
     envoy.ports("port", "admin_port")
     envoy.non_negative("base_id")
     _check_partitions(mesh)
+    mesh.at("resume").non_negative("grace_seconds")
 
 
 def _check_models(mesh: _Section) -> None:

@@ -30,7 +30,10 @@ __all__ = [
 ]
 
 SSE_DONE = b"data: [DONE]\n\n"
-SSE_HEARTBEAT = b": keep-alive\n\n"
+# A comment line with no blank line after it: every SSE parser skips it, and
+# none dispatches an event for it -- a blank line would make some (openai's
+# Python SDK) dispatch an empty event once an `id:` was seen (stream resume).
+SSE_HEARTBEAT = b": keep-alive\n"
 
 Logprobs = Sequence[common_pb2.TokenLogprob]
 

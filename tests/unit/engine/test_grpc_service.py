@@ -83,8 +83,11 @@ async def test_cancel_message_aborts_and_frees_blocks(service: EngineService,
     assert load.blocks_used == 0 and load.running == 0
 
 
-async def test_client_cancelling_the_call_frees_blocks(service: EngineService,
-                                                       stub: engine_pb2_grpc.EngineStub) -> None:
+async def test_client_cancelling_the_call_frees_blocks_after_the_resume_grace(
+        service: EngineService, stub: engine_pb2_grpc.EngineStub) -> None:
+    # A call that breaks without a `cancel` is kept for a resume (detached),
+    # then cancelled when the grace runs out (test_engine_resume.py).
+    service.runtime.kept.grace_seconds = 0.2
     call = stub.Generate()
     await call.write(gen_request("d", prompt_of(40), 3000))
     await call.done_writing()  # half-close first: must NOT end the generation

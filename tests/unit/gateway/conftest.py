@@ -124,6 +124,9 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.cancels = 0
         self.requests: list[engine_pb2.EngineRequest] = []
         self.cancelled = asyncio.Event()
+        # `cancel` messages received (a call that just ends leaves a real
+        # engine's generation kept for a resume: services/engine/detached.py).
+        self.polite_cancels = 0
         self.cancelled_at: float | None = None
         self.address = ""
         self.server: grpc.aio.Server | None = None
@@ -140,6 +143,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                 if message is grpc.aio.EOF:
                     return
                 if message.HasField("cancel"):
+                    self.polite_cancels += 1
                     stop.set()
                     return
 
@@ -314,6 +318,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                 if kind == "done":
                     record.done = message.done
                     record.done_seen.set()
+                    if message.done.finish_reason == "abort":  # a withdrawal: the lease ends now
+                        record.cancelled = True
+                        self.admit_cancelled.set()
                 elif kind == "replace":
                     record.replaces.append(message.replace)
                     await context.write(self._placed(set(message.replace.exclude_engines)))

@@ -137,6 +137,7 @@ async def test_grpc_cancel_reaches_engine(mesh: Mesh) -> None:
         call.cancel()
         await asyncio.wait_for(engine.cancelled.wait(), 10)
         await asyncio.wait_for(mesh.scheduler.admit_cancelled.wait(), 10)
+        assert engine.polite_cancels == 1  # said: not kept for a resume
 
 
 async def test_grpc_deadline_and_max_generation_time(mesh: Mesh) -> None:
@@ -151,6 +152,8 @@ async def test_grpc_deadline_and_max_generation_time(mesh: Mesh) -> None:
         events = [e async for e in s.Chat(request, metadata=auth())]
     assert events[-1].finished.finish_reason == common_pb2.FINISH_REASON_TIMEOUT
     assert "limit" in events[-1].finished.message
+    await asyncio.wait_for(engine.cancelled.wait(), 10)
+    assert engine.polite_cancels == 1  # said: the engine ends it, not kept for a resume
     assert any(e.HasField("delta") for e in events)
     await asyncio.wait_for(engine.cancelled.wait(), 10)
 

@@ -72,7 +72,13 @@ async def test_sse_wire_format_ends_with_done(mesh: Mesh) -> None:
         assert r.headers["Content-Type"].startswith("text/event-stream")
         assert r.headers["x-request-id"] == "req-42"
         raw = (await r.read()).decode()
-    events = [e for e in raw.split("\n\n") if e.startswith("data: ")]
+    frames = [e for e in raw.split("\n\n") if "data: " in e]
+    # Resume points: the role chunk is event 0, each text chunk the count of
+    # engine deltas so far; the final chunks carry no id (README "Resuming a stream").
+    ids = [f.split("\n")[0] for f in frames if f.startswith("id: ")]
+    assert ids[0] == "id: req-42.0" and len(ids) >= 2
+    assert [int(i.rsplit(".", 1)[1]) for i in ids] == sorted({int(i.rsplit(".", 1)[1]) for i in ids})
+    events = [f[f.index("data: "):] for f in frames]
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[0][6:])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert mesh.scheduler.admits[0].request.request_id == "req-42"
@@ -285,6 +291,8 @@ async def test_client_disconnect_cancels_engine(mesh: Mesh) -> None:
     delay = engine.cancelled_at - left_at
     print(f"engine saw the cancel {delay * 1000:.1f} ms after the client left")
     assert len(engine.requests) == 1
+    # Said, not just a closed call: the engine ends it rather than keeping it for a resume.
+    assert engine.polite_cancels == 1
 
 
 async def test_migration_is_seamless(mesh: Mesh) -> None:

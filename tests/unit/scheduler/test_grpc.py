@@ -352,3 +352,49 @@ async def test_preempted_then_requeued_then_placed_again() -> None:
     finally:
         await channel.close()
         await service.stop(grace=0.5)
+
+
+async def test_a_resume_takes_a_request_over_from_its_old_stream(stack) -> None:
+    """Resume (detached_leases.py) over real streams: a broken Admit stream
+    leaves the lease DETACHED; a resume re-attaches it; a second resume takes
+    it over while the first is still open (which ends without touching it)."""
+    _service, stub, _ = stack
+    engine = stub.Connect(timeout=TIMEOUT * 3)
+    await engine.write(hello("eng-r", "127.0.0.1:7"))
+    await engine.write(pb.EngineMessage(load=pb.LoadReport(serving=True, blocks_total=1000)))
+    await wait_state(stub, lambda s: len(s.engines) == 1 and s.engines[0].fresh)
+
+    async def placed(call: grpc.aio.StreamStreamCall) -> pb.Placed:
+        while True:
+            msg = await asyncio.wait_for(call.read(), TIMEOUT)
+            assert msg.WhichOneof("msg") in ("queued", "placed"), msg
+            if msg.WhichOneof("msg") == "placed":
+                return msg.placed
+
+    def resume_msg(tenant: str = "t") -> pb.AdmitClientMessage:
+        msg = admit_msg("rr", tenant=tenant)
+        msg.request.resume = True
+        return msg
+
+    first = stub.Admit(timeout=TIMEOUT * 3)
+    await first.write(admit_msg("rr"))
+    lease = (await placed(first)).lease_id
+    first.cancel()  # the gateway vanished: the lease is kept
+    await asyncio.sleep(0.2)
+    assert (await stub.GetState(pb.GetStateRequest(), timeout=TIMEOUT)).leases_total == 1
+    intruder = stub.Admit(timeout=TIMEOUT * 3)
+    await intruder.write(resume_msg("other"))
+    refused = await asyncio.wait_for(intruder.read(), TIMEOUT)
+    assert refused.rejected.code == pb.REJECT_CODE_RESUME_FORBIDDEN
+    second = stub.Admit(timeout=TIMEOUT * 3)
+    await second.write(resume_msg())
+    again = await placed(second)
+    assert (again.engine_id, again.engine_address, again.lease_id) == ("eng-r", "127.0.0.1:7", lease)
+    third = stub.Admit(timeout=TIMEOUT * 3)  # the second is still open: taken over
+    await third.write(resume_msg())
+    assert (await placed(third)).lease_id == lease
+    assert await asyncio.wait_for(second.read(), TIMEOUT) is grpc.aio.EOF  # the old stream ends
+    assert (await stub.GetState(pb.GetStateRequest(), timeout=TIMEOUT)).leases_total == 1
+    await third.write(pb.AdmitClientMessage(done=pb.RequestDone(finish_reason="stop")))
+    await wait_state(stub, lambda s: s.leases_total == 0)
+    engine.cancel()

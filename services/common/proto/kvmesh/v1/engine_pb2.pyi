@@ -8,40 +8,62 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "lease_id", "resumed_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "lease_id", "resumed_tokens", "delta_offset")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_OFFSET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     priority: int
     lease_id: str
     resumed_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., lease_id: _Optional[str] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
+    delta_offset: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., lease_id: _Optional[str] = ..., resumed_tokens: _Optional[int] = ..., delta_offset: _Optional[int] = ...) -> None: ...
 
 class CancelGeneration(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class EngineGenerateMessage(_message.Message):
-    __slots__ = ("request", "cancel")
+    __slots__ = ("request", "cancel", "resume")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     request: EngineRequest
     cancel: CancelGeneration
-    def __init__(self, request: _Optional[_Union[EngineRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelGeneration, _Mapping]] = ...) -> None: ...
+    resume: ResumeGeneration
+    def __init__(self, request: _Optional[_Union[EngineRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelGeneration, _Mapping]] = ..., resume: _Optional[_Union[ResumeGeneration, _Mapping]] = ...) -> None: ...
+
+class ResumeGeneration(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EngineGenerateEvent(_message.Message):
-    __slots__ = ("delta", "finished")
+    __slots__ = ("delta", "finished", "resumed")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
     delta: EngineDelta
     finished: EngineFinished
-    def __init__(self, delta: _Optional[_Union[EngineDelta, _Mapping]] = ..., finished: _Optional[_Union[EngineFinished, _Mapping]] = ...) -> None: ...
+    resumed: EngineResumed
+    def __init__(self, delta: _Optional[_Union[EngineDelta, _Mapping]] = ..., finished: _Optional[_Union[EngineFinished, _Mapping]] = ..., resumed: _Optional[_Union[EngineResumed, _Mapping]] = ...) -> None: ...
+
+class EngineResumed(_message.Message):
+    __slots__ = ("prior_token_ids", "delta_offset")
+    PRIOR_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    prior_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    delta_offset: int
+    def __init__(self, prior_token_ids: _Optional[_Iterable[int]] = ..., delta_offset: _Optional[int] = ...) -> None: ...
 
 class EngineDelta(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs", "held_text")

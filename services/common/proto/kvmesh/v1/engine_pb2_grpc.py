@@ -55,8 +55,10 @@ class EngineServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request_iterator, context):
-        """First client message is the request; a later Cancel, or closing the
-        call, aborts it in the engine at once and frees its KV blocks.
+        """First client message is the request; a later Cancel aborts it in the
+        engine at once and frees its KV blocks. A call that ends without Cancel
+        (its gateway died) leaves the generation detached for
+        resume.grace_seconds: a call whose first message is `resume` continues it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

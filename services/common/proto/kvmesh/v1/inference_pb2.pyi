@@ -29,48 +29,62 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("model", "messages", "sampling", "priority", "max_generation_seconds")
+    __slots__ = ("model", "messages", "sampling", "priority", "max_generation_seconds", "resume")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     MAX_GENERATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: _common_pb2.SamplingParams
     priority: Priority
     max_generation_seconds: float
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[Priority, str]] = ..., max_generation_seconds: _Optional[float] = ...) -> None: ...
+    resume: ResumeFrom
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[Priority, str]] = ..., max_generation_seconds: _Optional[float] = ..., resume: _Optional[_Union[ResumeFrom, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "prompt_token_ids", "sampling", "priority", "max_generation_seconds")
+    __slots__ = ("model", "prompt", "prompt_token_ids", "sampling", "priority", "max_generation_seconds", "resume")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     MAX_GENERATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     priority: Priority
     max_generation_seconds: float
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[Priority, str]] = ..., max_generation_seconds: _Optional[float] = ...) -> None: ...
+    resume: ResumeFrom
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[Priority, str]] = ..., max_generation_seconds: _Optional[float] = ..., resume: _Optional[_Union[ResumeFrom, _Mapping]] = ...) -> None: ...
+
+class ResumeFrom(_message.Message):
+    __slots__ = ("request_id", "last_index")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_INDEX_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    last_index: int
+    def __init__(self, request_id: _Optional[str] = ..., last_index: _Optional[int] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("request_id", "queued", "delta", "finished", "heartbeat")
+    __slots__ = ("request_id", "queued", "delta", "finished", "heartbeat", "index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     queued: QueuedEvent
     delta: DeltaEvent
     finished: FinishedEvent
     heartbeat: HeartbeatEvent
-    def __init__(self, request_id: _Optional[str] = ..., queued: _Optional[_Union[QueuedEvent, _Mapping]] = ..., delta: _Optional[_Union[DeltaEvent, _Mapping]] = ..., finished: _Optional[_Union[FinishedEvent, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatEvent, _Mapping]] = ...) -> None: ...
+    index: int
+    def __init__(self, request_id: _Optional[str] = ..., queued: _Optional[_Union[QueuedEvent, _Mapping]] = ..., delta: _Optional[_Union[DeltaEvent, _Mapping]] = ..., finished: _Optional[_Union[FinishedEvent, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatEvent, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class QueuedEvent(_message.Message):
     __slots__ = ("position", "estimated_wait_seconds", "priority")

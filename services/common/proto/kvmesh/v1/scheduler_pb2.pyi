@@ -17,6 +17,8 @@ class RejectCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECT_CODE_TOO_LARGE: _ClassVar[RejectCode]
     REJECT_CODE_INVALID: _ClassVar[RejectCode]
     REJECT_CODE_DRAINING: _ClassVar[RejectCode]
+    REJECT_CODE_RESUME_UNKNOWN: _ClassVar[RejectCode]
+    REJECT_CODE_RESUME_FORBIDDEN: _ClassVar[RejectCode]
 REJECT_CODE_UNSPECIFIED: RejectCode
 REJECT_CODE_QUEUE_FULL: RejectCode
 REJECT_CODE_TENANT_FULL: RejectCode
@@ -25,9 +27,11 @@ REJECT_CODE_NO_ENGINE: RejectCode
 REJECT_CODE_TOO_LARGE: RejectCode
 REJECT_CODE_INVALID: RejectCode
 REJECT_CODE_DRAINING: RejectCode
+REJECT_CODE_RESUME_UNKNOWN: RejectCode
+REJECT_CODE_RESUME_FORBIDDEN: RejectCode
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("request_id", "model", "tenant", "priority", "prompt_tokens", "max_tokens", "prefix_hashes", "arrival_unix", "running_on_engine")
+    __slots__ = ("request_id", "model", "tenant", "priority", "prompt_tokens", "max_tokens", "prefix_hashes", "arrival_unix", "running_on_engine", "resume")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +41,7 @@ class AdmitRequest(_message.Message):
     PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_UNIX_FIELD_NUMBER: _ClassVar[int]
     RUNNING_ON_ENGINE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     tenant: str
@@ -46,7 +51,8 @@ class AdmitRequest(_message.Message):
     prefix_hashes: _containers.RepeatedScalarFieldContainer[int]
     arrival_unix: float
     running_on_engine: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., arrival_unix: _Optional[float] = ..., running_on_engine: _Optional[str] = ...) -> None: ...
+    resume: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., arrival_unix: _Optional[float] = ..., running_on_engine: _Optional[str] = ..., resume: _Optional[bool] = ...) -> None: ...
 
 class Replace(_message.Message):
     __slots__ = ("exclude_engines", "prompt_tokens", "max_tokens", "prefix_hashes")

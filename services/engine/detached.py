@@ -1,0 +1,154 @@
+"""Stream resumption, engine side: who reads a generation, and the
+generations kept after their caller vanished (README "Resuming a stream").
+
+A generation is read by ONE transport call at a time, its owner
+(`Attachment`). When the owner leaves:
+- having delivered the final output, or after a polite `cancel` from its
+  caller (the gateway's client went away): the generation ends as always;
+- otherwise (the call broke: the gateway died or its link did) the
+  generation is DETACHED: it keeps running in the backend, its outputs
+  merge in its `DeltaBuffer` (nothing is lost, nothing waits), and it is
+  cancelled -- KV freed -- if nobody resumes it within `grace_seconds`.
+A resume (`attach` of a live generation) takes ownership: a detached one
+stops its expiry timer; one still owned by another call (a partitioned
+gateway that has not noticed yet) ends that call (its task is cancelled and
+told it was superseded) before the new owner reads anything. Every output
+the transport took is in the generation's `OutputRecord`, so the new owner
+replays it from the first delta and then continues live.
+
+Ownership: all of it runs on the event loop thread; `Keeper` alone changes
+who owns what, in `attach` and `leave`, each called once per call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from services.engine.backend import GenerationOutput, InvalidRequest
+from services.engine.errors import EngineError
+
+if TYPE_CHECKING:
+    from services.engine.runtime import EngineRuntime, Generation
+
+__all__ = ["Attachment", "Keeper", "OutputRecord", "UnknownGeneration"]
+
+log = logging.getLogger(__name__)
+
+# How long a resuming call waits for the call it supersedes to let go.
+_TAKEOVER_SECONDS = 5.0
+
+
+class UnknownGeneration(EngineError):
+    """No live generation under this id (never here, finished, or expired) -> NOT_FOUND."""
+
+
+@dataclass
+class OutputRecord:
+    """Every output a generation's transport took: the deltas (outputs with
+    tokens, text or logprobs), in order, and the final one."""
+
+    deltas: list[GenerationOutput] = field(default_factory=list)
+    final: GenerationOutput | None = None
+
+    def add(self, out: GenerationOutput) -> None:
+        if out.token_ids or out.text or out.logprobs:
+            self.deltas.append(out)
+        if out.finish_reason is not None:
+            self.final = out
+
+
+@dataclass(eq=False)
+class Attachment:
+    """One transport call's ownership of a generation."""
+
+    task: asyncio.Task[object] | None
+    # The caller said `cancel`: the generation ends, it is not kept.
+    polite: bool = False
+    # A resuming call took the generation over: this call ends ABORTED.
+    superseded: bool = False
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Keeper:
+    """The runtime's owners and detached generations (module docstring)."""
+
+    def __init__(self, runtime: EngineRuntime, grace_seconds: float) -> None:
+        self._runtime = runtime
+        self.grace_seconds = grace_seconds
+        self._owners: dict[str, Attachment] = {}
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+
+    @property
+    def detached_count(self) -> int:
+        return len(self._timers)
+
+    def find(self, request_id: str, prompt: list[int]) -> Generation:
+        """The live generation to resume; its original prompt must be `prompt`."""
+        generation = self._runtime.live(request_id)
+        if generation is None:
+            raise UnknownGeneration(
+                f"no generation {request_id!r} to resume here: it finished, expired or never ran")
+        request = generation.request
+        original = request.prompt_token_ids[:len(request.prompt_token_ids) - request.resumed_tokens]
+        if original != prompt:
+            raise InvalidRequest(f"the resumed request {request_id!r} has another prompt than the original")
+        return generation
+
+    async def attach(self, generation: Generation) -> Attachment:
+        """The calling task owns `generation` from now on; a previous owner
+        is ended first (superseded)."""
+        request_id = generation.request.request_id
+        timer = self._timers.pop(request_id, None)
+        if timer is not None:
+            timer.cancel()
+            log.info("request %s: detached generation resumed", request_id)
+        mine = Attachment(asyncio.current_task())
+        previous, self._owners[request_id] = self._owners.get(request_id), mine
+        if previous is not None and previous.task is not None and not previous.released.is_set():
+            log.info("request %s: resumed by a new call; ending the previous one", request_id)
+            previous.superseded = True
+            previous.task.cancel()
+            try:
+                async with asyncio.timeout(_TAKEOVER_SECONDS):
+                    await previous.released.wait()
+            except TimeoutError:
+                log.warning("request %s: the superseded call did not let go in time", request_id)
+        return mine
+
+    def leave(self, generation: Generation, mine: Attachment, delivered: bool) -> None:
+        """The owning call ends; `delivered`: its caller got the final output
+        (or an error status). Ends, detaches or (superseded) leaves it be."""
+        mine.released.set()
+        request_id = generation.request.request_id
+        if self._owners.get(request_id) is not mine:
+            return  # superseded: the new owner has it
+        del self._owners[request_id]
+        runtime = self._runtime
+        if (delivered or mine.polite or self.grace_seconds <= 0 or generation.handed_over
+                or runtime.dead is not None or runtime.stopping):
+            generation.cancel("the client closed the call")  # no-op once finished
+            generation.close()
+            return
+        log.info("request %s: its caller vanished; kept %.0f s for a resume", request_id, self.grace_seconds)
+        self._timers[request_id] = asyncio.get_running_loop().call_later(
+            self.grace_seconds, self._expire, generation)
+
+    def _expire(self, generation: Generation) -> None:
+        request_id = generation.request.request_id
+        self._timers.pop(request_id, None)
+        log.info("request %s: not resumed within %.0f s; cancelled", request_id, self.grace_seconds)
+        generation.cancel(f"not resumed within {self.grace_seconds:g} s after its caller vanished")
+        generation.close()
+
+    def expire_all(self) -> None:
+        """End every detached generation now (the engine stops)."""
+        for request_id in list(self._timers):
+            timer = self._timers.pop(request_id)
+            timer.cancel()
+            generation = self._runtime.live(request_id)
+            if generation is not None:
+                generation.hand_over("engine stopping; its detached generation cannot be resumed here")
+                generation.close()
