@@ -18,6 +18,9 @@ __all__ = ["cluster"]
 
 
 _HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+# Linux's <netinet/tcp.h>: Envoy takes socket options as raw numbers.
+_IPPROTO_TCP = 6
+_TCP_USER_TIMEOUT = 18
 
 
 def cluster(topology: Topology, name: str, grpc: bool) -> dict[str, Any]:
@@ -59,9 +62,13 @@ def cluster(topology: Topology, name: str, grpc: bool) -> dict[str, Any]:
             }
         },
         "health_checks": [_health_check(topology, grpc)],
+        # Pooled connections to a failed gateway are not reused (in-flight
+        # requests on them are ended by the kernel's user timeout below).
+        "close_connections_on_host_health_failure": True,
         "outlier_detection": _outlier_detection(),
         "circuit_breakers": _circuit_breakers(),
         "upstream_connection_options": {"tcp_keepalive": _tcp_keepalive(topology)},
+        "upstream_bind_config": {"socket_options": [_tcp_user_timeout(topology)]},
         **tls,
     }
 
@@ -74,6 +81,19 @@ def _tcp_keepalive(topology: Topology) -> dict[str, int]:
     return {"keepalive_time": math.ceil(t.upstream_keepalive_seconds),
             "keepalive_interval": max(1, math.ceil(t.upstream_keepalive_timeout_seconds / 3)),
             "keepalive_probes": 3}
+
+
+def _tcp_user_timeout(topology: Topology) -> dict[str, Any]:
+    """TCP_USER_TIMEOUT: a connection whose sent bytes stay unacknowledged
+    for the keepalive bound is reset by the kernel. Keepalive never probes a
+    connection with bytes in flight, so without it a request Envoy wrote to a
+    gateway cut off without a reset (before health checks drop it) waits for
+    the stream idle timeout (minutes); reset, it is retried on another
+    gateway, as nothing was answered."""
+    t = topology.timeouts
+    bound = t.upstream_keepalive_seconds + t.upstream_keepalive_timeout_seconds
+    return {"description": "TCP_USER_TIMEOUT", "level": _IPPROTO_TCP, "name": _TCP_USER_TIMEOUT,
+            "int_value": math.ceil(bound * 1000), "state": "STATE_PREBIND"}
 
 
 def _health_check(topology: Topology, grpc: bool) -> dict[str, Any]:

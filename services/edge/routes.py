@@ -49,9 +49,11 @@ def _routes(topology: Topology) -> list[dict[str, Any]]:
             # Retried only before any response byte reached the client, so a
             # client never sees two answers. `reset` covers a gateway that died
             # with an idle pooled connection Envoy had not yet seen close (the
-            # request is written into the dead socket): a lost connection always
-            # cancels its generation in the gateway (or died with it), so the
-            # retry cannot run alongside the first attempt.
+            # request is written into the dead socket), and one cut off without
+            # a reset (the kernel's TCP_USER_TIMEOUT ends the connection,
+            # clusters.py). A first attempt its gateway admitted before dying is
+            # kept detached for a resume; the retry runs under its own id
+            # (x-envoy-attempt-count), and the detached one expires unused.
             "retry_on": "connect-failure,refused-stream,reset",
             "num_retries": topology.connect_retries,
             "retry_host_predicate": [
@@ -123,7 +125,10 @@ def _web_routes(topology: Topology) -> list[dict[str, Any]]:
 
 
 def virtual_host(topology: Topology) -> dict[str, Any]:
-    vhost: dict[str, Any] = {"name": "kvmesh", "domains": ["*"], "routes": _routes(topology)}
+    # x-envoy-attempt-count on every upstream request: a retried request
+    # gets an id of its own at the gateway (gateway/jobs.py request_id_from).
+    vhost: dict[str, Any] = {"name": "kvmesh", "domains": ["*"], "routes": _routes(topology),
+                             "include_request_attempt_count": True}
     if topology.cors.allow_origins:
         vhost["typed_per_filter_config"] = {
             "envoy.filters.http.cors": {

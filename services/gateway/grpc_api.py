@@ -117,7 +117,8 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
     ) -> None:
         metadata = _metadata(context)
         resume = request.resume if request.HasField("resume") else None
-        request_id = resume.request_id if resume else request_id_from(metadata.get("x-request-id"))
+        request_id = resume.request_id if resume else request_id_from(
+            metadata.get("x-request-id"), metadata.get("x-envoy-attempt-count"))
         try:
             if resume is not None:
                 parse_last_event_id(f"{resume.request_id}.0")  # the same id rules as the HTTP API

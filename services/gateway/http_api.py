@@ -153,7 +153,8 @@ class HttpApi:
 
     async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
         resume = parse_last_event_id(request.headers.get("last-event-id"))
-        request_id = resume[0] if resume else request_id_from(request.headers.get("x-request-id"))
+        request_id = resume[0] if resume else request_id_from(
+            request.headers.get("x-request-id"), request.headers.get("x-envoy-attempt-count"))
         request[_REQUEST_ID] = request_id
         principal = self._frontdoor.authenticate(api_key_from_headers(request.headers))
         body = await self._read_json(request)

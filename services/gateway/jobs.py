@@ -24,11 +24,16 @@ __all__ = ["Job", "build_job", "parse_last_event_id", "request_id_from"]
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
-def request_id_from(header: str | None) -> str:
-    """The client's x-request-id if it is a sane token, else a fresh one."""
-    if header and _REQUEST_ID.match(header):
-        return header
-    return uuid.uuid4().hex
+def request_id_from(header: str | None, attempt: str | None = None) -> str:
+    """The client's x-request-id if it is a sane token, else a fresh one.
+    Envoy's retry of a request (`x-envoy-attempt-count` > 1: the first
+    attempt's gateway died or was cut off before answering) gets an id of its
+    own: the first attempt may have been admitted, and its lease and
+    generation are kept for a resume under the original id."""
+    request_id = header if header and _REQUEST_ID.match(header) else uuid.uuid4().hex
+    if attempt and attempt.isdigit() and int(attempt) > 1 and len(request_id) <= 120:
+        request_id = f"{request_id}-try{int(attempt)}"
+    return request_id
 
 
 def parse_last_event_id(header: str | None) -> tuple[str, int] | None:

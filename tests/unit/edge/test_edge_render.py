@@ -154,3 +154,24 @@ def test_every_replica_is_an_endpoint() -> None:
     names = [f["name"] for f in _hcm(config)["http_filters"]]
     assert names[0] == "envoy.filters.http.cors"
     assert "envoy.filters.http.local_ratelimit" in names
+
+
+def test_a_silent_gateway_cannot_hold_a_request_and_retries_get_their_own_id() -> None:
+    """A request written to a gateway cut off without a reset is reset by the
+    kernel after the keepalive bound (TCP_USER_TIMEOUT), then retried; the
+    retry carries x-envoy-attempt-count so the gateway gives it its own id
+    (tests/netns/test_netns_partitions.py shows it on a real cut)."""
+    topology = Topology()
+    config = render(topology)
+    t = topology.timeouts
+    for c in config["static_resources"]["clusters"]:
+        if c["name"] not in ("gateway_grpc", "gateway_http"):
+            continue
+        (option,) = c["upstream_bind_config"]["socket_options"]
+        assert (option["level"], option["name"]) == (6, 18)  # IPPROTO_TCP, TCP_USER_TIMEOUT
+        assert option["int_value"] == round(
+            (t.upstream_keepalive_seconds + t.upstream_keepalive_timeout_seconds) * 1000)
+        assert c["close_connections_on_host_health_failure"] is True
+    vhost = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+        "route_config"]["virtual_hosts"][0]
+    assert vhost["include_request_attempt_count"] is True

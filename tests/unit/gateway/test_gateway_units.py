@@ -178,3 +178,13 @@ async def test_metrics_endpoint(model_dir: Path) -> None:
             assert r.status == 200 and "kvmesh_gateway_active_streams" in await r.text()
     finally:
         await gateway.stop(grace=0.1)
+
+
+def test_a_retried_request_gets_an_id_of_its_own() -> None:
+    from services.gateway.jobs import request_id_from
+
+    assert request_id_from("abc-1") == "abc-1"
+    assert request_id_from("abc-1", "1") == "abc-1"
+    assert request_id_from("abc-1", "2") == "abc-1-try2"
+    assert request_id_from("abc-1", "junk") == "abc-1"
+    assert request_id_from("bad id with spaces", "3").endswith("-try3")
