@@ -109,6 +109,7 @@ class Answer:
     text: str = ""
     resumes: int = 0
     resent: int = 0
+    cuts: list[str] = field(default_factory=list)  # why each attempt before the last ended
 
 
 class _Cut(Exception):
@@ -170,6 +171,7 @@ class ResumingStream:
                 reason = str(cut)
             except (aiohttp.ClientError, ValueError) as exc:
                 reason = type(exc).__name__
+            self.answer.cuts.append(f"{reason} after {self._last_id}")
             if self._last_id is None and self.answer.text:
                 return self._lost(f"cut after text with no event id to resume from ({reason})")
             if self._last_id is None:
@@ -180,7 +182,8 @@ class ResumingStream:
         return self._lost(f"still cut after {MAX_RESUMES} resumes")
 
     def _lost(self, reason: str) -> Answer:
-        self.answer.outcome, self.answer.reason = "lost", reason
+        self.answer.outcome = "lost"
+        self.answer.reason = reason + (f" (cut before: {'; '.join(self.answer.cuts)})" if self.answer.cuts else "")
         return self.answer
 
     async def _attempt(self) -> Answer:

@@ -64,10 +64,13 @@ def _routes(topology: Topology) -> list[dict[str, Any]]:
                     },
                 }
             ],
-            # Selection is in memory and cheap; with LEAST_REQUEST's random
-            # two-choice pick, several tries make landing on the failed
-            # replica again vanishingly unlikely (0.5^6 with two replicas).
-            "host_selection_retry_max_attempts": 5,
+            # Selection is in memory and cheap, and many tries are needed:
+            # LEAST_REQUEST's two-choice pick PREFERS a dead replica (it holds
+            # no requests), so with two replicas a pick lands on it 3 times in
+            # 4; after 5 tries a retry still went back to it 24% of the time
+            # (chaos runs: 503 "retried and the latest reset reason:
+            # connection refused"). 0.75^50 is below one in a million.
+            "host_selection_retry_max_attempts": 50,
         },
     }
     grpc = {"cluster": GRPC_CLUSTER, **stream_route}
