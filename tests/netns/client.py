@@ -2,7 +2,9 @@
 through Envoy, recording when each chunk arrived (to measure how long a
 partition stalls a stream) and the SSE event ids. With `resume`, a stream
 that stalls (no byte, not even a heartbeat, for `stall_seconds`) or breaks is
-sent again with `Last-Event-ID` and continues where it stopped.
+sent again with `Last-Event-ID` and continues where it stopped (one cut
+before any event is simply sent again). The one resuming client of the
+namespace tests and of `scripts/chaos.py` (loopback and `--netns`).
 
 Runs on the client host: `run_on(host, coro_factory)` runs an asyncio loop on
 a thread inside the host's namespace, so every socket it opens is the
@@ -43,6 +45,11 @@ class Stream:
     chunk_times: list[float] = field(default_factory=list)
     last_event_id: str | None = None
     resumes: int = 0
+    # Re-sent from the start: cut before any event (so nothing to resume from).
+    resent: int = 0
+    model: str = MODEL
+    # The `code` of an SSE error event, if one came (the error is in `error`).
+    error_code: str | None = None
 
     @property
     def chunks(self) -> int:
@@ -56,25 +63,25 @@ class Stream:
         return next((c for c in self.chunk_times if c > t), None)
 
 
-class _Stalled(Exception):
-    pass
+class _Cut(Exception):
+    """The stream stalled, or its body ended without [DONE]."""
 
 
 def _body(s: Stream) -> dict[str, Any]:
-    return {"model": MODEL, "prompt": s.prompt, "max_tokens": s.max_tokens, "stream": True, "temperature": 0}
+    return {"model": s.model, "prompt": s.prompt, "max_tokens": s.max_tokens, "stream": True, "temperature": 0}
 
 
 async def _read(resp: aiohttp.ClientResponse, s: Stream, stall_seconds: float | None) -> None:
-    """Consume one SSE response into `s` until [DONE] or the body ends."""
+    """Consume one SSE response into `s` until [DONE]; _Cut if it stalls or ends before."""
     event_id = None  # the id of the event being read; it counts as seen once its data is
     while True:
         try:
             async with asyncio.timeout(stall_seconds):
                 raw = await resp.content.readline()
         except TimeoutError as exc:
-            raise _Stalled from exc
+            raise _Cut(f"no byte for {stall_seconds} s") from exc
         if not raw:
-            return
+            raise _Cut("the body ended without [DONE]")
         line = raw.strip()
         if line.startswith(b"id:"):
             event_id = line[3:].strip().decode()
@@ -88,7 +95,9 @@ async def _read(resp: aiohttp.ClientResponse, s: Stream, stall_seconds: float | 
         event = json.loads(data)
         if "error" in event:
             s.error = json.dumps(event["error"])[:300]
-            continue
+            error = event["error"]
+            s.error_code = str((error.get("code") if isinstance(error, dict) else None) or "error")
+            return
         for choice in event.get("choices", ()):
             s.text += choice.get("text") or ""
             if choice.get("finish_reason"):
@@ -98,29 +107,34 @@ async def _read(resp: aiohttp.ClientResponse, s: Stream, stall_seconds: float | 
 
 async def stream_completion(session: aiohttp.ClientSession, base_url: str, s: Stream,
                             stall_seconds: float | None = None, resume: bool = False, attempts: int = 6,
-                            timeout: float = STREAM_TIMEOUT) -> Stream:
+                            timeout: float = STREAM_TIMEOUT, api_key: str = API_KEY) -> Stream:
     """POST the request; never raises, records failures in `s`. With
-    `resume`, a stalled or broken stream that has an event id is sent again
-    with Last-Event-ID (up to `attempts` times)."""
-    headers = {"Authorization": f"Bearer {API_KEY}"}
+    `resume`, a stalled or broken stream is sent again (up to `attempts`
+    times in all): with Last-Event-ID if it got an event id, from the start
+    if it got nothing yet; one cut after text without an id is given up."""
+    headers = {"Authorization": f"Bearer {api_key}"}
     try:
         async with asyncio.timeout(timeout):
-            for _ in range(attempts):
+            for attempt in range(attempts):
                 if s.last_event_id is not None:
                     headers["Last-Event-ID"] = s.last_event_id
                 try:
                     async with session.post(f"{base_url}/v1/completions", json=_body(s), headers=headers) as resp:
                         s.status = resp.status
                         if resp.status != 200:
-                            s.error = (await resp.text())[:300]
+                            s.error = (await resp.text())[:2000]
                             return s
                         await _read(resp, s, stall_seconds)
                         return s
-                except (_Stalled, aiohttp.ClientError) as exc:
-                    if not (resume and s.last_event_id):
+                except (_Cut, aiohttp.ClientError, ValueError) as exc:
+                    if not resume or (s.last_event_id is None and s.text):
                         s.error = f"{type(exc).__name__}: {exc}"
                         return s
-                    s.resumes += 1
+                    if s.last_event_id is None:
+                        s.resent += 1
+                    else:
+                        s.resumes += 1
+                    await asyncio.sleep(0.1 * (attempt + 1))
             s.error = f"gave up after {attempts} attempts"
     except TimeoutError:
         s.error = f"no end after {timeout} s"

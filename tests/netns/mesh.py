@@ -14,10 +14,12 @@ for its metrics (so an engine is observable while it is cut off).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -82,6 +84,7 @@ class NetnsMesh:
         self.addr = net.addresses
         self.config = self._base_config(tune)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.commands: dict[str, tuple[str, list[str]]] = {}  # name -> (host, argv), for restart
         self.logs: dict[str, Path] = {}
 
     # ------------------------------------------------------------ configs
@@ -162,6 +165,7 @@ class NetnsMesh:
         return env
 
     def _spawn(self, name: str, host: str, argv: list[str]) -> None:
+        self.commands[name] = (host, argv)
         self.logs[name] = self.run_dir / f"{name}.log"
         with self.logs[name].open("ab") as log:
             self.procs[name] = self.net.hosts[host].spawn(argv, log, env=self._env(), cwd=ROOT)
@@ -204,6 +208,35 @@ class NetnsMesh:
                 pass
             time.sleep(0.2)
         raise ServiceFailed(f"{name} not up at {url} after {START_TIMEOUT} s:\n{self.log_tail(name)}")
+
+    def kill(self, name: str) -> None:
+        """SIGKILL service `name` (its process group: `ip netns exec` execs the service)."""
+        proc = self.procs[name]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+    def restart(self, name: str) -> None:
+        """Start service `name` again, as it was started (a new process on its
+        host, stopped by the harness's teardown like the first), and wait
+        until it answers. An engine or the scheduler also restarts this way
+        after it exited on its own (what `kvmesh up` does)."""
+        host, argv = self.commands[name]
+        if self.procs[name].poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        self._spawn(name, host, argv)
+        self._wait(name, *self._probe(name))
+
+    def _probe(self, name: str) -> tuple[str, str]:
+        """(host to probe from, url) that answers 200 once `name` is up."""
+        host = self.commands[name][0]
+        if name == "scheduler":
+            return host, f"http://{self.addr[host]}:{SCHEDULER_METRICS}/metrics"
+        if name.startswith("engine-"):
+            return host, f"http://{self.addr[host]}:{ENGINE_METRICS + int(name[7:])}/metrics"
+        if name.startswith("gateway-"):
+            return "client", f"http://{self.addr[host]}:{GATEWAY_HTTP}/health"
+        raise ValueError(f"cannot restart {name}")
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         path = self.logs.get(name)

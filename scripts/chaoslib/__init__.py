@@ -1,0 +1,1 @@
+"""Parts of scripts/chaos.py: outcome accounting, the loopback mesh, the netns mesh."""

@@ -1,0 +1,207 @@
+"""The loopback chaos mesh: scheduler, 2 engines, 2 gateways and Envoy on
+free loopback ports (`services.launcher.mesh.Mesh`), and its faults:
+engine-kill, scheduler-kill, core-kill, hang, gateway-roll, gateway-kill
+(see scripts/chaos.py)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import os
+import random
+import signal
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from services.common.affinity import descendants
+from services.common.config import load_config
+from services.launcher.mesh import Mesh, MeshOptions
+from services.launcher.up import Restarts
+
+from .outcomes import Tally, Target, baseline, load, make_jobs, report
+
+ROOT = Path(__file__).resolve().parents[2]
+SIM_MODEL = "tiny-llama"
+FAULTS = ("engine-kill", "scheduler-kill", "core-kill", "hang", "gateway-roll", "gateway-kill")
+_COUNTERS = ("kvmesh_gateway_migrations_total", "kvmesh_gateway_scheduler_readmissions_total",
+             "kvmesh_gateway_drain_cut_total")
+
+
+# ------------------------------------------------------------------ faults
+
+
+def gateway_counters(mesh: Mesh, replicas: list[int]) -> dict[str, float]:
+    """Migration / re-admission / drain-cut counters summed over these gateway replicas."""
+    out: dict[str, float] = collections.defaultdict(float)
+    for r in replicas:
+        port = mesh.config.gateway.metrics_port + r
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith(_COUNTERS):
+                series, value = line.rsplit(" ", 1)
+                out[series] += float(value)
+    return out
+
+
+def _engine_core(mesh: Mesh, engine: str) -> int | None:
+    """The pid of the engine's VLLM::EngineCore process, None if it has none."""
+    pid = mesh.pid(engine)
+    if pid is None:
+        return None
+    for child in descendants(pid):
+        try:
+            if b"EngineCore" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return child
+        except OSError:
+            continue
+    return None
+
+
+class Chaos:
+    """The fault loop (runs in a thread: Mesh is driven from one thread)."""
+
+    def __init__(self, mesh: Mesh, rng: random.Random, faults: list[str], hang_seconds: float,
+                 tally: Tally) -> None:
+        self.mesh, self.rng, self.tally, self.hang_seconds = mesh, rng, tally, hang_seconds
+        self.engines = [n for n in mesh.names if n.startswith("engine-")]
+        self.gateways = [n for n in mesh.names if n.startswith("gateway-")]
+        self.vllm = mesh.config.engines.backend == "vllm"
+        self.faults = list(faults)
+        self.stop = threading.Event()
+        self.restarts = Restarts(mesh, self.stop)
+        if "core-kill" in self.faults and not self.vllm:
+            self.faults.remove("core-kill")
+            tally.actions.append("core-kill skipped: the sim has no engine-core process, and its crash hook "
+                                 "is reachable only in-process")
+        self.run_fault: dict[str, Callable[[], str]] = {
+            "engine-kill": self.engine_kill, "scheduler-kill": self.scheduler_kill,
+            "core-kill": self.core_kill, "hang": self.hang,
+            "gateway-roll": self.gateway_roll, "gateway-kill": self.gateway_kill,
+        }
+
+    def run(self, until: float) -> None:
+        start = time.monotonic()
+        while time.monotonic() < until - 3.0 and self.faults:
+            time.sleep(self.rng.uniform(1.0, 3.0))
+            self.restarts.check()  # engines that failed over on their own come back, as under kvmesh up
+            kind = self.rng.choice(self.faults)
+            at = time.monotonic() - start
+            what = self.run_fault[kind]()
+            self.tally.actions.append(f"{at:5.1f}s {kind}: {what} (+{time.monotonic() - start - at:.1f}s)")
+            self.restarts.check()
+        self.stop.set()
+
+    def _keep_counters(self, names: list[str]) -> None:
+        """A gateway's counters die with it: keep them."""
+        for series, value in gateway_counters(self.mesh, [self.gateways.index(n) for n in names]).items():
+            self.tally.counters[series] += value
+
+    def engine_kill(self) -> str:
+        name = self.rng.choice(self.engines)
+        self.mesh.kill(name)
+        time.sleep(self.rng.uniform(0.5, 2.0))
+        self.mesh.restart(name)
+        return f"SIGKILL {name}, restarted"
+
+    def scheduler_kill(self) -> str:
+        self.mesh.kill("scheduler")
+        time.sleep(self.rng.uniform(0.0, 1.0))
+        self.mesh.restart("scheduler")
+        return "SIGKILL scheduler, healthy again"
+
+    def core_kill(self) -> str:
+        name = self.rng.choice(self.engines)
+        core = _engine_core(self.mesh, name)
+        if core is None:
+            return f"{name} has no EngineCore process right now; nothing done"
+        os.kill(core, signal.SIGKILL)
+        return f"SIGKILL {name}'s EngineCore (pid {core})"
+
+    def hang(self) -> str:
+        name = self.rng.choice(self.engines)
+        pid = _engine_core(self.mesh, name) if self.vllm else self.mesh.pid(name)
+        if pid is None:
+            return f"{name}: no process to stop; nothing done"
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(self.hang_seconds)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        what = "EngineCore" if self.vllm else "process"
+        return f"SIGSTOP {name}'s {what} (pid {pid}) for {self.hang_seconds:g}s, then SIGCONT"
+
+    def gateway_roll(self) -> str:
+        self._keep_counters(self.gateways)
+        steps = self.mesh.rolling_restart()
+        return "rolled " + ", ".join(f"{s.name} (exit {s.exit_code}, {s.seconds:.1f}s)" for s in steps)
+
+    def gateway_kill(self) -> str:
+        name = self.rng.choice(self.gateways)
+        self._keep_counters([name])
+        self.mesh.kill(name)
+        time.sleep(self.rng.uniform(0.5, 2.0))
+        self.mesh.restart(name)
+        return f"SIGKILL {name}, restarted"
+
+
+# ------------------------------------------------------------------ the run
+
+
+def _mesh(ns: argparse.Namespace) -> tuple[Mesh, str]:
+    config = load_config(ROOT / "config" / "kvmesh.yaml")
+    config.engines.template.sim.speed_factor = ns.speed_factor
+    config.engines.template.max_running = ns.max_running
+    model = SIM_MODEL if ns.backend == "sim" else ""
+    run_dir = Path(ns.run_dir) if ns.run_dir else Path(tempfile.mkdtemp(prefix="kvmesh-chaos-"))
+    mesh = Mesh(config, MeshOptions(engines=2, backend=ns.backend, gateways=2, model=model or None,
+                                    free_ports=True, run_dir=run_dir))
+    return mesh, mesh.config.engines.template.model
+
+
+def _drain_cuts(mesh: Mesh) -> int:
+    """Streams gateways cut at their drain bound (they log it, then exit)."""
+    cuts = 0
+    for path in mesh.log_dir.glob("gateway-*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            if "still in flight" in line and "drain:" in line:
+                cuts += int(line.split("drain: ", 1)[1].split(" ", 1)[0])
+    return cuts
+
+
+async def run(ns: argparse.Namespace) -> int:
+    """The loopback run; its exit status (1 if anything was lost)."""
+    rng = random.Random(ns.seed)
+    mesh, model = _mesh(ns)
+    faults = ns.faults.split(",")
+    print(f"chaos: seed {ns.seed}, {ns.seconds:.0f}s, {ns.concurrency} concurrent clients, faults "
+          f"{', '.join(faults)}; logs in {mesh.log_dir}", flush=True)
+    t0 = time.monotonic()
+    mesh.start()
+    try:
+        print(f"chaos: mesh up in {time.monotonic() - t0:.1f}s (scheduler, 2 {ns.backend} engines, 2 gateways, "
+              "Envoy)", flush=True)
+        target = Target(mesh.endpoints.public_http, mesh.api_key, model)
+        jobs = make_jobs(rng, ns.distinct, ns.max_tokens)
+        expected = await baseline(target, jobs)
+        tally = Tally()
+        until = time.monotonic() + ns.seconds
+        began = time.monotonic()
+        chaos = Chaos(mesh, random.Random(rng.random()), faults, ns.hang_seconds, tally)
+        chaos_thread = asyncio.create_task(asyncio.to_thread(chaos.run, until))
+        await load(target, jobs, expected, random.Random(rng.random()), until, ns.concurrency, tally)
+        await chaos_thread
+        took = time.monotonic() - began
+        for series, value in gateway_counters(mesh, list(range(len(mesh.endpoints.gateway_http)))).items():
+            tally.counters[series] += value
+    finally:
+        mesh.stop_all()
+    return report(tally, took, lambda: [f"streams cut at a gateway's drain bound (gateway logs): {_drain_cuts(mesh)}"])
