@@ -65,6 +65,10 @@ __all__ = ["DriverSettings", "GenerationDriver"]
 log = logging.getLogger(__name__)
 
 
+# How long an engine that failed a request is not tried again for it.
+_EXCLUDE_FAILED_SECONDS = 30.0
+
+
 @dataclass(frozen=True)
 class DriverSettings:
     max_migrations: int
@@ -119,8 +123,8 @@ class _Generation:
         self._generated: list[int] = []
         self._cached_tokens = 0
         self._seam = StopSeam(job.sampling.stop, job.sampling.min_tokens)
-        # Engines that failed this request, in order (one entry per failure).
-        self._excluded: list[str] = []
+        # Engines that failed this request, with when (one entry per failure).
+        self._failures: list[tuple[str, float]] = []
         self._first_token_at: float | None = None
         self._last_delta_at = 0.0
         # Engine deltas relayed so far (all engines), and the client's resume point.
@@ -177,7 +181,7 @@ class _Generation:
             except EngineFailure as failure:
                 stream.cancel()
                 ended = await self._engine_lost(failure)
-                move = functools.partial(lease.replace, self._excluded)
+                move = functools.partial(lease.replace, self._excluded())
                 if ended is None:
                     self._driver.metrics.migrations.inc()
             except BaseException:
@@ -222,7 +226,7 @@ class _Generation:
         """The engine failed: how the request ends now, or None to migrate."""
         if self._job.max_tokens - len(self._generated) <= 0:
             return await self._left_engine()
-        failures = len(self._excluded) + 1
+        failures = len(self._failures) + 1
         log.warning("request %s: %s (failure %d)", self._job.request_id, failure.message, failures)
         if failures > self._driver.settings.max_migrations:
             return self._end(
@@ -230,8 +234,18 @@ class _Generation:
                 f"engines failed {failures} times; retry later (last: {failure.message})",
                 ErrorKind.UNAVAILABLE,
             )
-        self._excluded.append(failure.engine_id)
+        self._failures.append((failure.engine_id, self._driver.clock.monotonic()))
         return await self._left_engine()
+
+    def _excluded(self) -> list[str]:
+        """Engines not to place this request on: those that failed it
+        lately. The scheduler itself stops placing on an engine within its
+        detection bound (keepalive, stale reports); past that, an engine
+        that failed and came back is as good as any (a stream that lost one
+        engine to a partition and the other to a hang was refused
+        `no_engine` with the first serving again)."""
+        now = self._driver.clock.monotonic()
+        return [e for e, at in self._failures if now - at < _EXCLUDE_FAILED_SECONDS]
 
     async def _left_engine(self) -> Finished | None:
         """The request left its engine mid-stream (failed or preempted): how

@@ -188,3 +188,23 @@ def test_a_retried_request_gets_an_id_of_its_own() -> None:
     assert request_id_from("abc-1", "2") == "abc-1-try2"
     assert request_id_from("abc-1", "junk") == "abc-1"
     assert request_id_from("bad id with spaces", "3").endswith("-try3")
+
+
+def test_an_engine_that_failed_a_request_is_excluded_for_it_only_for_a_while() -> None:
+    """A stream that lost engine-1 (a partition) and later engine-0 (a hang)
+    may go back to engine-1 once it serves again: only recent failures are
+    excluded; all of them count against max_migrations."""
+    from types import SimpleNamespace
+
+    from services.common.clock import FakeClock
+    from services.gateway.driver import _EXCLUDE_FAILED_SECONDS, _Generation
+
+    clock = FakeClock()
+    job = SimpleNamespace(sampling=SimpleNamespace(stop=[], min_tokens=0), resume_from=None)
+    generation = _Generation(SimpleNamespace(clock=clock), job)  # type: ignore[arg-type]
+    generation._failures.append(("engine-1", clock.monotonic()))
+    assert generation._excluded() == ["engine-1"]
+    clock.advance(_EXCLUDE_FAILED_SECONDS + 1)
+    generation._failures.append(("engine-0", clock.monotonic()))
+    assert generation._excluded() == ["engine-0"]
+    assert len(generation._failures) == 2
