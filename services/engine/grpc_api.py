@@ -147,7 +147,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         try:
             if resumed is None or not await self._replay(generation, context, resumed):
                 await self._stream(generation, context)
-            delivered = not generation.ack_final or await self._acknowledged(reader, mine, context)
+            delivered = not generation.ack_final or await self._acknowledged(reader, mine)
         except grpc.aio.AbortError:
             delivered = True
             raise
@@ -164,17 +164,19 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             self._runtime.kept.leave(generation, mine, delivered)
 
     @staticmethod
-    async def _acknowledged(reader: asyncio.Task[None], mine: Attachment,
-                            context: grpc.aio.ServicerContext) -> bool:
+    async def _acknowledged(reader: asyncio.Task[None], mine: Attachment) -> bool:
         """The final output went out: did the gateway get it through to its
         client? It acknowledges with a `cancel` once its client has the last
-        event; a call that breaks first (the gateway died while relaying the
-        last deltas: it may lag the engine by many) leaves the finished
-        generation kept for a resume, as a running one would be."""
+        event. Anything else -- the call broke (the gateway died or was cut
+        off while relaying the last deltas: it may lag the engine by many;
+        a keepalive failure does not always mark the call cancelled), no
+        acknowledgement in time -- keeps the finished generation for a
+        resume, as a running one would be: unneeded, it costs a record for
+        the grace, never KV."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(_ACK_WAIT_SECONDS):
                 await asyncio.shield(reader)
-        return mine.polite or not context.cancelled()
+        return mine.polite
 
     async def _replay(self, generation: Generation, context: grpc.aio.ServicerContext,
                       resumed: engine_pb2.EngineResumed) -> bool:

@@ -65,14 +65,14 @@ __all__ = ["DriverSettings", "GenerationDriver"]
 log = logging.getLogger(__name__)
 
 
-# How long an engine that failed a request is not tried again for it.
-_EXCLUDE_FAILED_SECONDS = 30.0
-
-
 @dataclass(frozen=True)
 class DriverSettings:
     max_migrations: int
     heartbeat_seconds: float
+    # How long an engine that failed a request is not tried again for it: the
+    # scheduler's own detection bound (keepalive + stale load reports; after
+    # it the scheduler places nothing on a dead engine itself).
+    exclude_failed_seconds: float = 12.0
 
 
 class GenerationDriver:
@@ -245,7 +245,7 @@ class _Generation:
         engine to a partition and the other to a hang was refused
         `no_engine` with the first serving again)."""
         now = self._driver.clock.monotonic()
-        return [e for e, at in self._failures if now - at < _EXCLUDE_FAILED_SECONDS]
+        return [e for e, at in self._failures if now - at < self._driver.settings.exclude_failed_seconds]
 
     async def _left_engine(self) -> Finished | None:
         """The request left its engine mid-stream (failed or preempted): how

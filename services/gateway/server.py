@@ -95,7 +95,9 @@ class GatewayService:
         driver = GenerationDriver(
             self._scheduler,
             self._engines,
-            DriverSettings(max_migrations=gw.max_migrations, heartbeat_seconds=gw.heartbeat_seconds),
+            DriverSettings(max_migrations=gw.max_migrations, heartbeat_seconds=gw.heartbeat_seconds,
+                           exclude_failed_seconds=self.config.network.detect_seconds
+                           + self.config.scheduler.stale_report_seconds),
             self.metrics,
             self.clock,
         )

@@ -192,19 +192,20 @@ def test_a_retried_request_gets_an_id_of_its_own() -> None:
 
 def test_an_engine_that_failed_a_request_is_excluded_for_it_only_for_a_while() -> None:
     """A stream that lost engine-1 (a partition) and later engine-0 (a hang)
-    may go back to engine-1 once it serves again: only recent failures are
-    excluded; all of them count against max_migrations."""
+    may go back to engine-1 once it serves again: only failures within the
+    scheduler's detection bound are excluded; all count against max_migrations."""
     from types import SimpleNamespace
 
     from services.common.clock import FakeClock
-    from services.gateway.driver import _EXCLUDE_FAILED_SECONDS, _Generation
+    from services.gateway.driver import DriverSettings, _Generation
 
     clock = FakeClock()
+    settings = DriverSettings(max_migrations=3, heartbeat_seconds=5.0, exclude_failed_seconds=12.0)
     job = SimpleNamespace(sampling=SimpleNamespace(stop=[], min_tokens=0), resume_from=None)
-    generation = _Generation(SimpleNamespace(clock=clock), job)  # type: ignore[arg-type]
+    generation = _Generation(SimpleNamespace(clock=clock, settings=settings), job)  # type: ignore[arg-type]
     generation._failures.append(("engine-1", clock.monotonic()))
     assert generation._excluded() == ["engine-1"]
-    clock.advance(_EXCLUDE_FAILED_SECONDS + 1)
+    clock.advance(12.5)
     generation._failures.append(("engine-0", clock.monotonic()))
     assert generation._excluded() == ["engine-0"]
     assert len(generation._failures) == 2
