@@ -25,6 +25,7 @@ import grpc
 from services.common.grpc_server import client_options
 from services.common.mesh_tls import MeshIdentity, aio_channel
 from services.common.proto.kvmesh.v1 import engine_pb2, engine_pb2_grpc
+from services.gateway.call_ending import CallEnder
 from services.gateway.errors import EngineFailure, EngineStopped, classify_engine_rpc_error
 from services.gateway.spare_calls import SpareCall
 
@@ -41,16 +42,15 @@ _FLOW_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 64 
 _CANCEL = engine_pb2.EngineGenerateMessage(cancel=engine_pb2.CancelGeneration())
 # Closing a finished call: the engine reads the acknowledgement and ends it.
 _ACK_SECONDS = 1.0
-# Calls being ended politely (`cancel` then end), held until done.
-_ENDING: set[asyncio.Task[None]] = set()
 
 
 class EngineStream:
     """One Generate call. Cancelling it (or the task reading it) aborts the
     generation in the engine at once."""
 
-    def __init__(self, call: grpc.aio.StreamStreamCall, engine_id: str) -> None:
+    def __init__(self, call: grpc.aio.StreamStreamCall, engine_id: str, ender: CallEnder) -> None:
         self._call = call
+        self._ender = ender
         self.engine_id = engine_id
         # Set by `stop()`: the call was cancelled on purpose, from outside.
         self._stopped = False
@@ -144,18 +144,7 @@ class EngineStream:
             self._call.cancel()
             return
         self._said_cancel = True
-        task = asyncio.get_running_loop().create_task(self._cancel_then_end())
-        _ENDING.add(task)
-        task.add_done_callback(_ENDING.discard)
-
-    async def _cancel_then_end(self) -> None:
-        try:
-            async with asyncio.timeout(0.5):
-                await self._call.write(_CANCEL)
-        except Exception:  # noqa: BLE001 - a call already broken or busy: end it anyway
-            pass
-        finally:
-            self._call.cancel()
+        self._ender.end_after(self._call, _CANCEL)
 
     def detach(self) -> None:
         """End the call WITHOUT `cancel`: the engine keeps the generation
@@ -194,6 +183,7 @@ class EnginePool:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, engine_pb2_grpc.EngineStub] = {}
         self._spares: dict[str, SpareCall] = {}
+        self._ender = CallEnder()
 
     def _stub(self, address: str) -> engine_pb2_grpc.EngineStub:
         stub = self._stubs.get(address)
@@ -218,7 +208,7 @@ class EnginePool:
         spare = self._spares.get(address)
         if spare is None:
             spare = self._spares[address] = SpareCall(self._stub(address).Generate)
-        return EngineStream(spare.take(), engine_id)
+        return EngineStream(spare.take(), engine_id, self._ender)
 
     def replenish(self, address: str) -> None:
         """Open the next Generate call to `address` now (see `SpareCall`)."""

@@ -41,6 +41,7 @@ import grpc
 from services.common.grpc_server import client_options
 from services.common.mesh_tls import MeshIdentity, aio_channel
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.gateway.call_ending import CallEnder
 from services.gateway.errors import GatewayError, SchedulerRestarting, from_rejection, from_scheduler_rpc_error
 from services.gateway.spare_calls import SpareCall
 
@@ -55,8 +56,6 @@ _CLOSE_GRACE_SECONDS = 2.0
 _Inbound = scheduler_pb2.AdmitServerMessage | GatewayError
 
 _WITHDRAWN = scheduler_pb2.AdmitClientMessage(done=scheduler_pb2.RequestDone(finish_reason="abort"))
-# Streams being ended politely (`done` then end), held until done.
-_ENDING: set[asyncio.Task[None]] = set()
 
 
 @dataclass
@@ -77,8 +76,9 @@ class _Reachability:
 class AdmitSession:
     """One request's Admit stream. Used by one task only (the driver's)."""
 
-    def __init__(self, call: grpc.aio.StreamStreamCall, reachability: _Reachability) -> None:
+    def __init__(self, call: grpc.aio.StreamStreamCall, reachability: _Reachability, ender: CallEnder) -> None:
         self._call = call
+        self._ender = ender
         self._finished = False
         self._reachability = reachability
         # After `listen()`: the reader task, what it read for `next_outcome`
@@ -235,18 +235,7 @@ class AdmitSession:
             return
         self._finished = True
         self._on_preempted = None
-        task = asyncio.get_running_loop().create_task(self._done_then_end())
-        _ENDING.add(task)
-        task.add_done_callback(_ENDING.discard)
-
-    async def _done_then_end(self) -> None:
-        try:
-            async with asyncio.timeout(0.5):
-                await self._call.write(_WITHDRAWN)
-        except Exception:  # noqa: BLE001 - a stream already broken or busy: end it anyway
-            pass
-        finally:
-            self._call.cancel()
+        self._ender.end_after(self._call, _WITHDRAWN)
 
     def cancel(self) -> None:
         """End the stream now: the scheduler drops the queue entry, and keeps
@@ -278,6 +267,7 @@ class SchedulerClient:
             ],
         )
         self._stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self._ender = CallEnder()
         self._spare = SpareCall(self._stub.Admit)
         self._reachability = _Reachability()
 
@@ -294,7 +284,7 @@ class SchedulerClient:
     async def open(self, request: scheduler_pb2.AdmitRequest) -> AdmitSession:
         # Fail fast (no wait_for_ready): an unreachable scheduler is a 503 now,
         # not a hang. A restart while queued is re-admitted by the driver.
-        session = AdmitSession(self._spare.take(), self._reachability)
+        session = AdmitSession(self._spare.take(), self._reachability, self._ender)
         try:
             await session.send_request(request)
         except BaseException:  # GatewayError, or the request's task cancelled
