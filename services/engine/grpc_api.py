@@ -41,6 +41,10 @@ __all__ = ["EngineServicer", "request_from_proto"]
 
 log = logging.getLogger(__name__)
 
+# How long a finished generation's call waits for the gateway's
+# acknowledgement (`ack_final`) before it counts as delivered.
+_ACK_WAIT_SECONDS = 30.0
+
 
 def request_from_proto(msg: engine_pb2.EngineRequest) -> GenerationRequest:
     s = msg.sampling
@@ -114,6 +118,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         request = first.request
         generation.delta_offset = request.delta_offset
+        generation.ack_final = request.ack_final
         # One line per request, keyed by the gateway's id (x-request-id).
         log.info("request %s started (%d prompt tokens, priority %d)", request.request_id,
                  len(request.prompt_token_ids), request.priority)
@@ -142,7 +147,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         try:
             if resumed is None or not await self._replay(generation, context, resumed):
                 await self._stream(generation, context)
-            delivered = True
+            delivered = not generation.ack_final or await self._acknowledged(reader, mine)
         except grpc.aio.AbortError:
             delivered = True
             raise
@@ -157,6 +162,21 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         finally:
             reader.cancel()
             self._runtime.kept.leave(generation, mine, delivered)
+
+    @staticmethod
+    async def _acknowledged(reader: asyncio.Task[None], mine: Attachment) -> bool:
+        """The final output went out: did the gateway get it through to its
+        client? It acknowledges with a `cancel` once its client has the last
+        event. Anything else -- the call broke (the gateway died or was cut
+        off while relaying the last deltas: it may lag the engine by many;
+        a keepalive failure does not always mark the call cancelled), no
+        acknowledgement in time -- keeps the finished generation for a
+        resume, as a running one would be: unneeded, it costs a record for
+        the grace, never KV."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_ACK_WAIT_SECONDS):
+                await asyncio.shield(reader)
+        return mine.polite
 
     async def _replay(self, generation: Generation, context: grpc.aio.ServicerContext,
                       resumed: engine_pb2.EngineResumed) -> bool:

@@ -109,6 +109,7 @@ class Generation:
         # this engine's first delta in the client's stream (delta_offset).
         self.record = OutputRecord()
         self.delta_offset = 0
+        self.ack_final = False  # the caller acknowledges `finished` (engine.proto)
         # Ended by a stopping engine rather than by the client or the model:
         # the transport tells the client to continue elsewhere (UNAVAILABLE),
         # so the gateway migrates the stream from its next token.

@@ -154,7 +154,11 @@ class _Generation:
         # `done` goes out before the client's last event, so a transport that
         # stops reading right after `Finished` cannot lose it.
         await lease.report_done(finished)
-        await self._emit(finished)
+        try:
+            await self._emit(finished)
+        finally:
+            if self._stream is not None:
+                await self._stream.close()  # the engine may forget the generation now
         await lease.close()
 
     async def _generate(self, lease: LeaseLink, placed: scheduler_pb2.Placed) -> Finished:
@@ -296,7 +300,7 @@ class _Generation:
                 continue
             done = event.finished
             self._cached_tokens = min(done.usage.cached_tokens, len(self._job.prompt_ids))
-            await stream.close()
+            # Acknowledged (closed) once the client has the last event, in `run`.
             await self._send_tail(self._seam.on_finished())
             reason = FinishReason.from_proto(done.finish_reason)
             return self._end(reason, done.message, ErrorKind.GENERATION_FAILED)
@@ -327,6 +331,7 @@ class _Generation:
             lease_id=placed.lease_id,
             resumed_tokens=len(generated),
             delta_offset=self._deltas,
+            ack_final=True,
         )
 
     async def _send_tail(self, text: str) -> None:

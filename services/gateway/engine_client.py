@@ -40,6 +40,8 @@ __all__ = ["EnginePool", "EngineStream"]
 _FLOW_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 64 * 1024)]
 
 _CANCEL = engine_pb2.EngineGenerateMessage(cancel=engine_pb2.CancelGeneration())
+# Closing a finished call: the engine reads the acknowledgement and ends it.
+_ACK_SECONDS = 1.0
 
 
 class EngineStream:
@@ -158,10 +160,16 @@ class EngineStream:
         self.cancel()
 
     async def close(self) -> None:
-        """After `finished`: half-close and let the call end."""
+        """After `finished` reached the client: acknowledge it (a `cancel`,
+        a no-op for a finished generation; until then the engine keeps it
+        for a resume: EngineRequest.ack_final), half-close, and let the call
+        end (the engine ends it once it has read the acknowledgement)."""
         try:
-            await self._call.done_writing()
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            async with asyncio.timeout(_ACK_SECONDS):
+                await self._call.write(_CANCEL)
+                await self._call.done_writing()
+                await self._call.code()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
             pass
         except asyncio.CancelledError:
             if not self._stopped_here():

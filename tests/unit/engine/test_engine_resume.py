@@ -159,3 +159,34 @@ async def test_detached_generations_end_when_the_engine_stops(service: EngineSer
     await wait_until(lambda: service.runtime.kept.detached_count == 1)
     await service.runtime.stop(grace_seconds=5.0)  # not held for the resume grace
     assert service.runtime.live_count == 0
+
+
+async def test_a_finished_generation_is_kept_until_the_gateway_acknowledges_it(
+        service: EngineService, stub: engine_pb2_grpc.EngineStub) -> None:
+    """A gateway relays behind its engine: when it dies after the engine's
+    `finished` but before its client had the last events, a resume must still
+    find the generation. With `ack_final`, a call that breaks before the
+    acknowledgement keeps it; an acknowledged one is forgotten at once."""
+    prompt = prompt_of(24)
+    want_ids, want_text, _ = await uninterrupted(stub, "ref-ack", prompt, 40)
+
+    acked = stub.Generate()
+    await acked.write(gen_request("acked", prompt, 40, ack_final=True))
+    await collect(acked)
+    await acked.write(engine_pb2.EngineGenerateMessage(cancel=engine_pb2.CancelGeneration()))
+    await acked.done_writing()
+    assert await acked.code() == grpc.StatusCode.OK
+    await wait_until(lambda: service.runtime.live_count == 0)
+    assert service.runtime.kept.detached_count == 0
+
+    broken = stub.Generate()
+    await broken.write(gen_request("broken", prompt, 40, ack_final=True))
+    await collect(broken)
+    broken.cancel()  # the gateway died before its client had everything
+    await wait_until(lambda: service.runtime.kept.detached_count == 1)
+    resumed = stub.Generate()
+    await resumed.write(resume_message("broken", prompt))
+    assert (await resumed.read()).HasField("resumed")
+    ids, text, done = await collect(resumed)
+    assert (ids, text) == (want_ids, want_text)
+    assert done.finish_reason == common_pb2.FINISH_REASON_LENGTH

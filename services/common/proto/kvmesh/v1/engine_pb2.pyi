@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "lease_id", "resumed_tokens", "delta_offset")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "lease_id", "resumed_tokens", "delta_offset", "ack_final")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class EngineRequest(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DELTA_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ACK_FINAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -23,7 +24,8 @@ class EngineRequest(_message.Message):
     lease_id: str
     resumed_tokens: int
     delta_offset: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., lease_id: _Optional[str] = ..., resumed_tokens: _Optional[int] = ..., delta_offset: _Optional[int] = ...) -> None: ...
+    ack_final: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., lease_id: _Optional[str] = ..., resumed_tokens: _Optional[int] = ..., delta_offset: _Optional[int] = ..., ack_final: _Optional[bool] = ...) -> None: ...
 
 class CancelGeneration(_message.Message):
     __slots__ = ()
