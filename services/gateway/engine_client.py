@@ -163,7 +163,12 @@ class EngineStream:
         """After `finished` reached the client: acknowledge it (a `cancel`,
         a no-op for a finished generation; until then the engine keeps it
         for a resume: EngineRequest.ack_final), half-close, and let the call
-        end (the engine ends it once it has read the acknowledgement)."""
+        end (the engine ends it once it has read the acknowledgement).
+        Marks `cancel` said: a transport closing meanwhile (`say_cancel`)
+        must not write on the half-closed call -- that write never returned,
+        and the request's in-flight count with it (a draining gateway waited
+        its whole bound)."""
+        self._said_cancel = True
         try:
             async with asyncio.timeout(_ACK_SECONDS):
                 await self._call.write(_CANCEL)
@@ -174,7 +179,8 @@ class EngineStream:
         except asyncio.CancelledError:
             if not self._stopped_here():
                 raise
-        self._call.cancel()
+        finally:
+            self._call.cancel()
 
 
 class EnginePool:
