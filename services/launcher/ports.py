@@ -64,11 +64,11 @@ class PortAllocator:
         self._taken: set[int] = set()
 
     def one(self) -> int:
-        while True:
-            port = free_port(self._host)
-            if port not in self._taken:
-                self._taken.add(port)
-                return port
+        # From the block range, not a port-0 bind: those come from the
+        # ephemeral range, where a process's outgoing connections (vLLM's
+        # start-up) can take the port before its child binds it (Envoy found
+        # its port taken after two vLLM engines' 65 s start).
+        return self.block(1)
 
     def block(self, count: int) -> int:
         base = free_port_block(count, self._host, taken=self._taken)
