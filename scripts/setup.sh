@@ -22,13 +22,17 @@ VENV=.venv
 # random-weight model with the same tokenizer for fast tests. No hub access.
 "$VENV/bin/python" -m services.models.build --out .models
 
-# Debian's Chromium for the real-browser tests (Playwright drives it; it
-# cannot download a browser of its own here).
-if ! command -v chromium >/dev/null 2>&1; then
+# Debian's packages the tests need: Chromium for the real-browser tests
+# (Playwright drives it; it cannot download a browser of its own here) and
+# iproute2 (`ip`) for the network-namespace hosts of tests/netns.
+missing=""
+command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
+command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
+if [ -n "$missing" ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
   else
-    echo "setup: chromium not found and cannot apt-get install it; browser tests will be skipped" >&2
+    echo "setup: not found and cannot apt-get install:$missing; their tests will be skipped" >&2
   fi
 fi
 echo "setup: done"
