@@ -167,7 +167,10 @@ class EngineStream:
         Marks `cancel` said: a transport closing meanwhile (`say_cancel`)
         must not write on the half-closed call -- that write never returned,
         and the request's in-flight count with it (a draining gateway waited
-        its whole bound)."""
+        its whole bound). A call already ended (aborted, failed, migrated
+        away from) has nothing to acknowledge."""
+        if self._call.done():
+            return
         self._said_cancel = True
         try:
             async with asyncio.timeout(_ACK_SECONDS):
