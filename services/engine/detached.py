@@ -23,6 +23,7 @@ who owns what, in `attach` and `leave`, each called once per call.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -117,6 +118,31 @@ class Keeper:
             except TimeoutError:
                 log.warning("request %s: the superseded call did not let go in time", request_id)
         return mine
+
+    async def make_way(self, request_id: str) -> bool:
+        """A new placement of `request_id` arrived while a generation under
+        that id is still here: end the old one and wait for the backend to let
+        go of it, if it is stale -- detached (its caller vanished), or ended
+        and only held for an acknowledgement or for the backend to let go (a
+        preempted request placed here again at once). False: it is running
+        for a live caller, a true duplicate."""
+        generation = self._runtime.live(request_id)
+        if generation is None:
+            return True
+        owner = self._owners.get(request_id)
+        if owner is not None and not owner.released.is_set() and not generation.ended:
+            return False
+        timer = self._timers.pop(request_id, None)
+        if timer is not None:
+            timer.cancel()
+        log.info("request %s: placed here again; ending its stale generation first", request_id)
+        generation.cancel("superseded by a new placement of the same request")
+        generation.close()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_TAKEOVER_SECONDS):
+                while self._runtime.live(request_id) is generation:  # noqa: ASYNC110 - rare path
+                    await asyncio.sleep(0.02)
+        return self._runtime.live(request_id) is None
 
     def leave(self, generation: Generation, mine: Attachment, delivered: bool) -> None:
         """The owning call ends; `delivered`: its caller got the final output

@@ -108,14 +108,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         if first is grpc.aio.EOF or first.WhichOneof("msg") != "request":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "the first Generate message must be `request` or `resume`")
-        try:
-            generation = self._runtime.open(request_from_proto(first.request))
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except DuplicateRequest as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        except NotAccepting as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        generation = await self._open(first.request, context)
         request = first.request
         generation.delta_offset = request.delta_offset
         generation.ack_final = request.ack_final
@@ -123,6 +116,20 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         log.info("request %s started (%d prompt tokens, priority %d)", request.request_id,
                  len(request.prompt_token_ids), request.priority)
         await self._serve(generation, context, None)
+
+    async def _open(self, msg: engine_pb2.EngineRequest, context: grpc.aio.ServicerContext) -> Generation:
+        for attempt in range(2):
+            try:
+                request = request_from_proto(msg)
+                return self._runtime.open(request)
+            except InvalidRequest as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except DuplicateRequest as exc:
+                if attempt or not await self._runtime.kept.make_way(msg.request_id):
+                    await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+            except NotAccepting as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        raise AssertionError("unreachable: the second attempt returns or aborts")
 
     async def _resume(self, msg: engine_pb2.ResumeGeneration, context: grpc.aio.ServicerContext) -> None:
         try:

@@ -169,6 +169,11 @@ class Generation:
         self._runtime.metrics.finished(final, self._runtime.clock.monotonic() - self._created)
         self._buffer.push(final)
 
+    @property
+    def ended(self) -> bool:
+        """Its final output is out (finished, cancelled or failed)."""
+        return self._buffer.closed
+
     def hand_over(self, message: str) -> None:
         """End now (like `cancel`) so that another engine takes over."""
         if not self._buffer.closed:

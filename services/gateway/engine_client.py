@@ -56,6 +56,8 @@ class EngineStream:
         self._stopped = False
         # `cancel` was (or is being) written: the engine ends the generation.
         self._said_cancel = False
+        # The call ender writes `cancel`, then ends the call.
+        self._ending = False
 
     async def start(self, request: engine_pb2.EngineRequest) -> None:
         await self._send_first(engine_pb2.EngineGenerateMessage(request=request))
@@ -138,12 +140,17 @@ class EngineStream:
 
     def cancel(self) -> None:
         """End the call now, saying `cancel` first (in the background)."""
-        if self._call.done():
+        if self._call.done() or self._ending:
+            # Already being ended: cancelling the call now would cut the
+            # pending `cancel` write (a preemption's `stop` then the driver's
+            # `cancel`), and the engine would keep the generation for a
+            # resume -- refusing the request's next placement there as a
+            # duplicate while it runs on.
             return
         if self._said_cancel:
             self._call.cancel()
             return
-        self._said_cancel = True
+        self._said_cancel = self._ending = True
         self._ender.end_after(self._call, _CANCEL)
 
     def detach(self) -> None:

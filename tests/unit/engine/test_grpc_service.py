@@ -156,6 +156,30 @@ async def test_duplicate_request_id(service: EngineService, stub: engine_pb2_grp
     await wait_until(lambda: service.backend.load().blocks_used == 0)
 
 
+@pytest.mark.parametrize("how", ["broken", "cancelled"])
+async def test_placing_a_request_again_ends_its_stale_generation(
+        service: EngineService, stub: engine_pb2_grpc.EngineStub, how: str) -> None:
+    """A preempted request placed on the same engine again at once: its old
+    call was cut (the generation detached for a resume) or said `cancel`
+    that the backend has not acted on yet. The new placement ends the old
+    generation and runs -- never a 409 for the request's own id."""
+    first = stub.Generate()
+    await first.write(gen_request("again", prompt_of(10), 3000))
+    await first.read()
+    if how == "broken":
+        first.cancel()
+        await wait_until(lambda: service.runtime.kept.detached_count == 1)
+    else:
+        await first.write(engine_pb2.EngineGenerateMessage(cancel=engine_pb2.CancelGeneration()))
+    second = stub.Generate()
+    await second.write(gen_request("again", prompt_of(12), 5))
+    tokens, _, finished = await collect(second)
+    assert len(tokens) == 5 and finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert service.runtime.kept.detached_count == 0
+    first.cancel()
+    await wait_until(lambda: service.backend.load().blocks_used == 0)
+
+
 async def test_draining_refuses_new_work_but_finishes_running(service: EngineService,
                                                               stub: engine_pb2_grpc.EngineStub) -> None:
     running = stub.Generate()
