@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +43,14 @@ def kustomize(folder: Path) -> list[Obj]:
     exe = kubectl()
     if exe is None:
         raise RuntimeError("kubectl not found")
-    done = subprocess.run([exe, "kustomize", str(folder)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([exe, "kustomize", str(folder)], capture_output=True, text=True,
+                          timeout=120, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"kubectl kustomize {folder} failed: {done.stderr.strip()}")
     return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _rendered(overlay: str) -> str:
     return json.dumps(kustomize(DEPLOY / overlay))
 
@@ -63,7 +64,7 @@ def ident(obj: Obj) -> str:
     return f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _crd_schemas() -> dict[tuple[str, str], str]:
     """(apiVersion, kind) -> vendored schema file text."""
     out = {}

@@ -138,5 +138,5 @@ def test_a_broken_kustomization_fails_to_render(tmp_path: Path) -> None:
     subprocess.run(["cp", "-r", str(DEPLOY), str(work)], check=True)
     (work / "base" / "kustomization.yaml").write_text(
         (work / "base" / "kustomization.yaml").read_text().replace("  - engine.yaml\n", "  - engines.yaml\n"))
-    with pytest.raises(RuntimeError, match="engines.yaml"):
+    with pytest.raises(RuntimeError, match=r"engines\.yaml"):
         kustomize(work / "overlays" / "dev-cpu")

@@ -136,7 +136,8 @@ def test_a_grace_period_below_the_drain_bound_fails() -> None:
 def test_a_wrong_engine_identity_fails() -> None:
     def ip(objects: list[Obj]) -> None:
         args = _container(objects, "engine")["args"]
-        args[args.index("--advertise-address") + 1] = "$(POD_NAME).kvmesh-engines.$(POD_NAMESPACE).svc.cluster.local:50100"
+        wrong = "$(POD_NAME).kvmesh-engines.$(POD_NAMESPACE).svc.cluster.local:50100"
+        args[args.index("--advertise-address") + 1] = wrong
     assert any("--advertise-address" in p for p in check_engine_identity(_broken(ip)))
 
 
@@ -145,8 +146,9 @@ def test_envoy_pointing_elsewhere_fails() -> None:
         cm = next(o for o in objects if o["metadata"]["name"].startswith("kvmesh-envoy") and o["kind"] == "ConfigMap")
         cm["data"]["envoy.yaml"] = cm["data"]["envoy.yaml"].replace("kvmesh-gateway.kvmesh", "kvmesh-gateways.kvmesh")
     assert any("kvmesh-gateways" in p for p in check_envoy(_broken(rename)))
+    ca_only = {"secretName": "kvmesh-mesh-tls", "items": [{"key": "ca.pem", "path": "ca.pem"}]}
     objects = _broken(lambda o: pod_of(o, "envoy").spec["volumes"].__setitem__(
-        2, {"name": "mesh-tls", "secret": {"secretName": "kvmesh-mesh-tls", "items": [{"key": "ca.pem", "path": "ca.pem"}]}}))
+        2, {"name": "mesh-tls", "secret": ca_only}))
     assert any("envoy-key.pem" in p for p in check_envoy(objects))
 
 
@@ -171,7 +173,7 @@ def test_network_policies_hold_their_intent() -> None:
                   for c in ("scheduler", "gateway", "engine", "envoy")}
         outside = {"name": "client"}
         expect = {
-            ("envoy", 8080): {"outside", "other", "scheduler", "gateway", "engine", "envoy"},
+            ("envoy", 8080): {"outside", "other", "monitoring", "scheduler", "gateway", "engine", "envoy"},
             ("gateway", 8000): {"envoy"}, ("gateway", 50061): {"envoy"},
             ("scheduler", 50051): {"gateway", "engine"},
             ("engine", 50100): {"gateway", "scheduler"},
@@ -179,7 +181,8 @@ def test_network_policies_hold_their_intent() -> None:
         }
         for (dest, port), allowed in expect.items():
             sources: dict[str, tuple[dict[str, str] | None, str]] = {
-                "outside": (None, ""), "other": (outside, "default"), "monitoring": ({"app": "prometheus"}, "monitoring"),
+                "outside": (None, ""), "other": (outside, "default"),
+                "monitoring": ({"app": "prometheus"}, "monitoring"),
                 **{c: (labels[c], ns) for c in labels},
             }
             got = {name for name, (src, src_ns) in sources.items() if policy_allows(objects, src, src_ns, dest, port)}

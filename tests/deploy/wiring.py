@@ -19,7 +19,8 @@ from typing import Any
 
 import yaml
 
-from services.common.config import MeshConfig, load_config
+from services.common.config import ConfigError, MeshConfig, load_config
+
 from .manifests import ROOT, Obj, ident
 
 # The contract (BRIEF15): kubelet probes, plain HTTP on the metrics port.
@@ -219,7 +220,7 @@ def mesh_config(objects: list[Obj], pod: Pod) -> tuple[MeshConfig | None, list[s
         file.write_text(cm["data"][key])
         try:
             return load_config(file), []
-        except Exception as exc:  # the loader's ConfigError, or anything else it raised
+        except ConfigError as exc:
             return None, [f"{pod.name}: {cm['metadata']['name']}/{key} does not load: {exc}"]
 
 
@@ -520,8 +521,10 @@ def _gateway_clusters(objects: list[Obj], boot: dict[str, Any]) -> list[str]:
     problems = []
     for cluster in boot["static_resources"]["clusters"]:
         role = "grpc" if "http2_protocol_options" in str(cluster["typed_extension_protocol_options"]) else "http"
-        if cluster["type"] != "STRICT_DNS":
-            problems.append(f"Envoy cluster {cluster['name']}: {cluster['type']}, not STRICT_DNS")
+        dns = cluster.get("cluster_type", {}).get("typed_config", {})
+        if cluster.get("cluster_type", {}).get("name") != "envoy.clusters.dns" or \
+                dns.get("all_addresses_in_single_endpoint", False):
+            problems.append(f"Envoy cluster {cluster['name']}: not strict DNS (every address a gateway)")
         for group in cluster["load_assignment"]["endpoints"]:
             for ep in group["lb_endpoints"]:
                 addr = ep["endpoint"]["address"]["socket_address"]
@@ -542,7 +545,8 @@ def check_envoy(objects: list[Obj]) -> list[str]:
         return [f"{pod.name}: its -c bootstrap is no file of a mounted ConfigMap"]
     problems = _gateway_clusters(objects, boot)
     text = yaml.safe_dump(boot)
-    for filename in sorted(set(re.findall(r"filename: (\S+)", text)) | set(re.findall(r"proto_descriptor: (\S+)", text))):
+    files = set(re.findall(r"filename: (\S+)", text)) | set(re.findall(r"proto_descriptor: (\S+)", text))
+    for filename in sorted(files):
         if _mounted_file(objects, pod, Path(filename)) is None:
             problems.append(f"{pod.name}: Envoy reads {filename}, which no mounted volume provides")
     return problems
