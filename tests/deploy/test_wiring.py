@@ -187,3 +187,19 @@ def test_network_policies_hold_their_intent() -> None:
             }
             got = {name for name, (src, src_ns) in sources.items() if policy_allows(objects, src, src_ns, dest, port)}
             assert got == allowed, (overlay, dest, port)
+
+
+def test_alerts_use_metrics_the_services_export() -> None:
+    import re
+
+    from .manifests import ROOT
+
+    source = "\n".join(p.read_text() for p in (ROOT / "services").rglob("*.py"))
+    rule = find(render("overlays/monitoring"), "PrometheusRule", "kvmesh")
+    assert rule is not None
+    exprs = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
+    names = {n for e in exprs for n in re.findall(r"\b(?:kvmesh_|vllm:)[a-z_:]+", e)}
+    assert names
+    for name in names:
+        base = re.sub(r"_(bucket|count|sum)$", "", name)
+        assert f'"{base}"' in source, f"PrometheusRule uses {name}, which no service exports"
