@@ -209,3 +209,24 @@ async def test_a_real_peer_off_loopback_is_refused() -> None:
     finally:
         service.release.set()
         await endpoint.stop()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+async def test_a_wildcard_bind_answers_on_ipv4_loopback(host: str) -> None:
+    if host == "::" and not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    service = Service()
+    drain = OnceDrain(service.drain)
+    endpoint = HttpEndpoint(service.app(drain))
+    try:
+        port = await endpoint.start(host, 0)
+    except OSError as exc:
+        pytest.skip(f"cannot bind {host}: {exc}")
+    try:
+        assert await _get(f"http://127.0.0.1:{port}/health/live") == (200, {"status": "ok", "reason": "alive"})
+        service.release.set()
+        drained, message = await asyncio.to_thread(request_drain, "127.0.0.1", port, 30.0)
+        assert drained, message
+    finally:
+        service.release.set()
+        await endpoint.stop()
