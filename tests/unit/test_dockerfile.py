@@ -65,6 +65,11 @@ def _setup_steps() -> list[str]:
     return re.findall(r'^"\$I/([\w-]+\.sh)"', text, flags=re.MULTILINE)
 
 
+def _dockerignore() -> list[str]:
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    return [line.strip().rstrip("/") for line in lines if line.strip() and not line.startswith("#")]
+
+
 def test_targets_cpu_and_gpu_and_cpu_is_the_default() -> None:
     stages = _stages()
     assert set(TARGETS) <= set(stages)
@@ -138,10 +143,15 @@ def test_no_model_or_local_state_is_copied() -> None:
             sources = [w for w in shlex.split(value) if not w.startswith("--")][:-1]
             for src in sources:
                 assert not re.search(r"(^|/)\.?(models|venv|run)(/|$)", src), f"COPY of local state: {value}"
-    ignored = {
-        line.strip().rstrip("/")
-        for line in (ROOT / ".dockerignore").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    }
+    ignored = set(_dockerignore())
     assert {".venv", ".models", ".run", ".git", "tests"} <= ignored
 
+
+
+def test_build_context_keeps_what_the_services_read() -> None:
+    # The code finds config/, envoy/ and web/ beside services/ (editable install
+    # at /opt/kvmesh); setuptools needs README.md (pyproject's readme).
+    ignored = _dockerignore()
+    for needed in ("services", "config", "envoy", "web", "scripts", "pyproject.toml", "README.md"):
+        assert (ROOT / needed).exists()
+        assert not any(needed == pattern or needed.startswith(pattern + "/") for pattern in ignored), needed
