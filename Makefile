@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvmesh-setup-done
 
-.PHONY: up test setup lint protos render clean
+.PHONY: up test setup lint protos render images clean
 
 up: setup
 	$(BIN)/kvmesh up $(ARGS)
@@ -16,7 +16,7 @@ test: setup
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/setup.sh services/models/build.py
+$(STAMP): pyproject.toml scripts/setup.sh $(wildcard scripts/install/*.sh scripts/install/*.py) services/models/build.py
 	bash scripts/setup.sh
 	touch $@
 
@@ -32,6 +32,12 @@ protos: setup
 # Re-render the checked-in Envoy configs from their topologies.
 render: setup
 	$(BIN)/kvmesh envoy render --all
+
+# The container images (Dockerfile; needs docker or another BuildKit client,
+# which this machine has not: tests/unit/test_dockerfile.py reads the file instead).
+images:
+	docker build --target cpu -t kvmesh:cpu .
+	docker build --target gpu -t kvmesh:gpu .
 
 clean:
 	rm -rf $(VENV) .run .models

