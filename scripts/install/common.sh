@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by every step in scripts/install/ (never run alone): strict mode,
 # the repository root as the working directory, and the venv the steps share.
 #

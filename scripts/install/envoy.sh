@@ -5,6 +5,7 @@
 # this system (libc) and are the versions pyproject.toml pins.
 #
 #   envoy.sh [--check]   (the same check either way)
+# shellcheck source=common.sh source-path=SCRIPTDIR
 source "$(dirname "$0")/common.sh"
 case "${1:-}" in --check|"") ;; *) die "usage: envoy.sh [--check]" ;; esac
 

@@ -5,6 +5,7 @@
 #
 #   kvmesh.sh            install, then check
 #   kvmesh.sh --check    `kvmesh --help` runs and imports this tree's code
+# shellcheck source=common.sh source-path=SCRIPTDIR
 source "$(dirname "$0")/common.sh"
 
 check() {

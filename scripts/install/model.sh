@@ -6,6 +6,7 @@
 #
 #   model.sh [OUT]            build into OUT (default .models)
 #   model.sh [OUT] --check    both model folders in OUT are complete
+# shellcheck source=common.sh source-path=SCRIPTDIR
 source "$(dirname "$0")/common.sh"
 
 out=.models

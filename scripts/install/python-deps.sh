@@ -15,6 +15,7 @@
 # and text models do not need them, so they are removed.
 # gpu: the regular vllm wheel with its CUDA torch (CUDA libraries come as
 # nvidia-* wheels; the host supplies only the driver). Never both in one venv.
+# shellcheck source=common.sh source-path=SCRIPTDIR
 source "$(dirname "$0")/common.sh"
 
 mode=install

@@ -4,6 +4,7 @@
 #
 #   python-env.sh            make $VENV (if missing) and upgrade pip
 #   python-env.sh --check    the venv's Python runs and meets requires-python
+# shellcheck source=common.sh source-path=SCRIPTDIR
 source "$(dirname "$0")/common.sh"
 
 check() {

@@ -11,10 +11,12 @@
 #   chromium (the real-browser tests: Playwright cannot download a browser
 #   here), iproute2 (`ip`, the network-namespace hosts of tests/netns),
 #   dnsmasq-base (/usr/sbin/dnsmasq: Service names resolving across those
-#   hosts) and nftables (`nft`: NetworkPolicy rules applied between hosts).
+#   hosts), nftables (`nft`: NetworkPolicy rules applied between hosts) and,
+#   to lint these very steps (tests/unit/test_install_steps.py), shellcheck.
 # The accelerator defaults to $KVMESH_ACCEL, else cpu.
 # --slim (images): no recommended packages, apt's lists removed afterwards.
 # --list: print the profile's packages.  --check: fail unless all are present.
+# shellcheck source=common.sh source-path=SCRIPTDIR
 source "$(dirname "$0")/common.sh"
 export PATH="$PATH:/usr/sbin:/sbin"
 
@@ -39,7 +41,8 @@ libc6-dev file:/usr/include/stdio.h"
 chromium cmd:chromium
 iproute2 cmd:ip
 dnsmasq-base file:/usr/sbin/dnsmasq
-nftables cmd:nft"
+nftables cmd:nft
+shellcheck cmd:shellcheck"
 
 present() {
   case "$1" in
@@ -57,7 +60,7 @@ while read -r pkg probe; do
 done <<<"$table"
 
 case "$mode" in
-  list) echo $all; exit 0 ;;
+  list) echo "${all# }"; exit 0 ;;
   check) [ -z "$missing" ] || die "missing:$missing"; say "ok ($profile $accel:$all)"; exit 0 ;;
 esac
 [ -n "$missing" ] || { say "ok ($profile $accel: all present)"; exit 0; }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,14 @@ def _requirements() -> ModuleType:
 def test_step_is_valid_bash(script: str) -> None:
     proc = subprocess.run(["bash", "-n", str(INSTALL / script)], check=False, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_steps_pass_shellcheck() -> None:
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (scripts/setup.sh installs Debian's shellcheck as root)")
+    scripts = [str(ROOT / "scripts" / "setup.sh"), *sorted(str(p) for p in INSTALL.glob("*.sh"))]
+    proc = subprocess.run(["shellcheck", "-x", *scripts], check=False, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize(
@@ -90,11 +99,11 @@ def test_system_package_profiles() -> None:
     assert listed("runtime", "cpu") == {"libnuma1"}
     assert listed("runtime", "gpu") == {"gcc", "libc6-dev"}
     test = listed("test", "cpu")
-    assert {"chromium", "iproute2", "dnsmasq-base", "nftables"} <= test
+    assert {"chromium", "iproute2", "dnsmasq-base", "nftables", "shellcheck"} <= test
     assert listed("runtime", "cpu") <= test
     # The runtime images get no browser and no test tools.
     for accel in ("cpu", "gpu"):
-        assert not listed("runtime", accel) & {"chromium", "iproute2", "dnsmasq-base", "nftables"}
+        assert not listed("runtime", accel) & {"chromium", "iproute2", "dnsmasq-base", "nftables", "shellcheck"}
 
 
 def test_python_deps_dry_run_picks_one_vllm_build() -> None:
