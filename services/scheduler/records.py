@@ -148,6 +148,7 @@ class PlacedInfo:
     engine_address: str
     lease_id: str
     cached_tokens: int
+    engine_incarnation: int = 0   # the engine process's EngineHello.incarnation
 
 
 @dataclass(frozen=True)
