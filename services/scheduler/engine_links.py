@@ -166,11 +166,11 @@ class EngineLinks:
                 log.debug("engine %s: read ended: %r", info.engine_id, reader.exception())
             elif channel.superseded_by.done():
                 newer = channel.superseded_by.result()
-                context.set_trailing_metadata(((SUPERSEDED_METADATA_KEY, newer),))
                 await context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"engine id {info.engine_id!r}: a newer process of this engine registered from "
-                    f"{newer}; this one ({info.address}, incarnation {info.incarnation}) must stop")
+                    f"{newer}; this one ({info.address}, incarnation {info.incarnation}) must stop",
+                    ((SUPERSEDED_METADATA_KEY, newer),))
         finally:
             reader.cancel()
             writer.cancel()
@@ -186,8 +186,8 @@ class EngineLinks:
             return self._core.handle(ev.EngineJoined(info))
         except SupersededEngineError as err:
             log.error("refused a Connect: %s", err)
-            context.set_trailing_metadata(((SUPERSEDED_METADATA_KEY, err.newer_address),))
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err),
+                                ((SUPERSEDED_METADATA_KEY, err.newer_address),))
         except DuplicateEngineError as err:
             log.warning("refused a Connect: %s", err)
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(err))

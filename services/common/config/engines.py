@@ -96,6 +96,13 @@ class EngineConfig:
     # Which entry of `models` this engine serves.
     model: str = ""
     host: str = "127.0.0.1"
+    # The gRPC address others dial, announced to the scheduler (host:port;
+    # the host may be a DNS name -- a StatefulSet pod's
+    # <pod>.<service>.<namespace>.svc.cluster.local -- which gateways
+    # resolve when they dial). "" = host:port as bound (a wildcard host
+    # announces this machine's address). One engine's own: with
+    # engines.count > 1 the template may not set it. Checked: host:port.
+    advertise_address: str = ""
     # Ports here are 0 .. 65535; a gRPC port 0 binds any free port.
     port: int = 50100
     # Prometheus metrics (vLLM-named); 0 = off.
