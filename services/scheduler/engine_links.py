@@ -104,6 +104,12 @@ async def _read(context: _ConnectContext) -> scheduler_pb2.EngineMessage | None:
     return None if msg is grpc.aio.EOF else cast(scheduler_pb2.EngineMessage, msg)
 
 
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """A reader's error is the stream ending (a broken read is the engine leaving)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("engine stream read ended: %r", task.exception())
+
+
 @dataclass
 class _EngineChannel:
     token: int
@@ -156,15 +162,14 @@ class EngineLinks:
         self._take_over(info, channel, joined.superseded)
         writer = asyncio.create_task(self._write_commands(context, channel))
         reader = asyncio.create_task(self._read_messages(info.engine_id, channel, context))
+        reader.add_done_callback(_retrieve)
         log.info("engine %s connected (%s, model %s, incarnation %d)", info.engine_id, info.address,
                  info.model, info.incarnation)
         try:
             self._deliver(joined)
             pending: set[asyncio.Future[Any]] = {reader, channel.superseded_by}
             await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if reader.done() and not reader.cancelled() and reader.exception() is not None:
-                log.debug("engine %s: read ended: %r", info.engine_id, reader.exception())
-            elif channel.superseded_by.done():
+            if channel.superseded_by.done():
                 newer = channel.superseded_by.result()
                 await context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION,
