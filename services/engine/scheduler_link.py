@@ -184,6 +184,9 @@ class SchedulerLink:
         self._engine = engine
         self._runtime = runtime
         self._address = engine.advertise_address or address
+        if engine.advertise_address and http_address:
+            # The HTTP endpoint announced on the same host (name) as gRPC.
+            http_address = f"{engine.advertise_address.rpartition(':')[0]}:{http_address.rpartition(':')[2]}"
         self.incarnation = new_incarnation()
         self.superseded_by: str | None = None  # set once a newer process took the id over
         self._http_address = http_address

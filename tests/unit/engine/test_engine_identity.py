@@ -8,6 +8,7 @@ is `advertise_address` when set -- a DNS name is kept as sent."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import grpc
 from engine_helpers import engine_stub, mesh_config, started
@@ -49,12 +50,17 @@ async def test_a_newer_process_of_the_id_takes_over_and_the_old_one_stops() -> N
             assert old.link is not None
             call = await open_stream(stub, "r-old")
             name = "localhost:59999"   # a DNS name, announced as is
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                http_port = s.getsockname()[1]
             new = EngineService(config, sim_engine(engine_id="eng-x", scheduler_address=address,
-                                                   advertise_address=name))
+                                                   advertise_address=name, http_port=http_port))
             async with started(new):
                 state = await _until(port, lambda s: [e.address for e in s.engines] == [name])
                 assert new.link is not None
                 assert state.engines[0].incarnation == new.link.incarnation > old.link.incarnation
+                # The HTTP endpoint is announced on the same name.
+                assert new.link._hello().http_address == f"localhost:{http_port}"
                 code, details, _ = await asyncio.wait_for(ending(call), TIMEOUT)
                 assert code == grpc.StatusCode.UNAVAILABLE, details
                 await asyncio.wait_for(old.runtime.died.wait(), TIMEOUT)
