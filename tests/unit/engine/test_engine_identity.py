@@ -15,6 +15,7 @@ from engine_helpers import engine_stub, mesh_config, started
 from test_engine_failure import ending, open_stream, sim_engine
 
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.engine.scheduler_link import SUPERSEDED_METADATA_KEY, superseded_by
 from services.engine.server import EngineService
 from services.scheduler.server import SchedulerService
 
@@ -72,3 +73,15 @@ async def test_a_newer_process_of_the_id_takes_over_and_the_old_one_stops() -> N
                 assert [e.address for e in (await _state(port)).engines] == [name]
     finally:
         await scheduler.stop(grace=0.5)
+
+
+def test_only_a_superseded_answer_stops_the_link() -> None:
+    def error(code: grpc.StatusCode, *trailing: tuple[str, str]) -> grpc.aio.AioRpcError:
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), "x")
+
+    assert superseded_by(error(grpc.StatusCode.FAILED_PRECONDITION, (SUPERSEDED_METADATA_KEY, "b:1"))) == "b:1"
+    # A protocol complaint, a duplicate id of an older engine, an outage: retried as before.
+    assert superseded_by(error(grpc.StatusCode.FAILED_PRECONDITION)) is None
+    assert superseded_by(error(grpc.StatusCode.ALREADY_EXISTS, (SUPERSEDED_METADATA_KEY, "b:1"))) is None
+    assert superseded_by(error(grpc.StatusCode.UNAVAILABLE)) is None
+    assert superseded_by(RuntimeError("x")) is None
