@@ -135,6 +135,17 @@ class EngineFleet:
         record.leases.clear()
         return ended
 
+    def exclusions(self, exclude: Sequence[str], ran_on: dict[str, int]) -> frozenset[str]:
+        """The engines a Replace excludes that still hold: not one whose
+        registered process is newer than the one the request ran on there
+        (a restarted or rescheduled engine: the process that failed the
+        request is gone)."""
+        def restarted(engine_id: str) -> bool:
+            record = self._registry.get(engine_id)
+            ran = ran_on.get(engine_id, 0)
+            return ran > 0 and record is not None and record.info.incarnation > ran
+        return frozenset(e for e in exclude if not restarted(e))
+
     def drain(self, engine_id: str) -> bool:
         record = self._registry.get(engine_id)
         if record is None:

@@ -20,8 +20,8 @@ from services.scheduler.engine_registry import (
     EngineRegistry,
     SupersededEngineError,
 )
-from services.scheduler.events import EngineJoined, EngineLeft, RequestArrived
-from services.scheduler.records import PlacedInfo
+from services.scheduler.events import EngineJoined, EngineLeft, ReplaceRequested, RequestArrived
+from services.scheduler.records import PlacedInfo, RejectedInfo
 
 from .helpers import MODEL, admit, make_core, opts, report_load
 from .test_grpc import TIMEOUT, stack, wait_state  # noqa: F401 - the fixture
@@ -148,6 +148,35 @@ def test_a_refused_older_hello_changes_nothing() -> None:
         _join(core, "old:1", OLD)
     assert core.lease_of("r1") is not None and core.lease_of("r1").engine_id == "e"
     assert [e.address for e in core.state().engines] == ["new:1"]
+
+
+def _replace(core, request_id: str):
+    return core.handle(ReplaceRequested(request_id, ("e",), 48, 8, ())).notices
+
+
+def test_a_replace_may_go_to_the_new_process_of_the_engine_it_excludes() -> None:
+    """The gateway excludes the engine id its stream failed on; once a newer
+    process holds that id, the exclusion is moot (the failed process is
+    gone): with one engine for the model, the request moves to the new
+    process instead of being refused no_engine."""
+    core, _ = make_core()
+    report_load(core, "e", _join(core, "old:1", OLD).token)
+    admit(core, opts("r1"))
+    joined = _join(core, "new:1", NEW)
+    report_load(core, "e", joined.token)
+    notices = _replace(core, "r1")
+    placed = [n for rid, n in notices if rid == "r1"]
+    assert len(placed) == 1 and isinstance(placed[0], PlacedInfo), placed
+    assert (placed[0].engine_address, placed[0].engine_incarnation) == ("new:1", NEW)
+
+
+def test_an_exclusion_of_the_same_process_still_holds() -> None:
+    core, _ = make_core()
+    report_load(core, "e", _join(core, "a:1", OLD).token)
+    admit(core, opts("r1"))
+    refused = [n for rid, n in _replace(core, "r1") if rid == "r1"]
+    assert len(refused) == 1 and isinstance(refused[0], RejectedInfo)
+    assert refused[0].reason.value == "no_engine"
 
 
 # ---------------------------------------------------------------- over gRPC
