@@ -5,12 +5,13 @@ objects only it calls: `RequestBook` (request_book.py: every admitted
 request's record and lease), `WaitingRoom` (waiting.py: the model queues
 and Replace lanes) and `EngineFleet` (fleet.py: the engine registry, KV
 index, reservations, leases and engine views), plus the per-class counters
-of `ClassLedger` (class_stats.py). Two helpers it owns act on them only
+of `ClassLedger` (class_stats.py). Helpers it owns act on them only
 when it calls: `RoomMaker` (making_room.py: displacement at admission,
 preemption in dispatch), `Comebacks` (comebacks.py: Replace and Requeue)
-and `DetachedLeases` (detached_leases.py: leases kept for a stream resume).
+and `DetachedLeases` (detached_leases.py: leases kept for a stream resume);
+`EngineEvents` (engine_events.py) handles the engines' Connect-stream events.
 All of it changes only inside `SchedulerCore.handle`, called only from the
-event loop's thread (grpc_api.py for stream messages, server.py's timers
+event loop's thread (grpc_api.py and engine_links.py for stream messages, server.py's timers
 for `Tick`); synchronous, so no two events interleave and no lock is needed.
 
 One entry point: `handle(event) -> Outbox` applies one event (events.py),
