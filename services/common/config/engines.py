@@ -107,7 +107,8 @@ class EngineConfig:
     # 50100` (`kvmesh engine --advertise-address`), never an IP: a
     # rescheduled pod keeps its name, not its address. Empty = `host` and the
     # bound port, a wildcard host (0.0.0.0, ::) replaced by this machine's
-    # address (services/engine/scheduler_link.py `advertised_host`).
+    # address (services/engine/scheduler_link.py `advertised_host`). One
+    # engine's own: with engines.count > 1 the template may not set it.
     advertise_address: str = ""
     # Prometheus metrics (vLLM-named); 0 = off.
     metrics_port: int = 0

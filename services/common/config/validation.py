@@ -93,6 +93,10 @@ def validate_config(config: MeshConfig, where: str = "config") -> None:
     _check_scheduler_limits(mesh.at("scheduler"))
     _check_engines(mesh)
     _check_engine(mesh.at("engines").at("template"), config)
+    if config.engines.template.advertise_address and config.engines.count > 1:
+        mesh.at("engines").at("template").fail(
+            "advertise_address", "one address for every engine `kvmesh up` starts; set it per engine "
+            "process (`kvmesh engine --advertise-address`) or use engines.count 1")
     _check_gateway(mesh.at("gateway"))
     _check_api_keys(mesh.at("gateway"))
     envoy = mesh.at("envoy")
