@@ -21,6 +21,8 @@ _MAX_PORT = 65535
 def split_host_port(address: str) -> tuple[str, int]:
     """(host, port) of `address`; ValueError saying what is wrong. An IPv6
     host comes back without its brackets. The port must be 1 .. 65535."""
+    if "/" in address or any(c.isspace() for c in address):
+        raise ValueError(f"{address!r}: expected host:port (no scheme, path or spaces)")
     if address.startswith("["):
         host, sep, port = address[1:].partition("]:")
         if not sep:

@@ -51,7 +51,8 @@ def test_wildcard_binds_and_service_names_load_with_mesh_tls(tmp_path: Path) -> 
 
 def test_advertise_address_is_validated() -> None:
     def check(address: str) -> None:
-        validate_config(config_from_dict(MeshConfig, {"engines": {"template": {"advertise_address": address}}}))
+        engines = {"count": 1, "template": {"advertise_address": address}}
+        validate_config(config_from_dict(MeshConfig, {"engines": engines}))
 
     check(ADVERTISED)
     check("[fd00::2]:50100")

@@ -163,7 +163,7 @@ def test_an_engine_may_announce_a_dns_name_or_an_ip(address: str) -> None:
     "a b:1",
 ])
 def test_an_announced_address_is_host_colon_port(address: str) -> None:
-    with pytest.raises(ConfigError, match=r"config\.engines\.template\.advertise_address: must be host:port"):
+    with pytest.raises(ConfigError, match=r"engines\.template\.advertise_address: '.*': (expected|port|an IPv6)"):
         check({"engines": {"count": 1, "template": {"advertise_address": address}}})
 
 
