@@ -45,9 +45,11 @@ def cluster(topology: Topology, name: str, grpc: bool) -> dict[str, Any]:
     else:
         protocol = {"http_protocol_options": {}}
     tls = {"transport_socket": _upstream_tls_socket(topology, grpc)} if topology.upstream_tls.enabled else {}
+    static = all(_is_ip(gw.host) for gw in gateways)
     return {
         "name": name,
-        "type": "STATIC" if all(_is_ip(gw.host) for gw in gateways) else "STRICT_DNS",
+        "type": "STATIC" if static else "STRICT_DNS",
+        **({} if static else _dns(topology)),
         "connect_timeout": seconds(topology.timeouts.connect_seconds),
         # Streams are long and uneven: send each new one to the least busy replica.
         "lb_policy": "LEAST_REQUEST",
@@ -70,6 +72,19 @@ def cluster(topology: Topology, name: str, grpc: bool) -> dict[str, Any]:
         "upstream_connection_options": {"tcp_keepalive": _tcp_keepalive(topology)},
         "upstream_bind_config": {"socket_options": [_tcp_user_timeout(topology)]},
         **tls,
+    }
+
+
+def _dns(topology: Topology) -> dict[str, Any]:
+    """STRICT_DNS resolution: every address of each name is a gateway (a
+    headless Service's name gives every ready pod), re-resolved regularly."""
+    dns = topology.dns
+    return {
+        "dns_refresh_rate": seconds(dns.refresh_seconds),
+        "dns_failure_refresh_rate": {"base_interval": seconds(dns.failure_refresh_seconds),
+                                     "max_interval": seconds(max(dns.failure_refresh_seconds, dns.refresh_seconds))},
+        "respect_dns_ttl": dns.respect_ttl,
+        "dns_lookup_family": dns.lookup_family,
     }
 
 

@@ -2,6 +2,7 @@
 
     kvmesh envoy render [--topology F] [--out F]   one topology
     kvmesh envoy render --all [--check]            every envoy/*.yaml -> envoy/rendered/
+                                                   (+ deploy/base/envoy/ for Kubernetes)
 
 What the rendered Envoy does, and why:
 - One public listener, codec AUTO: HTTP/1.1 and h2c (gRPC without TLS) on one port.
@@ -50,10 +51,11 @@ import yaml
 from services.edge.clusters import cluster
 from services.edge.fragments import GRPC_CLUSTER, HTTP_CLUSTER, TYPE, socket_address
 from services.edge.listener import listener
-from services.edge.routes import PUBLIC_GRPC_PREFIXES
+from services.edge.routes import PUBLIC_GRPC_PREFIXES, WEB_FILES
 from services.edge.topology import Topology, TopologyError, load_topology
 
 __all__ = [
+    "DEPLOY_ENVOY_DIR",
     "ENVOY_DIR",
     "GRPC_CLUSTER",
     "HTTP_CLUSTER",
@@ -70,6 +72,11 @@ ROOT = Path(__file__).resolve().parents[2]
 ENVOY_DIR = ROOT / "envoy"
 RENDERED_DIR = ENVOY_DIR / "rendered"
 DEFAULT_TOPOLOGY = ENVOY_DIR / "topology.yaml"
+# Kustomize reads files only below its kustomization's folder: the
+# Kubernetes rendering and the files it names (descriptor set, web page) are
+# copied there by `--all` (and compared by `--all --check`).
+KUBERNETES_TOPOLOGY = ENVOY_DIR / "topology-kubernetes.yaml"
+DEPLOY_ENVOY_DIR = ROOT / "deploy" / "base" / "envoy"
 
 
 def render(topology: Topology) -> dict[str, Any]:
@@ -121,6 +128,34 @@ def _topologies() -> list[Path]:
     return sorted(p for p in ENVOY_DIR.glob("*.yaml") if p.is_file())
 
 
+def _deploy_copies() -> list[tuple[Path, Path]]:
+    """(source, copy) pairs of deploy/base/envoy/."""
+    pairs = [
+        (rendered_path_for(KUBERNETES_TOPOLOGY), DEPLOY_ENVOY_DIR / "envoy.yaml"),
+        (ENVOY_DIR / "kvmesh.pb", DEPLOY_ENVOY_DIR / "kvmesh.pb"),
+    ]
+    pairs += [(ROOT / "web" / name, DEPLOY_ENVOY_DIR / "web" / name) for name, _ in WEB_FILES.values()]
+    return pairs
+
+
+def _sync_copies(rendered: dict[Path, bytes], check: bool) -> list[str]:
+    """Write (or with `check`, compare) the deploy copies; `rendered` holds
+    this run's renderings by output path. Returns the stale copies."""
+    stale: list[str] = []
+    for source, copy in _deploy_copies():
+        data = rendered.get(source.resolve())
+        if data is None:
+            data = source.read_bytes()
+        if check:
+            if not copy.exists() or copy.read_bytes() != data:
+                stale.append(f"{_relative(copy)} (copy of {_relative(source)})")
+        elif not copy.exists() or copy.read_bytes() != data:
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            copy.write_bytes(data)
+            print(f"copied {_relative(source)} -> {_relative(copy)}")
+    return stale
+
+
 def _relative(path: Path) -> str:
     try:
         return str(path.resolve().relative_to(ROOT))
@@ -147,12 +182,14 @@ def main(argv: list[str] | None = None) -> int:
         (ns.topology, ns.out or rendered_path_for(ns.topology))
     ]
     stale: list[str] = []
+    rendered: dict[Path, bytes] = {}
     for source, out in jobs:
         try:
             text = render_yaml(load_topology(source), _relative(source))
         except TopologyError as exc:
             print(f"kvmesh envoy render: {exc}", file=sys.stderr)
             return 2
+        rendered[Path(out).resolve()] = text.encode()
         if str(out) == "-":
             sys.stdout.write(text)
         elif ns.check:
@@ -162,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(text)
             print(f"rendered {_relative(source)} -> {_relative(out)}")
+    if ns.all:
+        stale += _sync_copies(rendered, ns.check)
     if stale:
         print("kvmesh envoy render: out of date, run `make render`: " + ", ".join(stale), file=sys.stderr)
         return 1

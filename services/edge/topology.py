@@ -25,6 +25,7 @@ from services.common.config import ConfigError, config_from_dict
 __all__ = [
     "AdminSpec",
     "CorsSpec",
+    "DnsSpec",
     "GatewayEndpoint",
     "HealthCheckSpec",
     "ListenerSpec",
@@ -69,6 +70,25 @@ class GatewayEndpoint:
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 50061
+
+
+@dataclass
+class DnsSpec:
+    """How Envoy resolves gateway hosts given by DNS name (STRICT_DNS), e.g.
+    a Kubernetes headless Service: every address a name resolves to is a
+    gateway, health-checked on its own. Unused when every host is an IP."""
+
+    # Re-resolve this often, so a new gateway pod gets traffic (and a gone
+    # one's address is dropped) within seconds. Bounds: >= 0.1.
+    refresh_seconds: float = 5.0
+    # Re-resolve when a record's TTL ends, if sooner (CoreDNS: 5 s for
+    # headless Services).
+    respect_ttl: bool = True
+    # After a failed lookup, retry this soon (the old addresses are kept
+    # meanwhile). Bounds: >= 0.1.
+    failure_refresh_seconds: float = 1.0
+    # AUTO (IPv6 first), V4_ONLY, V6_ONLY, V4_PREFERRED or ALL.
+    lookup_family: str = "V4_PREFERRED"
 
 
 @dataclass
@@ -222,6 +242,7 @@ class Topology:
     # Gateway replicas behind Envoy. At least one.
     gateways: list[GatewayEndpoint] = field(default_factory=lambda: [GatewayEndpoint()])
     timeouts: TimeoutSpec = field(default_factory=TimeoutSpec)
+    dns: DnsSpec = field(default_factory=DnsSpec)
     health_check: HealthCheckSpec = field(default_factory=HealthCheckSpec)
     # Largest request body (JSON or gRPC message) Envoy lets through; larger
     # -> 413 with an OpenAI error body. 1 MiB matches gateway.max_body_bytes.
@@ -283,6 +304,10 @@ class Topology:
         for name in ("upstream_keepalive_seconds", "upstream_keepalive_timeout_seconds"):
             if getattr(self.timeouts, name) < 1:
                 raise TopologyError(f"timeouts.{name}: must be >= 1")
+        if min(self.dns.refresh_seconds, self.dns.failure_refresh_seconds) < 0.1:
+            raise TopologyError("dns: refresh_seconds and failure_refresh_seconds must be >= 0.1")
+        if self.dns.lookup_family not in _LOOKUP_FAMILIES:
+            raise TopologyError(f"dns.lookup_family: one of {', '.join(_LOOKUP_FAMILIES)}")
         hc = self.health_check
         if hc.interval_seconds <= 0 or hc.timeout_seconds <= 0:
             raise TopologyError("health_check: interval_seconds and timeout_seconds must be > 0")
@@ -339,6 +364,9 @@ class Topology:
             web=dataclasses.replace(self.web, root=resolve(self.web.root)),
             tls=tls,
         )
+
+
+_LOOKUP_FAMILIES = ("AUTO", "V4_ONLY", "V6_ONLY", "V4_PREFERRED", "ALL")
 
 
 def _is_loopback(host: str) -> bool:
