@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import time
@@ -80,6 +81,8 @@ class Cluster:
     made: list[Path] = field(default_factory=list)  # mount points made on this machine
     dns_proc: subprocess.Popen[bytes] | None = None
     links: dict[str, str] = field(default_factory=dict)  # Service-link env of every pod
+    # Volume contents: outside /tmp, which pods mount an emptyDir over.
+    vol_root: Path = field(default_factory=lambda: ROOT / ".run" / f"k8s-netns-{os.getpid()}")
 
     # ------------------------------------------------------------ layout
 
@@ -207,7 +210,7 @@ class Cluster:
     def _mount_script(self, r: RunningPod) -> str:
         """sh: hostname, then each volume mounted at its path (parents first)."""
         lines = ["set -e", f"hostname {shlex.quote(r.pod.name)}"]
-        folder = self.run_dir / "pods" / r.pod.name
+        folder = self.vol_root / r.pod.name
         for i, vol in enumerate(sorted(r.container.volumes, key=lambda v: v.path.count("/"))):
             src = self._volume_source(vol, folder / f"vol{i}")
             self._mount_point(Path(vol.path), is_file=bool(vol.sub_path))
@@ -247,8 +250,8 @@ class Cluster:
 
     def spawn(self, r: RunningPod) -> None:
         """Start the pod's container on its host."""
-        if str(self.run_dir).startswith(tuple(v.path.rstrip("/") + "/" for v in r.container.volumes)):
-            raise RuntimeError(f"run dir {self.run_dir} is under a mount path of {r.pod.name}")
+        if str(self.vol_root).startswith(tuple(v.path.rstrip("/") + "/" for v in r.container.volumes)):
+            raise RuntimeError(f"{self.vol_root} is under a mount path of {r.pod.name}")
         script = self._mount_script(r)
         argv = ["unshare", "--mount", "--uts", "--ipc", "--propagation", "private", "sh", "-c", script,
                 r.pod.name, *r.container.argv]
@@ -358,6 +361,7 @@ class Cluster:
             with contextlib.suppress(OSError):
                 p.unlink() if p.is_file() else p.rmdir()
         self.made.clear()
+        shutil.rmtree(self.vol_root, ignore_errors=True)
 
 
 def http_get(url: str, timeout: float) -> tuple[int, str]:
