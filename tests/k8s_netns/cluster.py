@@ -178,11 +178,15 @@ class Cluster:
                     target = resolve_port(p.get("targetPort", p["port"]), r.container.ports)
                     if target != p["port"]:
                         out[int(p["port"])] = target
+                    if "nodePort" in p:  # this pod's host stands in for the node
+                        out[int(p["nodePort"])] = target
         return out
 
-    def service_port(self, service: str, name: str | None = None) -> int:
+    def service_port(self, service: str, name: str | None = None, node: bool = False) -> int:
+        """A Service's port (`node`: its nodePort) by port name (None: the first)."""
         ports = self.objects.get("Service", service)["spec"]["ports"]
-        return int(next(p for p in ports if name is None or p.get("name") == name)["port"])
+        port = next(p for p in ports if name is None or p.get("name") == name)
+        return int(port["nodePort" if node else "port"])
 
     # ------------------------------------------------------------ pods
 

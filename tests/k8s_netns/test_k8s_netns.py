@@ -20,10 +20,12 @@ each host. Shown:
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -172,7 +174,36 @@ def test_every_probe_answers_as_the_manifest_expects(kube: Cluster) -> None:
                 assert status == 200 and yaml.safe_load(body).get("status"), (r.pod.name, kind, status, body)
 
 
+def _chat(url: str, model: str) -> list[str]:
+    """A streamed chat completion; the SSE data lines up to [DONE]."""
+    body = json.dumps({"model": model, "stream": True, "max_tokens": 24,
+                       "messages": [{"role": "user", "content": "Hello from outside the cluster"}]}).encode()
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=body, method="POST", headers={
+        "Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    data = []
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data:"):
+                data.append(line[5:].strip())
+                if data[-1] == "[DONE]":
+                    break
+    return data
+
+
 def test_chat_through_envoy_streams_to_done(kube: Cluster) -> None:
+    client, model = kube.net.hosts["client"], _model(kube)
+    envoy = kube.by_component("envoy")[0]
+    # The Service's port, and its nodePort (dev-cpu: NodePort) on the pod's host standing in for the node.
+    urls = [_envoy_url(kube)]
+    if kube.objects.get("Service", "kvmesh-envoy")["spec"].get("type") == "NodePort":
+        urls.append(f"http://{envoy.ip}:{kube.service_port('kvmesh-envoy', node=True)}")
+    for url in urls:
+        events = client.call(lambda u=url: _chat(u, model), timeout=90)
+        assert events and events[-1] == "[DONE]", (url, events[-3:])
+        text = "".join((json.loads(e)["choices"][0].get("delta") or {}).get("content") or ""
+                       for e in events[:-1] if json.loads(e).get("choices"))
+        assert text, f"{url}: no content in {events[:3]}"
     streams = _complete(kube, _prompts("chat", 2), 32)
     _assert_ok(streams)
     assert all(s.text for s in streams)
