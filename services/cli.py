@@ -2,6 +2,8 @@
 
     kvmesh up [--engines N] [--backend sim|vllm] [--gateways N]   everything, supervised
     kvmesh scheduler | gateway | engine                            one service (multi-host)
+    kvmesh engine --engine-id ID --advertise-address HOST:PORT     an engine with a stable id/name
+    kvmesh drain --port METRICS_PORT                               drain a local service (preStop)
     kvmesh envoy render                                            topology YAML -> Envoy config
     kvmesh key hash KEY                                            SHA-256 for the config's api_keys
     kvmesh bench --url URL [--workload ...]                        load-test an OpenAI endpoint
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.config import ConfigError, MeshConfig, load_config
+from services.common.config.addresses import split_host_port
 from services.common.grpc_server import configure_keepalive
 from services.common.service_main import EXIT_SERVICE_FAILED, ServiceFailed
 
@@ -60,6 +63,16 @@ def _cmd_engine(ns: argparse.Namespace) -> None:
 
     config = _config(ns)
     engine = config.engine_config(ns.index)
+    if ns.engine_id is not None:
+        if not ns.engine_id:
+            raise ConfigError("--engine-id: must not be empty")
+        engine.engine_id = ns.engine_id
+    if ns.advertise_address is not None:
+        try:
+            split_host_port(ns.advertise_address)
+        except ValueError as exc:
+            raise ConfigError(f"--advertise-address: {exc}") from exc
+        engine.advertise_address = ns.advertise_address
     if ns.backend:
         engine.backend = ns.backend
     if ns.model:
@@ -92,8 +105,49 @@ def _cmd_envoy(ns: argparse.Namespace) -> None:
     sys.exit(render_main(ns.rest))
 
 
+def _cmd_drain(ns: argparse.Namespace) -> None:
+    from services.common.health_http import request_drain
+
+    drained, message = request_drain(ns.host, ns.port, ns.timeout)
+    print(f"kvmesh drain: {message}", file=sys.stdout if drained else sys.stderr)
+    sys.exit(0 if drained else 1)
+
+
 def _cmd_key(ns: argparse.Namespace) -> None:
     print(hashlib.sha256(ns.key.encode()).hexdigest())
+
+
+def _add_service_parsers(sub: Any) -> None:
+    """One service per process (multi-host, Kubernetes), and `drain`."""
+    sch = sub.add_parser("scheduler", help="run the scheduler")
+    sch.set_defaults(func=_cmd_scheduler)
+
+    eng = sub.add_parser("engine", help="run one engine")
+    eng.add_argument("--index", type=int, default=0, help="engine index: id and ports derive from it")
+    eng.add_argument("--engine-id", help="engine id (default engine-<index>); on Kubernetes the pod name")
+    eng.add_argument("--advertise-address", metavar="HOST:PORT",
+                     help="address announced to the scheduler for gateways to dial (a DNS name, IPv4 or "
+                          "[IPv6], and the gRPC port; config engines.template.advertise_address); "
+                          "default: the bind host (a wildcard one: this machine's address) and port")
+    eng.add_argument("--backend", choices=["sim", "vllm"])
+    eng.add_argument("--model")
+    eng.set_defaults(func=_cmd_engine)
+
+    gw = sub.add_parser("gateway", help="run one gateway replica")
+    gw.add_argument("--replica", type=int, default=0)
+    gw.add_argument("--http-port", type=int)
+    gw.add_argument("--grpc-port", type=int)
+    gw.add_argument("--metrics-port", type=int)
+    gw.set_defaults(func=_cmd_gateway)
+
+    drain = sub.add_parser("drain", help="drain a service on this host: POST /drain to its metrics port "
+                                         "and wait (a Kubernetes preStop hook)")
+    drain.add_argument("--port", type=int, required=True, help="the service's metrics port")
+    drain.add_argument("--host", default="127.0.0.1", help="a loopback address (default 127.0.0.1)")
+    drain.add_argument("--timeout", type=float, default=600.0,
+                       help="seconds to wait for the drain's answer (default 600; the service bounds its "
+                            "drain: engines stop_grace_seconds, gateways drain_seconds)")
+    drain.set_defaults(func=_cmd_drain)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -115,21 +169,7 @@ def _parser() -> argparse.ArgumentParser:
                          "mesh_tls.cert_dir names your own (config mesh_tls.enabled)")
     up.set_defaults(func=_cmd_up)
 
-    sch = sub.add_parser("scheduler", help="run the scheduler")
-    sch.set_defaults(func=_cmd_scheduler)
-
-    eng = sub.add_parser("engine", help="run one engine")
-    eng.add_argument("--index", type=int, default=0, help="engine index: id and ports derive from it")
-    eng.add_argument("--backend", choices=["sim", "vllm"])
-    eng.add_argument("--model")
-    eng.set_defaults(func=_cmd_engine)
-
-    gw = sub.add_parser("gateway", help="run one gateway replica")
-    gw.add_argument("--replica", type=int, default=0)
-    gw.add_argument("--http-port", type=int)
-    gw.add_argument("--grpc-port", type=int)
-    gw.add_argument("--metrics-port", type=int)
-    gw.set_defaults(func=_cmd_gateway)
+    _add_service_parsers(sub)
 
     env = sub.add_parser("envoy", help="Envoy config tooling (kvmesh envoy render --help)")
     env.add_argument("rest", nargs=argparse.REMAINDER)

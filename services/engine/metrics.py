@@ -14,12 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from services.engine.backend import GenerationOutput, LoadSnapshot
 
-__all__ = ["EngineMetrics", "MetricsServer"]
+__all__ = ["EngineMetrics"]
 
 # vLLM's own TTFT buckets (vllm/v1/metrics/loggers.py).
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -91,26 +90,3 @@ class EngineMetrics:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-
-class MetricsServer:
-    """GET /metrics on its own port (aiohttp, in the engine's event loop)."""
-
-    def __init__(self, metrics: EngineMetrics) -> None:
-        self._metrics = metrics
-        self._runner: web.AppRunner | None = None
-
-    async def start(self, host: str, port: int) -> None:
-        app = web.Application()
-        app.router.add_get("/metrics", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    async def _handle(self, _request: web.Request) -> web.Response:
-        body = self._metrics.exposition()
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -289,10 +289,24 @@ class EngineRuntime:
         """Refuse new work, let live generations finish for up to
         `grace_seconds`, hand the rest over (their clients continue them on
         another engine), stop the backend."""
+        await self.hand_off(grace_seconds)
+        await self.liveness.stop()
+        if self._start_attempted:  # also after a failed start: release what it got
+            self._start_attempted = False
+            await self.backend.stop()
+        self.started = False
+
+    async def hand_off(self, grace_seconds: float) -> int:
+        """The drain, backend kept running (`stop`'s first half, also the
+        engine's POST /drain): refuse new work, let live generations finish
+        for up to `grace_seconds`, hand the rest over. Returns how many were
+        handed over."""
         self.stopping = True
         self.kept.expire_all()
+        handed: set[str] = set()
         for held in self.gate.held:  # not started here: another engine starts them sooner
             held.hand_over("engine stopping before this request started; continue on another engine")
+            handed.add(held.request.request_id)
         self._notify()
         deadline = self.clock.monotonic() + grace_seconds
         # Polled, not awaited on an Event: the grace bound runs on the injected
@@ -301,11 +315,8 @@ class EngineRuntime:
             await asyncio.sleep(0.05)
         for generation in list(self._live.values()):
             generation.hand_over("engine stopping after its drain timeout; continue on another engine")
-        await self.liveness.stop()
-        if self._start_attempted:  # also after a failed start: release what it got
-            self._start_attempted = False
-            await self.backend.stop()
-        self.started = False
+            handed.add(generation.request.request_id)
+        return len(handed)
 
     def fail(self, reason: str) -> None:
         """The engine failed as a whole, not one request (idempotent): hand

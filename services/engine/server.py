@@ -11,6 +11,15 @@ drain timeout), the rest are handed over (their streams end UNAVAILABLE and
 the gateway migrates them), then the Connect stream closes (deregistered)
 and everything stops.
 
+Probes and drain (services/common/health_http.py), plain HTTP on the
+metrics port: started = model loaded and warmed up; ready = serving
+(registered with the scheduler, not draining, stopping or failed); live =
+not failed (the backend is alive: EngineDead and liveness.py's hang bound
+both end in `runtime.fail`). POST /drain (loopback only; a preStop hook)
+runs the drain SIGTERM runs -- NOT_SERVING, `stop_grace_seconds` for
+running generations, the rest handed over -- but leaves the process up,
+registered and not serving; SIGTERM then ends it at once.
+
 Failure (the backend died or hung: runtime.py `fail`): the live streams are
 handed over at once, health turns NOT_SERVING and a load report with
 `serving: false` goes out, then `serve` stops the engine and raises
@@ -24,11 +33,22 @@ import asyncio
 import logging
 
 import grpc
+from aiohttp import web
 
 from services.common.clock import Clock, SystemClock
 from services.common.config import ConfigError, EngineConfig, MeshConfig
+from services.common.config.addresses import join_host_port, split_host_port
 from services.common.gc_heap import freeze_startup_heap
 from services.common.grpc_server import HealthReporter, make_server
+from services.common.health_http import (
+    Check,
+    DrainReport,
+    HttpEndpoint,
+    OnceDrain,
+    Probes,
+    add_health_routes,
+    add_metrics_route,
+)
 from services.common.mesh_tls import add_port, identity_for
 from services.common.proto.kvmesh.v1 import engine_pb2_grpc
 from services.common.service_main import run_until_signalled
@@ -37,7 +57,7 @@ from services.engine.coalesce import StreamPacing
 from services.engine.grpc_api import EngineServicer
 from services.engine.http_api import OpenAIHttpServer
 from services.engine.liveness import HangPolicy
-from services.engine.metrics import EngineMetrics, MetricsServer
+from services.engine.metrics import EngineMetrics
 from services.engine.model import TextCodec, load_codec, resolve_model
 from services.engine.runtime import EngineRuntime
 from services.engine.scheduler_link import SchedulerLink, advertised_host
@@ -101,7 +121,10 @@ class EngineService:
         self._server: grpc.aio.Server | None = None
         self._servicer: EngineServicer | None = None
         self._health: HealthReporter | None = None
-        self._metrics_server: MetricsServer | None = None
+        self._metrics_server: HttpEndpoint | None = None
+        self.metrics_port = 0
+        self.drain = OnceDrain(self._drain)
+        self._up = False  # start() finished: model loaded, warmed up, SERVING
         self._http: OpenAIHttpServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -110,7 +133,16 @@ class EngineService:
 
     @property
     def address(self) -> str:
-        return f"{advertised_host(self.engine.host)}:{self.port}"
+        """What the engine announces: engine.advertise_address, else the
+        bound host (a wildcard one replaced by this machine's) and port."""
+        if self.engine.advertise_address:
+            return self.engine.advertise_address
+        return join_host_port(advertised_host(self.engine.host), self.port)
+
+    def _http_address(self) -> str:
+        host = (split_host_port(self.engine.advertise_address)[0] if self.engine.advertise_address
+                else advertised_host(self.engine.host))
+        return join_host_port(host, self.engine.http_port)
 
     async def start(self) -> int:
         """Serve gRPC (NOT_SERVING), start the backend, then SERVING and
@@ -122,14 +154,13 @@ class EngineService:
         await health.set_serving(False)  # an explicit NOT_SERVING, not NOT_FOUND
         self._servicer = EngineServicer(self.runtime, engine.engine_id, engine.backend)
         engine_pb2_grpc.add_EngineServicer_to_server(self._servicer, server)
-        self.port = add_port(server, f"{engine.host}:{engine.port}", identity)
+        self.port = add_port(server, join_host_port(engine.host, engine.port), identity)
         if not self.port:
             raise OSError(f"engine.port: cannot bind {engine.host}:{engine.port}")
         await server.start()
         try:
             if engine.metrics_port:
-                self._metrics_server = MetricsServer(self.metrics)
-                await self._metrics_server.start(engine.host, engine.metrics_port)
+                await self._serve_metrics(engine.host, engine.metrics_port)
             await self.runtime.start()
             http_address = ""
             if engine.http_port:
@@ -138,7 +169,7 @@ class EngineService:
                 # without the gateway's keys and limits.
                 await self._http.start(engine.host, engine.http_port,
                                        identity.server_ssl_context() if identity else None)
-                http_address = f"{advertised_host(engine.host)}:{engine.http_port}"
+                http_address = self._http_address()
             if self._freeze_heap:
                 # Before SERVING: the one full collection (~0.3 s with vLLM
                 # loaded) must not stall requests already placed here.
@@ -152,9 +183,44 @@ class EngineService:
         except BaseException:
             await self.stop()
             raise
+        self._up = True
         log.info("engine %s (%s, model %s) serving on %s", engine.engine_id, engine.backend,
                  self.model_name, self.address)
         return self.port
+
+    async def _serve_metrics(self, host: str, port: int) -> None:
+        """/metrics, the probes and /drain: up before the model loads, so
+        the probes can say `loading`."""
+        app = web.Application()
+        add_metrics_route(app, self.metrics.exposition)
+        add_health_routes(app, Probes(self._live, self._ready, self._started), self.drain)
+        self._metrics_server = HttpEndpoint(app)
+        self.metrics_port = await self._metrics_server.start(host, port)
+
+    def _started(self) -> Check:
+        if self._up:
+            return Check(True, "ok", "model loaded, warm-up done")
+        return Check(False, "loading", "loading the model and warming up")
+
+    def _live(self) -> Check:
+        if self.runtime.dead is not None:
+            return Check(False, "failed", self.runtime.dead)
+        return Check(True, "ok", "backend alive")
+
+    def _ready(self) -> Check:
+        runtime = self.runtime
+        if runtime.dead is not None:
+            return Check(False, "failed", runtime.dead)
+        if not self._up:
+            return Check(False, "loading", "loading the model and warming up")
+        if runtime.stopping or self.drain.started:
+            return Check(False, "draining", "draining: new generations go to other engines")
+        if runtime.draining:
+            return Check(False, "draining", "drained by the scheduler: new generations go elsewhere")
+        if self.link is not None and not self.link.connected.is_set():
+            return Check(False, "not_registered",
+                         f"not registered with the scheduler at {self.engine.scheduler_address}")
+        return Check(True, "ok", "serving")
 
     def _codec(self) -> TextCodec:
         codec = getattr(self.backend, "codec", None)
@@ -174,14 +240,30 @@ class EngineService:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def stop(self) -> None:
+    async def _drain(self) -> DrainReport:
+        """NOT_SERVING, running generations finish for stop_grace_seconds,
+        the rest are handed over (their gateways migrate them); the backend
+        and the scheduler link stay up. Once (`self.drain`): POST /drain and
+        SIGTERM share it."""
         if self._health is not None and self._health.serving:
             await self._health.set_serving(False)
         if self._servicer is not None:
             self._servicer.idle_calls.close()
+        running = self.runtime.live_count
         # A failed engine handed its generations over already: nothing to drain.
-        drain = self.runtime.live_count and self.runtime.dead is None
-        await self.runtime.stop(self.engine.stop_grace_seconds if drain else 0.0)
+        grace = self.engine.stop_grace_seconds if running and self.runtime.dead is None else 0.0
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        handed_over = await self.runtime.hand_off(grace)
+        seconds = round(loop.time() - began, 3)
+        log.info("engine %s drained in %.1f s: %d running, %d handed over", self.engine.engine_id,
+                 seconds, running, handed_over)
+        return DrainReport(True, "nothing runs here: finished or handed over to other engines",
+                           {"running": running, "handed_over": handed_over, "seconds": seconds})
+
+    async def stop(self) -> None:
+        await self.drain()
+        await self.runtime.stop(0.0)
         if self.link is not None:
             await self.link.stop()
             self.link = None

@@ -1,6 +1,8 @@
 """API keys: who is calling, what they may use, at which priority.
 
-Only SHA-256 digests of keys live in config (`kvmesh key hash KEY`). A key
+Only SHA-256 digests of keys live in config (`kvmesh key hash KEY`), in
+`gateway.api_keys` and in the file `gateway.api_keys_file` names (on
+Kubernetes a mounted Secret), read once at start-up. A key
 resolves to a `Principal`; with `auth_enabled: false` every caller is the
 tenant "anonymous" with no limits and no ceiling.
 """
@@ -10,11 +12,26 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from services.common.config import ApiKeyConfig, GatewayConfig, api_key_digest
+import yaml
+
+from services.common.config import (
+    ApiKeyConfig,
+    ConfigError,
+    GatewayConfig,
+    api_key_digest,
+    config_from_dict,
+)
+from services.common.config.gateway import ApiKeysFile
+from services.common.config.validation import check_api_keys
 from services.gateway.errors import ErrorKind, GatewayError
 
-__all__ = ["ANONYMOUS", "KeyStore", "Principal", "api_key_from_headers", "effective_priority"]
+__all__ = ["ANONYMOUS", "KeyStore", "Principal", "api_key_from_headers", "effective_priority",
+           "load_api_keys_file"]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
 
 @dataclass(frozen=True)
 class Principal:
@@ -48,11 +65,12 @@ def api_key_from_headers(headers: Mapping[str, str]) -> str | None:
 
 
 class KeyStore:
-    """Immutable after construction, so it is shared freely between tasks."""
+    """Immutable after construction, so it is shared freely between tasks.
+    Holds `api_keys` and those of `api_keys_file` (read here, once)."""
 
     def __init__(self, config: GatewayConfig) -> None:
         self.auth_enabled = config.auth_enabled
-        self._by_digest = _index(config.api_keys)
+        self._by_digest = _index([*config.api_keys, *load_api_keys_file(config)])
 
     def authenticate(self, raw_key: str | None) -> Principal:
         if not self.auth_enabled:
@@ -83,6 +101,22 @@ class KeyStore:
     @staticmethod
     def allows(principal: Principal, model: str) -> bool:
         return not principal.models or model in principal.models
+
+
+def load_api_keys_file(config: GatewayConfig) -> list[ApiKeyConfig]:
+    """The keys of `gateway.api_keys_file` (none when unset), checked by the
+    config's own rules and against `gateway.api_keys`; ConfigError names
+    the file and the entry."""
+    if not config.api_keys_file:
+        return []
+    path = REPO_ROOT / config.api_keys_file
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"gateway.api_keys_file: cannot read {path}: {exc}") from exc
+    keys = config_from_dict(ApiKeysFile, data, str(path)).api_keys
+    check_api_keys(keys, f"{path}: api_keys", {api_key_digest(k) for k in config.api_keys})
+    return keys
 
 
 def _index(keys: Sequence[ApiKeyConfig]) -> dict[str, Principal]:

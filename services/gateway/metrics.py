@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from services.common.health_http import OnceDrain, Probes, add_health_routes, add_metrics_route
 
 __all__ = ["GatewayMetrics", "StreamCount", "metrics_app"]
 
@@ -106,10 +108,12 @@ class GatewayMetrics:
         return generate_latest(self.registry)
 
 
-def metrics_app(metrics: GatewayMetrics) -> web.Application:
-    async def handle(_: web.Request) -> web.Response:
-        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
+def metrics_app(
+    metrics: GatewayMetrics, probes: Probes | None = None, drain: OnceDrain | None = None
+) -> web.Application:
+    """The metrics port: /metrics, the probes and POST /drain
+    (services/common/health_http.py)."""
     app = web.Application()
-    app.router.add_get("/metrics", handle)
+    add_metrics_route(app, metrics.render)
+    add_health_routes(app, probes or Probes(), drain)
     return app

@@ -9,6 +9,13 @@ of the scheduler and the engines. Stateless; run N replicas behind Envoy.
 Health (gRPC health service and GET /health) follows the scheduler channel:
 SERVING only while it is READY -- and never again once draining.
 
+Probes and drain (services/common/health_http.py), plain HTTP on the
+metrics port: started = listening; ready = SERVING above (scheduler channel
+READY, not draining); live = the event loop answers. POST /drain (loopback
+only; a preStop hook) runs the drain SIGTERM runs, without exiting, and
+answers when nothing is in flight or at `drain_seconds`; SIGTERM after it
+cuts what is still open at once and stops.
+
 SIGTERM drains (`serve` -> `drain()`, drain.py): not ready at once, serving
 on until the load balancer has noticed and in-flight streams have finished,
 at most `gateway.drain_seconds`; streams still open then are cut without
@@ -30,7 +37,9 @@ from aiohttp import web
 
 from services.common.clock import Clock, SystemClock
 from services.common.config import MeshConfig
+from services.common.config.addresses import join_host_port
 from services.common.grpc_server import HealthReporter, make_server
+from services.common.health_http import Check, DrainReport, OnceDrain, Probes
 from services.common.mesh_tls import add_port, identity_for
 from services.common.proto.kvmesh.v1 import inference_pb2_grpc
 from services.common.service_main import run_until_signalled
@@ -82,7 +91,9 @@ class GatewayService:
         self._health_task: asyncio.Task[None] | None = None
         self._health: HealthReporter | None = None
         self.drain_state = Drain(DrainSettings.from_config(gw), self.metrics)
+        self._drain_once = OnceDrain(self._run_drain)
         self.metrics_port = 0
+        self._up = False
 
     async def start(self, http_port: int | None = None, grpc_port: int | None = None) -> tuple[int, int]:
         """Bind and serve; ports default to the config's (0 = any free port)."""
@@ -106,7 +117,7 @@ class GatewayService:
         inference_pb2_grpc.add_InferenceServicer_to_server(
             InferenceApi(self.frontdoor, driver, self._scheduler, self.metrics), server
         )
-        bound_grpc = add_port(server, f"{gw.host}:{grpc_port}", identity)
+        bound_grpc = add_port(server, join_host_port(gw.host, grpc_port), identity)
         if bound_grpc == 0:
             raise OSError(f"gateway: cannot bind gRPC port {gw.host}:{grpc_port}")
         await server.start()
@@ -119,10 +130,13 @@ class GatewayService:
         bound_http = await self._serve_http(app, gw.host, http_port,
                                             identity.server_ssl_context() if identity else None)
         if gw.metrics_port:
-            self.metrics_port = await self._serve_http(metrics_app(self.metrics), gw.host, gw.metrics_port)
+            probes = Probes(started=self._started, ready=self._ready)
+            self.metrics_port = await self._serve_http(
+                metrics_app(self.metrics, probes, self._drain_once), gw.host, gw.metrics_port)
 
         self._health = health
         self._health_task = asyncio.create_task(self._follow_scheduler(health))
+        self._up = True
         log.info(
             "gateway %d: http %s:%d grpc %s:%d scheduler %s",
             self.replica, gw.host, bound_http, gw.host, bound_grpc, gw.scheduler_address,
@@ -149,6 +163,17 @@ class GatewayService:
         await site.start()
         return sock.getsockname()[1]
 
+    def _started(self) -> Check:
+        return Check(True, "ok", "listening") if self._up else Check(False, "starting", "binding ports")
+
+    def _ready(self) -> Check:
+        if self.drain_state.draining:
+            return Check(False, "draining", "draining: the load balancer takes this gateway out")
+        if self._health is None or not self._health.serving:
+            return Check(False, "no_scheduler",
+                         f"the scheduler channel ({self.config.gateway.scheduler_address}) is not ready")
+        return Check(True, "ok", "serving")
+
     async def _follow_scheduler(self, health: HealthReporter) -> None:
         """SERVING exactly while the scheduler channel is READY."""
         scheduler = self._scheduler
@@ -174,11 +199,23 @@ class GatewayService:
 
     async def drain(self) -> int:
         """The drain (drain.py), while everything keeps serving; returns the
-        requests still in flight at the bound (0 = drained). Nothing to do
-        for a service that never started."""
-        if self._health is None:
-            return 0
-        return await self.drain_state.run(self._not_ready)
+        requests still in flight (0 = drained) once it ended -- at once
+        when it ended before (POST /drain then SIGTERM: one drain). Nothing
+        to do for a service that never started."""
+        await self._drain_once()
+        return self.metrics.active_streams.count
+
+    async def _run_drain(self) -> DrainReport:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        open_streams = await self.drain_state.run(self._not_ready) if self._health is not None else 0
+        details: dict[str, float | int | str] = {"in_flight": open_streams,
+                                                 "seconds": round(loop.time() - began, 3)}
+        if open_streams:
+            return DrainReport(False, f"{open_streams} request(s) still in flight at the drain bound "
+                               f"(gateway.drain_seconds); SIGTERM cuts them and their clients resume "
+                               f"elsewhere", details)
+        return DrainReport(True, "nothing in flight", details)
 
     async def drain_then_stop(self) -> None:
         """SIGTERM: drain, cut what outlived the bound (ends the process), stop."""

@@ -1,5 +1,6 @@
 """The scheduler process: gRPC server (Scheduler + health + reflection),
-housekeeping timers, Prometheus endpoint.
+housekeeping timers, and on its metrics port (plain HTTP) /metrics, the
+probes and /drain (services/common/health_http.py).
 
     service = SchedulerService(config, clock=FakeClock())
     port = await service.start(port=0)
@@ -7,7 +8,10 @@ housekeeping timers, Prometheus endpoint.
     await service.stop()
 
 Health turns SERVING as soon as the gRPC server is up: the scheduler can
-queue requests with zero engines (they register whenever they come).
+queue requests with zero engines (they register whenever they come). The
+probes: started and ready = SERVING (until stop), live = the event loop
+answers. POST /drain has nothing to drain (its state is soft: gateways and
+engines re-attach to the next scheduler) and answers `drained` at once.
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ import contextlib
 import logging
 from typing import Any
 
-from prometheus_client import start_http_server
+from aiohttp import web
+from prometheus_client import generate_latest
 
 from services.common.clock import Clock, SystemClock
 from services.common.config import MeshConfig
+from services.common.config.addresses import join_host_port
 from services.common.grpc_server import make_server
+from services.common.health_http import Check, HttpEndpoint, Probes, add_health_routes, add_metrics_route
 from services.common.mesh_tls import add_port, identity_for
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.service_main import run_until_signalled
@@ -49,8 +56,9 @@ class SchedulerService:
         self._server: Any = None
         self._health: Any = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._metrics_server: Any = None
+        self._metrics_server: HttpEndpoint | None = None
         self.port = 0
+        self.metrics_port = 0
 
     async def start(self, port: int = 0) -> int:
         """Serve on scheduler.host:`port` (0 = any free port); returns the
@@ -58,7 +66,7 @@ class SchedulerService:
         identity = identity_for(self.config, "scheduler")
         server, health = make_server([SERVICE_NAME], identity)
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.servicer, server)
-        address = f"{self.config.scheduler.host}:{port}"
+        address = join_host_port(self.config.scheduler.host, port)
         bound = add_port(server, address, identity)
         if bound == 0:
             raise OSError(f"scheduler: cannot listen on {address}; is the port taken?")
@@ -73,10 +81,21 @@ class SchedulerService:
                 name="sched-queued-updates"),
         ]
         if s.metrics_port:
-            self._metrics_server, _ = start_http_server(
-                s.metrics_port, addr=s.host, registry=self.metrics.registry)
+            await self._serve_metrics(s.host, s.metrics_port)
         log.info("scheduler listening on %s:%d (policy %s)", s.host, bound, s.policy)
         return bound
+
+    async def _serve_metrics(self, host: str, port: int) -> None:
+        app = web.Application()
+        add_metrics_route(app, lambda: generate_latest(self.metrics.registry))
+        add_health_routes(app, Probes(ready=self._serving, started=self._serving), drain=None)
+        self._metrics_server = HttpEndpoint(app)
+        self.metrics_port = await self._metrics_server.start(host, port)
+
+    def _serving(self) -> Check:
+        if self._health is not None and self._health.serving:
+            return Check(True, "ok", "serving")
+        return Check(False, "stopping" if self._server is None else "starting", "not serving")
 
     @staticmethod
     async def _every(seconds: float, action: Any) -> None:
@@ -106,8 +125,7 @@ class SchedulerService:
         await self._server.stop(grace)
         self._server = None
         if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-            self._metrics_server.server_close()
+            await self._metrics_server.stop()
             self._metrics_server = None
 
 

@@ -95,9 +95,20 @@ class EngineConfig:
     backend: Literal["sim", "vllm"] = "sim"
     # Which entry of `models` this engine serves.
     model: str = ""
+    # Address the gRPC, metrics and HTTP servers bind: an IP ("0.0.0.0" or
+    # "::" = every interface, as in a Kubernetes pod) or a local name.
     host: str = "127.0.0.1"
     # Ports here are 0 .. 65535; a gRPC port 0 binds any free port.
     port: int = 50100
+    # The `host:port` the engine announces to the scheduler, which hands it to
+    # gateways to dial: a DNS name, an IPv4 or a bracketed IPv6 address, and
+    # the port others reach the gRPC server on. On Kubernetes the pod's stable
+    # DNS name, `$(POD_NAME).kvmesh-engine.$(POD_NAMESPACE).svc.cluster.local:
+    # 50100` (`kvmesh engine --advertise-address`), never an IP: a
+    # rescheduled pod keeps its name, not its address. Empty = `host` and the
+    # bound port, a wildcard host (0.0.0.0, ::) replaced by this machine's
+    # address (services/engine/scheduler_link.py `advertised_host`).
+    advertise_address: str = ""
     # Prometheus metrics (vLLM-named); 0 = off.
     metrics_port: int = 0
     # OpenAI-compatible HTTP endpoint, so other routers can be measured over

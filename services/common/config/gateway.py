@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["ApiKeyConfig", "GatewayConfig"]
+__all__ = ["ApiKeyConfig", "ApiKeysFile", "GatewayConfig"]
 
 
 @dataclass
@@ -30,6 +30,13 @@ class ApiKeyConfig:
 
 
 @dataclass
+class ApiKeysFile:
+    """The document `gateway.api_keys_file` names."""
+
+    api_keys: list[ApiKeyConfig] = field(default_factory=list)
+
+
+@dataclass
 class GatewayConfig:
     """One gateway replica: its listeners, API keys and per-request limits."""
 
@@ -43,6 +50,14 @@ class GatewayConfig:
     # Off only for local experiments: then every request is tenant "anonymous".
     auth_enabled: bool = True
     api_keys: list[ApiKeyConfig] = field(default_factory=list)
+    # More API keys in a file of their own, read by the gateway when it
+    # starts (services/gateway/keys.py): on Kubernetes the Secret
+    # `kvmesh-api-keys` mounted as a file, so the hashes stay out of the
+    # ConfigMap. A YAML mapping with one key, `api_keys:`, a list of entries
+    # exactly like `api_keys` here (sha256, tenant, ...); the gateway accepts
+    # the keys of both, and a hash listed twice is an error. Relative paths
+    # are relative to the repository root. Empty = no file.
+    api_keys_file: str = ""
     # SSE comment every 15 s: below common 30-60 s proxy idle timeouts, and
     # the figure from the source articles (45 s without one = zombie). > 0
     # (the edge's stream idle timeout must exceed twice this).

@@ -16,13 +16,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from .addresses import split_host_port
 from .engines import EngineConfig
 from .errors import ConfigError
 from .gateway import ApiKeyConfig
 from .mesh import MeshConfig
 from .scheduler import SchedulerConfig
 
-__all__ = ["api_key_digest", "validate_config"]
+__all__ = ["api_key_digest", "check_api_keys", "validate_config"]
 
 # The request priority classes, best first: P0 interactive .. P2 batch.
 _PRIORITY_CLASSES = (0, 1, 2)
@@ -129,6 +130,11 @@ def _check_engine(engine: _Section, config: MeshConfig) -> None:
     if not e.engine_id:
         engine.fail("engine_id", "required")
     engine.ports("port", "metrics_port", "http_port")
+    if e.advertise_address:
+        try:
+            split_host_port(e.advertise_address)
+        except ValueError as exc:
+            engine.fail("advertise_address", str(exc))
     engine.positive("block_size", "total_blocks", "max_running", "weight")
     engine.non_negative("p0_headroom")
     engine.multiple_of("block_size", config.hash_block_tokens, "hash_block_tokens")
@@ -217,9 +223,16 @@ def _check_gateway(gateway: _Section) -> None:
 
 
 def _check_api_keys(gateway: _Section) -> None:
-    seen: set[str] = set()
-    for i, key in enumerate(gateway.settings.api_keys):
-        entry = _Section(f"{gateway.path}.api_keys[{i}]", key)
+    check_api_keys(gateway.settings.api_keys, f"{gateway.path}.api_keys")
+
+
+def check_api_keys(keys: Sequence[ApiKeyConfig], path: str, seen: set[str] | None = None) -> None:
+    """The rules of a list of API keys written at `path`; `seen` holds the
+    digests of keys listed elsewhere (a key file's are checked against the
+    config's), and gets these keys' added."""
+    seen = set() if seen is None else seen
+    for i, key in enumerate(keys):
+        entry = _Section(f"{path}[{i}]", key)
         digest = api_key_digest(key)
         if not _HEX64.fullmatch(digest):
             entry.fail("sha256", f"expected 64 hex digits (kvmesh key hash KEY), got {key.sha256!r}")
