@@ -310,7 +310,7 @@ class Cluster:
 
         if r.proc is None or r.proc.poll() is not None:
             raise PodFailed(f"{r.pod.name} is not running")
-        argv = ["nsenter", "-t", str(r.proc.pid), "-n", "-m", "-u", "-i", "--", *kvmesh_argv(command)]
+        argv = ["nsenter", "-t", str(r.proc.pid), "-n", "-m", "-u", "-i", f"--wd={ROOT}", "--", *kvmesh_argv(command)]
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False, cwd=ROOT,
                               env={**base_env(), **r.container.env})
 

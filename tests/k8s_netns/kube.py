@@ -272,8 +272,8 @@ def base_env() -> dict[str, str]:
     venv first, for `kvmesh`), no proxy, offline Hugging Face."""
     venv_bin = str(Path(sys.executable).parent)
     return {"PATH": f"{venv_bin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            "HOME": "/tmp", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "LANG": os.environ.get("LANG", "C.UTF-8")}
+            "HOME": "/tmp", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1", "LANG": os.environ.get("LANG", "C.UTF-8")}
 
 
 def parse_args_flag(argv: Sequence[str], flag: str) -> str | None:
