@@ -81,6 +81,7 @@ class Cluster:
     made: list[Path] = field(default_factory=list)  # mount points made on this machine
     dns_proc: subprocess.Popen[bytes] | None = None
     links: dict[str, str] = field(default_factory=dict)  # Service-link env of every pod
+    gone: set[str] = field(default_factory=set)  # pods deleted: out of DNS until started again
     # Volume contents: outside /tmp, which pods mount an emptyDir over.
     vol_root: Path = field(default_factory=lambda: ROOT / ".run" / f"k8s-netns-{os.getpid()}")
 
@@ -114,7 +115,8 @@ class Cluster:
         """(address, name) of every cluster DNS name: Services (headless: every
         pod it selects; with a cluster IP: its pods' addresses stand in for the
         virtual IP) and StatefulSet pods under their governing Service."""
-        addr, all_pods = self.addresses, list(self.pods.values())
+        addr = self.addresses
+        all_pods = [p for p in self.pods.values() if p.name not in self.gone]
         records = []
         for s in self.objects.of("Service"):
             name, sel = s["metadata"]["name"], s["spec"].get("selector") or {}
@@ -150,9 +152,9 @@ class Cluster:
             self.dns_proc = host.spawn(
                 ["dnsmasq", "--keep-in-foreground", "--no-resolv", "--no-hosts", "--user=root", "--pid-file=",
                  f"--addn-hosts={self.run_dir / 'cluster-dns.hosts'}", f"--listen-address={host.address}",
-                 "--bind-interfaces", f"--local=/{DOMAIN}/", "--local-ttl=0", "--log-facility=-"], log)
-        self.wait_for(lambda: _can_resolve(self.net.hosts["client"], f"kvmesh-scheduler.{NAMESPACE}.svc.{DOMAIN}"),
-                      20, "the cluster DNS to answer")
+                 "--bind-interfaces", f"--local=/{DOMAIN}/", "--local-ttl=0", "--log-queries", "--log-facility=-"], log)
+        self.wait_for(lambda: bool(self.resolve(f"kvmesh-scheduler.{NAMESPACE}.svc.{DOMAIN}")), 20,
+                      "the cluster DNS to answer")
 
     # ------------------------------------------------------------ policies
 
@@ -212,28 +214,46 @@ class Cluster:
         return r
 
     def _mount_script(self, r: RunningPod) -> str:
-        """sh: hostname, then each volume mounted at its path (parents first)."""
+        """sh: hostname, each volume mounted at its path (parents first; read-only
+        where the mount says so), the root filesystem read-only if the container
+        asks, then the command as the container's user."""
+        c = r.container
         lines = ["set -e", f"hostname {shlex.quote(r.pod.name)}"]
         folder = self.vol_root / r.pod.name
-        for i, vol in enumerate(sorted(r.container.volumes, key=lambda v: v.path.count("/"))):
-            src = self._volume_source(vol, folder / f"vol{i}")
+        for i, vol in enumerate(sorted(c.volumes, key=lambda v: v.path.count("/"))):
+            src = self._volume_source(vol, folder / f"vol{i}", c.fs_group)
+            dst = shlex.quote(vol.path)
             self._mount_point(Path(vol.path), is_file=bool(vol.sub_path))
-            if vol.memory:
-                lines.append(f"mount -t tmpfs tmpfs {shlex.quote(vol.path)}")
-            else:
-                lines.append(f"mount --bind {shlex.quote(str(src))} {shlex.quote(vol.path)}")
-        lines.append('exec "$@"')
+            lines.append(f"mount -t tmpfs -o mode=1777 tmpfs {dst}" if vol.memory
+                         else f"mount --bind {shlex.quote(str(src))} {dst}")
+            if vol.read_only:
+                lines.append(f"mount -o remount,bind,ro {dst}")
+        if c.read_only_root:
+            lines.append("mount -o remount,bind,ro /")
+        lines.append(f'exec {self._as_user(c)} "$@"')
         return "\n".join(lines)
 
-    def _volume_source(self, vol: Volume, folder: Path) -> Path:
+    @staticmethod
+    def _as_user(c: Container) -> str:
+        """setpriv to the container's runAsUser/runAsGroup (+ fsGroup), or nothing (root)."""
+        if c.user is None:
+            return ""
+        group = c.group if c.group is not None else c.user
+        extra = f" --groups {c.fs_group}" if c.fs_group is not None else " --clear-groups"
+        return f"setpriv --reuid {c.user} --regid {group}{extra} --"
+
+    def _volume_source(self, vol: Volume, folder: Path, fs_group: int | None) -> Path:
         if vol.host_dir is not None:
             return vol.host_dir / vol.sub_path if vol.sub_path else vol.host_dir
         folder.mkdir(parents=True, exist_ok=True)
+        folder.chmod(0o777 if vol.files is None else 0o755)  # an emptyDir is world-writable
         for rel, data in (vol.files or {}).items():
             path = folder / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
             path.chmod(vol.mode)
+            if fs_group is not None:  # kubelet: volume files owned by the fsGroup
+                os.chown(path, 0, fs_group)
         if vol.sub_path:
             if not (folder / vol.sub_path).exists():
                 raise RuntimeError(f"subPath {vol.sub_path} not in the volume for {vol.path}")
@@ -310,26 +330,45 @@ class Cluster:
 
         if r.proc is None or r.proc.poll() is not None:
             raise PodFailed(f"{r.pod.name} is not running")
-        argv = ["nsenter", "-t", str(r.proc.pid), "-n", "-m", "-u", "-i", f"--wd={ROOT}", "--", *kvmesh_argv(command)]
+        argv = ["nsenter", "-t", str(r.proc.pid), "-n", "-m", "-u", "-i", f"--wd={ROOT}", "--",
+                *shlex.split(self._as_user(r.container)), *kvmesh_argv(command)]
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False, cwd=ROOT,
                               env={**base_env(), **r.container.env})
 
     # ------------------------------------------------------------ reschedule
 
     def reschedule(self, pod_name: str, new_host: str) -> RunningPod:
-        """The pod's process killed (SIGKILL, its host's address gone), then the
-        same pod started on a new host with a new address: DNS and every
-        host's policies follow it."""
+        """The pod deleted (`kubectl delete pod --force`): its DNS names removed
+        (the endpoints controller acts on the deletion), its process killed
+        (SIGKILL), its address gone (the host's port down: silence, as for an
+        IP no node has any more); then the same pod started on a new host with
+        a new address, its DNS names back (pointing there) and every host's
+        policies following it, as the endpoints controller and the CNI would."""
         old = self.running[pod_name]
+        fqdn = f"{pod_name}.{self.pods[pod_name].spec.get('subdomain') or self._service_of(old.pod)}"
+        self.gone.add(pod_name)
+        self.write_dns()
+        self.wait_for(lambda: self.resolve(fqdn) == [], 10, f"{fqdn} out of DNS")
         self.kill(old)
         self.net.cut(old.host.name)
         self.net.add_host(new_host)
         self.hosts_of[pod_name] = new_host
         r = self._prepare_pod(old.pod)
+        self.gone.discard(pod_name)
         self.write_dns()
+        self.wait_for(lambda: self.resolve(fqdn) == [r.ip], 10, f"{fqdn} at {r.ip} in DNS")
         self.apply_policies()
         self.spawn(r)
         return r
+
+    def _service_of(self, pod: Pod) -> str:
+        """The governing Service of a StatefulSet pod."""
+        return str(self.objects.get("StatefulSet", pod.workload)["spec"]["serviceName"])
+
+    def resolve(self, name: str, host: str = "client") -> list[str]:
+        """IPv4 addresses `name` resolves to on `host` (its resolv.conf: the cluster DNS)."""
+        out = self.net.hosts[host].run("getent", "ahostsv4", name, timeout=10)
+        return sorted({line.split()[0] for line in out.stdout.splitlines() if line.strip()})
 
     @staticmethod
     def kill(r: RunningPod, sig: int = 9) -> None:
@@ -387,8 +426,3 @@ def connect(address: str, port: int, timeout: float) -> str:
         except (TimeoutError, OSError) as exc:
             return "timeout" if isinstance(exc, TimeoutError) else f"error {exc}"
         return "connected"
-
-
-def _can_resolve(host: Host, name: str) -> bool:
-    out = host.run("getent", "ahostsv4", name, timeout=10)
-    return out.returncode == 0 and bool(out.stdout.strip())

@@ -131,6 +131,7 @@ class Volume:
     memory: bool = False  # emptyDir medium Memory -> tmpfs
     sub_path: str = ""
     mode: int = 0o644
+    read_only: bool = False
 
 
 @dataclass
@@ -142,6 +143,11 @@ class Container:
     volumes: list[Volume]
     probes: dict[str, dict[str, Any]]
     pre_stop: list[str] | None
+    # securityContext: runAsUser/runAsGroup/fsGroup (None = root), readOnlyRootFilesystem.
+    user: int | None = None
+    group: int | None = None
+    fs_group: int | None = None
+    read_only_root: bool = False
 
 
 @dataclass
@@ -165,8 +171,12 @@ class Pod:
         ports = {p.get("name", str(p["containerPort"])): int(p["containerPort"]) for p in c.get("ports") or []}
         probes = {k: c[k] for k in ("startupProbe", "readinessProbe", "livenessProbe") if k in c}
         pre = ((c.get("lifecycle") or {}).get("preStop") or {}).get("exec", {}).get("command")
+        pod_sc, sc = self.spec.get("securityContext") or {}, c.get("securityContext") or {}
         return Container(c["name"], kvmesh_argv([*command, *args]), env, ports,
-                         self._volumes(objects, c), probes, list(pre) if pre else None)
+                         self._volumes(objects, c), probes, list(pre) if pre else None,
+                         user=sc.get("runAsUser", pod_sc.get("runAsUser")),
+                         group=sc.get("runAsGroup", pod_sc.get("runAsGroup")),
+                         fs_group=pod_sc.get("fsGroup"), read_only_root=bool(sc.get("readOnlyRootFilesystem")))
 
     def _env(self, objects: Objects, c: dict[str, Any], ip: str, base: dict[str, str]) -> dict[str, str]:
         fields = {"metadata.name": self.name, "metadata.namespace": NAMESPACE, "status.podIP": ip,
@@ -196,7 +206,7 @@ class Pod:
         out = []
         for m in c.get("volumeMounts") or ():
             v = defs[m["name"]]
-            vol = Volume(m["mountPath"], sub_path=m.get("subPath", ""))
+            vol = Volume(m["mountPath"], sub_path=m.get("subPath", ""), read_only=bool(m.get("readOnly")))
             if "configMap" in v or "secret" in v:
                 src = v.get("configMap") or v["secret"]
                 data = (objects.config_map(src["name"]) if "configMap" in v

@@ -253,22 +253,27 @@ def test_rescheduled_engine_serves_again_and_no_stream_is_lost(kube: Cluster) ->
 
     def reschedule(streams: list[Stream]) -> None:
         old = kube.running[_engine_name(1)]
-        t0 = time.monotonic()
         new = kube.reschedule(_engine_name(1), "engine1b")
-        moved.update(old=old.ip, new=new.ip, serving=kube.wait_started(new, RESCHEDULE_BOUND_SECONDS * 4),
-                     pod=new, at=t0)
+        moved.update(old=old.ip, new=new.ip, pod=new, ready=kube.wait_started(new, RESCHEDULE_BOUND_SECONDS * 4))
 
     streams = [Stream(p, TOKENS, model=_model(kube)) for p in prompts]
     _streams(kube, streams, during=reschedule)
     _assert_ok(streams, expected)
-    assert moved["new"] != moved["old"]
-    assert moved["serving"] < RESCHEDULE_BOUND_SECONDS, f"serving again only after {moved['serving']:.1f} s"
-    # Placed on: with the other engines busy, new requests land on the moved pod too.
     new: RunningPod = moved["pod"]
-    before = _served(kube, new)
-    _assert_ok(_complete(kube, _prompts("after", 3 * STREAMS), 64))
-    served = {n: _served(kube, r) for n, r in kube.running.items() if r.pod.component == "engine"}
-    assert _served(kube, new) > before, f"the rescheduled engine got no request: {served}"
+    assert moved["new"] != moved["old"]
+    assert moved["ready"] < RESCHEDULE_BOUND_SECONDS, f"ready again only {moved['ready']:.1f} s after its start"
+    # Placed on and served: short requests (cold prefixes go to the least
+    # loaded engine) until one runs on the moved pod, within the bound.
+    before, batch = _served(kube, new), 0
+    while _served(kube, new) <= before:
+        waited = time.monotonic() - new.started_at
+        served = {n: _served(kube, r) for n, r in kube.running.items() if r.pod.component == "engine"}
+        assert waited < RESCHEDULE_BOUND_SECONDS, (
+            f"the rescheduled engine served nothing {waited:.1f} s after its start (prompt tokens {served})")
+        _assert_ok(_complete(kube, _prompts(f"after {batch}", STREAMS), 16))
+        batch += 1
+    print(f"rescheduled {new.pod.name} {moved['old']} -> {moved['new']}: ready {moved['ready']:.1f} s, "
+          f"serving {time.monotonic() - new.started_at:.1f} s after its start")
 
 
 def test_prestop_drains_then_sigterm_ends_the_engine_fast(kube: Cluster) -> None:
