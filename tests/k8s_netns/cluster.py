@@ -13,7 +13,8 @@ container's namespaces (`nsenter`, like `kubectl exec`). NetworkPolicies:
 nftables in each pod host (policy.py), applied before anything starts.
 
 Mount points missing on this machine (/etc/kvmesh, /models, ...) are made
-as empty folders/files before the first pod starts and removed on close.
+as empty folders/files before the first pod starts and removed on close;
+a crashed run's are removed by the next run (`clean_stale`).
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ from tests.netns.harness import Host, NetnsHarness
 from .kube import ROOT, Container, Objects, Pod, Volume, base_env, pods, resolve_port, selects, service_env
 from .policy import nft_ruleset
 
-__all__ = ["Cluster", "PodFailed", "RunningPod"]
+__all__ = ["Cluster", "PodFailed", "RunningPod", "clean_stale"]
 
 DOMAIN = "cluster.local"
 NAMESPACE = "kvmesh"
 SEARCH = f"{NAMESPACE}.svc.{DOMAIN} svc.{DOMAIN} {DOMAIN}"
 START_TIMEOUT = 90.0
+VOL_PREFIX = "k8s-netns-"
+MADE = "mount-points-made"
 
 
 class PodFailed(RuntimeError):
@@ -83,7 +86,7 @@ class Cluster:
     links: dict[str, str] = field(default_factory=dict)  # Service-link env of every pod
     gone: set[str] = field(default_factory=set)  # pods deleted: out of DNS until started again
     # Volume contents: outside /tmp, which pods mount an emptyDir over.
-    vol_root: Path = field(default_factory=lambda: ROOT / ".run" / f"k8s-netns-{os.getpid()}")
+    vol_root: Path = field(default_factory=lambda: ROOT / ".run" / f"{VOL_PREFIX}{os.getpid()}")
 
     # ------------------------------------------------------------ layout
 
@@ -265,7 +268,10 @@ class Cluster:
         if path.exists():
             return
         missing = [p for p in [path, *path.parents] if not p.exists()]
+        self.vol_root.mkdir(parents=True, exist_ok=True)
         for p in reversed(missing):
+            with (self.vol_root / MADE).open("a") as record:  # for clean_stale, should this run crash
+                record.write(f"{p}\n")
             if p == path and is_file:
                 p.touch()
             else:
@@ -398,13 +404,49 @@ class Cluster:
             time.sleep(poll)
 
     def close(self) -> None:
-        """Remove the mount points made on this machine (the harness stops the
-        processes and removes namespaces, /etc/netns files and nft tables)."""
-        for p in reversed(self.made):
-            with contextlib.suppress(OSError):
-                p.unlink() if p.is_file() else p.rmdir()
-        self.made.clear()
+        """After the harness's teardown (processes, namespaces, /etc/netns
+        files, nft tables): remove the mount points made on this machine and
+        the volume folders."""
+        _remove_made(list(self.made))
         shutil.rmtree(self.vol_root, ignore_errors=True)
+
+    def leftovers(self) -> list[str]:
+        """What of this run is still on this machine's filesystem (after close: nothing)."""
+        return [str(p) for p in [*self.made, self.vol_root] if p.exists() or p.is_symlink()]
+
+
+def _remove_made(paths: list[Path]) -> None:
+    """Remove mount points this module made (empty folders, empty files), deepest first."""
+    for p in reversed(paths):
+        with contextlib.suppress(OSError):
+            if p.is_dir():
+                p.rmdir()
+            elif p.is_file() and p.stat().st_size == 0:
+                p.unlink()
+
+
+def clean_stale() -> list[str]:
+    """Mount points and volume folders of runs whose process is gone (crashed
+    or killed before its teardown): removed; what was."""
+    removed = []
+    for folder in (ROOT / ".run").glob(f"{VOL_PREFIX}*"):
+        pid = folder.name.removeprefix(VOL_PREFIX)
+        if pid.isdigit() and not _alive(int(pid)):
+            made = folder / MADE
+            _remove_made([Path(line) for line in made.read_text().splitlines()] if made.exists() else [])
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(str(folder))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def http_get(url: str, timeout: float) -> tuple[int, str]:

@@ -38,7 +38,7 @@ from tests.netns.client import Stream, run_on, run_streams, wait_until
 from tests.netns.harness import NetnsHarness, netns_unavailable
 from tests.netns.mesh import metric
 
-from .cluster import Cluster, RunningPod, connect
+from .cluster import Cluster, RunningPod, clean_stale, connect
 from .kube import ROOT, Objects, render
 
 pytestmark = pytest.mark.timeout(240)
@@ -81,6 +81,7 @@ def _secrets(out: Path) -> dict[str, dict[str, bytes]]:
 def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if reason := _unavailable():
         pytest.skip(reason)
+    clean_stale()
     run_dir = tmp_path_factory.mktemp("k8s")
     objects = Objects(render(OVERLAY), _secrets(run_dir / "secrets"))
     plan = Cluster.plan(objects)
@@ -96,7 +97,7 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     finally:
         if cluster is not None:
             cluster.close()
-    assert not any(p.exists() for p in cluster.made) if cluster else True
+    assert cluster is not None and cluster.leftovers() == [], f"teardown left {cluster.leftovers()}"
 
 
 # ---------------------------------------------------------------- helpers
@@ -182,6 +183,25 @@ def _assert_ok(streams: list[Stream], expected: list[str] | None = None) -> None
 
 
 # ---------------------------------------------------------------- tests
+
+
+def test_each_container_runs_as_its_manifest_says(kube: Cluster) -> None:
+    """User, read-only root, volumes at their mount paths, hostname = pod name."""
+    for r in kube.running.values():
+        assert r.proc is not None and r.proc.poll() is None, r.pod.name
+        status = Path(f"/proc/{r.proc.pid}/status").read_text()
+        uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+        assert uid == (r.container.user or 0), (r.pod.name, uid)
+        mounts = {}
+        for line in Path(f"/proc/{r.proc.pid}/mountinfo").read_text().splitlines():
+            fields = line.split()
+            mounts[fields[4]] = fields[5].split(",")  # mount point -> per-mount options (last one wins)
+        if r.container.read_only_root:
+            assert "ro" in mounts["/"], (r.pod.name, mounts["/"])
+        for vol in r.container.volumes:
+            assert vol.path in mounts, (r.pod.name, vol.path)
+            assert ("ro" in mounts[vol.path]) == vol.read_only, (r.pod.name, vol.path, mounts[vol.path])
+        assert kube.exec(r, ["hostname"], timeout=10).stdout.strip() == r.pod.name
 
 
 def test_every_probe_answers_as_the_manifest_expects(kube: Cluster) -> None:
@@ -284,6 +304,8 @@ def test_prestop_drains_then_sigterm_ends_the_engine_fast(kube: Cluster) -> None
     hook: dict[str, Any] = {}
 
     def drain(streams: list[Stream]) -> None:
+        text = _engine_metrics(kube, r)
+        hook["held"] = metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting")
         t0 = time.monotonic()
         done = kube.exec(r, r.container.pre_stop or [], timeout=r.pod.grace_seconds)
         hook.update(rc=done.returncode, out=done.stdout + done.stderr, seconds=time.monotonic() - t0)
@@ -296,6 +318,9 @@ def test_prestop_drains_then_sigterm_ends_the_engine_fast(kube: Cluster) -> None
 
     streams = [Stream(p, TOKENS, model=_model(kube)) for p in prompts]
     _streams(kube, streams, during=drain)
+    print(f"preStop of {r.pod.name}: returned after {hook['seconds']:.1f} s, exit {hook['exit_seconds']:.1f} s "
+          f"after SIGTERM")
+    assert hook["held"] > 0, f"{r.pod.name} held no stream when preStop ran"
     assert hook["rc"] == 0, hook["out"]
     assert not hook["ready"], "still ready after preStop's drain"
     assert hook["exit_seconds"] < 5, f"SIGTERM after the drain took {hook['exit_seconds']:.1f} s"
