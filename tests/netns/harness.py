@@ -6,6 +6,8 @@ loopback never shows -- a host dropping off the network without a TCP reset.
         net.hosts["sched"].spawn([...], log)     # a process on that host
         net.cut("eng0")                          # silent partition: no RST, no FIN
         net.heal("eng0")
+        net.add_host("eng0b")                    # one more host, a new address
+        net.hosts["eng0b"].write_etc("resolv.conf", "nameserver ...\n")  # its /etc/resolv.conf
 
 Layout: the switch namespace holds bridge `br0`; each host namespace holds
 `eth0` (its address, a /24) whose veth peer `p-<host>` is a port of `br0`,
@@ -26,8 +28,9 @@ Safety rules, each enforced here and tested (tests/netns/test_netns_safety.py):
       before anything starts;
   (d) everything is torn down when the `with` block ends, also on failure
       or KeyboardInterrupt: processes (SIGTERM, then SIGKILL, each bounded),
-      anything left running in the namespaces, the namespaces (their veths
-      and the bridge go with them), the route. A crashed earlier run's
+      anything left running in the namespaces, the namespaces (their veths,
+      the bridge and any nftables tables go with them), their /etc/netns
+      files (`Host.write_etc`), the route. A crashed earlier run's
       leftovers (namespaces and routes named for a process that no longer
       exists) are removed before a new run starts.
 
