@@ -343,19 +343,23 @@ class Cluster:
 
     # ------------------------------------------------------------ reschedule
 
-    def reschedule(self, pod_name: str, new_host: str) -> RunningPod:
+    def reschedule(self, pod_name: str, new_host: str, lost: bool = False) -> RunningPod:
         """The pod deleted (`kubectl delete pod --force`): its DNS names removed
         (the endpoints controller acts on the deletion), its process killed
         (SIGKILL), its address gone (the host's port down: silence, as for an
         IP no node has any more); then the same pod started on a new host with
         a new address, its DNS names back (pointing there) and every host's
-        policies following it, as the endpoints controller and the CNI would."""
+        policies following it, as the endpoints controller and the CNI would.
+        `lost`: the pod's node dropped off the network instead (its process
+        runs on, unreachable, as on a partitioned node whose pod an operator
+        force-deleted so that the StatefulSet makes it again elsewhere)."""
         old = self.running[pod_name]
         fqdn = f"{pod_name}.{self.pods[pod_name].spec.get('subdomain') or self._service_of(old.pod)}"
         self.gone.add(pod_name)
         self.write_dns()
         self.wait_for(lambda: self.resolve(fqdn) == [], 10, f"{fqdn} out of DNS")
-        self.kill(old)
+        if not lost:
+            self.kill(old)
         self.net.cut(old.host.name)
         self.net.add_host(new_host)
         self.hosts_of[pod_name] = new_host

@@ -49,6 +49,10 @@ API_KEY = "kvm15-netns-test-key"
 # (startup + readiness probes pass, registered): a Python service's imports
 # and the sim's warm-up take ~3 s on an idle 2-core machine; x5 for a loaded CI.
 RESCHEDULE_BOUND_SECONDS = 15.0
+# A replacement for an engine on a lost node registers at once (ident's
+# incarnations), not after the lost one's keepalive (5 + 5 s in dev-cpu's
+# config): ready within ~1 s idle; 6 s leaves room and still tells the two.
+LOST_BOUND_SECONDS = 6.0
 STREAMS = 12
 TOKENS = 400
 
@@ -294,6 +298,28 @@ def test_rescheduled_engine_serves_again_and_no_stream_is_lost(kube: Cluster) ->
         batch += 1
     print(f"rescheduled {new.pod.name} {moved['old']} -> {moved['new']}: ready {moved['ready']:.1f} s, "
           f"serving {time.monotonic() - new.started_at:.1f} s after its start")
+
+
+def test_engine_of_a_lost_node_rejoins_at_once(kube: Cluster) -> None:
+    """Its node drops off the network with the engine running (silence, no
+    FIN): the same pod started elsewhere registers at once -- the scheduler
+    does not refuse the id until the lost process's keepalive expires
+    (incarnations, helper "ident") -- and the lost engine's streams complete
+    elsewhere, text unchanged."""
+    prompts = _prompts("lost", STREAMS)
+    expected = [s.text for s in _complete(kube, prompts, TOKENS)]
+    moved: dict[str, Any] = {}
+
+    def lose(streams: list[Stream]) -> None:
+        new = kube.reschedule(_engine_name(0), "engine0b", lost=True)
+        moved.update(pod=new, ready=kube.wait_started(new, RESCHEDULE_BOUND_SECONDS * 4))
+
+    streams = [Stream(p, TOKENS, model=_model(kube)) for p in prompts]
+    _streams(kube, streams, during=lose)
+    _assert_ok(streams, expected)
+    print(f"{_engine_name(0)} of a lost node: ready {moved['ready']:.1f} s after its start elsewhere")
+    assert moved["ready"] < LOST_BOUND_SECONDS, (
+        f"the replacement of a lost engine was ready only {moved['ready']:.1f} s after its start")
 
 
 def test_prestop_drains_then_sigterm_ends_the_engine_fast(kube: Cluster) -> None:
