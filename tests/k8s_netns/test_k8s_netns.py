@@ -49,9 +49,9 @@ API_KEY = "kvm15-netns-test-key"
 # (startup + readiness probes pass, registered): a Python service's imports
 # and the sim's warm-up take ~3 s on an idle 2-core machine; x5 for a loaded CI.
 RESCHEDULE_BOUND_SECONDS = 15.0
-# A replacement for an engine on a lost node registers at once (ident's
-# incarnations), not after the lost one's keepalive (5 + 5 s in dev-cpu's
-# config): ready within ~1 s idle; 6 s leaves room and still tells the two.
+# A replacement for an engine on a lost node is ready (registered) at once,
+# not after the lost one's keepalive (5 + 5 s): ~1 s here, idle; 6 s leaves
+# room on a loaded CI and stays below the keepalive bound.
 LOST_BOUND_SECONDS = 6.0
 STREAMS = 12
 TOKENS = 400
@@ -288,38 +288,59 @@ def test_rescheduled_engine_serves_again_and_no_stream_is_lost(kube: Cluster) ->
     assert moved["ready"] < RESCHEDULE_BOUND_SECONDS, f"ready again only {moved['ready']:.1f} s after its start"
     # Placed on and served: short requests (cold prefixes go to the least
     # loaded engine) until one runs on the moved pod, within the bound.
-    before, batch = _served(kube, new), 0
-    while _served(kube, new) <= before:
-        waited = time.monotonic() - new.started_at
-        served = {n: _served(kube, r) for n, r in kube.running.items() if r.pod.component == "engine"}
-        assert waited < RESCHEDULE_BOUND_SECONDS, (
-            f"the rescheduled engine served nothing {waited:.1f} s after its start (prompt tokens {served})")
-        _assert_ok(_complete(kube, _prompts(f"after {batch}", STREAMS), 16))
-        batch += 1
+    _wait_served(kube, new, new.started_at, RESCHEDULE_BOUND_SECONDS, "after")
     print(f"rescheduled {new.pod.name} {moved['old']} -> {moved['new']}: ready {moved['ready']:.1f} s, "
           f"serving {time.monotonic() - new.started_at:.1f} s after its start")
 
 
+def _keepalive_bound(kube: Cluster) -> float:
+    """Seconds after which a silent peer's gRPC stream is given up (the
+    ConfigMap's `network`, else the code's defaults)."""
+    cm = next(c for c in kube.objects.of("ConfigMap") if "kvmesh.yaml" in (c.get("data") or {}))
+    network = yaml.safe_load(cm["data"]["kvmesh.yaml"]).get("network") or {}
+    return float(network.get("keepalive_time_seconds", 5.0)) + float(network.get("keepalive_timeout_seconds", 5.0))
+
+
+def _wait_served(kube: Cluster, r: RunningPod, since: float, bound: float, tag: str) -> float:
+    """Short requests until one runs on pod `r`; seconds from `since`, < bound."""
+    before, batch = _served(kube, r), 0
+    while _served(kube, r) <= before:
+        waited = time.monotonic() - since
+        served = {n: _served(kube, e) for n, e in kube.running.items() if e.pod.component == "engine"}
+        assert waited < bound, f"{r.pod.name} served nothing {waited:.1f} s on (prompt tokens {served})"
+        _assert_ok(_complete(kube, _prompts(f"{tag} {batch}", STREAMS), 16))
+        batch += 1
+    return time.monotonic() - since
+
+
 def test_engine_of_a_lost_node_rejoins_at_once(kube: Cluster) -> None:
     """Its node drops off the network with the engine running (silence, no
-    FIN): the same pod started elsewhere registers at once -- the scheduler
-    does not refuse the id until the lost process's keepalive expires
-    (incarnations, helper "ident") -- and the lost engine's streams complete
-    elsewhere, text unchanged."""
+    FIN): the same pod started elsewhere is ready at once, its streams
+    complete elsewhere with the text unchanged, and once the lost process's
+    keepalive has expired the new one is still registered and placed on (the
+    lost one's end must not end the new one's registration: incarnations,
+    helper "ident")."""
     prompts = _prompts("lost", STREAMS)
     expected = [s.text for s in _complete(kube, prompts, TOKENS)]
     moved: dict[str, Any] = {}
 
     def lose(streams: list[Stream]) -> None:
+        moved["cut"] = time.monotonic()
         new = kube.reschedule(_engine_name(0), "engine0b", lost=True)
         moved.update(pod=new, ready=kube.wait_started(new, RESCHEDULE_BOUND_SECONDS * 4))
 
     streams = [Stream(p, TOKENS, model=_model(kube)) for p in prompts]
     _streams(kube, streams, during=lose)
     _assert_ok(streams, expected)
-    print(f"{_engine_name(0)} of a lost node: ready {moved['ready']:.1f} s after its start elsewhere")
+    new: RunningPod = moved["pod"]
     assert moved["ready"] < LOST_BOUND_SECONDS, (
         f"the replacement of a lost engine was ready only {moved['ready']:.1f} s after its start")
+    # The lost process's registration ends (its keepalive expires) -- a protocol timer, so a timed wait.
+    time.sleep(max(0.0, moved["cut"] + _keepalive_bound(kube) + 2 - time.monotonic()))
+    assert kube.probe(new, new.container.probes["readinessProbe"]), "not ready after the lost one's keepalive"
+    serving = _wait_served(kube, new, time.monotonic(), RESCHEDULE_BOUND_SECONDS, "after lost")
+    print(f"{new.pod.name} of a lost node: ready {moved['ready']:.1f} s after its start elsewhere; "
+          f"placed on {serving:.1f} s after the lost one's keepalive")
 
 
 def test_prestop_drains_then_sigterm_ends_the_engine_fast(kube: Cluster) -> None:
