@@ -5,9 +5,10 @@
 #                    key (ca.pem, <role>.pem, <role>-key.pem; never ca-key.pem),
 #                    from the development mesh CA `kvmesh up --mesh-tls` uses
 #                    (services/tools/devcerts.py --mesh; kept while valid).
-#   kvmesh-api-keys  api-keys.yaml: the gateway's API key entries (SHA-256
-#                    only) for the key in $KVMESH_API_KEY, else a generated
-#                    one printed once and kept in <out>/api-key.
+#   kvmesh-api-keys  api-keys.yaml: the gateway's API key file (SHA-256 only;
+#                    gateway.api_keys_file, mounted at /etc/kvmesh/api-keys)
+#                    for the key in $KVMESH_API_KEY, else a generated one
+#                    printed once and kept in <out>/api-key.
 #
 #   scripts/k8s_secrets.sh [--out DIR] [--namespace NS] [--apply]
 #
@@ -59,9 +60,11 @@ fi
 digest="$(printf '%s' "$key" | "$PY" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
 KEYS="$OUT/api-keys.yaml"
 (umask 077 && cat > "$KEYS" <<YAML
-# gateway.api_keys entries (services/common/config/gateway.py ApiKeyConfig).
-- sha256: $digest
-  tenant: default
+# The gateway's gateway.api_keys_file (services/gateway/keys.py): entries
+# like gateway.api_keys (services/common/config/gateway.py ApiKeyConfig).
+api_keys:
+  - sha256: $digest
+    tenant: default
 YAML
 )
 

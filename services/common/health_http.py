@@ -28,6 +28,7 @@ import asyncio
 import ipaddress
 import json
 import logging
+import socket
 import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable, Mapping
@@ -47,6 +48,7 @@ __all__ = [
     "add_health_routes",
     "add_metrics_route",
     "is_loopback",
+    "listening_socket",
     "request_drain",
 ]
 
@@ -170,6 +172,29 @@ def add_metrics_route(app: web.Application, render: Callable[[], bytes]) -> None
     app.router.add_get("/metrics", handle)
 
 
+def listening_socket(host: str, port: int, backlog: int = 128, send_buffer: int = 0) -> socket.socket:
+    """A TCP socket listening on host:port (`send_buffer` > 0: SO_SNDBUF,
+    which accepted connections inherit). An IPv6 host ("::") also takes
+    IPv4 peers (dual stack, IPV6_V6ONLY off; asyncio's own servers turn it
+    on): a pod binding "::" answers the kubelet and `kvmesh drain` on
+    127.0.0.1 too."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        if send_buffer:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+        sock.bind((host.strip("[]"), port))
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class HttpEndpoint:
     """One aiohttp app on host:port in the running event loop."""
 
@@ -180,11 +205,12 @@ class HttpEndpoint:
 
     async def start(self, host: str, port: int) -> int:
         """Bind (port 0 = any free port); returns the bound port."""
+        sock = listening_socket(host, port)
         runner = web.AppRunner(self._app, access_log=None)
         await runner.setup()
         self._runner = runner
-        await web.TCPSite(runner, host, port).start()
-        self.port = runner.addresses[0][1] if runner.addresses else port
+        await web.SockSite(runner, sock).start()
+        self.port = sock.getsockname()[1]
         return self.port
 
     async def stop(self) -> None:

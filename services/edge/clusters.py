@@ -45,11 +45,10 @@ def cluster(topology: Topology, name: str, grpc: bool) -> dict[str, Any]:
     else:
         protocol = {"http_protocol_options": {}}
     tls = {"transport_socket": _upstream_tls_socket(topology, grpc)} if topology.upstream_tls.enabled else {}
-    static = all(_is_ip(gw.host) for gw in gateways)
+    discovery = {"type": "STATIC"} if all(_is_ip(gw.host) for gw in gateways) else _dns(topology)
     return {
         "name": name,
-        "type": "STATIC" if static else "STRICT_DNS",
-        **({} if static else _dns(topology)),
+        **discovery,
         "connect_timeout": seconds(topology.timeouts.connect_seconds),
         # Streams are long and uneven: send each new one to the least busy replica.
         "lb_policy": "LEAST_REQUEST",
@@ -76,15 +75,27 @@ def cluster(topology: Topology, name: str, grpc: bool) -> dict[str, Any]:
 
 
 def _dns(topology: Topology) -> dict[str, Any]:
-    """STRICT_DNS resolution: every address of each name is a gateway (a
-    headless Service's name gives every ready pod), re-resolved regularly."""
+    """Strict DNS resolution (the DNS cluster extension; Cluster's own
+    STRICT_DNS fields are deprecated): every address of each name is a
+    gateway of its own, health-checked alone (a headless Service's name gives
+    every ready pod), re-resolved regularly."""
     dns = topology.dns
     return {
-        "dns_refresh_rate": seconds(dns.refresh_seconds),
-        "dns_failure_refresh_rate": {"base_interval": seconds(dns.failure_refresh_seconds),
-                                     "max_interval": seconds(max(dns.failure_refresh_seconds, dns.refresh_seconds))},
-        "respect_dns_ttl": dns.respect_ttl,
-        "dns_lookup_family": dns.lookup_family,
+        "cluster_type": {
+            "name": "envoy.clusters.dns",
+            "typed_config": {
+                TYPE: "type.googleapis.com/envoy.extensions.clusters.dns.v3.DnsCluster",
+                "dns_refresh_rate": seconds(dns.refresh_seconds),
+                "dns_failure_refresh_rate": {
+                    "base_interval": seconds(dns.failure_refresh_seconds),
+                    "max_interval": seconds(max(dns.failure_refresh_seconds, dns.refresh_seconds)),
+                },
+                "respect_dns_ttl": dns.respect_ttl,
+                "dns_lookup_family": dns.lookup_family,
+                # One host per address (strict DNS), not one for them all.
+                "all_addresses_in_single_endpoint": False,
+            },
+        }
     }
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import ssl
 
 import grpc
@@ -39,7 +38,7 @@ from services.common.clock import Clock, SystemClock
 from services.common.config import MeshConfig
 from services.common.config.addresses import join_host_port
 from services.common.grpc_server import HealthReporter, make_server
-from services.common.health_http import Check, DrainReport, OnceDrain, Probes
+from services.common.health_http import Check, DrainReport, OnceDrain, Probes, listening_socket
 from services.common.mesh_tls import add_port, identity_for
 from services.common.proto.kvmesh.v1 import inference_pb2_grpc
 from services.common.service_main import run_until_signalled
@@ -153,12 +152,8 @@ class GatewayService:
         )
         await runner.setup()
         self._runners.append(runner)
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
-        sock.bind((host, port))
-        sock.listen(LISTEN_BACKLOG)
-        sock.setblocking(False)
+        # "::" takes IPv4 peers too.
+        sock = listening_socket(host, port, LISTEN_BACKLOG, send_buffer=SEND_BUFFER_BYTES)
         site = web.SockSite(runner, sock, backlog=LISTEN_BACKLOG, ssl_context=ssl_context)
         await site.start()
         return sock.getsockname()[1]

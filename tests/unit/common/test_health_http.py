@@ -6,6 +6,7 @@ from loopback peers, one drain however often it is asked for, and the
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 from unittest import mock
 
@@ -176,3 +177,56 @@ async def test_the_client_fails_on_a_timed_out_drain_and_on_nothing_listening(
     await with_nothing.stop()
     drained, message = await asyncio.to_thread(request_drain, "127.0.0.1", free, 5.0)
     assert not drained and "127.0.0.1" in message
+
+
+def _non_loopback_address() -> str | None:
+    """This machine's address on a real interface, None when it has none."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("192.0.2.1", 9))  # no packet is sent: picks the outgoing address
+            address: str = sock.getsockname()[0]
+        except OSError:
+            return None
+    return None if is_loopback(address) else address
+
+
+async def test_a_real_peer_off_loopback_is_refused() -> None:
+    address = _non_loopback_address()
+    if address is None:
+        pytest.skip("this machine has no address off loopback")
+    service = Service()
+    drain = OnceDrain(service.drain)
+    endpoint = HttpEndpoint(service.app(drain))
+    port = await endpoint.start("0.0.0.0", 0)
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"http://{address}:{port}/drain") as response:
+                assert response.status == 403
+                assert (await response.json())["status"] == "forbidden"
+            async with session.get(f"http://{address}:{port}/health/live") as response:
+                assert response.status == 200  # probes answer anyone (the kubelet dials the pod IP)
+        assert not drain.started
+    finally:
+        service.release.set()
+        await endpoint.stop()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+async def test_a_wildcard_bind_answers_on_ipv4_loopback(host: str) -> None:
+    if host == "::" and not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    service = Service()
+    drain = OnceDrain(service.drain)
+    endpoint = HttpEndpoint(service.app(drain))
+    try:
+        port = await endpoint.start(host, 0)
+    except OSError as exc:
+        pytest.skip(f"cannot bind {host}: {exc}")
+    try:
+        assert await _get(f"http://127.0.0.1:{port}/health/live") == (200, {"status": "ok", "reason": "alive"})
+        service.release.set()
+        drained, message = await asyncio.to_thread(request_drain, "127.0.0.1", port, 30.0)
+        assert drained, message
+    finally:
+        service.release.set()
+        await endpoint.stop()

@@ -4,6 +4,7 @@ hold in what is rendered."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import yaml
 from services.edge.render import ENVOY_DIR, main, render, render_yaml, rendered_path_for
 from services.edge.topology import Topology, TopologyError, load_topology
 from services.launcher.mesh import envoy_binary
-from services.tools.devcerts import ensure_dev_certs
+from services.tools.devcerts import ensure_dev_certs, ensure_mesh_certs
 
 ROOT = Path(__file__).resolve().parents[3]
 TOPOLOGIES = sorted(ENVOY_DIR.glob("*.yaml"))
@@ -31,6 +32,7 @@ def test_topology_renders_to_a_config_envoy_accepts(path: Path, tmp_path: Path) 
         # Envoy reads the certificate files when it validates; use fresh dev certs.
         certs = ensure_dev_certs(tmp_path / "tls")
         topology = topology.with_files(ROOT, str(certs.cert_chain), str(certs.private_key))
+    topology = _pod_files_here(topology, tmp_path)
     out.write_text(render_yaml(topology, path.name))
     # Relative paths in the config (the descriptor set) are relative to the repo root.
     result = subprocess.run(
@@ -39,6 +41,23 @@ def test_topology_renders_to_a_config_envoy_accepts(path: Path, tmp_path: Path) 
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "OK" in result.stdout + result.stderr
+
+
+def _pod_files_here(topology: Topology, tmp_path: Path) -> Topology:
+    """The Kubernetes topology names files of its pod (/etc/envoy/kvmesh.pb,
+    /etc/envoy-web, the mesh certificates in /etc/kvmesh/tls): point them at
+    this checkout's and at fresh mesh certificates, as the pod's volumes do."""
+    if not topology.transcoder.descriptor.startswith("/etc/"):
+        return topology
+    mesh = ensure_mesh_certs(tmp_path / "mesh-tls")
+    up = topology.upstream_tls
+    return dataclasses.replace(
+        topology,
+        transcoder=dataclasses.replace(topology.transcoder, descriptor=str(ENVOY_DIR / "kvmesh.pb")),
+        web=dataclasses.replace(topology.web, root=str(ROOT / "web")),
+        upstream_tls=dataclasses.replace(
+            up, cert_chain=str(mesh / "envoy.pem"), private_key=str(mesh / "envoy-key.pem"), ca=str(mesh / "ca.pem")),
+    )
 
 
 def test_checked_in_rendering_is_current(capsys: pytest.CaptureFixture[str]) -> None:

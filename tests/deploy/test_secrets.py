@@ -1,0 +1,69 @@
+"""scripts/k8s_secrets.sh: the two Secrets the pods mount, made offline
+from the development mesh CA -- every file a pod's volume picks exists, each
+role's certificate loads as that role's mesh identity, the CA's key stays
+out, the API key file loads as the gateway reads it."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from services.common.config import GatewayConfig
+from services.common.mesh_tls import ROLES, MeshIdentity
+from services.gateway.keys import load_api_keys_file
+
+from .manifests import OVERLAYS, ROOT, render
+from .wiring import pods
+
+SCRIPT = ROOT / "scripts" / "k8s_secrets.sh"
+
+
+def _run(out: Path, key: str) -> dict[str, Any]:
+    env = {**os.environ, "KVMESH_API_KEY": key, "PYTHON": sys.executable}
+    subprocess.run(["bash", str(SCRIPT), "--out", str(out)], env=env, check=True, capture_output=True,
+                   timeout=120, cwd=ROOT)
+    docs = [d for d in yaml.safe_load_all((out / "secrets.yaml").read_text()) if d]
+    return {f"{d['kind']}/{d['metadata']['name']}": d for d in docs}
+
+
+def test_the_secrets_hold_what_the_pods_mount(tmp_path: Path) -> None:
+    objects = _run(tmp_path / "s", "sk-test")
+    assert set(objects) == {"Namespace/kvmesh", "Secret/kvmesh-mesh-tls", "Secret/kvmesh-api-keys"}
+    tls = {k: base64.b64decode(v) for k, v in objects["Secret/kvmesh-mesh-tls"]["data"].items()}
+    assert set(tls) == {"ca.pem", *(f"{r}.pem" for r in ROLES), *(f"{r}-key.pem" for r in ROLES)}
+    assert "ca-key.pem" not in tls
+    for overlay in OVERLAYS:
+        if overlay.endswith("cert-manager"):
+            continue  # its pods mount cert-manager's Secrets instead
+        for pod in pods(render(overlay)):
+            vol = next(v for v in pod.spec["volumes"] if v["name"] == "mesh-tls")
+            assert vol["secret"]["secretName"] == "kvmesh-mesh-tls"
+            folder = tmp_path / overlay.replace("/", "-") / pod.component
+            folder.mkdir(parents=True)
+            for item in vol["secret"]["items"]:
+                assert item["key"] in tls, (overlay, pod.name, item["key"])
+                (folder / item["path"]).write_bytes(tls[item["key"]])
+            if pod.component in ROLES:
+                MeshIdentity.load(folder, pod.component)  # ca + this role's pair, nothing else
+    keys_file = tmp_path / "api-keys.yaml"
+    keys_file.write_bytes(base64.b64decode(objects["Secret/kvmesh-api-keys"]["data"]["api-keys.yaml"]))
+    keys = load_api_keys_file(dataclasses.replace(GatewayConfig(), api_keys_file=str(keys_file)))
+    assert [k.sha256 for k in keys] == [hashlib.sha256(b"sk-test").hexdigest()]
+    rendered = subprocess.run(["kubectl", "kustomize", str(tmp_path / "s")], check=True, capture_output=True,
+                              text=True, timeout=60).stdout
+    assert "kvmesh-mesh-tls" in rendered
+
+
+def test_a_second_run_keeps_the_ca(tmp_path: Path) -> None:
+    first = _run(tmp_path, "a")["Secret/kvmesh-mesh-tls"]["data"]["ca.pem"]
+    again = _run(tmp_path, "b")
+    assert again["Secret/kvmesh-mesh-tls"]["data"]["ca.pem"] == first
+    assert (tmp_path / "secrets.yaml").stat().st_mode & 0o077 == 0
