@@ -174,7 +174,8 @@ class EngineService:
                 # Before SERVING: the one full collection (~0.3 s with vLLM
                 # loaded) must not stall requests already placed here.
                 freeze_startup_heap()
-            await health.set_serving(True)
+            if not self.drain.started:  # a preStop drain may come while the model loads
+                await health.set_serving(True)
             self.runtime.add_listener(self._sync_health)
             if engine.scheduler_address:
                 self.link = SchedulerLink(self.config, engine, self.runtime, self.address,

@@ -10,6 +10,7 @@ default, its bounds and why, where it is declared:
     scheduler.py    scheduler: aging, admission limits, placement, queues
     gateway.py      gateway and its API keys
     errors.py       ConfigError
+    addresses.py    host:port addresses (DNS names, IPv4, [IPv6]): split and join
     loader.py       load_config: YAML -> dataclasses (type phase), then
     validation.py   validate_config: bounds and cross-setting rules (bounds phase)
 

@@ -159,3 +159,25 @@ async def test_not_ready_while_not_registered_with_the_scheduler() -> None:
         assert await _probe(svc, "live") == (200, "ok")
     finally:
         await svc.stop()
+
+
+async def test_a_drain_while_loading_keeps_the_engine_out_of_service(scheduler: tuple[FakeScheduler, int]) -> None:
+    _, port = scheduler
+    engine = _engine(port)
+    backend = SlowStartSim(mesh_config(), engine)
+    backend.loaded = asyncio.Event()
+    svc = EngineService(mesh_config(), engine, backend=backend)
+    starting = asyncio.create_task(svc.start())
+    try:
+        await _until(svc, "live", 200)
+        status, report = await asyncio.wait_for(_drain(svc), 10)  # the pod is deleted while it loads
+        assert status == 200 and report["status"] == "drained" and report["running"] == 0
+        backend.loaded.set()
+        await asyncio.wait_for(starting, 30)
+        assert await _probes(svc) == {"started": (200, "ok"), "ready": (503, "draining"), "live": (200, "ok")}
+        assert await health_status(svc) == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        backend.loaded.set()
+        with contextlib.suppress(BaseException):
+            await starting
+        await asyncio.wait_for(svc.stop(), 10)
