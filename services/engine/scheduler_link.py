@@ -12,6 +12,20 @@ healed partition the engine re-registers and its orphans are fenced. When the
 stream breaks (scheduler restart, network), the link reconnects with
 exponential backoff capped at 2 s and sends hello + snapshot again.
 
+Identity: the hello carries the engine id and this process's incarnation
+(`new_incarnation`, chosen once per link, i.e. per engine process: unix ms
+<< 22 | 22 random bits, so a later start compares greater). A restarted or
+rescheduled engine -- same id, maybe a new address -- supersedes its old
+registration at once (services/scheduler/engine_registry.py). The process it
+superseded is told so: its stream ends (or its next hello is refused)
+FAILED_PRECONDITION with trailing metadata `kvmesh-superseded-by`; it then
+fails as a whole (`runtime.fail`: every generation handed over, the
+gateways migrate them; the process exits for its supervisor) instead of
+reconnecting -- an old process cut off by a partition cannot come back over
+the new one. The address announced is `engine.advertise_address` when set
+(host:port; the host may be a DNS name, which gateways resolve), else the
+bound one.
+
 KV events are batched so that no hash is both stored and removed in one
 message (the batch is cut instead), so the scheduler may apply a message's
 lists in any order. If too many pile up while the scheduler is slow, they
@@ -26,7 +40,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import socket
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,7 +57,7 @@ from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.engine.fencing import Fencer
 from services.engine.runtime import EngineRuntime
 
-__all__ = ["KvEventLog", "SchedulerLink", "advertised_host"]
+__all__ = ["SUPERSEDED_METADATA_KEY", "KvEventLog", "SchedulerLink", "advertised_host", "new_incarnation"]
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +66,35 @@ BACKOFF_MAX_SECONDS = 2.0
 # Pending KV hashes beyond this are replaced by a snapshot (bounded memory).
 MAX_PENDING_HASHES = 200_000
 
+# Trailing metadata of a Connect the scheduler ended because a newer process
+# of this engine id registered (services/scheduler/engine_links.py).
+SUPERSEDED_METADATA_KEY = "kvmesh-superseded-by"
+_INCARNATION_RANDOM_BITS = 22
+
 # The engine's side of Scheduler.Connect (a string: grpc.aio's call classes are
 # generic only in the type stubs).
 _ConnectCall: TypeAlias = (
     "grpc.aio.StreamStreamCall[scheduler_pb2.EngineMessage, scheduler_pb2.SchedulerCommand]"
 )
+
+
+def new_incarnation() -> int:
+    """This process's incarnation (EngineHello.incarnation): greater for a
+    later start (wall-clock milliseconds, so across hosts too, given clocks
+    agree to well within a restart), random low bits for two starts in one
+    millisecond; fits in 63 bits."""
+    return (time.time_ns() // 1_000_000) << _INCARNATION_RANDOM_BITS | secrets.randbits(_INCARNATION_RANDOM_BITS)
+
+
+def superseded_by(exc: BaseException) -> str | None:
+    """The newer process's address if `exc` ended this link because a newer
+    process of the engine's id registered; else None."""
+    if not isinstance(exc, grpc.aio.AioRpcError) or exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+        return None
+    for key, value in exc.trailing_metadata() or ():
+        if key == SUPERSEDED_METADATA_KEY:
+            return value if isinstance(value, str) else value.decode(errors="replace")
+    return None
 
 
 def advertised_host(host: str) -> str:
@@ -143,7 +183,12 @@ class SchedulerLink:
         self._config = config
         self._engine = engine
         self._runtime = runtime
-        self._address = address
+        self._address = engine.advertise_address or address
+        if engine.advertise_address and http_address:
+            # The HTTP endpoint announced on the same host (name) as gRPC.
+            http_address = f"{engine.advertise_address.rpartition(':')[0]}:{http_address.rpartition(':')[2]}"
+        self.incarnation = new_incarnation()
+        self.superseded_by: str | None = None  # set once a newer process took the id over
         self._http_address = http_address
         self._backend_name = backend_name or engine.backend
         self._identity = identity_for(config, "engine")
@@ -197,6 +242,8 @@ class SchedulerLink:
                 raise
             except Exception as exc:  # noqa: BLE001 - any break means reconnect
                 reason = _describe(exc)
+                if self._superseded(exc):
+                    return
             finally:
                 self.connected.clear()
             if loop.time() - began > BACKOFF_MAX_SECONDS:
@@ -210,6 +257,18 @@ class SchedulerLink:
                     self._engine.scheduler_address, reason, backoff)
             await asyncio.sleep(backoff)
             backoff = min(BACKOFF_MAX_SECONDS, backoff * 2)
+
+    def _superseded(self, exc: BaseException) -> bool:
+        """A newer process of this engine id took over: stop for good."""
+        newer = superseded_by(exc)
+        if newer is None:
+            return False
+        self.superseded_by = newer
+        log.error("engine %s (%s, incarnation %d) was superseded by a newer process of the same id at %s; "
+                  "stopping (if that is not a restart of this engine, two engines share the id: %s)",
+                  self._engine.engine_id, self._address, self.incarnation, newer, _describe(exc))
+        self._runtime.fail(f"superseded by a newer process of engine {self._engine.engine_id!r} at {newer}")
+        return True
 
     async def _session(self) -> None:
         options = [*client_options(),
@@ -249,6 +308,7 @@ class SchedulerLink:
             max_running=info.max_running, weight=self._engine.weight,
             max_model_len=info.max_model_len, hash_block_tokens=self._config.hash_block_tokens,
             backend=self._backend_name, http_address=self._http_address,
+            incarnation=self.incarnation,
         )
 
     async def _send_snapshot(self, call: _ConnectCall) -> None:

@@ -205,6 +205,11 @@ class EnginePool:
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 1000),
+                # An engine address may be a DNS name (a StatefulSet pod's)
+                # that moves to a new IP when the pod is rescheduled: once the
+                # old connection breaks, look the name up again within a
+                # second, not gRPC's default 30 s between resolutions.
+                ("grpc.dns_min_time_between_resolutions_ms", 1000),
                 *_FLOW_OPTIONS,
             ])
             self._channels[address] = channel

@@ -62,7 +62,7 @@ class Comebacks:
             # Crossed our Preempted: its lease is gone already; queue it as a
             # Requeue would, still avoiding the engines it names.
             self._requeue(rec, event.prompt_tokens, event.max_tokens, event.prefix_hashes,
-                          frozenset(event.exclude), out, now)
+                          self._fleet.exclusions(event.exclude, rec.ran_on), out, now)
             return
         try:
             if rec.state not in (RequestState.PLACED, RequestState.ORPHANED):
@@ -74,7 +74,7 @@ class Comebacks:
                 rec.options, prompt_tokens=event.prompt_tokens, max_tokens=event.max_tokens,
                 prefix_hashes=event.prefix_hashes,
             )
-            rec.exclude = frozenset(event.exclude)
+            rec.exclude = self._fleet.exclusions(event.exclude, rec.ran_on)
             if event.prompt_tokens <= 0:
                 raise AdmissionError(RejectReason.INVALID, "replace: prompt_tokens must be > 0")
             self._fleet.check_servable(rec.options, rec.exclude, now, replacing=True)

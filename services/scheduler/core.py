@@ -5,12 +5,13 @@ objects only it calls: `RequestBook` (request_book.py: every admitted
 request's record and lease), `WaitingRoom` (waiting.py: the model queues
 and Replace lanes) and `EngineFleet` (fleet.py: the engine registry, KV
 index, reservations, leases and engine views), plus the per-class counters
-of `ClassLedger` (class_stats.py). Two helpers it owns act on them only
+of `ClassLedger` (class_stats.py). Helpers it owns act on them only
 when it calls: `RoomMaker` (making_room.py: displacement at admission,
 preemption in dispatch), `Comebacks` (comebacks.py: Replace and Requeue)
-and `DetachedLeases` (detached_leases.py: leases kept for a stream resume).
+and `DetachedLeases` (detached_leases.py: leases kept for a stream resume);
+`EngineEvents` (engine_events.py) handles the engines' Connect-stream events.
 All of it changes only inside `SchedulerCore.handle`, called only from the
-event loop's thread (grpc_api.py for stream messages, server.py's timers
+event loop's thread (grpc_api.py and engine_links.py for stream messages, server.py's timers
 for `Tick`); synchronous, so no two events interleave and no lock is needed.
 
 One entry point: `handle(event) -> Outbox` applies one event (events.py),
@@ -62,6 +63,7 @@ from .aging import AgingRule
 from .class_stats import ClassLedger, ClassStat
 from .comebacks import Comebacks
 from .detached_leases import DetachedLeases
+from .engine_events import EngineEvents
 from .events import Delivery, Outbox
 from .fleet import EngineFleet, EngineStat
 from .making_room import RoomMaker, placement_request
@@ -132,11 +134,9 @@ class SchedulerCore:
             ev.FirstToken: self._on_first_token, ev.RequestDone: self._on_done,
             ev.ReplaceRequested: self._comebacks.replace,
             ev.RequeueRequested: self._comebacks.requeue,
-            ev.EngineJoined: self._on_engine_joined,
-            ev.LoadReported: self._on_load, ev.KvEventsReported: self._on_kv_events,
-            ev.KvSnapshotReported: self._on_kv_snapshot, ev.EngineLeft: self._on_engine_left,
-            ev.DrainRequested: self._on_drain, ev.Tick: self._on_tick,
-            ev.ShutdownStarted: self._on_shutdown,
+            ev.Tick: self._on_tick, ev.ShutdownStarted: self._on_shutdown,
+            **EngineEvents(self.fleet, self._requests, self.policy, self.metrics, self._refresh_gauges,
+                           self._config.stale_report_seconds).handlers(),
         }
 
     # ------------------------------------------------------------ the entry point
@@ -225,7 +225,7 @@ class SchedulerCore:
         self._requests.add(rec)
         lease = self._requests.open_lease(rec, record, reserved=0, cached=0, now=now)
         self.metrics.placed(self.policy.name, "reattach", 0, 0)
-        return PlacedInfo(record.engine_id, record.info.address, lease.lease_id, 0)
+        return PlacedInfo(record.engine_id, record.info.address, lease.lease_id, 0, record.info.incarnation)
 
     # ------------------------------------------------------------ the request's stream
 
@@ -244,39 +244,6 @@ class SchedulerCore:
         rec = self._requests.get(event.request_id)
         if rec is not None:
             self._requests.finish(rec, Outcome.WITHDRAWN if event.withdrawn else Outcome.DONE, now)
-
-    # ------------------------------------------------------------ engines
-
-    def _on_engine_joined(self, event: ev.EngineJoined, out: Outbox, now: float) -> None:
-        out.token = self.fleet.join(event.info, now)
-        self._refresh_gauges()
-
-    def _on_load(self, event: ev.LoadReported, out: Outbox, now: float) -> None:
-        self.fleet.report_load(event.engine_id, event.token, event.load, now)
-
-    def _on_kv_events(self, event: ev.KvEventsReported, out: Outbox, now: float) -> None:
-        if self.fleet.kv_events(
-            event.engine_id, event.token, event.seq, event.stored, event.removed, event.cleared
-        ):
-            self.metrics.resyncs.inc()
-            out.commands.append((event.engine_id, ev.EngineCommand.RESYNC))
-
-    def _on_kv_snapshot(self, event: ev.KvSnapshotReported, out: Outbox, now: float) -> None:
-        self.fleet.kv_snapshot(event.engine_id, event.token, event.seq, event.hashes)
-
-    def _on_engine_left(self, event: ev.EngineLeft, out: Outbox, now: float) -> None:
-        """Its leases end at once; their requests wait ORPHANED for the
-        gateway, which sees the engine fail and Replaces or gives up."""
-        ended = self.fleet.leave(event.engine_id, event.token)
-        if ended is None:
-            return
-        self.policy.forget_engine(event.engine_id)
-        self._requests.orphan(ended)
-        self._refresh_gauges()
-
-    def _on_drain(self, event: ev.DrainRequested, out: Outbox, now: float) -> None:
-        if self.fleet.drain(event.engine_id):
-            out.commands.append((event.engine_id, ev.EngineCommand.DRAIN))
 
     # ------------------------------------------------------------ place and dispatch
 
@@ -360,7 +327,8 @@ class SchedulerCore:
             rec, engine, placement.blocks_needed, placement.cached_tokens, now, cls)
         self._rate.record(now)
         self.metrics.placed(self.policy.name, kind, opts.prompt_tokens, placement.cached_tokens)
-        return PlacedInfo(engine.engine_id, engine.info.address, lease.lease_id, placement.cached_tokens)
+        return PlacedInfo(engine.engine_id, engine.info.address, lease.lease_id, placement.cached_tokens,
+                          engine.info.incarnation)
 
     # ------------------------------------------------------------ time and shutdown
 

@@ -79,7 +79,7 @@ class DetachedLeases:
         self._until.pop(request_id, None)
         rec.state = RequestState.PLACED
         log.info("request %s: resumed on %s", request_id, lease.engine_id)
-        return PlacedInfo(lease.engine_id, engine.info.address, lease.lease_id, 0)
+        return PlacedInfo(lease.engine_id, engine.info.address, lease.lease_id, 0, engine.info.incarnation)
 
     def expire(self, now: float) -> None:
         """Release the leases whose grace ran out (their engine cancels too)."""

@@ -2,14 +2,36 @@
 
 An engine is registered by its hello and lives exactly as long as its
 stream: each registration gets a connection token, and only the stream that
-holds the current token can remove it (a reconnect with the same id and
-address replaces the registration -- an engine restarted before its old
-stream's end reached us -- and the old stream's late close is then ignored).
-The same id from another address while the first stream is open is refused:
-two engines configured with one id would otherwise take each other's
-registration, leases and KV index in turns. Freshness:
-an engine with no load report for `stale_report_seconds` is not placed on.
-Owned by `EngineFleet` (fleet.py), the only code that calls it.
+holds the current token can remove it (a stale stream's late close is
+ignored).
+
+Identity across restarts (`EngineInfo.incarnation`, chosen once per engine
+process: unix milliseconds at start << 22 | 22 random bits, so a later start
+compares greater and two starts in one millisecond are told apart by the
+random bits; engine clocks need only agree to well within a restart's
+duration, which NTP gives):
+  - same id, same incarnation: the same process reconnecting (its old
+    stream not yet ended here); the registration is replaced and its
+    leases carry over;
+  - same id, GREATER incarnation: a new process of that engine (a
+    rescheduled pod: same id, new address -- or the same DNS name -- at
+    once, never after a keepalive). It SUPERSEDES the registration whatever
+    the address: the old one's leases end as if the engine was lost
+    (`Registration.superseded`; the core orphans their requests and the
+    gateways migrate them) and its stream is ended;
+  - same id, SMALLER incarnation than the greatest seen for the id (kept
+    after the newer one's stream ends too): the old process is fenced out,
+    `SupersededEngineError` (gRPC FAILED_PRECONDITION); the engine then
+    ends its generations and exits instead of retrying.
+Two DIFFERENT live engines configured with one id cannot be told apart
+from a restart by the scheduler (both are live processes with an address):
+the newer wins and the older exits, logged as an error on both sides with
+both addresses (a registration superseded while its reports were fresh is
+the tell-tale). Engines that send no incarnation (0) keep the old rule: the
+same id from another address is refused (`DuplicateEngineError`) while the
+first is connected. Freshness: an engine with no load report for
+`stale_report_seconds` is not placed on. Owned by `EngineFleet` (fleet.py),
+the only code that calls it.
 """
 
 from __future__ import annotations
@@ -18,7 +40,10 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["DuplicateEngineError", "EngineInfo", "EngineLoad", "EngineRecord", "EngineRegistry"]
+__all__ = [
+    "DuplicateEngineError", "EngineInfo", "EngineLoad", "EngineRecord", "EngineRegistry", "Registration",
+    "SupersededEngineError",
+]
 
 # EWMA weight of one new lease duration in an engine's service-time estimate.
 _SERVICE_EWMA_ALPHA = 0.1
@@ -38,6 +63,7 @@ class EngineInfo:
     max_model_len: int
     backend: str = ""
     http_address: str = ""
+    incarnation: int = 0        # 0 = not sent (an engine older than incarnations)
 
 
 @dataclass
@@ -80,7 +106,35 @@ class EngineRecord:
 
 
 class DuplicateEngineError(Exception):
-    """A hello reused the id of an engine still connected from another address."""
+    """A hello without an incarnation reused the id of an engine still
+    connected from another address."""
+
+
+class SupersededEngineError(Exception):
+    """A hello from an older process of an engine a newer one replaced."""
+
+    def __init__(self, message: str, newer_address: str) -> None:
+        super().__init__(message)
+        self.newer_address = newer_address
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a hello did: the new record; the one it `replaced` (the same
+    process re-registering: leases carried over) or `superseded` (an older
+    process: its leases are NOT carried over and must end)."""
+
+    record: EngineRecord
+    replaced: EngineRecord | None = None
+    superseded: EngineRecord | None = None
+
+
+def _same_process(old: EngineInfo, new: EngineInfo) -> bool:
+    """A reconnect of the registered process: its incarnation, or, when
+    either side sent none, its address."""
+    if old.incarnation and new.incarnation:
+        return old.incarnation == new.incarnation
+    return old.address == new.address
 
 
 class EngineRegistry:
@@ -88,6 +142,9 @@ class EngineRegistry:
         self._engines: dict[str, EngineRecord] = {}
         self._tokens = itertools.count(1)
         self._initial_service = initial_service_seconds
+        # Per id, the greatest incarnation registered and its address: kept
+        # after that process leaves, so an older one cannot come back.
+        self._newest: dict[str, tuple[int, str]] = {}
 
     def __len__(self) -> int:
         return len(self._engines)
@@ -98,27 +155,38 @@ class EngineRegistry:
     def get(self, engine_id: str) -> EngineRecord | None:
         return self._engines.get(engine_id)
 
-    def register(self, info: EngineInfo, now: float) -> tuple[EngineRecord, EngineRecord | None]:
-        """Register (or re-register) an engine. Returns the new record and the
-        one it replaced, if any; leases carry over (the gateway finds out
-        itself if the engine process really changed). Raises
-        `DuplicateEngineError` if the id is connected from another address."""
-        old = self._engines.get(info.engine_id)
-        if old is not None and old.info.address != info.address:
+    def register(self, info: EngineInfo, now: float) -> Registration:
+        """Register (or re-register) an engine by the rules in the module
+        docstring. Raises `SupersededEngineError` for an older incarnation
+        and `DuplicateEngineError` (no incarnation) for an id connected from
+        another address."""
+        engine_id, incarnation = info.engine_id, info.incarnation
+        newest, newest_address = self._newest.get(engine_id, (0, ""))
+        if incarnation and incarnation < newest:
+            raise SupersededEngineError(
+                f"engine id {engine_id!r}: this process ({info.address}, incarnation {incarnation}) was "
+                f"superseded by a newer process of that id ({newest_address}, incarnation {newest}); "
+                "it must stop. If that is not a restart of this engine, two engines share the id: give "
+                "each its own (engines[].id / --engine-id)", newest_address)
+        old = self._engines.get(engine_id)
+        supersedes = old is not None and 0 < old.info.incarnation < incarnation
+        if old is not None and not supersedes and not _same_process(old.info, info):
             raise DuplicateEngineError(
-                f"engine id {info.engine_id!r} is already connected from {old.info.address}; this engine "
+                f"engine id {engine_id!r} is already connected from {old.info.address}; this engine "
                 f"({info.address}) needs an id of its own (engines[].id / engine_id in the config)"
             )
         record = EngineRecord(
-            info=info,
-            token=next(self._tokens),
-            connected_at=now,
+            info=info, token=next(self._tokens), connected_at=now,
             service_seconds=old.service_seconds if old else self._initial_service,
         )
+        if incarnation:
+            self._newest[engine_id] = (incarnation, info.address)
+        self._engines[engine_id] = record
+        if supersedes:
+            return Registration(record, superseded=old)
         if old is not None:
             record.leases = old.leases
-        self._engines[info.engine_id] = record
-        return record, old
+        return Registration(record, replaced=old)
 
     def unregister(self, engine_id: str, token: int) -> EngineRecord | None:
         """Remove the engine if `token` is its current registration."""

@@ -39,6 +39,7 @@ __all__ = [
     "RequestDone",
     "ShutdownStarted",
     "StreamClosed",
+    "Superseded",
     "Tick",
 ]
 
@@ -105,8 +106,10 @@ class RequeueRequested:
 
 @dataclass(frozen=True)
 class EngineJoined:
-    """An engine's hello. `handle` raises `DuplicateEngineError` when the id
-    is connected from another address (nothing changes then)."""
+    """An engine's hello. `handle` raises `SupersededEngineError` for an
+    older process of an id a newer one took over, and (hellos without an
+    incarnation) `DuplicateEngineError` when the id is connected from another
+    address; nothing changes then (engine_registry.py)."""
 
     info: EngineInfo
 
@@ -196,3 +199,18 @@ class Outbox:
     # EngineJoined only: the registration's token, which the engine's stream
     # presents with every later event (a stale stream's events are ignored).
     token: int = 0
+    # EngineJoined only: the older process of the id this hello superseded
+    # (its stream must end: the transport ends it FAILED_PRECONDITION).
+    superseded: Superseded | None = None
+
+
+@dataclass(frozen=True)
+class Superseded:
+    """An older process of an engine, replaced by a newer one's hello."""
+
+    address: str
+    incarnation: int
+    # It reported within stale_report_seconds: if the new hello is not a
+    # restart of it, two live engines share an id (the log says so).
+    was_fresh: bool
+    leases: int                   # its leases, ended (their requests wait ORPHANED)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.config import SchedulerConfig
 
@@ -24,7 +24,7 @@ from .placement import EngineView
 from .records import AdmissionError, AdmitOptions, Lease, RejectReason
 from .reservations import ReservationBook, blocks_needed
 
-__all__ = ["EngineFleet", "EngineStat"]
+__all__ = ["EngineFleet", "EngineStat", "Joined"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,17 @@ class EngineStat:
     address: str
     cached_blocks: int
     backend: str
+    incarnation: int = 0
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A registration: its token, and the older process of the id it
+    superseded, if any, with that one's leases (ended)."""
+
+    token: int
+    superseded: EngineRecord | None = None
+    lost: list[Lease] = field(default_factory=list)
 
 
 class EngineFleet:
@@ -70,14 +81,20 @@ class EngineFleet:
         record = self._registry.get(engine_id)
         return record if record is not None and record.token == token else None
 
-    def join(self, info: EngineInfo, now: float) -> int:
-        """Register an engine; returns the token its stream must present.
-        Raises `DuplicateEngineError` for an id connected from elsewhere."""
-        record, old = self._registry.register(info, now)
-        if old is not None:
+    def join(self, info: EngineInfo, now: float) -> Joined:
+        """Register an engine (engine_registry.py's rules). When the hello
+        superseded an older process of the id, that one's KV entries,
+        reservations and leases are dropped as in `leave`; the ended leases
+        come back in `Joined.lost`. Raises `DuplicateEngineError` /
+        `SupersededEngineError` (nothing changes then)."""
+        registration = self._registry.register(info, now)
+        if registration.replaced is not None:
             self.kv.drop_engine(info.engine_id)      # the new snapshot replaces it
+        lost: list[Lease] = []
+        if registration.superseded is not None:
+            lost = self._forget(registration.superseded)
         self._model_seen[info.model] = now
-        return record.token
+        return Joined(registration.record.token, registration.superseded, lost)
 
     def report_load(self, engine_id: str, token: int, load: EngineLoad, now: float) -> None:
         record = self.current(engine_id, token)
@@ -106,14 +123,28 @@ class EngineFleet:
         Returns the leases it held (now ended), or None when `token` is not
         the current registration (a stale stream's late close)."""
         record = self._registry.unregister(engine_id, token)
-        if record is None:
-            return None
+        return None if record is None else self._forget(record)
+
+    def _forget(self, record: EngineRecord) -> list[Lease]:
+        """Drop what `record`'s process held: KV, reservations, leases."""
+        engine_id = record.engine_id
         self.kv.drop_engine(engine_id)
         self.reservations.drop_engine(engine_id)
         self._freed.pop(engine_id, None)
         ended = [lease for lid in record.leases if (lease := self._leases.pop(lid, None))]
         record.leases.clear()
         return ended
+
+    def exclusions(self, exclude: Sequence[str], ran_on: dict[str, int]) -> frozenset[str]:
+        """The engines a Replace excludes that still hold: not one whose
+        registered process is newer than the one the request ran on there
+        (a restarted or rescheduled engine: the process that failed the
+        request is gone)."""
+        def restarted(engine_id: str) -> bool:
+            record = self._registry.get(engine_id)
+            ran = ran_on.get(engine_id, 0)
+            return ran > 0 and record is not None and record.info.incarnation > ran
+        return frozenset(e for e in exclude if not restarted(e))
 
     def drain(self, engine_id: str) -> bool:
         record = self._registry.get(engine_id)
@@ -175,7 +206,8 @@ class EngineFleet:
 
     def stats(self, now: float) -> list[EngineStat]:
         return [
-            EngineStat(self._view(e, now), e.info.address, self.kv.blocks(e.engine_id), e.info.backend)
+            EngineStat(self._view(e, now), e.info.address, self.kv.blocks(e.engine_id), e.info.backend,
+                       e.info.incarnation)
             for e in sorted(self._registry, key=lambda r: r.engine_id)
         ]
 

@@ -9,24 +9,21 @@ the core has one owner without locks. Each Admit stream has a bounded
 mailbox the core's notices are put into; its handler is the only writer of
 its stream. A `Preempted` notice does not end the stream: the gateway
 answers `Requeue` on it and a later `Placed` (or `Rejected`) follows.
-Each Connect stream has a command mailbox and one writer task; each load
-report is checked against the lease table and what an engine runs without
-a lease there is sent back in a `Fence` command (fencing.py).
+Connect streams (engines' registration, reports, commands, fences and
+superseded registrations) are engine_links.py's.
 
-This is the one place domain outcomes become protobuf messages and gRPC
-status codes (`_to_proto`, `_REJECT_CODES`, `_hello_info`).
+Domain outcomes become protobuf messages and gRPC status codes here
+(`_to_proto`, `_REJECT_CODES`) and, for Connect, in engine_links.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import Any, TypeAlias, TypeVar, cast
 
 import grpc
-from prometheus_client import Counter
 
 from services.common.clock import Clock, SystemClock
 from services.common.config import MeshConfig
@@ -35,8 +32,7 @@ from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from . import events as ev
 from .core import SchedulerCore, StateView
-from .engine_registry import DuplicateEngineError, EngineInfo, EngineLoad
-from .fencing import FenceBook
+from .engine_links import EngineLinks
 from .records import (
     AdmitOptions,
     Notice,
@@ -90,10 +86,6 @@ async def _read(context: grpc.aio.ServicerContext[_In, Any]) -> _In | None:
     return None if msg is grpc.aio.EOF else cast(_In, msg)
 
 
-class ProtocolError(Exception):
-    """A peer broke the stream protocol; the message says what to change."""
-
-
 def _to_proto(notice: Notice) -> scheduler_pb2.AdmitServerMessage:
     if isinstance(notice, QueuedInfo):
         return scheduler_pb2.AdmitServerMessage(queued=scheduler_pb2.Queued(
@@ -103,7 +95,8 @@ def _to_proto(notice: Notice) -> scheduler_pb2.AdmitServerMessage:
     if isinstance(notice, PlacedInfo):
         return scheduler_pb2.AdmitServerMessage(placed=scheduler_pb2.Placed(
             engine_id=notice.engine_id, engine_address=notice.engine_address,
-            lease_id=notice.lease_id, cached_tokens=notice.cached_tokens))
+            lease_id=notice.lease_id, cached_tokens=notice.cached_tokens,
+            engine_incarnation=notice.engine_incarnation))
     if isinstance(notice, PreemptedInfo):
         return scheduler_pb2.AdmitServerMessage(preempted=scheduler_pb2.Preempted(
             engine_id=notice.engine_id, preemptions=notice.preemptions,
@@ -122,47 +115,6 @@ def _options(msg: scheduler_pb2.AdmitRequest) -> AdmitOptions:
     )
 
 
-def _hello_info(hello: scheduler_pb2.EngineHello, hash_block_tokens: int) -> EngineInfo:
-    problems = []
-    if not hello.engine_id:
-        problems.append("engine_id is empty")
-    if not hello.address:
-        problems.append("address is empty")
-    if not hello.model:
-        problems.append("model is empty")
-    if hello.block_size <= 0 or hello.block_size % hash_block_tokens:
-        problems.append(
-            f"block_size {hello.block_size} must be a positive multiple of the mesh's "
-            f"hash_block_tokens {hash_block_tokens}")
-    if hello.total_blocks <= 0:
-        problems.append("total_blocks must be > 0")
-    if hello.max_running <= 0:
-        problems.append("max_running must be > 0")
-    if hello.weight < 0:
-        problems.append("weight must be >= 0 (0 means 1)")
-    if hello.hash_block_tokens not in (0, hash_block_tokens):
-        problems.append(
-            f"hash_block_tokens {hello.hash_block_tokens} differs from the mesh's "
-            f"{hash_block_tokens}; KV hashes would not match")
-    if problems:
-        raise ProtocolError("invalid hello: " + "; ".join(problems))
-    return EngineInfo(
-        engine_id=hello.engine_id, address=hello.address, model=hello.model,
-        block_size=hello.block_size, total_blocks=hello.total_blocks,
-        max_running=hello.max_running, weight=hello.weight or 1.0,
-        max_model_len=hello.max_model_len, backend=hello.backend, http_address=hello.http_address,
-    )
-
-
-def _load(report: scheduler_pb2.LoadReport) -> EngineLoad:
-    return EngineLoad(
-        running=report.running, waiting=report.waiting, blocks_used=report.blocks_used,
-        blocks_total=report.blocks_total, cached_blocks=report.cached_blocks,
-        serving=report.serving, queued_tokens=report.queued_tokens,
-        request_ids=frozenset(report.request_ids),
-    )
-
-
 def _state_proto(view: StateView) -> scheduler_pb2.SchedulerState:
     return scheduler_pb2.SchedulerState(
         policy=view.policy,
@@ -178,7 +130,7 @@ def _state_proto(view: StateView) -> scheduler_pb2.SchedulerState:
                 running=e.view.running, waiting=e.view.waiting, blocks_used=e.view.blocks_used,
                 blocks_total=e.view.blocks_total, blocks_reserved=e.view.blocks_reserved,
                 cached_blocks=e.cached_blocks, leases=e.view.leases, weight=e.view.weight,
-                backend=e.backend)
+                backend=e.backend, incarnation=e.incarnation)
             for e in view.engines
         ],
         queued_total=view.queued_total, leases_total=view.leases_total,
@@ -192,24 +144,14 @@ def _state_proto(view: StateView) -> scheduler_pb2.SchedulerState:
     )
 
 
-@dataclass
-class _EngineChannel:
-    token: int
-    commands: asyncio.Queue[scheduler_pb2.SchedulerCommand]
-
-
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, core: SchedulerCore, config: MeshConfig, clock: Clock | None = None) -> None:
         self.core = core
         self._clock = clock or SystemClock()
+        self.engine_links = EngineLinks(core, config, self._clock, self.deliver)
         # Generations engines run without a lease here (fencing.py).
-        self.fences = FenceBook(config.fencing, self._clock.monotonic())
-        self._fenced = Counter(
-            "kvmesh_scheduler_fenced", "Generations engines were told to end: not leased to them.",
-            ["engine"], registry=core.metrics.registry)
-        self._hash_block_tokens = config.hash_block_tokens
+        self.fences = self.engine_links.fences
         self._mailboxes: dict[str, asyncio.Queue[object]] = {}
-        self._engines: dict[str, _EngineChannel] = {}
         # Admit calls gateways opened ahead of their next request.
         self._idle_calls = IdleCalls()
 
@@ -219,9 +161,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         """Put each notice into its Admit stream's mailbox and each command
         into its engine's; streams already gone are skipped."""
         for engine_id, command in outbox.commands:
-            channel = self._engines.get(engine_id)
-            if channel is not None:
-                channel.commands.put_nowait(_COMMANDS[command])
+            self.engine_links.command(engine_id, _COMMANDS[command])
         self._deliver_notices(outbox.notices)
 
     def _deliver_notices(self, notices: list[ev.Delivery]) -> None:
@@ -256,7 +196,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.deliver(self.core.handle(ev.ShutdownStarted()))
 
     def drain_engine(self, engine_id: str) -> bool:
-        if engine_id not in self._engines:
+        if engine_id not in self.engine_links.channels:
             return False
         outbox = self.core.handle(ev.DrainRequested(engine_id))
         self.deliver(outbox)
@@ -362,79 +302,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Connect(
         self, request_iterator: AsyncIterator[scheduler_pb2.EngineMessage], context: _ConnectContext
     ) -> None:
-        first = await _read(context)
-        if first is None:
-            return
-        if first.WhichOneof("msg") != "hello":
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "the first Connect message must be `hello` (EngineHello)")
-        try:
-            info = _hello_info(first.hello, self._hash_block_tokens)
-        except ProtocolError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        try:
-            joined = self.core.handle(ev.EngineJoined(info))
-        except DuplicateEngineError as err:
-            log.warning("refused a Connect: %s", err)
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(err))
-        channel = _EngineChannel(joined.token, asyncio.Queue())
-        self._engines[info.engine_id] = channel
-        self.fences.joined(info.engine_id, self._clock.monotonic())
-        writer = asyncio.create_task(self._write_commands(context, channel))
-        log.info("engine %s connected (%s, model %s)", info.engine_id, info.address, info.model)
-        try:
-            self.deliver(joined)
-            while True:
-                msg = await _read(context)
-                if msg is None:
-                    return
-                self._on_engine_message(info.engine_id, channel, msg)
-        finally:
-            writer.cancel()
-            if self._engines.get(info.engine_id) is channel:
-                del self._engines[info.engine_id]
-                self.fences.left(info.engine_id)
-            self.deliver(self.core.handle(ev.EngineLeft(info.engine_id, joined.token)))
-            log.info("engine %s disconnected", info.engine_id)
-
-    def _on_engine_message(
-        self, engine_id: str, channel: _EngineChannel, msg: scheduler_pb2.EngineMessage
-    ) -> None:
-        kind = msg.WhichOneof("msg")
-        if kind == "load":
-            self.deliver(self.core.handle(ev.LoadReported(engine_id, channel.token, _load(msg.load))))
-            self._fence(engine_id, channel, msg.load.request_ids)
-        elif kind == "kv_events":
-            kv = msg.kv_events
-            self.deliver(self.core.handle(ev.KvEventsReported(
-                engine_id, channel.token, kv.seq, kv.stored, kv.removed, kv.cleared)))
-        elif kind == "kv_snapshot":
-            snap = msg.kv_snapshot
-            self.deliver(self.core.handle(ev.KvSnapshotReported(
-                engine_id, channel.token, snap.seq, snap.hashes)))
-        elif kind == "hello":
-            log.warning("engine %s sent a second hello on one stream; ignored", engine_id)
-
-    def _fence(self, engine_id: str, channel: _EngineChannel, reported: Sequence[str]) -> None:
-        """Tell the engine to end what it runs without a lease here."""
-        fenced = self.fences.check(engine_id, reported, self.core.lease_holder, self._clock.monotonic())
-        if fenced:
-            self._fenced.labels(engine_id).inc(len(fenced))
-            log.warning("engine %s runs %d generations not leased to it (%s); fencing them",
-                        engine_id, len(fenced), ", ".join(fenced[:5]) + (" ..." if len(fenced) > 5 else ""))
-            channel.commands.put_nowait(
-                scheduler_pb2.SchedulerCommand(fence=scheduler_pb2.Fence(request_ids=fenced)))
-
-    @staticmethod
-    async def _write_commands(context: _ConnectContext, channel: _EngineChannel) -> None:
-        try:
-            while True:
-                await context.write(await channel.commands.get())
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the stream is gone; the reader ends it
-            log.debug("engine command stream ended: %r", exc)
+        await self.engine_links.connect(context)
 
     # ------------------------------------------------------------ GetState
 

@@ -148,6 +148,7 @@ class PlacedInfo:
     engine_address: str
     lease_id: str
     cached_tokens: int
+    engine_incarnation: int = 0   # the engine process's EngineHello.incarnation
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,10 @@ class RequestRecord:
     preemptions: int = 0       # times its lease went to a higher class
     preempted_at: float | None = None  # set while preempted and not placed again
     orphaned_from: str = ""    # ORPHANED: the engine whose registration ended under it
+    # Engine id -> the incarnation of the process it was last leased on (0:
+    # not sent): a Replace's exclusion of an id whose process changed since
+    # does not hold (the failed process is gone; comebacks.py).
+    ran_on: dict[str, int] = field(default_factory=dict)
 
     def holder(self) -> str | None:
         """The engine this request may run on (fencing.py): its lease's, or

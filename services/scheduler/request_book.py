@@ -65,6 +65,7 @@ class RequestBook:
             rec.options.request_id, engine, reserved, cached, rec.options.prompt_tokens, now,
             rec.options.priority if cls is None else cls)
         rec.state = RequestState.PLACED
+        rec.ran_on[engine.engine_id] = engine.info.incarnation
         if rec.preempted_at is not None:
             self._ledger.resumed(rec.options.priority, max(0.0, now - rec.preempted_at))
             rec.preempted_at = None

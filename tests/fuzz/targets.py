@@ -464,12 +464,13 @@ def _grpc_connect(mesh: Mesh, examples: int, seed: int | None) -> FuzzReport:
     report = FuzzReport("grpc_connect")
     real = {mesh.config.engine_config(i).engine_id for i in range(mesh.config.engines.count)}
     hello = st.builds(
-        lambda i, a, m, b, tb, mr, w, ml, h: scheduler_pb2.EngineHello(
+        lambda i, a, m, b, tb, mr, w, ml, h, inc: scheduler_pb2.EngineHello(
             engine_id=i, address=a, model=m, block_size=b, total_blocks=tb, max_running=mr, weight=w,
-            max_model_len=ml, hash_block_tokens=h, backend="fuzz"),
+            max_model_len=ml, hash_block_tokens=h, backend="fuzz", incarnation=inc),
         st.one_of(st.just(""), st.just("fuzz-engine"), _ptext.map(lambda s: "fuzz-" + s)),
         st.one_of(st.just("127.0.0.1:1"), _ptext), st.one_of(st.just("fuzz-model"), _ptext.map(lambda s: "z" + s)),
-        st.one_of(st.sampled_from([0, 16, 32, 17]), _u32), _u32, _u32, _f32, _u32, st.sampled_from([0, 16, 8]))
+        st.one_of(st.sampled_from([0, 16, 32, 17]), _u32), _u32, _u32, _f32, _u32, st.sampled_from([0, 16, 8]),
+        st.one_of(st.just(0), st.sampled_from([1, 2, 3]), _u64))
     message = st.one_of(
         hello.map(lambda h: scheduler_pb2.EngineMessage(hello=h)),
         st.builds(lambda r, wt, bu, bt, cb, s, q, ids: scheduler_pb2.EngineMessage(load=scheduler_pb2.LoadReport(

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from .addresses import split_host_port
 from .engines import EngineConfig
 from .errors import ConfigError
 from .gateway import ApiKeyConfig
@@ -93,6 +92,10 @@ def validate_config(config: MeshConfig, where: str = "config") -> None:
     _check_scheduler_limits(mesh.at("scheduler"))
     _check_engines(mesh)
     _check_engine(mesh.at("engines").at("template"), config)
+    if config.engines.template.advertise_address and config.engines.count > 1:
+        mesh.at("engines").at("template").fail(
+            "advertise_address", "one address for every engine `kvmesh up` starts; set it per engine "
+            "process (`kvmesh engine --advertise-address`) or use engines.count 1")
     _check_gateway(mesh.at("gateway"))
     _check_api_keys(mesh.at("gateway"))
     envoy = mesh.at("envoy")
@@ -125,16 +128,21 @@ def _check_engines(mesh: _Section) -> None:
             engines.fail(name, f"engine {last} would listen on {base + last}, past {_MAX_PORT}")
 
 
+def _check_host_port(section: _Section, name: str, value: str) -> None:
+    """host:port, the host a DNS name, an IPv4 address or a [bracketed] IPv6 one."""
+    host, sep, port = value.rpartition(":")
+    if (not sep or not host or "/" in value or " " in value or not port.isdigit()
+            or not 0 < int(port) <= _MAX_PORT or (":" in host and not host.startswith("["))):
+        section.fail(name, f"must be host:port (a DNS name or IP, a port 1..{_MAX_PORT}), got {value!r}")
+
+
 def _check_engine(engine: _Section, config: MeshConfig) -> None:
     e: EngineConfig = engine.settings
     if not e.engine_id:
         engine.fail("engine_id", "required")
     engine.ports("port", "metrics_port", "http_port")
     if e.advertise_address:
-        try:
-            split_host_port(e.advertise_address)
-        except ValueError as exc:
-            engine.fail("advertise_address", str(exc))
+        _check_host_port(engine, "advertise_address", e.advertise_address)
     engine.positive("block_size", "total_blocks", "max_running", "weight")
     engine.non_negative("p0_headroom")
     engine.multiple_of("block_size", config.hash_block_tokens, "hash_block_tokens")

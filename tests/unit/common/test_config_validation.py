@@ -148,3 +148,25 @@ def test_queue_policies_default_to_round_robin_tenants_and_fifo() -> None:
     config = load_config(ROOT / "config" / "kvmesh.yaml")
     assert (config.scheduler.queue_fairness, config.scheduler.queue_ordering) == (
         "round_robin_tenants", "fifo")
+
+
+@pytest.mark.parametrize("address", [
+    "kvmesh-engine-0.kvmesh-engine.kvmesh.svc.cluster.local:50100", "localhost:1", "10.0.0.7:50100",
+    "[::1]:50100",
+])
+def test_an_engine_may_announce_a_dns_name_or_an_ip(address: str) -> None:
+    check({"engines": {"count": 1, "template": {"advertise_address": address}}})
+
+
+@pytest.mark.parametrize("address", [
+    "kvmesh-engine-0.kvmesh-engine", "host:0", "host:99999", ":50100", "http://host:50100", "::1:50100",
+    "a b:1",
+])
+def test_an_announced_address_is_host_colon_port(address: str) -> None:
+    with pytest.raises(ConfigError, match=r"config\.engines\.template\.advertise_address: must be host:port"):
+        check({"engines": {"count": 1, "template": {"advertise_address": address}}})
+
+
+def test_one_announced_address_is_not_for_several_engines() -> None:
+    with pytest.raises(ConfigError, match="advertise_address: one address for every engine"):
+        check({"engines": {"count": 2, "template": {"advertise_address": "e:1"}}})

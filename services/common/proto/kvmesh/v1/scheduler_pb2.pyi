@@ -117,16 +117,18 @@ class Queued(_message.Message):
     def __init__(self, position: _Optional[int] = ..., estimated_wait_seconds: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class Placed(_message.Message):
-    __slots__ = ("engine_id", "engine_address", "lease_id", "cached_tokens")
+    __slots__ = ("engine_id", "engine_address", "lease_id", "cached_tokens", "engine_incarnation")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     engine_address: str
     lease_id: str
     cached_tokens: int
-    def __init__(self, engine_id: _Optional[str] = ..., engine_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    engine_incarnation: int
+    def __init__(self, engine_id: _Optional[str] = ..., engine_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., engine_incarnation: _Optional[int] = ...) -> None: ...
 
 class Rejected(_message.Message):
     __slots__ = ("code", "message", "retry_after_seconds")
@@ -161,7 +163,7 @@ class AdmitServerMessage(_message.Message):
     def __init__(self, queued: _Optional[_Union[Queued, _Mapping]] = ..., placed: _Optional[_Union[Placed, _Mapping]] = ..., rejected: _Optional[_Union[Rejected, _Mapping]] = ..., preempted: _Optional[_Union[Preempted, _Mapping]] = ...) -> None: ...
 
 class EngineHello(_message.Message):
-    __slots__ = ("engine_id", "address", "model", "block_size", "total_blocks", "max_running", "weight", "max_model_len", "hash_block_tokens", "backend", "http_address")
+    __slots__ = ("engine_id", "address", "model", "block_size", "total_blocks", "max_running", "weight", "max_model_len", "hash_block_tokens", "backend", "http_address", "incarnation")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +175,7 @@ class EngineHello(_message.Message):
     HASH_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     address: str
     model: str
@@ -184,7 +187,8 @@ class EngineHello(_message.Message):
     hash_block_tokens: int
     backend: str
     http_address: str
-    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., max_running: _Optional[int] = ..., weight: _Optional[float] = ..., max_model_len: _Optional[int] = ..., hash_block_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., http_address: _Optional[str] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., max_running: _Optional[int] = ..., weight: _Optional[float] = ..., max_model_len: _Optional[int] = ..., hash_block_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., http_address: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
     __slots__ = ("running", "waiting", "blocks_used", "blocks_total", "cached_blocks", "serving", "queued_tokens", "request_ids")
@@ -273,7 +277,7 @@ class QueueState(_message.Message):
     def __init__(self, priority: _Optional[int] = ..., tenant: _Optional[str] = ..., queued: _Optional[int] = ..., oldest_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class EngineState(_message.Message):
-    __slots__ = ("engine_id", "address", "model", "serving", "draining", "fresh", "running", "waiting", "blocks_used", "blocks_total", "blocks_reserved", "cached_blocks", "leases", "weight", "backend")
+    __slots__ = ("engine_id", "address", "model", "serving", "draining", "fresh", "running", "waiting", "blocks_used", "blocks_total", "blocks_reserved", "cached_blocks", "leases", "weight", "backend", "incarnation")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +293,7 @@ class EngineState(_message.Message):
     LEASES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     address: str
     model: str
@@ -304,7 +309,8 @@ class EngineState(_message.Message):
     leases: int
     weight: float
     backend: str
-    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., draining: _Optional[bool] = ..., fresh: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., blocks_reserved: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., weight: _Optional[float] = ..., backend: _Optional[str] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., draining: _Optional[bool] = ..., fresh: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., blocks_reserved: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., weight: _Optional[float] = ..., backend: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class ClassState(_message.Message):
     __slots__ = ("priority", "preemptions", "requeued", "preempted_now", "seconds_lost", "displaced", "protected")

@@ -64,7 +64,9 @@ class SchedulerServicer:
 
     def Connect(self, request_iterator, context):
         """One stream per engine. The engine's membership lives exactly as long
-        as this stream.
+        as this stream, or until a newer process of the same engine id says
+        hello (EngineHello.incarnation): this stream then ends
+        FAILED_PRECONDITION with trailing metadata `kvmesh-superseded-by`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

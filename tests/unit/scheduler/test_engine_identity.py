@@ -1,0 +1,227 @@
+"""Engine identity across restarts (engine_registry.py): incarnations decide
+which process of an engine id is registered. On the registry itself, then
+on the core with a fake clock (leases of a superseded process end as if the
+engine was lost), then over real gRPC (the old stream is ended and an older
+hello refused FAILED_PRECONDITION with `kvmesh-superseded-by`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.common.proto.kvmesh.v1 import scheduler_pb2 as pb
+from services.engine.scheduler_link import new_incarnation, superseded_by
+from services.scheduler.engine_links import SUPERSEDED_METADATA_KEY
+from services.scheduler.engine_registry import (
+    DuplicateEngineError,
+    EngineInfo,
+    EngineRegistry,
+    SupersededEngineError,
+)
+from services.scheduler.events import EngineJoined, EngineLeft, ReplaceRequested, RequestArrived
+from services.scheduler.records import PlacedInfo, RejectedInfo
+
+from .helpers import MODEL, admit, make_core, opts, report_load
+from .test_grpc import TIMEOUT, stack, wait_state  # noqa: F401 - the fixture
+
+OLD, NEW = 1_000 << 22, 2_000 << 22
+
+
+def info(address: str, incarnation: int, engine_id: str = "e") -> EngineInfo:
+    return EngineInfo(engine_id=engine_id, address=address, model=MODEL, block_size=16, total_blocks=1000,
+                      max_running=8, weight=1.0, max_model_len=0, incarnation=incarnation)
+
+
+# ---------------------------------------------------------------- the registry's rules
+
+
+def test_a_newer_incarnation_supersedes_whatever_its_address() -> None:
+    registry = EngineRegistry(2.0)
+    first = registry.register(info("10.0.0.1:50100", OLD), 0.0).record
+    first.leases.add("lease-1")
+    registration = registry.register(info("10.0.0.2:50100", NEW), 1.0)
+    assert registration.superseded is first and registration.replaced is None
+    assert registry.get("e") is registration.record
+    assert registration.record.info.address == "10.0.0.2:50100"
+    assert not registration.record.leases            # the old process's leases do not carry over
+    # The same DNS name, a new process behind it: superseded all the same.
+    name = "e.kvmesh-engine.kvmesh.svc.cluster.local:50100"
+    registry.register(info(name, NEW), 2.0)
+    newest = registry.register(info(name, NEW + 1), 3.0)
+    assert newest.superseded is not None and newest.superseded.info.address == name
+
+
+def test_an_older_incarnation_is_refused_even_after_the_newer_one_left() -> None:
+    registry = EngineRegistry(2.0)
+    registry.register(info("a:1", OLD), 0.0)
+    new = registry.register(info("b:1", NEW), 1.0).record
+    with pytest.raises(SupersededEngineError) as refused:
+        registry.register(info("a:1", OLD), 2.0)
+    assert refused.value.newer_address == "b:1"
+    assert "superseded by a newer process" in str(refused.value)
+    assert registry.get("e") is new                  # nothing changed
+    # The newer process's stream drops: the old one still cannot come back...
+    assert registry.unregister("e", new.token) is new
+    with pytest.raises(SupersededEngineError):
+        registry.register(info("a:1", OLD), 3.0)
+    assert registry.get("e") is None
+    # ...while the newer one reconnects, from anywhere.
+    assert registry.register(info("c:1", NEW), 4.0).record.info.address == "c:1"
+
+
+def test_the_same_incarnation_reconnecting_replaces_and_keeps_its_leases() -> None:
+    registry = EngineRegistry(2.0)
+    first = registry.register(info("a:1", OLD), 0.0).record
+    first.leases.add("lease-1")
+    # Its old stream has not ended here yet (a dropped connection).
+    again = registry.register(info("a:1", OLD), 1.0)
+    assert again.replaced is first and again.superseded is None
+    assert again.record.leases == {"lease-1"}
+    assert again.record.token != first.token
+    assert registry.unregister("e", first.token) is None   # the old stream's late close is ignored
+    assert registry.get("e") is again.record
+    # After the stream did end, the same process is welcome back.
+    assert registry.unregister("e", again.record.token) is again.record
+    assert registry.register(info("a:1", OLD), 2.0).replaced is None
+
+
+def test_hellos_without_an_incarnation_keep_the_address_rule() -> None:
+    registry = EngineRegistry(2.0)
+    registry.register(info("a:1", 0), 0.0)
+    with pytest.raises(DuplicateEngineError):
+        registry.register(info("b:1", 0), 1.0)
+    with pytest.raises(DuplicateEngineError):     # an id held by an engine of no incarnation
+        registry.register(info("b:1", NEW), 1.0)
+    assert registry.register(info("a:1", NEW), 2.0).replaced is not None  # same address: a restart
+
+
+def test_incarnations_of_later_starts_compare_greater() -> None:
+    first = new_incarnation()
+    assert 0 < first < 2**63
+    # 2 ms later: the millisecond part decides, whatever the random bits.
+    later = ((first >> 22) + 2) << 22
+    assert later > first
+    assert len({new_incarnation() for _ in range(50)}) == 50
+
+
+# ---------------------------------------------------------------- on the core (fake clock)
+
+
+def _join(core, address: str, incarnation: int):
+    return core.handle(EngineJoined(info(address, incarnation)))
+
+
+def test_superseding_ends_the_old_processs_leases_as_if_it_was_lost() -> None:
+    core, clock = make_core()
+    token = _join(core, "old:1", OLD).token
+    report_load(core, "e", token)
+    outbox = core.handle(RequestArrived(opts("r1")))
+    placed = [n for rid, n in outbox.notices if rid == "r1" and isinstance(n, PlacedInfo)]
+    assert placed and placed[0].engine_address == "old:1" and placed[0].engine_incarnation == OLD
+    clock.advance(0.5)                       # well within any keepalive: nothing timed out
+    joined = _join(core, "new:1", NEW)
+    assert joined.superseded is not None
+    assert (joined.superseded.address, joined.superseded.incarnation, joined.superseded.leases) == (
+        "old:1", OLD, 1)
+    assert joined.superseded.was_fresh      # it reported 0.5 s ago: the log calls it out
+    # r1 waits ORPHANED for its gateway (the engine-lost path), no lease left.
+    assert core.request_state("r1").value == "orphaned"
+    assert core.lease_of("r1") is None and core.fleet.lease_count() == 0
+    # The old stream's late close changes nothing; the new process is placed on.
+    core.handle(EngineLeft("e", token))
+    report_load(core, "e", joined.token)
+    admit(core, opts("r2"))
+    lease = core.lease_of("r2")
+    assert lease is not None and lease.engine_id == "e"
+    assert [e.address for e in core.state().engines] == ["new:1"]
+    assert core.state().engines[0].incarnation == NEW
+
+
+def test_a_refused_older_hello_changes_nothing() -> None:
+    core, _ = make_core()
+    token = _join(core, "new:1", NEW).token
+    report_load(core, "e", token)
+    admit(core, opts("r1"))
+    with pytest.raises(SupersededEngineError):
+        _join(core, "old:1", OLD)
+    assert core.lease_of("r1") is not None and core.lease_of("r1").engine_id == "e"
+    assert [e.address for e in core.state().engines] == ["new:1"]
+
+
+def _replace(core, request_id: str):
+    return core.handle(ReplaceRequested(request_id, ("e",), 48, 8, ())).notices
+
+
+def test_a_replace_may_go_to_the_new_process_of_the_engine_it_excludes() -> None:
+    """The gateway excludes the engine id its stream failed on; once a newer
+    process holds that id, the exclusion is moot (the failed process is
+    gone): with one engine for the model, the request moves to the new
+    process instead of being refused no_engine."""
+    core, _ = make_core()
+    report_load(core, "e", _join(core, "old:1", OLD).token)
+    admit(core, opts("r1"))
+    joined = _join(core, "new:1", NEW)
+    report_load(core, "e", joined.token)
+    notices = _replace(core, "r1")
+    placed = [n for rid, n in notices if rid == "r1"]
+    assert len(placed) == 1 and isinstance(placed[0], PlacedInfo), placed
+    assert (placed[0].engine_address, placed[0].engine_incarnation) == ("new:1", NEW)
+
+
+def test_an_exclusion_of_the_same_process_still_holds() -> None:
+    core, _ = make_core()
+    report_load(core, "e", _join(core, "a:1", OLD).token)
+    admit(core, opts("r1"))
+    refused = [n for rid, n in _replace(core, "r1") if rid == "r1"]
+    assert len(refused) == 1 and isinstance(refused[0], RejectedInfo)
+    assert refused[0].reason.value == "no_engine"
+
+
+# ---------------------------------------------------------------- over gRPC
+
+
+def _hello(address: str, incarnation: int) -> pb.EngineMessage:
+    return pb.EngineMessage(hello=pb.EngineHello(
+        engine_id="eng-1", address=address, model="m", block_size=16, total_blocks=1000,
+        max_running=4, weight=1.0, hash_block_tokens=16, backend="fake", incarnation=incarnation))
+
+
+async def _refusal(call) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as ended:
+        while True:
+            await asyncio.wait_for(call.read(), TIMEOUT)
+    return ended.value
+
+
+async def test_a_newer_process_ends_the_old_stream_and_an_older_hello_is_refused(stack) -> None:  # noqa: F811
+    _, stub, _ = stack
+    old = stub.Connect(timeout=TIMEOUT * 3)
+    await old.write(_hello("127.0.0.1:1", OLD))
+    await old.write(pb.EngineMessage(load=pb.LoadReport(serving=True, blocks_total=1000)))
+    await wait_state(stub, lambda s: len(s.engines) == 1 and s.engines[0].fresh)
+
+    # The old stream stays open (a stopped process): the new one is in at once.
+    new = stub.Connect(timeout=TIMEOUT * 3)
+    name = "eng-1.kvmesh-engine.kvmesh.svc.cluster.local:50100"
+    await new.write(_hello(name, NEW))
+    await new.write(pb.EngineMessage(load=pb.LoadReport(serving=True, blocks_total=1000)))
+    state = await wait_state(stub, lambda s: len(s.engines) == 1 and s.engines[0].address == name)
+    assert state.engines[0].incarnation == NEW
+
+    ended = await _refusal(old)
+    assert ended.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert superseded_by(ended) == name
+    assert "a newer process of this engine registered" in ended.details()
+
+    # The old process comes back (say, after a partition): refused, same answer.
+    again = stub.Connect(timeout=TIMEOUT * 3)
+    await again.write(_hello("127.0.0.1:1", OLD))
+    refused = await _refusal(again)
+    assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert dict(refused.trailing_metadata())[SUPERSEDED_METADATA_KEY] == name
+    # The new process is still the one registered, and its reports count.
+    await new.write(pb.EngineMessage(load=pb.LoadReport(serving=True, blocks_total=1000, running=2)))
+    await wait_state(stub, lambda s: len(s.engines) == 1 and s.engines[0].running == 2)
+    new.cancel()
