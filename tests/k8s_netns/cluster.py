@@ -65,6 +65,7 @@ class RunningPod:
     log: Path
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
+    passed: dict[str, float] = field(default_factory=dict)  # probe kind -> seconds after the start
 
     @property
     def ip(self) -> str:
@@ -301,13 +302,15 @@ class Cluster:
             self.wait_started(r)
 
     def wait_started(self, r: RunningPod, timeout: float = START_TIMEOUT) -> float:
-        """Seconds until the pod's startup then readiness probes pass."""
+        """Seconds until the pod's startup then readiness probes pass (each
+        one's pass time, from the process start, in `r.passed`)."""
         t0 = time.monotonic()
         for kind in ("startupProbe", "readinessProbe"):
             probe = r.container.probes.get(kind)
             if probe is not None:
                 self.wait_for(lambda p=probe: self.probe(r, p), max(1.0, timeout - (time.monotonic() - t0)),
                               f"{r.pod.name}'s {kind}", check=r)
+                r.passed[kind] = time.monotonic() - r.started_at
         return time.monotonic() - t0
 
     # ------------------------------------------------------------ probes and exec
