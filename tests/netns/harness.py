@@ -6,6 +6,8 @@ loopback never shows -- a host dropping off the network without a TCP reset.
         net.hosts["sched"].spawn([...], log)     # a process on that host
         net.cut("eng0")                          # silent partition: no RST, no FIN
         net.heal("eng0")
+        net.add_host("eng0b")                    # one more host, a new address
+        net.hosts["eng0b"].write_etc("resolv.conf", "nameserver ...\n")  # its /etc/resolv.conf
 
 Layout: the switch namespace holds bridge `br0`; each host namespace holds
 `eth0` (its address, a /24) whose veth peer `p-<host>` is a port of `br0`,
@@ -26,8 +28,9 @@ Safety rules, each enforced here and tested (tests/netns/test_netns_safety.py):
       before anything starts;
   (d) everything is torn down when the `with` block ends, also on failure
       or KeyboardInterrupt: processes (SIGTERM, then SIGKILL, each bounded),
-      anything left running in the namespaces, the namespaces (their veths
-      and the bridge go with them), the route. A crashed earlier run's
+      anything left running in the namespaces, the namespaces (their veths,
+      the bridge and any nftables tables go with them), their /etc/netns
+      files (`Host.write_etc`), the route. A crashed earlier run's
       leftovers (namespaces and routes named for a process that no longer
       exists) are removed before a new run starts.
 
@@ -80,6 +83,9 @@ SWITCH = "sw"
 LOCK_PATH = Path("/run/lock/kvm14-netns.lock") if Path("/run/lock").is_dir() else Path("/tmp/kvm14-netns.lock")
 IP_TIMEOUT = 10.0
 STOP_GRACE = 10.0
+# Per-namespace files `ip netns exec` bind-mounts over /etc/<name> for the
+# process it starts (resolv.conf, hosts): a host's own DNS view.
+ETC_NETNS = Path("/etc/netns")
 
 _NS_RE = re.compile(rf"^{re.escape(PREFIX)}(\d+)-(\d+)-([a-z0-9]+)$")
 _SEQ = itertools.count()
@@ -166,11 +172,23 @@ def clean_stale() -> list[str]:
             _kill_pids_in(ns)
             ip("netns", "del", ns, check=False)
             removed.append(ns)
+    for folder in ETC_NETNS.glob(f"{PREFIX}*") if ETC_NETNS.is_dir() else ():
+        m = _NS_RE.match(folder.name)
+        if m and not _alive(int(m.group(1))):
+            _remove_etc(folder.name)
+            removed.append(str(folder))
     for prefix, pid in _our_routes():
         if not _alive(pid):
             ip("route", "del", "blackhole", prefix, "proto", ROUTE_PROTO, "metric", str(pid), check=False)
             removed.append(f"route {prefix}")
     return removed
+
+
+def _remove_etc(ns: str) -> None:
+    """Remove /etc/netns/<ns> (and /etc/netns once empty: made for the harness)."""
+    shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        ETC_NETNS.rmdir()
 
 
 def _setns(ns: str) -> None:
@@ -227,6 +245,15 @@ class Host:
                                 cwd=cwd, start_new_session=True)
         self.procs.append(proc)
         return proc
+
+    def write_etc(self, name: str, text: str) -> Path:
+        """/etc/netns/<ns>/<name>: what a process started on this host (by
+        `spawn` or `run`: `ip netns exec`) sees as /etc/<name>, e.g. its own
+        resolv.conf or hosts. Removed with the namespace on teardown."""
+        folder = ETC_NETNS / self.ns
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+        return folder / name
 
     def call(self, fn: Callable[[], T], timeout: float = 30.0) -> T:
         """fn() with this host's network (see `call_in_netns`)."""
@@ -334,6 +361,25 @@ class NetnsHarness:
         ip("link", "set", "lo", "up", ns=ns)
         ip("link", "set", "eth0", "up", ns=ns)
 
+    def add_host(self, name: str) -> Host:
+        """One more host on the running network (a new address: e.g. a
+        service "rescheduled" elsewhere); its neighbour entries both ways.
+        Torn down with the others."""
+        if name in self.hosts or name == SWITCH or not re.fullmatch(r"[a-z0-9]{1,10}", name):
+            raise HarnessError(f"host name taken or invalid: {name!r}")
+        index = max(int(h.mac.rsplit(":", 1)[1], 16) for h in self.hosts.values()) + 1
+        if index > 250:
+            raise HarnessError("no address left in the run's /24")
+        self.names.append(name)
+        self._build_host(name, index)
+        new = self.hosts[name]
+        for peer in self.hosts.values():
+            if peer is not new:
+                ip("neigh", "replace", peer.address, "lladdr", peer.mac, "nud", "permanent", "dev", "eth0", ns=new.ns)
+                ip("neigh", "replace", new.address, "lladdr", new.mac, "nud", "permanent", "dev", "eth0", ns=peer.ns)
+        self.assert_safe()
+        return new
+
     def _add_neighbours(self) -> None:
         """Every host knows every other's MAC (permanent entries: no ARP).
         Else a cut host's ARP for a peer fails within seconds and its kernel
@@ -383,6 +429,7 @@ class NetnsHarness:
         namespaces, links in the root namespace with its names (none are
         ever made there: veths are created inside the namespaces), the route."""
         left = [ns for ns in _namespaces() if ns.startswith(self.run_prefix)]
+        left += [str(f) for f in (ETC_NETNS.glob(f"{self.run_prefix}*") if ETC_NETNS.is_dir() else ())]
         ports = {h.port for h in self.hosts.values()}
         left += [f"link {name}" for name in re.findall(r"^\d+: ([^:@]+)", ip("-o", "link", "show"), re.M)
                  if name in ports or name.startswith(PREFIX)]
@@ -423,6 +470,7 @@ class NetnsHarness:
                     ip("netns", "del", ns)
             except Exception as exc:  # noqa: BLE001 - keep tearing down, report at the end
                 errors.append(f"delete {ns}: {exc}")
+            _remove_etc(ns)
         if self._route_added:
             try:
                 ip("route", "del", "blackhole", str(self.subnet), "proto", ROUTE_PROTO, "metric", str(os.getpid()))

@@ -1,0 +1,390 @@
+"""The rendered `dev-cpu` overlay run across namespace hosts: scheduler, 2
+gateways, 3 sim engines and Envoy, each pod its own host with exactly the
+container's argv, env and volumes (cluster.py), Service names answered by a
+real DNS server (dnsmasq) like cluster DNS, NetworkPolicies as nftables in
+each host. Shown:
+
+- every startup/readiness/liveness probe answers as the manifest expects;
+- a chat request through Envoy's Service port from a client host outside
+  the cluster streams to [DONE] (with the key the secrets script made);
+- the NetworkPolicies' intent: the client reaches Envoy's 8080, not an
+  engine's gRPC port nor the scheduler's;
+- an engine "rescheduled" (killed, the same pod started on a new host with
+  a new address, its DNS name moved) under streams: every stream completes
+  with the uninterrupted text, the pod serves again within seconds and is
+  placed on;
+- preStop drains (the manifest's exec hook returns once drained, streams go
+  on elsewhere), then SIGTERM ends the engine quickly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.netns.client import Stream, run_on, run_streams, wait_until
+from tests.netns.harness import NetnsHarness, netns_unavailable
+from tests.netns.mesh import metric
+
+from .cluster import Cluster, RunningPod, clean_stale, connect
+from .kube import ROOT, Objects, render
+
+pytestmark = pytest.mark.timeout(240)
+
+OVERLAY = ROOT / "deploy" / "overlays" / "dev-cpu"
+API_KEY = "kvm15-netns-test-key"
+# Seconds a rescheduled engine pod may take from its start to serving
+# (startup + readiness probes pass, registered): a Python service's imports
+# and the sim's warm-up take ~3 s on an idle 2-core machine; x5 for a loaded CI.
+RESCHEDULE_BOUND_SECONDS = 15.0
+# A replacement for an engine on a lost node is ready (registered) as soon
+# as it has started (model loaded, warm-up done), not locked out until the
+# lost one's keepalive expires (5 + 5 s after the cut): measured from its
+# startup probe's pass to its readiness probe's, which leaves the process's
+# own start-up time (1-5 s here, idle to loaded) out; half the keepalive
+# bound is far above a registration's round trip and tells a lock-out apart.
+LOST_BOUND_FRACTION = 0.5
+STREAMS = 12
+TOKENS = 400
+
+
+def _unavailable() -> str | None:
+    if reason := netns_unavailable():
+        return reason
+    for tool in ("kubectl", "dnsmasq", "nft", "unshare", "nsenter"):
+        if subprocess.run(["sh", "-c", f"command -v {tool} || test -x /usr/sbin/{tool}"],
+                          capture_output=True, check=False).returncode != 0:
+            return f"{tool} is not installed (scripts/setup.sh installs it)"
+    if not OVERLAY.is_dir():
+        return f"{OVERLAY} is missing"
+    if not (ROOT / ".models" / "tiny-llama").is_dir():
+        return ".models/tiny-llama is missing: run `make setup`"
+    return None
+
+
+def _secrets(out: Path) -> dict[str, dict[str, bytes]]:
+    """The Secrets scripts/k8s_secrets.sh makes, with the test's API key."""
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "k8s_secrets.sh"), "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=False,
+                          env={**os.environ, "KVMESH_API_KEY": API_KEY})
+    assert proc.returncode == 0, proc.stderr
+    objects = Objects([d for d in yaml.safe_load_all((out / "secrets.yaml").read_text()) if d])
+    return {s["metadata"]["name"]: objects.secret(s["metadata"]["name"]) for s in objects.of("Secret")}
+
+
+@pytest.fixture(scope="module")
+def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    if reason := _unavailable():
+        pytest.skip(reason)
+    clean_stale()
+    run_dir = tmp_path_factory.mktemp("k8s")
+    objects = Objects(render(OVERLAY), _secrets(run_dir / "secrets"))
+    plan = Cluster.plan(objects)
+    cluster: Cluster | None = None
+    try:
+        with NetnsHarness([*plan.values(), "dns", "client"]) as net:
+            cluster = Cluster(net, objects, run_dir, plan)
+            cluster.prepare()
+            cluster.start()
+            net.assert_safe()
+            yield cluster
+        assert net.leftovers() == [], f"teardown left {net.leftovers()}"
+    finally:
+        if cluster is not None:
+            cluster.close()
+    assert cluster is not None and cluster.leftovers() == [], f"teardown left {cluster.leftovers()}"
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _envoy_url(kube: Cluster) -> str:
+    envoy = kube.by_component("envoy")[0]
+    return f"http://{envoy.ip}:{kube.service_port('kvmesh-envoy')}"
+
+
+def _streams(kube: Cluster, streams: list[Stream], during: Any = None, timeout: float = 150) -> None:
+    """Run `streams` from the client host through Envoy; `during(streams)`
+    once every stream has its first chunk, on this (the root namespace's)
+    thread: threads the client host's loop starts would be in its namespace."""
+    flowing = threading.Event()
+    box: dict[str, BaseException] = {}
+
+    async def run() -> None:
+        tasks, session = run_streams(_envoy_url(kube), streams, api_key=API_KEY)
+        try:
+            await wait_until(lambda: all(s.chunks or s.error for s in streams), 60, "every stream's first chunk")
+            flowing.set()
+            await asyncio.gather(*tasks)
+        finally:
+            await session.close()
+
+    def client() -> None:
+        try:
+            run_on(kube.net.hosts["client"], run, timeout=timeout)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            box["error"] = exc
+        finally:
+            flowing.set()
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    if during is not None:
+        flowing.wait(timeout)
+        if "error" not in box:
+            during(streams)
+    thread.join(timeout + 20)
+    if "error" in box:
+        raise box["error"]
+    assert not thread.is_alive(), f"streams still running after {timeout} s"
+
+
+def _prompts(tag: str, n: int) -> list[str]:
+    return [f"{tag} {i}: tell me about pods, nodes and services." for i in range(n)]
+
+
+def _complete(kube: Cluster, prompts: list[str], tokens: int, during: Any = None) -> list[Stream]:
+    streams = [Stream(p, tokens, model=_model(kube)) for p in prompts]
+    _streams(kube, streams, during)
+    return streams
+
+
+def _model(kube: Cluster) -> str:
+    """The model the engines serve, from the mesh config in the ConfigMap."""
+    cm = next(c for c in kube.objects.of("ConfigMap") if "kvmesh.yaml" in (c.get("data") or {}))
+    config = yaml.safe_load(cm["data"]["kvmesh.yaml"])
+    return str(config["engines"]["template"].get("model") or config["models"][0]["name"])
+
+
+def _engine_name(i: int) -> str:
+    return f"kvmesh-engine-{i}"
+
+
+def _engine_metrics(kube: Cluster, r: RunningPod) -> str:
+    return kube.http_get(r, {"port": "metrics", "path": "/metrics"})[1]
+
+
+def _served(kube: Cluster, r: RunningPod) -> float:
+    """Prompt tokens engine pod `r` has processed."""
+    return metric(_engine_metrics(kube, r), "vllm:prompt_tokens_total")
+
+
+def _assert_ok(streams: list[Stream], expected: list[str] | None = None) -> None:
+    bad = [(i, s.status, s.finish_reason, s.error) for i, s in enumerate(streams) if not s.ok]
+    assert not bad, f"{len(bad)} of {len(streams)} streams failed: {bad[:3]}"
+    if expected is not None:
+        diff = [i for i, (s, want) in enumerate(zip(streams, expected, strict=True)) if s.text != want]
+        assert not diff, f"streams {diff} differ from the uninterrupted run"
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_each_container_runs_as_its_manifest_says(kube: Cluster) -> None:
+    """User, read-only root, volumes at their mount paths, hostname = pod name."""
+    for r in kube.running.values():
+        assert r.proc is not None and r.proc.poll() is None, r.pod.name
+        status = Path(f"/proc/{r.proc.pid}/status").read_text()
+        uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+        assert uid == (r.container.user or 0), (r.pod.name, uid)
+        mounts = {}
+        for line in Path(f"/proc/{r.proc.pid}/mountinfo").read_text().splitlines():
+            fields = line.split()
+            mounts[fields[4]] = fields[5].split(",")  # mount point -> per-mount options (last one wins)
+        if r.container.read_only_root:
+            assert "ro" in mounts["/"], (r.pod.name, mounts["/"])
+        for vol in r.container.volumes:
+            assert vol.path in mounts, (r.pod.name, vol.path)
+            assert ("ro" in mounts[vol.path]) == vol.read_only, (r.pod.name, vol.path, mounts[vol.path])
+        assert kube.exec(r, ["hostname"], timeout=10).stdout.strip() == r.pod.name
+
+
+def test_every_probe_answers_as_the_manifest_expects(kube: Cluster) -> None:
+    for r in kube.running.values():
+        for kind, probe in r.container.probes.items():
+            assert kube.probe(r, probe), f"{r.pod.name}: {kind} {probe} fails"
+            if "httpGet" in probe:
+                status, body = kube.http_get(r, probe["httpGet"])
+                assert status == 200 and yaml.safe_load(body).get("status"), (r.pod.name, kind, status, body)
+
+
+def _chat(url: str, model: str) -> list[str]:
+    """A streamed chat completion; the SSE data lines up to [DONE]."""
+    body = json.dumps({"model": model, "stream": True, "max_tokens": 24,
+                       "messages": [{"role": "user", "content": "Hello from outside the cluster"}]}).encode()
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=body, method="POST", headers={
+        "Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    data = []
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data:"):
+                data.append(line[5:].strip())
+                if data[-1] == "[DONE]":
+                    break
+    return data
+
+
+def test_chat_through_envoy_streams_to_done(kube: Cluster) -> None:
+    client, model = kube.net.hosts["client"], _model(kube)
+    envoy = kube.by_component("envoy")[0]
+    # The Service's port, and its nodePort (dev-cpu: NodePort) on the pod's host standing in for the node.
+    urls = [_envoy_url(kube)]
+    if kube.objects.get("Service", "kvmesh-envoy")["spec"].get("type") == "NodePort":
+        urls.append(f"http://{envoy.ip}:{kube.service_port('kvmesh-envoy', node=True)}")
+    for url in urls:
+        events = client.call(lambda u=url: _chat(u, model), timeout=90)
+        assert events and events[-1] == "[DONE]", (url, events[-3:])
+        text = "".join((json.loads(e)["choices"][0].get("delta") or {}).get("content") or ""
+                       for e in events[:-1] if json.loads(e).get("choices"))
+        assert text, f"{url}: no content in {events[:3]}"
+    streams = _complete(kube, _prompts("chat", 2), 32)
+    _assert_ok(streams)
+    assert all(s.text for s in streams)
+
+
+def test_network_policies_let_the_client_reach_envoy_only(kube: Cluster) -> None:
+    client = kube.net.hosts["client"]
+    envoy = kube.by_component("envoy")[0]
+    sched = kube.by_component("scheduler")[0]
+    engine = kube.running[_engine_name(0)]
+    gateway = kube.by_component("gateway")[0]
+
+    def reach(r: RunningPod, port: int) -> str:
+        return client.call(lambda: connect(r.ip, port, 1.5), timeout=10)
+
+    assert reach(envoy, 8080) == "connected"
+    for r, port in ((engine, 50100), (engine, 9200), (sched, 50051), (sched, 9101), (gateway, 8000),
+                    (gateway, 50061)):
+        assert reach(r, port) in ("refused", "timeout"), f"the client reached {r.pod.name}:{port}"
+    # Inside the namespace too: engines only from gateways and the scheduler,
+    # metrics ports only from the monitoring namespace (no host here).
+    def from_(src: RunningPod, dst: RunningPod, port: int) -> str:
+        return src.host.call(lambda: connect(dst.ip, port, 1.5), timeout=10)
+
+    assert from_(gateway, sched, 50051) == "connected"
+    assert from_(gateway, engine, 50100) == "connected"
+    assert from_(sched, engine, 50100) == "connected"
+    assert from_(envoy, gateway, 8000) == "connected"
+    for src, dst, port in ((envoy, engine, 50100), (envoy, sched, 50051), (gateway, engine, 9200),
+                           (envoy, gateway, 9102), (engine, sched, 9101)):
+        assert from_(src, dst, port) in ("refused", "timeout"), f"{src.pod.name} reached {dst.pod.name}:{port}"
+
+
+def test_rescheduled_engine_serves_again_and_no_stream_is_lost(kube: Cluster) -> None:
+    prompts = _prompts("resched", STREAMS)
+    expected = [s.text for s in _complete(kube, prompts, TOKENS)]
+    moved: dict[str, Any] = {}
+
+    def reschedule(streams: list[Stream]) -> None:
+        old = kube.running[_engine_name(1)]
+        new = kube.reschedule(_engine_name(1), "engine1b")
+        moved.update(old=old.ip, new=new.ip, pod=new, ready=kube.wait_started(new, RESCHEDULE_BOUND_SECONDS * 4))
+
+    streams = [Stream(p, TOKENS, model=_model(kube)) for p in prompts]
+    _streams(kube, streams, during=reschedule)
+    _assert_ok(streams, expected)
+    new: RunningPod = moved["pod"]
+    assert moved["new"] != moved["old"]
+    assert moved["ready"] < RESCHEDULE_BOUND_SECONDS, f"ready again only {moved['ready']:.1f} s after its start"
+    # Placed on and served: short requests (cold prefixes go to the least
+    # loaded engine) until one runs on the moved pod, within the bound.
+    _wait_served(kube, new, new.started_at, RESCHEDULE_BOUND_SECONDS, "after")
+    print(f"rescheduled {new.pod.name} {moved['old']} -> {moved['new']}: ready {moved['ready']:.1f} s, "
+          f"serving {time.monotonic() - new.started_at:.1f} s after its start")
+
+
+def _keepalive_bound(kube: Cluster) -> float:
+    """Seconds after which a silent peer's gRPC stream is given up (the
+    ConfigMap's `network`, else the code's defaults)."""
+    cm = next(c for c in kube.objects.of("ConfigMap") if "kvmesh.yaml" in (c.get("data") or {}))
+    network = yaml.safe_load(cm["data"]["kvmesh.yaml"]).get("network") or {}
+    return float(network.get("keepalive_time_seconds", 5.0)) + float(network.get("keepalive_timeout_seconds", 5.0))
+
+
+def _wait_served(kube: Cluster, r: RunningPod, since: float, bound: float, tag: str) -> float:
+    """Short requests until one runs on pod `r`; seconds from `since`, < bound."""
+    before, batch = _served(kube, r), 0
+    while _served(kube, r) <= before:
+        waited = time.monotonic() - since
+        served = {n: _served(kube, e) for n, e in kube.running.items() if e.pod.component == "engine"}
+        assert waited < bound, f"{r.pod.name} served nothing {waited:.1f} s on (prompt tokens {served})"
+        _assert_ok(_complete(kube, _prompts(f"{tag} {batch}", STREAMS), 16))
+        batch += 1
+    return time.monotonic() - since
+
+
+def test_engine_of_a_lost_node_rejoins_at_once(kube: Cluster) -> None:
+    """Its node drops off the network with the engine running (silence, no
+    FIN): the same pod started elsewhere is ready at once, its streams
+    complete elsewhere with the text unchanged, and once the lost process's
+    keepalive has expired the new one is still registered and placed on (the
+    lost one's end must not end the new one's registration: incarnations,
+    helper "ident")."""
+    prompts = _prompts("lost", STREAMS)
+    expected = [s.text for s in _complete(kube, prompts, TOKENS)]
+    moved: dict[str, Any] = {}
+
+    def lose(streams: list[Stream]) -> None:
+        moved["cut"] = time.monotonic()
+        new = kube.reschedule(_engine_name(0), "engine0b", lost=True)
+        moved.update(pod=new, ready=kube.wait_started(new, RESCHEDULE_BOUND_SECONDS * 4))
+
+    streams = [Stream(p, TOKENS, model=_model(kube)) for p in prompts]
+    _streams(kube, streams, during=lose)
+    _assert_ok(streams, expected)
+    new: RunningPod = moved["pod"]
+    bound = LOST_BOUND_FRACTION * _keepalive_bound(kube)
+    registering = new.passed["readinessProbe"] - new.passed.get("startupProbe", 0.0)
+    assert registering < bound, (
+        f"the replacement of a lost engine was ready only {registering:.1f} s after it had started (bound {bound} s)")
+    # The lost process's registration ends (its keepalive expires) -- a protocol timer, so a timed wait.
+    time.sleep(max(0.0, moved["cut"] + _keepalive_bound(kube) + 2 - time.monotonic()))
+    assert kube.probe(new, new.container.probes["readinessProbe"]), "not ready after the lost one's keepalive"
+    serving = _wait_served(kube, new, time.monotonic(), RESCHEDULE_BOUND_SECONDS, "after lost")
+    print(f"{new.pod.name} of a lost node: ready {moved['ready']:.1f} s after its start elsewhere "
+          f"({registering:.1f} s after started); "
+          f"placed on {serving:.1f} s after the lost one's keepalive")
+
+
+def test_prestop_drains_then_sigterm_ends_the_engine_fast(kube: Cluster) -> None:
+    r = kube.running[_engine_name(2)]
+    assert r.container.pre_stop, "the engine has no preStop hook"
+    prompts = _prompts("prestop", STREAMS)
+    expected = [s.text for s in _complete(kube, prompts, TOKENS)]
+    hook: dict[str, Any] = {}
+
+    def drain(streams: list[Stream]) -> None:
+        text = _engine_metrics(kube, r)
+        hook["held"] = metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting")
+        t0 = time.monotonic()
+        done = kube.exec(r, r.container.pre_stop or [], timeout=r.pod.grace_seconds)
+        hook.update(rc=done.returncode, out=done.stdout + done.stderr, seconds=time.monotonic() - t0)
+        hook["ready"] = kube.probe(r, r.container.probes["readinessProbe"])
+        assert r.proc is not None
+        t1 = time.monotonic()
+        os.killpg(r.proc.pid, signal.SIGTERM)
+        r.proc.wait(timeout=r.pod.grace_seconds)
+        hook["exit_seconds"] = time.monotonic() - t1
+
+    streams = [Stream(p, TOKENS, model=_model(kube)) for p in prompts]
+    _streams(kube, streams, during=drain)
+    print(f"preStop of {r.pod.name}: returned after {hook['seconds']:.1f} s, exit {hook['exit_seconds']:.1f} s "
+          f"after SIGTERM")
+    assert hook["held"] > 0, f"{r.pod.name} held no stream when preStop ran"
+    assert hook["rc"] == 0, hook["out"]
+    assert not hook["ready"], "still ready after preStop's drain"
+    assert hook["exit_seconds"] < 5, f"SIGTERM after the drain took {hook['exit_seconds']:.1f} s"
+    _assert_ok(streams, expected)
