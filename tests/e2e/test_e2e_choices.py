@@ -30,7 +30,7 @@ def engine_counters(mesh: Mesh, name: str) -> list[float]:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
             text = resp.read().decode()
         out.append(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith(name + "{") or line.startswith(name + " ")))
+                       if line.startswith((name + "{", name + " "))))
     return out
 
 

@@ -9,7 +9,7 @@ import aiohttp
 import grpc
 import openai
 import pytest
-from conftest import KEY_FULL, KEY_OTHER, MODEL, Mesh, expected_answer
+from conftest import KEY_FULL, KEY_OTHER, MODEL, FakeEngine, Mesh, expected_answer
 
 from services.common.proto.kvmesh.v1 import inference_pb2, inference_pb2_grpc
 
@@ -147,3 +147,53 @@ async def test_models_list_only_served_models(mesh: Mesh) -> None:
         assert (await c.models.list()).data == []
         with pytest.raises(openai.NotFoundError):
             await c.models.retrieve(MODEL)
+
+
+async def test_n2_each_choice_migrates_from_its_own_tokens(mesh: Mesh) -> None:
+    """Engine-a fails every call after 3 tokens: each choice moves to engine-b
+    on its own, continuing from prompt + its own 3 tokens, and both end whole."""
+    a = mesh.engines["engine-a"]
+    a.break_after, a.answer_tokens = 3, 9
+    b = await mesh.add_engine(FakeEngine("engine-b", answer_tokens=9))
+    async with client(mesh) as c:
+        stream = await c.chat.completions.create(model=MODEL, messages=CHAT, n=2, stream=True,
+                                                 stream_options={"include_usage": True})
+        chunks = [ch async for ch in stream]
+    prompt = list(a.requests[0].prompt_token_ids)
+    ids, text = expected_answer(prompt, 9)
+    for i in (0, 1):
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks
+                       if ch.choices and ch.choices[0].index == i) == text
+    assert len(b.requests) == 2 and sum(r.request_id.endswith("-n1") for r in b.requests) == 1
+    assert all(list(r.prompt_token_ids) == prompt + ids[:3] and r.resumed_tokens == 3 for r in b.requests)
+    assert chunks[-1].usage.completion_tokens == 18 and chunks[-1].usage.prompt_tokens == len(prompt)
+
+
+async def test_n2_a_preempted_choice_requeues_alone(mesh: Mesh) -> None:
+    """Choice 0 is preempted after 4 tokens: it requeues and continues on
+    engine-b from its own tokens; choice 1 runs on undisturbed."""
+    a = mesh.engines["engine-a"]
+    a.answer_tokens, a.pause_after = 12, 4
+    b = await mesh.add_engine(FakeEngine("engine-b", answer_tokens=12))
+    mesh.scheduler.requeue_engines = ["engine-b"]
+
+    async def run() -> list:
+        async with client(mesh) as c:
+            stream = await c.chat.completions.create(model=MODEL, messages=CHAT, n=2, stream=True,
+                                                     extra_headers={"x-request-id": "r-p"})
+            return [ch async for ch in stream]
+
+    task = asyncio.create_task(run())
+    await asyncio.wait_for(a.paused.wait(), 10)
+    await asyncio.sleep(0.2)
+    (record,) = [r for r in mesh.scheduler.admits if r.request.request_id == "r-p"]
+    await mesh.scheduler.preempt(record)
+    chunks = await asyncio.wait_for(task, 20)
+    prompt = list(a.requests[0].prompt_token_ids)
+    ids, text = expected_answer(prompt, 12)
+    for i in (0, 1):
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks
+                       if ch.choices and ch.choices[0].index == i) == text
+    (moved,) = b.requests
+    assert moved.request_id == "r-p" and moved.resumed_tokens == 4
+    assert [r.request_id for r in a.requests] == ["r-p", "r-p-n1"]
