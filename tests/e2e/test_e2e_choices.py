@@ -9,8 +9,12 @@ engines' own vllm:prefix_cache_* counters. The last test kills the engines
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import aiohttp
 import openai
@@ -19,6 +23,7 @@ import pytest
 from services.launcher.mesh import Mesh
 
 MODEL = "tiny-llama"
+GRPCURL = str(Path(sys.prefix) / "bin" / "grpcurl")
 LONG = "the quick brown fox jumps over the lazy dog " * 30
 
 
@@ -96,6 +101,30 @@ async def test_echo_logit_bias_and_tokenize_round_trip(e2e_mesh: Mesh) -> None:
         headers={"Authorization": f"Bearer {e2e_mesh.api_key}"},
     ) as r:
         assert (await r.json())["prompt"].endswith("fox")
+
+
+def test_grpcurl_n_logit_bias_and_tokenize_through_envoy(e2e_mesh: Mesh) -> None:
+    """The README's grpcurl lines (reflection through Envoy), and the same
+    RPCs as JSON through Envoy's transcoder (the browser bridge)."""
+    auth = f"authorization: Bearer {e2e_mesh.api_key}"
+    chat = {"model": MODEL, "n": 2, "messages": [{"role": "user", "content": "hi"}],
+            "sampling": {"max_tokens": 4, "logit_bias": {"7": -100}}}
+    out = subprocess.run([GRPCURL, "-plaintext", "-H", auth, "-d", json.dumps(chat), e2e_mesh.endpoints.public_grpc,
+                          "kvmesh.v1.Inference/Chat"], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count('"finished"') == 2 and '"choice_index": 1' in out.stdout
+    out = subprocess.run([GRPCURL, "-plaintext", "-H", auth, "-d", json.dumps({"model": MODEL, "prompt": "hi"}),
+                          e2e_mesh.endpoints.public_grpc, "kvmesh.v1.Inference/Tokenize"],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0 and '"tokens"' in out.stdout, out.stderr
+    headers = {"Authorization": f"Bearer {e2e_mesh.api_key}", "Content-Type": "application/json"}
+    request = urllib.request.Request(f"{e2e_mesh.endpoints.public_http}/v1/grpc/tokenize", headers=headers,
+                                     data=json.dumps({"model": MODEL, "prompt": "hi"}).encode())
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        assert json.loads(resp.read())["count"] > 0
+    request = urllib.request.Request(f"{e2e_mesh.endpoints.public_http}/v1/grpc/models", headers=headers)
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        assert [m["id"] for m in json.loads(resp.read())["models"]] == [MODEL]
 
 
 async def test_models_lists_what_is_served_then_not(e2e_mesh: Mesh) -> None:
