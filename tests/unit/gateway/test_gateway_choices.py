@@ -190,7 +190,7 @@ async def test_n2_a_preempted_choice_requeues_alone(mesh: Mesh) -> None:
     await mesh.scheduler.preempt(record)
     chunks = await asyncio.wait_for(task, 20)
     prompt = list(a.requests[0].prompt_token_ids)
-    ids, text = expected_answer(prompt, 12)
+    _, text = expected_answer(prompt, 12)
     for i in (0, 1):
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks
                        if ch.choices and ch.choices[0].index == i) == text
