@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -23,6 +24,8 @@ import pytest
 from services.launcher.mesh import Mesh
 
 MODEL = "tiny-llama"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--no-first-run"]
 GRPCURL = str(Path(sys.prefix) / "bin" / "grpcurl")
 LONG = "the quick brown fox jumps over the lazy dog " * 30
 
@@ -125,6 +128,28 @@ def test_grpcurl_n_logit_bias_and_tokenize_through_envoy(e2e_mesh: Mesh) -> None
     request = urllib.request.Request(f"{e2e_mesh.endpoints.public_http}/v1/grpc/models", headers=headers)
     with urllib.request.urlopen(request, timeout=30) as resp:
         assert [m["id"] for m in json.loads(resp.read())["models"]] == [MODEL]
+
+
+@pytest.mark.browser
+async def test_chat_page_offers_only_served_models(e2e_mesh: Mesh) -> None:
+    """SmolLM2 is configured but no engine of this mesh serves it: the
+    page's model picker offers tiny-llama alone."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip("chromium is not installed (scripts/setup.sh installs Debian's chromium as root)")
+    from playwright.async_api import async_playwright
+
+    async with async_playwright() as p:
+        browser = await p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = await browser.new_page()
+            await page.goto(f"{e2e_mesh.endpoints.public_http}/")
+            await page.fill("#key", e2e_mesh.api_key)
+            await page.dispatch_event("#key", "change")
+            await page.wait_for_selector(f"#model option[value='{MODEL}']", state="attached", timeout=30_000)
+            values = await page.eval_on_selector_all("#model option", "els => els.map(e => e.value)")
+        finally:
+            await browser.close()
+    assert values == [MODEL]
 
 
 async def test_models_lists_what_is_served_then_not(e2e_mesh: Mesh) -> None:
