@@ -217,7 +217,7 @@ def test_invalid_requests(prompt: list[int], max_tokens: int, match: str) -> Non
 
 @pytest.mark.parametrize(("bias", "match"), [
     ({32000: 1.0}, "out of the vocabulary"), ({5: 100.5}, r"\[-100, 100\]"),
-    ({i: 1.0 for i in range(301)}, "at most 300"),
+    (dict.fromkeys(range(301), 1.0), "at most 300"),
 ])
 def test_logit_bias_is_checked_by_the_runtime(bias: dict[int, float], match: str) -> None:
     with pytest.raises(InvalidRequest, match=match):
