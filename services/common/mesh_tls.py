@@ -66,6 +66,8 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "/kvmesh.v1.Inference/Chat": frozenset({"envoy", "admin"}),
     "/kvmesh.v1.Inference/Generate": frozenset({"envoy", "admin"}),
     "/kvmesh.v1.Inference/ListModels": frozenset({"envoy", "admin"}),
+    "/kvmesh.v1.Inference/Tokenize": frozenset({"envoy", "admin"}),
+    "/kvmesh.v1.Inference/Detokenize": frozenset({"envoy", "admin"}),
 }
 
 

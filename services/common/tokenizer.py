@@ -156,14 +156,16 @@ class HfTokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
-        """The chat as prompt text, ending with the assistant's turn opened."""
+    def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The chat as prompt text, ending with the assistant's turn opened
+        (unless `add_generation_prompt` is False: /tokenize's option)."""
         if self._template is None:
             raise ChatTemplateError(
                 f"model {self.name!r} has no chat template; use /v1/completions with a raw prompt"
             )
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=True, **self._specials)
+            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         **self._specials)
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") from exc
 
@@ -181,6 +183,10 @@ class HfTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token string as the vocabulary spells it ("Ġhello")."""
+        return [self._tokenizer.id_to_token(i) or "" for i in ids]
 
     def special_token_ids(self) -> set[int]:
         return {int(i) for i, tok in self._tokenizer.get_added_tokens_decoder().items() if tok.special}

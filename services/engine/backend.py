@@ -86,6 +86,7 @@ class Sampling:
     repetition_penalty: float | None = None
     logprobs: int | None = None
     ignore_eos: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias in [-100, 100]
 
 
 @dataclass

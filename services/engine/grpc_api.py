@@ -64,7 +64,7 @@ def request_from_proto(msg: engine_pb2.EngineRequest) -> GenerationRequest:
         seed=opt_int("seed"), presence_penalty=opt_float("presence_penalty"),
         frequency_penalty=opt_float("frequency_penalty"),
         repetition_penalty=opt_float("repetition_penalty"),
-        logprobs=opt_int("logprobs"), ignore_eos=s.ignore_eos,
+        logprobs=opt_int("logprobs"), ignore_eos=s.ignore_eos, logit_bias=dict(s.logit_bias),
     )
     return GenerationRequest(
         request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids), sampling=sampling,

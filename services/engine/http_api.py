@@ -140,6 +140,10 @@ class OpenAIHttpServer:
             body = {**body, "model": self._model}  # this engine serves one model: naming it is optional
         parse = parse_chat_body if chat else parse_completion_body
         parsed = parse(body, vllm_extensions=True)
+        if parsed.n > 1 or parsed.echo:
+            name = "n" if parsed.n > 1 else "echo"
+            raise ApiError(ErrorKind.INVALID_REQUEST, f"{name} is served by the gateway, not an engine's own "
+                           "endpoint", param=name, code="unsupported_value")
         prompt = self._prompt_ids(parsed)
         max_tokens = parsed.sampling.max_tokens
         if max_tokens is None:

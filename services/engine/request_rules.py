@@ -81,12 +81,17 @@ def validate_request(request: GenerationRequest, info: BackendInfo) -> None:
         bad = next((t for t in prompt if not 0 <= t < info.vocab_size), None)
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is out of the vocabulary (size {info.vocab_size})")
+        bad = next((t for t in request.sampling.logit_bias if t >= info.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"logit_bias token id {bad} is out of the vocabulary (size {info.vocab_size})")
     _validate_sampling(request.sampling)
 
 
 def _validate_sampling(sampling: Sampling) -> None:
     for rule in _SAMPLING_RANGES:
         rule.check(getattr(sampling, rule.field))
+    if len(sampling.logit_bias) > 300 or any(not -100 <= b <= 100 for b in sampling.logit_bias.values()):
+        raise InvalidRequest("sampling.logit_bias takes at most 300 entries, each bias in [-100, 100]")
     if not 0 <= sampling.min_tokens <= sampling.max_tokens:
         raise InvalidRequest(
             f"sampling.min_tokens must be in [0, max_tokens={sampling.max_tokens}], got {sampling.min_tokens}"

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 from services.common.clock import Clock
 from services.common.proto.kvmesh.v1 import engine_pb2, scheduler_pb2
+from services.gateway.choices import Choices
 from services.gateway.engine_client import EnginePool, EngineStream
 from services.gateway.errors import EngineFailure, EngineStopped, ErrorKind, GatewayError
 from services.gateway.event_stream import EventStream
@@ -101,8 +102,12 @@ class GenerationDriver:
         self.detaching = True
 
     def start(self, job: Job) -> EventStream:
-        generation = _Generation(self, job)
-        return EventStream(generation.run, self.settings.heartbeat_seconds, self.clock, generation.before_close)
+        run: Choices | _Generation
+        if job.n > 1 or job.echo_text:
+            run = Choices(job, functools.partial(_Generation, self))  # choices.py: n > 1, echo
+        else:
+            run = _Generation(self, job)
+        return EventStream(run.run, self.settings.heartbeat_seconds, self.clock, run.before_close)
 
     async def run(self, job: Job, emit: Emit) -> None:
         await _Generation(self, job).run(emit)

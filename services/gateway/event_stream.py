@@ -95,7 +95,7 @@ class EventStream:
             if isinstance(item, TextDelta) and not self._queue.empty():
                 item = self._merge_queued(item)
             yield cast(Event, item)  # what is left in the queue: the driver's events
-            if isinstance(item, Finished):
+            if isinstance(item, Finished) and item.final:
                 return  # the last event; the pump only tidies up after it
 
     def _merge_queued(self, first: TextDelta) -> TextDelta:
@@ -110,14 +110,14 @@ class EventStream:
                 item = self._queue.get_nowait()
             except asyncio.QueueEmpty:
                 break
-            if not isinstance(item, TextDelta):
+            if not isinstance(item, TextDelta) or item.choice != first.choice:
                 self._held = item
                 break
             texts.append(item.text)
             ids.extend(item.token_ids)
             logprobs.extend(item.logprobs)
             index = item.index
-        return TextDelta("".join(texts), ids, logprobs, index)
+        return TextDelta("".join(texts), ids, logprobs, index, first.choice)
 
     async def aclose(self) -> None:
         if not self._task.done():

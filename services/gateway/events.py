@@ -9,7 +9,8 @@ one shared with the engines (services/common/finish_reason.py), re-exported
 here because `Finished` carries it.
 
 Order on a stream: any number of `QueuedUpdate`, then `TextDelta`s, then one
-`Finished` (the last event); `Heartbeat` whenever nothing else was sent for a
+`Finished` (the last event; with n > 1 choices, one per choice, interleaved
+with the others' deltas, the last `final`); `Heartbeat` whenever nothing else was sent for a
 while. A stream that waits again after its first token (preempted, or moving
 off a failed engine) sends no `QueuedUpdate`: only heartbeats until its next
 `TextDelta`.
@@ -61,6 +62,7 @@ class TextDelta:
     # Resume point: engine deltas relayed on this stream so far, this one
     # included, across engines (the SSE `id: <request_id>.<index>`).
     index: int = 0
+    choice: int = 0   # which of the request's n choices (services/gateway/choices.py)
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,10 @@ class Finished:
     reason: FinishReason
     usage: Usage
     message: str = ""
+    choice: int = 0
+    # The request's last event. With n > 1 each choice ends with its own
+    # `Finished`; only the last is final, and its usage is the request's.
+    final: bool = True
 
 
 @dataclass(frozen=True)

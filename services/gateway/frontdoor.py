@@ -50,7 +50,7 @@ class Frontdoor:
             request, tokenizer, principal, effective_priority(priority, principal), request_id, self._config,
             self._clock,
         )
-        grant = self.limiter.admit(principal, len(job.prompt_ids) + job.max_tokens)
+        grant = self.limiter.admit(principal, len(job.prompt_ids) + job.max_tokens * job.n)
         if self._config.gateway.log_prompts:
             log.info("request %s prompt: %r", request_id, request.messages or request.prompt_text or request.prompt_ids)
         log.info(

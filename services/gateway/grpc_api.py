@@ -1,4 +1,5 @@
-"""The public gRPC API: `kvmesh.v1.Inference` (Chat, Generate, ListModels).
+"""The public gRPC API: `kvmesh.v1.Inference` (Chat, Generate, ListModels,
+Tokenize, Detokenize).
 
 Error boundary: handlers raise `GatewayError`; `_abort` is the one place that
 turns it into a gRPC status (through `errors.grpc_status`). Errors before the
@@ -18,12 +19,14 @@ as the HTTP API's Last-Event-ID.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any, NoReturn, cast
 
 import grpc
 
+from services.common.clock import SystemClock
 from services.common.openai_api.requests import GenerationInput
 from services.common.proto.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.gateway.driver import GenerationDriver
@@ -34,6 +37,8 @@ from services.gateway.jobs import parse_last_event_id, request_id_from
 from services.gateway.keys import api_key_from_headers
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.served_models import ServedModels
+from services.gateway.tokenize_api import TokenizeApi
 from services.gateway.validation import (
     chat_from_proto,
     generate_from_proto,
@@ -50,7 +55,8 @@ def event_to_proto(request_id: str, event: Event) -> inference_pb2.GenerateEvent
     if isinstance(event, TextDelta):
         return inference_pb2.GenerateEvent(
             request_id=request_id,
-            delta=inference_pb2.DeltaEvent(text=event.text, token_ids=event.token_ids, logprobs=event.logprobs),
+            delta=inference_pb2.DeltaEvent(text=event.text, token_ids=event.token_ids, logprobs=event.logprobs,
+                                           choice_index=event.choice),
             index=event.index,
         )
     if isinstance(event, QueuedUpdate):
@@ -74,6 +80,7 @@ def event_to_proto(request_id: str, event: Event) -> inference_pb2.GenerateEvent
                     cached_tokens=event.usage.cached_tokens,
                 ),
                 message=event.message,
+                choice_index=event.choice,
             ),
         )
     return inference_pb2.GenerateEvent(request_id=request_id, heartbeat=inference_pb2.HeartbeatEvent())
@@ -90,11 +97,14 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
         driver: GenerationDriver,
         scheduler: SchedulerClient,
         metrics: GatewayMetrics,
+        served: ServedModels | None = None,
     ) -> None:
         self._frontdoor = frontdoor
         self._driver = driver
         self._scheduler = scheduler
         self._metrics = metrics
+        self._served = served or ServedModels(functools.partial(scheduler.get_state, 1.0), SystemClock())
+        self._tokenize = TokenizeApi(frontdoor)
 
     async def _abort(self, context: grpc.aio.ServicerContext, route: str, exc: GatewayError) -> NoReturn:
         code, message, trailers = grpc_status(exc)
@@ -161,20 +171,41 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
             principal = self._frontdoor.authenticate(api_key_from_headers(_metadata(context)))
         except GatewayError as exc:
             await self._abort(context, "grpc.ListModels", exc)
-        engines: dict[str, int] = {}
-        state = await self._scheduler.get_state(timeout=1.0)
-        if state is not None:
-            for engine in state.engines:
-                if engine.serving and not engine.draining:
-                    engines[engine.model] = engines.get(engine.model, 0) + 1
-        cards = [
-            inference_pb2.ModelCard(
-                id=name,
-                max_model_len=self._frontdoor.tokenizers.get(name).max_model_len,
-                engines=engines.get(name, 0),
-            )
-            for name in self._frontdoor.tokenizers.names
-            if self._frontdoor.keys.allows(principal, name)
-        ]
+        listed = await self._served.listed(
+            self._frontdoor.tokenizers.names, lambda n: self._frontdoor.keys.allows(principal, n),
+            lambda n: self._frontdoor.tokenizers.get(n).max_model_len)
+        cards = [inference_pb2.ModelCard(id=name, max_model_len=length, engines=engines)
+                 for name, length, engines in listed]
         self._metrics.requests.labels("grpc.ListModels", "OK").inc()
         return inference_pb2.ListModelsResponse(models=cards)
+
+    async def Tokenize(
+        self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.TokenizeResponse:
+        body: dict[str, Any] = {"model": request.model or None}
+        if request.messages:
+            body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+        else:
+            body["prompt"] = request.prompt
+        for name in ("add_special_tokens", "add_generation_prompt"):
+            if request.HasField(name):
+                body[name] = getattr(request, name)
+        try:
+            principal = self._frontdoor.authenticate(api_key_from_headers(_metadata(context)))
+            out = self._tokenize.tokenize(principal, body)
+        except GatewayError as exc:
+            await self._abort(context, "grpc.Tokenize", exc)
+        self._metrics.requests.labels("grpc.Tokenize", "OK").inc()
+        return inference_pb2.TokenizeResponse(tokens=out["tokens"], count=out["count"],
+                                              max_model_len=out["max_model_len"])
+
+    async def Detokenize(
+        self, request: inference_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.DetokenizeResponse:
+        try:
+            principal = self._frontdoor.authenticate(api_key_from_headers(_metadata(context)))
+            out = self._tokenize.detokenize(principal, {"model": request.model or None, "tokens": list(request.tokens)})
+        except GatewayError as exc:
+            await self._abort(context, "grpc.Detokenize", exc)
+        self._metrics.requests.labels("grpc.Detokenize", "OK").inc()
+        return inference_pb2.DetokenizeResponse(prompt=out["prompt"])

@@ -19,12 +19,15 @@ while queued. So a request the scheduler rejects quickly still gets a real
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
+from services.common.clock import SystemClock
 from services.common.config import MeshConfig
 from services.common.openai_api.errors import error_response
 from services.common.openai_api.requests import parse_chat_body, parse_completion_body, parse_json_body
@@ -47,6 +50,8 @@ from services.gateway.keys import api_key_from_headers
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import openapi_document
 from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.served_models import ServedModels
+from services.gateway.tokenize_api import TokenizeApi
 from services.gateway.validation import parse_priority_header
 
 __all__ = ["HttpApi"]
@@ -78,12 +83,15 @@ class HttpApi:
         driver: GenerationDriver,
         scheduler: SchedulerClient,
         metrics: GatewayMetrics,
+        served: ServedModels | None = None,
     ) -> None:
         self._config = config
         self._frontdoor = frontdoor
         self._driver = driver
         self._scheduler = scheduler
         self._metrics = metrics
+        self._served = served or ServedModels(functools.partial(scheduler.get_state, 1.0), SystemClock())
+        self._tokenize = TokenizeApi(frontdoor)
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -94,6 +102,8 @@ class HttpApi:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_post("/tokenize", self._tokenize_route)
+        app.router.add_post("/detokenize", self._detokenize_route)
         app.router.add_get("/health", self.health)
         app.router.add_get("/openapi.json", self.openapi)
         return app
@@ -163,6 +173,9 @@ class HttpApi:
         if resume and not generation.stream:
             raise GatewayError(ErrorKind.INVALID_REQUEST, "Last-Event-ID resumes a streamed response; "
                                "set \"stream\": true", param="Last-Event-ID")
+        if resume and generation.n > 1:
+            raise GatewayError(ErrorKind.INVALID_REQUEST, "a stream with n > 1 cannot be resumed; send the "
+                               "request again", param="Last-Event-ID")
         admitted = await self._frontdoor.admit(generation, principal, priority, request_id)
         if resume:
             admitted.job.resume_from = resume[1]
@@ -174,7 +187,8 @@ class HttpApi:
         stream = self._driver.start(admitted.job)
         try:
             if generation.stream:
-                return await self._stream(request, stream, formatter, headers, tally, resume is not None)
+                return await self._stream(request, stream, formatter, headers, tally, resume is not None,
+                                          generation.n)
             return await self._collect(stream, formatter, headers, tally)
         finally:
             await stream.aclose()
@@ -192,9 +206,11 @@ class HttpApi:
         headers: dict[str, str],
         tally: _Tally,
         resumed: bool,
+        n: int = 1,
     ) -> web.StreamResponse:
         response: web.StreamResponse | None = None
-        sse_id = f"id: {request[_REQUEST_ID]}.".encode()
+        # Event ids (resume points) only with one choice: n > 1 is not resumable.
+        sse_id = f"id: {request[_REQUEST_ID]}.".encode() if n == 1 else b""
 
         async def started() -> web.StreamResponse:
             nonlocal response
@@ -209,9 +225,8 @@ class HttpApi:
                     },
                 )
                 await response.prepare(request)
-                first = None if resumed else formatter.first_chunk()
-                if first is not None:
-                    await response.write(sse_id + b"0\n" + sse(first))
+                if not resumed:
+                    await response.write(self._first_bytes(formatter, n, sse_id))
             return response
 
         try:
@@ -219,8 +234,8 @@ class HttpApi:
                 if isinstance(event, TextDelta):
                     tally.completion_tokens += len(event.token_ids)
                     out = await started()
-                    chunk = formatter.delta_sse(event.text, event.logprobs)
-                    await out.write(b"%s%d\n%s" % (sse_id, event.index, chunk))
+                    chunk = formatter.delta_sse(event.text, event.logprobs, index=event.choice)
+                    await out.write(b"%s%d\n%s" % (sse_id, event.index, chunk) if sse_id else chunk)
                     stream.mark_output()
                 elif isinstance(event, Finished):
                     out = await started()
@@ -243,10 +258,21 @@ class HttpApi:
         return out
 
     @staticmethod
+    def _first_bytes(formatter: Formatter, n: int, sse_id: bytes) -> bytes:
+        """The role chunk (chat), one per choice; with one choice, event 0."""
+        if formatter.first_chunk() is None:
+            return b""
+        if n == 1:
+            return sse_id + b"0\n" + sse(formatter.first_chunk() or {})
+        return b"".join(sse(formatter.first_chunk(i) or {}) for i in range(n))
+
+    @staticmethod
     def _final_bytes(formatter: Formatter, finished: Finished) -> bytes:
         if not finished.reason.ok:
             return sse(http_error(_failure(finished)).body) + SSE_DONE
-        out = sse(formatter.final_chunk(finished.reason.value))
+        out = sse(formatter.final_chunk(finished.reason.value, finished.choice))
+        if not finished.final:
+            return out  # n > 1: this choice ended, others run on
         if formatter.include_usage:
             out += sse(formatter.usage_chunk(finished.usage))
         return out + SSE_DONE
@@ -258,41 +284,58 @@ class HttpApi:
         headers: dict[str, str],
         tally: _Tally,
     ) -> web.Response:
-        texts: list[str] = []
-        logprobs: list[common_pb2.TokenLogprob] = []
+        texts: dict[int, list[str]] = defaultdict(list)   # per choice (n > 1)
+        logprobs: dict[int, list[common_pb2.TokenLogprob]] = defaultdict(list)
+        reasons: dict[int, str] = {}
         finished: Finished | None = None
         async for event in stream:
             if isinstance(event, TextDelta):
                 tally.completion_tokens += len(event.token_ids)
-                texts.append(event.text)
-                logprobs.extend(event.logprobs)
+                texts[event.choice].append(event.text)
+                logprobs[event.choice].extend(event.logprobs)
             elif isinstance(event, Finished):
                 finished = event
+                reasons[event.choice] = event.reason.value
         if finished is None:
             raise GatewayError(ErrorKind.INTERNAL, "the generation ended without a result")
         if not finished.reason.ok:
             raise _failure(finished)
-        body = formatter.response("".join(texts), logprobs, finished.reason.value, finished.usage)
+        choices = [("".join(texts[i]), logprobs[i], reasons.get(i)) for i in range(max(reasons) + 1)]
+        body = formatter.response_n(choices, finished.usage)
         return web.json_response(body, headers=headers)
 
     # ---------------------------------------------------------------- other routes
 
-    def _model_card(self, name: str) -> dict[str, Any]:
-        tokenizer = self._frontdoor.tokenizers.get(name)
+    @staticmethod
+    def _model_card(name: str, max_model_len: int, engines: int) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": 0, "owned_by": "kvmesh",
-                "max_model_len": tokenizer.max_model_len}
+                "max_model_len": max_model_len, "engines": engines}
+
+    def _own_length(self, name: str) -> int:
+        return self._frontdoor.tokenizers.get(name).max_model_len
 
     async def models(self, request: web.Request) -> web.Response:
+        """The models some engine serves now (served_models.py)."""
         principal = self._frontdoor.authenticate(api_key_from_headers(request.headers))
-        names = [n for n in self._frontdoor.tokenizers.names if self._frontdoor.keys.allows(principal, n)]
-        return web.json_response({"object": "list", "data": [self._model_card(n) for n in names]})
+        listed = await self._served.listed(
+            self._frontdoor.tokenizers.names, lambda n: self._frontdoor.keys.allows(principal, n), self._own_length)
+        return web.json_response({"object": "list", "data": [self._model_card(*m) for m in listed]})
 
     async def model(self, request: web.Request) -> web.Response:
         principal = self._frontdoor.authenticate(api_key_from_headers(request.headers))
         name = request.match_info["model"]
-        card = self._model_card(name)
+        own = self._own_length(name)  # 404 for a model not configured
         self._frontdoor.keys.check_model(principal, name)
-        return web.json_response(card)
+        served = await self._served.require(name)
+        return web.json_response(self._model_card(name, served.max_model_len or own, served.engines))
+
+    async def _tokenize_route(self, request: web.Request) -> web.Response:
+        principal = self._frontdoor.authenticate(api_key_from_headers(request.headers))
+        return web.json_response(self._tokenize.tokenize(principal, await self._read_json(request)))
+
+    async def _detokenize_route(self, request: web.Request) -> web.Response:
+        principal = self._frontdoor.authenticate(api_key_from_headers(request.headers))
+        return web.json_response(self._tokenize.detokenize(principal, await self._read_json(request)))
 
     async def health(self, _: web.Request) -> web.Response:
         if not self._scheduler.is_ready():

@@ -68,6 +68,11 @@ class Job:
     # A client's resume (Last-Event-ID / ResumeFrom): the index of the last
     # event it has; None for a new request. README "Resuming a stream".
     resume_from: int | None = None
+    # n > 1 (services/gateway/choices.py): how many choices, and for a copy
+    # (choice 1..n-1) the request whose engine it joins.
+    n: int = 1
+    together_with: str = ""
+    echo_text: str = ""   # completions `echo`: sent first in each choice
 
     def admit_request(self) -> scheduler_pb2.AdmitRequest:
         return scheduler_pb2.AdmitRequest(
@@ -80,6 +85,7 @@ class Job:
             prefix_hashes=self.prefix_hashes,
             arrival_unix=self.arrival_unix,
             resume=self.resume_from is not None,
+            together_with=self.together_with,
         )
 
 
@@ -102,6 +108,10 @@ async def build_job(
         prompt = await tokenizer.tokenize_text(request.prompt_text or "", block)
     if not prompt.token_ids:
         raise GatewayError(ErrorKind.INVALID_REQUEST, "the prompt is empty after tokenization", param="prompt")
+    bad = next((t for t in request.sampling.logit_bias if t >= tokenizer.vocab_size), None)
+    if bad is not None:
+        raise GatewayError(ErrorKind.INVALID_REQUEST, f"logit_bias token id {bad} is outside the model's "
+                           f"vocabulary (size {tokenizer.vocab_size})", param="logit_bias")
     return Job(
         request_id=request_id,
         route=request.route,
@@ -116,7 +126,16 @@ async def build_job(
         arrival_unix=arrival_unix,
         arrival_monotonic=arrival_monotonic,
         hash_block_tokens=block,
+        n=request.n,
+        echo_text=_echo_text(request, prompt.token_ids, tokenizer),
     )
+
+
+def _echo_text(request: GenerationInput, prompt_ids: list[int], tokenizer: ModelTokenizer) -> str:
+    """The prompt as `echo` shows it: the client's text, or its token ids decoded."""
+    if not request.echo:
+        return ""
+    return request.prompt_text if request.prompt_text is not None else tokenizer.decode(prompt_ids)
 
 
 def _max_tokens(request: GenerationInput, n_prompt: int, context: int, config: MeshConfig) -> int:

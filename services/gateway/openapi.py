@@ -35,7 +35,9 @@ _SAMPLING = {
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "repetition_penalty": {"type": "number", "minimum": 0, "maximum": 2},
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
-    "n": {"type": "integer", "enum": [1]},
+    "n": {"type": "integer", "minimum": 1, "maximum": 8},
+    "logit_bias": {"type": "object", "maxProperties": 300,
+                   "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
 }
@@ -92,6 +94,7 @@ def _schemas() -> dict[str, Any]:
                 "model": {"type": "string"},
                 "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]},
                 "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
+                "echo": {"type": "boolean"},
                 **_SAMPLING,
             },
         },
@@ -118,15 +121,27 @@ def _json_get(summary: str, description: str, errors: tuple[int, ...], **extra: 
     }}
 
 
+def _json_post(summary: str) -> dict[str, Any]:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}},
+        "responses": {"200": {"description": "JSON", "content": {"application/json": {"schema": {"type": "object"}}}},
+                      **_error_responses(400, 401, 403, 404)},
+    }}
+
+
 def _paths() -> dict[str, Any]:
     return {
         "/v1/chat/completions": _generation(
             "Chat completion (OpenAI chat.completion / chat.completion.chunk)", "ChatCompletionRequest"),
         "/v1/completions": _generation("Text completion (OpenAI text_completion)", "CompletionRequest"),
-        "/v1/models": _json_get("Models this key may use", "OpenAI model list", (401,)),
+        "/v1/models": _json_get("Models this key may use that some engine serves now", "OpenAI model list",
+                                (401,)),
         "/v1/models/{model}": _json_get(
             "One model", "OpenAI model object", (401, 403, 404),
             parameters=[{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]),
+        "/tokenize": _json_post("Token ids of a prompt or chat, with the gateway's tokenizer (vLLM's /tokenize)"),
+        "/detokenize": _json_post("Text of token ids (vLLM's /detokenize)"),
         "/health": _json_get("200 only while the scheduler is reachable", "ready", (503,), security=[]),
         "/openapi.json": _json_get("This document", "OpenAPI 3 document", (), security=[]),
     }

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import ssl
 
@@ -52,6 +53,7 @@ from services.gateway.keys import KeyStore
 from services.gateway.limits import RateLimiter
 from services.gateway.metrics import GatewayMetrics, metrics_app
 from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.served_models import ServedModels
 from services.gateway.tokenization import TokenizerRegistry
 
 __all__ = ["GatewayService", "serve"]
@@ -113,8 +115,10 @@ class GatewayService:
         )
 
         server, health = make_server([SERVICE_NAME], identity)
+        # One cached view of the served models for both transports.
+        served = ServedModels(functools.partial(self._scheduler.get_state, 1.0), self.clock)
         inference_pb2_grpc.add_InferenceServicer_to_server(
-            InferenceApi(self.frontdoor, driver, self._scheduler, self.metrics), server
+            InferenceApi(self.frontdoor, driver, self._scheduler, self.metrics, served), server
         )
         bound_grpc = add_port(server, join_host_port(gw.host, grpc_port), identity)
         if bound_grpc == 0:
@@ -122,7 +126,7 @@ class GatewayService:
         await server.start()
         self._grpc = server
 
-        app = HttpApi(self.config, self.frontdoor, driver, self._scheduler, self.metrics).app()
+        app = HttpApi(self.config, self.frontdoor, driver, self._scheduler, self.metrics, served).app()
         # Inside the error middleware, so a draining /health is an OpenAI 503.
         app.middlewares.append(self.drain_state.health_middleware)
         # With mesh TLS the API port is Envoy's upstream: TLS, mesh certificates only.

@@ -63,6 +63,18 @@ class ModelTokenizer:
     def has_chat_template(self) -> bool:
         return self._hf.has_chat_template
 
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self._hf.encode(text, add_special_tokens)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._hf.decode(ids)
+
+    def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self._hf.render_chat(messages, add_generation_prompt)  # ChatTemplateError: a 400
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        return self._hf.token_strs(ids)
+
     # ---- whole-prompt preparation (maybe off the event loop)
 
     def _chat_sync(self, messages: Sequence[dict[str, str]], hash_block_tokens: int) -> TokenizedPrompt:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from services.common.openai_api.choices import parse_n
 from services.common.openai_api.requests import (
     MAX_TOP_LOGPROBS,
     GenerationInput,
@@ -75,6 +76,8 @@ def _sampling_from_proto(params: common_pb2.SamplingParams) -> SamplingOptions:
             body[name] = getattr(params, name)
     if params.stop:
         body["stop"] = list(params.stop)
+    if params.logit_bias:
+        body["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
     options = sampling_from_body(body)
     options.max_tokens = params.max_tokens or None
     options.min_tokens = params.min_tokens
@@ -96,6 +99,14 @@ def _generation_seconds(request: Any) -> float | None:
     return value
 
 
+def _n(request: Any) -> int:
+    """`n` (0 = 1), the HTTP bound; no resume with n > 1."""
+    n = parse_n({"n": request.n or 1})
+    if n > 1 and request.HasField("resume"):
+        raise invalid("a stream with n > 1 cannot be resumed; send the request again", "resume")
+    return n
+
+
 def chat_from_proto(request: inference_pb2.ChatRequest) -> GenerationInput:
     if not request.model:
         raise GatewayError(ErrorKind.INVALID_REQUEST, "model is required: name one from ListModels", param="model")
@@ -110,6 +121,7 @@ def chat_from_proto(request: inference_pb2.ChatRequest) -> GenerationInput:
         messages=messages,
         stream=True,
         max_generation_seconds=_generation_seconds(request),
+        n=_n(request),
     )
 
 
@@ -119,12 +131,17 @@ def generate_from_proto(request: inference_pb2.GenerateRequest) -> GenerationInp
     if bool(request.prompt) == bool(request.prompt_token_ids):
         raise GatewayError(ErrorKind.INVALID_REQUEST, "set exactly one of prompt and prompt_token_ids",
                            param="prompt")
+    sampling = _sampling_from_proto(request.sampling)
+    if request.echo and sampling.logprobs is not None:
+        raise invalid("echo with logprobs is not supported: the prompt's logprobs are not computed", "echo")
     return GenerationInput(
         route="completion",
         model=request.model,
-        sampling=_sampling_from_proto(request.sampling),
+        sampling=sampling,
         prompt_text=request.prompt or None,
         prompt_ids=list(request.prompt_token_ids) or None,
         stream=True,
         max_generation_seconds=_generation_seconds(request),
+        n=_n(request),
+        echo=request.echo,
     )

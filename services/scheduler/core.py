@@ -184,6 +184,10 @@ class SchedulerCore:
             placed = self._reattach(options, now)
             if placed is not None:
                 return placed
+        if options.together_with:
+            placed = self._together(options, now)
+            if placed is not None:
+                return placed
         arrival = self._arrival(options, now)
         self.fleet.check_servable(options, frozenset(), now)
         expires_at = self._limits.expires_at(options.priority, arrival)
@@ -226,6 +230,25 @@ class SchedulerCore:
         lease = self._requests.open_lease(rec, record, reserved=0, cached=0, now=now)
         self.metrics.placed(self.policy.name, "reattach", 0, 0)
         return PlacedInfo(record.engine_id, record.info.address, lease.lease_id, 0, record.info.incarnation)
+
+    def _together(self, options: AdmitOptions, now: float) -> PlacedInfo | None:
+        """A copy of a running request (a choice of n > 1): leased on that
+        request's engine now, reserving blocks for its own decode, so the copies
+        share the prompt's KV there. None (queue as usual) if that request holds
+        no lease, is another tenant's or its engine no longer serves."""
+        twin = self._requests.get(options.together_with)
+        if twin is None or twin.lease is None or twin.options.tenant != options.tenant:
+            return None
+        record = self.fleet.get(twin.lease.engine_id)
+        if record is None or record.info.model != options.model or not record.load.serving or record.draining:
+            return None
+        rec = RequestRecord(options, RequestState.PLACED, arrival=now)
+        self._requests.add(rec)
+        reserved = -(-options.max_tokens // max(1, record.info.block_size))
+        lease = self._requests.open_lease(rec, record, reserved=reserved, cached=options.prompt_tokens, now=now)
+        self.metrics.placed(self.policy.name, "together", options.prompt_tokens, options.prompt_tokens)
+        return PlacedInfo(record.engine_id, record.info.address, lease.lease_id, options.prompt_tokens,
+                          record.info.incarnation)
 
     # ------------------------------------------------------------ the request's stream
 

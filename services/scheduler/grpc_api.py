@@ -111,7 +111,7 @@ def _options(msg: scheduler_pb2.AdmitRequest) -> AdmitOptions:
         request_id=msg.request_id, model=msg.model, tenant=msg.tenant, priority=msg.priority,
         prompt_tokens=msg.prompt_tokens, max_tokens=msg.max_tokens,
         prefix_hashes=tuple(msg.prefix_hashes), arrival_unix=msg.arrival_unix,
-        running_on_engine=msg.running_on_engine, resume=msg.resume,
+        running_on_engine=msg.running_on_engine, resume=msg.resume, together_with=msg.together_with,
     )
 
 
@@ -130,7 +130,7 @@ def _state_proto(view: StateView) -> scheduler_pb2.SchedulerState:
                 running=e.view.running, waiting=e.view.waiting, blocks_used=e.view.blocks_used,
                 blocks_total=e.view.blocks_total, blocks_reserved=e.view.blocks_reserved,
                 cached_blocks=e.cached_blocks, leases=e.view.leases, weight=e.view.weight,
-                backend=e.backend, incarnation=e.incarnation)
+                backend=e.backend, incarnation=e.incarnation, max_model_len=e.view.max_model_len)
             for e in view.engines
         ],
         queued_total=view.queued_total, leases_total=view.leases_total,

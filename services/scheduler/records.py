@@ -93,6 +93,7 @@ class AdmitOptions:
     arrival_unix: float = 0.0
     running_on_engine: str = ""
     resume: bool = False       # re-attach a detached lease (detached_leases.py)
+    together_with: str = ""    # lease on this request's engine at once (a choice of n > 1)
 
 
 @dataclass(eq=False)

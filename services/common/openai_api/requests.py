@@ -19,6 +19,7 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from services.common.openai_api.choices import parse_echo, parse_logit_bias, parse_n
 from services.common.openai_api.errors import ApiError, ErrorKind
 from services.common.proto.kvmesh.v1 import common_pb2
 
@@ -89,6 +90,7 @@ class SamplingOptions:
     logprobs: int | None = None  # top-N per token; 0 = only the chosen token's
     min_tokens: int = 0
     ignore_eos: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> [-100, 100]
 
     def to_proto(self, max_tokens: int) -> common_pb2.SamplingParams:
         params = common_pb2.SamplingParams(
@@ -97,6 +99,7 @@ class SamplingOptions:
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            logit_bias=self.logit_bias,
         )
         for name in (
             "temperature", "top_p", "top_k", "min_p", "seed",
@@ -119,6 +122,8 @@ class GenerationInput:
     stream: bool = False
     include_usage: bool = False
     max_generation_seconds: float | None = None
+    n: int = 1            # choices (services/common/openai_api/choices.py)
+    echo: bool = False    # completions: the prompt's text first
 
 
 def parse_json_body(raw: bytes) -> Any:
@@ -207,10 +212,6 @@ def _model(body: dict[str, Any]) -> str:
 def sampling_from_body(body: dict[str, Any]) -> SamplingOptions:
     """The sampling fields chat and completions share, checked against
     OpenAI's bounds (max_tokens and logprobs differ per route)."""
-    n = _integer(body, "n", 1)
-    if n is not None and n > 1:
-        raise ApiError(ErrorKind.INVALID_REQUEST, "n>1 is not supported; send n separate requests", param="n",
-                       code="unsupported_value")
     for name in ("tools", "functions"):
         if body.get(name):
             raise ApiError(ErrorKind.INVALID_REQUEST, f"{name} are not supported by this server", param=name,
@@ -227,6 +228,7 @@ def sampling_from_body(body: dict[str, Any]) -> SamplingOptions:
         frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0),
         repetition_penalty=_number(body, "repetition_penalty", 0.0, 2.0),
         stop=_stop(body),
+        logit_bias=parse_logit_bias(body),
     )
 
 
@@ -315,7 +317,7 @@ def parse_chat_body(body: Any, *, vllm_extensions: bool = False) -> GenerationIn
         _vllm_sampling(body, sampling)
     stream = _boolean(body, "stream")
     return GenerationInput(route="chat", model=model, sampling=sampling, messages=messages, stream=stream,
-                           include_usage=_stream_options(body, stream))
+                           include_usage=_stream_options(body, stream), n=parse_n(body))
 
 
 def _prompt(body: dict[str, Any]) -> tuple[str | None, list[int] | None]:
@@ -339,10 +341,9 @@ def _prompt(body: dict[str, Any]) -> tuple[str | None, list[int] | None]:
 
 
 def _unsupported_completion_fields(body: dict[str, Any]) -> None:
-    for name in ("echo", "suffix"):
-        if body.get(name):
-            raise ApiError(ErrorKind.INVALID_REQUEST, f"{name} is not supported", param=name,
-                           code="unsupported_parameter")
+    if body.get("suffix"):
+        raise ApiError(ErrorKind.INVALID_REQUEST, "suffix is not supported", param="suffix",
+                       code="unsupported_parameter")
     best_of = _integer(body, "best_of", 1)
     if best_of is not None and best_of > 1:
         raise ApiError(ErrorKind.INVALID_REQUEST, "best_of>1 is not supported", param="best_of",
@@ -360,5 +361,10 @@ def parse_completion_body(body: Any, *, vllm_extensions: bool = False) -> Genera
     if vllm_extensions:
         _vllm_sampling(body, sampling)
     stream = _boolean(body, "stream")
+    echo = parse_echo(body)
+    if echo and sampling.logprobs is not None:
+        # The engines return no prompt logprobs (README "n > 1, echo, logit_bias").
+        raise ApiError(ErrorKind.INVALID_REQUEST, "echo with logprobs is not supported: the prompt's logprobs "
+                       "are not computed; drop one of them", param="echo", code="unsupported_value")
     return GenerationInput(route="completion", model=model, sampling=sampling, prompt_text=text, prompt_ids=ids,
-                           stream=stream, include_usage=_stream_options(body, stream))
+                           stream=stream, include_usage=_stream_options(body, stream), n=parse_n(body), echo=echo)

@@ -101,7 +101,7 @@ class Formatter:
             choice["token_ids"] = list(token_ids)
         return choice
 
-    def first_chunk(self) -> dict[str, Any] | None:
+    def first_chunk(self, index: int = 0) -> dict[str, Any] | None:
         return None
 
     def _delta_choice(self, text: str, logprobs: Logprobs) -> dict[str, Any]:  # pragma: no cover - per subclass
@@ -110,18 +110,21 @@ class Formatter:
     def _full_choice(self, text: str, logprobs: Logprobs) -> dict[str, Any]:  # pragma: no cover - per subclass
         raise NotImplementedError
 
-    def final_chunk(self, reason: str) -> dict[str, Any]:  # pragma: no cover - per subclass
+    def final_chunk(self, reason: str, index: int = 0) -> dict[str, Any]:  # pragma: no cover - per subclass
         raise NotImplementedError
 
-    def delta_chunk(self, text: str, logprobs: Logprobs = (), token_ids: Sequence[int] = ()) -> dict[str, Any]:
-        return self._chunk(self._with_ids(self._delta_choice(text, logprobs), token_ids))
+    def delta_chunk(self, text: str, logprobs: Logprobs = (), token_ids: Sequence[int] = (),
+                    index: int = 0) -> dict[str, Any]:
+        choice = self._with_ids(self._delta_choice(text, logprobs), token_ids)
+        choice["index"] = index  # which of n choices
+        return self._chunk(choice)
 
-    def delta_sse(self, text: str, logprobs: Logprobs = (), token_ids: Sequence[int] = ()) -> bytes:
+    def delta_sse(self, text: str, logprobs: Logprobs = (), token_ids: Sequence[int] = (), index: int = 0) -> bytes:
         """`sse(self.delta_chunk(...))`, byte for byte, but on the hot path
-        (a delta without logprobs or token ids) only the text is JSON-encoded:
-        the rest of the chunk is the same for every delta of a response."""
-        if logprobs or self.token_ids:
-            return sse(self.delta_chunk(text, logprobs, token_ids))
+        (a delta of choice 0 without logprobs or token ids) only the text is
+        JSON-encoded: the rest of the chunk is the same for every delta."""
+        if logprobs or self.token_ids or index:
+            return sse(self.delta_chunk(text, logprobs, token_ids, index))
         if self._frame is None:
             whole = sse(self.delta_chunk(_SLOT))
             head, tail = whole.split(_json_str(_SLOT).encode(), 1)
@@ -134,9 +137,18 @@ class Formatter:
 
     def response(self, text: str, logprobs: Logprobs, reason: str | None, usage: UsageCounts,
                  token_ids: Sequence[int] = ()) -> dict[str, Any]:
-        choice = {**self._full_choice(text, logprobs), "finish_reason": reason}
-        return {**self._envelope(self.object_full), "choices": [self._with_ids(choice, token_ids)],
-                "usage": usage_dict(usage)}
+        return self.response_n([(text, logprobs, reason)], usage, [token_ids])
+
+    def response_n(self, choices: Sequence[tuple[str, Logprobs, str | None]], usage: UsageCounts,
+                   token_ids: Sequence[Sequence[int]] = ()) -> dict[str, Any]:
+        """The whole response with one choice per (text, logprobs, finish
+        reason), `index` in order: n > 1."""
+        out = []
+        for i, (text, logprobs, reason) in enumerate(choices):
+            choice = {**self._full_choice(text, logprobs), "finish_reason": reason}
+            choice["index"] = i
+            out.append(self._with_ids(choice, token_ids[i] if i < len(token_ids) else ()))
+        return {**self._envelope(self.object_full), "choices": out, "usage": usage_dict(usage)}
 
 
 class ChatFormatter(Formatter):
@@ -161,15 +173,15 @@ class ChatFormatter(Formatter):
             "refusal": None,
         }
 
-    def first_chunk(self) -> dict[str, Any]:
-        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+    def first_chunk(self, index: int = 0) -> dict[str, Any]:
+        return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None})
 
     def _delta_choice(self, text: str, logprobs: Logprobs) -> dict[str, Any]:
         return {"index": 0, "delta": {"content": text}, "logprobs": self.logprobs(logprobs), "finish_reason": None}
 
-    def final_chunk(self, reason: str) -> dict[str, Any]:
-        return self._chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason})
+    def final_chunk(self, reason: str, index: int = 0) -> dict[str, Any]:
+        return self._chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
 
     def _full_choice(self, text: str, logprobs: Logprobs) -> dict[str, Any]:
         return {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
@@ -202,8 +214,8 @@ class CompletionFormatter(Formatter):
     def _delta_choice(self, text: str, logprobs: Logprobs) -> dict[str, Any]:
         return {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": None}
 
-    def final_chunk(self, reason: str) -> dict[str, Any]:
-        return self._chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": reason})
+    def final_chunk(self, reason: str, index: int = 0) -> dict[str, Any]:
+        return self._chunk({"index": index, "text": "", "logprobs": None, "finish_reason": reason})
 
     def _full_choice(self, text: str, logprobs: Logprobs) -> dict[str, Any]:
         return {"index": 0, "text": text, "logprobs": self.logprobs(logprobs)}

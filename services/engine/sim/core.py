@@ -57,7 +57,7 @@ from services.engine.backend import (
 )
 from services.engine.sim.blocks import BlockPool
 from services.engine.sim.cost_model import StepWork
-from services.engine.sim.text import TokenPicker, roll, roll_all, sampling_salt
+from services.engine.sim.text import TokenPicker, biased, roll, roll_all, sampling_salt
 
 __all__ = ["CoreLimits", "OutputSink", "SimCore", "SimRequest", "StepPlan"]
 
@@ -404,11 +404,13 @@ class SimCore:
             req.shared_hashes.append(parent)
 
     def _sample(self, req: SimRequest) -> bool:
-        token = self._picker.next_token(roll(req.rolling, req.salt) if req.salt else req.rolling)
+        sampling = req.request.sampling
+        state = roll(req.rolling, req.salt) if req.salt else req.rolling
+        token = biased(self._picker, state, sampling.logit_bias) if sampling.logit_bias else \
+            self._picker.next_token(state)
         req.tokens.append(token)
         req.rolling = roll(req.rolling, token)
         req.generated += 1
-        sampling = req.request.sampling
         may_stop = req.generated >= sampling.min_tokens
         is_eos = token == self._eos and not sampling.ignore_eos
         stop_id = token in sampling.stop_token_ids

@@ -34,6 +34,11 @@ The constants live in `SimCostConfig` (services/common/config/engines.py).
 `speed_factor` multiplies every cost; 0 makes the simulator free (a step still
 yields to the event loop, see sim/backend.py), which benchmarks of the mesh's
 own overhead and unit tests use.
+
+n > 1 costs what it costs vLLM: the gateway starts the copies of a request on
+the same engine after choice 0's first token (services/gateway/choices.py),
+so each copy's prompt is a prefix-cache hit (sim/core.py) and only its last
+partial block is prefilled; then n sequences decode, each one per step.
 """
 
 from __future__ import annotations

@@ -14,6 +14,11 @@ value, top_p and top_k do not shape the choice: the simulator models cost, not
 a distribution. No temperature, or 0, is greedy (deterministic), unlike vLLM,
 whose default is 1.0: tests and benchmarks need reproducible answers.
 
+logit_bias: the sim honours only its extremes -- a token biased +100 is
+forced (of several at the largest bias >= 100, the rolling state picks one),
+a token biased -100 is never picked (the state is rolled on until another
+comes up); other biases do not shape the choice, as temperature does not.
+
 Stop strings are applied by `services.common.stop_text.StopText`, as vLLM
 applies them.
 """
@@ -25,7 +30,7 @@ from collections.abc import Iterable
 
 from services.engine.backend import Sampling
 
-__all__ = ["ROLLING_SEED", "TokenPicker", "roll", "sampling_salt"]
+__all__ = ["ROLLING_SEED", "TokenPicker", "biased", "roll", "sampling_salt"]
 
 _MASK = (1 << 64) - 1
 ROLLING_SEED = 0x5EED_0F_C0FFEE
@@ -71,3 +76,19 @@ def sampling_salt(sampling: Sampling) -> int:
     if sampling.seed is not None:
         return roll(ROLLING_SEED, sampling.seed & _MASK) or 1
     return secrets.randbits(64) or 1
+
+
+def biased(picker: TokenPicker, state: int, bias: dict[int, float]) -> int:
+    """The next token under `bias` (see the module doc): a pure function of
+    the state, so a continuation after a migration is the same."""
+    top = max(bias.values(), default=0.0)
+    if top >= 100:
+        forced = sorted(t for t, b in bias.items() if b >= top)
+        return forced[state % len(forced)]
+    token = picker.next_token(state)
+    for _ in range(64):  # banned tokens are few among the clean ids: this ends at once
+        if bias.get(token, 0.0) > -100:
+            break
+        state = roll(state, token)
+        token = picker.next_token(state)
+    return token

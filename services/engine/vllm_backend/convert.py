@@ -44,6 +44,8 @@ def sampling_kwargs(sampling: Sampling) -> dict[str, Any]:
         kwargs["stop"] = list(sampling.stop)
     if sampling.stop_token_ids:
         kwargs["stop_token_ids"] = list(sampling.stop_token_ids)
+    if sampling.logit_bias:
+        kwargs["logit_bias"] = dict(sampling.logit_bias)
     return kwargs
 
 

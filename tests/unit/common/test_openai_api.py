@@ -40,7 +40,7 @@ MSG = [{"role": "user", "content": "hi"}]
         ({"model": "m", "messages": MSG, "max_tokens": "5"}, "max_tokens"),
         ({"model": "m", "messages": MSG, "presence_penalty": 3}, "presence_penalty"),
         ({"model": "m", "messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-        ({"model": "m", "messages": MSG, "n": 3}, "n"),
+        ({"model": "m", "messages": MSG, "n": 9}, "n"),
         ({"model": "m", "messages": MSG, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
         ({"model": "m", "messages": MSG, "stream_options": {"include_usage": True}}, "stream_options"),
         ({"model": "m", "messages": MSG, "tools": [{"type": "function"}]}, "tools"),

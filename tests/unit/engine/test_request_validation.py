@@ -213,3 +213,21 @@ def test_sampling_values_of_the_wrong_kind_are_invalid(sampling: dict[str, objec
 def test_invalid_requests(prompt: list[int], max_tokens: int, match: str) -> None:
     with pytest.raises(InvalidRequest, match=match):
         validate_request(request("x", prompt, max_tokens=max_tokens), INFO)
+
+
+@pytest.mark.parametrize(("bias", "match"), [
+    ({32000: 1.0}, "out of the vocabulary"), ({5: 100.5}, r"\[-100, 100\]"),
+    (dict.fromkeys(range(301), 1.0), "at most 300"),
+])
+def test_logit_bias_is_checked_by_the_runtime(bias: dict[int, float], match: str) -> None:
+    with pytest.raises(InvalidRequest, match=match):
+        validate_request(request("x", [1, 2], logit_bias=bias), INFO)
+    validate_request(request("x", [1, 2], logit_bias={31999: -100.0, 0: 100.0}), INFO)
+
+
+def test_logit_bias_reaches_vllm_sampling_params() -> None:
+    from services.engine.backend import Sampling
+    from services.engine.vllm_backend.convert import sampling_kwargs
+
+    assert sampling_kwargs(Sampling(max_tokens=3, logit_bias={7: -100.0}))["logit_bias"] == {7: -100.0}
+    assert "logit_bias" not in sampling_kwargs(Sampling(max_tokens=3))

@@ -150,8 +150,8 @@ async def test_sdk_error_types(mesh: Mesh) -> None:
         with pytest.raises(openai.BadRequestError) as bad:
             await c.chat.completions.create(model=MODEL, messages=CHAT, temperature=5)
         assert bad.value.body["param"] == "temperature" and "between 0 and 2" in bad.value.message
-        with pytest.raises(openai.BadRequestError, match="n>1 is not supported"):
-            await c.chat.completions.create(model=MODEL, messages=CHAT, n=2)
+        with pytest.raises(openai.BadRequestError, match="n must be an integer between 1 and 8"):
+            await c.chat.completions.create(model=MODEL, messages=CHAT, n=9)
         with pytest.raises(openai.BadRequestError) as ctx:
             await c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10_000_000)
         assert ctx.value.code == "context_length_exceeded" and "10000000" in ctx.value.message

@@ -300,3 +300,22 @@ def test_finish_is_idempotent_and_frees_everything() -> None:
     assert core.state().leases_total == 0
     assert core.fleet.reservations.reserved("e1") == 0
     assert core.metrics.value("kvmesh_scheduler_requests_finished_total", {"outcome": "done"}) == 1
+
+
+def test_together_leases_a_copy_on_its_twins_engine_at_once() -> None:
+    """n > 1: choices 1..n-1 join choice 0's engine (one prefill there), even
+    when another engine is emptier; otherwise they queue as any request."""
+    core, _ = make_core()
+    add_engine(core, "e1")
+    add_engine(core, "e2")
+    first = place(core, "r")
+    other = "e2" if first == "e1" else "e1"
+    place(core, "x")  # the other engine is now no busier than the first
+    copy = admit(core, opts("r-n1", together_with="r"))
+    assert isinstance(copy, PlacedInfo) and copy.engine_id == first
+    assert core.lease_of("r-n1").engine_id == first
+    # Another tenant's request, or a twin without a lease: placed as usual.
+    stranger = admit(core, opts("s", tenant="other", together_with="r"))
+    assert not isinstance(stranger, RejectedInfo)
+    assert isinstance(admit(core, opts("t", together_with="nobody")), (QueuedInfo, PlacedInfo))
+    assert other in {e.view.engine_id for e in core.state().engines}

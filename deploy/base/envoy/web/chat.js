@@ -52,9 +52,11 @@
       }
       const models = (await resp.json()).data || [];
       const previous = modelSelect.value;
-      modelSelect.replaceChildren(...models.map((m) => new Option(m.id, m.id)));
+      // /v1/models lists only the models some engine serves now, with their context length.
+      const label = (m) => (m.max_model_len ? `${m.id} (${m.max_model_len} tokens)` : m.id);
+      modelSelect.replaceChildren(...models.map((m) => new Option(label(m), m.id)));
       if (models.some((m) => m.id === previous)) modelSelect.value = previous;
-      setStatus("idle", models.length ? "Ready." : "This key may use no model.");
+      setStatus("idle", models.length ? "Ready." : "No model is served now (or this key may use none).");
     } catch (err) {
       setStatus("error", "Cannot reach the mesh: " + err);
     }

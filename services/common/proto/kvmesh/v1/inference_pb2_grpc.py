@@ -49,6 +49,16 @@ class InferenceStub:
                 request_serializer=kvmesh_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/kvmesh.v1.Inference/Tokenize',
+                request_serializer=kvmesh_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/kvmesh.v1.Inference/Detokenize',
+                request_serializer=kvmesh_dot_v1_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_inference__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -75,6 +85,21 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The gateway's tokenizer for a model (vLLM's /tokenize): a prompt, or a
+        chat rendered through the model's template, to token ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Token ids back to text (vLLM's /detokenize).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +117,16 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=kvmesh_dot_v1_dot_inference__pb2.ListModelsRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_inference__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=kvmesh_dot_v1_dot_inference__pb2.TokenizeRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_inference__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=kvmesh_dot_v1_dot_inference__pb2.DetokenizeRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_inference__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +210,60 @@ class Inference:
             '/kvmesh.v1.Inference/ListModels',
             kvmesh_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
             kvmesh_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Inference/Tokenize',
+            kvmesh_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
+            kvmesh_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Inference/Detokenize',
+            kvmesh_dot_v1_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+            kvmesh_dot_v1_dot_inference__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

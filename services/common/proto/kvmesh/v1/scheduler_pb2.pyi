@@ -31,7 +31,7 @@ REJECT_CODE_RESUME_UNKNOWN: RejectCode
 REJECT_CODE_RESUME_FORBIDDEN: RejectCode
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("request_id", "model", "tenant", "priority", "prompt_tokens", "max_tokens", "prefix_hashes", "arrival_unix", "running_on_engine", "resume")
+    __slots__ = ("request_id", "model", "tenant", "priority", "prompt_tokens", "max_tokens", "prefix_hashes", "arrival_unix", "running_on_engine", "resume", "together_with")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class AdmitRequest(_message.Message):
     ARRIVAL_UNIX_FIELD_NUMBER: _ClassVar[int]
     RUNNING_ON_ENGINE_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    TOGETHER_WITH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     tenant: str
@@ -52,7 +53,8 @@ class AdmitRequest(_message.Message):
     arrival_unix: float
     running_on_engine: str
     resume: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., arrival_unix: _Optional[float] = ..., running_on_engine: _Optional[str] = ..., resume: _Optional[bool] = ...) -> None: ...
+    together_with: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., arrival_unix: _Optional[float] = ..., running_on_engine: _Optional[str] = ..., resume: _Optional[bool] = ..., together_with: _Optional[str] = ...) -> None: ...
 
 class Replace(_message.Message):
     __slots__ = ("exclude_engines", "prompt_tokens", "max_tokens", "prefix_hashes")
@@ -277,7 +279,7 @@ class QueueState(_message.Message):
     def __init__(self, priority: _Optional[int] = ..., tenant: _Optional[str] = ..., queued: _Optional[int] = ..., oldest_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class EngineState(_message.Message):
-    __slots__ = ("engine_id", "address", "model", "serving", "draining", "fresh", "running", "waiting", "blocks_used", "blocks_total", "blocks_reserved", "cached_blocks", "leases", "weight", "backend", "incarnation")
+    __slots__ = ("engine_id", "address", "model", "serving", "draining", "fresh", "running", "waiting", "blocks_used", "blocks_total", "blocks_reserved", "cached_blocks", "leases", "weight", "backend", "incarnation", "max_model_len")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +296,7 @@ class EngineState(_message.Message):
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     address: str
     model: str
@@ -310,7 +313,8 @@ class EngineState(_message.Message):
     weight: float
     backend: str
     incarnation: int
-    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., draining: _Optional[bool] = ..., fresh: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., blocks_reserved: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., weight: _Optional[float] = ..., backend: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., draining: _Optional[bool] = ..., fresh: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., blocks_reserved: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., weight: _Optional[float] = ..., backend: _Optional[str] = ..., incarnation: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class ClassState(_message.Message):
     __slots__ = ("priority", "preemptions", "requeued", "preempted_now", "seconds_lost", "displaced", "protected")
