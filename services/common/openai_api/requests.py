@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from services.common.openai_api.errors import ApiError, ErrorKind
+from services.common.openai_api.structured import StructuredSpec
 from services.common.proto.kvmesh.v1 import common_pb2
 
 __all__ = [
@@ -119,6 +120,8 @@ class GenerationInput:
     stream: bool = False
     include_usage: bool = False
     max_generation_seconds: float | None = None
+    # A constraint on the output (services/common/openai_api/structured.py).
+    structured: StructuredSpec | None = None
 
 
 def parse_json_body(raw: bytes) -> Any:
