@@ -21,8 +21,10 @@ from services.common.openai_api.requests import (
     sampling_from_body,
     show_value,
 )
+from services.common.openai_api.tools import set_tool_request
 from services.common.proto.kvmesh.v1 import common_pb2, inference_pb2
 from services.gateway.errors import ErrorKind, GatewayError
+from services.gateway.tool_grpc import message_from_proto, tool_request_from_proto
 
 __all__ = [
     "chat_from_proto",
@@ -102,8 +104,8 @@ def chat_from_proto(request: inference_pb2.ChatRequest) -> GenerationInput:
     if not request.messages:
         raise GatewayError(ErrorKind.INVALID_REQUEST, "messages is required: at least one {role, content}",
                            param="messages")
-    messages = [parse_message(i, {"role": m.role, "content": m.content}) for i, m in enumerate(request.messages)]
-    return GenerationInput(
+    messages = [parse_message(i, message_from_proto(m)) for i, m in enumerate(request.messages)]
+    generation = GenerationInput(
         route="chat",
         model=request.model,
         sampling=_sampling_from_proto(request.sampling),
@@ -111,6 +113,8 @@ def chat_from_proto(request: inference_pb2.ChatRequest) -> GenerationInput:
         stream=True,
         max_generation_seconds=_generation_seconds(request),
     )
+    set_tool_request(generation, tool_request_from_proto(request))  # services/gateway/tool_grpc.py
+    return generation
 
 
 def generate_from_proto(request: inference_pb2.GenerateRequest) -> GenerationInput:
