@@ -79,8 +79,9 @@ def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]
         if message.get("tool_calls"):
             calls = [{**c, "function": {**c["function"], "arguments": _arguments(c["function"]["arguments"])}}
                      for c in message["tool_calls"]]
-            message = {**message, "tool_calls": calls}
-        out.append(message)
+            out.append({**message, "tool_calls": calls})
+        else:
+            out.append(message)
     return out
 
 

@@ -230,9 +230,7 @@ class HttpApi:
                 if isinstance(event, TextDelta):
                     tally.completion_tokens += len(event.token_ids)
                     out = await started()
-                    chunk = formatter.delta_sse(event.text, event.logprobs)
-                    if chunk:
-                        await out.write(b"%s%d\n%s" % (sse_id, event.index, chunk) if sse_id else chunk)
+                    if await self._write_delta(out, formatter, event, sse_id):
                         stream.mark_output()
                 elif isinstance(event, Finished):
                     out = await started()
@@ -253,6 +251,16 @@ class HttpApi:
         out = await started()
         await out.write_eof()
         return out
+
+    @staticmethod
+    async def _write_delta(out: web.StreamResponse, formatter: Formatter, event: TextDelta, sse_id: bytes) -> bool:
+        """The delta's chunks, each with its resume id when the formatter has
+        them; False when it has none to send yet (a tool call held back)."""
+        chunk = formatter.delta_sse(event.text, event.logprobs)
+        if not chunk:
+            return False
+        await out.write(b"%s%d\n%s" % (sse_id, event.index, chunk) if sse_id else chunk)
+        return True
 
     @staticmethod
     def _final_bytes(formatter: Formatter, finished: Finished) -> bytes:

@@ -310,7 +310,8 @@ class HermesParser(ToolCallParser):
         return self._after(out)
 
     def _in_object(self, out: list[ToolEvent]) -> bool:
-        assert self._object is not None
+        if self._object is None:  # pragma: no cover - the object state always has one
+            raise RuntimeError("no call object")
         events, rest = self._object.feed(self._buf)
         self._buf = ""
         self._events(events, out)
@@ -429,7 +430,8 @@ class JsonParser(ToolCallParser):
         return True
 
     def _in_object(self, out: list[ToolEvent]) -> bool:
-        assert self._object is not None
+        if self._object is None:  # pragma: no cover - the object state always has one
+            raise RuntimeError("no call object")
         events, rest = self._object.feed(self._buf)
         self._buf = ""
         self._events(events, out)

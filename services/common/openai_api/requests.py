@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from services.common.openai_api.errors import ApiError, ErrorKind
+from services.common.openai_api.response_format import structured_from_body
 from services.common.openai_api.structured import StructuredSpec
 from services.common.openai_api.tools import apply_tool_request, parse_message_tool_fields
 from services.common.proto.kvmesh.v1 import common_pb2
@@ -314,15 +315,11 @@ def parse_chat_body(body: Any, *, vllm_extensions: bool = False) -> GenerationIn
         sampling.logprobs = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
     elif body.get("top_logprobs") is not None:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
-    response_format = body.get("response_format")
-    if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
-        raise ApiError(ErrorKind.INVALID_REQUEST, "only response_format type 'text' is supported",
-                       param="response_format", code="unsupported_value")
     if vllm_extensions:
         _vllm_sampling(body, sampling)
     stream = _boolean(body, "stream")
     generation = GenerationInput(route="chat", model=model, sampling=sampling, messages=messages, stream=stream,
-                                 include_usage=_stream_options(body, stream))
+                                 include_usage=_stream_options(body, stream), structured=structured_from_body(body))
     apply_tool_request(generation, body)
     return generation
 
@@ -370,4 +367,5 @@ def parse_completion_body(body: Any, *, vllm_extensions: bool = False) -> Genera
         _vllm_sampling(body, sampling)
     stream = _boolean(body, "stream")
     return GenerationInput(route="completion", model=model, sampling=sampling, prompt_text=text, prompt_ids=ids,
-                           stream=stream, include_usage=_stream_options(body, stream))
+                           stream=stream, include_usage=_stream_options(body, stream),
+                           structured=structured_from_body(body))

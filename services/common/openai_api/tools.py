@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from services.common.openai_api.errors import ApiError, ErrorKind
+from services.common.openai_api.response_format import check_structured
 from services.common.openai_api.structured import StructuredSpec
 
 if TYPE_CHECKING:
@@ -83,25 +84,18 @@ class ToolRequest:
 
 
 def _check_schema(schema: Any, param: str) -> None:
-    """A tool's parameters: a JSON schema of an object (OpenAI's rule). The
-    meta-schema check runs when `jsonschema` is installed."""
+    """A tool's parameters: a JSON schema of an object (OpenAI's rule),
+    valid under draft 2020-12 and within the structured-output bounds."""
     if not isinstance(schema, dict):
         raise _invalid(f"{param} must be a JSON schema object, got {_short(schema)}", param)
     kind = schema.get("type", "object")
     if kind != "object":
         raise _invalid(f"{param} must be a JSON schema of type \"object\", got type {_short(kind)}", param)
     try:
-        from jsonschema import exceptions, validators
-    except ImportError:  # pragma: no cover - jsonschema comes with the test and vLLM installs
-        return
-    try:
-        validators.validator_for(schema, default=validators.Draft202012Validator).check_schema(schema)
-    except exceptions.SchemaError as exc:
-        where = "".join(f"[{p!r}]" for p in exc.path)
-        raise _invalid(f"{param} is not a valid JSON schema: {exc.message}{' at ' + where if where else ''}",
-                       param) from None
-    except RecursionError:
+        text = json.dumps(schema)
+    except (ValueError, RecursionError):
         raise _invalid(f"{param} is nested too deeply", param) from None
+    check_structured(StructuredSpec("json_schema", text), param)
 
 
 def _text(raw: dict[str, Any], key: str, param: str) -> str:
@@ -317,7 +311,8 @@ def set_tool_request(generation: GenerationInput, request: ToolRequest, param: s
     if generation.structured is not None:
         raise _invalid(f"{param} {_short(request.tool_choice)} constrains the output to tool calls; it cannot be "
                        "combined with response_format or another output constraint", param)
-    generation.structured = StructuredSpec("json_schema", json.dumps(schema, separators=(",", ":")), strict=True)
+    spec = StructuredSpec("json_schema", json.dumps(schema, separators=(",", ":")), strict=True)
+    generation.structured = check_structured(spec, "tools")
 
 
 def apply_tool_request(generation: GenerationInput, body: dict[str, Any]) -> None:
