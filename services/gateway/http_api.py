@@ -65,6 +65,12 @@ def _error_response(exc: GatewayError, request_id: str | None) -> web.Response:
     return error_response(exc, {"x-request-id": request_id} if request_id else None)
 
 
+def _event_id(sse_id: bytes, index: int) -> bytes:
+    """`id: <request_id>.<index>` before a chunk; nothing for a stream that
+    cannot be resumed (sse_id empty)."""
+    return b"%s%d\n" % (sse_id, index) if sse_id else b""
+
+
 def _failure(finished: Finished) -> GatewayError:
     """A generation that ended without success, as the client's error."""
     kind = ErrorKind.TIMEOUT if finished.reason.value == "timeout" else ErrorKind.GENERATION_FAILED
@@ -222,7 +228,7 @@ class HttpApi:
                 await response.prepare(request)
                 first = None if resumed else formatter.first_chunk()
                 if first is not None:
-                    await response.write((sse_id + b"0\n" if sse_id else b"") + sse(first))
+                    await response.write(_event_id(sse_id, 0) + sse(first))
             return response
 
         try:
@@ -230,8 +236,7 @@ class HttpApi:
                 if isinstance(event, TextDelta):
                     tally.completion_tokens += len(event.token_ids)
                     out = await started()
-                    if await self._write_delta(out, formatter, event, sse_id):
-                        stream.mark_output()
+                    await self._write_delta(out, formatter, event, sse_id, stream)
                 elif isinstance(event, Finished):
                     out = await started()
                     await out.write(self._final_bytes(formatter, event))
@@ -253,14 +258,15 @@ class HttpApi:
         return out
 
     @staticmethod
-    async def _write_delta(out: web.StreamResponse, formatter: Formatter, event: TextDelta, sse_id: bytes) -> bool:
-        """The delta's chunks, each with its resume id when the formatter has
-        them; False when it has none to send yet (a tool call held back)."""
+    async def _write_delta(
+        out: web.StreamResponse, formatter: Formatter, event: TextDelta, sse_id: bytes, stream: EventStream,
+    ) -> None:
+        """The delta's chunks, with its resume id when the formatter has
+        them; nothing when it has none to send yet (a tool call held back)."""
         chunk = formatter.delta_sse(event.text, event.logprobs)
-        if not chunk:
-            return False
-        await out.write(b"%s%d\n%s" % (sse_id, event.index, chunk) if sse_id else chunk)
-        return True
+        if chunk:
+            await out.write(_event_id(sse_id, event.index) + chunk)
+            stream.mark_output()
 
     @staticmethod
     def _final_bytes(formatter: Formatter, finished: Finished) -> bytes:
