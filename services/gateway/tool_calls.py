@@ -232,6 +232,7 @@ class JsonParser(ToolCallParser):
         self._state = "lead"  # lead | object | array | element | text | done
         self._raw = ""        # everything fed since the output began, until a call starts
         self._object: CallObject | None = None
+        self._after = False   # content seen after the JSON
 
     def feed(self, text: str) -> list[ToolEvent]:
         out: list[ToolEvent] = []
@@ -251,8 +252,7 @@ class JsonParser(ToolCallParser):
     def _step(self, out: list[ToolEvent]) -> bool:
         state = self._state
         if state in ("text", "done"):
-            self._text(self._buf, out)
-            self._buf = ""
+            self._trailing(out)
             return False
         body = self._buf.lstrip()
         if not body:
@@ -278,6 +278,15 @@ class JsonParser(ToolCallParser):
             return True
         return self._in_object(out)
 
+    def _trailing(self, out: list[ToolEvent]) -> None:
+        """Content: all of it in text state; after the JSON, from its first
+        non-space character."""
+        text, self._buf = self._buf, ""
+        if self._state == "done" and not self._after:
+            text = text.lstrip()
+            self._after = bool(text)
+        self._text(text, out)
+
     def _done(self, body: str) -> bool:
         self._buf, self._state = body, "done"
         return True
@@ -301,7 +310,7 @@ class JsonParser(ToolCallParser):
     def finish(self) -> list[ToolEvent]:
         out: list[ToolEvent] = []
         if self._state in ("text", "done"):
-            self._text(self._buf, out)
+            self._trailing(out)
         elif not self.calls:
             self._text(self._raw, out)
         elif self._object is not None and not self._object.started:

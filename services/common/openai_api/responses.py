@@ -197,7 +197,7 @@ class ChatFormatter(Formatter):
                       reason: str | None, usage: UsageCounts) -> dict[str, Any]:
         """The whole response with `message.tool_calls` (content None when
         the model wrote only calls)."""
-        body = self.response(content or "", logprobs, reason, usage)
+        body = Formatter.response(self, content or "", logprobs, reason, usage)
         message = body["choices"][0]["message"]
         message["content"] = content
         if tool_calls:
