@@ -178,7 +178,8 @@ def test_required_without_parallel_is_exactly_one_call() -> None:
 
 
 def test_named_function_is_one_call_of_it() -> None:
-    g = parse_chat_body(chat(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    g = parse_chat_body(chat(tools=[WEATHER, TIME], tool_choice=named))
     assert g.structured is not None
     schema = json.loads(g.structured.value)
     assert _valid(schema, {"name": "get_weather", "arguments": {"city": "Oslo"}})
