@@ -141,6 +141,9 @@ class OpenAIHttpServer:
             body = {**body, "model": self._model}  # this engine serves one model: naming it is optional
         parse = parse_chat_body if chat else parse_completion_body
         parsed = parse(body, vllm_extensions=True)
+        if parsed.tools:  # tool calls are read out of the text by the gateway only
+            raise ApiError(ErrorKind.INVALID_REQUEST, "tools are served by the gateway's API, not by an engine's "
+                           "own endpoint", param="tools", code="unsupported_parameter")
         prompt = self._prompt_ids(parsed)
         max_tokens = parsed.sampling.max_tokens
         if max_tokens is None:
