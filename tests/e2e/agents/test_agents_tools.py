@@ -1,0 +1,111 @@
+"""Tool calling on real vLLM engines (SmolLM2-135M-Instruct, whose template
+has no tool support: kvmesh's generic tool prompt), through Envoy, with the
+official `openai` SDK: `tool_choice` required gives valid calls (the output
+is constrained to the tools' schemas), the tool's result goes back, the
+model answers -- streamed and not. And the `openai-agents` package on the
+chat-completions API (`OpenAIChatCompletionsModel`): an agent with one
+function tool, forced to call it, runs to completion."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from jsonschema import Draft202012Validator
+
+from .conftest import AGENT_MODEL
+
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(600)]
+
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 40}, "unit": {"type": "string", "enum": ["C", "F"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.", "parameters": WEATHER_PARAMETERS}}
+ASK = {"role": "user", "content": "What is the weather in Paris, in Celsius?"}
+
+
+def _streamed(client: Any, **request: Any) -> tuple[str, list[dict[str, Any]], str | None]:
+    """A streamed chat folded into (content, tool calls, finish_reason),
+    checking each tool-call delta has OpenAI's shape."""
+    content, calls, reason = "", [], None
+    for chunk in client.chat.completions.create(stream=True, **request):
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or []:
+            if delta.id is not None:  # a call's first delta: id, type, name, arguments ""
+                assert delta.index == len(calls) and delta.type == "function" and delta.function.name
+                assert delta.function.arguments == ""
+                calls.append({"id": delta.id, "type": "function",
+                              "function": {"name": delta.function.name, "arguments": ""}})
+            else:
+                assert delta.index == len(calls) - 1 and delta.function.name is None
+                calls[delta.index]["function"]["arguments"] += delta.function.arguments
+        reason = choice.finish_reason or reason
+    return content, calls, reason
+
+
+def _whole(client: Any, **request: Any) -> tuple[str, list[dict[str, Any]], str | None]:
+    out = client.chat.completions.create(**request)
+    message = out.choices[0].message
+    calls = [c.model_dump(exclude_none=True) for c in message.tool_calls or []]
+    if calls:
+        assert message.content is None
+    return message.content or "", calls, out.choices[0].finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_required_tool_call_round_trip(openai_client: Any, stream: bool) -> None:
+    ask = _streamed if stream else _whole
+    request = {"model": AGENT_MODEL, "tools": [WEATHER], "max_tokens": 120, "temperature": 0.7}
+    _, calls, reason = ask(openai_client, messages=[ASK], tool_choice="required", **request)
+    assert reason == "tool_calls" and calls
+    for call in calls:
+        assert call["id"].startswith("call_") and call["function"]["name"] == "get_weather"
+        Draft202012Validator(WEATHER_PARAMETERS).validate(json.loads(call["function"]["arguments"]))
+    results = [{"role": "tool", "tool_call_id": c["id"], "content": json.dumps({"temperature": 21, "sky": "sunny"})}
+               for c in calls]
+    history = [ASK, {"role": "assistant", "content": None, "tool_calls": calls}, *results]
+    # The answer: the model may not call again (tool_choice none) and says something.
+    content, again, reason = ask(openai_client, messages=history, tool_choice="none", **request)
+    assert not again and reason in ("stop", "length") and content.strip()
+
+
+def test_named_tool_choice_gives_one_valid_call(openai_client: Any) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    _, calls, reason = _whole(openai_client, model=AGENT_MODEL, messages=[ASK], tools=[WEATHER], tool_choice=named,
+                              max_tokens=120)
+    assert reason == "tool_calls" and len(calls) == 1
+    Draft202012Validator(WEATHER_PARAMETERS).validate(json.loads(calls[0]["function"]["arguments"]))
+
+
+async def test_openai_agents_on_chat_completions(agents_mesh: Any) -> None:
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+
+    agents.set_tracing_disabled(True)  # no trace export to api.openai.com
+    seen: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        seen.append(city)
+        return f"sunny and 21C in {city}"
+
+    client = AsyncOpenAI(base_url=f"{agents_mesh.endpoints.public_http}/v1", api_key=agents_mesh.api_key,
+                         timeout=120.0, max_retries=0)
+    agent = agents.Agent(
+        name="weather",
+        instructions="Answer weather questions with the get_weather tool.",
+        tools=[get_weather],
+        model=agents.OpenAIChatCompletionsModel(model=AGENT_MODEL, openai_client=client),
+        model_settings=agents.ModelSettings(tool_choice="required", max_tokens=120),
+        tool_use_behavior="stop_on_first_tool",
+    )
+    result = await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3)
+    assert len(seen) >= 1 and all(isinstance(city, str) and city for city in seen)
+    assert result.final_output == f"sunny and 21C in {seen[0]}"
