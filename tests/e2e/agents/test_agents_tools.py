@@ -9,6 +9,9 @@ function tool, forced to call it, runs to completion."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,6 +30,7 @@ WEATHER_PARAMETERS = {
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.", "parameters": WEATHER_PARAMETERS}}
 ASK = {"role": "user", "content": "What is the weather in Paris, in Celsius?"}
+GRPCURL = str(Path(sys.prefix) / "bin" / "grpcurl")
 
 
 def _streamed(client: Any, **request: Any) -> tuple[str, list[dict[str, Any]], str | None]:
@@ -109,3 +113,34 @@ async def test_openai_agents_on_chat_completions(agents_mesh: Any) -> None:
     result = await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3)
     assert len(seen) >= 1 and all(isinstance(city, str) and city for city in seen)
     assert result.final_output == f"sunny and 21C in {seen[0]}"
+
+
+def test_grpcurl_tool_call_through_envoy(agents_mesh: Any) -> None:
+    """The README's grpcurl example: a forced call comes back as tool_call events."""
+    body = {
+        "model": AGENT_MODEL,
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": [{"name": "get_weather", "description": "The current weather in a city",
+                   "parameters_json": json.dumps(WEATHER_PARAMETERS)}],
+        "tool_choice": {"mode": "required"},
+        "sampling": {"max_tokens": 120},
+    }
+    out = subprocess.run([GRPCURL, "-plaintext", "-H", f"authorization: Bearer {agents_mesh.api_key}",
+                          "-d", json.dumps(body), agents_mesh.endpoints.public_grpc, "kvmesh.v1.Inference/Chat"],
+                         capture_output=True, text=True, timeout=180, check=False)
+    assert out.returncode == 0, out.stderr
+    decoder, events, rest = json.JSONDecoder(), [], out.stdout.strip()
+    while rest:
+        event, end = decoder.raw_decode(rest)
+        events.append(event)
+        rest = rest[end:].strip()
+    pieces = [e["toolCall"] for e in events if "toolCall" in e]
+    assert pieces and pieces[0]["id"].startswith("call_") and pieces[0]["name"] == "get_weather"
+    calls: list[str] = []
+    for piece in pieces:
+        if "id" in piece:
+            calls.append("")
+        calls[-1] += piece.get("arguments", "")
+    for arguments in calls:
+        Draft202012Validator(WEATHER_PARAMETERS).validate(json.loads(arguments))
+    assert events[-1]["finished"]["finishReason"] == "FINISH_REASON_TOOL_CALLS"

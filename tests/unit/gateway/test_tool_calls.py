@@ -61,6 +61,13 @@ CASES: list[tuple[str, str, str | None, Calls]] = [
     ("json", "  Hello there", "  Hello there", []),
     ("json", '{"name": "f", "arguments": {}}\n\nand a remark', "and a remark", [("f", "{}")]),
     ("json", '{"name": "cut", "arguments": {"a": 1', None, [("cut", '{"a": 1')]),
+    # SmolLM2-135M-Instruct on vLLM, constrained by tool_call_schema (required, then a named function)
+    ("json", '[\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris",\n    "unit": "C"\n  }\n},\n'
+     '{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris",\n    "unit": "F"\n  }\n}\n]', None,
+     [("get_weather", '{\n    "city": "Paris",\n    "unit": "C"\n  }'),
+      ("get_weather", '{\n    "city": "Paris",\n    "unit": "F"\n  }')]),
+    ("json", '{\n  "name": "get_weather"\n  ,"arguments": {\n    "city": "Paris",\n    "unit": "C"\n  }\n}', None,
+     [("get_weather", '{\n    "city": "Paris",\n    "unit": "C"\n  }')]),
 ]
 
 
