@@ -192,6 +192,8 @@ class HfTokenizer:
                                          **extra)
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") from exc
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:  # a shape the template did not expect
+            raise ChatTemplateError(f"the model's chat template could not render the messages: {exc!r}") from exc
 
     def chat_prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
                     tool_format: str = "hermes") -> RenderedPrompt:

@@ -138,3 +138,13 @@ def test_template_errors_stay_400(tmp_path: Path) -> None:
     with pytest.raises(ApiError) as err:
         model.render_chat(HISTORY, [WEATHER])
     assert err.value.param == "messages"
+
+
+def test_template_type_errors_are_400(tmp_path: Path) -> None:
+    # A tools template that expects arguments as an object meets arguments that are not JSON.
+    model = _model(tmp_path, "{% for m in messages %}{% for c in m.tool_calls or [] %}"
+                             "{{ c.function.arguments + 1 }}{% endfor %}{% endfor %}{{ tools }}")
+    bad = {**CALL, "function": {"name": "get_weather", "arguments": "not json"}}
+    with pytest.raises(ApiError) as err:
+        model.render_chat([{"role": "assistant", "content": "", "tool_calls": [bad]}], [WEATHER])
+    assert err.value.param == "messages"
