@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.common.finish_reason import FinishReason
+from services.common.openai_api.structured import StructuredSpec
 
 __all__ = [
     "BackendInfo",
@@ -87,6 +88,9 @@ class Sampling:
     logprobs: int | None = None
     ignore_eos: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias in [-100, 100]
+    # Constrain the output; a resumed request (GenerationRequest.resumed_tokens)
+    # continues the constraint after the tokens already generated.
+    structured: StructuredSpec | None = None
 
 
 @dataclass

@@ -52,6 +52,8 @@ from services.gateway.openapi import openapi_document
 from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.served_models import ServedModels
 from services.gateway.tokenize_api import TokenizeApi
+from services.gateway.tool_calls import parser_for
+from services.gateway.tool_output import ToolChatFormatter
 from services.gateway.validation import parse_priority_header
 
 __all__ = ["HttpApi"]
@@ -66,6 +68,12 @@ _REQUEST_ID = web.RequestKey("request_id", str)
 
 def _error_response(exc: GatewayError, request_id: str | None) -> web.Response:
     return error_response(exc, {"x-request-id": request_id} if request_id else None)
+
+
+def _event_id(sse_id: bytes, index: int) -> bytes:
+    """`id: <request_id>.<index>` before a chunk; nothing for a stream that
+    cannot be resumed (sse_id empty)."""
+    return b"%s%d\n" % (sse_id, index) if sse_id else b""
 
 
 def _failure(finished: Finished) -> GatewayError:
@@ -176,11 +184,23 @@ class HttpApi:
         if resume and generation.n > 1:
             raise GatewayError(ErrorKind.INVALID_REQUEST, "a stream with n > 1 cannot be resumed; send the "
                                "request again", param="Last-Event-ID")
+        # Tool calls are parsed out of the text (services/gateway/tool_output.py).
+        tool_parser = parser_for(generation, self._frontdoor.tokenizers.get(generation.model).tool_parser)
+        if resume and tool_parser is not None:
+            raise GatewayError(ErrorKind.INVALID_REQUEST, "a tool-calling stream cannot be resumed; send the "
+                               "request again without Last-Event-ID", param="Last-Event-ID")
+        if tool_parser is not None and generation.n > 1:
+            raise GatewayError(ErrorKind.INVALID_REQUEST, "n > 1 with tools is not supported; send n requests",
+                               param="n")
         admitted = await self._frontdoor.admit(generation, principal, priority, request_id)
         if resume:
             admitted.job.resume_from = resume[1]
-        formatter_cls: type[Formatter] = ChatFormatter if route == "chat" else CompletionFormatter
-        formatter = formatter_cls(request_id, generation.model, generation.include_usage)
+        formatter: Formatter
+        if tool_parser is not None:
+            formatter = ToolChatFormatter(request_id, generation.model, generation.include_usage, tool_parser)
+        else:
+            formatter_cls = ChatFormatter if route == "chat" else CompletionFormatter
+            formatter = formatter_cls(request_id, generation.model, generation.include_usage)
         headers = {"x-request-id": request_id, **admitted.grant.headers}
         tally = _Tally()
         self._metrics.active_streams.inc()
@@ -209,8 +229,9 @@ class HttpApi:
         n: int = 1,
     ) -> web.StreamResponse:
         response: web.StreamResponse | None = None
-        # Event ids (resume points) only with one choice: n > 1 is not resumable.
-        sse_id = f"id: {request[_REQUEST_ID]}.".encode() if n == 1 else b""
+        # Event ids (resume points) only where a stream can be resumed: one
+        # choice, no tool calls held back.
+        sse_id = f"id: {request[_REQUEST_ID]}.".encode() if n == 1 and formatter.resumable else b""
 
         async def started() -> web.StreamResponse:
             nonlocal response
@@ -234,9 +255,7 @@ class HttpApi:
                 if isinstance(event, TextDelta):
                     tally.completion_tokens += len(event.token_ids)
                     out = await started()
-                    chunk = formatter.delta_sse(event.text, event.logprobs, index=event.choice)
-                    await out.write(b"%s%d\n%s" % (sse_id, event.index, chunk) if sse_id else chunk)
-                    stream.mark_output()
+                    await self._write_delta(out, formatter, event, sse_id, stream)
                 elif isinstance(event, Finished):
                     out = await started()
                     await out.write(self._final_bytes(formatter, event))
@@ -263,14 +282,25 @@ class HttpApi:
         if formatter.first_chunk() is None:
             return b""
         if n == 1:
-            return sse_id + b"0\n" + sse(formatter.first_chunk() or {})
+            return _event_id(sse_id, 0) + sse(formatter.first_chunk() or {})
         return b"".join(sse(formatter.first_chunk(i) or {}) for i in range(n))
+
+    @staticmethod
+    async def _write_delta(
+        out: web.StreamResponse, formatter: Formatter, event: TextDelta, sse_id: bytes, stream: EventStream,
+    ) -> None:
+        """The delta's chunks, with its resume id when the formatter has
+        them; nothing when it has none to send yet (a tool call held back)."""
+        chunk = formatter.delta_sse(event.text, event.logprobs, index=event.choice)
+        if chunk:
+            await out.write(_event_id(sse_id, event.index) + chunk)
+            stream.mark_output()
 
     @staticmethod
     def _final_bytes(formatter: Formatter, finished: Finished) -> bytes:
         if not finished.reason.ok:
             return sse(http_error(_failure(finished)).body) + SSE_DONE
-        out = sse(formatter.final_chunk(finished.reason.value, finished.choice))
+        out = formatter.final_sse(finished.reason.value, finished.choice)
         if not finished.final:
             return out  # n > 1: this choice ended, others run on
         if formatter.include_usage:
@@ -301,7 +331,9 @@ class HttpApi:
         if not finished.reason.ok:
             raise _failure(finished)
         choices = [("".join(texts[i]), logprobs[i], reasons.get(i)) for i in range(max(reasons) + 1)]
-        body = formatter.response_n(choices, finished.usage)
+        # One choice through `response`: a formatter may read it further (tool calls).
+        body = (formatter.response(*choices[0], finished.usage) if len(choices) == 1
+                else formatter.response_n(choices, finished.usage))
         return web.json_response(body, headers=headers)
 
     # ---------------------------------------------------------------- other routes

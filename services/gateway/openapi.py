@@ -42,6 +42,28 @@ _SAMPLING = {
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
 }
 
+# Tool calling (services/common/openai_api/tools.py).
+_CALL = {"type": "object", "required": ["id", "function"], "properties": {
+    "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+    "function": {"type": "object", "required": ["name"],
+                 "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}
+_TOOL_MESSAGE = {"tool_calls": {"type": "array", "items": _CALL}, "tool_call_id": {"type": "string"}}
+_TOOLS = {
+    "tools": {"type": "array", "maxItems": 128, "items": {
+        "type": "object", "required": ["type", "function"],
+        "properties": {"type": {"type": "string", "enum": ["function"]}, "function": {
+            "type": "object", "required": ["name"],
+            "properties": {"name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                           "description": {"type": "string"}, "parameters": {"type": "object"},
+                           "strict": {"type": "boolean"}}}}}},
+    "tool_choice": {"oneOf": [
+        {"type": "string", "enum": ["none", "auto", "required"]},
+        {"type": "object", "required": ["type", "function"], "properties": {
+            "type": {"type": "string", "enum": ["function"]},
+            "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]},
+    "parallel_tool_calls": {"type": "boolean"},
+}
+
 _GEN_PARAMS = [
     {"name": "X-Priority", "in": "header", "required": False,
      "description": "Scheduling class 0 (interactive), 1 (default), 2 (batch); capped by the key's ceiling.",
@@ -64,7 +86,8 @@ def _schemas() -> dict[str, Any]:
     message = {
         "type": "object", "required": ["role"],
         "properties": {"role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
-                       "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]}},
+                       "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+                       **_TOOL_MESSAGE},
     }
     return {
         "Error": {
@@ -84,6 +107,7 @@ def _schemas() -> dict[str, Any]:
                 "max_completion_tokens": {"type": "integer", "minimum": 1},
                 "logprobs": {"type": "boolean"},
                 "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+                **_TOOLS,
                 **_SAMPLING,
             },
         },

@@ -10,6 +10,10 @@ Modules, one job each:
 - cost_model.py: how long a step takes (prefill, decode, context);
 - text.py: which token comes next and its text (deterministic per prompt and
   seed);
+- structured.py: structured outputs (json_schema, json_object, choice,
+  regex) as a documented minimal contract: one deterministic valid instance,
+  continued exactly after a migration;
+- sink.py: where a request's outputs wait for its reader;
 - profiles.py: named cost profiles of real models on real GPUs (YAML under
   config/sim-profiles/) and their calibration check.
 The rules every backend shares are checked before the sim sees a request, by

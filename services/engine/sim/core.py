@@ -38,7 +38,6 @@ longer running.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import heapq
 import math
@@ -57,6 +56,8 @@ from services.engine.backend import (
 )
 from services.engine.sim.blocks import BlockPool
 from services.engine.sim.cost_model import StepWork
+from services.engine.sim.sink import OutputSink
+from services.engine.sim.structured import StructuredScript
 from services.engine.sim.text import TokenPicker, biased, roll, roll_all, sampling_salt
 
 __all__ = ["CoreLimits", "OutputSink", "SimCore", "SimRequest", "StepPlan"]
@@ -86,63 +87,6 @@ class CoreLimits:
             raise ValueError("max_running and chunk_tokens must be positive")
 
 
-class OutputSink:
-    """Where a request's outputs wait for its reader. Tokens produced while
-    the reader is busy are merged into one pending output (never dropped,
-    one pending record per request whatever the reader's speed)."""
-
-    __slots__ = ("_ids", "_text", "_held", "_logprobs", "_final", "_error", "_event")
-
-    def __init__(self) -> None:
-        self._ids: list[int] = []
-        self._text: list[str] = []
-        self._held = ""
-        self._logprobs: list[dict] | None = None
-        self._final: GenerationOutput | None = None
-        self._error: Exception | None = None  # the backend failed: raised by next()
-        self._event = asyncio.Event()
-
-    def push(self, token_id: int, text: str, logprob: dict | None, held: str = "") -> None:
-        self._ids.append(token_id)
-        self._text.append(text)
-        self._held = held
-        if logprob is not None:
-            self._logprobs = self._logprobs or []
-            self._logprobs.append(logprob)
-        self._event.set()
-
-    def finish(self, final: GenerationOutput) -> None:
-        if self._final is None:
-            self._final = final
-            self._event.set()
-
-    def fail(self, error: Exception) -> None:
-        self._error = error
-        self._event.set()
-
-    @property
-    def finished(self) -> bool:
-        return self._final is not None
-
-    async def next(self) -> GenerationOutput:
-        while not self._ids and self._final is None:
-            if self._error is not None:
-                raise self._error
-            self._event.clear()
-            await self._event.wait()
-        out = GenerationOutput(token_ids=self._ids, text="".join(self._text), logprobs=self._logprobs,
-                               held_text="" if self._final is not None else self._held)
-        self._ids, self._text, self._logprobs = [], [], None
-        if self._final is not None:
-            out.finish_reason = self._final.finish_reason
-            out.text += self._final.text
-            out.prompt_tokens = self._final.prompt_tokens
-            out.cached_tokens = self._final.cached_tokens
-            out.completion_tokens = self._final.completion_tokens
-            out.message = self._final.message
-        return out
-
-
 @dataclass(eq=False)
 class SimRequest:
     request_id: str
@@ -157,6 +101,7 @@ class SimRequest:
     # Mixed into each pick when the request samples (temperature > 0): from
     # its seed, else random. 0 = greedy.
     salt: int = 0
+    script: StructuredScript | None = None  # a structured output's instance (sim/structured.py)
     state: RequestState = RequestState.WAITING
     num_computed: int = 0           # tokens whose KV exists
     num_cached: int | None = None   # prefix-cache hit at first admission
@@ -188,6 +133,7 @@ class SimCore:
         self.limits = limits
         self.pool = BlockPool(limits.total_blocks)
         self._picker = picker
+        self._clean_ids = picker.clean_token_ids
         self._token_text = token_text
         self._eos = eos_token_id
         self._k = limits.block_size // limits.hash_block_tokens
@@ -225,6 +171,7 @@ class SimCore:
             stop_text=StopText(request.sampling.stop),
             rolling=roll_all(request.prompt_token_ids),
             salt=sampling_salt(request.sampling),
+            script=StructuredScript(request, self._clean_ids, self._eos) if request.sampling.structured else None,
         )
         self._enqueue(req)
         return req
@@ -403,18 +350,26 @@ class SimCore:
             parent = chain_hash(parent, req.tokens[j * hb : (j + 1) * hb])
             req.shared_hashes.append(parent)
 
-    def _sample(self, req: SimRequest) -> bool:
-        sampling = req.request.sampling
+    def _pick(self, req: SimRequest) -> tuple[int, str]:
+        """The next token and its text: the structured script's, else the
+        picker's (logit_bias at +-100 forces or bans a token)."""
+        if req.script is not None:
+            return req.script.next()
+        bias = req.request.sampling.logit_bias
         state = roll(req.rolling, req.salt) if req.salt else req.rolling
-        token = biased(self._picker, state, sampling.logit_bias) if sampling.logit_bias else \
-            self._picker.next_token(state)
+        token = biased(self._picker, state, bias) if bias else self._picker.next_token(state)
+        return token, self._token_text(token)
+
+    def _sample(self, req: SimRequest) -> bool:
+        token, token_text = self._pick(req)
         req.tokens.append(token)
         req.rolling = roll(req.rolling, token)
         req.generated += 1
+        sampling = req.request.sampling
         may_stop = req.generated >= sampling.min_tokens
         is_eos = token == self._eos and not sampling.ignore_eos
         stop_id = token in sampling.stop_token_ids
-        text = "" if (is_eos or stop_id) and may_stop else self._token_text(token)
+        text = "" if (is_eos or stop_id) and may_stop else token_text
         text, stop_str = req.stop_text.add(text)
         stop_str = stop_str and may_stop
         req.sink.push(token, text, self._logprob(token, text) if sampling.logprobs is not None else None,

@@ -59,6 +59,7 @@ class TokenPicker:
         if not 0.0 <= eos_probability <= 1.0:
             raise ValueError(f"eos_probability must be in [0, 1], got {eos_probability}")
         self._ids = clean_token_ids
+        self.clean_token_ids = clean_token_ids
         self._eos = eos_token_id
         # EOS when the top 24 bits fall under this threshold.
         self._eos_threshold = int(eos_probability * (1 << 24))

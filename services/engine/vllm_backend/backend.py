@@ -192,7 +192,7 @@ class VllmBackend:
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
         api = self._started_api()
-        params = sampling_params(api, request.sampling)
+        params = sampling_params(api, request.sampling, request.resumed_tokens)
         rid = request.request_id
         self._active[rid] = None
         self._notify()

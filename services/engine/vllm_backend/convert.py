@@ -2,6 +2,11 @@
 
 In: kvmesh `Sampling` -> vLLM SamplingParams (`sampling_params`; vLLM's own
 validation of them is the adapter's one sampling check, an InvalidRequest).
+A structured output goes to vLLM's own StructuredOutputsParams (xgrammar,
+`structured_fields`) on a fresh request; on a resumed one (a migration: the
+prompt ends with tokens generated elsewhere) it goes in `extra_args` to
+kvmesh's logits processor (resume_grammar.py), which advances the grammar
+over those tokens first.
 Out: vLLM's DELTA RequestOutputs -> `GenerationOutput`s (`RequestUsage`,
 which also keeps the request's usage counters), its logprobs -> kvmesh's
 TokenLogprob dicts, and the text vLLM holds back for a stop string
@@ -10,19 +15,38 @@ TokenLogprob dicts, and the text vLLM holds back for a stop string
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from services.common.finish_reason import FinishReason
+from services.common.openai_api.structured import StructuredSpec
 from services.engine.backend import GenerationOutput, InvalidRequest, Sampling
 from services.engine.vllm_backend.vllm_api import VllmApi
 
-__all__ = ["RequestUsage", "held_text", "sampling_kwargs", "sampling_params"]
+__all__ = ["RESUMED_STRUCTURED", "RequestUsage", "held_text", "sampling_kwargs", "sampling_params",
+           "structured_fields"]
+
+# SamplingParams.extra_args key of a resumed structured request:
+# {"kind", "value", "resumed_tokens"} (read by resume_grammar.py).
+RESUMED_STRUCTURED = "kvmesh_resumed_structured"
 
 
-def sampling_kwargs(sampling: Sampling) -> dict[str, Any]:
+def structured_fields(spec: StructuredSpec) -> dict[str, Any]:
+    """kvmesh StructuredSpec -> vLLM StructuredOutputsParams keyword arguments."""
+    if spec.kind == "json_schema":
+        return {"json": spec.value}
+    if spec.kind == "json_object":
+        return {"json_object": True}
+    if spec.kind == "choice":
+        return {"choice": list(json.loads(spec.value))}
+    return {spec.kind: spec.value}  # regex, grammar
+
+
+def sampling_kwargs(sampling: Sampling, resumed_tokens: int = 0) -> dict[str, Any]:
     """kvmesh Sampling -> vLLM SamplingParams keyword arguments. None means
-    "engine default", so it is left out and vLLM's default applies."""
+    "engine default", so it is left out and vLLM's default applies. A
+    structured output is left to `sampling_params` (it needs vLLM's type)."""
     kwargs: dict[str, Any] = {
         "max_tokens": sampling.max_tokens,
         "min_tokens": sampling.min_tokens,
@@ -46,13 +70,21 @@ def sampling_kwargs(sampling: Sampling) -> dict[str, Any]:
         kwargs["stop_token_ids"] = list(sampling.stop_token_ids)
     if sampling.logit_bias:
         kwargs["logit_bias"] = dict(sampling.logit_bias)
+    spec = sampling.structured
+    if spec is not None and resumed_tokens:
+        kwargs["extra_args"] = {RESUMED_STRUCTURED: {"kind": spec.kind, "value": spec.value,
+                                                     "resumed_tokens": resumed_tokens}}
     return kwargs
 
 
-def sampling_params(api: VllmApi, sampling: Sampling) -> Any:
-    """vLLM's SamplingParams (DELTA outputs); InvalidRequest if vLLM refuses them."""
+def sampling_params(api: VllmApi, sampling: Sampling, resumed_tokens: int = 0) -> Any:
+    """vLLM's SamplingParams (DELTA outputs); InvalidRequest if vLLM refuses them
+    (its constraint checks run when the request is added: also InvalidRequest)."""
+    kwargs = sampling_kwargs(sampling, resumed_tokens)
     try:
-        return api.sampling_params(**sampling_kwargs(sampling), output_kind=api.delta)
+        if sampling.structured is not None and not resumed_tokens:
+            kwargs["structured_outputs"] = api.structured_outputs(**structured_fields(sampling.structured))
+        return api.sampling_params(**kwargs, output_kind=api.delta)
     except (ValueError, TypeError, api.client_error) as exc:
         raise InvalidRequest(f"invalid sampling parameters: {exc}") from exc
 

@@ -25,6 +25,8 @@ __all__ = ["engine_args", "pin_processes", "replay_endpoint", "resolved_info", "
 log = logging.getLogger("kvmesh.engine.vllm")
 
 _GIB = 1 << 30
+# vLLM loads it by name in its engine core (and its request validator).
+RESUME_GRAMMAR_PROCESSOR = "services.engine.vllm_backend.resume_grammar:ResumedGrammarProcessor"
 # Unix socket paths are limited to 107 bytes; longer scratch paths skip replay.
 _MAX_IPC_PATH = 100
 
@@ -74,6 +76,13 @@ def engine_args(api: VllmApi, engine: EngineConfig, model_path: Path, model_name
         kv_events_config=kv_events,
         # Our stat logger replaces vLLM's periodic log line and Prometheus.
         disable_log_stats=True,
+        # Structured outputs: one grammar engine for fresh requests (vLLM's
+        # own path) and resumed ones (kvmesh's logits processor continues the
+        # grammar after a migration), so a prefix one accepted the other
+        # accepts too. xgrammar without the "auto" fallback to guidance: a
+        # constraint xgrammar cannot compile is refused (400) up front.
+        structured_outputs_config=api.structured_outputs_config(backend="xgrammar"),
+        logits_processors=[RESUME_GRAMMAR_PROCESSOR],
     )
 
 

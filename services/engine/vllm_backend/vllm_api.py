@@ -21,8 +21,10 @@ class VllmApi:
     async_llm: Any           # vllm.v1.engine.async_llm.AsyncLLM
     engine_args: Any         # vllm.engine.arg_utils.AsyncEngineArgs
     kv_events_config: Any    # vllm.config.KVEventsConfig
+    structured_outputs_config: Any  # vllm.config.StructuredOutputsConfig
     tokens_prompt: Any       # vllm.inputs.TokensPrompt
     sampling_params: Any     # vllm.sampling_params.SamplingParams
+    structured_outputs: Any  # vllm.sampling_params.StructuredOutputsParams
     delta: Any               # RequestOutputKind.DELTA: each output carries only new tokens
     kv_event_batch: Any      # vllm.distributed.kv_events.KVEventBatch (ZMQ payload type)
     client_error: type[Exception]  # vllm.exceptions.VLLMClientError: the request's fault
@@ -38,8 +40,10 @@ def import_vllm() -> VllmApi:
         async_llm=importlib.import_module("vllm.v1.engine.async_llm").AsyncLLM,
         engine_args=importlib.import_module("vllm.engine.arg_utils").AsyncEngineArgs,
         kv_events_config=importlib.import_module("vllm.config").KVEventsConfig,
+        structured_outputs_config=importlib.import_module("vllm.config").StructuredOutputsConfig,
         tokens_prompt=importlib.import_module("vllm.inputs").TokensPrompt,
         sampling_params=sampling.SamplingParams,
+        structured_outputs=sampling.StructuredOutputsParams,
         delta=sampling.RequestOutputKind.DELTA,
         kv_event_batch=importlib.import_module("vllm.distributed.kv_events").KVEventBatch,
         client_error=importlib.import_module("vllm.exceptions").VLLMClientError,

@@ -79,6 +79,10 @@ async def test_render_endpoints_return_the_prompt_token_ids(http) -> None:
         assert usage["prompt_tokens"] == len(rendered["token_ids"])
         async with session.post(f"{base}/v1/chat/completions/render", json={"messages": []}) as resp:
             assert resp.status == 400
+        # Tool calls are read out of the text by the gateway; an engine's own endpoint refuses tools.
+        tool = {"type": "function", "function": {"name": "f"}}
+        async with session.post(f"{base}/v1/chat/completions", json={**chat, "tools": [tool]}) as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["param"] == "tools"
     assert svc.backend.load().running == 0
 
 

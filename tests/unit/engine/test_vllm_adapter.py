@@ -61,8 +61,8 @@ def backend(script: list[Any]) -> tuple[VllmBackend, FakeLlm]:
     b = VllmBackend(config, EngineConfig(backend="vllm", model="m"))
     llm = FakeLlm(script)
     b._llm = llm
-    b._api = VllmApi(async_llm=None, engine_args=None, kv_events_config=None,
-                     tokens_prompt=dict, sampling_params=lambda **kw: kw, delta="delta",
+    b._api = VllmApi(async_llm=None, engine_args=None, kv_events_config=None, structured_outputs_config=dict,
+                     tokens_prompt=dict, sampling_params=lambda **kw: kw, structured_outputs=dict, delta="delta",
                      kv_event_batch=None, client_error=ClientError, engine_dead=EngineDeadError)
     return b, llm
 
@@ -120,7 +120,8 @@ def test_vllms_batch_has_the_p0_headroom_and_the_engine_advertises_max_running()
     engine = EngineConfig(backend="vllm", model="m", p0_headroom=3)
     engine.vllm.max_num_seqs = 16
     api = VllmApi(async_llm=None, engine_args=lambda **kw: kw, kv_events_config=None, tokens_prompt=dict,
-                  sampling_params=dict, delta="delta", kv_event_batch=None, client_error=ClientError,
+                  structured_outputs_config=dict, sampling_params=dict, structured_outputs=dict,
+                  delta="delta", kv_event_batch=None, client_error=ClientError,
                   engine_dead=EngineDeadError)
     args = engine_args(api, engine, Path("/m"), "m", 0, None, None)
     assert args["max_num_seqs"] == 19 and args["scheduling_policy"] == "priority"

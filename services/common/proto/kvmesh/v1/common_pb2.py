@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/common.proto\x12\tkvmesh.v1\"\xc9\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\x08\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12=\n\nlogit_bias\x18\x84\x02 \x03(\x0b\x32(.kvmesh.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.kvmesh.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02*\xac\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x19\n\x15\x46INISH_REASON_TIMEOUT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/common.proto\x12\tkvmesh.v1\"\xfb\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\x08\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12=\n\nlogit_bias\x18\x84\x02 \x03(\x0b\x32(.kvmesh.v1.SamplingParams.LogitBiasEntry\x12\x30\n\nstructured\x18\xc8\x01 \x01(\x0b\x32\x1b.kvmesh.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.kvmesh.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\xde\x01\n\x10StructuredOutput\x12.\n\x04kind\x18\x01 \x01(\x0e\x32 .kvmesh.v1.StructuredOutput.Kind\x12\r\n\x05value\x18\x02 \x01(\t\x12\x0e\n\x06strict\x18\x03 \x01(\x08\"{\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10KIND_JSON_SCHEMA\x10\x01\x12\x14\n\x10KIND_JSON_OBJECT\x10\x02\x12\x0e\n\nKIND_REGEX\x10\x03\x12\x0f\n\x0bKIND_CHOICE\x10\x04\x12\x10\n\x0cKIND_GRAMMAR\x10\x05*\xcb\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x19\n\x15\x46INISH_REASON_TIMEOUT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x12\x1d\n\x18\x46INISH_REASON_TOOL_CALLS\x10\xdc\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,16 +33,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=874
-  _globals['_FINISHREASON']._serialized_end=1046
+  _globals['_FINISHREASON']._serialized_start=1149
+  _globals['_FINISHREASON']._serialized_end=1352
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=623
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=441
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=489
-  _globals['_USAGE']._serialized_start=625
-  _globals['_USAGE']._serialized_end=705
-  _globals['_TOKENLOGPROB']._serialized_start=707
-  _globals['_TOKENLOGPROB']._serialized_end=807
-  _globals['_TOPLOGPROB']._serialized_start=809
-  _globals['_TOPLOGPROB']._serialized_end=871
+  _globals['_SAMPLINGPARAMS']._serialized_end=673
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=491
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=539
+  _globals['_USAGE']._serialized_start=675
+  _globals['_USAGE']._serialized_end=755
+  _globals['_TOKENLOGPROB']._serialized_start=757
+  _globals['_TOKENLOGPROB']._serialized_end=857
+  _globals['_TOPLOGPROB']._serialized_start=859
+  _globals['_TOPLOGPROB']._serialized_end=921
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=924
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1146
+  _globals['_STRUCTUREDOUTPUT_KIND']._serialized_start=1023
+  _globals['_STRUCTUREDOUTPUT_KIND']._serialized_end=1146
 # @@protoc_insertion_point(module_scope)
