@@ -25,6 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
+from services.common.clock import SystemClock
 from services.common.config import MeshConfig
 from services.common.openai_api.errors import error_response
 from services.common.openai_api.requests import parse_chat_body, parse_completion_body, parse_json_body
@@ -46,6 +47,8 @@ from services.gateway.jobs import parse_last_event_id, request_id_from
 from services.gateway.keys import api_key_from_headers
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import openapi_document
+from services.gateway.responses_api import ResponsesApi
+from services.gateway.responses_store import ResponseStore
 from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.validation import parse_priority_header
 
@@ -78,12 +81,14 @@ class HttpApi:
         driver: GenerationDriver,
         scheduler: SchedulerClient,
         metrics: GatewayMetrics,
+        responses_store: ResponseStore | None = None,
     ) -> None:
         self._config = config
         self._frontdoor = frontdoor
         self._driver = driver
         self._scheduler = scheduler
         self._metrics = metrics
+        self.responses_store = responses_store or ResponseStore(config.responses, SystemClock())
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -92,6 +97,8 @@ class HttpApi:
         )
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        ResponsesApi(self._config, self._frontdoor, self._driver, self._metrics, self.responses_store,
+                     self._read_json, _REQUEST_ID).register(app)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get("/health", self.health)
