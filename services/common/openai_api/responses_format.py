@@ -30,6 +30,11 @@ from services.common.openai_api.responses import UsageCounts
 
 __all__ = ["ResponseBuilder", "event_sse", "new_response_id", "usage_object"]
 
+# OpenAI's closed set of `response.error.code` values that can apply here;
+# any other (kvmesh's own: timeout, generation_failed) is `server_error`,
+# with kvmesh's code kept in the message.
+_ERROR_CODES = frozenset({"server_error", "rate_limit_exceeded"})
+
 Status = Literal["in_progress", "completed", "incomplete", "failed"]
 
 
@@ -48,9 +53,11 @@ def event_sse(event: dict[str, Any]) -> bytes:
 
 
 def usage_object(usage: UsageCounts) -> dict[str, Any]:
+    """OpenAI's usage; cache writes are not counted (always 0: the engines
+    report prefix-cache hits, not what they added to the cache)."""
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
@@ -191,6 +198,8 @@ class ResponseBuilder:
         """The generation failed after the response started."""
         events = self._close("incomplete")
         self.status = "failed"
+        if code not in _ERROR_CODES:
+            code, message = "server_error", f"{message} ({code})"
         self.error = {"code": code, "message": message}
         return [*events, self._event("response.failed", response=self.response())]
 
