@@ -6,8 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.common.openai_api.errors import ApiError
+from services.common.openai_api.requests import parse_chat_body
 from services.common.openai_api.responses_input import chat_body, parse_responses_body, responses_param
 from services.common.openai_api.responses_items import items_to_messages, normalize_input
 
@@ -172,3 +175,22 @@ def test_background_false_is_accepted() -> None:
 ])
 def test_chat_params_are_renamed(chat: str | None, responses: str | None) -> None:
     assert responses_param(chat) == responses
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=12)
+_FIELDS = ["input", "instructions", "tools", "tool_choice", "text", "metadata", "store", "stream",
+           "previous_response_id", "max_output_tokens", "temperature", "parallel_tool_calls", "include"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(_FIELDS), _JSON, max_size=4), st.lists(_JSON, max_size=3))
+def test_any_body_is_parsed_or_refused_with_an_api_error(fields: dict[str, Any], items: list[Any]) -> None:
+    """Nothing a client sends raises anything but an `ApiError` (a 400)."""
+    try:
+        parsed = parse_responses_body({"model": "m", "input": items, **fields})
+        parse_chat_body(chat_body(parsed, []))
+    except ApiError as exc:
+        assert exc.kind.value == "invalid_request"
