@@ -28,11 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from services.common.config import ConfigError
 from services.common.openai_api.errors import ApiError, ErrorKind
+from services.common.tool_prompt import generic_messages, has_tool_fields, template_messages
 
 __all__ = [
     "ChatTemplateError",
@@ -41,6 +43,7 @@ __all__ = [
     "context_length",
     "load_chat_template",
     "read_model_json",
+    "template_renders_tools",
 ]
 
 # Special tokens a template may name; passed to it as variables.
@@ -109,13 +112,24 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _compile(source: str) -> jinja2.Template:
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    return env
+
+
+def _compile(source: str) -> jinja2.Template:
+    return _environment().from_string(source)
+
+
+def template_renders_tools(source: str) -> bool:
+    """Whether a chat template takes `tools` (it reads the variable), as
+    Qwen2.5's, Llama 3.1's or Hermes' do; else tools are rendered through
+    services/common/tool_prompt.py's generic prompt."""
+    return "tools" in jinja2.meta.find_undeclared_variables(_environment().parse(source))
 
 
 def _special(config: dict[str, Any], name: str) -> str | None:
@@ -141,6 +155,7 @@ class HfTokenizer:
         self._specials = {k: v for k in _SPECIAL_NAMES if (v := _special(tok_config, k))}
         source = load_chat_template(model_dir, tok_config)
         self._template = _compile(source) if source is not None else None
+        self.template_renders_tools = source is not None and template_renders_tools(source)
         # Every id the tokenizer can produce or decode, added tokens included.
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = self._eos_id()
@@ -156,19 +171,31 @@ class HfTokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
-        """The chat as prompt text, ending with the assistant's turn opened."""
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
+                    tool_format: str = "hermes") -> str:
+        """The chat as prompt text, ending with the assistant's turn opened.
+        Tools and the history's tool calls and results go through the
+        template when it renders tools, else through the generic tool prompt
+        in `tool_format` ("hermes" or "json"; services/common/tool_prompt.py)."""
         if self._template is None:
             raise ChatTemplateError(
                 f"model {self.name!r} has no chat template; use /v1/completions with a raw prompt"
             )
+        extra: dict[str, Any] = {}
+        if tools or has_tool_fields(messages):
+            if self.template_renders_tools:
+                messages, extra = template_messages(messages), {"tools": list(tools) if tools else None}
+            else:
+                messages = generic_messages(messages, tools, tool_format)
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=True, **self._specials)
+            return self._template.render(messages=list(messages), add_generation_prompt=True, **self._specials,
+                                         **extra)
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") from exc
 
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> RenderedPrompt:
-        text = self.render_chat(messages)
+    def chat_prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
+                    tool_format: str = "hermes") -> RenderedPrompt:
+        text = self.render_chat(messages, tools, tool_format)
         # The template already holds BOS/specials: do not add them twice.
         return RenderedPrompt(text, self.encode(text, add_special_tokens=False))
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.common.finish_reason import FinishReason
+from services.common.openai_api.structured import StructuredSpec
 
 __all__ = [
     "BackendInfo",
@@ -86,6 +87,9 @@ class Sampling:
     repetition_penalty: float | None = None
     logprobs: int | None = None
     ignore_eos: bool = False
+    # Constrain the output; a resumed request (GenerationRequest.resumed_tokens)
+    # continues the constraint after the tokens already generated.
+    structured: StructuredSpec | None = None
 
 
 @dataclass

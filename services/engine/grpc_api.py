@@ -31,6 +31,7 @@ import grpc
 
 from services.common.finish_reason import FinishReason
 from services.common.idle_calls import IdleCalls
+from services.common.openai_api.structured import structured_from_proto
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine.backend import GenerationOutput, GenerationRequest, InvalidRequest, Sampling
 from services.engine.detached import Attachment, UnknownGeneration
@@ -64,7 +65,7 @@ def request_from_proto(msg: engine_pb2.EngineRequest) -> GenerationRequest:
         seed=opt_int("seed"), presence_penalty=opt_float("presence_penalty"),
         frequency_penalty=opt_float("frequency_penalty"),
         repetition_penalty=opt_float("repetition_penalty"),
-        logprobs=opt_int("logprobs"), ignore_eos=s.ignore_eos,
+        logprobs=opt_int("logprobs"), ignore_eos=s.ignore_eos, structured=structured_from_proto(s),
     )
     return GenerationRequest(
         request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids), sampling=sampling,

@@ -37,6 +37,7 @@ from services.common.openai_api.requests import (
     parse_json_body,
 )
 from services.common.openai_api.responses import SSE_DONE, ChatFormatter, CompletionFormatter, Formatter, sse
+from services.common.openai_api.structured import structured_to_proto
 from services.common.proto.kvmesh.v1 import engine_pb2
 from services.engine.backend import GenerationOutput, GenerationRequest, InvalidRequest
 from services.engine.errors import DuplicateRequest, NotAccepting
@@ -149,6 +150,8 @@ class OpenAIHttpServer:
                 max_tokens = max(1, min(max_tokens, context - len(prompt)))
         # Logprobs are not served here: the engine is not asked for them.
         sampling = replace(parsed.sampling, logprobs=None).to_proto(max_tokens)
+        if parsed.structured is not None:
+            sampling.structured.CopyFrom(structured_to_proto(parsed.structured))
         message = engine_pb2.EngineRequest(request_id=f"http-{uuid.uuid4().hex}", prompt_token_ids=prompt,
                                            sampling=sampling, priority=_priority(body))
         return parsed, request_from_proto(message)

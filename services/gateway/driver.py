@@ -49,6 +49,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from services.common.clock import Clock
+from services.common.openai_api.structured import structured_to_proto
 from services.common.proto.kvmesh.v1 import engine_pb2, scheduler_pb2
 from services.gateway.engine_client import EnginePool, EngineStream
 from services.gateway.errors import EngineFailure, EngineStopped, ErrorKind, GatewayError
@@ -323,6 +324,8 @@ class _Generation:
         sampling = job.sampling.to_proto(job.max_tokens - len(generated))
         if job.sampling.min_tokens:
             sampling.min_tokens = max(0, job.sampling.min_tokens - len(generated))
+        if job.structured is not None:
+            sampling.structured.CopyFrom(structured_to_proto(job.structured))
         return engine_pb2.EngineRequest(
             request_id=job.request_id,
             prompt_token_ids=job.prompt_ids + generated,

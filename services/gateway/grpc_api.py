@@ -27,13 +27,15 @@ import grpc
 from services.common.openai_api.requests import GenerationInput
 from services.common.proto.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.gateway.driver import GenerationDriver
-from services.gateway.errors import GatewayError, grpc_status
+from services.gateway.errors import ErrorKind, GatewayError, grpc_status
 from services.gateway.events import Event, Finished, Heartbeat, QueuedUpdate, TextDelta
 from services.gateway.frontdoor import Frontdoor
 from services.gateway.jobs import parse_last_event_id, request_id_from
 from services.gateway.keys import api_key_from_headers
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.tool_calls import parser_for
+from services.gateway.tool_grpc import ToolEventMapper
 from services.gateway.validation import (
     chat_from_proto,
     generate_from_proto,
@@ -124,6 +126,7 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
                 parse_last_event_id(f"{resume.request_id}.0")  # the same id rules as the HTTP API
             principal = self._frontdoor.authenticate(api_key_from_headers(metadata))
             generation = parse(request)
+            tools = self._tool_mapper(generation, request_id, resume is not None)
             priority = priority_from_proto(request.priority)
             remaining = context.time_remaining()
             if remaining is not None:
@@ -143,7 +146,9 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
             async for event in stream:
                 if isinstance(event, TextDelta):
                     completion_tokens += len(event.token_ids)
-                await context.write(event_to_proto(request_id, event))
+                message = event_to_proto(request_id, event)
+                for out in tools.map(event, message) if tools is not None else (message,):
+                    await context.write(out)
                 if not isinstance(event, Heartbeat):
                     stream.mark_output()
         except GatewayError as exc:
@@ -153,6 +158,16 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
             self._metrics.active_streams.dec()
             self._frontdoor.settle(admitted, completion_tokens)
         self._metrics.requests.labels(route, "OK").inc()
+
+    def _tool_mapper(self, generation: GenerationInput, request_id: str, resume: bool) -> ToolEventMapper | None:
+        """Tool calls parsed out of the text (services/gateway/tool_grpc.py)."""
+        parser = parser_for(generation, self._frontdoor.tokenizers.get(generation.model).tool_parser)
+        if parser is None:
+            return None
+        if resume:
+            raise GatewayError(ErrorKind.INVALID_REQUEST, "a tool-calling stream cannot be resumed; send the "
+                               "request again without resume", param="resume")
+        return ToolEventMapper(request_id, parser)
 
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

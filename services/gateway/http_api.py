@@ -50,6 +50,8 @@ from services.gateway.openapi import openapi_document
 from services.gateway.responses_api import ResponsesApi
 from services.gateway.responses_store import ResponseStore
 from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.tool_calls import parser_for
+from services.gateway.tool_output import ToolChatFormatter
 from services.gateway.validation import parse_priority_header
 
 __all__ = ["HttpApi"]
@@ -64,6 +66,12 @@ _REQUEST_ID = web.RequestKey("request_id", str)
 
 def _error_response(exc: GatewayError, request_id: str | None) -> web.Response:
     return error_response(exc, {"x-request-id": request_id} if request_id else None)
+
+
+def _event_id(sse_id: bytes, index: int) -> bytes:
+    """`id: <request_id>.<index>` before a chunk; nothing for a stream that
+    cannot be resumed (sse_id empty)."""
+    return b"%s%d\n" % (sse_id, index) if sse_id else b""
 
 
 def _failure(finished: Finished) -> GatewayError:
@@ -170,11 +178,20 @@ class HttpApi:
         if resume and not generation.stream:
             raise GatewayError(ErrorKind.INVALID_REQUEST, "Last-Event-ID resumes a streamed response; "
                                "set \"stream\": true", param="Last-Event-ID")
+        # Tool calls are parsed out of the text (services/gateway/tool_output.py).
+        tool_parser = parser_for(generation, self._frontdoor.tokenizers.get(generation.model).tool_parser)
+        if resume and tool_parser is not None:
+            raise GatewayError(ErrorKind.INVALID_REQUEST, "a tool-calling stream cannot be resumed; send the "
+                               "request again without Last-Event-ID", param="Last-Event-ID")
         admitted = await self._frontdoor.admit(generation, principal, priority, request_id)
         if resume:
             admitted.job.resume_from = resume[1]
-        formatter_cls: type[Formatter] = ChatFormatter if route == "chat" else CompletionFormatter
-        formatter = formatter_cls(request_id, generation.model, generation.include_usage)
+        formatter: Formatter
+        if tool_parser is not None:
+            formatter = ToolChatFormatter(request_id, generation.model, generation.include_usage, tool_parser)
+        else:
+            formatter_cls = ChatFormatter if route == "chat" else CompletionFormatter
+            formatter = formatter_cls(request_id, generation.model, generation.include_usage)
         headers = {"x-request-id": request_id, **admitted.grant.headers}
         tally = _Tally()
         self._metrics.active_streams.inc()
@@ -201,7 +218,7 @@ class HttpApi:
         resumed: bool,
     ) -> web.StreamResponse:
         response: web.StreamResponse | None = None
-        sse_id = f"id: {request[_REQUEST_ID]}.".encode()
+        sse_id = f"id: {request[_REQUEST_ID]}.".encode() if formatter.resumable else b""
 
         async def started() -> web.StreamResponse:
             nonlocal response
@@ -218,7 +235,7 @@ class HttpApi:
                 await response.prepare(request)
                 first = None if resumed else formatter.first_chunk()
                 if first is not None:
-                    await response.write(sse_id + b"0\n" + sse(first))
+                    await response.write(_event_id(sse_id, 0) + sse(first))
             return response
 
         try:
@@ -226,9 +243,7 @@ class HttpApi:
                 if isinstance(event, TextDelta):
                     tally.completion_tokens += len(event.token_ids)
                     out = await started()
-                    chunk = formatter.delta_sse(event.text, event.logprobs)
-                    await out.write(b"%s%d\n%s" % (sse_id, event.index, chunk))
-                    stream.mark_output()
+                    await self._write_delta(out, formatter, event, sse_id, stream)
                 elif isinstance(event, Finished):
                     out = await started()
                     await out.write(self._final_bytes(formatter, event))
@@ -250,10 +265,21 @@ class HttpApi:
         return out
 
     @staticmethod
+    async def _write_delta(
+        out: web.StreamResponse, formatter: Formatter, event: TextDelta, sse_id: bytes, stream: EventStream,
+    ) -> None:
+        """The delta's chunks, with its resume id when the formatter has
+        them; nothing when it has none to send yet (a tool call held back)."""
+        chunk = formatter.delta_sse(event.text, event.logprobs)
+        if chunk:
+            await out.write(_event_id(sse_id, event.index) + chunk)
+            stream.mark_output()
+
+    @staticmethod
     def _final_bytes(formatter: Formatter, finished: Finished) -> bytes:
         if not finished.reason.ok:
             return sse(http_error(_failure(finished)).body) + SSE_DONE
-        out = sse(formatter.final_chunk(finished.reason.value))
+        out = formatter.final_sse(finished.reason.value)
         if formatter.include_usage:
             out += sse(formatter.usage_chunk(finished.usage))
         return out + SSE_DONE

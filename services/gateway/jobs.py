@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from services.common.clock import Clock
 from services.common.config import MeshConfig
 from services.common.openai_api.requests import GenerationInput, SamplingOptions
+from services.common.openai_api.structured import StructuredSpec
+from services.common.openai_api.tools import prompt_tool_format, prompt_tools
 from services.common.proto.kvmesh.v1 import scheduler_pb2
 from services.gateway.errors import ErrorKind, GatewayError
 from services.gateway.keys import Principal
@@ -68,6 +70,8 @@ class Job:
     # A client's resume (Last-Event-ID / ResumeFrom): the index of the last
     # event it has; None for a new request. README "Resuming a stream".
     resume_from: int | None = None
+    # The output constraint the engine enforces (GenerationInput.structured).
+    structured: StructuredSpec | None = None
 
     def admit_request(self) -> scheduler_pb2.AdmitRequest:
         return scheduler_pb2.AdmitRequest(
@@ -95,7 +99,8 @@ async def build_job(
     arrival_unix, arrival_monotonic = clock.wall(), clock.monotonic()
     block = config.hash_block_tokens
     if request.messages is not None:
-        prompt = await tokenizer.tokenize_chat(request.messages, block)
+        prompt = await tokenizer.tokenize_chat(request.messages, block, prompt_tools(request),
+                                               prompt_tool_format(request, tokenizer.tool_parser))
     elif request.prompt_ids is not None:
         prompt = await tokenizer.from_ids(request.prompt_ids, block)
     else:
@@ -111,6 +116,7 @@ async def build_job(
         prompt_ids=prompt.token_ids,
         prefix_hashes=prompt.prefix_hashes,
         sampling=request.sampling,
+        structured=request.structured,
         max_tokens=_max_tokens(request, len(prompt.token_ids), tokenizer.max_model_len, config),
         max_generation_seconds=_time_limit(request, principal, config),
         arrival_unix=arrival_unix,

@@ -17,6 +17,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from services.common.config import ConfigError, ModelConfig
 from services.common.prefix_hash import block_hashes
@@ -45,9 +46,10 @@ class ModelTokenizer:
     """One model's tokenizer, chat template (services/common/tokenizer.py, the
     same the engines' own endpoints use) and context length. Immutable."""
 
-    def __init__(self, name: str, model_dir: Path, max_model_len: int = 0) -> None:
+    def __init__(self, name: str, model_dir: Path, max_model_len: int = 0, tool_parser: str = "hermes") -> None:
         self.name = name
         self.model_dir = model_dir
+        self.tool_parser = tool_parser  # models[].tool_parser: how its tool calls are written and read
         try:
             self._hf = HfTokenizer(model_dir, name)
         except ConfigError as exc:
@@ -65,19 +67,25 @@ class ModelTokenizer:
 
     # ---- whole-prompt preparation (maybe off the event loop)
 
-    def _chat_sync(self, messages: Sequence[dict[str, str]], hash_block_tokens: int) -> TokenizedPrompt:
-        prompt = self._hf.chat_prompt(messages)
+    def _chat_sync(self, messages: Sequence[dict[str, Any]], hash_block_tokens: int,
+                   tools: Sequence[dict[str, Any]] | None = None, tool_format: str = "hermes") -> TokenizedPrompt:
+        prompt = self._hf.chat_prompt(messages, tools, tool_format)
         return TokenizedPrompt(prompt.token_ids, block_hashes(prompt.token_ids, hash_block_tokens), prompt.text)
 
     def _text_sync(self, text: str, hash_block_tokens: int) -> TokenizedPrompt:
         prompt = self._hf.text_prompt(text)
         return TokenizedPrompt(prompt.token_ids, block_hashes(prompt.token_ids, hash_block_tokens), text)
 
-    async def tokenize_chat(self, messages: Sequence[dict[str, str]], hash_block_tokens: int) -> TokenizedPrompt:
-        size = sum(len(m.get("content") or "") for m in messages)
+    async def tokenize_chat(self, messages: Sequence[dict[str, Any]], hash_block_tokens: int,
+                            tools: Sequence[dict[str, Any]] | None = None,
+                            tool_format: str = "hermes") -> TokenizedPrompt:
+        """The chat's prompt; `tools` (and the history's tool calls) rendered
+        by the template or the generic tool prompt in `tool_format`
+        (services/common/tokenizer.py)."""
+        size = sum(len(m.get("content") or "") for m in messages) + (len(str(tools)) if tools else 0)
         if size < INLINE_CHARS:
-            return self._chat_sync(messages, hash_block_tokens)
-        return await asyncio.to_thread(self._chat_sync, messages, hash_block_tokens)
+            return self._chat_sync(messages, hash_block_tokens, tools, tool_format)
+        return await asyncio.to_thread(self._chat_sync, messages, hash_block_tokens, tools, tool_format)
 
     async def tokenize_text(self, prompt: str, hash_block_tokens: int) -> TokenizedPrompt:
         if len(prompt) < INLINE_CHARS:
@@ -111,7 +119,7 @@ class TokenizerRegistry:
             if not path.is_absolute():
                 path = root / path
             try:
-                self._models[model.name] = ModelTokenizer(model.name, path, model.max_model_len)
+                self._models[model.name] = ModelTokenizer(model.name, path, model.max_model_len, model.tool_parser)
             except (ConfigError, OSError, Exception) as exc:  # noqa: BLE001 - a bad model must not stop the gateway
                 log.error("model %s: cannot load tokenizer from %s: %s", model.name, path, exc)
                 self._errors[model.name] = str(exc)

@@ -21,8 +21,12 @@ from services.common.openai_api.requests import (
     sampling_from_body,
     show_value,
 )
+from services.common.openai_api.response_format import check_structured
+from services.common.openai_api.structured import StructuredSpec, structured_from_proto
+from services.common.openai_api.tools import set_tool_request
 from services.common.proto.kvmesh.v1 import common_pb2, inference_pb2
 from services.gateway.errors import ErrorKind, GatewayError
+from services.gateway.tool_grpc import message_from_proto, tool_request_from_proto
 
 __all__ = [
     "chat_from_proto",
@@ -87,6 +91,17 @@ def _sampling_from_proto(params: common_pb2.SamplingParams) -> SamplingOptions:
     return options
 
 
+def _structured(params: common_pb2.SamplingParams) -> StructuredSpec | None:
+    """sampling.structured, checked as HTTP checks response_format."""
+    spec = structured_from_proto(params)
+    if spec is None:
+        if params.HasField("structured") and (params.structured.kind or params.structured.value):
+            raise invalid("sampling.structured.kind must be one of KIND_JSON_SCHEMA, KIND_JSON_OBJECT, "
+                          "KIND_REGEX, KIND_CHOICE, KIND_GRAMMAR", "sampling.structured.kind")
+        return None
+    return check_structured(spec, "sampling.structured.value")
+
+
 def _generation_seconds(request: Any) -> float | None:
     if not request.HasField("max_generation_seconds"):
         return None
@@ -102,15 +117,18 @@ def chat_from_proto(request: inference_pb2.ChatRequest) -> GenerationInput:
     if not request.messages:
         raise GatewayError(ErrorKind.INVALID_REQUEST, "messages is required: at least one {role, content}",
                            param="messages")
-    messages = [parse_message(i, {"role": m.role, "content": m.content}) for i, m in enumerate(request.messages)]
-    return GenerationInput(
+    messages = [parse_message(i, message_from_proto(m)) for i, m in enumerate(request.messages)]
+    generation = GenerationInput(
         route="chat",
         model=request.model,
         sampling=_sampling_from_proto(request.sampling),
         messages=messages,
         stream=True,
         max_generation_seconds=_generation_seconds(request),
+        structured=_structured(request.sampling),
     )
+    set_tool_request(generation, tool_request_from_proto(request))  # services/gateway/tool_grpc.py
+    return generation
 
 
 def generate_from_proto(request: inference_pb2.GenerateRequest) -> GenerationInput:
@@ -127,4 +145,5 @@ def generate_from_proto(request: inference_pb2.GenerateRequest) -> GenerationInp
         prompt_ids=list(request.prompt_token_ids) or None,
         stream=True,
         max_generation_seconds=_generation_seconds(request),
+        structured=_structured(request.sampling),
     )

@@ -31,13 +31,14 @@ from .engines import EngineConfig, EnginesConfig, SimCostConfig, VllmConfig
 from .errors import ConfigError
 from .gateway import ApiKeyConfig, GatewayConfig
 from .loader import config_from_dict, load_config
-from .mesh import EnvoyConfig, MeshConfig, MeshTlsConfig, ModelConfig
+from .mesh import TOOL_PARSERS, EnvoyConfig, MeshConfig, MeshTlsConfig, ModelConfig
 from .network import FencingConfig, NetworkConfig
 from .responses import ResponsesConfig
 from .scheduler import AgingConfig, PolicyProfileConfig, SchedulerConfig
 from .validation import api_key_digest, validate_config
 
 __all__ = [
+    "TOOL_PARSERS",
     "AgingConfig",
     "ApiKeyConfig",
     "ConfigError",

@@ -14,7 +14,11 @@ from .network import FencingConfig, NetworkConfig
 from .responses import ResponsesConfig
 from .scheduler import SchedulerConfig
 
-__all__ = ["EnvoyConfig", "MeshConfig", "MeshTlsConfig", "ModelConfig", "ResumeConfig"]
+__all__ = ["TOOL_PARSERS", "EnvoyConfig", "MeshConfig", "MeshTlsConfig", "ModelConfig", "ResumeConfig"]
+
+# Tool-call output formats a model may name in `models[].tool_parser`; the
+# gateway's services/gateway/tool_calls.py implements one parser for each.
+TOOL_PARSERS = ("hermes", "json")
 
 
 @dataclass
@@ -30,6 +34,16 @@ class ModelConfig:
     # Longest prompt + completion in tokens; 0 = take it from config.json.
     # Bounds: >= 0.
     max_model_len: int = 0
+    # How the model writes a tool call, so the gateway can parse it out of
+    # the text (services/gateway/tool_calls.py; vLLM's `--tool-call-parser`
+    # names): "hermes" = `<tool_call>{"name": ..., "arguments": {...}}
+    # </tool_call>` blocks (Qwen2.5, Hermes, and kvmesh's generic tool
+    # prompt for templates without tool support, e.g. SmolLM2's); "json" =
+    # the bare JSON object `{"name": ..., "arguments": {...}}` or a JSON
+    # array of them (the generic prompt then asks for that). One of
+    # TOOL_PARSERS. Default hermes: the format most tool-trained open models
+    # and vLLM's reference parser use.
+    tool_parser: str = "hermes"
 
 
 @dataclass

@@ -20,7 +20,7 @@ from .addresses import split_host_port
 from .engines import EngineConfig
 from .errors import ConfigError
 from .gateway import ApiKeyConfig
-from .mesh import MeshConfig
+from .mesh import TOOL_PARSERS, MeshConfig
 from .scheduler import SchedulerConfig
 
 __all__ = ["api_key_digest", "check_api_keys", "validate_config"]
@@ -118,6 +118,8 @@ def _check_models(mesh: _Section) -> None:
             entry.fail("name", f"{model.name!r} is listed twice")
         seen.add(model.name)
         entry.non_negative("max_model_len")
+        if model.tool_parser not in TOOL_PARSERS:
+            entry.fail("tool_parser", f"must be one of {', '.join(TOOL_PARSERS)}, got {model.tool_parser!r}")
 
 
 def _check_engines(mesh: _Section) -> None:

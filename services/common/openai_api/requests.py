@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from services.common.openai_api.errors import ApiError, ErrorKind
+from services.common.openai_api.response_format import structured_from_body
+from services.common.openai_api.structured import StructuredSpec
+from services.common.openai_api.tools import apply_tool_request, parse_message_tool_fields
 from services.common.proto.kvmesh.v1 import common_pb2
 
 __all__ = [
@@ -113,12 +116,20 @@ class GenerationInput:
     route: Literal["chat", "completion"]
     model: str
     sampling: SamplingOptions
-    messages: list[dict[str, str]] | None = None
+    # Chat messages as the template sees them; tool fields per openai_api/tools.py.
+    messages: list[dict[str, Any]] | None = None
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
     stream: bool = False
     include_usage: bool = False
     max_generation_seconds: float | None = None
+    # A constraint on the output (services/common/openai_api/structured.py).
+    structured: StructuredSpec | None = None
+    # Tool calling (services/common/openai_api/tools.py): normalized tools,
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] = "none"
+    parallel_tool_calls: bool = True
 
 
 def parse_json_body(raw: bytes) -> Any:
@@ -211,10 +222,6 @@ def sampling_from_body(body: dict[str, Any]) -> SamplingOptions:
     if n is not None and n > 1:
         raise ApiError(ErrorKind.INVALID_REQUEST, "n>1 is not supported; send n separate requests", param="n",
                        code="unsupported_value")
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise ApiError(ErrorKind.INVALID_REQUEST, f"{name} are not supported by this server", param=name,
-                           code="unsupported_parameter")
     top_k = _integer(body, "top_k", -1, _INT32_MAX)
     return SamplingOptions(
         temperature=_number(body, "temperature", 0.0, 2.0),
@@ -265,9 +272,9 @@ def _content(where: str, content: Any) -> str:
     return content
 
 
-def parse_message(i: int, raw: Any) -> dict[str, str]:
+def parse_message(i: int, raw: Any) -> dict[str, Any]:
     """messages[i] as the chat template sees it: role, content as one string
-    (text parts joined), and name when given."""
+    (text parts joined), name when given, and the tool fields (tools.py)."""
     where = f"messages[{i}]"
     if not isinstance(raw, dict):
         raise invalid(f"{where} must be an object with role and content", where)
@@ -275,9 +282,10 @@ def parse_message(i: int, raw: Any) -> dict[str, str]:
     if not isinstance(role, str) or role not in CHAT_ROLES:  # a list/dict role is unhashable
         raise invalid(f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {show_value(role)}", f"{where}.role")
     content = _content(where, raw.get("content"))
-    message = {"role": role, "content": _unicode(content, f"{where}.content")}
+    message: dict[str, Any] = {"role": role, "content": _unicode(content, f"{where}.content")}
     if isinstance(raw.get("name"), str):
         message["name"] = _unicode(raw["name"], f"{where}.name")
+    parse_message_tool_fields(where, raw, message)
     return message
 
 
@@ -307,15 +315,13 @@ def parse_chat_body(body: Any, *, vllm_extensions: bool = False) -> GenerationIn
         sampling.logprobs = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
     elif body.get("top_logprobs") is not None:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
-    response_format = body.get("response_format")
-    if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
-        raise ApiError(ErrorKind.INVALID_REQUEST, "only response_format type 'text' is supported",
-                       param="response_format", code="unsupported_value")
     if vllm_extensions:
         _vllm_sampling(body, sampling)
     stream = _boolean(body, "stream")
-    return GenerationInput(route="chat", model=model, sampling=sampling, messages=messages, stream=stream,
-                           include_usage=_stream_options(body, stream))
+    generation = GenerationInput(route="chat", model=model, sampling=sampling, messages=messages, stream=stream,
+                                 include_usage=_stream_options(body, stream), structured=structured_from_body(body))
+    apply_tool_request(generation, body)
+    return generation
 
 
 def _prompt(body: dict[str, Any]) -> tuple[str | None, list[int] | None]:
@@ -339,7 +345,7 @@ def _prompt(body: dict[str, Any]) -> tuple[str | None, list[int] | None]:
 
 
 def _unsupported_completion_fields(body: dict[str, Any]) -> None:
-    for name in ("echo", "suffix"):
+    for name in ("echo", "suffix", "tools"):
         if body.get(name):
             raise ApiError(ErrorKind.INVALID_REQUEST, f"{name} is not supported", param=name,
                            code="unsupported_parameter")
@@ -361,4 +367,5 @@ def parse_completion_body(body: Any, *, vllm_extensions: bool = False) -> Genera
         _vllm_sampling(body, sampling)
     stream = _boolean(body, "stream")
     return GenerationInput(route="completion", model=model, sampling=sampling, prompt_text=text, prompt_ids=ids,
-                           stream=stream, include_usage=_stream_options(body, stream))
+                           stream=stream, include_usage=_stream_options(body, stream),
+                           structured=structured_from_body(body))

@@ -77,6 +77,9 @@ class Formatter:
     object_chunk = ""
     object_full = ""
     prefix = ""
+    # Whether each delta chunk may carry an SSE `id:` to resume after it
+    # (False when a chunk is not one engine delta: tool-call parsing).
+    resumable = True
 
     def __init__(self, request_id: str, model: str, include_usage: bool = False, token_ids: bool = False) -> None:
         self.id = f"{self.prefix}-{request_id}"
@@ -129,6 +132,10 @@ class Formatter:
         head, tail = self._frame
         return head + _json_str(text).encode() + tail
 
+    def final_sse(self, reason: str) -> bytes:
+        """The last choice chunk (and whatever a subclass held back before it)."""
+        return sse(self.final_chunk(reason))
+
     def usage_chunk(self, usage: UsageCounts) -> dict[str, Any]:
         return {**self._envelope(self.object_chunk), "choices": [], "usage": usage_dict(usage)}
 
@@ -174,6 +181,28 @@ class ChatFormatter(Formatter):
     def _full_choice(self, text: str, logprobs: Logprobs) -> dict[str, Any]:
         return {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
                 "logprobs": self.logprobs(logprobs)}
+
+    def tool_call_chunk(self, index: int, arguments: str, call_id: str = "", name: str = "") -> dict[str, Any]:
+        """A streamed tool-call delta as OpenAI shapes it: a call's first
+        chunk has its id, type and name (and arguments ""), the next ones
+        only arguments fragments."""
+        call: dict[str, Any] = {"index": index}
+        if call_id:
+            call.update(id=call_id, type="function", function={"name": name, "arguments": arguments})
+        else:
+            call["function"] = {"arguments": arguments}
+        return self._chunk({"index": 0, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None})
+
+    def tool_response(self, content: str | None, tool_calls: list[dict[str, Any]], logprobs: Logprobs,
+                      reason: str | None, usage: UsageCounts) -> dict[str, Any]:
+        """The whole response with `message.tool_calls` (content None when
+        the model wrote only calls)."""
+        body = Formatter.response(self, content or "", logprobs, reason, usage)
+        message = body["choices"][0]["message"]
+        message["content"] = content
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return body
 
 
 class CompletionFormatter(Formatter):

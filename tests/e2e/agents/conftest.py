@@ -9,10 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _vllm_mesh import running_vllm_mesh
 
 from services.common.config import MeshConfig
 from services.launcher.mesh import Mesh
-from _vllm_mesh import running_vllm_mesh
 
 AGENT_MODEL = "SmolLM2-135M-Instruct"
 ROOT = Path(__file__).resolve().parents[3]

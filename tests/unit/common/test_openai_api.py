@@ -43,7 +43,7 @@ MSG = [{"role": "user", "content": "hi"}]
         ({"model": "m", "messages": MSG, "n": 3}, "n"),
         ({"model": "m", "messages": MSG, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
         ({"model": "m", "messages": MSG, "stream_options": {"include_usage": True}}, "stream_options"),
-        ({"model": "m", "messages": MSG, "tools": [{"type": "function"}]}, "tools"),
+        ({"model": "m", "messages": MSG, "tools": [{"type": "function"}]}, "tools[0].function"),
     ],
 )
 def test_chat_validation_names_the_parameter(body: dict, param: str) -> None:

@@ -169,7 +169,7 @@ async def test_template_errors_are_the_same_400_at_both_doors(
     mesh: Mesh, engine: Engine
 ) -> None:
     base, _ = engine
-    body = {"model": MODEL, "messages": [{"role": "tool", "content": "x"}], "max_tokens": 2}
+    body = {"model": MODEL, "messages": [{"role": "developer", "content": "x"}], "max_tokens": 2}
     headers = {"Authorization": f"Bearer {KEY_FULL}"}
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{mesh.http}/v1/chat/completions", json=body, headers=headers) as resp:

@@ -26,7 +26,7 @@ from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 from services.common.proto.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/inference.proto\x12\tkvmesh.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x16kvmesh/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x81\x02\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12%\n\x08priority\x18\x04 \x01(\x0e\x32\x13.kvmesh.v1.Priority\x12#\n\x16max_generation_seconds\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12%\n\x06resume\x18x \x01(\x0b\x32\x15.kvmesh.v1.ResumeFromB\x19\n\x17_max_generation_seconds\"\x85\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12%\n\x08priority\x18\x05 \x01(\x0e\x32\x13.kvmesh.v1.Priority\x12#\n\x16max_generation_seconds\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12%\n\x06resume\x18x \x01(\x0b\x32\x15.kvmesh.v1.ResumeFromB\x19\n\x17_max_generation_seconds\"4\n\nResumeFrom\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nlast_index\x18\x02 \x01(\r\"\xeb\x01\n\rGenerateEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x06queued\x18\x02 \x01(\x0b\x32\x16.kvmesh.v1.QueuedEventH\x00\x12&\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x15.kvmesh.v1.DeltaEventH\x00\x12,\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x18.kvmesh.v1.FinishedEventH\x00\x12.\n\theartbeat\x18\x05 \x01(\x0b\x32\x19.kvmesh.v1.HeartbeatEventH\x00\x12\r\n\x05index\x18x \x01(\rB\x07\n\x05\x65vent\"f\n\x0bQueuedEvent\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x1e\n\x16\x65stimated_wait_seconds\x18\x02 \x01(\x02\x12%\n\x08priority\x18\x03 \x01(\x0e\x32\x13.kvmesh.v1.Priority\"X\n\nDeltaEvent\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\"q\n\rFinishedEvent\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x10\n\x0eHeartbeatEvent\"\x13\n\x11ListModelsRequest\"?\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x0f\n\x07\x65ngines\x18\x03 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.ModelCard*W\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x0f\n\x0bPRIORITY_P0\x10\x01\x12\x0f\n\x0bPRIORITY_P1\x10\x02\x12\x0f\n\x0bPRIORITY_P2\x10\x03\x32\xad\x02\n\tInference\x12O\n\x04\x43hat\x12\x16.kvmesh.v1.ChatRequest\x1a\x18.kvmesh.v1.GenerateEvent\"\x13\x82\xd3\xe4\x93\x02\r\"\x08/v1/chat:\x01*0\x01\x12k\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x18.kvmesh.v1.GenerateEvent\"\'\x82\xd3\xe4\x93\x02!\"\x0c/v1/generate:\x01*Z\x0e\x12\x0c/v1/generate0\x01\x12\x62\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponse\"\x17\x82\xd3\xe4\x93\x02\x11\x12\x0f/v1/grpc/modelsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/inference.proto\x12\tkvmesh.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x16kvmesh/v1/common.proto\"m\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\xdc\x01 \x03(\x0b\x32\x13.kvmesh.v1.ToolCall\x12\x15\n\x0ctool_call_id\x18\xdd\x01 \x01(\t\"\x8a\x03\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12%\n\x08priority\x18\x04 \x01(\x0e\x32\x13.kvmesh.v1.Priority\x12#\n\x16max_generation_seconds\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12%\n\x06resume\x18x \x01(\x0b\x32\x15.kvmesh.v1.ResumeFrom\x12\x1f\n\x05tools\x18\xdc\x01 \x03(\x0b\x32\x0f.kvmesh.v1.Tool\x12+\n\x0btool_choice\x18\xdd\x01 \x01(\x0b\x32\x15.kvmesh.v1.ToolChoice\x12!\n\x13parallel_tool_calls\x18\xde\x01 \x01(\x08H\x01\x88\x01\x01\x42\x19\n\x17_max_generation_secondsB\x16\n\x14_parallel_tool_calls\"\x85\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12%\n\x08priority\x18\x05 \x01(\x0e\x32\x13.kvmesh.v1.Priority\x12#\n\x16max_generation_seconds\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12%\n\x06resume\x18x \x01(\x0b\x32\x15.kvmesh.v1.ResumeFromB\x19\n\x17_max_generation_seconds\"4\n\nResumeFrom\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nlast_index\x18\x02 \x01(\r\"\x9b\x02\n\rGenerateEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x06queued\x18\x02 \x01(\x0b\x32\x16.kvmesh.v1.QueuedEventH\x00\x12&\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x15.kvmesh.v1.DeltaEventH\x00\x12,\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x18.kvmesh.v1.FinishedEventH\x00\x12.\n\theartbeat\x18\x05 \x01(\x0b\x32\x19.kvmesh.v1.HeartbeatEventH\x00\x12.\n\ttool_call\x18\xdc\x01 \x01(\x0b\x32\x18.kvmesh.v1.ToolCallDeltaH\x00\x12\r\n\x05index\x18x \x01(\rB\x07\n\x05\x65vent\"f\n\x0bQueuedEvent\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x1e\n\x16\x65stimated_wait_seconds\x18\x02 \x01(\x02\x12%\n\x08priority\x18\x03 \x01(\x0e\x32\x13.kvmesh.v1.Priority\"X\n\nDeltaEvent\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\"q\n\rFinishedEvent\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x10\n\x0eHeartbeatEvent\"\x13\n\x11ListModelsRequest\"?\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x0f\n\x07\x65ngines\x18\x03 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.ModelCard\"R\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t*W\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x0f\n\x0bPRIORITY_P0\x10\x01\x12\x0f\n\x0bPRIORITY_P1\x10\x02\x12\x0f\n\x0bPRIORITY_P2\x10\x03\x32\xad\x02\n\tInference\x12O\n\x04\x43hat\x12\x16.kvmesh.v1.ChatRequest\x1a\x18.kvmesh.v1.GenerateEvent\"\x13\x82\xd3\xe4\x93\x02\r\"\x08/v1/chat:\x01*0\x01\x12k\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x18.kvmesh.v1.GenerateEvent\"\'\x82\xd3\xe4\x93\x02!\"\x0c/v1/generate:\x01*Z\x0e\x12\x0c/v1/generate0\x01\x12\x62\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponse\"\x17\x82\xd3\xe4\x93\x02\x11\x12\x0f/v1/grpc/modelsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,32 +39,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFERENCE'].methods_by_name['Generate']._serialized_options = b'\202\323\344\223\002!\"\014/v1/generate:\001*Z\016\022\014/v1/generate'
   _globals['_INFERENCE'].methods_by_name['ListModels']._loaded_options = None
   _globals['_INFERENCE'].methods_by_name['ListModels']._serialized_options = b'\202\323\344\223\002\021\022\017/v1/grpc/models'
-  _globals['_PRIORITY']._serialized_start=1429
-  _globals['_PRIORITY']._serialized_end=1516
+  _globals['_PRIORITY']._serialized_start=1957
+  _globals['_PRIORITY']._serialized_end=2044
   _globals['_CHATMESSAGE']._serialized_start=94
-  _globals['_CHATMESSAGE']._serialized_end=138
-  _globals['_CHATREQUEST']._serialized_start=141
-  _globals['_CHATREQUEST']._serialized_end=398
-  _globals['_GENERATEREQUEST']._serialized_start=401
-  _globals['_GENERATEREQUEST']._serialized_end=662
-  _globals['_RESUMEFROM']._serialized_start=664
-  _globals['_RESUMEFROM']._serialized_end=716
-  _globals['_GENERATEEVENT']._serialized_start=719
-  _globals['_GENERATEEVENT']._serialized_end=954
-  _globals['_QUEUEDEVENT']._serialized_start=956
-  _globals['_QUEUEDEVENT']._serialized_end=1058
-  _globals['_DELTAEVENT']._serialized_start=1060
-  _globals['_DELTAEVENT']._serialized_end=1148
-  _globals['_FINISHEDEVENT']._serialized_start=1150
-  _globals['_FINISHEDEVENT']._serialized_end=1263
-  _globals['_HEARTBEATEVENT']._serialized_start=1265
-  _globals['_HEARTBEATEVENT']._serialized_end=1281
-  _globals['_LISTMODELSREQUEST']._serialized_start=1283
-  _globals['_LISTMODELSREQUEST']._serialized_end=1302
-  _globals['_MODELCARD']._serialized_start=1304
-  _globals['_MODELCARD']._serialized_end=1367
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1369
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1427
-  _globals['_INFERENCE']._serialized_start=1519
-  _globals['_INFERENCE']._serialized_end=1820
+  _globals['_CHATMESSAGE']._serialized_end=203
+  _globals['_CHATREQUEST']._serialized_start=206
+  _globals['_CHATREQUEST']._serialized_end=600
+  _globals['_GENERATEREQUEST']._serialized_start=603
+  _globals['_GENERATEREQUEST']._serialized_end=864
+  _globals['_RESUMEFROM']._serialized_start=866
+  _globals['_RESUMEFROM']._serialized_end=918
+  _globals['_GENERATEEVENT']._serialized_start=921
+  _globals['_GENERATEEVENT']._serialized_end=1204
+  _globals['_QUEUEDEVENT']._serialized_start=1206
+  _globals['_QUEUEDEVENT']._serialized_end=1308
+  _globals['_DELTAEVENT']._serialized_start=1310
+  _globals['_DELTAEVENT']._serialized_end=1398
+  _globals['_FINISHEDEVENT']._serialized_start=1400
+  _globals['_FINISHEDEVENT']._serialized_end=1513
+  _globals['_HEARTBEATEVENT']._serialized_start=1515
+  _globals['_HEARTBEATEVENT']._serialized_end=1531
+  _globals['_LISTMODELSREQUEST']._serialized_start=1533
+  _globals['_LISTMODELSREQUEST']._serialized_end=1552
+  _globals['_MODELCARD']._serialized_start=1554
+  _globals['_MODELCARD']._serialized_end=1617
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1619
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1677
+  _globals['_TOOL']._serialized_start=1679
+  _globals['_TOOL']._serialized_end=1761
+  _globals['_TOOLCHOICE']._serialized_start=1763
+  _globals['_TOOLCHOICE']._serialized_end=1821
+  _globals['_TOOLCALL']._serialized_start=1823
+  _globals['_TOOLCALL']._serialized_end=1878
+  _globals['_TOOLCALLDELTA']._serialized_start=1880
+  _globals['_TOOLCALLDELTA']._serialized_end=1955
+  _globals['_INFERENCE']._serialized_start=2047
+  _globals['_INFERENCE']._serialized_end=2348
 # @@protoc_insertion_point(module_scope)
