@@ -74,7 +74,8 @@ class _Run:
                                        previous_response_id=parsed.previous_response_id,
                                        metadata=parsed.metadata, store=parsed.store)
         self.opening = self.builder.start()  # numbered first; sent when a stream starts
-        self.splitter: OutputSplitter = splitter_for(api.config, generation)
+        model_parser = api.frontdoor.tokenizers.get(generation.model).tool_parser
+        self.splitter: OutputSplitter = splitter_for(generation, model_parser)
         self.completion_tokens = 0
         self._keep = (api.store, principal.key_id, [*history, *parsed.items]) if parsed.store else None
 
@@ -109,7 +110,7 @@ class ResponsesApi:
                  store: ResponseStore, read_json: ReadJson, request_key: web.RequestKey[str]) -> None:
         self.config = config
         self.store = store
-        self._frontdoor = frontdoor
+        self.frontdoor = frontdoor
         self._driver = driver
         self._metrics = metrics
         self._read_json = read_json
@@ -123,7 +124,7 @@ class ResponsesApi:
     # ---------------------------------------------------------------- stored
 
     def _owner(self, request: web.Request) -> str:
-        return self._frontdoor.authenticate(api_key_from_headers(request.headers)).key_id
+        return self.frontdoor.authenticate(api_key_from_headers(request.headers)).key_id
 
     async def retrieve(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
@@ -154,13 +155,13 @@ class ResponsesApi:
     async def create(self, request: web.Request) -> web.StreamResponse:
         request_id = request_id_from(request.headers.get("x-request-id"), request.headers.get("x-envoy-attempt-count"))
         request[self._request_key] = request_id
-        principal = self._frontdoor.authenticate(api_key_from_headers(request.headers))
+        principal = self.frontdoor.authenticate(api_key_from_headers(request.headers))
         parsed = parse_responses_body(await self._read_json(request))
         history = self._history(parsed, principal)
         priority = parse_priority_header(request.headers.get("x-priority"))
         try:
             generation = parse_chat_body(chat_body(parsed, history))
-            admitted = await self._frontdoor.admit(generation, principal, priority, request_id)
+            admitted = await self.frontdoor.admit(generation, principal, priority, request_id)
         except GatewayError as exc:
             raise _renamed(exc) from None
         run = _Run(self, parsed, principal, history, generation)
@@ -177,7 +178,7 @@ class ResponsesApi:
             self._settle(admitted, run)
 
     def _settle(self, admitted: Admitted, run: _Run) -> None:
-        self._frontdoor.settle(admitted, run.completion_tokens)
+        self.frontdoor.settle(admitted, run.completion_tokens)
 
     async def _collect(self, stream: EventStream, run: _Run, headers: dict[str, str]) -> web.Response:
         finished: Finished | None = None

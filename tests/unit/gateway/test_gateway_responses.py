@@ -146,3 +146,16 @@ async def test_scheduler_refusal_keeps_its_status_on_a_stream(mesh: Mesh) -> Non
     async with client(mesh) as c:
         with pytest.raises(openai.RateLimitError):
             await c.responses.create(model=MODEL, input="hello", stream=True)
+
+
+async def test_a_forced_tool_is_constrained_on_the_engine(mesh: Mesh) -> None:
+    tool = {"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    async with client(mesh) as c:
+        out = await c.responses.create(model=MODEL, input="weather in Paris?", tools=[tool],
+                                       tool_choice={"type": "function", "name": "get_weather"})
+    sent = mesh.engines["engine-a"].requests[0]
+    assert sent.sampling.HasField("structured")  # the tools path's constraint reached the engine
+    assert "get_weather" in sent.sampling.structured.value
+    # The fake engine ignores it: its words are not a call, so they are the text.
+    assert out.status == "completed" and out.output[0].type == "message"
