@@ -159,3 +159,27 @@ async def test_a_forced_tool_is_constrained_on_the_engine(mesh: Mesh) -> None:
     assert "get_weather" in sent.sampling.structured.value
     # The fake engine ignores it: its words are not a call, so they are the text.
     assert out.status == "completed" and out.output[0].type == "message"
+
+
+async def test_openai_agents_requests_are_accepted(mesh: Mesh) -> None:
+    """What openai-agents sends (include=[], strict tool schemas, tool_choice
+    required) is served; the fake engine answers with words, not a call, so
+    the run ends with that text."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        return f"Sunny in {city}"
+
+    async with client(mesh) as c:
+        agent = agents.Agent(name="weather", instructions="Use the tool.", tools=[get_weather],
+                             model=agents.OpenAIResponsesModel(model=MODEL, openai_client=c),
+                             model_settings=agents.ModelSettings(tool_choice="required"),
+                             tool_use_behavior="stop_on_first_tool")
+        result = await agents.Runner.run(agent, "weather in Paris?", max_turns=1)
+        streamed = agents.Runner.run_streamed(agent, "weather in Rome?", max_turns=1)
+        kinds = [event.type async for event in streamed.stream_events()]
+    assert result.final_output.startswith(" w")
+    assert "raw_response_event" in kinds and streamed.final_output.startswith(" w")
