@@ -105,8 +105,8 @@ class HttpApi:
         )
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
-        ResponsesApi(self._config, self._frontdoor, self._driver, self._metrics, self.responses_store,
-                     self._read_json, _REQUEST_ID).register(app)
+        ResponsesApi(self._frontdoor, self._driver, self._metrics, self.responses_store, self._read_json,
+                     _REQUEST_ID).register(app)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_get("/health", self.health)

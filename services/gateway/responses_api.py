@@ -106,9 +106,8 @@ class _Run:
 
 
 class ResponsesApi:
-    def __init__(self, config: Any, frontdoor: Frontdoor, driver: GenerationDriver, metrics: GatewayMetrics,
+    def __init__(self, frontdoor: Frontdoor, driver: GenerationDriver, metrics: GatewayMetrics,
                  store: ResponseStore, read_json: ReadJson, request_key: web.RequestKey[str]) -> None:
-        self.config = config
         self.store = store
         self.frontdoor = frontdoor
         self._driver = driver
