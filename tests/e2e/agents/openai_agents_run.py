@@ -36,10 +36,13 @@ async def main(base_url: str, api_key: str, model: str) -> dict[str, object]:
         tool_use_behavior="stop_on_first_tool")
     try:
         result = await Runner.run(agent, "What is the weather in Paris?", max_turns=3)
+        streamed = Runner.run_streamed(agent, "What is the weather in Rome?", max_turns=3)
+        events = [event.type async for event in streamed.stream_events()]
     finally:
         await client.close()
     return {"cities": cities, "final_output": result.final_output,
-            "items": [item.type for item in result.new_items]}
+            "items": [item.type for item in result.new_items],
+            "streamed_output": streamed.final_output, "streamed_events": sorted(set(events))}
 
 
 if __name__ == "__main__":

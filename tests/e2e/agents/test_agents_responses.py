@@ -1,7 +1,8 @@
 """The Responses API on real vLLM engines (SmolLM2-135M-Instruct, two engines
 behind Envoy): the official SDK's `responses.create`, streamed and not, a
 function-tool round trip continued with `previous_response_id`, and the
-`openai-agents` package running an agent with one function tool to the end."""
+`openai-agents` package running an agent with one function tool to the end
+(`Runner.run` and `Runner.run_streamed`)."""
 
 from __future__ import annotations
 
@@ -92,6 +93,10 @@ def test_openai_agents_runs_an_agent_with_a_function_tool(agents_mesh: Mesh) -> 
         capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(result["cities"]) == 1 and isinstance(result["cities"][0], str) and result["cities"][0]
-    assert result["final_output"] == f"Sunny in {result['cities'][0]}"
+    cities = result["cities"]
+    assert len(cities) == 2 and all(isinstance(city, str) and city for city in cities)  # one call per run
+    assert result["final_output"] == f"Sunny in {cities[0]}"
     assert result["items"] == ["tool_call_item", "tool_call_output_item"]
+    # Streamed (Runner.run_streamed: the typed events, parsed by the agents SDK) the same way.
+    assert result["streamed_output"] == f"Sunny in {cities[1]}"
+    assert "raw_response_event" in result["streamed_events"]
