@@ -49,6 +49,8 @@ from services.gateway.jobs import parse_last_event_id, request_id_from
 from services.gateway.keys import api_key_from_headers
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import openapi_document
+from services.gateway.responses_api import ResponsesApi
+from services.gateway.responses_store import ResponseStore
 from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.served_models import ServedModels
 from services.gateway.tokenize_api import TokenizeApi
@@ -92,6 +94,7 @@ class HttpApi:
         scheduler: SchedulerClient,
         metrics: GatewayMetrics,
         served: ServedModels | None = None,
+        responses_store: ResponseStore | None = None,
     ) -> None:
         self._config = config
         self._frontdoor = frontdoor
@@ -100,6 +103,7 @@ class HttpApi:
         self._metrics = metrics
         self._served = served or ServedModels(functools.partial(scheduler.get_state, 1.0), SystemClock())
         self._tokenize = TokenizeApi(frontdoor)
+        self.responses_store = responses_store or ResponseStore(config.responses, SystemClock())
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -108,6 +112,8 @@ class HttpApi:
         )
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        ResponsesApi(self._frontdoor, self._driver, self._metrics, self.responses_store, self._read_json,
+                     _REQUEST_ID).register(app)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_post("/tokenize", self._tokenize_route)

@@ -111,6 +111,20 @@ def _schemas() -> dict[str, Any]:
                 **_SAMPLING,
             },
         },
+        "ResponseRequest": {
+            "type": "object",
+            "required": ["model", "input"],
+            "properties": {
+                "model": {"type": "string"},
+                "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+                "instructions": {"type": "string"},
+                "max_output_tokens": {"type": "integer", "minimum": 1},
+                "temperature": _SAMPLING["temperature"], "top_p": _SAMPLING["top_p"],
+                "tools": {"type": "array", "items": {"type": "object"}},
+                "store": {"type": "boolean"}, "previous_response_id": {"type": "string"},
+                "stream": {"type": "boolean"},
+            },
+        },
         "CompletionRequest": {
             "type": "object",
             "required": ["model", "prompt"],
@@ -159,6 +173,11 @@ def _paths() -> dict[str, Any]:
         "/v1/chat/completions": _generation(
             "Chat completion (OpenAI chat.completion / chat.completion.chunk)", "ChatCompletionRequest"),
         "/v1/completions": _generation("Text completion (OpenAI text_completion)", "CompletionRequest"),
+        "/v1/responses": _generation("Responses API (OpenAI response; stream: typed events)", "ResponseRequest"),
+        "/v1/responses/{response_id}": _json_get(
+            "A response created with store: true (this gateway, this key, within responses.ttl_seconds)",
+            "OpenAI response object", (401, 404),
+            parameters=[{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]),
         "/v1/models": _json_get("Models this key may use that some engine serves now", "OpenAI model list",
                                 (401,)),
         "/v1/models/{model}": _json_get(

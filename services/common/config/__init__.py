@@ -9,6 +9,7 @@ default, its bounds and why, where it is declared:
     engines.py      engines: the template engine, its simulator and vLLM
     scheduler.py    scheduler: aging, admission limits, placement, queues
     gateway.py      gateway and its API keys
+    responses.py    the Responses API's store (TTL, size bounds)
     errors.py       ConfigError
     addresses.py    host:port addresses (DNS names, IPv4, [IPv6]): split and join
     loader.py       load_config: YAML -> dataclasses (type phase), then
@@ -32,6 +33,7 @@ from .gateway import ApiKeyConfig, GatewayConfig
 from .loader import config_from_dict, load_config
 from .mesh import TOOL_PARSERS, EnvoyConfig, MeshConfig, MeshTlsConfig, ModelConfig
 from .network import FencingConfig, NetworkConfig
+from .responses import ResponsesConfig
 from .scheduler import AgingConfig, PolicyProfileConfig, SchedulerConfig
 from .validation import api_key_digest, validate_config
 
@@ -50,6 +52,7 @@ __all__ = [
     "ModelConfig",
     "NetworkConfig",
     "PolicyProfileConfig",
+    "ResponsesConfig",
     "SchedulerConfig",
     "SimCostConfig",
     "VllmConfig",

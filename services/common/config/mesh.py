@@ -11,6 +11,7 @@ from .engines import EngineConfig, EnginesConfig
 from .errors import ConfigError
 from .gateway import GatewayConfig
 from .network import FencingConfig, NetworkConfig
+from .responses import ResponsesConfig
 from .scheduler import SchedulerConfig
 
 __all__ = ["TOOL_PARSERS", "EnvoyConfig", "MeshConfig", "MeshTlsConfig", "ModelConfig", "ResumeConfig"]
@@ -124,6 +125,7 @@ class MeshConfig:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     fencing: FencingConfig = field(default_factory=FencingConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
+    responses: ResponsesConfig = field(default_factory=ResponsesConfig)
 
     def engine_config(self, index: int) -> EngineConfig:
         """Engine `index` as `kvmesh up` starts it: the template with its own

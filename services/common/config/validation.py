@@ -104,6 +104,8 @@ def validate_config(config: MeshConfig, where: str = "config") -> None:
     envoy.non_negative("base_id")
     _check_partitions(mesh)
     mesh.at("resume").non_negative("grace_seconds")
+    mesh.at("responses").positive("ttl_seconds", "max_bytes")
+    mesh.at("responses").non_negative("max_entries")
 
 
 def _check_models(mesh: _Section) -> None:

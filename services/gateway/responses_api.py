@@ -1,0 +1,237 @@
+"""`POST /v1/responses` (and GET / DELETE of a stored response) on the
+gateway's HTTP API, served ON the chat path.
+
+A Responses request is parsed (services/common/openai_api/responses_input.py),
+joined to the items of the response it continues (responses_store.py), and
+becomes a chat `GenerationInput` through `parse_chat_body`; from there it is a
+chat request like any other: the same key, model and context checks, rate
+limits, priority class, admission, placement, migration and heartbeats
+(`Frontdoor.admit`, `GenerationDriver.start`). Its output goes through the
+tool-call splitter (responses_output.py) into a `ResponseBuilder`
+(responses_format.py): typed SSE events when streamed, the Response object
+when not. Errors are raised as `GatewayError` to the HTTP API's one error
+boundary; once the event stream has started, a failure ends it with
+`response.failed`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from services.common.openai_api.requests import GenerationInput, parse_chat_body
+from services.common.openai_api.responses import SSE_HEARTBEAT
+from services.common.openai_api.responses_format import ResponseBuilder, event_sse, new_response_id
+from services.common.openai_api.responses_input import (
+    ResponsesRequest,
+    chat_body,
+    parse_responses_body,
+    responses_param,
+)
+from services.gateway.driver import GenerationDriver
+from services.gateway.errors import ErrorKind, GatewayError
+from services.gateway.event_stream import EventStream
+from services.gateway.events import Finished, Heartbeat, TextDelta
+from services.gateway.frontdoor import Admitted, Frontdoor
+from services.gateway.jobs import request_id_from
+from services.gateway.keys import Principal, api_key_from_headers
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.responses_output import OutputSplitter, splitter_for
+from services.gateway.responses_store import ResponseStore
+from services.gateway.validation import parse_priority_header
+
+__all__ = ["ResponsesApi"]
+
+log = logging.getLogger(__name__)
+
+ReadJson = Callable[[web.Request], Awaitable[Any]]
+
+
+def _renamed(exc: GatewayError) -> GatewayError:
+    """A chat-path error with its parameter named as the Responses request names it."""
+    exc.param = responses_param(exc.param)
+    if exc.param == "max_output_tokens":
+        exc.message = exc.message.replace("max_completion_tokens", "max_output_tokens")
+    return exc
+
+
+def _not_found(response_id: str, param: str | None) -> GatewayError:
+    what = "Previous response" if param == "previous_response_id" else "Response"
+    return GatewayError(ErrorKind.NOT_FOUND, f"{what} with id {response_id[:80]!r} not found: responses are kept "
+                        "only with store: true, for responses.ttl_seconds, by the gateway that served them, for "
+                        "the API key that created them", param=param, code="response_not_found")
+
+
+class _Run:
+    """One request's output: the splitter, the builder, and the store once it ends."""
+
+    def __init__(self, api: ResponsesApi, parsed: ResponsesRequest, principal: Principal,
+                 history: list[dict[str, Any]], generation: GenerationInput) -> None:
+        self.builder = ResponseBuilder(new_response_id(), parsed.model, parsed.settings,
+                                       previous_response_id=parsed.previous_response_id,
+                                       metadata=parsed.metadata, store=parsed.store)
+        self.opening = self.builder.start()  # numbered first; sent when a stream starts
+        model_parser = api.frontdoor.tokenizers.get(generation.model).tool_parser
+        self.splitter: OutputSplitter = splitter_for(generation, model_parser)
+        self.completion_tokens = 0
+        self._keep = (api.store, principal.key_id, [*history, *parsed.items]) if parsed.store else None
+
+    def text(self, delta: TextDelta) -> list[dict[str, Any]]:
+        self.completion_tokens += len(delta.token_ids)
+        return self._pieces(self.splitter.feed(delta.text))
+
+    def _pieces(self, pieces: list[Any]) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                events += self.builder.text(piece)
+            else:
+                events += self.builder.tool_call(piece.index, piece.call_id, piece.name, piece.arguments)
+        return events
+
+    def end(self, finished: Finished) -> list[dict[str, Any]]:
+        if not finished.reason.ok:
+            kind = "timeout" if finished.reason.value == "timeout" else "generation_failed"
+            return self.builder.fail(kind, finished.message or f"the generation ended with {finished.reason.value}")
+        events = self._pieces(self.splitter.finish())
+        events += self.builder.finish(finished.reason.value, finished.usage)
+        if self._keep is not None:
+            store, owner, history = self._keep
+            if not store.put(owner, self.builder.response(), history):
+                log.warning("response %s is larger than responses.max_bytes: not stored", self.builder.id)
+        return events
+
+
+class ResponsesApi:
+    def __init__(self, frontdoor: Frontdoor, driver: GenerationDriver, metrics: GatewayMetrics,
+                 store: ResponseStore, read_json: ReadJson, request_key: web.RequestKey[str]) -> None:
+        self.store = store
+        self.frontdoor = frontdoor
+        self._driver = driver
+        self._metrics = metrics
+        self._read_json = read_json
+        self._request_key = request_key
+
+    def register(self, app: web.Application) -> None:
+        app.router.add_post("/v1/responses", self.create)
+        app.router.add_get("/v1/responses/{response_id}", self.retrieve)
+        app.router.add_delete("/v1/responses/{response_id}", self.delete)
+
+    # ---------------------------------------------------------------- stored
+
+    def _owner(self, request: web.Request) -> str:
+        return self.frontdoor.authenticate(api_key_from_headers(request.headers)).key_id
+
+    async def retrieve(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        entry = self.store.get(self._owner(request), response_id)
+        if entry is None:
+            raise _not_found(response_id, None)
+        return web.json_response(entry.response)
+
+    async def delete(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        if not self.store.delete(self._owner(request), response_id):
+            raise _not_found(response_id, None)
+        return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    # ---------------------------------------------------------------- create
+
+    def _history(self, parsed: ResponsesRequest, principal: Principal) -> list[dict[str, Any]]:
+        if parsed.store and not self.store.enabled:
+            raise GatewayError(ErrorKind.INVALID_REQUEST, "this gateway stores no responses "
+                               "(responses.max_entries is 0); send store: false", param="store")
+        if parsed.previous_response_id is None:
+            return []
+        entry = self.store.get(principal.key_id, parsed.previous_response_id)
+        if entry is None:
+            raise _not_found(parsed.previous_response_id, "previous_response_id")
+        return entry.conversation
+
+    async def create(self, request: web.Request) -> web.StreamResponse:
+        request_id = request_id_from(request.headers.get("x-request-id"), request.headers.get("x-envoy-attempt-count"))
+        request[self._request_key] = request_id
+        principal = self.frontdoor.authenticate(api_key_from_headers(request.headers))
+        parsed = parse_responses_body(await self._read_json(request))
+        history = self._history(parsed, principal)
+        priority = parse_priority_header(request.headers.get("x-priority"))
+        try:
+            generation = parse_chat_body(chat_body(parsed, history))
+            admitted = await self.frontdoor.admit(generation, principal, priority, request_id)
+        except GatewayError as exc:
+            raise _renamed(exc) from None
+        run = _Run(self, parsed, principal, history, generation)
+        headers = {"x-request-id": request_id, **admitted.grant.headers}
+        self._metrics.active_streams.inc()
+        stream = self._driver.start(admitted.job)
+        try:
+            if parsed.stream:
+                return await self._stream(request, stream, run, headers)
+            return await self._collect(stream, run, headers)
+        finally:
+            await stream.aclose()
+            self._metrics.active_streams.dec()
+            self._settle(admitted, run)
+
+    def _settle(self, admitted: Admitted, run: _Run) -> None:
+        self.frontdoor.settle(admitted, run.completion_tokens)
+
+    async def _collect(self, stream: EventStream, run: _Run, headers: dict[str, str]) -> web.Response:
+        finished: Finished | None = None
+        async for event in stream:
+            if isinstance(event, TextDelta):
+                run.text(event)
+            elif isinstance(event, Finished):
+                finished = event
+        if finished is None:
+            raise GatewayError(ErrorKind.INTERNAL, "the generation ended without a result")
+        if not finished.reason.ok:
+            kind = ErrorKind.TIMEOUT if finished.reason.value == "timeout" else ErrorKind.GENERATION_FAILED
+            raise GatewayError(kind, finished.message or f"the generation ended with {finished.reason.value}",
+                               code=finished.reason.value)
+        run.end(finished)
+        return web.json_response(run.builder.response(), headers=headers)
+
+    async def _stream(self, request: web.Request, stream: EventStream, run: _Run,
+                      headers: dict[str, str]) -> web.StreamResponse:
+        """Typed events; the HTTP response starts lazily (first token, first
+        heartbeat or the end), so a quick refusal keeps its real status."""
+        response: web.StreamResponse | None = None
+
+        async def write(events: list[dict[str, Any]]) -> web.StreamResponse:
+            nonlocal response
+            if response is None:
+                response = web.StreamResponse(status=200, headers={
+                    "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                    **headers})
+                await response.prepare(request)
+                events = [*run.opening, *events]
+            if events:
+                await response.write(b"".join(event_sse(e) for e in events))
+            return response
+
+        try:
+            async for event in stream:
+                if isinstance(event, TextDelta):
+                    await write(run.text(event))
+                    stream.mark_output()
+                elif isinstance(event, Finished):
+                    await write(run.end(event))
+                elif isinstance(event, Heartbeat):
+                    await (await write([])).write(SSE_HEARTBEAT)
+        except GatewayError as exc:
+            if response is None:
+                raise
+            await response.write(b"".join(event_sse(e) for e in run.builder.fail(exc.code or exc.kind.value,
+                                                                                   exc.message)))
+        except ConnectionResetError:
+            log.info("request %s: client went away", request.get(self._request_key))
+            if response is None:
+                raise
+            return response
+        out = await write([])
+        await out.write_eof()
+        return out
