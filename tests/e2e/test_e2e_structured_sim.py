@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -21,7 +25,6 @@ from services.bench.sse import SseEvents
 from services.common.openai_api.structured import StructuredSpec, structured_to_proto
 from services.common.proto.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.launcher.mesh import Mesh
-
 
 MODEL = "tiny-llama"
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
@@ -131,6 +134,23 @@ def test_native_grpc_takes_sampling_structured(e2e_mesh: Mesh) -> None:
                            metadata=meta, timeout=30))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "sampling.structured.value" in (info.value.details() or "")
+
+
+def test_readme_grpcurl_example_gives_valid_json(e2e_mesh: Mesh) -> None:
+    """The README's structured-output grpcurl command, pasted as a user
+    would (key, address and model swapped for this mesh's)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("### Structured outputs", 1)[1]
+    command = re.search(r"```bash\n(.*?grpcurl.*?)```", section, re.S)
+    assert command is not None
+    text = (command.group(1).replace(".venv/bin/grpcurl", str(Path(sys.prefix) / "bin" / "grpcurl"))
+            .replace("127.0.0.1:8080", e2e_mesh.endpoints.public_grpc).replace("SmolLM2-135M-Instruct", MODEL))
+    out = subprocess.run(["bash", "-c", text], capture_output=True, text=True, timeout=120, check=False,
+                         env={"KEY": e2e_mesh.api_key, "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    events = [json.loads(doc) for doc in re.split(r"(?<=\})\n(?=\{)", out.stdout.strip())]
+    answer = "".join(e.get("delta", {}).get("text", "") for e in events)
+    assert isinstance(json.loads(answer).get("name"), str), answer
 
 
 async def test_engine_sigkill_mid_stream_still_ends_in_valid_json(e2e_mesh: Mesh) -> None:
