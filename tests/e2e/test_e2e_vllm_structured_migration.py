@@ -32,9 +32,10 @@ MODEL = "SmolLM2-135M-Instruct"
 STREAMS = 4
 ITEM = {"type": "object", "additionalProperties": False, "required": ["word", "ok"],
         "properties": {"word": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"}}}
-# ~40 objects: hundreds of tokens, several seconds of decode, so every stream is mid-object when the engine dies.
+# 20 objects: hundreds of tokens (SmolLM2 indents generously), several seconds of decode,
+# so every stream is mid-object when the engine dies.
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["items"],
-          "properties": {"items": {"type": "array", "items": ITEM, "minItems": 40, "maxItems": 40}}}
+          "properties": {"items": {"type": "array", "items": ITEM, "minItems": 20, "maxItems": 20}}}
 
 
 def _tune(config: MeshConfig) -> None:
@@ -57,8 +58,8 @@ class Seen:
 
 
 async def _stream(session: aiohttp.ClientSession, mesh: Mesh, i: int, seen: Seen) -> Seen:
-    body = {"model": MODEL, "stream": True, "max_tokens": 1500, "temperature": 0,
-            "messages": [{"role": "user", "content": f"List 40 words about topic {i} as JSON."}],
+    body = {"model": MODEL, "stream": True, "max_tokens": 4000, "temperature": 0,
+            "messages": [{"role": "user", "content": f"List 20 words about topic {i} as JSON."}],
             "response_format": {"type": "json_schema", "json_schema": {"name": "words", "schema": SCHEMA}}}
     async with asyncio.timeout(300), session.post(
             f"{mesh.endpoints.public_http}/v1/chat/completions", json=body,
@@ -95,10 +96,7 @@ async def test_vllm_engine_sigkill_mid_structured_stream_ends_in_valid_json(two_
         seen = [Seen() for _ in range(STREAMS)]
         tasks = [asyncio.create_task(_stream(session, mesh, i, s)) for i, s in enumerate(seen)]
 
-        def spread() -> bool:
-            state = scheduler_state(mesh)
-            return state is not None and len(state.engines) == 2 and all(e.leases > 0 for e in state.engines)
-        await wait_until(spread, 120, "both engines to hold streams")
+        # Prefix affinity may place every stream on one engine: then they all migrate.
         await wait_until(lambda: all(s.chunks >= 5 for s in seen), 120, "every stream to be mid-answer")
         state = scheduler_state(mesh)
         assert state is not None
