@@ -93,6 +93,12 @@ async def test_vllm_engine_sigkill_mid_structured_stream_ends_in_valid_json(two_
         assert all(b.finish == "stop" and _valid(b.text) for b in baseline), [b.text[-80:] for b in baseline]
         migrations = gateway_counter(mesh, "kvmesh_gateway_migrations_total")
 
+        def both_serving() -> bool:  # a loaded machine may have restarted one (liveness bound)
+            state = scheduler_state(mesh)
+            return state is not None and len(state.engines) == 2 and all(e.serving and e.fresh and not e.draining
+                                                                          for e in state.engines)
+        await wait_until(both_serving, 300, "both engines to serve")
+
         seen = [Seen() for _ in range(STREAMS)]
         tasks = [asyncio.create_task(_stream(session, mesh, i, s)) for i, s in enumerate(seen)]
 
