@@ -24,6 +24,19 @@ def _error_responses(*codes: int) -> dict[str, Any]:
     }
 
 
+# Output constraints (services/common/openai_api/response_format.py): at most one per request.
+_STRUCTURED: dict[str, Any] = {
+    "response_format": {"type": "object", "properties": {
+        "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {"type": "object", "properties": {
+            "name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}},
+    "structured_outputs": {
+        "type": "object", "description": "vLLM's: exactly one of json, regex, choice, grammar, json_object",
+        "properties": {"json": {"oneOf": [{"type": "object"}, {"type": "string"}]}, "regex": {"type": "string"},
+                       "choice": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                       "grammar": {"type": "string"}, "json_object": {"type": "boolean", "enum": [True]}}},
+}
+
 _SAMPLING = {
     "max_tokens": {"type": "integer", "minimum": 1},
     "temperature": {"type": "number", "minimum": 0, "maximum": 2},
@@ -40,6 +53,7 @@ _SAMPLING = {
                    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    **_STRUCTURED,
 }
 
 # Tool calling (services/common/openai_api/tools.py).

@@ -61,7 +61,9 @@ async def smol() -> AsyncIterator[tuple[Any, Any]]:
 
 
 def _prompt(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+    return list(tokenizer.encode(rendered, add_special_tokens=False))
 
 
 async def _run(backend: Any, request: GenerationRequest) -> list[GenerationOutput]:

@@ -173,9 +173,11 @@ def _loads(text: str, param: str) -> Any:
 
 def _dump(value: Any, param: str) -> str:
     try:
-        text = json.dumps(value)  # ASCII: no lone surrogate can pass
-    except (RecursionError, ValueError) as exc:
+        text = json.dumps(value, allow_nan=False)  # ASCII: no lone surrogate can pass
+    except RecursionError as exc:
         raise _invalid(f"{param} is nested too deeply", param) from exc
+    except ValueError as exc:
+        raise _invalid(f"{param} must not contain NaN or Infinity", param) from exc
     return _bound(text, param)
 
 
@@ -209,6 +211,8 @@ def check_structured(spec: StructuredSpec, param: str) -> StructuredSpec:
             raise _invalid(f"{param} must be a non-empty list of strings", param)
         if len(choices) > MAX_CHOICES:
             raise _invalid(f"{param} holds {len(choices)} choices; at most {MAX_CHOICES}", param)
+        for choice in choices:
+            _text(choice, param)
     elif spec.kind == "regex":
         try:
             re.compile(spec.value)

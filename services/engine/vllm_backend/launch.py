@@ -17,6 +17,7 @@ from typing import Any
 
 from services.common.affinity import omp_cores, pin_vllm_processes
 from services.common.config import EngineConfig
+from services.common.openai_api.structured import StructuredSpec
 from services.engine.backend import BackendInfo, GenerationOutput, GenerationRequest, Sampling
 from services.engine.vllm_backend.vllm_api import VllmApi
 
@@ -25,6 +26,7 @@ __all__ = ["engine_args", "pin_processes", "replay_endpoint", "resolved_info", "
 log = logging.getLogger("kvmesh.engine.vllm")
 
 _GIB = 1 << 30
+_WARM_SCHEMA = StructuredSpec("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}')
 # vLLM loads it by name in its engine core (and its request validator).
 RESUME_GRAMMAR_PROCESSOR = "services.engine.vllm_backend.resume_grammar:ResumedGrammarProcessor"
 # Unix socket paths are limited to 107 bytes; longer scratch paths skip replay.
@@ -114,7 +116,10 @@ async def warm_up(generate: Callable[[GenerationRequest], AsyncIterator[Generati
     """Short real generations before reporting ready: the first step, the
     first logprobs request and the first penalised/top-k sample each pay
     one-off costs (allocation, kernel selection, TorchScript; ~2 s for
-    logprobs here) that a client should not see."""
+    logprobs here) that a client should not see. So does the first
+    structured output: vLLM builds xgrammar's view of the whole vocabulary
+    then (tens of seconds on a loaded 2-core machine, long enough for the
+    liveness bound to call a serving engine hung)."""
     prompt = list(range(1, 17))
     variants = [
         Sampling(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1),
@@ -123,6 +128,7 @@ async def warm_up(generate: Callable[[GenerationRequest], AsyncIterator[Generati
             presence_penalty=0.1, frequency_penalty=0.1, repetition_penalty=1.1,
             ignore_eos=True,
         ),
+        Sampling(max_tokens=4, temperature=0.0, structured=_WARM_SCHEMA),
     ]
 
     async def one(sampling: Sampling) -> None:

@@ -111,7 +111,12 @@ class ResumedGrammarProcessor(AdapterLogitsProcessor):
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         super().__init__(vllm_config, device, is_pin_memory)
         self._config = vllm_config
-        self._backend: XgrammarBackend | None = None  # built on the first resumed request
+        self._backend: XgrammarBackend | None = None
+        try:  # now, at engine start: xgrammar's vocabulary view takes seconds, not for a request's step
+            self._xgrammar()
+        except Exception:  # e.g. no tokenizer (skip_tokenizer_init): retried, and logged, on first use
+            log.warning("resumed-grammar backend not built at start; will try on the first resumed request",
+                        exc_info=True)
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:

@@ -77,6 +77,8 @@ REFUSED = [
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"choice": ["a", 1]}}, "structured_outputs.choice"),
     ({"structured_outputs": {"choice": "a"}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"choice": ["ok", "\ud800"]}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"json": {"type": "number", "maximum": float("nan")}}}, "structured_outputs.json"),
     ({"structured_outputs": {"grammar": "  "}}, "structured_outputs.grammar"),
     ({"structured_outputs": {"json": "{nope"}}, "structured_outputs.json"),
     ({"structured_outputs": {"json": [1]}}, "structured_outputs.json"),
