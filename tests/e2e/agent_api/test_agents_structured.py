@@ -1,5 +1,5 @@
 """Structured outputs on real vLLM engines (SmolLM2-135M-Instruct, two
-engines behind Envoy: tests/e2e/agents/conftest.py) with the official
+engines behind Envoy: tests/e2e/agent_api/conftest.py) with the official
 `openai` SDK: `chat.completions.parse` with a pydantic model, a json_schema
 stream, completions constrained by a regex and by a choice, and an invalid
 schema refused before queueing."""
