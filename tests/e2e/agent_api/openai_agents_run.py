@@ -1,9 +1,13 @@
-"""Run by test_agents_responses.py in a process of its own: the `openai-agents`
-package (PyPI, imported as `agents`, a name this test package shadows inside
-pytest) runs an agent with one function tool against kvmesh, and prints what
-happened as JSON.
+"""Run in a process of its own by test_agents_responses.py and
+test_agents_tools.py: the `openai-agents` package (PyPI, imported as
+`agents`) runs an agent with one forced function tool against kvmesh, on the
+Responses API (`OpenAIResponsesModel`, the SDK's default) or on chat
+completions (`OpenAIChatCompletionsModel`: tools, tool_choice, tool calls and
+results in the history), and prints what happened as JSON. A process of its
+own: the SDK keeps global state (tracing, default client) a test run must not
+share.
 
-    python openai_agents_run.py BASE_URL API_KEY MODEL
+    python openai_agents_run.py BASE_URL API_KEY MODEL responses|chat
 """
 
 from __future__ import annotations
@@ -12,9 +16,16 @@ import asyncio
 import json
 import sys
 
+from agents import (
+    Agent,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    OpenAIResponsesModel,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
 from openai import AsyncOpenAI
-
-from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 
 cities: list[str] = []
 
@@ -26,14 +37,22 @@ def get_weather(city: str) -> str:
     return f"Sunny in {city}"
 
 
-async def main(base_url: str, api_key: str, model: str) -> dict[str, object]:
-    set_tracing_disabled(True)
+def _agent(api: str, model: str, client: AsyncOpenAI) -> Agent:
+    if api == "responses":
+        settings = ModelSettings(tool_choice="required", temperature=0)
+        chosen: OpenAIResponsesModel | OpenAIChatCompletionsModel = OpenAIResponsesModel(
+            model=model, openai_client=client)
+    else:
+        settings = ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=120)
+        chosen = OpenAIChatCompletionsModel(model=model, openai_client=client)
+    return Agent(name="weather", instructions="Use the get_weather tool to answer.", tools=[get_weather],
+                 model=chosen, model_settings=settings, tool_use_behavior="stop_on_first_tool")
+
+
+async def main(base_url: str, api_key: str, model: str, api: str) -> dict[str, object]:
+    set_tracing_disabled(True)  # no trace export to api.openai.com
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=120.0, max_retries=0)
-    agent = Agent(
-        name="weather", instructions="Use the get_weather tool to answer.", tools=[get_weather],
-        model=OpenAIResponsesModel(model=model, openai_client=client),
-        model_settings=ModelSettings(tool_choice="required", temperature=0),
-        tool_use_behavior="stop_on_first_tool")
+    agent = _agent(api, model, client)
     try:
         result = await Runner.run(agent, "What is the weather in Paris?", max_turns=3)
         streamed = Runner.run_streamed(agent, "What is the weather in Rome?", max_turns=3)
@@ -46,4 +65,4 @@ async def main(base_url: str, api_key: str, model: str) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(asyncio.run(main(*sys.argv[1:4]))))
+    print(json.dumps(asyncio.run(main(*sys.argv[1:5]))))

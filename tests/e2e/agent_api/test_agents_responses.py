@@ -7,16 +7,13 @@ function-tool round trip continued with `previous_response_id`, and the
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from services.launcher.mesh import Mesh
 
-from .conftest import AGENT_MODEL
+from .conftest import AGENT_MODEL, run_openai_agent
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -84,19 +81,5 @@ def test_a_forced_tool_call_streams_argument_deltas(openai_client: Any) -> None:
 
 
 def test_openai_agents_runs_an_agent_with_a_function_tool(agents_mesh: Mesh) -> None:
-    """In a process of its own: inside pytest this test package is the
-    module `agents`, the name the openai-agents package imports as."""
-    pytest.importorskip("openai")
-    script = Path(__file__).with_name("openai_agents_run.py")
-    done = subprocess.run(
-        [sys.executable, str(script), f"{agents_mesh.endpoints.public_http}/v1", agents_mesh.api_key, AGENT_MODEL],
-        capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    cities = result["cities"]
-    assert len(cities) == 2 and all(isinstance(city, str) and city for city in cities)  # one call per run
-    assert result["final_output"] == f"Sunny in {cities[0]}"
-    assert result["items"] == ["tool_call_item", "tool_call_output_item"]
-    # Streamed (Runner.run_streamed: the typed events, parsed by the agents SDK) the same way.
-    assert result["streamed_output"] == f"Sunny in {cities[1]}"
-    assert "raw_response_event" in result["streamed_events"]
+    """openai-agents (PyPI) on the Responses API, its default."""
+    run_openai_agent(agents_mesh, "responses")

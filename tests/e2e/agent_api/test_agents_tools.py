@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from jsonschema import Draft202012Validator
 
-from .conftest import AGENT_MODEL
+from .conftest import AGENT_MODEL, run_openai_agent
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -88,20 +88,8 @@ def test_named_tool_choice_gives_one_valid_call(openai_client: Any) -> None:
 
 
 def test_openai_agents_on_chat_completions(agents_mesh: Any) -> None:
-    """In a process of its own: inside pytest this test package is the
-    module `agents`, the name the openai-agents package imports as."""
-    script = Path(__file__).with_name("openai_agents_chat_run.py")
-    done = subprocess.run(
-        [sys.executable, str(script), f"{agents_mesh.endpoints.public_http}/v1", agents_mesh.api_key, AGENT_MODEL],
-        capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    cities = result["cities"]
-    assert len(cities) == 2 and all(isinstance(city, str) and city for city in cities)  # one call per run
-    assert result["final_output"] == f"Sunny in {cities[0]}"
-    assert result["items"] == ["tool_call_item", "tool_call_output_item"]
-    assert result["streamed_output"] == f"Sunny in {cities[1]}"
-    assert "raw_response_event" in result["streamed_events"]
+    """openai-agents (PyPI) on chat completions (OpenAIChatCompletionsModel)."""
+    run_openai_agent(agents_mesh, "chat")
 
 
 def test_grpcurl_tool_call_through_envoy(agents_mesh: Any) -> None:
