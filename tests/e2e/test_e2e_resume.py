@@ -192,16 +192,24 @@ def test_grpc_stream_resumes_with_resume_from(e2e_mesh: Mesh) -> None:
             _generate_request(e2e_mesh), metadata=meta, timeout=120))
     first: list[inference_pb2.GenerateEvent] = []
     with grpc.insecure_channel(e2e_mesh.endpoints.gateway_grpc[1]) as direct:
-        _read(inference_pb2_grpc.InferenceStub(direct).Generate(
-            _generate_request(e2e_mesh), metadata=meta, timeout=120), first, until=5)
+        # Held until the gateway is dead: a call dropped (garbage-collected)
+        # first is a client's polite cancel, and the engine rightly ends the
+        # generation instead of keeping it for a resume (lost that race once
+        # on a loaded CI machine).
+        call = inference_pb2_grpc.InferenceStub(direct).Generate(
+            _generate_request(e2e_mesh), metadata=meta, timeout=120)
+        _read(call, first, until=5)
         e2e_mesh.kill("gateway-1")
+        call.cancel()
     last = [e for e in first if e.HasField("delta")][-1]
     rest: list[inference_pb2.GenerateEvent] = []
     resume = inference_pb2.ResumeFrom(request_id=last.request_id, last_index=last.index)
-    with grpc.insecure_channel(e2e_mesh.endpoints.public_grpc) as channel:
-        _read(inference_pb2_grpc.InferenceStub(channel).Generate(
-            _generate_request(e2e_mesh, resume), metadata=meta, timeout=120), rest)
-    e2e_mesh.restart("gateway-1")
+    try:
+        with grpc.insecure_channel(e2e_mesh.endpoints.public_grpc) as channel:
+            _read(inference_pb2_grpc.InferenceStub(channel).Generate(
+                _generate_request(e2e_mesh, resume), metadata=meta, timeout=120), rest)
+    finally:  # the next test needs both gateways, also after a failure here
+        e2e_mesh.restart("gateway-1")
 
     def text(events: list[inference_pb2.GenerateEvent]) -> str:
         return "".join(e.delta.text for e in events if e.HasField("delta"))
