@@ -78,6 +78,18 @@ def _start_successor(mesh: Mesh, run_dir: Path) -> tuple[subprocess.Popen[bytes]
     return proc, address, metrics_port
 
 
+def _stop(process: subprocess.Popen[bytes] | None) -> None:
+    """End the successor this test started, by its PID (bounded)."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
+
+
 def _registered_at(mesh: Mesh, address: str) -> bool:
     state = scheduler_state(mesh)
     engine = None if state is None else _engine(state, VICTIM)
@@ -127,6 +139,9 @@ async def test_a_rescheduled_engine_rejoins_at_once_and_the_old_process_is_fence
         moved = gateway_counter(mesh, "kvmesh_gateway_migrations_total") - migrations
         assert moved >= 1
         completed = time.monotonic() - stopped_at
+    except BaseException:
+        _stop(successor)  # the second block's `finally` is never reached
+        raise
     finally:
         os.kill(pid, signal.SIGCONT)
     try:
@@ -143,10 +158,4 @@ async def test_a_rescheduled_engine_rejoins_at_once_and_the_old_process_is_fence
               f"new requests; {moved:.0f} streams migrated, all exact, {completed:.1f}s stop -> last token; "
               f"the old process exited {code} after SIGCONT")
     finally:
-        if successor is not None:
-            successor.terminate()
-            try:
-                successor.wait(30)
-            except subprocess.TimeoutExpired:
-                successor.kill()
-                successor.wait(10)
+        _stop(successor)
