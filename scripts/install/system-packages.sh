@@ -11,7 +11,9 @@
 #   chromium (the real-browser tests: Playwright cannot download a browser
 #   here), iproute2 (`ip`, the network-namespace hosts of tests/netns),
 #   dnsmasq-base (/usr/sbin/dnsmasq: Service names resolving across those
-#   hosts), nftables (`nft`: NetworkPolicy rules applied between hosts) and,
+#   hosts), nftables (`nft`: NetworkPolicy rules applied between hosts),
+#   kubectl (`kubectl kustomize` renders deploy/ for tests/deploy; on the
+#   machine image already) and,
 #   to lint these very steps (tests/unit/test_install_steps.py), shellcheck.
 # The accelerator defaults to $KVMESH_ACCEL, else cpu.
 # --slim (images): no recommended packages, apt's lists removed afterwards.
@@ -42,13 +44,16 @@ chromium cmd:chromium
 iproute2 cmd:ip
 dnsmasq-base file:/usr/sbin/dnsmasq
 nftables cmd:nft
+kubectl cmd:kubectl
 shellcheck cmd:shellcheck"
 
 present() {
   case "$1" in
     cmd:*) command -v "${1#cmd:}" >/dev/null 2>&1 ;;
     file:*) [ -e "${1#file:}" ] ;;
-    lib:*) ldconfig -p 2>/dev/null | grep -q "${1#lib:}" ;;
+    # grep reads all of it: `grep -q` stops at the match, ldconfig then dies
+    # of SIGPIPE, and pipefail took the library for missing now and then.
+    lib:*) ldconfig -p 2>/dev/null | grep -F "${1#lib:}" >/dev/null ;;
     *) die "bad probe $1" ;;
   esac
 }
