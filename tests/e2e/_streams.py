@@ -145,6 +145,18 @@ def gateway_counter(mesh: Mesh, name: str, labels: str = "", replica: int = 0) -
     return 0.0
 
 
+def engine_counters(mesh: Mesh, name: str) -> list[float]:
+    """A counter per engine (summed over its labels), from each engine's /metrics."""
+    out = []
+    for i in range(len(mesh.endpoints.engines)):
+        port = mesh.config.engine_config(i).metrics_port
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        out.append(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith((name + "{", name + " "))))
+    return out
+
+
 def scheduler_state(mesh: Mesh) -> scheduler_pb2.SchedulerState | None:
     """The scheduler's GetState, None while it is unreachable."""
     state: scheduler_pb2.SchedulerState | None = get_scheduler_state(mesh.endpoints.scheduler)

@@ -20,6 +20,7 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
+from _streams import engine_counters
 
 from services.launcher.mesh import Mesh
 
@@ -28,18 +29,6 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--no-first-run"]
 GRPCURL = str(Path(sys.prefix) / "bin" / "grpcurl")
 LONG = "the quick brown fox jumps over the lazy dog " * 30
-
-
-def engine_counters(mesh: Mesh, name: str) -> list[float]:
-    """A vllm: counter per engine, from each engine's /metrics."""
-    out = []
-    for i in range(len(mesh.endpoints.engines)):
-        port = mesh.config.engine_config(i).metrics_port
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-        out.append(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith((name + "{", name + " "))))
-    return out
 
 
 def client(mesh: Mesh) -> openai.AsyncOpenAI:

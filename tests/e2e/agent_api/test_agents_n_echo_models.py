@@ -9,29 +9,17 @@ test sent (cold before this request)."""
 
 from __future__ import annotations
 
-import urllib.request
 import uuid
 
 import pytest
 import requests
-from _streams import engine_infos
+from _streams import engine_counters, engine_infos
 
 from services.launcher.mesh import Mesh
 
 from .conftest import AGENT_MODEL
 
 PROMPT = "Here is a list of the planets of the solar system and one fact about each of them. " * 25
-
-
-def counters(mesh: Mesh, name: str) -> list[float]:
-    out = []
-    for i in range(len(mesh.endpoints.engines)):
-        port = mesh.config.engine_config(i).metrics_port
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-        out.append(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith((name + "{", name + " "))))
-    return out
 
 
 def post(mesh: Mesh, path: str, body: dict) -> dict:
@@ -43,16 +31,16 @@ def post(mesh: Mesh, path: str, body: dict) -> dict:
 
 def test_n3_three_choices_one_prefill(agents_mesh: Mesh, openai_client) -> None:
     block = max(info.block_size for info in engine_infos(agents_mesh))
-    hits0 = counters(agents_mesh, "vllm:prefix_cache_hits_total")
-    done0 = counters(agents_mesh, "vllm:request_success_total")
+    hits0 = engine_counters(agents_mesh, "vllm:prefix_cache_hits_total")
+    done0 = engine_counters(agents_mesh, "vllm:request_success_total")
     out = openai_client.completions.create(model=AGENT_MODEL, prompt=f"[{uuid.uuid4().hex}] {PROMPT}", n=3,
                                            max_tokens=16, temperature=1.0, seed=3)
     assert [c.index for c in out.choices] == [0, 1, 2] and all(c.text for c in out.choices)
     assert len({c.text for c in out.choices}) > 1          # seeds 3, 4, 5: the choices differ
     prompt = out.usage.prompt_tokens
     assert prompt > 3 * block and 3 <= out.usage.completion_tokens <= 48
-    done = [a - b for a, b in zip(counters(agents_mesh, "vllm:request_success_total"), done0, strict=True)]
-    hits = [a - b for a, b in zip(counters(agents_mesh, "vllm:prefix_cache_hits_total"), hits0, strict=True)]
+    done = [a - b for a, b in zip(engine_counters(agents_mesh, "vllm:request_success_total"), done0, strict=True)]
+    hits = [a - b for a, b in zip(engine_counters(agents_mesh, "vllm:prefix_cache_hits_total"), hits0, strict=True)]
     assert sorted(done) == [0, 3], done
     # Choices 1 and 2 found the prompt's full blocks in vLLM's prefix cache.
     assert sum(hits) >= 2 * (prompt - block), (hits, prompt, block)
