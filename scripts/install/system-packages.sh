@@ -13,7 +13,9 @@
 #   dnsmasq-base (/usr/sbin/dnsmasq: Service names resolving across those
 #   hosts), nftables (`nft`: NetworkPolicy rules applied between hosts),
 #   kubectl (`kubectl kustomize` renders deploy/ for tests/deploy; on the
-#   machine image already) and,
+#   machine image already), prometheus (a real Prometheus scrapes a mesh and
+#   evaluates every dashboard query and alert rule; promtool checks the rules),
+#   tmux (`kvmesh top` is driven in a real terminal) and,
 #   to lint these very steps (tests/unit/test_install_steps.py), shellcheck.
 # The accelerator defaults to $KVMESH_ACCEL, else cpu.
 # --slim (images): no recommended packages, apt's lists removed afterwards.
@@ -45,6 +47,8 @@ iproute2 cmd:ip
 dnsmasq-base file:/usr/sbin/dnsmasq
 nftables cmd:nft
 kubectl cmd:kubectl
+prometheus cmd:promtool
+tmux cmd:tmux
 shellcheck cmd:shellcheck"
 
 present() {

@@ -100,7 +100,10 @@ def test_grpcurl_tool_call_through_envoy(agents_mesh: Any) -> None:
         "tools": [{"name": "get_weather", "description": "The current weather in a city",
                    "parameters_json": json.dumps(WEATHER_PARAMETERS)}],
         "tool_choice": {"mode": "required"},
-        "sampling": {"max_tokens": 120},
+        # One call, greedy: at temperature 1 the 135M model sometimes went on to a second call
+        # and ran out of tokens in it -- FINISH_REASON_LENGTH, rightly (CI saw it once).
+        "parallel_tool_calls": False,
+        "sampling": {"temperature": 0, "max_tokens": 120},
     }
     out = subprocess.run([GRPCURL, "-plaintext", "-H", f"authorization: Bearer {agents_mesh.api_key}",
                           "-d", json.dumps(body), agents_mesh.endpoints.public_grpc, "kvmesh.v1.Inference/Chat"],
