@@ -348,12 +348,12 @@ class _Generation:
             await self._emit(TextDelta(text, []))
 
     def _observe_delta(self, n_tokens: int) -> None:
-        metrics, now = self._driver.metrics, self._driver.clock.monotonic()
+        metrics, now, labels = self._driver.metrics, self._driver.clock.monotonic(), self._job.metric_labels
         if self._first_token_at is None:
             self._first_token_at = now
-            metrics.ttft.labels(self._job.route).observe(now - self._job.arrival_monotonic)
+            metrics.ttft.labels(*labels).observe(now - self._job.arrival_monotonic)
         elif n_tokens:
-            metrics.inter_token.observe((now - self._last_delta_at) / n_tokens)
+            metrics.inter_token.labels(*labels).observe((now - self._last_delta_at) / n_tokens)
         self._last_delta_at = now
 
     def _end(self, reason: FinishReason, message: str, kind: ErrorKind) -> Finished:

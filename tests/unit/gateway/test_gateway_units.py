@@ -149,7 +149,7 @@ async def test_metrics_count_requests_and_migrations(mesh: Mesh) -> None:
     assert 'kvmesh_gateway_requests_total{route="/v1/chat/completions",status="200"} 1.0' in text
     assert 'kvmesh_gateway_requests_total{route="/v1/chat/completions",status="404"} 1.0' in text
     assert "kvmesh_gateway_migrations_total 1.0" in text
-    assert "kvmesh_gateway_time_to_first_token_seconds_count{route=\"chat\"} 1.0" in text
+    assert 'kvmesh_gateway_time_to_first_token_seconds_count{model_name="tiny",priority="P1",route="chat"} 1.0' in text
     assert "kvmesh_gateway_active_streams 0.0" in text
 
 
