@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from services.common.health_http import OnceDrain, Probes, add_health_routes, add_metrics_route
 from services.gateway.field_metrics import FieldMetrics
 
-__all__ = ["GatewayMetrics", "StreamCount", "metrics_app"]
+__all__ = ["GatewayMetrics", "StreamCount", "StreamSignals", "error_label", "metrics_app"]
 
 # Interactive TTFT targets are < 0.5 s (P0) and < 2 s (P1); batch can wait minutes.
 _TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -52,6 +52,35 @@ class StreamCount:
         """Returns once no request is in flight."""
         while self.count > 0:
             await self._idle.wait()
+
+
+def error_label(code: str | None, kind: str) -> str:
+    """The metric label of a refusal: its OpenAI error code, the scheduler's
+    reject codes without their `reject_code_` prefix (`queue_full`,
+    `no_engine`); the error kind where no code was set."""
+    return (code or kind).removeprefix("reject_code_")
+
+
+class StreamSignals:
+    """What an event stream (services/gateway/event_stream.py) reports:
+    heartbeats sent, and pacing for a slow reader (a gauge of streams paced
+    now; each stream counted once as a slow reader)."""
+
+    def __init__(self, heartbeats: Counter, paced_streams: Gauge, slow_readers: Counter) -> None:
+        self._heartbeats = heartbeats
+        self._paced = paced_streams
+        self._slow = slow_readers
+
+    def heartbeat(self) -> None:
+        self._heartbeats.inc()
+
+    def paced(self, paced: bool, first: bool = False) -> None:
+        if paced:
+            self._paced.inc()
+            if first:
+                self._slow.inc()
+        else:
+            self._paced.dec()
 
 
 class GatewayMetrics:
@@ -153,11 +182,12 @@ class GatewayMetrics:
             "kvmesh_gateway_slow_readers", "Streams that fell behind their client's reading at least once "
             "(counted once per stream)", registry=r,
         )
+        self.stream_signals = StreamSignals(self.heartbeats, self.paced_streams, self.slow_readers)
 
     def rejected(self, reason: str) -> None:
         """A refusal answered with an error status (the transports' error
-        boundary): `reason` is the OpenAI error code."""
-        self.rejections.labels(reason.removeprefix("reject_code_")).inc()
+        boundary): `reason` is the OpenAI error code (`error_label`)."""
+        self.rejections.labels(reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

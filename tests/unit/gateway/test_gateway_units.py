@@ -24,7 +24,7 @@ from services.gateway.validation import parse_priority_header
 
 MODULES = [
     "driver", "engine_client", "errors", "event_stream", "events", "frontdoor", "grpc_api", "http_api", "jobs",
-    "keys", "lease_link", "limits", "metrics", "openapi", "scheduler_client", "server",
+    "keys", "lease_link", "limits", "metrics", "openapi", "request_meter", "scheduler_client", "server",
     "spare_calls", "stop_seam", "tokenization", "validation",
 ]
 
