@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
+from typing import Any
 
 from engine_helpers import engine_config, engine_stub, mesh_config, prompt_of, started
 from test_engine_failure import ending, open_stream
-from test_grpc_service import collect, gen_request
+from test_grpc_service import collect, gen_request, wait_until
 
 from services.engine.backend import RequestPhases
 from services.engine.server import EngineService
+from services.engine.sim.backend import SimBackend
 from services.engine.vllm_backend.stats import EngineStats, forward_iteration
 
 
@@ -38,6 +40,22 @@ def value(svc: EngineService, name: str, **labels: str) -> float:
     return svc.metrics.registry.get_sample_value(name, {**base, **labels}) or 0.0
 
 
+async def _two_that_preempt(svc: EngineService, stub: Any) -> list[tuple[list[int], str, Any]]:
+    """A P0 and a P2 in one batch, with blocks for one of them to finish:
+    the sim's step loop is held until both are in it."""
+    backend = svc.backend
+    assert isinstance(backend, SimBackend)
+    backend.hang()
+    calls = []
+    for rid, priority, start in (("hi", 0, 300), ("lo", 2, 4000)):
+        call = stub.Generate()
+        await call.write(gen_request(rid, prompt_of(20, start=start), 30, priority=priority))
+        calls.append(call)
+    await wait_until(lambda: len(backend.load().request_ids) == 2)
+    backend.resume()
+    return list(await asyncio.gather(*(collect(c) for c in calls)))
+
+
 async def test_sim_steps_preemptions_and_request_phases() -> None:
     """Two requests that cannot both hold their blocks: the P2 is preempted
     (vLLM's policy, as the sim models it) and both still finish."""
@@ -47,12 +65,7 @@ async def test_sim_steps_preemptions_and_request_phases() -> None:
         svc.backend.set_step_observer(recorder)
         before_queue = value(svc, "vllm:request_queue_time_seconds_count")
         async with engine_stub(svc) as stub:
-            calls = []
-            for rid, priority, start in (("hi", 0, 300), ("lo", 2, 4000)):
-                call = stub.Generate()
-                await call.write(gen_request(rid, prompt_of(20, start=start), 30, priority=priority))
-                calls.append(call)
-            results = await asyncio.gather(*(collect(c) for c in calls))
+            results = await _two_that_preempt(svc, stub)
         assert [len(ids) for ids, _, _ in results] == [30, 30]
         assert sum(p for _, _, p in recorder.steps) >= 1
         assert all(s is not None and s >= 0 for s, _, _ in recorder.steps)
@@ -78,12 +91,7 @@ async def test_sim_steps_preemptions_and_request_phases() -> None:
 async def test_sim_preemptions_reach_the_counter() -> None:
     svc = EngineService(mesh_config(), engine_config(total_blocks=4))
     async with started(svc), engine_stub(svc) as stub:
-        calls = []
-        for rid, priority, start in (("hi", 0, 300), ("lo", 2, 4000)):
-            call = stub.Generate()
-            await call.write(gen_request(rid, prompt_of(20, start=start), 30, priority=priority))
-            calls.append(call)
-        await asyncio.gather(*(collect(c) for c in calls))
+        await _two_that_preempt(svc, stub)
         assert value(svc, "vllm:num_preemptions_total") >= 1
 
 
