@@ -50,12 +50,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from services.common.clock import Clock
 from services.common.config import MeshConfig
+from services.common.metric_labels import priority_label
 
 from . import events as ev
 from .admission_limits import AdmissionLimits, DispatchRateMeter, validate_options
@@ -66,6 +68,7 @@ from .detached_leases import DetachedLeases
 from .engine_events import EngineEvents
 from .events import Delivery, Outbox
 from .fleet import EngineFleet, EngineStat
+from .fleet_gauges import FleetGauges
 from .making_room import RoomMaker, placement_request
 from .metrics import SchedulerMetrics
 from .placement import PlacementPolicy, build_policy, builtin_registry
@@ -120,6 +123,8 @@ class SchedulerCore:
         self.fleet = EngineFleet(self._config, clock.monotonic(), self._limits.retry_min)
         self._seq = itertools.count()
         self._ledger = ClassLedger(self.metrics)
+        self._gauges = FleetGauges(self.metrics, self._aging, [m.name for m in config.models],
+                                   self._config.stale_report_seconds)
         self._requests = RequestBook(self.fleet, self.waiting, self.metrics, self._ledger)
         self._detached = DetachedLeases(self._requests, self.fleet, config.resume.grace_seconds)
         self._preempt_classes = frozenset(self._config.preempt_classes)
@@ -209,7 +214,7 @@ class SchedulerCore:
         queue = self.waiting.queue(options.model)
         self._count_promotions(queue.push(entry, now))
         self._requests.add(RequestRecord(options, RequestState.QUEUED, entry=entry, arrival=arrival))
-        self.metrics.admissions.labels(str(options.priority)).inc()
+        self.metrics.admissions.labels(priority_label(options.priority)).inc()
         return self._queued_info(queue.position_of(entry), entry.cls, rate)
 
     def _arrival(self, options: AdmitOptions, now: float) -> float:
@@ -324,11 +329,12 @@ class SchedulerCore:
         """Placed, Rejected (it can never be placed), or None (no room now)."""
         opts = rec.options
         cls = entry.cls if entry is not None else opts.priority
-        request = placement_request(rec, cls)
+        request, began = placement_request(rec, cls), time.perf_counter()  # decision time: real CPU time
         placement = self.policy.place(
             request, self.fleet.views(opts.model, now), self.fleet.kv,
             self._hash_block_tokens, self._config.decode_headroom_tokens,
         )
+        self.metrics.decision_seconds.labels(self.policy.name).observe(time.perf_counter() - began)
         if placement is None:
             try:
                 self.fleet.check_servable(opts, rec.exclude, now, replacing=entry is None)
@@ -340,7 +346,7 @@ class SchedulerCore:
         if entry is not None and queue is not None:
             queue.pop(entry)
             if not entry.resumed:   # a requeued request's wait is kvmesh_scheduler_preempted_seconds
-                self.metrics.queue_wait.labels(str(entry.base_class)).observe(max(0.0, now - entry.arrival))
+                self.metrics.queue_wait.labels(priority_label(entry.base_class)).observe(max(0.0, now - entry.arrival))
         engine = self.fleet.get(placement.view.engine_id)
         if engine is None:  # pragma: no cover - views come from the registry
             raise RuntimeError("placement chose an unknown engine")
@@ -388,7 +394,7 @@ class SchedulerCore:
 
     def _count_promotions(self, promotions: list[Promotion]) -> None:
         for p in promotions:
-            self.metrics.promotions.labels(str(p.from_class), str(p.to_class)).inc()
+            self.metrics.promotions.labels(priority_label(p.from_class), priority_label(p.to_class)).inc()
 
     def _retry_after_for(self, cls: int) -> float:
         now = self._clock.monotonic()
@@ -398,11 +404,12 @@ class SchedulerCore:
     def _refresh_gauges(self) -> None:
         now = self._clock.monotonic()
         for cls in range(NUM_CLASSES):
-            self.metrics.queue_length.labels(str(cls)).set(self.waiting.class_len(cls))
+            self.metrics.queue_length.labels(priority_label(cls)).set(self.waiting.class_len(cls))
         self.metrics.leases.set(self.fleet.lease_count())
         fresh = self.fleet.fresh_count(now)
         self.metrics.engines.labels("fresh").set(fresh)
         self.metrics.engines.labels("stale").set(len(self.fleet) - fresh)
+        self._gauges.refresh(self.fleet, self.waiting, now)
 
     # ------------------------------------------------------------ queries (read only)
 
