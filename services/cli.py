@@ -163,6 +163,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--model", help="model name to serve (default: the first in config)")
     up.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY"),
                     help="API key to accept (default: $KVMESH_API_KEY, else a generated dev key)")
+    up.add_argument("--admin-token", default=os.environ.get("KVMESH_ADMIN_TOKEN"),
+                    help="the scheduler's admin token for `kvmesh admin` (default: $KVMESH_ADMIN_TOKEN, "
+                         "else one generated for the run and printed)")
     up.add_argument("--no-envoy", action="store_true", help="do not start Envoy")
     up.add_argument("--mesh-tls", action="store_true",
                     help="mutual TLS between the services, with development certificates unless "

@@ -67,6 +67,11 @@ class SchedulerMetrics:
         self.resyncs = Counter(
             "kvmesh_scheduler_kv_resyncs_total", "Resync requests sent to engines", registry=r,
         )
+        self.admissions_paused = Gauge(
+            "kvmesh_scheduler_admissions_paused",
+            "1 while an operator has paused dispatch of the class (kvmesh admin pause)",
+            ["priority"], registry=r,
+        )
         self._prompt_total = 0
         self._cached_total = 0
         self._add_preemption_metrics(r)
