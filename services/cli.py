@@ -6,6 +6,8 @@
     kvmesh drain --port METRICS_PORT                               drain a local service (preStop)
     kvmesh envoy render                                            topology YAML -> Envoy config
     kvmesh key hash KEY                                            SHA-256 for the config's api_keys
+    kvmesh admin pause P2 | drain-engine ID | policy NAME | state  the scheduler's runtime knobs
+    kvmesh top [--once]                                            a live view of a running mesh
     kvmesh bench --url URL [--workload ...]                        load-test an OpenAI endpoint
 
 Services import lazily so that `kvmesh --help` and the light services do not
@@ -117,6 +119,18 @@ def _cmd_key(ns: argparse.Namespace) -> None:
     print(hashlib.sha256(ns.key.encode()).hexdigest())
 
 
+def _cmd_admin(ns: argparse.Namespace) -> None:
+    from services.ops.admin_cli import run
+
+    sys.exit(run(_config(ns), ns))
+
+
+def _cmd_top(ns: argparse.Namespace) -> None:
+    from services.ops.top_cli import run
+
+    sys.exit(run(_config(ns), ns))
+
+
 def _add_service_parsers(sub: Any) -> None:
     """One service per process (multi-host, Kubernetes), and `drain`."""
     sch = sub.add_parser("scheduler", help="run the scheduler")
@@ -182,9 +196,15 @@ def _parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
 
+    from services.ops import admin_cli, top_cli  # light imports only
+
+    admin_cli.add_parser(sub, _cmd_admin)
+    top_cli.add_parser(sub, _cmd_top)
+
     key = sub.add_parser("key", help="API key tooling")
     key_sub = key.add_subparsers(dest="key_command", required=True)
-    key_hash = key_sub.add_parser("hash", help="print the SHA-256 to put in gateway.api_keys")
+    key_hash = key_sub.add_parser("hash", help="print the SHA-256 to put in gateway.api_keys or "
+                                               "scheduler.admin_keys")
     key_hash.add_argument("key")
     key_hash.set_defaults(func=_cmd_key)
     return parser
