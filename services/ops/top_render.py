@@ -56,7 +56,7 @@ def _queues(frame: Frame) -> Table:
 
 def _gateways(frame: Frame) -> Table:
     table = _table("Gateways")
-    for name in ("gateway", "streams", "req/s", "errors"):
+    for name in ("gateway", "streams", "done/s", "errors"):
         table.add_column(name, justify="left" if name == "gateway" else "right", no_wrap=True)
     for g in frame.gateways:
         table.add_row(g.name, _count(g.open_streams), _rate(g.requests_per_second), _count(g.rejections))
@@ -77,7 +77,7 @@ def _rejections(frame: Frame) -> Table:
 
 
 # Narrower than this, the queue, gateway and rejection tables stack.
-_SIDE_BY_SIDE_COLUMNS = 120
+_SIDE_BY_SIDE_COLUMNS = 110
 
 
 def render(frame: Frame, width: int = 160) -> RenderableType:

@@ -18,7 +18,14 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from _streams import engine_counters, scheduler_state, wait_until
+from _streams import (
+    StreamResult,
+    engine_counters,
+    gateway_counter,
+    scheduler_state,
+    stream_completion,
+    wait_until,
+)
 
 from services.launcher.mesh import Mesh
 
@@ -148,6 +155,33 @@ async def test_policy_change_and_drained_engine(e2e_mesh: Mesh) -> None:
     finally:
         _admin(mesh, "undrain-engine", "engine-0")
         _admin(mesh, "policy", mesh.config.scheduler.policy)
+
+
+async def test_drain_with_move_hands_a_running_stream_to_the_other_engine(e2e_mesh: Mesh) -> None:
+    mesh = e2e_mesh
+    result = StreamResult()
+    migrations = gateway_counter(mesh, "kvmesh_gateway_migrations_total")
+    async with aiohttp.ClientSession() as session:
+        stream = asyncio.create_task(stream_completion(session, mesh, "A long tale about meshes", 600, result))
+        try:
+            await asyncio.wait_for(result.first_chunk.wait(), TIMEOUT)
+            state = scheduler_state(mesh)
+            assert state is not None
+            (busy,) = [e.engine_id for e in state.engines if e.leases]
+            moved = _admin(mesh, "drain-engine", busy, "--move")
+            assert moved.returncode == 0 and "handed over" in moved.stdout, moved
+            await asyncio.wait_for(stream, TIMEOUT)
+        finally:
+            undrained = _admin(mesh, "undrain-engine", busy)
+    assert result.ok, result                                     # one unbroken stream for the client
+    assert len(result.text) > 0 and undrained.returncode == 0
+    assert gateway_counter(mesh, "kvmesh_gateway_migrations_total") >= migrations + 1   # moved, not restarted
+
+    def serving_again() -> bool:
+        state = scheduler_state(mesh)
+        return state is not None and all(e.serving and not e.draining for e in state.engines)
+
+    await wait_until(serving_again, TIMEOUT, "both engines serving again")
 
 
 def test_state_shows_the_knobs(e2e_mesh: Mesh) -> None:
