@@ -136,3 +136,19 @@ def test_rates_follow_counters_and_forget_restarts() -> None:
         assert gatherer._rate("k", 15.0, 5.0) == 10.0
     finally:
         gatherer.close()
+
+
+def test_an_unreachable_mesh_is_reported_not_raised() -> None:
+    from services.launcher.ports import free_port
+
+    dead = f"127.0.0.1:{free_port()}"
+    with grpc.insecure_channel(dead) as channel:
+        gatherer = Gatherer(channel, dead, {"engine-0": dead}, [dead], dead)
+        try:
+            frame = gatherer.frame()
+        finally:
+            gatherer.close()
+    assert any(p.startswith(f"scheduler {dead}: UNAVAILABLE") for p in frame.problems), frame.problems
+    assert any(p.startswith(dead) for p in frame.problems)            # the metrics port too
+    assert frame.engines == [] and frame.gateways == [GatewayRow("gateway-0", None, None, None)]
+    assert "! scheduler" in _text(frame)
