@@ -252,6 +252,9 @@ class ModelQueue:
                 item for item in self._promotions if item[3].queued and item[3].cls == item[2]
             ]
             heapq.heapify(self._promotions)
+        for cls, held in self._held.items():
+            if len(held) > 2 * self.classes[cls].live + _COMPACT_SLACK:
+                self._held[cls] = [item for item in held if item[3].queued and item[3].cls == cls]
 
     def peek(self) -> QueueEntry | None:
         """The request that leaves next: best class not paused first, then

@@ -14,6 +14,7 @@ from services.scheduler.events import (
     EngineLeft,
     PolicyChosen,
     RequestDone,
+    StreamClosed,
     Tick,
 )
 from services.scheduler.records import PlacedInfo, QueuedInfo, RejectedInfo, RejectReason, RequestState
@@ -155,3 +156,23 @@ def test_policy_switch_takes_effect_for_the_next_placement() -> None:
     with pytest.raises(ConfigError, match="unknown policy 'nope'"):
         core.handle(PolicyChosen("nope"))
     assert core.state().policy == "round_robin"
+
+
+def test_held_promotions_of_withdrawn_requests_do_not_pile_up_while_paused() -> None:
+    """Requests that leave a paused class (cancelled here) take their held
+    promotions with them: memory follows the live queue, not its history."""
+    core, clock = make_core()
+    add_engine(core, "busy", report=False)
+    core.handle(ClassPaused(2, True))
+    for i in range(300):
+        admit(core, opts(f"r{i}", tenant=f"t{i % 7}", priority=2))
+    clock.advance(31.0)
+    core.handle(Tick())                                           # all 300 due: held in P2
+    for i in range(299):
+        core.handle(StreamClosed(f"r{i}"))
+    clock.advance(1.0)
+    core.handle(Tick())
+    queue = core.waiting.existing_queue("m")
+    assert queue is not None and sum(len(h) for h in queue._held.values()) < 100
+    core.handle(ClassPaused(2, False))
+    assert dict(core.queued_updates())["r299"].priority == 1
