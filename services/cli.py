@@ -6,6 +6,8 @@
     kvmesh drain --port METRICS_PORT                               drain a local service (preStop)
     kvmesh envoy render                                            topology YAML -> Envoy config
     kvmesh key hash KEY                                            SHA-256 for the config's api_keys
+    kvmesh admin pause P2 | drain-engine ID | policy NAME | state  the scheduler's runtime knobs
+    kvmesh top [--once]                                            a live view of a running mesh
     kvmesh bench --url URL [--workload ...]                        load-test an OpenAI endpoint
 
 Services import lazily so that `kvmesh --help` and the light services do not
@@ -117,6 +119,18 @@ def _cmd_key(ns: argparse.Namespace) -> None:
     print(hashlib.sha256(ns.key.encode()).hexdigest())
 
 
+def _cmd_admin(ns: argparse.Namespace) -> None:
+    from services.ops.admin_cli import run
+
+    sys.exit(run(_config(ns), ns))
+
+
+def _cmd_top(ns: argparse.Namespace) -> None:
+    from services.ops.top_cli import run
+
+    sys.exit(run(_config(ns), ns))
+
+
 def _add_service_parsers(sub: Any) -> None:
     """One service per process (multi-host, Kubernetes), and `drain`."""
     sch = sub.add_parser("scheduler", help="run the scheduler")
@@ -163,6 +177,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--model", help="model name to serve (default: the first in config)")
     up.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY"),
                     help="API key to accept (default: $KVMESH_API_KEY, else a generated dev key)")
+    up.add_argument("--admin-token", default=os.environ.get("KVMESH_ADMIN_TOKEN"),
+                    help="the scheduler's admin token for `kvmesh admin` (default: $KVMESH_ADMIN_TOKEN, "
+                         "else one generated for the run and printed)")
     up.add_argument("--no-envoy", action="store_true", help="do not start Envoy")
     up.add_argument("--mesh-tls", action="store_true",
                     help="mutual TLS between the services, with development certificates unless "
@@ -179,9 +196,15 @@ def _parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
 
+    from services.ops import admin_cli, top_cli  # light imports only
+
+    admin_cli.add_parser(sub, _cmd_admin)
+    top_cli.add_parser(sub, _cmd_top)
+
     key = sub.add_parser("key", help="API key tooling")
     key_sub = key.add_subparsers(dest="key_command", required=True)
-    key_hash = key_sub.add_parser("hash", help="print the SHA-256 to put in gateway.api_keys")
+    key_hash = key_sub.add_parser("hash", help="print the SHA-256 to put in gateway.api_keys or "
+                                               "scheduler.admin_keys")
     key_hash.add_argument("key")
     key_hash.set_defaults(func=_cmd_key)
     return parser

@@ -59,6 +59,9 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "/kvmesh.v1.Scheduler/Admit": frozenset({"gateway"}),
     "/kvmesh.v1.Scheduler/Connect": frozenset({"engine"}),
     "/kvmesh.v1.Scheduler/GetState": frozenset({"gateway", "admin"}),
+    # The operator's knobs; the admin token applies on top.
+    **{f"/kvmesh.v1.Admin/{m}": frozenset({"admin"}) for m in (
+        "DrainEngine", "UndrainEngine", "PauseClass", "ResumeClass", "SetPlacementPolicy", "GetAdminState")},
     "/kvmesh.v1.Engine/Generate": frozenset({"gateway"}),
     "/kvmesh.v1.Engine/Abort": frozenset({"gateway", "admin"}),
     "/kvmesh.v1.Engine/GetInfo": frozenset({"gateway", "scheduler", "admin"}),

@@ -285,10 +285,25 @@ class EngineRuntime:
         self.liveness.start()
         self._notify()
 
-    def drain(self) -> None:
+    def drain(self, hand_over: bool = False) -> None:
+        """Refuse new generations (the scheduler's Drain); running ones
+        finish, or with `hand_over` (an operator's `kvmesh admin
+        drain-engine --move`) are handed over now: their gateways continue
+        them on other engines."""
         if not self.draining:
-            log.info("draining: new generations are refused, running ones finish")
+            log.info("draining: new generations are refused, running ones %s",
+                     "are handed over" if hand_over else "finish")
             self.draining = True
+        if hand_over:
+            for generation in [*self.gate.held, *self._live.values()]:
+                generation.hand_over("engine drained by an operator; continue on another engine")
+        self._notify()
+
+    def undrain(self) -> None:
+        """Take new generations again (the scheduler's Undrain)."""
+        if self.draining:
+            log.info("undrained: new generations are accepted again")
+            self.draining = False
             self._notify()
 
     async def stop(self, grace_seconds: float) -> None:

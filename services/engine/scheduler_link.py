@@ -5,7 +5,8 @@ engine's membership lives exactly as long as this stream): `hello`, then a
 `kv_snapshot` (seq S), then `load` every report_interval_seconds and promptly
 after a change (at most one per `min_report_gap`), and `kv_events` with seq
 S+1, S+2, ... as the prefix cache changes. `resync` from the scheduler -> a fresh `kv_snapshot`; `drain` ->
-the engine refuses new generations and finishes the running ones; `fence` ->
+the engine refuses new generations and finishes the running ones (with
+`hand_over`: hands them over now), `undrain` -> it takes new ones again; `fence` ->
 the named generations, which the scheduler leases to no request here, end
 (fencing.py). Every load report lists the generations held, so after a
 healed partition the engine re-registers and its orphans are fenced. When the
@@ -326,7 +327,9 @@ class SchedulerLink:
             command = cast(scheduler_pb2.SchedulerCommand, message)
             kind = command.WhichOneof("cmd")
             if kind == "drain":
-                self._runtime.drain()
+                self._runtime.drain(command.drain.hand_over)
+            elif kind == "undrain":
+                self._runtime.undrain()
             elif kind == "resync":
                 self._resync = True
                 self._wake.set()

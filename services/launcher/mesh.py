@@ -37,7 +37,7 @@ from services.launcher.children import (
 from services.launcher.envoy_config import envoy_binary, load_run_topology, render_envoy, uses_dev_certs
 from services.launcher.options import Endpoints, MeshOptions, RunFiles
 from services.launcher.port_plan import endpoints, ports_in_use
-from services.launcher.resolve import front_cores, resolve_config
+from services.launcher.resolve import front_cores, resolve_admin_token, resolve_config
 from services.launcher.rolling import RollStep, envoy_healthy, roll
 from services.launcher.specs import child_env, child_specs
 from services.launcher.supervisor import Supervisor
@@ -74,6 +74,7 @@ class Mesh(Supervisor):
     ) -> None:
         self.options = options or MeshOptions()
         self.config, self.api_key = resolve_config(config, self.options)
+        self.admin_token = resolve_admin_token(self.config, self.options)
         self.files = RunFiles(Path(self.config.run_dir))
         self.run_dir = self.files.run_dir
         self.config_path = self.files.config_path
@@ -97,6 +98,10 @@ class Mesh(Supervisor):
             "# Written by kvmesh up: the config every child of this mesh reads.\n"
             + yaml.safe_dump(data, sort_keys=False)
         )
+        token_path = self.files.admin_token_path
+        token_path.touch(mode=0o600)
+        token_path.chmod(0o600)
+        token_path.write_text(self.admin_token + "\n")
         if self.options.envoy:
             self.envoy_config_path.write_text(
                 render_envoy(self.config, self.topology, self.options.gateways, self.files.dev_cert_dir)

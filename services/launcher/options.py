@@ -20,6 +20,8 @@ class MeshOptions:
     model: str | None = None
     # Key clients use; None = generate a dev key.
     api_key: str | None = None
+    # The scheduler's admin token (kvmesh admin); None = generate one.
+    admin_token: str | None = None
     envoy: bool = True
     # Pick every port at run time (tests, several meshes on one machine).
     free_ports: bool = False
@@ -73,6 +75,11 @@ class RunFiles:
     def config_path(self) -> Path:
         """The resolved config every child reads."""
         return self.run_dir / "kvmesh.resolved.yaml"
+
+    @property
+    def admin_token_path(self) -> Path:
+        """The run's admin token (owner-only), for `kvmesh admin --token-file`."""
+        return self.run_dir / "admin-token"
 
     @property
     def envoy_config_path(self) -> Path:

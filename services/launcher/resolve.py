@@ -16,13 +16,13 @@ import secrets
 from pathlib import Path
 
 from services.common.affinity import omp_cores
-from services.common.config import ApiKeyConfig, ConfigError, MeshConfig, config_from_dict
+from services.common.config import AdminKeyConfig, ApiKeyConfig, ConfigError, MeshConfig, config_from_dict
 from services.common.mesh_tls import ROLES, MeshIdentity, mesh_cert_dir
 from services.launcher.options import MeshOptions
 from services.launcher.port_plan import pick_free_ports
 from services.tools.devcerts import ensure_mesh_certs
 
-__all__ = ["ROOT", "absolute", "front_cores", "resolve_config"]
+__all__ = ["ROOT", "absolute", "front_cores", "resolve_admin_token", "resolve_config"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,6 +57,16 @@ def resolve_config(config: MeshConfig, opts: MeshOptions) -> tuple[MeshConfig, s
     if not any(k.sha256 == digest for k in cfg.gateway.api_keys):
         cfg.gateway.api_keys.append(ApiKeyConfig(sha256=digest, tenant="dev", priority_ceiling=0))
     return cfg, api_key
+
+
+def resolve_admin_token(cfg: MeshConfig, opts: MeshOptions) -> str:
+    """The admin token of this run (the caller's, or generated), added to
+    `cfg.scheduler.admin_keys` as held by "kvmesh-up"."""
+    token = opts.admin_token or secrets.token_urlsafe(24)
+    digest = hashlib.sha256(token.encode()).hexdigest()
+    if not any(k.sha256.strip().lower() == digest for k in cfg.scheduler.admin_keys):
+        cfg.scheduler.admin_keys.append(AdminKeyConfig(sha256=digest, name="kvmesh-up"))
+    return token
 
 
 def _apply_counts_and_model(cfg: MeshConfig, opts: MeshOptions) -> None:

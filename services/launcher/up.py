@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import sys
 import threading
@@ -100,6 +101,7 @@ def _options(ns: argparse.Namespace) -> MeshOptions:
         gateways=getattr(ns, "gateways", None) or 1,
         model=getattr(ns, "model", None),
         api_key=getattr(ns, "api_key", None),
+        admin_token=getattr(ns, "admin_token", None),
         envoy=not getattr(ns, "no_envoy", False),
         mesh_tls=getattr(ns, "mesh_tls", False),
     )
@@ -121,6 +123,7 @@ def _print_ready(mesh: Mesh, generated_key: bool) -> None:
     print(f"  API key ({key_note}): {mesh.api_key}")
     print(f"  Stream a chat answer over HTTP/SSE:\n    {ex.curl}")
     print(f"  The same over gRPC:\n    {ex.grpcurl}")
+    _print_operator(mesh)
     if ep.envoy_port:
         print(f"  Chat in a browser: {ep.public_http}/ (paste the API key into the page)")
     if ep.tls_ca:
@@ -133,6 +136,18 @@ def _print_ready(mesh: Mesh, generated_key: bool) -> None:
               f"-cert {shlex.quote(str(certs / 'admin.pem'))} -key {shlex.quote(str(certs / 'admin-key.pem'))} "
               f"-authority {server_name('scheduler')} {ep.scheduler} kvmesh.v1.Scheduler/GetState")
     print(end="", flush=True)
+
+
+def _print_operator(mesh: Mesh) -> None:
+    """The admin token, and the live view and knobs that use this run's files."""
+    cli = f"{shlex.quote(sys.executable)} -m services.cli" if not shutil.which("kvmesh") else "kvmesh"
+    config = f"--config {shlex.quote(str(mesh.config_path))}"
+    token_file = shlex.quote(str(mesh.files.admin_token_path))
+    note = "yours" if mesh.options.admin_token else "generated for this run"
+    print(f"  Admin token ({note}; also in {token_file}): {mesh.admin_token}")
+    print(f"  Watch the fleet:\n    {cli} top {config} --gateways {mesh.options.gateways}")
+    print(f"  Runtime knobs (pause P2, drain an engine, change the policy):\n"
+          f"    {cli} admin {config} --token-file {token_file} pause P2")
 
 
 def supervise(mesh: Mesh, stop: threading.Event, roll: threading.Event | None = None) -> None:

@@ -9,7 +9,8 @@ of `ClassLedger` (class_stats.py). Helpers it owns act on them only
 when it calls: `RoomMaker` (making_room.py: displacement at admission,
 preemption in dispatch), `Comebacks` (comebacks.py: Replace and Requeue)
 and `DetachedLeases` (detached_leases.py: leases kept for a stream resume);
-`EngineEvents` (engine_events.py) handles the engines' Connect-stream events.
+`EngineEvents` (engine_events.py) handles the engines' Connect-stream events,
+`AdminKnobs` (admin_knobs.py) the operator's (pause, drain, policy).
 All of it changes only inside `SchedulerCore.handle`, called only from the
 event loop's thread (grpc_api.py and engine_links.py for stream messages, server.py's timers
 for `Tick`); synchronous, so no two events interleave and no lock is needed.
@@ -52,7 +53,6 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from services.common.clock import Clock
@@ -60,6 +60,7 @@ from services.common.config import MeshConfig
 from services.common.metric_labels import priority_label
 
 from . import events as ev
+from .admin_knobs import AdminKnobs
 from .admission_limits import AdmissionLimits, DispatchRateMeter, validate_options
 from .aging import AgingRule
 from .class_stats import ClassLedger, ClassStat
@@ -71,10 +72,9 @@ from .fleet import EngineFleet, EngineStat
 from .fleet_gauges import FleetGauges
 from .making_room import RoomMaker, placement_request
 from .metrics import SchedulerMetrics
-from .placement import PlacementPolicy, build_policy, builtin_registry
-from .queue import ModelQueue, Promotion
+from .placement import PlacementPolicy, build_policy, builtin_profiles, builtin_registry
+from .queue import ModelQueue
 from .records import (
-    NUM_CLASSES,
     AdmissionError,
     AdmitOptions,
     Lease,
@@ -88,21 +88,12 @@ from .records import (
     RequestState,
 )
 from .request_book import RequestBook
+from .state_view import StateView
 from .waiting import QueueStat, WaitingRoom
 
 __all__ = ["ClassStat", "EngineStat", "QueueStat", "SchedulerCore", "StateView"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StateView:
-    policy: str
-    queues: list[QueueStat]
-    engines: list[EngineStat]
-    queued_total: int
-    leases_total: int
-    classes: list[ClassStat]
 
 
 class SchedulerCore:
@@ -116,7 +107,7 @@ class SchedulerCore:
         self._aging = AgingRule.from_config(self._config.aging)
         self._limits = AdmissionLimits.from_config(self._config)
         self._rate = DispatchRateMeter(self._config.dispatch_rate_window_seconds)
-        plugins = builtin_registry(self._config)
+        plugins = self._plugins = builtin_registry(self._config)
         self.policy: PlacementPolicy = build_policy(self._config.policy, self._config, plugins)
         self.waiting = WaitingRoom(self._aging, plugins.make_fairness(self._config.queue_fairness),
                                    plugins.make_ordering(self._config.queue_ordering))
@@ -132,16 +123,18 @@ class SchedulerCore:
             self._requests, self.waiting, self.fleet, self.policy, self._limits, self._ledger, config)
         self._comebacks = Comebacks(
             self._requests, self.waiting, self.fleet, self._limits, self._ledger, self._seq,
-            self._count_promotions)
+            self.metrics.count_promotions)
         self.shutting_down = False
+        self._engine_events = EngineEvents(self.fleet, self._requests, self.policy, self.metrics,
+                                           self._refresh_gauges, self._config.stale_report_seconds)
         self._handlers: dict[type, Callable[[Any, Outbox, float], None]] = {
             ev.RequestArrived: self._on_arrived, ev.StreamClosed: self._on_closed,
             ev.FirstToken: self._on_first_token, ev.RequestDone: self._on_done,
             ev.ReplaceRequested: self._comebacks.replace,
             ev.RequeueRequested: self._comebacks.requeue,
             ev.Tick: self._on_tick, ev.ShutdownStarted: self._on_shutdown,
-            **EngineEvents(self.fleet, self._requests, self.policy, self.metrics, self._refresh_gauges,
-                           self._config.stale_report_seconds).handlers(),
+            **self._engine_events.handlers(),
+            **AdminKnobs(self.waiting, self.fleet, self.metrics, self._use_policy).handlers(),
         }
 
     # ------------------------------------------------------------ the entry point
@@ -212,7 +205,7 @@ class SchedulerCore:
             base_class=options.priority, cls=options.priority, expires_at=expires_at,
         )
         queue = self.waiting.queue(options.model)
-        self._count_promotions(queue.push(entry, now))
+        self.metrics.count_promotions(queue.push(entry, now))
         self._requests.add(RequestRecord(options, RequestState.QUEUED, entry=entry, arrival=arrival))
         self.metrics.admissions.labels(priority_label(options.priority)).inc()
         return self._queued_info(queue.position_of(entry), entry.cls, rate)
@@ -245,7 +238,7 @@ class SchedulerCore:
         if twin is None or twin.lease is None or twin.options.tenant != options.tenant:
             return None
         record = self.fleet.get(twin.lease.engine_id)
-        if record is None or record.info.model != options.model or not record.load.serving or record.draining:
+        if record is None or record.info.model != options.model or not self.fleet.takes_work(record):
             return None
         rec = RequestRecord(options, RequestState.PLACED, arrival=now)
         self._requests.add(rec)
@@ -378,7 +371,7 @@ class SchedulerCore:
         """Aging promotions, then reject whatever waited past its time."""
         out: list[Delivery] = []
         expired = self.waiting.advance(now)
-        self._count_promotions(expired.promotions)
+        self.metrics.count_promotions(expired.promotions)
         for entry in expired.entries:
             rec = self._requests.get(entry.request_id)
             if rec is not None:
@@ -392,9 +385,15 @@ class SchedulerCore:
                 self._limits.retry_min)))
         return out
 
-    def _count_promotions(self, promotions: list[Promotion]) -> None:
-        for p in promotions:
-            self.metrics.promotions.labels(priority_label(p.from_class), priority_label(p.to_class)).inc()
+    def _use_policy(self, name: str) -> None:
+        """Place with policy `name` from now on (admin_knobs.py); raises
+        ConfigError for a name no profile has (nothing changes then)."""
+        self.policy = self._room.policy = self._engine_events.policy = build_policy(
+            name, self._config, self._plugins)
+
+    def policy_names(self) -> list[str]:
+        """Every policy name `_use_policy` accepts."""
+        return sorted({*builtin_profiles(), *self._config.policy_profiles})
 
     def _retry_after_for(self, cls: int) -> float:
         now = self._clock.monotonic()
@@ -403,8 +402,6 @@ class SchedulerCore:
 
     def _refresh_gauges(self) -> None:
         now = self._clock.monotonic()
-        for cls in range(NUM_CLASSES):
-            self.metrics.queue_length.labels(priority_label(cls)).set(self.waiting.class_len(cls))
         self.metrics.leases.set(self.fleet.lease_count())
         fresh = self.fleet.fresh_count(now)
         self.metrics.engines.labels("fresh").set(fresh)
@@ -444,4 +441,5 @@ class SchedulerCore:
         now = self._clock.monotonic()
         return StateView(
             self.policy.name, self.waiting.stats(now), self.fleet.stats(now),
-            self.queued_total(), self.fleet.lease_count(), self._ledger.snapshot())
+            self.queued_total(), self.fleet.lease_count(), self._ledger.snapshot(),
+            sorted(self.waiting.paused), sorted(self.fleet.admin_drained))

@@ -34,7 +34,7 @@ class EngineEvents:
     ) -> None:
         self._fleet = fleet
         self._requests = requests
-        self._policy = policy
+        self.policy = policy  # the core swaps it (kvmesh.v1.Admin SetPlacementPolicy)
         self._metrics = metrics
         self._refresh_gauges = refresh_gauges
         self._stale_seconds = stale_seconds
@@ -54,7 +54,7 @@ class EngineEvents:
         out.token = joined.token
         old = joined.superseded
         if old is not None:
-            self._policy.forget_engine(event.info.engine_id)
+            self.policy.forget_engine(event.info.engine_id)
             self._requests.orphan(joined.lost)
             out.superseded = ev.Superseded(
                 old.info.address, old.info.incarnation, old.fresh(now, self._stale_seconds), len(joined.lost))
@@ -79,7 +79,7 @@ class EngineEvents:
         ended = self._fleet.leave(event.engine_id, event.token)
         if ended is None:
             return
-        self._policy.forget_engine(event.engine_id)
+        self.policy.forget_engine(event.engine_id)
         self._requests.orphan(ended)
         self._refresh_gauges()
 

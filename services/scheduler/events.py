@@ -22,8 +22,10 @@ from .engine_registry import EngineInfo, EngineLoad
 from .records import AdmitOptions, Notice
 
 __all__ = [
+    "ClassPaused",
     "Delivery",
     "DrainRequested",
+    "EngineDrainSet",
     "EngineCommand",
     "EngineJoined",
     "EngineLeft",
@@ -33,6 +35,7 @@ __all__ = [
     "KvSnapshotReported",
     "LoadReported",
     "Outbox",
+    "PolicyChosen",
     "ReplaceRequested",
     "RequeueRequested",
     "RequestArrived",
@@ -156,6 +159,33 @@ class DrainRequested:
     engine_id: str
 
 
+# ---------------------------------------------------------------- the operator (kvmesh.v1.Admin)
+
+@dataclass(frozen=True)
+class ClassPaused:
+    """Pause (or resume) dispatch from class `priority` (admin_knobs.py)."""
+
+    priority: int
+    paused: bool
+
+
+@dataclass(frozen=True)
+class EngineDrainSet:
+    """Drain (or undrain) an engine by id; `move` also has it hand its
+    running generations over."""
+
+    engine_id: str
+    drained: bool
+    move: bool = False
+
+
+@dataclass(frozen=True)
+class PolicyChosen:
+    """Place with the policy of this (known) name from now on."""
+
+    name: str
+
+
 # ---------------------------------------------------------------- the scheduler itself
 
 @dataclass(frozen=True)
@@ -171,7 +201,7 @@ class ShutdownStarted:
 Event = (
     RequestArrived | StreamClosed | FirstToken | RequestDone | ReplaceRequested | RequeueRequested
     | EngineJoined | LoadReported | KvEventsReported | KvSnapshotReported | EngineLeft
-    | DrainRequested | Tick | ShutdownStarted
+    | DrainRequested | Tick | ShutdownStarted | ClassPaused | EngineDrainSet | PolicyChosen
 )
 
 
@@ -180,6 +210,8 @@ class EngineCommand(enum.Enum):
 
     RESYNC = "resync"    # the KV event stream had a gap: send a snapshot
     DRAIN = "drain"      # take no new work; finish what runs
+    MOVE_AWAY = "move_away"  # DRAIN, and hand what runs over to other engines now
+    UNDRAIN = "undrain"  # take new work again
 
 
 @dataclass

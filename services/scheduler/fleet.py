@@ -64,6 +64,10 @@ class EngineFleet:
         # Last time an engine for each model was seen: a model nobody serves
         # is accepted for engine_grace_seconds after that (or after start-up).
         self._model_seen: dict[str, float] = {}
+        # Engine ids an operator drained (kvmesh.v1.Admin DrainEngine),
+        # registered or not: one that reconnects stays drained. Placement
+        # never sees them (`views`), whatever filters a policy lists.
+        self.admin_drained: set[str] = set()
 
     # ------------------------------------------------------------ registry
 
@@ -153,6 +157,10 @@ class EngineFleet:
         record.draining = True
         return True
 
+    def takes_work(self, record: EngineRecord) -> bool:
+        """Serving, and drained neither by the scheduler nor by an operator."""
+        return record.load.serving and not record.draining and record.engine_id not in self.admin_drained
+
     def fresh_count(self, now: float) -> int:
         return sum(1 for e in self._registry if e.fresh(now, self._config.stale_report_seconds))
 
@@ -202,7 +210,8 @@ class EngineFleet:
     # ------------------------------------------------------------ what placement reads
 
     def views(self, model: str, now: float) -> list[EngineView]:
-        return [self._view(e, now) for e in self._registry if e.info.model == model]
+        return [self._view(e, now) for e in self._registry
+                if e.info.model == model and e.engine_id not in self.admin_drained]
 
     def stats(self, now: float) -> list[EngineStat]:
         return [
@@ -221,7 +230,8 @@ class EngineFleet:
         )
         return EngineView(
             engine_id=e.engine_id, model=e.info.model, serving=e.load.serving,
-            draining=e.draining, fresh=e.fresh(now, self._config.stale_report_seconds),
+            draining=e.draining or e.engine_id in self.admin_drained,
+            fresh=e.fresh(now, self._config.stale_report_seconds),
             block_size=e.info.block_size, blocks_total=e.blocks_total(),
             blocks_used=max(0, e.load.blocks_used - self._freed.get(e.engine_id, 0)),
             blocks_reserved=self.reservations.reserved(e.engine_id),

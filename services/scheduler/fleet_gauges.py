@@ -53,6 +53,8 @@ class FleetGauges:
             self._set_pool(model, [])
 
     def refresh(self, engines: Iterable[EngineRecord], waiting: WaitingRoom, now: float) -> None:
+        for cls in range(NUM_CLASSES):
+            self._metrics.queue_length.labels(priority_label(cls)).set(waiting.class_len(cls))
         self._engines(list(engines), now)
         if now >= self._next_queue_scan:
             self._next_queue_scan = now + self._queue_interval

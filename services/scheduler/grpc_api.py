@@ -31,7 +31,7 @@ from services.common.idle_calls import IdleCalls
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from . import events as ev
-from .core import SchedulerCore, StateView
+from .core import SchedulerCore
 from .engine_links import EngineLinks
 from .records import (
     AdmitOptions,
@@ -42,6 +42,7 @@ from .records import (
     RejectedInfo,
     RejectReason,
 )
+from .state_view import StateView
 
 __all__ = ["SchedulerServicer"]
 
@@ -62,6 +63,8 @@ _REJECT_CODES = {
 _COMMANDS = {
     ev.EngineCommand.RESYNC: scheduler_pb2.SchedulerCommand(resync=scheduler_pb2.Resync()),
     ev.EngineCommand.DRAIN: scheduler_pb2.SchedulerCommand(drain=scheduler_pb2.Drain()),
+    ev.EngineCommand.MOVE_AWAY: scheduler_pb2.SchedulerCommand(drain=scheduler_pb2.Drain(hand_over=True)),
+    ev.EngineCommand.UNDRAIN: scheduler_pb2.SchedulerCommand(undrain=scheduler_pb2.Undrain()),
 }
 
 # Marks the end of an Admit stream's client side (EOF, cancel or read error).
@@ -116,6 +119,7 @@ def _options(msg: scheduler_pb2.AdmitRequest) -> AdmitOptions:
 
 
 def _state_proto(view: StateView) -> scheduler_pb2.SchedulerState:
+    drained = set(view.drained)
     return scheduler_pb2.SchedulerState(
         policy=view.policy,
         queues=[
@@ -130,7 +134,8 @@ def _state_proto(view: StateView) -> scheduler_pb2.SchedulerState:
                 running=e.view.running, waiting=e.view.waiting, blocks_used=e.view.blocks_used,
                 blocks_total=e.view.blocks_total, blocks_reserved=e.view.blocks_reserved,
                 cached_blocks=e.cached_blocks, leases=e.view.leases, weight=e.view.weight,
-                backend=e.backend, incarnation=e.incarnation, max_model_len=e.view.max_model_len)
+                backend=e.backend, incarnation=e.incarnation, max_model_len=e.view.max_model_len,
+                drained_by_admin=e.view.engine_id in drained)
             for e in view.engines
         ],
         queued_total=view.queued_total, leases_total=view.leases_total,
@@ -141,6 +146,7 @@ def _state_proto(view: StateView) -> scheduler_pb2.SchedulerState:
                 displaced=c.displaced, protected=c.protected)
             for c in view.classes
         ],
+        paused_priorities=view.paused, drained_engines=view.drained,
     )
 
 

@@ -52,7 +52,7 @@ class RoomMaker:
         self._book = book
         self._waiting = waiting
         self._fleet = fleet
-        self._policy = policy
+        self.policy = policy  # the core swaps it (kvmesh.v1.Admin SetPlacementPolicy)
         self._limits = limits
         self._ledger = ledger
         self._hash_block_tokens = config.hash_block_tokens
@@ -97,12 +97,12 @@ class RoomMaker:
         if not candidates:
             return None
         request = placement_request(rec, cls)
-        views = self._policy.complete_views(
+        views = self.policy.complete_views(
             request, self._fleet.views(model, now), self._fleet.kv, self._hash_block_tokens,
             self._headroom)
         choice = choose_victim(
             cls, views, candidates, self._max_preemptions,
-            lambda view: self._policy.passes(request, view))
+            lambda view: self.policy.passes(request, view))
         if choice is None:
             return None
         victim = self._book[choice.victim.request_id]

@@ -8,10 +8,13 @@ HTTP thread, so the core keeps one owner).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.common.metric_labels import PRIORITY_LABELS
+from services.common.metric_labels import PRIORITY_LABELS, priority_label
+
+from .queue import Promotion
 
 __all__ = ["SchedulerMetrics"]
 
@@ -115,7 +118,8 @@ class SchedulerMetrics:
         )
         self.start_time.set(time.time())
         self.admissions_paused = Gauge(
-            "kvmesh_scheduler_admissions_paused", "1 while an operator paused admissions of a class (kvmesh admin)",
+            "kvmesh_scheduler_admissions_paused",
+            "1 while an operator has paused dispatch of the class (kvmesh admin pause)",
             ["priority"], registry=r,
         )
         for label in PRIORITY_LABELS:
@@ -184,6 +188,11 @@ class SchedulerMetrics:
         self._cached_total += cached_tokens
         if self._prompt_total:
             self.prefix_hit_rate.set(self._cached_total / self._prompt_total)
+
+    def count_promotions(self, promotions: Iterable[Promotion]) -> None:
+        """Aging promotions, by the classes a request left and entered."""
+        for p in promotions:
+            self.promotions.labels(priority_label(p.from_class), priority_label(p.to_class)).inc()
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         """A sample's current value (tests, GetState); 0.0 if absent."""

@@ -10,6 +10,13 @@ stale heap items are skipped (amortised O(log n)) when they reach the top; a
 heap is compacted when stale items outnumber live ones. Aging and expiry use
 two more heaps keyed by time, advanced from the clock the caller passes.
 
+Paused classes (the operator's kvmesh.v1.Admin PauseClass; the set is the
+WaitingRoom's, shared): `peek` skips them, so nothing leaves a paused class,
+and a promotion out of a paused class is held until the class is resumed,
+then applied at once (aging catches up: the request takes the class its wait
+gives it, as if there had been no pause). Promotions into a paused class go
+on. TTL expiry goes on in every class.
+
 Not thread-safe: owned by the scheduler core (see core.py).
 """
 
@@ -17,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Set
 from dataclasses import dataclass, field
 
 from .aging import AgingRule
@@ -152,9 +159,13 @@ class ModelQueue:
     """All classes of one model, with aging and TTL."""
 
     def __init__(
-        self, aging: AgingRule, fairness: FairnessPolicy, ordering: OrderingPolicy
+        self, aging: AgingRule, fairness: FairnessPolicy, ordering: OrderingPolicy,
+        paused: Set[int] = frozenset(),
     ) -> None:
         self._aging = aging
+        self._paused = paused
+        # Due promotions out of a paused class, by that class, until resumed.
+        self._held: dict[int, list[tuple[float, int, int, QueueEntry]]] = {}
         self.classes = [ClassQueue(c, fairness, ordering) for c in range(NUM_CLASSES)]
         self._entries: dict[str, QueueEntry] = {}
         self._promotions: list[tuple[float, int, int, QueueEntry]] = []
@@ -204,10 +215,17 @@ class ModelQueue:
     def advance(self, now: float) -> tuple[list[Promotion], list[QueueEntry]]:
         """Apply every promotion due by `now` and take out every entry whose
         TTL has passed. Returns (promotions, expired entries)."""
+        for cls in [c for c in self._held if c not in self._paused]:
+            for item in self._held.pop(cls):
+                heapq.heappush(self._promotions, item)
         promotions: list[Promotion] = []
         while self._promotions and self._promotions[0][0] <= now:
-            _, _, cls, entry = heapq.heappop(self._promotions)
+            item = heapq.heappop(self._promotions)
+            _, _, cls, entry = item
             if not entry.queued or entry.cls != cls:
+                continue
+            if cls in self._paused:
+                self._held.setdefault(cls, []).append(item)
                 continue
             entry.cls = cls - 1
             self.classes[cls].discard(entry)
@@ -234,11 +252,15 @@ class ModelQueue:
                 item for item in self._promotions if item[3].queued and item[3].cls == item[2]
             ]
             heapq.heapify(self._promotions)
+        for cls, held in self._held.items():
+            if len(held) > 2 * self.classes[cls].live + _COMPACT_SLACK:
+                self._held[cls] = [item for item in held if item[3].queued and item[3].cls == cls]
 
     def peek(self) -> QueueEntry | None:
-        """The request that leaves next: best class first, then fairness."""
+        """The request that leaves next: best class not paused first, then
+        fairness."""
         for queue in self.classes:
-            if queue.live:
+            if queue.live and queue.cls not in self._paused:
                 return queue.peek()
         return None
 

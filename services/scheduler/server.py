@@ -1,4 +1,5 @@
-"""The scheduler process: gRPC server (Scheduler + health + reflection),
+"""The scheduler process: gRPC server (Scheduler, Admin (admin_api.py) +
+health + reflection),
 housekeeping timers, and on its metrics port (plain HTTP) /metrics, the
 probes and /drain (services/common/health_http.py).
 
@@ -30,9 +31,10 @@ from services.common.config.addresses import join_host_port
 from services.common.grpc_server import make_server
 from services.common.health_http import Check, HttpEndpoint, Probes, add_health_routes, add_metrics_route
 from services.common.mesh_tls import add_port, identity_for
-from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.proto.kvmesh.v1 import admin_pb2, admin_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common.service_main import run_until_signalled
 
+from .admin_api import AdminKeys, AdminServicer
 from .core import SchedulerCore
 from .grpc_api import SchedulerServicer
 from .metrics import SchedulerMetrics
@@ -42,6 +44,7 @@ __all__ = ["SchedulerService", "serve"]
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+ADMIN_SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 # Seconds stop() lets streams flush their final messages before cancelling.
 _STOP_GRACE_SECONDS = 2.0
 
@@ -53,6 +56,8 @@ class SchedulerService:
         self.metrics = SchedulerMetrics()
         self.core = SchedulerCore(config, self.clock, self.metrics)
         self.servicer = SchedulerServicer(self.core, config, self.clock)
+        self.admin_keys = AdminKeys(config.scheduler)
+        self.admin = AdminServicer(self.core, self.servicer.deliver, self.admin_keys)
         self._server: Any = None
         self._health: Any = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -64,8 +69,9 @@ class SchedulerService:
         """Serve on scheduler.host:`port` (0 = any free port); returns the
         bound port."""
         identity = identity_for(self.config, "scheduler")
-        server, health = make_server([SERVICE_NAME], identity)
+        server, health = make_server([SERVICE_NAME, ADMIN_SERVICE_NAME], identity)
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.servicer, server)
+        admin_pb2_grpc.add_AdminServicer_to_server(self.admin, server)
         address = join_host_port(self.config.scheduler.host, port)
         bound = add_port(server, address, identity)
         if bound == 0:
@@ -82,7 +88,8 @@ class SchedulerService:
         ]
         if s.metrics_port:
             await self._serve_metrics(s.host, s.metrics_port)
-        log.info("scheduler listening on %s:%d (policy %s)", s.host, bound, s.policy)
+        log.info("scheduler listening on %s:%d (policy %s; Admin service %s)", s.host, bound, s.policy,
+                 f"with {len(self.admin_keys)} admin key(s)" if len(self.admin_keys) else "off: no admin key")
         return bound
 
     async def _serve_metrics(self, host: str, port: int) -> None:

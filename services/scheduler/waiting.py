@@ -48,6 +48,9 @@ class WaitingRoom:
         self._ordering = ordering
         self._queues: dict[str, ModelQueue] = {}
         self._lanes: dict[str, OrderedDict[str, RequestRecord]] = {}
+        # Classes nothing is dispatched from (kvmesh.v1.Admin PauseClass;
+        # queue.py's rules); changed only by the core's admin knobs.
+        self.paused: set[int] = set()
 
     def models(self) -> list[str]:
         """Models with a queue or a lane (possibly empty until `drop_empty`)."""
@@ -57,7 +60,7 @@ class WaitingRoom:
         """The model's queue, created on first use."""
         queue = self._queues.get(model)
         if queue is None:
-            queue = self._queues[model] = ModelQueue(self._aging, self._fairness, self._ordering)
+            queue = self._queues[model] = ModelQueue(self._aging, self._fairness, self._ordering, self.paused)
         return queue
 
     def existing_queue(self, model: str) -> ModelQueue | None:

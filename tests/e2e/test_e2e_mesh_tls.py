@@ -6,7 +6,10 @@ and each RPC only from the roles that need it."""
 from __future__ import annotations
 
 import json
+import os
 import ssl
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,6 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.config import MeshConfig
 from services.common.mesh_tls import MeshIdentity, server_name, sync_channel
 from services.common.proto.kvmesh.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
     common_pb2,
     engine_pb2,
     engine_pb2_grpc,
@@ -146,3 +151,22 @@ def test_each_rpc_takes_only_its_roles(e2e_mesh: Mesh) -> None:
         events = list(engine_pb2_grpc.EngineStub(channel).Generate(iter([_generate_request()]), timeout=TIMEOUT))
     assert events[-1].HasField("finished")
     assert e2e_mesh.exited() == []
+
+
+def test_kvmesh_admin_and_top_use_the_admin_certificate(e2e_mesh: Mesh) -> None:
+    """`kvmesh admin` and `kvmesh top` reach the TLS scheduler with the
+    config's admin certificate; the Admin service takes no other role."""
+    root = Path(__file__).resolve().parents[2]
+    base = [sys.executable, "-m", "services.cli", "--config", str(e2e_mesh.config_path)]
+    state = subprocess.run([*base, "admin", "--token-file", str(e2e_mesh.files.admin_token_path), "state"],
+                           cwd=root, capture_output=True, text=True, timeout=60, check=False)
+    assert state.returncode == 0 and "paused: none" in state.stdout, state
+    top = subprocess.run([*base, "top", "--once", "--interval", "0.3"], cwd=root, capture_output=True, text=True,
+                         timeout=60, check=False, env={**os.environ, "COLUMNS": "160"})
+    assert top.returncode == 0 and "engine-0" in top.stdout and "engine-1" in top.stdout, top
+    with sync_channel(e2e_mesh.endpoints.scheduler, _identity(e2e_mesh, "gateway"), "scheduler") as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            admin_pb2_grpc.AdminStub(channel).GetAdminState(
+                admin_pb2.GetAdminStateRequest(), timeout=TIMEOUT,
+                metadata=(("authorization", f"Bearer {e2e_mesh.admin_token}"),))
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED

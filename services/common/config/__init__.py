@@ -34,11 +34,12 @@ from .loader import config_from_dict, load_config
 from .mesh import TOOL_PARSERS, EnvoyConfig, MeshConfig, MeshTlsConfig, ModelConfig
 from .network import FencingConfig, NetworkConfig
 from .responses import ResponsesConfig
-from .scheduler import AgingConfig, PolicyProfileConfig, SchedulerConfig
+from .scheduler import AdminKeyConfig, AgingConfig, PolicyProfileConfig, SchedulerConfig
 from .validation import api_key_digest, validate_config
 
 __all__ = [
     "TOOL_PARSERS",
+    "AdminKeyConfig",
     "AgingConfig",
     "ApiKeyConfig",
     "ConfigError",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["AgingConfig", "PolicyProfileConfig", "SchedulerConfig"]
+__all__ = ["AdminKeyConfig", "AdminKeysFile", "AgingConfig", "PolicyProfileConfig", "SchedulerConfig"]
 
 
 @dataclass
@@ -48,6 +48,26 @@ class PolicyProfileConfig:
     # Where cached-prefix knowledge comes from: "kv_index" (engines' KV
     # events), "approx" (where this policy sent each prefix) or "none".
     prefix_source: Literal["kv_index", "approx", "none"] = "kv_index"
+
+
+@dataclass
+class AdminKeyConfig:
+    """An operator's token for the scheduler's Admin service
+    (protos/kvmesh/v1/admin.proto). Only its SHA-256 is stored
+    (`kvmesh key hash TOKEN`)."""
+
+    # 64 hex digits (case and surrounding blanks ignored); unique per key.
+    sha256: str = ""
+    # Required: who holds the key; every admin call is logged with it and
+    # the first 12 hex digits of the digest.
+    name: str = ""
+
+
+@dataclass
+class AdminKeysFile:
+    """The document `scheduler.admin_keys_file` names."""
+
+    admin_keys: list[AdminKeyConfig] = field(default_factory=list)
 
 
 @dataclass
@@ -150,3 +170,12 @@ class SchedulerConfig:
     # Extra or overriding placement policies by name; see
     # services/scheduler/placement/policies.py for the built-in ones.
     policy_profiles: dict[str, PolicyProfileConfig] = field(default_factory=dict)
+    # Tokens of the Admin service (drain engines, pause classes, change the
+    # policy at run time; `kvmesh admin`). None by default, and then the
+    # Admin service refuses every call: never open unless configured.
+    # `kvmesh up` adds one it generates for its run and prints.
+    admin_keys: list[AdminKeyConfig] = field(default_factory=list)
+    # More admin keys from a YAML file (`admin_keys:` list, entries as
+    # above), read when the scheduler starts: on Kubernetes a mounted
+    # Secret. Relative paths are relative to the repository root. "" = none.
+    admin_keys_file: str = ""

@@ -21,9 +21,9 @@ from .engines import EngineConfig
 from .errors import ConfigError
 from .gateway import ApiKeyConfig
 from .mesh import TOOL_PARSERS, MeshConfig
-from .scheduler import SchedulerConfig
+from .scheduler import AdminKeyConfig, SchedulerConfig
 
-__all__ = ["api_key_digest", "check_api_keys", "validate_config"]
+__all__ = ["api_key_digest", "check_admin_keys", "check_api_keys", "validate_config"]
 
 # The request priority classes, best first: P0 interactive .. P2 batch.
 _PRIORITY_CLASSES = (0, 1, 2)
@@ -99,6 +99,7 @@ def validate_config(config: MeshConfig, where: str = "config") -> None:
             "process (`kvmesh engine --advertise-address`) or use engines.count 1")
     _check_gateway(mesh.at("gateway"))
     _check_api_keys(mesh.at("gateway"))
+    check_admin_keys(config.scheduler.admin_keys, f"{where}.scheduler.admin_keys")
     envoy = mesh.at("envoy")
     envoy.ports("port", "admin_port")
     envoy.non_negative("base_id")
@@ -252,6 +253,22 @@ def check_api_keys(keys: Sequence[ApiKeyConfig], path: str, seen: set[str] | Non
         if key.priority_ceiling not in _PRIORITY_CLASSES:
             entry.fail("priority_ceiling", f"must be 0, 1 or 2, got {key.priority_ceiling}")
         entry.non_negative("requests_per_second", "tokens_per_minute", "max_generation_seconds")
+
+
+def check_admin_keys(keys: Sequence[AdminKeyConfig], path: str, seen: set[str] | None = None) -> None:
+    """The rules of a list of admin keys written at `path` (`seen`: digests
+    listed elsewhere, as for `check_api_keys`)."""
+    seen = set() if seen is None else seen
+    for i, key in enumerate(keys):
+        entry = _Section(f"{path}[{i}]", key)
+        digest = key.sha256.strip().lower()
+        if not _HEX64.fullmatch(digest):
+            entry.fail("sha256", f"expected 64 hex digits (kvmesh key hash TOKEN), got {key.sha256!r}")
+        if digest in seen:
+            entry.fail("sha256", "duplicate key")
+        seen.add(digest)
+        if not key.name.strip():
+            entry.fail("name", "required: who holds the key (admin calls are logged with it)")
 
 
 def _check_partitions(mesh: _Section) -> None:

@@ -12,7 +12,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from services.common.config import ConfigError, MeshConfig
 from services.common.mesh_tls import METHOD_ROLES, ROLES, MeshIdentity, identity_for, server_name
-from services.common.proto.kvmesh.v1 import engine_pb2, inference_pb2, scheduler_pb2
+from services.common.proto.kvmesh.v1 import admin_pb2, engine_pb2, inference_pb2, scheduler_pb2
 from services.tools.devcerts import ensure_mesh_certs
 
 
@@ -52,7 +52,7 @@ def test_off_by_default_and_every_rpc_has_its_roles() -> None:
     # A new RPC must say who may call it, or any mesh certificate could.
     methods = {
         f"/{service.full_name}/{method.name}"
-        for module in (engine_pb2, inference_pb2, scheduler_pb2)
+        for module in (admin_pb2, engine_pb2, inference_pb2, scheduler_pb2)
         for service in module.DESCRIPTOR.services_by_name.values()
         for method in service.methods
     }

@@ -132,6 +132,37 @@ async def test_drain_refuses_new_generations(mesh) -> None:
     assert svc.runtime.draining
 
 
+async def test_drain_with_hand_over_moves_running_generations_and_undrain_serves_again(mesh) -> None:
+    """The operator's `kvmesh admin drain-engine --move`: the running
+    generation ends UNAVAILABLE (its gateway continues it elsewhere), the
+    engine reports not serving; Undrain makes it serve again."""
+    svc, fake, _ = mesh
+    await fake.next("kv_snapshot")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.port}") as channel:
+        call = engine_pb2_grpc.EngineStub(channel).Generate()
+        await call.write(engine_pb2.EngineGenerateMessage(request=engine_pb2.EngineRequest(
+            request_id="long", prompt_token_ids=prompt_of(8, start=900),
+            sampling=common_pb2.SamplingParams(max_tokens=4000))))
+        assert (await call.read()).HasField("delta")
+        await fake.commands.put(scheduler_pb2.SchedulerCommand(drain=scheduler_pb2.Drain(hand_over=True)))
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            async with asyncio.timeout(5):
+                while (event := await call.read()) is not grpc.aio.EOF:
+                    assert not event.HasField("finished"), "a handed-over generation must not finish here"
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "drained by an operator" in (ended.value.details() or "")
+    async with asyncio.timeout(5):
+        while (load := (await fake.next("load")).load).serving or load.request_ids:
+            pass
+    assert svc.runtime.draining
+    await fake.commands.put(scheduler_pb2.SchedulerCommand(undrain=scheduler_pb2.Undrain()))
+    async with asyncio.timeout(5):
+        while not (await fake.next("load")).load.serving:
+            pass
+    assert not svc.runtime.draining
+    await generate(svc, "after", prompt_of(8, start=950), 2)
+
+
 async def test_reconnects_after_the_scheduler_restarts(mesh) -> None:
     svc, fake, server = mesh
     await fake.next("kv_snapshot")

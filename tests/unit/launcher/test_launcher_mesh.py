@@ -122,6 +122,27 @@ def test_generated_key_when_none_given(tmp_path: Path) -> None:
     assert a.api_key and a.api_key != b.api_key
 
 
+def test_admin_token_generated_or_given_hashed_into_the_config_and_written_owner_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    _needs_tiny_llama()
+    a, b = _mesh(tmp_path / "a"), _mesh(tmp_path / "b")
+    assert a.admin_token and a.admin_token != b.admin_token
+    digest = hashlib.sha256(a.admin_token.encode()).hexdigest()
+    assert [(k.name, k.sha256) for k in a.config.scheduler.admin_keys] == [("kvmesh-up", digest)]
+    given = _mesh(tmp_path / "c", admin_token="ops-token")
+    assert given.admin_token == "ops-token"
+    given._write_files()
+    token_file = given.files.admin_token_path
+    assert token_file.read_text().strip() == "ops-token" and token_file.stat().st_mode & 0o077 == 0
+    from services.launcher.up import _print_operator
+
+    _print_operator(given)
+    out = capsys.readouterr().out
+    assert "Admin token (yours" in out and "ops-token" in out
+    assert f"top --config {given.config_path}" in out and f"--token-file {token_file} pause P2" in out
+
+
 def test_unknown_model_and_bad_counts_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no model named 'nope'"):
         Mesh(load_config(CONFIG), MeshOptions(model="nope", run_dir=tmp_path))

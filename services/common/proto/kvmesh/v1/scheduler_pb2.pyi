@@ -249,22 +249,26 @@ class EngineMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[EngineHello, _Mapping]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., kv_events: _Optional[_Union[KvEvents, _Mapping]] = ..., kv_snapshot: _Optional[_Union[KvSnapshot, _Mapping]] = ...) -> None: ...
 
 class Drain(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("hand_over",)
+    HAND_OVER_FIELD_NUMBER: _ClassVar[int]
+    hand_over: bool
+    def __init__(self, hand_over: _Optional[bool] = ...) -> None: ...
 
 class Resync(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SchedulerCommand(_message.Message):
-    __slots__ = ("drain", "resync", "fence")
+    __slots__ = ("drain", "resync", "fence", "undrain")
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
+    UNDRAIN_FIELD_NUMBER: _ClassVar[int]
     drain: Drain
     resync: Resync
     fence: Fence
-    def __init__(self, drain: _Optional[_Union[Drain, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
+    undrain: Undrain
+    def __init__(self, drain: _Optional[_Union[Drain, _Mapping]] = ..., resync: _Optional[_Union[Resync, _Mapping]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., undrain: _Optional[_Union[Undrain, _Mapping]] = ...) -> None: ...
 
 class GetStateRequest(_message.Message):
     __slots__ = ()
@@ -283,7 +287,7 @@ class QueueState(_message.Message):
     def __init__(self, priority: _Optional[int] = ..., tenant: _Optional[str] = ..., queued: _Optional[int] = ..., oldest_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class EngineState(_message.Message):
-    __slots__ = ("engine_id", "address", "model", "serving", "draining", "fresh", "running", "waiting", "blocks_used", "blocks_total", "blocks_reserved", "cached_blocks", "leases", "weight", "backend", "incarnation", "max_model_len")
+    __slots__ = ("engine_id", "address", "model", "serving", "draining", "fresh", "running", "waiting", "blocks_used", "blocks_total", "blocks_reserved", "cached_blocks", "leases", "weight", "backend", "incarnation", "max_model_len", "drained_by_admin")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +305,7 @@ class EngineState(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_BY_ADMIN_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     address: str
     model: str
@@ -318,7 +323,8 @@ class EngineState(_message.Message):
     backend: str
     incarnation: int
     max_model_len: int
-    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., draining: _Optional[bool] = ..., fresh: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., blocks_reserved: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., weight: _Optional[float] = ..., backend: _Optional[str] = ..., incarnation: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    drained_by_admin: bool
+    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., draining: _Optional[bool] = ..., fresh: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., blocks_reserved: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., weight: _Optional[float] = ..., backend: _Optional[str] = ..., incarnation: _Optional[int] = ..., max_model_len: _Optional[int] = ..., drained_by_admin: _Optional[bool] = ...) -> None: ...
 
 class ClassState(_message.Message):
     __slots__ = ("priority", "preemptions", "requeued", "preempted_now", "seconds_lost", "displaced", "protected")
@@ -339,23 +345,31 @@ class ClassState(_message.Message):
     def __init__(self, priority: _Optional[int] = ..., preemptions: _Optional[int] = ..., requeued: _Optional[int] = ..., preempted_now: _Optional[int] = ..., seconds_lost: _Optional[float] = ..., displaced: _Optional[int] = ..., protected: _Optional[int] = ...) -> None: ...
 
 class SchedulerState(_message.Message):
-    __slots__ = ("policy", "queues", "engines", "queued_total", "leases_total", "classes")
+    __slots__ = ("policy", "queues", "engines", "queued_total", "leases_total", "classes", "paused_priorities", "drained_engines")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     QUEUES_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     LEASES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     CLASSES_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_PRIORITIES_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_ENGINES_FIELD_NUMBER: _ClassVar[int]
     policy: str
     queues: _containers.RepeatedCompositeFieldContainer[QueueState]
     engines: _containers.RepeatedCompositeFieldContainer[EngineState]
     queued_total: int
     leases_total: int
     classes: _containers.RepeatedCompositeFieldContainer[ClassState]
-    def __init__(self, policy: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[QueueState, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineState, _Mapping]]] = ..., queued_total: _Optional[int] = ..., leases_total: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassState, _Mapping]]] = ...) -> None: ...
+    paused_priorities: _containers.RepeatedScalarFieldContainer[int]
+    drained_engines: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, policy: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[QueueState, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineState, _Mapping]]] = ..., queued_total: _Optional[int] = ..., leases_total: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassState, _Mapping]]] = ..., paused_priorities: _Optional[_Iterable[int]] = ..., drained_engines: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Fence(_message.Message):
     __slots__ = ("request_ids",)
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Undrain(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

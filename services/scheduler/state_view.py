@@ -1,0 +1,25 @@
+"""What `SchedulerCore.state()` returns: the read-only view GetState and
+`kvmesh top` show (grpc_api.py turns it into `SchedulerState`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .class_stats import ClassStat
+from .fleet import EngineStat
+from .waiting import QueueStat
+
+__all__ = ["StateView"]
+
+
+@dataclass(frozen=True)
+class StateView:
+    policy: str
+    queues: list[QueueStat]
+    engines: list[EngineStat]
+    queued_total: int
+    leases_total: int
+    classes: list[ClassStat]
+    # The operator's knobs (admin_knobs.py): paused classes, drained engine ids.
+    paused: list[int] = field(default_factory=list)
+    drained: list[str] = field(default_factory=list)
