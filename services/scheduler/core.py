@@ -78,6 +78,7 @@ from .records import (
     Notice,
     Outcome,
     PlacedInfo,
+    PlacementDetail,
     QueuedInfo,
     QueueEntry,
     RejectReason,
@@ -129,6 +130,8 @@ class SchedulerCore:
             self._requests, self.waiting, self.fleet, self._limits, self._ledger, self._seq,
             self._count_promotions)
         self.shutting_down = False
+        # Placements carry a PlacementDetail (the request's trace); off = none built.
+        self.explain = False
         self._handlers: dict[type, Callable[[Any, Outbox, float], None]] = {
             ev.RequestArrived: self._on_arrived, ev.StreamClosed: self._on_closed,
             ev.FirstToken: self._on_first_token, ev.RequestDone: self._on_done,
@@ -337,10 +340,12 @@ class SchedulerCore:
                     queue.pop(entry)
                 return self._requests.reject(rec, now, err.reason, err.message, err.retry_after)
             return None
+        waited = 0.0
         if entry is not None and queue is not None:
             queue.pop(entry)
+            waited = max(0.0, now - entry.arrival)
             if not entry.resumed:   # a requeued request's wait is kvmesh_scheduler_preempted_seconds
-                self.metrics.queue_wait.labels(str(entry.base_class)).observe(max(0.0, now - entry.arrival))
+                self.metrics.queue_wait.labels(str(entry.base_class)).observe(waited)
         engine = self.fleet.get(placement.view.engine_id)
         if engine is None:  # pragma: no cover - views come from the registry
             raise RuntimeError("placement chose an unknown engine")
@@ -350,8 +355,9 @@ class SchedulerCore:
             rec, engine, placement.blocks_needed, placement.cached_tokens, now, cls)
         self._rate.record(now)
         self.metrics.placed(self.policy.name, kind, opts.prompt_tokens, placement.cached_tokens)
+        detail = PlacementDetail(self.policy.name, kind, waited, placement.scored, entry) if self.explain else None
         return PlacedInfo(engine.engine_id, engine.info.address, lease.lease_id, placement.cached_tokens,
-                          engine.info.incarnation)
+                          engine.info.incarnation, detail)
 
     # ------------------------------------------------------------ time and shutdown
 

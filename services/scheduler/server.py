@@ -32,6 +32,7 @@ from services.common.health_http import Check, HttpEndpoint, Probes, add_health_
 from services.common.mesh_tls import add_port, identity_for
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.service_main import run_until_signalled
+from services.common.tracing import tracing_for
 
 from .core import SchedulerCore
 from .grpc_api import SchedulerServicer
@@ -52,7 +53,9 @@ class SchedulerService:
         self.clock: Clock = clock or SystemClock()
         self.metrics = SchedulerMetrics()
         self.core = SchedulerCore(config, self.clock, self.metrics)
-        self.servicer = SchedulerServicer(self.core, config, self.clock)
+        # NO_TRACING unless `tracing.otlp_endpoint` is set (services/common/tracing.py).
+        self.tracing = tracing_for(config.tracing, "scheduler")
+        self.servicer = SchedulerServicer(self.core, config, self.clock, self.tracing)
         self._server: Any = None
         self._health: Any = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -127,6 +130,7 @@ class SchedulerService:
         if self._metrics_server is not None:
             await self._metrics_server.stop()
             self._metrics_server = None
+        await self.tracing.aclose()  # exports the spans still buffered
 
 
 async def serve(config: MeshConfig) -> None:
