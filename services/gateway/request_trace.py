@@ -31,7 +31,9 @@ from services.gateway.jobs import Job
 
 __all__ = ["admitted", "failed", "finished", "start"]
 
-_OPERATIONS = {"chat": "chat", "completion": "text_completion", "responses": "chat"}
+# Route -> gen_ai.operation.name (GenAI semantic conventions).
+_OPERATIONS = {"chat": "chat", "completion": "text_completion", "responses": "chat", "grpc.Chat": "chat",
+               "grpc.Generate": "text_completion"}
 
 
 def start(tracing: Tracing, headers: Mapping[str, str], route: str) -> Span:
@@ -58,15 +60,18 @@ def admitted(span: Span, job: Job) -> None:
     })
 
 
-def finished(span: Span, output_tokens: int, status: int | str, grpc: bool = False, outcome: str = "ok") -> None:
-    """The request ended (its last event went out, or an error status)."""
+def finished(span: Span, output_tokens: int | None, status: int | str, grpc: bool = False,
+             outcome: str = "ok") -> None:
+    """The request ended (its last event went out, or an error status);
+    `output_tokens` None: set on the span already."""
     span.set("kvmesh.status", outcome)
-    span.set("gen_ai.usage.output_tokens", output_tokens)
+    if output_tokens is not None:
+        span.set("gen_ai.usage.output_tokens", output_tokens)
     span.set("rpc.grpc.status_code" if grpc else "http.response.status_code", status)
     span.end()
 
 
-def failed(span: Span, exc: BaseException, output_tokens: int = 0, grpc: bool = False) -> None:
+def failed(span: Span, exc: BaseException, output_tokens: int | None = 0, grpc: bool = False) -> None:
     """The request ended with an error: `GatewayError` (the client's status),
     or anything else (cancelled: the client left)."""
     if span is NO_SPAN:
