@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-from collections import defaultdict
 from typing import Any
 
 import aiohttp
 import grpc
 import pytest
+from _spans import OURS as _OURS
+from _spans import Spans as _Spans
+from _spans import attrs as _attrs
+from _spans import free_port as _free_port
 
 from services.common.config import MeshConfig
 from services.common.proto.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
@@ -23,14 +25,7 @@ from services.launcher.mesh import Mesh
 oteltap = pytest.importorskip("oteltap", reason="oteltap (the test OTLP receiver) is not installed")
 
 MODEL = "tiny-llama"
-_OURS = ("gateway.request", "scheduler.admit", "engine.generate")
 _CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 RECEIVER_PORT = _free_port()
@@ -38,58 +33,6 @@ RECEIVER_PORT = _free_port()
 
 def MESH_TUNE(config: MeshConfig) -> None:  # noqa: N802 - the fixture's hook name
     config.tracing.otlp_endpoint = f"http://127.0.0.1:{RECEIVER_PORT}"
-
-
-def _value(any_value: Any) -> Any:
-    kind = any_value.WhichOneof("value")
-    if kind == "array_value":
-        return [_value(v) for v in any_value.array_value.values]
-    return getattr(any_value, kind) if kind else None
-
-
-def _attrs(span: Any) -> dict[str, Any]:
-    return {kv.key: _value(kv.value) for kv in span.attributes}
-
-
-class _Spans:
-    """Every span the receiver got, by trace id (hex)."""
-
-    def __init__(self) -> None:
-        self.by_trace: dict[str, list[Any]] = defaultdict(list)
-        self.changed = asyncio.Event()
-
-    async def collect(self, tap: Any) -> None:
-        async for span in tap.stream_traces():
-            self.by_trace[span.trace_id.hex()].append(span)
-            self.changed.set()
-
-    def of_request(self, request_id: str) -> list[Any]:
-        return [s for spans in self.by_trace.values() for s in spans
-                if _attrs(s).get("kvmesh.request_id") == request_id]
-
-    async def wait_for(self, request_id: str, timeout: float = 60.0) -> list[Any]:
-        """The spans of `request_id`'s trace once ours (gateway, scheduler,
-        engine) and Envoy's arrived. Spans leave in batches (a few seconds)."""
-        try:
-            async with asyncio.timeout(timeout):
-                while not self._complete(request_id):
-                    self.changed.clear()
-                    await self.changed.wait()
-        except TimeoutError:
-            pass
-        ours = self.of_request(request_id)
-        traces = {s.trace_id.hex() for s in ours}
-        assert len(traces) == 1, f"{request_id}: spans in {len(traces)} traces: {[s.name for s in ours]}"
-        trace = self.by_trace[traces.pop()]
-        assert self._complete(request_id), f"{request_id}: incomplete trace {[s.name for s in trace]}"
-        return list(trace)
-
-    def _complete(self, request_id: str) -> bool:
-        ours = self.of_request(request_id)
-        if not ours or not {s.name for s in ours} >= set(_OURS):
-            return False
-        trace = self.by_trace[ours[0].trace_id.hex()]
-        return any(s.name not in _OURS for s in trace)
 
 
 def _one(spans: list[Any], name: str) -> Any:
