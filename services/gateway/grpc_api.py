@@ -160,6 +160,7 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
         resume = request.resume if request.HasField("resume") else None
         request_id = resume.request_id if resume else request_id_from(
             metadata.get("x-request-id"), metadata.get("x-envoy-attempt-count"))
+        span.set("kvmesh.request_id", request_id)  # also on a request refused before admission
         if resume is not None:
             parse_last_event_id(f"{resume.request_id}.0")  # the same id rules as the HTTP API
         principal = self._frontdoor.authenticate(api_key_from_headers(metadata))

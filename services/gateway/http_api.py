@@ -195,6 +195,7 @@ class HttpApi:
         request_id = resume[0] if resume else request_id_from(
             request.headers.get("x-request-id"), request.headers.get("x-envoy-attempt-count"))
         request[_REQUEST_ID] = request_id
+        span.set("kvmesh.request_id", request_id)  # also on a request refused before admission
         principal = self._frontdoor.authenticate(api_key_from_headers(request.headers))
         body = await self._read_json(request)
         generation = parse_chat_body(body) if route == "chat" else parse_completion_body(body)

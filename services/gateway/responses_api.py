@@ -166,6 +166,7 @@ class ResponsesApi:
     async def _create(self, request: web.Request, span: Span) -> web.StreamResponse:
         request_id = request_id_from(request.headers.get("x-request-id"), request.headers.get("x-envoy-attempt-count"))
         request[self._request_key] = request_id
+        span.set("kvmesh.request_id", request_id)
         principal = self.frontdoor.authenticate(api_key_from_headers(request.headers))
         parsed = parse_responses_body(await self._read_json(request))
         history = self._history(parsed, principal)
