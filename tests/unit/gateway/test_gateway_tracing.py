@@ -25,7 +25,7 @@ def _trace(mesh: Mesh) -> InMemorySpanExporter:
     return exporter
 
 
-async def _span(mesh: Mesh, exporter: InMemorySpanExporter):  # noqa: ANN202 - test helper
+async def _span(mesh: Mesh, exporter: InMemorySpanExporter):
     """The request's span, once the gateway ended it (after the client's last byte)."""
     async with asyncio.timeout(10):
         while True:
@@ -37,7 +37,7 @@ async def _span(mesh: Mesh, exporter: InMemorySpanExporter):  # noqa: ANN202 - t
     return span
 
 
-def _context_of(span) -> str:  # noqa: ANN001 - an SDK span
+def _context_of(span) -> str:
     return f"{span.context.trace_id:032x}-{span.context.span_id:016x}"
 
 
