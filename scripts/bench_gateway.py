@@ -22,6 +22,7 @@ three phases, each on a fresh mesh of real processes on free ports:
 
     .venv/bin/python scripts/bench_gateway.py                   # ~2-3 min
     .venv/bin/python scripts/bench_gateway.py --phases ttft relay --json out.json
+    .venv/bin/python scripts/bench_gateway.py --phases ttft --trace-sink   # tracing on (README "Tracing")
 
 Not a test: it measures. BENCHMARKS.md keeps a run and the targets
 (<= 2 ms added TTFT p50, >= 50k tokens/s per gateway process, >= 5,000 held
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -59,6 +61,19 @@ from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_g
 from services.launcher.mesh import Mesh, MeshOptions, start_on_free_ports
 
 MODEL = "tiny-llama"
+# `tracing.otlp_endpoint` of every mesh started (--otlp-endpoint / --trace-sink); "" = off.
+OTLP_ENDPOINT = ""
+# --trace-sink: a loopback OTLP/HTTP receiver that accepts and drops every export.
+_SINK = """
+import sys
+from aiohttp import web
+async def take(request):
+    await request.read()
+    return web.Response(status=200, content_type="application/x-protobuf")
+app = web.Application(client_max_size=64 << 20)
+app.router.add_post("/v1/traces", take)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
+"""
 # The sim does not care about position embeddings; long streams need room.
 MAX_MODEL_LEN = 65536
 # tiny-llama uses SmolLM2's tokenizer; keep prompt ids well inside it.
@@ -104,6 +119,7 @@ def running_mesh(tune: Callable[[MeshConfig], None], engines: int) -> Iterator[M
         if model.name == MODEL:
             model.max_model_len = MAX_MODEL_LEN
     tune(config)
+    config.tracing.otlp_endpoint = OTLP_ENDPOINT
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-gw-") as run_dir:
         mesh = start_on_free_ports(config, MeshOptions(engines=engines, backend="sim", model=MODEL,
                                                        free_ports=True, envoy=False, run_dir=Path(run_dir)))
@@ -394,7 +410,33 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--open-batch", type=int, default=250)
     p.add_argument("--open-rate", type=float, default=1000.0, help="streams opened per second")
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--otlp-endpoint", default="", help="trace every service to this OTLP/HTTP receiver")
+    p.add_argument("--trace-sink", action="store_true",
+                   help="trace to a loopback receiver started here (it accepts and drops the spans)")
     return p
+
+
+@contextmanager
+def trace_sink() -> Iterator[str]:
+    """A throwaway OTLP/HTTP receiver process on a free port; its URL."""
+    import socket
+    import subprocess
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    sink = subprocess.Popen([sys.executable, "-c", _SINK, str(port)])
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        sink.terminate()
+        sink.wait(10)
 
 
 def main() -> None:
@@ -407,7 +449,14 @@ def main() -> None:
         uvloop.install()
     except ImportError:
         pass
-    results: dict[str, object] = {"cpus": os.cpu_count()}
+    global OTLP_ENDPOINT  # noqa: PLW0603 - read by running_mesh
+    with contextlib.ExitStack() as stack:
+        OTLP_ENDPOINT = stack.enter_context(trace_sink()) if args.trace_sink else args.otlp_endpoint
+        _run_phases(args)
+
+
+def _run_phases(args: argparse.Namespace) -> None:
+    results: dict[str, object] = {"cpus": os.cpu_count(), "tracing": OTLP_ENDPOINT or "off"}
     phases = {"ttft": phase_ttft, "relay": phase_relay, "hold": phase_hold}
     for name in args.phases:
         started = time.monotonic()

@@ -12,6 +12,7 @@ from services.edge.fragments import TYPE, seconds, socket_address
 from services.edge.http_filters import http_filters
 from services.edge.routes import virtual_host
 from services.edge.topology import Topology
+from services.edge.tracing import hcm_tracing
 from services.tools.devcerts import DEFAULT_DIR as DEV_CERT_DIR
 
 __all__ = ["listener"]
@@ -99,6 +100,8 @@ def _connection_manager(topology: Topology) -> dict[str, Any]:
             "max_direct_response_body_size_bytes": _MAX_DIRECT_RESPONSE_BYTES,
         },
         "http_filters": http_filters(topology),
+        # Envoy's span per request, the root of its trace (edge/tracing.py).
+        **({"tracing": hcm_tracing(topology.tracing)} if topology.tracing.enabled else {}),
     }
 
 

@@ -53,6 +53,7 @@ from services.edge.fragments import GRPC_CLUSTER, HTTP_CLUSTER, TYPE, socket_add
 from services.edge.listener import listener
 from services.edge.routes import PUBLIC_GRPC_PREFIXES, WEB_FILES
 from services.edge.topology import Topology, TopologyError, load_topology
+from services.edge.tracing import collector_cluster
 
 __all__ = [
     "DEPLOY_ENVOY_DIR",
@@ -90,6 +91,7 @@ def render(topology: Topology) -> dict[str, Any]:
             "clusters": [
                 cluster(topology, GRPC_CLUSTER, grpc=True),
                 cluster(topology, HTTP_CLUSTER, grpc=False),
+                *([collector_cluster(topology.tracing)] if topology.tracing.enabled else []),
             ],
         },
         "overload_manager": {

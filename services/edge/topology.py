@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from services.common.config import ConfigError, config_from_dict
+from services.edge.tracing import TracingSpec
 
 __all__ = [
     "AdminSpec",
@@ -259,6 +260,8 @@ class Topology:
     web: WebSpec = field(default_factory=WebSpec)
     # Cap on concurrent downstream connections (Envoy's overload manager).
     max_connections: int = 50_000
+    # Envoy's OpenTelemetry spans (services/edge/tracing.py); off by default.
+    tracing: TracingSpec = field(default_factory=TracingSpec)
 
     def validate(self, heartbeat_seconds: float | None = None) -> None:
         """Raise TopologyError for values out of bounds. With the gateway's
@@ -268,6 +271,8 @@ class Topology:
         self._validate_timeouts()
         self._validate_limits()
         self._validate_tls()
+        if (problem := self.tracing.validate()) is not None:
+            raise TopologyError(problem)
         if self.max_connections < 1:
             raise TopologyError("max_connections: must be >= 1")
         if heartbeat_seconds is not None and heartbeat_seconds > 0:

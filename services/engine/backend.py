@@ -102,6 +102,9 @@ class GenerationRequest:
     sampling: Sampling
     priority: int = 1          # 0 (P0) .. 2 (P2); lower runs first
     resumed_tokens: int = 0    # tail of prompt_token_ids generated elsewhere (migration)
+    # W3C trace headers of the engine's span (tracing on): the backend passes
+    # them on (vLLM's AsyncLLM.generate `trace_headers`); None when off.
+    trace_headers: dict[str, str] | None = None
 
 
 @dataclass

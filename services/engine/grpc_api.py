@@ -33,6 +33,8 @@ from services.common.finish_reason import FinishReason
 from services.common.idle_calls import IdleCalls
 from services.common.openai_api.structured import structured_from_proto
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from services.common.tracing import NO_SPAN, NO_TRACING, Span, Tracing
+from services.engine import generate_trace
 from services.engine.backend import GenerationOutput, GenerationRequest, InvalidRequest, Sampling
 from services.engine.detached import Attachment, UnknownGeneration
 from services.engine.errors import DuplicateRequest, NotAccepting
@@ -95,8 +97,10 @@ def _finished(out: GenerationOutput) -> engine_pb2.EngineGenerateEvent:
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
-    def __init__(self, runtime: EngineRuntime, engine_id: str, backend_name: str) -> None:
+    def __init__(self, runtime: EngineRuntime, engine_id: str, backend_name: str,
+                 tracing: Tracing = NO_TRACING) -> None:
         self._runtime = runtime
+        self._tracing = tracing  # `engine.generate` spans (generate_trace.py)
         self._engine_id = engine_id
         self._backend_name = backend_name
         # Generate calls gateways opened ahead of their next request.
@@ -104,25 +108,40 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def Generate(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         first = await self.idle_calls.first_message(context)
-        if first is not grpc.aio.EOF and first.WhichOneof("msg") == "resume":
-            await self._resume(first.resume, context)
-            return
-        if first is grpc.aio.EOF or first.WhichOneof("msg") != "request":
+        if first is grpc.aio.EOF or first.WhichOneof("msg") not in ("request", "resume"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "the first Generate message must be `request` or `resume`")
-        generation = await self._open(first.request, context)
-        request = first.request
+        call = first.request if first.WhichOneof("msg") == "request" else first.resume
+        span = generate_trace.start(self._tracing, self._engine_id, call, context)
+        try:
+            if isinstance(call, engine_pb2.ResumeGeneration):
+                await self._resume(call, context, span)
+            else:
+                await self._start(call, context, span)
+        except BaseException as exc:
+            generate_trace.failed(span, exc)
+            raise
+        finally:
+            span.end()
+
+    async def _start(self, request: engine_pb2.EngineRequest, context: grpc.aio.ServicerContext,
+                     span: Span) -> None:
+        generation = await self._open(request, context, span)
         generation.delta_offset = request.delta_offset
         generation.ack_final = request.ack_final
         # One line per request, keyed by the gateway's id (x-request-id).
-        log.info("request %s started (%d prompt tokens, priority %d)", request.request_id,
-                 len(request.prompt_token_ids), request.priority)
-        await self._serve(generation, context, None)
+        log.info("request %s started (%d prompt tokens, priority %d)%s", request.request_id,
+                 len(request.prompt_token_ids), request.priority,
+                 f" trace={span.trace_id}" if span.trace_id else "")
+        await self._serve(generation, context, None, span)
 
-    async def _open(self, msg: engine_pb2.EngineRequest, context: grpc.aio.ServicerContext) -> Generation:
+    async def _open(self, msg: engine_pb2.EngineRequest, context: grpc.aio.ServicerContext,
+                    span: Span = NO_SPAN) -> Generation:
         for attempt in range(2):
             try:
                 request = request_from_proto(msg)
+                if span is not NO_SPAN:  # vLLM's own span continues this one
+                    request.trace_headers = span.carrier()
                 return self._runtime.open(request)
             except InvalidRequest as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -133,7 +152,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         raise AssertionError("unreachable: the second attempt returns or aborts")
 
-    async def _resume(self, msg: engine_pb2.ResumeGeneration, context: grpc.aio.ServicerContext) -> None:
+    async def _resume(self, msg: engine_pb2.ResumeGeneration, context: grpc.aio.ServicerContext,
+                      span: Span = NO_SPAN) -> None:
         try:
             generation = self._runtime.kept.find(msg.request_id, list(msg.prompt_token_ids))
         except UnknownGeneration as exc:
@@ -144,10 +164,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         resumed = engine_pb2.EngineResumed(
             prior_token_ids=request.prompt_token_ids[len(msg.prompt_token_ids):],
             delta_offset=generation.delta_offset)
-        await self._serve(generation, context, resumed)
+        await self._serve(generation, context, resumed, span)
 
     async def _serve(self, generation: Generation, context: grpc.aio.ServicerContext,
-                     resumed: engine_pb2.EngineResumed | None) -> None:
+                     resumed: engine_pb2.EngineResumed | None, span: Span = NO_SPAN) -> None:
         """Own `generation` for this call (detached.py): replay (a resume),
         stream, and on the way out end it, keep it, or leave it be."""
         mine = await self._runtime.kept.attach(generation)
@@ -155,7 +175,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         delivered = False
         try:
             if resumed is None or not await self._replay(generation, context, resumed):
-                await self._stream(generation, context)
+                await self._stream(generation, context, span)
             delivered = not generation.ack_final or await self._acknowledged(reader, mine)
         except grpc.aio.AbortError:
             delivered = True
@@ -201,10 +221,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         await context.write(_finished(final))
         return True
 
-    async def _stream(self, generation: Generation, context: grpc.aio.ServicerContext) -> None:
+    async def _stream(self, generation: Generation, context: grpc.aio.ServicerContext,
+                      span: Span = NO_SPAN) -> None:
         outputs = generation.outputs(close=False)
+        # Traced: the same outputs, with first-token and end events (none when off).
+        stream = outputs if span is NO_SPAN else generate_trace.traced(outputs, span)
         try:
-            async for out in outputs:
+            async for out in stream:
                 if out.token_ids or out.text or out.logprobs:
                     await context.write(_delta(out))
                 if out.finish_reason is not None:
@@ -220,6 +243,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await context.write(_finished(GenerationOutput(
                 token_ids=[], text="", finish_reason=FinishReason.ERROR, message=f"engine error: {exc}")))
         finally:
+            if stream is not outputs:
+                await stream.aclose()  # type: ignore[attr-defined]  # an async generator
             await outputs.aclose()
 
     @staticmethod

@@ -52,6 +52,7 @@ from services.common.health_http import (
 from services.common.mesh_tls import add_port, identity_for
 from services.common.proto.kvmesh.v1 import engine_pb2_grpc
 from services.common.service_main import run_until_signalled
+from services.common.tracing import tracing_for
 from services.engine.backend import EngineBackend, LoadSnapshot
 from services.engine.coalesce import StreamPacing
 from services.engine.grpc_api import EngineServicer
@@ -114,6 +115,8 @@ class EngineService:
         # Serving = ready (model loaded, registered, not draining or failed): read at scrape time.
         self.metrics.serving.set_function(lambda: 1.0 if self._ready().ok else 0.0)
         self.backend.set_step_observer(self.metrics)
+        # NO_TRACING unless `tracing.otlp_endpoint` is set (services/common/tracing.py).
+        self.tracing = tracing_for(config.tracing, "engine", engine.engine_id)
         pacing = StreamPacing(engine.coalesce_interval_ms / 1000.0, engine.coalesce_min_running,
                               frozenset(engine.coalesce_unpaced_priorities))
         hang = HangPolicy(engine.hang_floor_seconds, engine.hang_step_multiple)
@@ -155,7 +158,7 @@ class EngineService:
         server, health = make_server([SERVICE_NAME], identity)
         self._server, self._health = server, health
         await health.set_serving(False)  # an explicit NOT_SERVING, not NOT_FOUND
-        self._servicer = EngineServicer(self.runtime, engine.engine_id, engine.backend)
+        self._servicer = EngineServicer(self.runtime, engine.engine_id, engine.backend, self.tracing)
         engine_pb2_grpc.add_EngineServicer_to_server(self._servicer, server)
         self.port = add_port(server, join_host_port(engine.host, engine.port), identity)
         if not self.port:
@@ -278,6 +281,7 @@ class EngineService:
             if closer is not None:
                 await closer.stop()
         self._http = self._metrics_server = None
+        await self.tracing.aclose()  # exports the spans still buffered
 
 
 async def serve(config: MeshConfig, engine: EngineConfig) -> None:

@@ -160,6 +160,9 @@ class _Generation:
             await lease.abandon(resumable=driver.detaching)
             raise
         driver.metrics.finished.labels(finished.reason.value).inc()
+        if self._job.trace.recording:
+            self._job.trace.set_many({"gen_ai.response.finish_reasons": [finished.reason.value],
+                                      "kvmesh.cached_tokens": finished.usage.cached_tokens})
         # `done` goes out before the client's last event, so a transport that
         # stops reading right after `Finished` cannot lose it.
         await lease.report_done(finished)
@@ -176,6 +179,7 @@ class _Generation:
         deadline = asyncio.get_running_loop().time() + self._job.max_generation_seconds
         while True:
             stream = self._stream = self._driver.engines.open(placed.engine_address, placed.engine_id)
+            self._job.trace.set("kvmesh.engine", placed.engine_id)
             lease.running_on(placed.engine_id, stream.stop)
             move: Callable[[Emit], Awaitable[scheduler_pb2.Placed]]
             try:
@@ -237,6 +241,9 @@ class _Generation:
             return await self._left_engine()
         failures = len(self._failures) + 1
         log.warning("request %s: %s (failure %d)", self._job.request_id, failure.message, failures)
+        self._job.trace.event("migration", {"kvmesh.engine": failure.engine_id, "kvmesh.failures": failures,
+                                            "kvmesh.generated_tokens": len(self._generated),
+                                            "kvmesh.reason": failure.message[:200]})
         if failures > self._driver.settings.max_migrations:
             return self._end(
                 FinishReason.ERROR,
@@ -281,7 +288,7 @@ class _Generation:
         and relay its deltas to the client until it finishes."""
         if self._resume_pending:  # the first engine call of a resume re-attaches
             self._resume_pending = False
-            await stream.resume(self._job.request_id, self._job.prompt_ids)
+            await stream.resume(self._job.request_id, self._job.prompt_ids, self._job.trace_context)
         else:
             await stream.start(self._engine_request(placed))
         async for event in stream.events():
@@ -343,6 +350,7 @@ class _Generation:
             resumed_tokens=len(generated),
             delta_offset=self._deltas,
             ack_final=True,
+            trace_context=dict(job.trace_context) if job.trace_context else None,
         )
 
     async def _send_tail(self, text: str) -> None:
@@ -354,6 +362,7 @@ class _Generation:
         metrics, now, labels = self._driver.metrics, self._driver.clock.monotonic(), self._job.metric_labels
         if self._first_token_at is None:
             self._first_token_at = now
+            self._job.trace.event("first_token")
             metrics.ttft.labels(*labels).observe(now - self._job.arrival_monotonic)
         elif n_tokens:
             metrics.inter_token.labels(*labels).observe((now - self._last_delta_at) / n_tokens)

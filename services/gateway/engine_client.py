@@ -62,10 +62,11 @@ class EngineStream:
     async def start(self, request: engine_pb2.EngineRequest) -> None:
         await self._send_first(engine_pb2.EngineGenerateMessage(request=request))
 
-    async def resume(self, request_id: str, prompt: list[int]) -> None:
+    async def resume(self, request_id: str, prompt: list[int], trace_context: tuple[tuple[str, str], ...] = ()) -> None:
         """Re-attach to a generation the engine kept (its first event is `resumed`)."""
         await self._send_first(engine_pb2.EngineGenerateMessage(
-            resume=engine_pb2.ResumeGeneration(request_id=request_id, prompt_token_ids=prompt)))
+            resume=engine_pb2.ResumeGeneration(request_id=request_id, prompt_token_ids=prompt,
+                                               trace_context=dict(trace_context) if trace_context else None)))
 
     async def _send_first(self, message: engine_pb2.EngineGenerateMessage) -> None:
         try:

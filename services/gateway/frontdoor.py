@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from services.common.clock import Clock
 from services.common.config import MeshConfig
 from services.common.openai_api.requests import GenerationInput
+from services.common.tracing import NO_SPAN, NO_TRACING, Span, Tracing
+from services.gateway import request_trace
 from services.gateway.jobs import Job, build_job
 from services.gateway.keys import KeyStore, Principal, effective_priority
 from services.gateway.limits import Grant, RateLimiter
@@ -30,9 +32,12 @@ class Admitted:
 
 class Frontdoor:
     def __init__(
-        self, config: MeshConfig, keys: KeyStore, limiter: RateLimiter, tokenizers: TokenizerRegistry, clock: Clock
+        self, config: MeshConfig, keys: KeyStore, limiter: RateLimiter, tokenizers: TokenizerRegistry, clock: Clock,
+        tracing: Tracing = NO_TRACING,
     ) -> None:
         self._config = config
+        # The gateway's tracer: both transports start each request's span with it.
+        self.tracing = tracing
         self.keys = keys
         self.limiter = limiter
         self.tokenizers = tokenizers
@@ -42,8 +47,11 @@ class Frontdoor:
         return self.keys.authenticate(raw_key)
 
     async def admit(
-        self, request: GenerationInput, principal: Principal, priority: int, request_id: str
+        self, request: GenerationInput, principal: Principal, priority: int, request_id: str,
+        trace: Span = NO_SPAN,
     ) -> Admitted:
+        """The request's job, its rate-limit grant taken; `trace` (its
+        `gateway.request` span) goes with the job to the scheduler and engines."""
         tokenizer = self.tokenizers.get(request.model)
         self.keys.check_model(principal, request.model)
         job = await build_job(
@@ -51,11 +59,14 @@ class Frontdoor:
             self._clock,
         )
         grant = self.limiter.admit(principal, len(job.prompt_ids) + job.max_tokens * job.n)
+        request_trace.admitted(trace, job)
         if self._config.gateway.log_prompts:
             log.info("request %s prompt: %r", request_id, request.messages or request.prompt_text or request.prompt_ids)
+        # The request's line: its id (x-request-id) and, traced, its trace id.
         log.info(
-            "request %s tenant=%s model=%s priority=%d prompt_tokens=%d max_tokens=%d",
+            "request %s tenant=%s model=%s priority=%d prompt_tokens=%d max_tokens=%d%s",
             request_id, principal.tenant, request.model, job.priority, len(job.prompt_ids), job.max_tokens,
+            f" trace={trace.trace_id}" if trace.trace_id else "",
         )
         return Admitted(job, principal, grant)
 

@@ -29,6 +29,8 @@ import grpc
 from services.common.clock import SystemClock
 from services.common.openai_api.requests import GenerationInput
 from services.common.proto.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.common.tracing import Span
+from services.gateway import request_trace
 from services.gateway.driver import GenerationDriver
 from services.gateway.errors import ErrorKind, GatewayError, grpc_status
 from services.gateway.events import Event, Finished, Heartbeat, QueuedUpdate, TextDelta
@@ -92,6 +94,15 @@ def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
     return {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
 
 
+class _Count:
+    """Completion tokens a request streamed (rate-limit settlement, its span)."""
+
+    __slots__ = ("tokens",)
+
+    def __init__(self) -> None:
+        self.tokens = 0
+
+
 class InferenceApi(inference_pb2_grpc.InferenceServicer):
     def __init__(
         self,
@@ -129,46 +140,58 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
         context: grpc.aio.ServicerContext,
     ) -> None:
         metadata = _metadata(context)
+        span = request_trace.start(self._frontdoor.tracing, metadata, route)
+        tally = _Count()
+        try:
+            await self._serve_traced(parse, request, context, metadata, span, tally)
+        except GatewayError as exc:
+            request_trace.failed(span, exc, tally.tokens, grpc=True)
+            await self._abort(context, route, exc)
+        except BaseException as exc:
+            request_trace.failed(span, exc, tally.tokens, grpc=True)
+            raise
+        request_trace.finished(span, tally.tokens, 0, grpc=True)
+        self._metrics.requests.labels(route, "OK").inc()
+
+    async def _serve_traced(
+        self, parse: Callable[[Any], GenerationInput], request: Any,
+        context: grpc.aio.ServicerContext, metadata: dict[str, str], span: Span, tally: _Count,
+    ) -> None:
+        """One generation: errors raise GatewayError (`_serve` aborts with it)."""
         resume = request.resume if request.HasField("resume") else None
         request_id = resume.request_id if resume else request_id_from(
             metadata.get("x-request-id"), metadata.get("x-envoy-attempt-count"))
-        try:
-            if resume is not None:
-                parse_last_event_id(f"{resume.request_id}.0")  # the same id rules as the HTTP API
-            principal = self._frontdoor.authenticate(api_key_from_headers(metadata))
-            generation = parse(request)
-            tools = self._tool_mapper(generation, request_id, resume is not None)
-            priority = priority_from_proto(request.priority)
-            remaining = context.time_remaining()
-            if remaining is not None:
-                # The client's deadline bounds the generation too.
-                current = generation.max_generation_seconds
-                generation.max_generation_seconds = remaining if current is None else min(current, remaining)
-            admitted = await self._frontdoor.admit(generation, principal, priority, request_id)
-            if resume is not None:
-                admitted.job.resume_from = resume.last_index
-        except GatewayError as exc:
-            await self._abort(context, route, exc)
+        span.set("kvmesh.request_id", request_id)  # also on a request refused before admission
+        if resume is not None:
+            parse_last_event_id(f"{resume.request_id}.0")  # the same id rules as the HTTP API
+        principal = self._frontdoor.authenticate(api_key_from_headers(metadata))
+        generation = parse(request)
+        tools = self._tool_mapper(generation, request_id, resume is not None)
+        priority = priority_from_proto(request.priority)
+        remaining = context.time_remaining()
+        if remaining is not None:
+            # The client's deadline bounds the generation too.
+            current = generation.max_generation_seconds
+            generation.max_generation_seconds = remaining if current is None else min(current, remaining)
+        admitted = await self._frontdoor.admit(generation, principal, priority, request_id, span)
+        if resume is not None:
+            admitted.job.resume_from = resume.last_index
         await context.send_initial_metadata((("x-request-id", request_id),))
-        completion_tokens = 0
         self._metrics.active_streams.inc()
         stream = self._driver.start(admitted.job)
         try:
             async for event in stream:
                 if isinstance(event, TextDelta):
-                    completion_tokens += len(event.token_ids)
+                    tally.tokens += len(event.token_ids)
                 message = event_to_proto(request_id, event)
                 for out in tools.map(event, message) if tools is not None else (message,):
                     await context.write(out)
                 if not isinstance(event, Heartbeat):
                     stream.mark_output()
-        except GatewayError as exc:
-            await self._abort(context, route, exc)
         finally:
             await stream.aclose()
             self._metrics.active_streams.dec()
-            self._frontdoor.settle(admitted, completion_tokens)
-        self._metrics.requests.labels(route, "OK").inc()
+            self._frontdoor.settle(admitted, tally.tokens)
 
     def _tool_mapper(self, generation: GenerationInput, request_id: str, resume: bool) -> ToolEventMapper | None:
         """Tool calls parsed out of the text (services/gateway/tool_grpc.py)."""

@@ -40,6 +40,8 @@ from services.common.openai_api.responses import (
     sse,
 )
 from services.common.proto.kvmesh.v1 import common_pb2
+from services.common.tracing import Span
+from services.gateway import request_trace
 from services.gateway.driver import GenerationDriver
 from services.gateway.errors import ErrorKind, GatewayError, http_error
 from services.gateway.event_stream import EventStream
@@ -179,10 +181,24 @@ class HttpApi:
         return await self._generate(request, "completion")
 
     async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
+        span = request_trace.start(self._frontdoor.tracing, request.headers, route)
+        tally = _Tally()
+        try:
+            response = await self._generate_traced(request, route, span, tally)
+        except BaseException as exc:
+            request_trace.failed(span, exc, tally.completion_tokens)
+            raise
+        request_trace.finished(span, tally.completion_tokens, response.status)
+        return response
+
+    async def _generate_traced(
+        self, request: web.Request, route: str, span: Span, tally: _Tally,
+    ) -> web.StreamResponse:
         resume = parse_last_event_id(request.headers.get("last-event-id"))
         request_id = resume[0] if resume else request_id_from(
             request.headers.get("x-request-id"), request.headers.get("x-envoy-attempt-count"))
         request[_REQUEST_ID] = request_id
+        span.set("kvmesh.request_id", request_id)  # also on a request refused before admission
         principal = self._frontdoor.authenticate(api_key_from_headers(request.headers))
         body = await self._read_json(request)
         generation = parse_chat_body(body) if route == "chat" else parse_completion_body(body)
@@ -201,7 +217,7 @@ class HttpApi:
         if tool_parser is not None and generation.n > 1:
             raise GatewayError(ErrorKind.INVALID_REQUEST, "n > 1 with tools is not supported; send n requests",
                                param="n")
-        admitted = await self._frontdoor.admit(generation, principal, priority, request_id)
+        admitted = await self._frontdoor.admit(generation, principal, priority, request_id, span)
         if resume:
             admitted.job.resume_from = resume[1]
         formatter: Formatter
@@ -211,7 +227,6 @@ class HttpApi:
             formatter_cls = ChatFormatter if route == "chat" else CompletionFormatter
             formatter = formatter_cls(request_id, generation.model, generation.include_usage)
         headers = {"x-request-id": request_id, **admitted.grant.headers}
-        tally = _Tally()
         self._metrics.active_streams.inc()
         stream = self._driver.start(admitted.job)
         try:

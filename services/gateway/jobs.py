@@ -18,6 +18,7 @@ from services.common.openai_api.requests import GenerationInput, SamplingOptions
 from services.common.openai_api.structured import StructuredSpec
 from services.common.openai_api.tools import prompt_tool_format, prompt_tools
 from services.common.proto.kvmesh.v1 import scheduler_pb2
+from services.common.tracing import NO_SPAN, Span
 from services.gateway.errors import ErrorKind, GatewayError
 from services.gateway.keys import Principal
 from services.gateway.tokenization import ModelTokenizer
@@ -78,6 +79,10 @@ class Job:
     echo_text: str = ""   # completions `echo`: sent first in each choice
     # The output constraint the engine enforces (GenerationInput.structured).
     structured: StructuredSpec | None = None
+    # Its `gateway.request` span (request_trace.py; NO_SPAN with tracing
+    # off) and that span's W3C context, sent on to the scheduler and engines.
+    trace: Span = NO_SPAN
+    trace_context: tuple[tuple[str, str], ...] = ()
 
     @property
     def metric_labels(self) -> tuple[str, str, str]:
@@ -86,7 +91,7 @@ class Job:
         return (self.route, priority_label(self.priority), self.model)
 
     def admit_request(self) -> scheduler_pb2.AdmitRequest:
-        return scheduler_pb2.AdmitRequest(
+        request = scheduler_pb2.AdmitRequest(
             request_id=self.request_id,
             model=self.model,
             tenant=self.tenant,
@@ -98,6 +103,9 @@ class Job:
             resume=self.resume_from is not None,
             together_with=self.together_with,
         )
+        if self.trace_context:
+            request.trace_context.update(dict(self.trace_context))
+        return request
 
 
 async def build_job(

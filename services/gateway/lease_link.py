@@ -199,6 +199,8 @@ class LeaseLink:
         self._preempted_at = self._clock.monotonic()
         log.info("request %s: preempted on engine %s by a P%d request (%d times)", self._job.request_id,
                  self._engine_id, preempted.by_priority, preempted.preemptions)
+        self._job.trace.event("preempted", {"kvmesh.engine": self._engine_id, "kvmesh.by_priority":
+                                            preempted.by_priority, "kvmesh.preemptions": preempted.preemptions})
         self._stop_engine()
 
     @property
@@ -262,7 +264,9 @@ class LeaseLink:
                     max_tokens=self._job.max_tokens - len(self._generated),
                     prefix_hashes=block_hashes(tokens, self._job.hash_block_tokens),
                 )
-            return await self.wait_placed(emit)
+            placed = await self.wait_placed(emit)
+            self._job.trace.event("resumed", {"kvmesh.engine": placed.engine_id})
+            return placed
         finally:
             since = self._clock.monotonic() if preempted_at is None else preempted_at
             self._metrics.preempted_seconds.labels(priority).observe(self._clock.monotonic() - since)

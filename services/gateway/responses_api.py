@@ -31,6 +31,8 @@ from services.common.openai_api.responses_input import (
     parse_responses_body,
     responses_param,
 )
+from services.common.tracing import Span
+from services.gateway import request_trace
 from services.gateway.driver import GenerationDriver
 from services.gateway.errors import ErrorKind, GatewayError
 from services.gateway.event_stream import EventStream
@@ -152,15 +154,26 @@ class ResponsesApi:
         return entry.conversation
 
     async def create(self, request: web.Request) -> web.StreamResponse:
+        span = request_trace.start(self.frontdoor.tracing, request.headers, "responses")
+        try:
+            response = await self._create(request, span)
+        except BaseException as exc:
+            request_trace.failed(span, exc, None)  # output tokens: set by `_settle`
+            raise
+        request_trace.finished(span, None, response.status)
+        return response
+
+    async def _create(self, request: web.Request, span: Span) -> web.StreamResponse:
         request_id = request_id_from(request.headers.get("x-request-id"), request.headers.get("x-envoy-attempt-count"))
         request[self._request_key] = request_id
+        span.set("kvmesh.request_id", request_id)
         principal = self.frontdoor.authenticate(api_key_from_headers(request.headers))
         parsed = parse_responses_body(await self._read_json(request))
         history = self._history(parsed, principal)
         priority = parse_priority_header(request.headers.get("x-priority"))
         try:
             generation = parse_chat_body(chat_body(parsed, history))
-            admitted = await self.frontdoor.admit(generation, principal, priority, request_id)
+            admitted = await self.frontdoor.admit(generation, principal, priority, request_id, span)
         except GatewayError as exc:
             raise _renamed(exc) from None
         run = _Run(self, parsed, principal, history, generation)
@@ -178,6 +191,7 @@ class ResponsesApi:
 
     def _settle(self, admitted: Admitted, run: _Run) -> None:
         self.frontdoor.settle(admitted, run.completion_tokens)
+        admitted.job.trace.set("gen_ai.usage.output_tokens", run.completion_tokens)
 
     async def _collect(self, stream: EventStream, run: _Run, headers: dict[str, str]) -> web.Response:
         finished: Finished | None = None

@@ -43,6 +43,7 @@ from services.common.health_http import Check, DrainReport, OnceDrain, Probes, l
 from services.common.mesh_tls import add_port, identity_for
 from services.common.proto.kvmesh.v1 import inference_pb2_grpc
 from services.common.service_main import run_until_signalled
+from services.common.tracing import tracing_for
 from services.gateway.drain import Drain, DrainSettings
 from services.gateway.driver import DriverSettings, GenerationDriver
 from services.gateway.engine_client import EnginePool
@@ -82,9 +83,12 @@ class GatewayService:
         self.replica = replica
         gw = config.gateway
         self.metrics = GatewayMetrics(replica)
+        # NO_TRACING unless `tracing.otlp_endpoint` is set (services/common/tracing.py).
+        self.tracing = tracing_for(config.tracing, "gateway", f"gateway-{replica}")
         self.tokenizers = TokenizerRegistry(config.models)
         self.clock = clock or SystemClock()
-        self.frontdoor = Frontdoor(config, KeyStore(gw), RateLimiter(self.clock), self.tokenizers, self.clock)
+        self.frontdoor = Frontdoor(config, KeyStore(gw), RateLimiter(self.clock), self.tokenizers, self.clock,
+                                   self.tracing)
         self._scheduler: SchedulerClient | None = None
         self._engines: EnginePool | None = None
         self._grpc: grpc.aio.Server | None = None
@@ -237,6 +241,7 @@ class GatewayService:
         if self._scheduler is not None:
             await self._scheduler.close()
             self._scheduler = None
+        await self.tracing.aclose()  # exports the spans still buffered
 
 
 async def serve(config: MeshConfig, replica: int = 0) -> None:

@@ -81,6 +81,7 @@ from .records import (
     Notice,
     Outcome,
     PlacedInfo,
+    PlacementDetail,
     QueuedInfo,
     QueueEntry,
     RejectReason,
@@ -127,6 +128,8 @@ class SchedulerCore:
         self.shutting_down = False
         self._engine_events = EngineEvents(self.fleet, self._requests, self.policy, self.metrics,
                                            self._refresh_gauges, self._config.stale_report_seconds)
+        # Placements carry a PlacementDetail (the request's trace); off = none built.
+        self.explain = False
         self._handlers: dict[type, Callable[[Any, Outbox, float], None]] = {
             ev.RequestArrived: self._on_arrived, ev.StreamClosed: self._on_closed,
             ev.FirstToken: self._on_first_token, ev.RequestDone: self._on_done,
@@ -336,10 +339,12 @@ class SchedulerCore:
                     queue.pop(entry)
                 return self._requests.reject(rec, now, err.reason, err.message, err.retry_after)
             return None
+        waited = 0.0
         if entry is not None and queue is not None:
             queue.pop(entry)
+            waited = max(0.0, now - entry.arrival)
             if not entry.resumed:   # a requeued request's wait is kvmesh_scheduler_preempted_seconds
-                self.metrics.queue_wait.labels(priority_label(entry.base_class)).observe(max(0.0, now - entry.arrival))
+                self.metrics.queue_wait.labels(priority_label(entry.base_class)).observe(waited)
         engine = self.fleet.get(placement.view.engine_id)
         if engine is None:  # pragma: no cover - views come from the registry
             raise RuntimeError("placement chose an unknown engine")
@@ -349,8 +354,9 @@ class SchedulerCore:
             rec, engine, placement.blocks_needed, placement.cached_tokens, now, cls)
         self._rate.record(now)
         self.metrics.placed(self.policy.name, kind, opts.prompt_tokens, placement.cached_tokens)
+        detail = PlacementDetail(self.policy.name, kind, waited, placement.scored, entry) if self.explain else None
         return PlacedInfo(engine.engine_id, engine.info.address, lease.lease_id, placement.cached_tokens,
-                          engine.info.incarnation)
+                          engine.info.incarnation, detail)
 
     # ------------------------------------------------------------ time and shutdown
 
@@ -414,8 +420,7 @@ class SchedulerCore:
         return self.waiting.queued_total()
 
     def _queued_info(self, position: int, cls: int, rate: float) -> QueuedInfo:
-        wait = (position + 1) / rate if rate > 0 else 0.0
-        return QueuedInfo(position, wait, cls)
+        return QueuedInfo(position, (position + 1) / rate if rate > 0 else 0.0, cls)
 
     def queued_updates(self) -> list[tuple[str, QueuedInfo]]:
         """Current position of every queued request (one O(n log n) pass)."""

@@ -29,8 +29,11 @@ from services.common.clock import Clock, SystemClock
 from services.common.config import MeshConfig
 from services.common.idle_calls import IdleCalls
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.tracing import NO_TRACING, Tracing
 
 from . import events as ev
+from .admit_trace import AdmitTraces
+from .aging import AgingRule
 from .core import SchedulerCore
 from .engine_links import EngineLinks
 from .records import (
@@ -151,9 +154,14 @@ def _state_proto(view: StateView) -> scheduler_pb2.SchedulerState:
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, core: SchedulerCore, config: MeshConfig, clock: Clock | None = None) -> None:
+    def __init__(self, core: SchedulerCore, config: MeshConfig, clock: Clock | None = None,
+                 tracing: Tracing = NO_TRACING) -> None:
         self.core = core
         self._clock = clock or SystemClock()
+        # `scheduler.admit` spans (admit_trace.py); the core explains its
+        # placements only for them.
+        self.traces = AdmitTraces(tracing, AgingRule.from_config(config.scheduler.aging), self._clock)
+        core.explain = tracing.enabled
         self.engine_links = EngineLinks(core, config, self._clock, self.deliver)
         # Generations engines run without a lease here (fencing.py).
         self.fences = self.engine_links.fences
@@ -172,6 +180,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     def _deliver_notices(self, notices: list[ev.Delivery]) -> None:
         for request_id, notice in notices:
+            self.traces.notice(request_id, notice)
             if isinstance(notice, PlacedInfo):
                 # One line per placement, keyed by the request id the gateway
                 # took from x-request-id, so a request can be followed across logs.
@@ -222,11 +231,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 "the first Admit message must be `request` (AdmitRequest)")
         options = _options(first.request)
         request_id = options.request_id
+        if self.traces.enabled:
+            metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+            self.traces.begin(request_id, first.request, metadata)
         outbox = self.core.handle(ev.RequestArrived(options))
         # The request's own first answer comes first (events.Outbox); the
         # rest, including a Placed for it from the same dispatch, goes
         # through the mailboxes.
         (_, notice), outbox.notices = outbox.notices[0], outbox.notices[1:]
+        self.traces.notice(request_id, notice)
         if isinstance(notice, RejectedInfo):
             # No mailbox: a duplicate id must not take the first stream's.
             self.deliver(outbox)
@@ -258,6 +271,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             reader.cancel()
             if self._mailboxes.get(request_id) is box:  # else a resume owns the request now
+                self.traces.closed(request_id)
                 del self._mailboxes[request_id]
                 self.deliver(self.core.handle(ev.StreamClosed(request_id)))
 
@@ -292,10 +306,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self.deliver(self.core.handle(ev.RequestDone(request_id, msg.done.finish_reason == "abort")))
         elif kind == "requeue":
             q = msg.requeue
+            self.traces.again(request_id, "requeue", q.prompt_tokens)
             self.deliver(self.core.handle(ev.RequeueRequested(
                 request_id, q.prompt_tokens, q.max_tokens, tuple(q.prefix_hashes))))
         elif kind == "replace":
             r = msg.replace
+            self.traces.again(request_id, "replace", r.prompt_tokens)
             self.deliver(self.core.handle(ev.ReplaceRequested(
                 request_id, tuple(r.exclude_engines), r.prompt_tokens, r.max_tokens,
                 tuple(r.prefix_hashes))))

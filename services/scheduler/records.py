@@ -7,7 +7,9 @@ meaning is hidden in their order.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "NUM_CLASSES",
@@ -18,6 +20,7 @@ __all__ = [
     "Lease",
     "Outcome",
     "PlacedInfo",
+    "PlacementDetail",
     "PreemptedInfo",
     "QueueEntry",
     "QueuedInfo",
@@ -150,6 +153,22 @@ class PlacedInfo:
     lease_id: str
     cached_tokens: int
     engine_incarnation: int = 0   # the engine process's EngineHello.incarnation
+    # How the decision was made, for the request's trace (admit_trace.py);
+    # None unless the core explains placements (tracing on).
+    detail: PlacementDetail | None = None
+
+
+@dataclass(frozen=True)
+class PlacementDetail:
+    """A placement decision, explained: references to what the core had at
+    hand anyway (nothing is computed for it; formatted only by a trace)."""
+
+    policy: str
+    kind: str                     # warm | cold | replace (the placements metric's label)
+    queue_wait_s: float           # arrival (re-admissions keep theirs) -> placed; 0 from the Replace lane
+    # Candidates after the filters, best first: placement.interfaces.ScoredEngine.
+    scores: Sequence[Any]
+    entry: QueueEntry | None      # the queue entry placed (base class, class now, arrival)
 
 
 @dataclass(frozen=True)

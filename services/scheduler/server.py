@@ -33,6 +33,7 @@ from services.common.health_http import Check, HttpEndpoint, Probes, add_health_
 from services.common.mesh_tls import add_port, identity_for
 from services.common.proto.kvmesh.v1 import admin_pb2, admin_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common.service_main import run_until_signalled
+from services.common.tracing import tracing_for
 
 from .admin_api import AdminKeys, AdminServicer
 from .core import SchedulerCore
@@ -55,7 +56,9 @@ class SchedulerService:
         self.clock: Clock = clock or SystemClock()
         self.metrics = SchedulerMetrics()
         self.core = SchedulerCore(config, self.clock, self.metrics)
-        self.servicer = SchedulerServicer(self.core, config, self.clock)
+        # NO_TRACING unless `tracing.otlp_endpoint` is set (services/common/tracing.py).
+        self.tracing = tracing_for(config.tracing, "scheduler")
+        self.servicer = SchedulerServicer(self.core, config, self.clock, self.tracing)
         self.admin_keys = AdminKeys(config.scheduler)
         self.admin = AdminServicer(self.core, self.servicer.deliver, self.admin_keys)
         self._server: Any = None
@@ -134,6 +137,7 @@ class SchedulerService:
         if self._metrics_server is not None:
             await self._metrics_server.stop()
             self._metrics_server = None
+        await self.tracing.aclose()  # exports the spans still buffered
 
 
 async def serve(config: MeshConfig) -> None:

@@ -10,6 +10,7 @@ default, its bounds and why, where it is declared:
     scheduler.py    scheduler: aging, admission limits, placement, queues
     gateway.py      gateway and its API keys
     responses.py    the Responses API's store (TTL, size bounds)
+    tracing.py      OpenTelemetry traces: OTLP endpoint, sampling
     errors.py       ConfigError
     addresses.py    host:port addresses (DNS names, IPv4, [IPv6]): split and join
     loader.py       load_config: YAML -> dataclasses (type phase), then
@@ -35,6 +36,7 @@ from .mesh import TOOL_PARSERS, EnvoyConfig, MeshConfig, MeshTlsConfig, ModelCon
 from .network import FencingConfig, NetworkConfig
 from .responses import ResponsesConfig
 from .scheduler import AdminKeyConfig, AgingConfig, PolicyProfileConfig, SchedulerConfig
+from .tracing import TracingConfig
 from .validation import api_key_digest, validate_config
 
 __all__ = [
@@ -56,6 +58,7 @@ __all__ = [
     "ResponsesConfig",
     "SchedulerConfig",
     "SimCostConfig",
+    "TracingConfig",
     "VllmConfig",
     "api_key_digest",
     "config_from_dict",

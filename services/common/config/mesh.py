@@ -13,6 +13,7 @@ from .gateway import GatewayConfig
 from .network import FencingConfig, NetworkConfig
 from .responses import ResponsesConfig
 from .scheduler import SchedulerConfig
+from .tracing import TracingConfig
 
 __all__ = ["TOOL_PARSERS", "EnvoyConfig", "MeshConfig", "MeshTlsConfig", "ModelConfig", "ResumeConfig"]
 
@@ -126,6 +127,8 @@ class MeshConfig:
     fencing: FencingConfig = field(default_factory=FencingConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
     responses: ResponsesConfig = field(default_factory=ResponsesConfig)
+    # OpenTelemetry traces (tracing.py); off unless an endpoint is set.
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def engine_config(self, index: int) -> EngineConfig:
         """Engine `index` as `kvmesh up` starts it: the template with its own

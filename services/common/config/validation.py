@@ -107,6 +107,7 @@ def validate_config(config: MeshConfig, where: str = "config") -> None:
     mesh.at("resume").non_negative("grace_seconds")
     mesh.at("responses").positive("ttl_seconds", "max_bytes")
     mesh.at("responses").non_negative("max_entries")
+    _check_tracing(mesh.at("tracing"))
 
 
 def _check_models(mesh: _Section) -> None:
@@ -276,3 +277,17 @@ def _check_partitions(mesh: _Section) -> None:
     network.within("keepalive_time_seconds", 1, 600)
     network.within("keepalive_timeout_seconds", 1, 600)
     mesh.at("fencing").non_negative("confirm_seconds", "startup_grace_seconds", "rejoin_grace_seconds")
+
+
+def _check_tracing(tracing: _Section) -> None:
+    t = tracing.settings
+    if t.otlp_endpoint and not re.fullmatch(r"https?://[^/\s]+(/\S*)?", t.otlp_endpoint):
+        tracing.fail("otlp_endpoint", f"expected an http:// or https:// URL (the OTLP/HTTP receiver, e.g. "
+                     f"http://127.0.0.1:4318), got {t.otlp_endpoint!r}")
+    if not t.service_name:
+        tracing.fail("service_name", "must not be empty")
+    tracing.within("sample_ratio", 0.0, 1.0)
+    tracing.positive("export_timeout_seconds")
+    for name in t.headers:
+        if not re.fullmatch(r"[a-z0-9!#$%&'*+.^_`|~-]+", name):
+            tracing.fail("headers", f"{name!r} is not a lower-case HTTP header name")

@@ -52,7 +52,14 @@ from services.engine.vllm_backend.convert import RequestUsage, held_text, sampli
 from services.engine.vllm_backend.env import prepare_environment, resolve_path
 from services.engine.vllm_backend.kv_events import KvEventSubscriber
 from services.engine.vllm_backend.kv_translate import KvDelta, KvTranslator
-from services.engine.vllm_backend.launch import engine_args, pin_processes, replay_endpoint, resolved_info, warm_up
+from services.engine.vllm_backend.launch import (
+    engine_args,
+    pin_processes,
+    replay_endpoint,
+    resolved_info,
+    set_vllm_tracing,
+    warm_up,
+)
 from services.engine.vllm_backend.stats import EngineStats, make_stat_logger_factory
 from services.engine.vllm_backend.vllm_api import VllmApi, import_vllm
 
@@ -100,6 +107,8 @@ class VllmBackend:
         self._last_reported = (0, 0)
         self._stopped = False
         self.startup_seconds = 0.0
+        # vLLM exports its own spans there when tracing is on (launch.py).
+        self._traces_url = config.tracing.traces_url if config.tracing.enabled else None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -150,6 +159,8 @@ class VllmBackend:
             kv_endpoint = self._subscriber.endpoint if self._subscriber is not None else None
             args = engine_args(api, self._engine, self._model_path, self._model_name,
                                self.info.max_model_len, kv_endpoint, replay)
+            if self._traces_url:
+                set_vllm_tracing(args, self._traces_url, self._mesh.tracing.service("vllm"))
             factory = make_stat_logger_factory(self._stats, self._stats_recorded)
             # Construction waits for the engine core's handshake; vLLM needs it
             # on the loop that will run its output handler.
@@ -197,11 +208,14 @@ class VllmBackend:
         rid = request.request_id
         self._active[rid] = None
         self._notify()
+        # Traced: the engine span's context, which vLLM's `llm_request` span continues.
+        traced = {"trace_headers": request.trace_headers} if self._traces_url and request.trace_headers else {}
         stream = self._llm.generate(
             api.tokens_prompt(prompt_token_ids=list(request.prompt_token_ids)),
             params,
             rid,
             priority=request.priority,
+            **traced,
         )
         usage = RequestUsage(
             prompt_tokens=len(request.prompt_token_ids) - request.resumed_tokens,

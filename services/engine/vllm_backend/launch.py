@@ -21,7 +21,7 @@ from services.common.openai_api.structured import StructuredSpec
 from services.engine.backend import BackendInfo, GenerationOutput, GenerationRequest, Sampling
 from services.engine.vllm_backend.vllm_api import VllmApi
 
-__all__ = ["engine_args", "pin_processes", "replay_endpoint", "resolved_info", "warm_up"]
+__all__ = ["engine_args", "pin_processes", "replay_endpoint", "resolved_info", "set_vllm_tracing", "warm_up"]
 
 log = logging.getLogger("kvmesh.engine.vllm")
 
@@ -86,6 +86,18 @@ def engine_args(api: VllmApi, engine: EngineConfig, model_path: Path, model_name
         structured_outputs_config=api.structured_outputs_config(backend="xgrammar"),
         logits_processors=[RESUME_GRAMMAR_PROCESSOR],
     )
+
+
+def set_vllm_tracing(args: Any, traces_url: str, service_name: str) -> None:
+    """Tracing on: vLLM exports an `llm_request` span per request (queue,
+    prefill, decode times) below the engine's span (the request's
+    trace_headers) to `traces_url`. vLLM reads its exporter's protocol and its service name from the
+    environment (vllm/tracing/otel.py): OTLP over http/protobuf like the
+    rest of the mesh (its default is gRPC), as `<service_name>-vllm`. Set
+    before AsyncLLM starts, in the engine process only."""
+    args.otlp_traces_endpoint = traces_url
+    os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
+    os.environ["OTEL_SERVICE_NAME"] = service_name
 
 
 def resolved_info(llm: Any, model_name: str, hash_block_tokens: int, p0_headroom: int = 0) -> BackendInfo:

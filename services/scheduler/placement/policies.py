@@ -153,6 +153,9 @@ class Placement:
     view: EngineView
     cached_tokens: int
     blocks_needed: int
+    # The candidates the picker chose from, scored, best first (the same
+    # list: kept for the request's trace, never copied).
+    scored: Sequence[ScoredEngine] = ()
 
 
 class PlacementPolicy:
@@ -243,12 +246,13 @@ class PlacementPolicy:
             views = f.filter(request, views)
         if not views:
             return None
-        chosen = self.picker.pick(request, self.score(request, views), self.state)
+        scored = self.score(request, views)
+        chosen = self.picker.pick(request, scored, self.state)
         if chosen is None:
             return None
         if self.approx is not None:
             self.approx.remember(request.prefix_hashes, chosen.engine_id)
-        return Placement(chosen, chosen.cached_tokens, chosen.blocks_needed)
+        return Placement(chosen, chosen.cached_tokens, chosen.blocks_needed, scored)
 
     def passes(self, request: PlacementRequest, view: EngineView) -> bool:
         """Whether one completed view passes every filter (no pick, no
