@@ -10,6 +10,7 @@ default, its bounds and why, where it is declared:
     scheduler.py    scheduler: aging, admission limits, placement, queues
     gateway.py      gateway and its API keys
     responses.py    the Responses API's store (TTL, size bounds)
+    alerts.py       alert thresholds (rendered into the rule files, read by no service)
     errors.py       ConfigError
     addresses.py    host:port addresses (DNS names, IPv4, [IPv6]): split and join
     loader.py       load_config: YAML -> dataclasses (type phase), then
@@ -27,6 +28,7 @@ the bounds phase unless it calls `validate_config`.
 
 from __future__ import annotations
 
+from .alerts import AlertsConfig
 from .engines import EngineConfig, EnginesConfig, SimCostConfig, VllmConfig
 from .errors import ConfigError
 from .gateway import ApiKeyConfig, GatewayConfig
@@ -40,6 +42,7 @@ from .validation import api_key_digest, validate_config
 __all__ = [
     "TOOL_PARSERS",
     "AgingConfig",
+    "AlertsConfig",
     "ApiKeyConfig",
     "ConfigError",
     "EngineConfig",
