@@ -42,7 +42,9 @@ __all__ = [
     "InvalidRequest",
     "KvListener",
     "LoadSnapshot",
+    "RequestPhases",
     "Sampling",
+    "StepObserver",
 ]
 
 
@@ -131,6 +133,29 @@ class LoadSnapshot:
     request_ids: list[str]
 
 
+@dataclass(frozen=True)
+class RequestPhases:
+    """Where a finished request's time went, as vLLM's FinishedRequestStats:
+    queued (arrival -> first scheduled), prefill (-> first token), decode
+    (first -> last token), in seconds."""
+
+    queued: float
+    prefill: float
+    decode: float
+
+
+class StepObserver(Protocol):
+    """Receives a backend's step statistics (services/engine/metrics.py):
+    figures only the backend knows -- vLLM's from its stat logger, the sim's
+    from its step loop. Called on the event loop; each call cheap."""
+
+    def step(self, seconds: float | None, tokens: int, preempted: int) -> None: ...
+
+    def inter_token(self, seconds: float) -> None: ...
+
+    def request_phases(self, phases: RequestPhases) -> None: ...
+
+
 class KvListener(Protocol):
     """Receives prefix-cache changes, already in the shared hash space."""
 
@@ -172,6 +197,9 @@ class EngineBackend(Protocol):
     def on_change(self, callback: Callable[[], None] | None) -> None:
         """Called (from the event loop) when load changed notably, so a
         report can go out before the next interval."""
+
+    def set_step_observer(self, observer: StepObserver | None) -> None:
+        """Where to send per-step and per-request statistics from now on."""
 
     def dead_reason(self) -> str | None:
         """None while the backend can serve; once it never can again (its

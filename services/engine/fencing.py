@@ -14,8 +14,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from prometheus_client import Counter
-
 from services.engine.runtime import EngineRuntime
 
 __all__ = ["Fencer"]
@@ -28,12 +26,7 @@ class Fencer:
         self._runtime = runtime
         self._engine_id = engine_id
         self.fenced = 0
-        self._counter = Counter(
-            "kvmesh_engine_fenced",
-            "Generations ended because the scheduler leases them to no request on this engine "
-            "(orphans of a migration or of a vanished gateway, e.g. after a healed partition).",
-            ["engine"], registry=runtime.metrics.registry,
-        ).labels(engine_id)
+        self._counter = runtime.metrics.fenced.labels(engine_id)
 
     def apply(self, request_ids: Sequence[str]) -> int:
         """End the named generations that are live here; returns how many."""

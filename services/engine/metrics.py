@@ -16,13 +16,20 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from services.engine.backend import GenerationOutput, LoadSnapshot
+from services.engine.backend import GenerationOutput, LoadSnapshot, RequestPhases
 
 __all__ = ["EngineMetrics"]
 
 # vLLM's own TTFT buckets (vllm/v1/metrics/loggers.py).
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# vLLM's (vllm/v1/metrics/buckets.py): inter-token latency, tokens per step.
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+_ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# One batch step: a few ms (a decode on a GPU) to seconds (a long prefill chunk on CPU).
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0, 10.0)
+# vLLM's request_latency buckets, shared by e2e, queue, prefill and decode time.
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -66,6 +73,67 @@ class EngineMetrics:
                                 "P0 requests started while max_running or more requests were in the backend.")
         self._e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, end to end.",
                               labels, buckets=_E2E_BUCKETS, registry=r).labels(*values)
+        self._add_step_metrics(r, labels, values)
+        kv = Gauge("kvmesh_engine_kv_blocks", "KV-cache blocks: used (held by running requests), cached "
+                   "(full blocks in the prefix cache, free or not), total", [*labels, "state"], registry=r)
+        kv.labels(*values, "used").set_function(lambda: self._load().blocks_used)
+        kv.labels(*values, "cached").set_function(lambda: self._load().cached_blocks)
+        kv.labels(*values, "total").set_function(lambda: self._load().blocks_total)
+        self.serving = Gauge("kvmesh_engine_serving", "1 while the engine takes new generations (model loaded, "
+                             "not draining or failed), else 0", labels, registry=r).labels(*values)
+        self._migrations_out = counter("kvmesh_engine_migrations_out",
+                                       "Generations this engine gave up before their end, for another "
+                                       "engine to continue: drain, engine failure, fencing")
+        self.fenced = Counter("kvmesh_engine_fenced",
+                              "Generations ended because the scheduler leases them to no request on this engine "
+                              "(orphans of a migration or of a vanished gateway, e.g. after a healed partition).",
+                              ["engine"], registry=r)
+
+    def _add_step_metrics(self, r: CollectorRegistry, labels: list[str], values: list[str]) -> None:
+        """What the backend reports per step and per finished request
+        (`StepObserver`): vLLM's own figures from its stat logger, the sim's
+        from its step loop."""
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*values)
+
+        self._preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.",
+                                    labels, registry=r).labels(*values)
+        self._itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                              _ITL_BUCKETS)
+        self._queue_time = histogram("vllm:request_queue_time_seconds",
+                                     "Histogram of time spent in WAITING phase for request.", _E2E_BUCKETS)
+        self._prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                       "Histogram of time spent in PREFILL phase for request.", _E2E_BUCKETS)
+        self._decode_time = histogram("vllm:request_decode_time_seconds",
+                                      "Histogram of time spent in DECODE phase for request.", _E2E_BUCKETS)
+        self._iteration_tokens = histogram("vllm:iteration_tokens_total",
+                                           "Histogram of number of tokens per engine_step.",
+                                           _ITERATION_TOKENS_BUCKETS)
+        self._step = histogram("kvmesh_engine_step_seconds", "One backend step (batch iteration), its wall time",
+                               _STEP_BUCKETS)
+
+    # ---------------------------------------------------------------- StepObserver
+
+    def step(self, seconds: float | None, tokens: int, preempted: int) -> None:
+        """One batch iteration: its time (None if the backend could not tell),
+        tokens computed (prefill + decode) and requests preempted."""
+        if seconds is not None:
+            self._step.observe(max(0.0, seconds))
+        self._iteration_tokens.observe(tokens)
+        if preempted:
+            self._preemptions.inc(preempted)
+
+    def inter_token(self, seconds: float) -> None:
+        """One request's gap since its previous token (once per request per step)."""
+        self._itl.observe(max(0.0, seconds))
+
+    def request_phases(self, phases: RequestPhases) -> None:
+        self._queue_time.observe(max(0.0, phases.queued))
+        self._prefill_time.observe(max(0.0, phases.prefill))
+        self._decode_time.observe(max(0.0, phases.decode))
+
+    def migrated_out(self, generations: int = 1) -> None:
+        self._migrations_out.inc(generations)
 
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(max(0.0, seconds))

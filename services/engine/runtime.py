@@ -178,6 +178,7 @@ class Generation:
         """End now (like `cancel`) so that another engine takes over."""
         if not self._buffer.closed:
             self.handed_over = True
+            self._runtime.metrics.migrated_out()
             self.cancel(message)
 
     def close(self) -> None:

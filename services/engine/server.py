@@ -111,6 +111,9 @@ class EngineService:
         self.clock = clock or SystemClock()
         self.model_name = resolve_model(config, engine).name
         self.metrics = EngineMetrics(self.model_name, engine.engine_id, self._safe_load)
+        # Serving = ready (model loaded, registered, not draining or failed): read at scrape time.
+        self.metrics.serving.set_function(lambda: 1.0 if self._ready().ok else 0.0)
+        self.backend.set_step_observer(self.metrics)
         pacing = StreamPacing(engine.coalesce_interval_ms / 1000.0, engine.coalesce_min_running,
                               frozenset(engine.coalesce_unpaced_priorities))
         hang = HangPolicy(engine.hang_floor_seconds, engine.hang_step_multiple)

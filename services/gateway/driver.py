@@ -59,6 +59,7 @@ from services.gateway.events import Emit, Finished, FinishReason, TextDelta, Usa
 from services.gateway.jobs import Job
 from services.gateway.lease_link import LeaseLink
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.request_meter import RequestMeter
 from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.stop_seam import StopSeam
 
@@ -108,7 +109,9 @@ class GenerationDriver:
             run = Choices(job, functools.partial(_Generation, self))  # choices.py: n > 1, echo
         else:
             run = _Generation(self, job)
-        return EventStream(run.run, self.settings.heartbeat_seconds, self.clock, run.before_close)
+        metered = RequestMeter(self.metrics, job, self.clock).wrap(run.run)
+        return EventStream(metered, self.settings.heartbeat_seconds, self.clock, run.before_close,
+                           self.metrics.stream_signals)
 
     async def run(self, job: Job, emit: Emit) -> None:
         await _Generation(self, job).run(emit)
@@ -348,12 +351,12 @@ class _Generation:
             await self._emit(TextDelta(text, []))
 
     def _observe_delta(self, n_tokens: int) -> None:
-        metrics, now = self._driver.metrics, self._driver.clock.monotonic()
+        metrics, now, labels = self._driver.metrics, self._driver.clock.monotonic(), self._job.metric_labels
         if self._first_token_at is None:
             self._first_token_at = now
-            metrics.ttft.labels(self._job.route).observe(now - self._job.arrival_monotonic)
+            metrics.ttft.labels(*labels).observe(now - self._job.arrival_monotonic)
         elif n_tokens:
-            metrics.inter_token.observe((now - self._last_delta_at) / n_tokens)
+            metrics.inter_token.labels(*labels).observe((now - self._last_delta_at) / n_tokens)
         self._last_delta_at = now
 
     def _end(self, reason: FinishReason, message: str, kind: ErrorKind) -> Finished:

@@ -1,6 +1,12 @@
 """Between one request's driver and its transport: a bounded queue, heartbeats
 and the gateway side of backpressure by coalescing.
 
+Signals (`StreamSignals`, the gateway's metrics): each heartbeat sent; a
+stream is *paced* from the moment its queue is full when the driver has
+another event (the client reads slower than tokens arrive: the pump waits,
+deltas merge, the engine coalesces) until the transport finds the queue
+empty again; the first time counts it as a slow reader.
+
 Ownership: `EventStream` starts the request's ONE pump task, which runs the
 driver and alone owns the request's state (its Admit stream, engine call and
 generated tokens). The transport only iterates the stream (and calls
@@ -20,7 +26,8 @@ from typing import cast
 
 from services.common.clock import Clock
 from services.gateway.errors import ErrorKind, GatewayError
-from services.gateway.events import Emit, Event, Finished, Heartbeat, TextDelta
+from services.gateway.events import Emit, Event, Finished, Heartbeat, QueuedUpdate, TextDelta
+from services.gateway.metrics import StreamSignals
 
 __all__ = ["EventStream"]
 
@@ -41,7 +48,7 @@ class EventStream:
 
     def __init__(
         self, run: Callable[[Emit], Awaitable[None]], heartbeat_seconds: float, clock: Clock,
-        before_close: Callable[[], Awaitable[None]] | None = None,
+        before_close: Callable[[], Awaitable[None]] | None = None, signals: StreamSignals | None = None,
     ) -> None:
         # Awaited by `aclose` before it cancels a driver still running.
         self._before_close = before_close
@@ -51,11 +58,14 @@ class EventStream:
         self._last_output = clock.monotonic()
         # An event taken from the queue while merging deltas, yielded next.
         self._held: object | None = None
+        self._signals = signals
+        self._paced = False
+        self._was_paced = False
         self._task = asyncio.create_task(self._pump(run))
 
     async def _pump(self, run: Callable[[Emit], Awaitable[None]]) -> None:
         try:
-            await run(self._queue.put)
+            await run(self._put)
         except GatewayError as exc:
             await self._queue.put(exc)
         except asyncio.CancelledError:
@@ -64,6 +74,17 @@ class EventStream:
             log.exception("generation driver failed")
             await self._queue.put(GatewayError(ErrorKind.INTERNAL, f"internal error: {type(exc).__name__}"))
         await self._queue.put(self._END)
+
+    async def _put(self, event: QueuedUpdate | TextDelta | Finished) -> None:
+        if not self._paced and self._queue.full():
+            self._set_paced(True)
+        await self._queue.put(event)
+
+    def _set_paced(self, paced: bool) -> None:
+        self._paced = paced
+        if self._signals is not None:
+            self._signals.paced(paced, first=paced and not self._was_paced)
+        self._was_paced |= paced
 
     def mark_output(self) -> None:
         """The transport wrote something: restart the heartbeat timer."""
@@ -80,12 +101,16 @@ class EventStream:
                 else:
                     item = self._queue.get_nowait()
             except asyncio.QueueEmpty:
+                if self._paced:
+                    self._set_paced(False)  # the client caught up
                 wait = self._last_output + self._heartbeat - self._clock.monotonic()
                 try:
                     async with asyncio.timeout(max(wait, 0.0)):
                         item = await self._queue.get()
                 except TimeoutError:
                     self.mark_output()
+                    if self._signals is not None:
+                        self._signals.heartbeat()
                     yield Heartbeat()
                     continue
             if item is self._END:
@@ -120,6 +145,8 @@ class EventStream:
         return TextDelta("".join(texts), ids, logprobs, index, first.choice)
 
     async def aclose(self) -> None:
+        if self._paced:
+            self._set_paced(False)
         if not self._task.done():
             if self._before_close is not None:
                 try:

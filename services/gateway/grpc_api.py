@@ -35,7 +35,7 @@ from services.gateway.events import Event, Finished, Heartbeat, QueuedUpdate, Te
 from services.gateway.frontdoor import Frontdoor
 from services.gateway.jobs import parse_last_event_id, request_id_from
 from services.gateway.keys import api_key_from_headers
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import GatewayMetrics, error_label
 from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.served_models import ServedModels
 from services.gateway.tokenize_api import TokenizeApi
@@ -111,6 +111,7 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
     async def _abort(self, context: grpc.aio.ServicerContext, route: str, exc: GatewayError) -> NoReturn:
         code, message, trailers = grpc_status(exc)
         self._metrics.requests.labels(route, code.name).inc()
+        self._metrics.rejected(error_label(exc.code, exc.kind.value))
         await context.abort(code, message, trailing_metadata=trailers)
         raise AssertionError("unreachable")  # context.abort always raises
 

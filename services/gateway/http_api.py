@@ -47,7 +47,7 @@ from services.gateway.events import Finished, Heartbeat, TextDelta
 from services.gateway.frontdoor import Admitted, Frontdoor
 from services.gateway.jobs import parse_last_event_id, request_id_from
 from services.gateway.keys import api_key_from_headers
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import GatewayMetrics, error_label
 from services.gateway.openapi import openapi_document
 from services.gateway.responses_api import ResponsesApi
 from services.gateway.responses_store import ResponseStore
@@ -133,10 +133,12 @@ class HttpApi:
             status = response.status
             return response
         except GatewayError as exc:
+            self._metrics.rejected(error_label(exc.code, exc.kind.value))
             response = _error_response(exc, request.get(_REQUEST_ID))
             status = response.status
             return response
         except web.HTTPRequestEntityTooLarge:
+            self._metrics.rejected("request_too_large")
             response = _error_response(
                 GatewayError(
                     ErrorKind.BODY_TOO_LARGE,
@@ -154,6 +156,7 @@ class HttpApi:
             message = f"{request.method} {request.path}: {exc.reason}"
             if exc.status == 404:
                 message = f"no route {request.path}; see GET /openapi.json"
+            self._metrics.rejected(kind.value)
             response = _error_response(GatewayError(kind, message), None)
             response.set_status(exc.status)
             status = exc.status

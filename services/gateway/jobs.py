@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from services.common.clock import Clock
 from services.common.config import MeshConfig
+from services.common.metric_labels import priority_label
 from services.common.openai_api.requests import GenerationInput, SamplingOptions
 from services.common.openai_api.structured import StructuredSpec
 from services.common.openai_api.tools import prompt_tool_format, prompt_tools
@@ -77,6 +78,12 @@ class Job:
     echo_text: str = ""   # completions `echo`: sent first in each choice
     # The output constraint the engine enforces (GenerationInput.structured).
     structured: StructuredSpec | None = None
+
+    @property
+    def metric_labels(self) -> tuple[str, str, str]:
+        """(route, priority, model_name): the labels of the gateway's
+        per-request histograms (services/gateway/metrics.py)."""
+        return (self.route, priority_label(self.priority), self.model)
 
     def admit_request(self) -> scheduler_pb2.AdmitRequest:
         return scheduler_pb2.AdmitRequest(

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.clock import Clock
+from services.common.metric_labels import priority_label
 from services.common.prefix_hash import block_hashes
 from services.common.proto.kvmesh.v1 import scheduler_pb2
 from services.gateway.errors import GatewayError, SchedulerRestarting
@@ -249,7 +250,7 @@ class LeaseLink:
         self._running = False
         await self._stop_reattach()
         preempted_at, self._preempted_at = self._preempted_at, None
-        priority = str(self._job.priority)
+        priority = priority_label(self._job.priority)
         self._metrics.preemptions.labels(priority).inc()
         tokens = self._job.prompt_ids + self._generated
         try:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.metric_labels import priority_label
+
 from .metrics import SchedulerMetrics
 from .records import NUM_CLASSES
 
@@ -42,7 +44,7 @@ class ClassLedger:
         s = self._stats[cls]
         s.preemptions += 1
         s.preempted_now += 1
-        label = str(cls)
+        label = priority_label(cls)
         self._metrics.preemptions.labels(label).inc()
         self._metrics.preempted_now.labels(label).set(s.preempted_now)
         if reached_bound:
@@ -51,13 +53,13 @@ class ClassLedger:
 
     def requeued(self, cls: int) -> None:
         self._stats[cls].requeued += 1
-        self._metrics.requeued.labels(str(cls)).inc()
+        self._metrics.requeued.labels(priority_label(cls)).inc()
 
     def resumed(self, cls: int, seconds_lost: float) -> None:
         """A preempted request is placed again after `seconds_lost`."""
         s = self._stats[cls]
         s.seconds_lost += seconds_lost
-        self._metrics.preempted_seconds.labels(str(cls)).observe(seconds_lost)
+        self._metrics.preempted_seconds.labels(priority_label(cls)).observe(seconds_lost)
         self._left(s)
 
     def abandoned(self, cls: int) -> None:
@@ -66,11 +68,11 @@ class ClassLedger:
 
     def _left(self, s: ClassStat) -> None:
         s.preempted_now = max(0, s.preempted_now - 1)
-        self._metrics.preempted_now.labels(str(s.priority)).set(s.preempted_now)
+        self._metrics.preempted_now.labels(priority_label(s.priority)).set(s.preempted_now)
 
     def displaced(self, cls: int) -> None:
         self._stats[cls].displaced += 1
-        self._metrics.displaced.labels(str(cls)).inc()
+        self._metrics.displaced.labels(priority_label(cls)).inc()
 
     def snapshot(self) -> list[ClassStat]:
         return [ClassStat(**vars(s)) for s in self._stats]

@@ -56,6 +56,7 @@ from typing import Any
 
 from services.common.clock import Clock
 from services.common.config import MeshConfig
+from services.common.metric_labels import priority_label
 
 from . import events as ev
 from .admission_limits import AdmissionLimits, DispatchRateMeter, validate_options
@@ -209,7 +210,7 @@ class SchedulerCore:
         queue = self.waiting.queue(options.model)
         self._count_promotions(queue.push(entry, now))
         self._requests.add(RequestRecord(options, RequestState.QUEUED, entry=entry, arrival=arrival))
-        self.metrics.admissions.labels(str(options.priority)).inc()
+        self.metrics.admissions.labels(priority_label(options.priority)).inc()
         return self._queued_info(queue.position_of(entry), entry.cls, rate)
 
     def _arrival(self, options: AdmitOptions, now: float) -> float:
@@ -340,7 +341,7 @@ class SchedulerCore:
         if entry is not None and queue is not None:
             queue.pop(entry)
             if not entry.resumed:   # a requeued request's wait is kvmesh_scheduler_preempted_seconds
-                self.metrics.queue_wait.labels(str(entry.base_class)).observe(max(0.0, now - entry.arrival))
+                self.metrics.queue_wait.labels(priority_label(entry.base_class)).observe(max(0.0, now - entry.arrival))
         engine = self.fleet.get(placement.view.engine_id)
         if engine is None:  # pragma: no cover - views come from the registry
             raise RuntimeError("placement chose an unknown engine")
@@ -388,7 +389,7 @@ class SchedulerCore:
 
     def _count_promotions(self, promotions: list[Promotion]) -> None:
         for p in promotions:
-            self.metrics.promotions.labels(str(p.from_class), str(p.to_class)).inc()
+            self.metrics.promotions.labels(priority_label(p.from_class), priority_label(p.to_class)).inc()
 
     def _retry_after_for(self, cls: int) -> float:
         now = self._clock.monotonic()
@@ -398,7 +399,7 @@ class SchedulerCore:
     def _refresh_gauges(self) -> None:
         now = self._clock.monotonic()
         for cls in range(NUM_CLASSES):
-            self.metrics.queue_length.labels(str(cls)).set(self.waiting.class_len(cls))
+            self.metrics.queue_length.labels(priority_label(cls)).set(self.waiting.class_len(cls))
         self.metrics.leases.set(self.fleet.lease_count())
         fresh = self.fleet.fresh_count(now)
         self.metrics.engines.labels("fresh").set(fresh)

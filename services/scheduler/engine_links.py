@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeAlias, cast
 
 import grpc
-from prometheus_client import Counter
 
 from services.common.clock import Clock
 from services.common.config import MeshConfig
@@ -130,14 +129,6 @@ class EngineLinks:
         self._hash_block_tokens = config.hash_block_tokens
         # Generations engines run without a lease here (fencing.py).
         self.fences = FenceBook(config.fencing, clock.monotonic())
-        self._fenced = Counter(
-            "kvmesh_scheduler_fenced", "Generations engines were told to end: not leased to them.",
-            ["engine"], registry=core.metrics.registry)
-        self._superseded = Counter(
-            "kvmesh_scheduler_engines_superseded",
-            "Engine registrations ended because a newer process of the same engine id said hello "
-            "(a restarted or rescheduled engine; or two engines sharing an id).",
-            registry=core.metrics.registry)
         self.channels: dict[str, _EngineChannel] = {}
 
     def command(self, engine_id: str, command: scheduler_pb2.SchedulerCommand) -> None:
@@ -205,7 +196,7 @@ class EngineLinks:
         self.fences.joined(info.engine_id, self._clock.monotonic())
         if old is None:
             return
-        self._superseded.inc()
+        self._core.metrics.superseded.inc()
         if previous is not None and not previous.superseded_by.done():
             previous.superseded_by.set_result(info.address)
         # Loud either way: a live duplicate looks exactly like this.
@@ -244,7 +235,7 @@ class EngineLinks:
         """Tell the engine to end what it runs without a lease here."""
         fenced = self.fences.check(engine_id, reported, self._core.lease_holder, self._clock.monotonic())
         if fenced:
-            self._fenced.labels(engine_id).inc(len(fenced))
+            self._core.metrics.fenced.labels(engine_id).inc(len(fenced))
             log.warning("engine %s runs %d generations not leased to it (%s); fencing them",
                         engine_id, len(fenced), ", ".join(fenced[:5]) + (" ..." if len(fenced) > 5 else ""))
             channel.commands.put_nowait(

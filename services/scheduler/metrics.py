@@ -7,10 +7,17 @@ HTTP thread, so the core keeps one owner).
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.common.metric_labels import PRIORITY_LABELS
 
 __all__ = ["SchedulerMetrics"]
 
+# Picking an engine: tens of microseconds (few engines) to milliseconds.
+_DECISION_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                     0.05, 0.1)
 _WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 3600)
 
 
@@ -70,6 +77,71 @@ class SchedulerMetrics:
         self._prompt_total = 0
         self._cached_total = 0
         self._add_preemption_metrics(r)
+        self._add_fleet_metrics(r)
+        self._add_pool_metrics(r)
+
+    def _add_fleet_metrics(self, r: CollectorRegistry) -> None:
+        """Decision latency, engines serving and flapping, queue age against
+        the aging bound, the engines' own prefix hit rates, restarts."""
+        self.decision_seconds = Histogram(
+            "kvmesh_scheduler_decision_seconds", "Time to pick an engine for one request (the policy's "
+            "filters, scorers and picker), by policy", ["policy"], buckets=_DECISION_BUCKETS, registry=r,
+        )
+        self.reported_prefix_hit_rate = Gauge(
+            "kvmesh_scheduler_reported_prefix_hit_rate", "Prefix-cache hit rate each engine reports (cached / "
+            "looked-up prompt tokens since it started), beside kvmesh_scheduler_estimated_prefix_hit_rate",
+            ["engine"], registry=r,
+        )
+        self.oldest_wait = Gauge(
+            "kvmesh_scheduler_oldest_wait_seconds", "Age of the oldest queued request, by the class it waits in "
+            "now (0 = none queued)", ["priority"], registry=r,
+        )
+        self.aging_bound = Gauge(
+            "kvmesh_scheduler_aging_bound_seconds", "Configured wait after which a queued request moves up a "
+            "class (scheduler.aging_seconds), by class (0 = P0, which has no class above)", ["priority"],
+            registry=r,
+        )
+        self.engine_serving = Gauge(
+            "kvmesh_scheduler_engine_serving", "1 while a registered engine takes placements (reporting fresh "
+            "load, not draining), else 0", ["engine", "model_name"], registry=r,
+        )
+        self.engine_flaps = Counter(
+            "kvmesh_scheduler_engine_flaps", "Transitions of an engine between serving and not serving (either "
+            "way, registration and loss included)", ["engine"], registry=r,
+        )
+        self.start_time = Gauge(
+            "kvmesh_scheduler_start_time_seconds", "Unix time the scheduler process started (its changes() are "
+            "restarts)", registry=r,
+        )
+        self.start_time.set(time.time())
+        self.admissions_paused = Gauge(
+            "kvmesh_scheduler_admissions_paused", "1 while an operator paused admissions of a class (kvmesh admin)",
+            ["priority"], registry=r,
+        )
+        for label in PRIORITY_LABELS:
+            self.admissions_paused.labels(label).set(0)
+        self.fenced = Counter(
+            "kvmesh_scheduler_fenced", "Generations engines were told to end: not leased to them.",
+            ["engine"], registry=r)
+        self.superseded = Counter(
+            "kvmesh_scheduler_engines_superseded",
+            "Engine registrations ended because a newer process of the same engine id said hello "
+            "(a restarted or rescheduled engine; or two engines sharing an id).", registry=r)
+
+    def _add_pool_metrics(self, r: CollectorRegistry) -> None:
+        """The Gateway API Inference Extension's pool gauges (its EPP's names),
+        one pool per model: `name` = the model."""
+        self.pool_kv_utilization = Gauge(
+            "inference_pool_average_kv_cache_utilization", "GIE: mean KV-cache utilization (0..1) of the "
+            "model's serving engines", ["name"], registry=r,
+        )
+        self.pool_queue_size = Gauge(
+            "inference_pool_average_queue_size", "GIE: mean requests waiting per serving engine of the model "
+            "(the engines' own queues)", ["name"], registry=r,
+        )
+        self.pool_ready_pods = Gauge(
+            "inference_pool_ready_pods", "GIE: engines serving the model", ["name"], registry=r,
+        )
 
     def _add_preemption_metrics(self, r: CollectorRegistry) -> None:
         """Per admitted class: preemptions, requeues, displacements, the

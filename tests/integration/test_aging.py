@@ -59,7 +59,7 @@ def _promotions(mesh: Mesh) -> dict[tuple[str, str], float]:
         text = resp.read().decode()
     out = {}
     for line in text.splitlines():
-        m = re.match(r'kvmesh_scheduler_promotions_total\{from_priority="(\d)",to_priority="(\d)"\} (\S+)', line)
+        m = re.match(r'kvmesh_scheduler_promotions_total\{from_priority="P(\d)",to_priority="P(\d)"\} (\S+)', line)
         if m:
             out[(m.group(1), m.group(2))] = float(m.group(3))
     return out

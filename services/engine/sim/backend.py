@@ -28,10 +28,12 @@ from services.engine.backend import (
     KvListener,
     LoadSnapshot,
     Sampling,
+    StepObserver,
 )
 from services.engine.model import DEFAULT_MAX_MODEL_LEN, TextCodec, load_codec, resolve_model
 from services.engine.sim.core import CoreLimits, SimCore, SimRequest
 from services.engine.sim.cost_model import step_seconds
+from services.engine.sim.step_stats import SimStepMeter
 from services.engine.sim.text import TokenPicker
 
 __all__ = ["SimBackend"]
@@ -78,6 +80,7 @@ class SimBackend:
         self._streams: dict[str, SimRequest] = {}  # live generate() streams, to fail on a crash
         self._loop_task: asyncio.Task[None] | None = None
         self._on_change: Callable[[], None] | None = None
+        self._meter = SimStepMeter()  # step statistics for the engine's metrics (step_stats.py)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -107,6 +110,7 @@ class SimBackend:
             raise RuntimeError("SimBackend.generate before start()")
         req = self._core.add(request)  # raises InvalidRequest if it can never fit
         self._streams[request.request_id] = req
+        self._meter.arrived(req, asyncio.get_running_loop().time())
         self._kick()
         try:
             while True:
@@ -116,6 +120,7 @@ class SimBackend:
                     return
         finally:
             self._streams.pop(request.request_id, None)
+            self._meter.forget(req)
             # Closed early (aclose / cancellation): abort at once, free blocks.
             if not req.sink.finished and self._core.abort(request.request_id, "stream closed"):
                 self._kick()
@@ -137,6 +142,9 @@ class SimBackend:
 
     def on_change(self, callback: Callable[[], None] | None) -> None:
         self._on_change = callback
+
+    def set_step_observer(self, observer: StepObserver | None) -> None:
+        self._meter.observer = observer
 
     def dead_reason(self) -> str | None:
         return self._dead
@@ -198,6 +206,8 @@ class SimBackend:
             # The step's own Python time counts as simulated time already.
             await asyncio.sleep(max(0.0, seconds - (loop.time() - started)))
             await self._unwedged.wait()
+            before = self._meter.before_apply(plan)
             finished = self._core.apply(plan)
+            self._meter.after_step(plan, before, started, loop.time())
             if finished or plan.changed:
                 self._changed()

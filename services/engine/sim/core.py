@@ -120,6 +120,7 @@ class StepPlan:
     entries: dict[SimRequest, int] = field(default_factory=dict)
     work: StepWork = field(default_factory=StepWork)
     changed: bool = False           # admissions or preemptions happened
+    preempted: int = 0              # running requests preempted in this step
 
 
 class SimCore:
@@ -245,6 +246,7 @@ class SimCore:
                 budget += plan.entries.pop(victim, 0)
                 self._preempt(victim)
                 plan.changed = True
+                plan.preempted += 1
                 if victim is req:
                     break
             else:

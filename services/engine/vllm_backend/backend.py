@@ -46,6 +46,7 @@ from services.engine.backend import (
     InvalidRequest,
     KvListener,
     LoadSnapshot,
+    StepObserver,
 )
 from services.engine.vllm_backend.convert import RequestUsage, held_text, sampling_params
 from services.engine.vllm_backend.env import prepare_environment, resolve_path
@@ -277,6 +278,9 @@ class VllmBackend:
 
     def on_change(self, callback: Callable[[], None] | None) -> None:
         self._on_change = callback
+
+    def set_step_observer(self, observer: StepObserver | None) -> None:
+        self._stats.observer = observer  # the stat logger forwards each step (stats.py)
 
     def dead_reason(self) -> str | None:
         if self._llm is None or self._stopped or not self._llm.errored:

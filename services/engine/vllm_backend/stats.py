@@ -2,7 +2,14 @@
 
 vLLM calls `record()` on the event loop (AsyncLLM's output handler) after
 every engine step with the core's SchedulerStats: running and waiting
-requests, KV usage and per-step prefix-cache queries/hits.
+requests, KV usage and per-step prefix-cache queries/hits; and its
+IterationStats, which go on to the engine's metrics (`StepObserver`) the
+way vLLM's own PrometheusStatLogger reads them: preemptions, tokens per
+step (prompt tokens computed + generated), inter-token latencies, and each
+finished request's queue / prefill / decode time. Step time: the
+scheduler's `iteration_details.elapsed_ms` when vLLM reports it, else the
+wall time between two steps of a batch that was not empty (the engine ran
+continuously in between).
 """
 
 from __future__ import annotations
@@ -11,7 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EngineStats", "make_stat_logger_factory"]
+from services.engine.backend import RequestPhases, StepObserver
+
+__all__ = ["EngineStats", "forward_iteration", "make_stat_logger_factory"]
 
 
 @dataclass
@@ -25,6 +34,33 @@ class EngineStats:
     prefix_hits: int = 0  # of which found cached
     steps: int = 0
     preemptions: int = 0
+    observer: StepObserver | None = None  # the engine's metrics (set_step_observer)
+    last_step_at: float | None = None     # iteration timestamp of the last step with a batch
+
+
+def forward_iteration(stats: EngineStats, scheduler_stats: Any, iteration_stats: Any, busy_before: bool) -> None:
+    """One step's IterationStats -> the observer (no vLLM import: read by
+    attribute, as vLLM's own PrometheusStatLogger reads them)."""
+    observer = stats.observer
+    at = getattr(iteration_stats, "iteration_timestamp", None)
+    if observer is None:
+        stats.last_step_at = at if stats.running else None
+        return
+    details = getattr(scheduler_stats, "iteration_details", None) if scheduler_stats is not None else None
+    seconds: float | None = None
+    if details is not None:
+        seconds = details.elapsed_ms / 1000.0
+    elif busy_before and at is not None and stats.last_step_at is not None:
+        seconds = at - stats.last_step_at
+    prompt_stats = getattr(iteration_stats, "prompt_token_stats", None)
+    computed = prompt_stats.computed if prompt_stats is not None else iteration_stats.num_prompt_tokens
+    observer.step(seconds, computed + iteration_stats.num_generation_tokens,
+                  getattr(iteration_stats, "num_preempted_reqs", 0))
+    for gap in iteration_stats.inter_token_latencies_iter:
+        observer.inter_token(gap)
+    for done in iteration_stats.finished_requests:
+        observer.request_phases(RequestPhases(done.queued_time, done.prefill_time, done.decode_time))
+    stats.last_step_at = at if stats.running else None
 
 
 def make_stat_logger_factory(
@@ -45,6 +81,7 @@ def make_stat_logger_factory(
             mm_cache_stats: Any = None,
             engine_idx: int = 0,
         ) -> None:
+            busy_before = stats.running > 0
             if scheduler_stats is not None:
                 stats.running = scheduler_stats.num_running_reqs
                 stats.waiting = scheduler_stats.num_waiting_reqs + getattr(
@@ -58,6 +95,7 @@ def make_stat_logger_factory(
                 stats.steps += 1
             if iteration_stats is not None:
                 stats.preemptions += getattr(iteration_stats, "num_preempted_reqs", 0)
+                forward_iteration(stats, scheduler_stats, iteration_stats, busy_before)
             on_record()
 
         def log_engine_initialized(self) -> None:

@@ -78,6 +78,9 @@ class BareBackend:
     def on_change(self, callback: Callable[[], None] | None) -> None:
         pass
 
+    def set_step_observer(self, observer: object) -> None:
+        pass
+
     def dead_reason(self) -> str | None:
         return None
 

@@ -109,8 +109,8 @@ async def test_preempted_stream_continues_on_another_engine_seamlessly(mesh: Mes
     assert (await record.wait_done()).completion_tokens == 12
     assert record.messages == ["first_token", "requeue", "first_token", "done"] and not record.replaces
     text_metrics = _metrics(mesh)
-    assert 'kvmesh_gateway_preemptions_total{priority="1"} 1.0' in text_metrics
-    assert 'kvmesh_gateway_preempted_seconds_count{priority="1"} 1.0' in text_metrics
+    assert 'kvmesh_gateway_preemptions_total{priority="P1"} 1.0' in text_metrics
+    assert 'kvmesh_gateway_preempted_seconds_count{priority="P1"} 1.0' in text_metrics
     assert "kvmesh_gateway_migrations_total 0.0" in text_metrics
 
 
@@ -132,7 +132,7 @@ async def test_preempted_twice_uses_no_migration(model_dir: Path) -> None:
         assert [r.prompt_tokens for r in record.requeues] == [len(prompt) + 3, len(prompt) + 7]
         assert [r.max_tokens for r in record.requeues] == [MAX_TOKENS - 3, MAX_TOKENS - 7]
         assert (await record.wait_done()).completion_tokens == 12
-        assert 'kvmesh_gateway_preemptions_total{priority="1"} 2.0' in _metrics(mesh)
+        assert 'kvmesh_gateway_preemptions_total{priority="P1"} 2.0' in _metrics(mesh)
 
 
 async def test_preempted_before_the_first_token(mesh: Mesh) -> None:

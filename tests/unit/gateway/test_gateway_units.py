@@ -24,7 +24,7 @@ from services.gateway.validation import parse_priority_header
 
 MODULES = [
     "driver", "engine_client", "errors", "event_stream", "events", "frontdoor", "grpc_api", "http_api", "jobs",
-    "keys", "lease_link", "limits", "metrics", "openapi", "scheduler_client", "server",
+    "keys", "lease_link", "limits", "metrics", "openapi", "request_meter", "scheduler_client", "server",
     "spare_calls", "stop_seam", "tokenization", "validation",
 ]
 
@@ -149,7 +149,7 @@ async def test_metrics_count_requests_and_migrations(mesh: Mesh) -> None:
     assert 'kvmesh_gateway_requests_total{route="/v1/chat/completions",status="200"} 1.0' in text
     assert 'kvmesh_gateway_requests_total{route="/v1/chat/completions",status="404"} 1.0' in text
     assert "kvmesh_gateway_migrations_total 1.0" in text
-    assert "kvmesh_gateway_time_to_first_token_seconds_count{route=\"chat\"} 1.0" in text
+    assert 'kvmesh_gateway_time_to_first_token_seconds_count{model_name="tiny",priority="P1",route="chat"} 1.0' in text
     assert "kvmesh_gateway_active_streams 0.0" in text
 
 

@@ -91,7 +91,7 @@ async def test_preempted_while_running_stops_once_and_requeues_prompt_plus_gener
     tokens = PROMPT + generated
     assert session.sent == [("requeue", {
         "prompt_tokens": len(tokens), "max_tokens": 47, "prefix_hashes": block_hashes(tokens, 16)})]
-    assert 'kvmesh_gateway_preemptions_total{priority="2"} 1.0' in metrics.render().decode()
+    assert 'kvmesh_gateway_preemptions_total{priority="P2"} 1.0' in metrics.render().decode()
 
 
 async def test_preempted_when_not_running_is_ignored() -> None:

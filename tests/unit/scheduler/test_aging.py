@@ -44,11 +44,11 @@ def test_queue_promotes_on_time_and_repeatedly() -> None:
     clock.advance(1.0)
     core.handle(Tick())
     assert dict(core.queued_updates())["batch"].priority == 1
-    assert core.metrics.value(promotions, {"from_priority": "2", "to_priority": "1"}) == 1
+    assert core.metrics.value(promotions, {"from_priority": "P2", "to_priority": "P1"}) == 1
     clock.advance(30.0)
     core.handle(Tick())
     assert dict(core.queued_updates())["batch"].priority == 0
-    assert core.metrics.value(promotions, {"from_priority": "1", "to_priority": "0"}) == 1
+    assert core.metrics.value(promotions, {"from_priority": "P1", "to_priority": "P0"}) == 1
 
 
 def test_aged_request_overtakes_newer_higher_class() -> None:
@@ -70,7 +70,7 @@ def test_readmitted_request_keeps_its_age() -> None:
     assert isinstance(first, QueuedInfo)
     assert first.priority == 1
     assert core.metrics.value(
-        "kvmesh_scheduler_promotions_total", {"from_priority": "2", "to_priority": "1"}) == 1
+        "kvmesh_scheduler_promotions_total", {"from_priority": "P2", "to_priority": "P1"}) == 1
 
 
 def test_no_starvation_under_constant_p0_load() -> None:

@@ -76,8 +76,8 @@ def test_p0_preempts_one_p2_on_the_engine_holding_its_prefix_and_is_placed_there
     assert sum(1 for i in range(4) if core.request_state(f"b{i}") is RequestState.PLACED) == 3
     (p2,) = [c for c in core.state().classes if c.priority == 2]
     assert (p2.preemptions, p2.preempted_now) == (1, 1)
-    assert core.metrics.value("kvmesh_scheduler_preemptions_total", {"priority": "2"}) == 1
-    assert core.metrics.value("kvmesh_scheduler_preempted_requests", {"priority": "2"}) == 1
+    assert core.metrics.value("kvmesh_scheduler_preemptions_total", {"priority": "P2"}) == 1
+    assert core.metrics.value("kvmesh_scheduler_preempted_requests", {"priority": "P2"}) == 1
 
 
 def test_a_victim_s_reported_blocks_count_as_free_until_the_next_report() -> None:
@@ -172,8 +172,8 @@ def test_requeue_keeps_the_original_arrival_ages_and_is_not_expired() -> None:
     assert lease.prompt_tokens == 40 and lease.cls == 1
     (p2,) = [c for c in core.state().classes if c.priority == 2]
     assert p2.preempted_now == 0 and p2.seconds_lost == pytest.approx(20.5)
-    assert core.metrics.value("kvmesh_scheduler_preempted_seconds_count", {"priority": "2"}) == 1
-    assert core.metrics.value("kvmesh_scheduler_requeued_total", {"priority": "2"}) == 1
+    assert core.metrics.value("kvmesh_scheduler_preempted_seconds_count", {"priority": "P2"}) == 1
+    assert core.metrics.value("kvmesh_scheduler_requeued_total", {"priority": "P2"}) == 1
 
 
 @pytest.mark.parametrize("event", [RequestDone("b"), StreamClosed("b")], ids=["done", "stream_end"])
@@ -308,7 +308,7 @@ def test_tenant_cap_displaces_the_newest_of_the_lowest_class() -> None:
     refused = admit(core, opts("chat-4", tenant="t", priority=0))
     assert isinstance(refused, RejectedInfo) and refused.reason is RejectReason.TENANT_FULL
     assert [(c.priority, c.displaced) for c in core.state().classes] == [(0, 0), (1, 2), (2, 2)]
-    assert core.metrics.value("kvmesh_scheduler_displaced_total", {"priority": "2"}) == 2
+    assert core.metrics.value("kvmesh_scheduler_displaced_total", {"priority": "P2"}) == 2
     # Another tenant is untouched.
     assert isinstance(admit(core, opts("other", tenant="u", priority=2)), QueuedInfo)
 
