@@ -74,6 +74,7 @@ class EngineMetrics:
         self._e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, end to end.",
                               labels, buckets=_E2E_BUCKETS, registry=r).labels(*values)
         self._add_step_metrics(r, labels, values)
+        self._prefix_totals = (0, 0)
         kv = Gauge("kvmesh_engine_kv_blocks", "KV-cache blocks: used (held by running requests), cached "
                    "(full blocks in the prefix cache, free or not), total", [*labels, "state"], registry=r)
         kv.labels(*values, "used").set_function(lambda: self._load().blocks_used)
@@ -142,11 +143,18 @@ class EngineMetrics:
         self._generation.inc(tokens)
 
     def finished(self, out: GenerationOutput, seconds: float) -> None:
+        hits = min(out.cached_tokens, out.prompt_tokens) if out.prompt_tokens else 0
         self._prompt.inc(out.prompt_tokens)
         self._queries.inc(out.prompt_tokens)
-        self._hits.inc(min(out.cached_tokens, out.prompt_tokens) if out.prompt_tokens else 0)
+        self._hits.inc(hits)
+        self._prefix_totals = (self._prefix_totals[0] + out.prompt_tokens, self._prefix_totals[1] + hits)
         self._success.labels(*self._values, out.finish_reason or "error").inc()
         self._e2e.observe(max(0.0, seconds))
+
+    def prefix_cache_totals(self) -> tuple[int, int]:
+        """(prompt tokens looked up, found) in the prefix cache since start:
+        what the load report tells the scheduler."""
+        return self._prefix_totals
 
     def batch_gate(self, held: int, over_max_running: int) -> None:
         self._held.set(held)

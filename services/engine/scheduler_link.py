@@ -367,6 +367,7 @@ class SchedulerLink:
             serving=self._runtime.serving, queued_tokens=load.queued_tokens,
             request_ids=load.request_ids,
         )
+        report.prefix_cache_queries, report.prefix_cache_hits = self._runtime.metrics.prefix_cache_totals()
         await call.write(scheduler_pb2.EngineMessage(load=report))
 
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,7 @@ from .detached_leases import DetachedLeases
 from .engine_events import EngineEvents
 from .events import Delivery, Outbox
 from .fleet import EngineFleet, EngineStat
+from .fleet_gauges import FleetGauges
 from .making_room import RoomMaker, placement_request
 from .metrics import SchedulerMetrics
 from .placement import PlacementPolicy, build_policy, builtin_registry
@@ -121,6 +123,8 @@ class SchedulerCore:
         self.fleet = EngineFleet(self._config, clock.monotonic(), self._limits.retry_min)
         self._seq = itertools.count()
         self._ledger = ClassLedger(self.metrics)
+        self._gauges = FleetGauges(self.metrics, self._aging, [m.name for m in config.models],
+                                   self._config.stale_report_seconds)
         self._requests = RequestBook(self.fleet, self.waiting, self.metrics, self._ledger)
         self._detached = DetachedLeases(self._requests, self.fleet, config.resume.grace_seconds)
         self._preempt_classes = frozenset(self._config.preempt_classes)
@@ -325,11 +329,12 @@ class SchedulerCore:
         """Placed, Rejected (it can never be placed), or None (no room now)."""
         opts = rec.options
         cls = entry.cls if entry is not None else opts.priority
-        request = placement_request(rec, cls)
+        request, began = placement_request(rec, cls), time.perf_counter()  # decision time: real CPU time
         placement = self.policy.place(
             request, self.fleet.views(opts.model, now), self.fleet.kv,
             self._hash_block_tokens, self._config.decode_headroom_tokens,
         )
+        self.metrics.decision_seconds.labels(self.policy.name).observe(time.perf_counter() - began)
         if placement is None:
             try:
                 self.fleet.check_servable(opts, rec.exclude, now, replacing=entry is None)
@@ -404,6 +409,7 @@ class SchedulerCore:
         fresh = self.fleet.fresh_count(now)
         self.metrics.engines.labels("fresh").set(fresh)
         self.metrics.engines.labels("stale").set(len(self.fleet) - fresh)
+        self._gauges.refresh(self.fleet, self.waiting, now)
 
     # ------------------------------------------------------------ queries (read only)
 

@@ -94,6 +94,7 @@ def _load(report: scheduler_pb2.LoadReport) -> EngineLoad:
         blocks_total=report.blocks_total, cached_blocks=report.cached_blocks,
         serving=report.serving, queued_tokens=report.queued_tokens,
         request_ids=frozenset(report.request_ids),
+        prefix_cache_queries=report.prefix_cache_queries, prefix_cache_hits=report.prefix_cache_hits,
     )
 
 

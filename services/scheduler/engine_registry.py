@@ -78,6 +78,9 @@ class EngineLoad:
     serving: bool = False
     queued_tokens: int = 0
     request_ids: frozenset[str] = frozenset()
+    # Prompt tokens looked up in / found in its prefix cache since it started.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 @dataclass

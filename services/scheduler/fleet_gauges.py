@@ -1,0 +1,101 @@
+"""The scheduler's gauges over its engines and queues, refreshed by the
+core's housekeeping tick (the core's one owner, never the metrics thread):
+
+- per engine: `kvmesh_scheduler_engine_serving{engine,model_name}` (serving =
+  its last report says SERVING, the report is fresh, not draining),
+  `kvmesh_scheduler_engine_flaps_total{engine}` (each change of that, an
+  engine lost while serving included; its registration up to its first
+  load report is not one),
+  `kvmesh_scheduler_reported_prefix_hit_rate{engine}` (hits / lookups the
+  engine reports since it started); an engine that left loses its series.
+- per model (every configured model, so "none serving" reads 0, not no data):
+  the Gateway API Inference Extension's `inference_pool_ready_pods`,
+  `inference_pool_average_kv_cache_utilization` and
+  `inference_pool_average_queue_size`, over its serving engines.
+- per class: `kvmesh_scheduler_oldest_wait_seconds` (arrival to now of the
+  oldest request queued in it), and once `kvmesh_scheduler_aging_bound_seconds`.
+
+Cost: O(engines) per tick; the queue scan (O(queued)) at most once per
+`queue_interval` seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from services.common.metric_labels import priority_label
+
+from .aging import AgingRule
+from .engine_registry import EngineRecord
+from .metrics import SchedulerMetrics
+from .records import NUM_CLASSES
+from .waiting import WaitingRoom
+
+__all__ = ["FleetGauges"]
+
+
+class FleetGauges:
+    def __init__(
+        self, metrics: SchedulerMetrics, aging: AgingRule, models: Iterable[str], stale_seconds: float,
+        queue_interval: float = 1.0,
+    ) -> None:
+        self._metrics = metrics
+        self._models = set(models)
+        self._stale = stale_seconds
+        self._queue_interval = queue_interval
+        self._next_queue_scan = float("-inf")
+        # engine -> (model, serving); serving None until its first load report
+        self._serving: dict[str, tuple[str, bool | None]] = {}
+        for cls in range(NUM_CLASSES):
+            metrics.aging_bound.labels(priority_label(cls)).set(aging.thresholds[cls])
+            metrics.oldest_wait.labels(priority_label(cls)).set(0)
+        for model in self._models:
+            self._set_pool(model, [])
+
+    def refresh(self, engines: Iterable[EngineRecord], waiting: WaitingRoom, now: float) -> None:
+        self._engines(list(engines), now)
+        if now >= self._next_queue_scan:
+            self._next_queue_scan = now + self._queue_interval
+            self._queues(waiting, now)
+
+    def _engines(self, engines: list[EngineRecord], now: float) -> None:
+        m = self._metrics
+        seen: dict[str, tuple[str, bool | None]] = {}
+        serving_by_model: dict[str, list[EngineRecord]] = {model: [] for model in self._models}
+        for e in engines:
+            model = e.info.model
+            serving = e.load.serving and not e.draining and e.fresh(now, self._stale)
+            seen[e.engine_id] = (model, serving if e.last_report_at is not None else None)
+            before = self._serving.get(e.engine_id, (model, None))[1]
+            if before is not None and before != serving:
+                m.engine_flaps.labels(e.engine_id).inc()
+            m.engine_serving.labels(e.engine_id, model).set(1 if serving else 0)
+            queries = e.load.prefix_cache_queries
+            m.reported_prefix_hit_rate.labels(e.engine_id).set(
+                e.load.prefix_cache_hits / queries if queries else 0.0)
+            serving_by_model.setdefault(model, [])
+            if serving:
+                serving_by_model[model].append(e)
+        for engine_id, (model, was_serving) in self._serving.items():
+            if engine_id not in seen:  # left (or superseded): its series go
+                if was_serving:
+                    m.engine_flaps.labels(engine_id).inc()
+                m.engine_serving.remove(engine_id, model)
+                m.reported_prefix_hit_rate.remove(engine_id)
+        self._serving = seen
+        for model, serving_engines in serving_by_model.items():
+            self._set_pool(model, serving_engines)
+
+    def _set_pool(self, model: str, serving: list[EngineRecord]) -> None:
+        m, n = self._metrics, len(serving)
+        m.pool_ready_pods.labels(model).set(n)
+        kv = sum(e.load.blocks_used / e.blocks_total() for e in serving if e.blocks_total())
+        m.pool_kv_utilization.labels(model).set(kv / n if n else 0.0)
+        m.pool_queue_size.labels(model).set(sum(e.load.waiting for e in serving) / n if n else 0.0)
+
+    def _queues(self, waiting: WaitingRoom, now: float) -> None:
+        oldest = [0.0] * NUM_CLASSES
+        for stat in waiting.stats(now):
+            oldest[stat.priority] = max(oldest[stat.priority], stat.oldest_wait_seconds)
+        for cls, seconds in enumerate(oldest):
+            self._metrics.oldest_wait.labels(priority_label(cls)).set(seconds)
