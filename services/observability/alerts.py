@@ -60,9 +60,16 @@ def _availability(cfg: AlertsConfig) -> RuleGroup:
               "The kvmesh scheduler restarted in the last 30 minutes",
               "Its state is soft: gateways re-admit queued requests and re-attach running ones "
               "(kvmesh_gateway_scheduler_readmissions_total); check why it restarted."),
-        Alert("KvmeshModelNotServed", "max by (model_name) (kvmesh_scheduler_engine_serving) == 0", "1m",
-              "critical", "No engine serves model {{ $labels.model_name }}",
-              "Requests for this model queue until their time-to-live ends; check its engines."),
+        # inference_pool_ready_pods has a series per configured model, 0 when
+        # none serves (an engine that leaves loses its engine_serving series);
+        # a model never served in the last hour (configured, not deployed) is
+        # not an outage.
+        Alert("KvmeshModelNotServed",
+              "max by (name) (inference_pool_ready_pods) == 0 "
+              "and max by (name) (max_over_time(inference_pool_ready_pods[1h])) > 0", "1m",
+              "critical", "No engine serves model {{ $labels.name }}",
+              "It was served within the hour; its requests now queue until their time-to-live ends. "
+              "Check its engines."),
         Alert("KvmeshNoFreshEngines", 'sum(kvmesh_scheduler_engines{state="fresh"}) == 0', "2m", "critical",
               "The scheduler has no engine reporting",
               "Every request queues; check the kvmesh-engine pods (startup/readiness probes)."),

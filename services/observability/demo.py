@@ -50,12 +50,14 @@ class LoadTally:
 
 def tune_for_demo(config: MeshConfig) -> None:
     """Small batches and short bounds, so a minute of load shows queues,
-    aging, preemption and heartbeats on two cores."""
+    aging, preemption, refusals (the tenant's queue cap: 429, and a P0
+    displacing a queued P2) and heartbeats on two cores."""
     t = config.engines.template
     t.max_running = 3
     t.sim.speed_factor = 1.0
     config.scheduler.engine_queue_slack = 1
     config.scheduler.p0_reserved_leases = 0
+    config.scheduler.tenant_queue_cap = 3
     config.scheduler.aging.p1_seconds = 3.0
     config.scheduler.aging.p2_seconds = 3.0
     config.gateway.heartbeat_seconds = 1.0
@@ -95,6 +97,8 @@ async def _worker(mesh: Mesh, seed: int, until: float, tally: LoadTally) -> None
             tally.statuses[stream.status] += 1
             tally.by_priority[priority] += 1
             tally.failed_streams += stream.status == 200 and not stream.ok
+            if stream.status == 429:  # a client backs off, as Retry-After asks
+                await asyncio.sleep(0.5 + rng.random())
 
 
 async def _faults(mesh: Mesh, seconds: float, tally: LoadTally) -> None:
