@@ -45,6 +45,7 @@ class LoadTally:
     statuses: Counter[int] = field(default_factory=Counter)
     by_priority: Counter[int] = field(default_factory=Counter)
     failed_streams: int = 0
+    stream_errors: Counter[str] = field(default_factory=Counter)  # what the failed streams said
     faults: list[str] = field(default_factory=list)
 
 
@@ -58,8 +59,8 @@ def tune_for_demo(config: MeshConfig) -> None:
     config.scheduler.engine_queue_slack = 1
     config.scheduler.p0_reserved_leases = 0
     config.scheduler.tenant_queue_cap = 3
-    config.scheduler.aging.p1_seconds = 3.0
-    config.scheduler.aging.p2_seconds = 3.0
+    config.scheduler.aging.p1_seconds = 2.0
+    config.scheduler.aging.p2_seconds = 2.0
     config.gateway.heartbeat_seconds = 1.0
 
 
@@ -96,7 +97,9 @@ async def _worker(mesh: Mesh, seed: int, until: float, tally: LoadTally) -> None
             stream = await chat_stream(session, call)
             tally.statuses[stream.status] += 1
             tally.by_priority[priority] += 1
-            tally.failed_streams += stream.status == 200 and not stream.ok
+            if stream.status == 200 and not stream.ok:
+                tally.failed_streams += 1
+                tally.stream_errors[stream.error_code or stream.error[:120] or f"finish={stream.finish_reason}"] += 1
             if stream.status == 429:  # a client backs off, as Retry-After asks
                 await asyncio.sleep(0.5 + rng.random())
 
@@ -145,7 +148,8 @@ def run_demo(config: MeshConfig, out_dir: Path, seconds: float = 150.0) -> list[
                 tally = asyncio.run(run_scenario(mesh, seconds))
                 time.sleep(5.0)  # the last scrapes and rule evaluations
                 print(f"load: {dict(tally.statuses)} by class {dict(tally.by_priority)}; "
-                      f"{tally.failed_streams} streams failed; faults: {', '.join(tally.faults)}")
+                      f"{tally.failed_streams} streams failed {dict(tally.stream_errors)}; "
+                      f"faults: {', '.join(tally.faults)}")
                 return snapshot_boards(prom.url, out_dir, minutes=(time.time() - began + 10) / 60,
                                        rate_interval="15s")
         finally:
