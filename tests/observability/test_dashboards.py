@@ -155,3 +155,20 @@ def test_every_query_parses(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump({"groups": [{"name": "q", "rules": [{"record": "r", "expr": "sum(rate(x[5m])"}]}]}))
     broken = _check_rules(path)
     assert broken.returncode != 0
+
+
+@pytest.mark.parametrize(("key", "value", "problem"), [
+    ("p0_ttft_p99_seconds", 0, "must be > 0"),
+    ("aging_fraction", 1.5, "must be within 0 .. 1"),
+    ("rejection_ratio", -0.1, "must be within 0 .. 1"),
+    ("flaps_per_15m", 0, "must be >= 1"),
+])
+def test_alert_thresholds_are_validated(tmp_path: Path, key: str, value: float, problem: str) -> None:
+    from services.common.config import ConfigError
+
+    path = tmp_path / "kvmesh.yaml"
+    data = yaml.safe_load((ROOT / "config" / "kvmesh.yaml").read_text())
+    data["alerts"][key] = value
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=rf"alerts\.{key}: {problem}"):
+        load_config(path)
