@@ -39,7 +39,8 @@ class EngineMetrics:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name", "engine"]
         values = [model_name, engine_id]
-        self._load = load
+        self._read_load = load
+        self._scrape_load: LoadSnapshot | None = None  # one snapshot per /metrics scrape
 
         def gauge(name: str, doc: str, fn: Callable[[LoadSnapshot], float]) -> None:
             Gauge(name, doc, labels, registry=r).labels(*values).set_function(lambda: fn(self._load()))
@@ -136,6 +137,11 @@ class EngineMetrics:
     def migrated_out(self, generations: int = 1) -> None:
         self._migrations_out.inc(generations)
 
+    def _load(self) -> LoadSnapshot:
+        """The backend's load: during a scrape (`exposition`) the gauges
+        that show it share one snapshot; otherwise read now."""
+        return self._scrape_load if self._scrape_load is not None else self._read_load()
+
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(max(0.0, seconds))
 
@@ -164,5 +170,9 @@ class EngineMetrics:
         self._p0_over.inc()
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        self._scrape_load = self._read_load()
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._scrape_load = None
 

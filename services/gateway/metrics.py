@@ -162,8 +162,9 @@ class GatewayMetrics:
             "request's end)", ["model_name", "priority"], registry=r,
         )
         self.rejections = Counter(
-            "kvmesh_gateway_rejections", "Requests refused with an error status before any token, by the "
-            "OpenAI error code answered (rate_limit_exceeded, queue_full, no_engine, invalid_api_key, ...)",
+            "kvmesh_gateway_rejections", "Requests answered with an error status (refused before any token; "
+            "or, not streamed, failed), by the OpenAI error code answered (invalid_api_key, queue_full, "
+            "no_engine, rate_limit_exceeded, ...)",
             ["reason"], registry=r,
         )
         self.resumes = Counter(

@@ -141,6 +141,38 @@ async def test_streamed_completion(backend) -> None:  # type: ignore[no-untyped-
     assert backend.load().request_ids == []
 
 
+async def test_step_statistics_reach_the_observer(backend) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's own per-step figures (its stat logger's IterationStats) reach
+    the engine's metrics: steps with their tokens and times, one inter-token
+    gap per token after the first, the request's queue/prefill/decode time."""
+    from services.engine.backend import RequestPhases
+
+    steps: list[tuple[float | None, int, int]] = []
+    gaps: list[float] = []
+    phases: list[RequestPhases] = []
+
+    class Observer:
+        def step(self, seconds: float | None, tokens: int, preempted: int) -> None:
+            steps.append((seconds, tokens, preempted))
+
+        def inter_token(self, seconds: float) -> None:
+            gaps.append(seconds)
+
+        def request_phases(self, p: RequestPhases) -> None:
+            phases.append(p)
+
+    backend.set_step_observer(Observer())
+    try:
+        await collect(backend, GenerationRequest("steps-1", unique_prompt(20), greedy(12)))
+        await until(lambda: len(phases) == 1, "the finished request's phases")
+    finally:
+        backend.set_step_observer(None)
+    assert sum(t for _, t, _ in steps) >= 20 + 12 - 1  # the prompt computed, then one token a step
+    assert any(s is not None and s > 0 for s, _, _ in steps)
+    assert len(gaps) == 11 and all(g >= 0 for g in gaps)
+    assert min(phases[0].queued, phases[0].prefill, phases[0].decode) >= 0 and phases[0].decode > 0
+
+
 async def test_stop_token_ends_with_stop(backend) -> None:  # type: ignore[no-untyped-def]
     prompt = unique_prompt(12)
     first = await collect(backend, GenerationRequest("stop-probe", prompt, greedy(6)))
