@@ -182,7 +182,9 @@ def _parser() -> argparse.ArgumentParser:
     env.add_argument("rest", nargs=argparse.REMAINDER)
     env.set_defaults(func=_cmd_envoy)
 
-    boards = sub.add_parser("dashboards", help="Grafana boards and alert rules (kvmesh dashboards --help)")
+    # Every argument, --help included, goes to `kvmesh dashboards`'s own parser.
+    boards = sub.add_parser("dashboards", add_help=False, prefix_chars="\0",
+                            help="Grafana boards and alert rules (kvmesh dashboards --help)")
     boards.add_argument("rest", nargs=argparse.REMAINDER)
     boards.set_defaults(func=_cmd_dashboards)
 

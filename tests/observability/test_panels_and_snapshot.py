@@ -67,3 +67,14 @@ def test_boards_are_the_four_the_issue_names() -> None:
     assert {"Queue wait by class", "Decision latency by policy"} <= titles["kvmesh-scheduler"]
     assert {"KV blocks by state", "Step time", "Serving"} <= titles["kvmesh-engine"]
     assert {"Healthy gateways (Envoy's view)", "Slow readers and paced streams"} <= titles["kvmesh-edge"]
+
+
+def test_cli_render_check_and_help(capsys: pytest.CaptureFixture[str]) -> None:
+    from services.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["dashboards", "render", "--check"])
+    assert done.value.code == 0
+    with pytest.raises(SystemExit):
+        main(["dashboards", "--help"])
+    assert "render" in capsys.readouterr().out
