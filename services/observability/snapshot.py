@@ -71,8 +71,8 @@ def _draw_panel(ax: Axes, panel: Panel, series: list[Series], start: float, end:
     for s in series[:12]:
         ax.plot([t - start for t in s.times], [v * scale for v in s.values], label=s.legend, linewidth=1.2)
     if panel.kind == "stat":
-        last = ", ".join(f"{s.legend}: {s.values[-1] * scale:.3g}" for s in series[:4])
-        ax.text(0.02, 0.92, last, transform=ax.transAxes, fontsize=9, va="top", weight="bold")
+        last = "\n".join(f"{s.legend}: {s.values[-1] * scale:.3g}" for s in series[:4])
+        ax.text(0.02, 0.92, last, transform=ax.transAxes, fontsize=8, va="top", weight="bold")
     ax.set_xlabel("seconds", fontsize=7)
     ax.legend(fontsize=6, loc="upper right", ncol=2 if len(series) > 6 else 1)
 
