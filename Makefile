@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvmesh-setup-done
 
-.PHONY: up test setup lint protos render images clean
+.PHONY: up test setup lint protos render dashboards images clean
 
 up: setup
 	$(BIN)/kvmesh up $(ARGS)
@@ -32,6 +32,10 @@ protos: setup
 # Re-render the checked-in Envoy configs from their topologies.
 render: setup
 	$(BIN)/kvmesh envoy render --all
+
+# Re-render the Grafana boards and alert rules (deploy/overlays/monitoring/) from services/observability/.
+dashboards: setup
+	$(BIN)/python -m services.cli dashboards render
 
 # The container images (Dockerfile; needs docker or another BuildKit client,
 # which this machine has not: tests/unit/test_dockerfile.py reads the file instead).

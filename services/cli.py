@@ -5,6 +5,7 @@
     kvmesh engine --engine-id ID --advertise-address HOST:PORT     an engine with a stable id/name
     kvmesh drain --port METRICS_PORT                               drain a local service (preStop)
     kvmesh envoy render                                            topology YAML -> Envoy config
+    kvmesh dashboards render                                       Grafana boards + alert rules (deploy/)
     kvmesh key hash KEY                                            SHA-256 for the config's api_keys
     kvmesh admin pause P2 | drain-engine ID | policy NAME | state  the scheduler's runtime knobs
     kvmesh top [--once]                                            a live view of a running mesh
@@ -107,6 +108,12 @@ def _cmd_envoy(ns: argparse.Namespace) -> None:
     sys.exit(render_main(ns.rest))
 
 
+def _cmd_dashboards(ns: argparse.Namespace) -> None:
+    from services.observability.cli import main as dashboards_main
+
+    sys.exit(dashboards_main(ns.rest, ns.config or os.environ.get("KVMESH_CONFIG")))
+
+
 def _cmd_drain(ns: argparse.Namespace) -> None:
     from services.common.health_http import request_drain
 
@@ -191,6 +198,12 @@ def _parser() -> argparse.ArgumentParser:
     env = sub.add_parser("envoy", help="Envoy config tooling (kvmesh envoy render --help)")
     env.add_argument("rest", nargs=argparse.REMAINDER)
     env.set_defaults(func=_cmd_envoy)
+
+    # Every argument, --help included, goes to `kvmesh dashboards`'s own parser.
+    boards = sub.add_parser("dashboards", add_help=False, prefix_chars="\0",
+                            help="Grafana boards and alert rules (kvmesh dashboards --help)")
+    boards.add_argument("rest", nargs=argparse.REMAINDER)
+    boards.set_defaults(func=_cmd_dashboards)
 
     from services.bench.cli import add_parser as add_bench_parser  # light imports only
 

@@ -69,8 +69,9 @@ class FleetGauges:
             serving = e.load.serving and not e.draining and e.fresh(now, self._stale)
             seen[e.engine_id] = (model, serving if e.last_report_at is not None else None)
             before = self._serving.get(e.engine_id, (model, None))[1]
+            flaps = m.engine_flaps.labels(e.engine_id)  # the series exists at 0, so increase() sees the first flap
             if before is not None and before != serving:
-                m.engine_flaps.labels(e.engine_id).inc()
+                flaps.inc()
             m.engine_serving.labels(e.engine_id, model).set(1 if serving else 0)
             queries = e.load.prefix_cache_queries
             m.reported_prefix_hit_rate.labels(e.engine_id).set(

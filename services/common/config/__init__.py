@@ -11,6 +11,7 @@ default, its bounds and why, where it is declared:
     gateway.py      gateway and its API keys
     responses.py    the Responses API's store (TTL, size bounds)
     tracing.py      OpenTelemetry traces: OTLP endpoint, sampling
+    alerts.py       alert thresholds (rendered into the rule files, read by no service)
     errors.py       ConfigError
     addresses.py    host:port addresses (DNS names, IPv4, [IPv6]): split and join
     loader.py       load_config: YAML -> dataclasses (type phase), then
@@ -28,6 +29,7 @@ the bounds phase unless it calls `validate_config`.
 
 from __future__ import annotations
 
+from .alerts import AlertsConfig
 from .engines import EngineConfig, EnginesConfig, SimCostConfig, VllmConfig
 from .errors import ConfigError
 from .gateway import ApiKeyConfig, GatewayConfig
@@ -43,6 +45,7 @@ __all__ = [
     "TOOL_PARSERS",
     "AdminKeyConfig",
     "AgingConfig",
+    "AlertsConfig",
     "ApiKeyConfig",
     "ConfigError",
     "EngineConfig",

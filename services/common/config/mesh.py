@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .alerts import AlertsConfig
 from .engines import EngineConfig, EnginesConfig
 from .errors import ConfigError
 from .gateway import GatewayConfig
@@ -129,6 +130,8 @@ class MeshConfig:
     responses: ResponsesConfig = field(default_factory=ResponsesConfig)
     # OpenTelemetry traces (tracing.py); off unless an endpoint is set.
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    # Alert thresholds, rendered into the rule files (alerts.py).
+    alerts: AlertsConfig = field(default_factory=AlertsConfig)
 
     def engine_config(self, index: int) -> EngineConfig:
         """Engine `index` as `kvmesh up` starts it: the template with its own

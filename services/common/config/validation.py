@@ -108,6 +108,15 @@ def validate_config(config: MeshConfig, where: str = "config") -> None:
     mesh.at("responses").positive("ttl_seconds", "max_bytes")
     mesh.at("responses").non_negative("max_entries")
     _check_tracing(mesh.at("tracing"))
+    _check_alerts(mesh.at("alerts"))
+
+
+def _check_alerts(alerts: _Section) -> None:
+    alerts.positive("p0_ttft_p99_seconds", "migrations_per_minute", "aging_fraction")
+    for name in ("aging_fraction", "kv_cache_full_ratio", "rejection_ratio"):
+        alerts.within(name, 0, 1)
+    if alerts.settings.flaps_per_15m < 1:
+        alerts.fail("flaps_per_15m", f"must be >= 1, got {alerts.settings.flaps_per_15m}")
 
 
 def _check_models(mesh: _Section) -> None:
