@@ -40,6 +40,12 @@ log = logging.getLogger(__name__)
 
 # How long a resuming call waits for the call it supersedes to let go.
 _TAKEOVER_SECONDS = 5.0
+# How long a new placement waits for a live owner to let go before it is a
+# duplicate: a preempted or migrated request re-placed here at once can
+# arrive on its new call before the old call's `cancel` (another HTTP/2
+# stream) is read. A true duplicate is refused that much later; the
+# scheduler refuses most of them at admission anyway.
+_RELEASE_GRACE_SECONDS = 1.5
 
 
 class UnknownGeneration(EngineError):
@@ -124,14 +130,22 @@ class Keeper:
         that id is still here: end the old one and wait for the backend to let
         go of it, if it is stale -- detached (its caller vanished), or ended
         and only held for an acknowledgement or for the backend to let go (a
-        preempted request placed here again at once). False: it is running
-        for a live caller, a true duplicate."""
+        preempted request placed here again at once; a live caller gets
+        _RELEASE_GRACE_SECONDS to let go first). False: it is running for a
+        live caller, a true duplicate."""
         generation = self._runtime.live(request_id)
         if generation is None:
             return True
         owner = self._owners.get(request_id)
         if owner is not None and not owner.released.is_set() and not generation.ended:
-            return False
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_RELEASE_GRACE_SECONDS):
+                    await owner.released.wait()
+            if not owner.released.is_set() and not generation.ended:
+                return False
+            generation = self._runtime.live(request_id)
+            if generation is None:
+                return True
         timer = self._timers.pop(request_id, None)
         if timer is not None:
             timer.cancel()

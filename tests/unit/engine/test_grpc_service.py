@@ -143,7 +143,9 @@ async def test_empty_stream_is_invalid_argument(stub: engine_pb2_grpc.EngineStub
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-async def test_duplicate_request_id(service: EngineService, stub: engine_pb2_grpc.EngineStub) -> None:
+async def test_duplicate_request_id(service: EngineService, stub: engine_pb2_grpc.EngineStub,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("services.engine.detached._RELEASE_GRACE_SECONDS", 0.1)  # the sim is fast
     first = stub.Generate()
     await first.write(gen_request("dup", prompt_of(10), 3000))
     await first.read()
@@ -176,6 +178,28 @@ async def test_placing_a_request_again_ends_its_stale_generation(
     tokens, _, finished = await collect(second)
     assert len(tokens) == 5 and finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert service.runtime.kept.detached_count == 0
+    first.cancel()
+    await wait_until(lambda: service.backend.load().blocks_used == 0)
+
+
+async def test_a_placement_racing_its_old_calls_cancel_waits_for_it(
+        service: EngineService, stub: engine_pb2_grpc.EngineStub) -> None:
+    """The new call of a re-placed request can be read before its old call's
+    `cancel` (another HTTP/2 stream): the placement waits a moment for the
+    old owner to let go and then runs -- not a 409 for the request's own id
+    (the demo run's one duplicate_request_id after an engine kill)."""
+    first = stub.Generate()
+    await first.write(gen_request("raced", prompt_of(10), 3000))
+    await first.read()
+    second = stub.Generate()
+    await second.write(gen_request("raced", prompt_of(12), 5))
+    late = asyncio.get_running_loop().call_later(0.3, lambda: asyncio.ensure_future(
+        first.write(engine_pb2.EngineGenerateMessage(cancel=engine_pb2.CancelGeneration()))))
+    try:
+        tokens, _, finished = await collect(second)
+    finally:
+        late.cancel()
+    assert len(tokens) == 5 and finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
     first.cancel()
     await wait_until(lambda: service.backend.load().blocks_used == 0)
 

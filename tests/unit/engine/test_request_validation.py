@@ -153,7 +153,11 @@ async def test_every_backend_answers_a_shared_rule_alike(stub: engine_pb2_grpc.E
 
 
 async def test_every_backend_answers_a_duplicate_id_already_exists(service: EngineService,
-                                                                   stub: engine_pb2_grpc.EngineStub) -> None:
+                                                                   stub: engine_pb2_grpc.EngineStub,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # The live owner's grace (services/engine/detached.py) shortened: the
+    # fast sim would finish the first request within the default and let go.
+    monkeypatch.setattr("services.engine.detached._RELEASE_GRACE_SECONDS", 0.1)
     first = stub.Generate()
     await first.write(message("dup", prompt_of(10), max_tokens=3000))
     assert (await first.read()).HasField("delta")
