@@ -31,7 +31,9 @@ What the rendered Envoy does, and why:
   header value (per API key); 429 + Retry-After.
 - Optional TLS with ALPN h2/http1.1; the browser chat page (web/) is served
   by Envoy from files read at start-up.
-- Admin (and /stats/prometheus) on loopback only (checked by the topology).
+- Admin (and /stats/prometheus) on loopback only (checked by the topology);
+  optionally a stats-only listener forwarding GET /stats/prometheus alone to
+  it (stats.py), for a Prometheus in another pod.
 
 Structure: this module assembles the bootstrap and runs the command;
 listener.py (connection manager, TLS, local replies) with routes.py and
@@ -52,6 +54,7 @@ from services.edge.clusters import cluster
 from services.edge.fragments import GRPC_CLUSTER, HTTP_CLUSTER, TYPE, socket_address
 from services.edge.listener import listener
 from services.edge.routes import PUBLIC_GRPC_PREFIXES, WEB_FILES
+from services.edge.stats import admin_cluster, stats_listener
 from services.edge.topology import Topology, TopologyError, load_topology
 from services.edge.tracing import collector_cluster
 
@@ -87,11 +90,15 @@ def render(topology: Topology) -> dict[str, Any]:
         "node": {"id": "kvmesh-edge", "cluster": "kvmesh"},
         "admin": {"address": socket_address(topology.admin.host, topology.admin.port)},
         "static_resources": {
-            "listeners": [listener(topology)],
+            "listeners": [
+                listener(topology),
+                *([stats_listener(topology.stats)] if topology.stats.enabled else []),
+            ],
             "clusters": [
                 cluster(topology, GRPC_CLUSTER, grpc=True),
                 cluster(topology, HTTP_CLUSTER, grpc=False),
                 *([collector_cluster(topology.tracing)] if topology.tracing.enabled else []),
+                *([admin_cluster(topology.admin.host, topology.admin.port)] if topology.stats.enabled else []),
             ],
         },
         "overload_manager": {
