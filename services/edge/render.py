@@ -2,7 +2,8 @@
 
     kvmesh envoy render [--topology F] [--out F]   one topology
     kvmesh envoy render --all [--check]            every envoy/*.yaml -> envoy/rendered/
-                                                   (+ deploy/base/envoy/ for Kubernetes)
+                                                   (+ deploy/base/envoy/, deploy/overlays/tracing/
+                                                   for Kubernetes)
 
 What the rendered Envoy does, and why:
 - One public listener, codec AUTO: HTTP/1.1 and h2c (gRPC without TLS) on one port.
@@ -60,6 +61,7 @@ from services.edge.tracing import collector_cluster
 
 __all__ = [
     "DEPLOY_ENVOY_DIR",
+    "DEPLOY_TRACING_ENVOY",
     "ENVOY_DIR",
     "GRPC_CLUSTER",
     "HTTP_CLUSTER",
@@ -81,6 +83,9 @@ DEFAULT_TOPOLOGY = ENVOY_DIR / "topology.yaml"
 # copied there by `--all` (and compared by `--all --check`).
 KUBERNETES_TOPOLOGY = ENVOY_DIR / "topology-kubernetes.yaml"
 DEPLOY_ENVOY_DIR = ROOT / "deploy" / "base" / "envoy"
+# The same with tracing on: deploy/overlays/tracing's Envoy bootstrap.
+KUBERNETES_TRACING_TOPOLOGY = ENVOY_DIR / "topology-kubernetes-tracing.yaml"
+DEPLOY_TRACING_ENVOY = ROOT / "deploy" / "overlays" / "tracing" / "envoy.yaml"
 
 
 def render(topology: Topology) -> dict[str, Any]:
@@ -138,10 +143,11 @@ def _topologies() -> list[Path]:
 
 
 def _deploy_copies() -> list[tuple[Path, Path]]:
-    """(source, copy) pairs of deploy/base/envoy/."""
+    """(source, copy) pairs of deploy/base/envoy/ and deploy/overlays/tracing/."""
     pairs = [
         (rendered_path_for(KUBERNETES_TOPOLOGY), DEPLOY_ENVOY_DIR / "envoy.yaml"),
         (ENVOY_DIR / "kvmesh.pb", DEPLOY_ENVOY_DIR / "kvmesh.pb"),
+        (rendered_path_for(KUBERNETES_TRACING_TOPOLOGY), DEPLOY_TRACING_ENVOY),
     ]
     pairs += [(ROOT / "web" / name, DEPLOY_ENVOY_DIR / "web" / name) for name, _ in WEB_FILES.values()]
     return pairs

@@ -24,11 +24,11 @@ from .wiring import (
     pod_of,
     policy_allows,
 )
-from .wiring_monitoring import check_admin_keys, check_envoy_stats, check_scraped
+from .wiring_monitoring import check_admin_keys, check_envoy_stats, check_scraped, check_tracing
 
 CHECKS: list[Callable[[list[Obj]], list[str]]] = [
     check_commands, check_env, check_config, check_ports, check_drain, check_engine_identity, check_envoy,
-    check_scraped, check_envoy_stats, check_admin_keys,
+    check_scraped, check_envoy_stats, check_admin_keys, check_tracing,
 ]
 
 

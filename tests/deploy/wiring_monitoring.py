@@ -7,7 +7,9 @@
 - check_envoy_stats: Envoy's stats listener routes only GET
   /stats/prometheus, to a cluster that is the loopback admin interface;
 - check_admin_keys: the scheduler's `scheduler.admin_keys_file` is a key of
-  a Secret mounted in its container.
+  a Secret mounted in its container;
+- check_tracing: Envoy traces exactly when the mesh config does, to the same
+  receiver as the services, and no NetworkPolicy restricts egress to it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from services.edge.stats import STATS_PATH
+from services.edge.tracing import COLLECTOR_CLUSTER, spec_from_config
 
 from .manifests import Obj, ident
 from .wiring import (
@@ -139,3 +142,37 @@ def check_admin_keys(objects: list[Obj]) -> list[str]:
     if files is None or ("*" not in files[1] and Path(path).name not in files[1]):
         return [f"{pod.name}: scheduler.admin_keys_file {path} is in no Secret mounted in the container"]
     return []
+
+
+def _envoy_tracing(boot: dict[str, Any]) -> dict[str, Any] | None:
+    for listener in boot["static_resources"]["listeners"]:
+        if listener["name"] == "public":
+            manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+            return manager.get("tracing")  # type: ignore[no-any-return]
+    return None
+
+
+def check_tracing(objects: list[Obj]) -> list[str]:
+    pod = pod_of(objects, "envoy")
+    boot = envoy_bootstrap(objects, pod)
+    cfg, problems = mesh_config(objects, pod_of(objects, "gateway"))
+    if boot is None or cfg is None:
+        return problems or [f"{pod.name}: no Envoy bootstrap"]
+    tracing = _envoy_tracing(boot)
+    want = spec_from_config(cfg.tracing)
+    if tracing is None:
+        return [f"{pod.name}: the services trace to {cfg.tracing.otlp_endpoint} but Envoy does not"] \
+            if want.enabled else []
+    if not want.enabled:
+        return [f"{pod.name}: Envoy traces but the services do not (tracing.otlp_endpoint is empty)"]
+    provider = tracing["provider"]["typed_config"]
+    got = (provider["http_service"]["http_uri"]["uri"], provider["service_name"], tracing["random_sampling"]["value"])
+    if got != (want.traces_url, want.service_name, want.sampling_percent):
+        problems.append(f"{pod.name}: Envoy traces as {got}, the mesh config says "
+                        f"{(want.traces_url, want.service_name, want.sampling_percent)}")
+    if COLLECTOR_CLUSTER not in {c["name"] for c in boot["static_resources"]["clusters"]}:
+        problems.append(f"{pod.name}: no {COLLECTOR_CLUSTER} cluster for the tracer")
+    for policy in (o for o in objects if o["kind"] == "NetworkPolicy"):
+        if "Egress" in policy["spec"].get("policyTypes", []):
+            problems.append(f"{ident(policy)} restricts egress: allow the trace receiver {want.traces_url}")
+    return problems
