@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The Secrets the Kubernetes manifests (deploy/) refer to by name, made
 # outside git (no key is ever committed):
-#   kvmesh-mesh-tls  the mesh CA certificate and each role's certificate and
-#                    key (ca.pem, <role>.pem, <role>-key.pem; never ca-key.pem),
+#   kvmesh-mesh-tls  the mesh CA certificate and each pod role's certificate
+#                    and key (ca.pem, <role>.pem, <role>-key.pem; never
+#                    ca-key.pem, nor the operator's admin pair),
 #                    from the development mesh CA `kvmesh up --mesh-tls` uses
 #                    (services/tools/devcerts.py --mesh; kept while valid).
 #   kvmesh-api-keys  api-keys.yaml: the gateway's API key file (SHA-256 only;
@@ -52,7 +53,9 @@ OUT="$(cd "$OUT" && pwd)"   # absolute: operator.yaml names its certificate fold
 TLS="$OUT/mesh-tls"
 (cd "$ROOT" && "$PY" -m services.tools.devcerts --mesh --out "$TLS" >/dev/null)
 
-ROLES=(scheduler gateway engine envoy admin)
+# The pods' roles. The `admin` certificate (kvmesh admin / top) stays on
+# this machine, in $TLS: no pod needs it, so the cluster never holds it.
+ROLES=(scheduler gateway engine envoy)
 tls_args=(--from-file="ca.pem=$TLS/ca.pem")
 for role in "${ROLES[@]}"; do
   tls_args+=(--from-file="$role.pem=$TLS/$role.pem" --from-file="$role-key.pem=$TLS/$role-key.pem")

@@ -1,7 +1,9 @@
-"""scripts/k8s_secrets.sh: the two Secrets the pods mount, made offline
-from the development mesh CA -- every file a pod's volume picks exists, each
-role's certificate loads as that role's mesh identity, the CA's key stays
-out, the API key file loads as the gateway reads it."""
+"""scripts/k8s_secrets.sh: the Secrets the pods mount, made offline from the
+development mesh CA -- every file a pod's volume picks exists, each role's
+certificate loads as that role's mesh identity, the CA's key and the
+operator's admin key stay out, the API key file loads as the gateway reads
+it, the admin key file as the scheduler does, and the operator's config
+finds the admin certificate."""
 
 from __future__ import annotations
 
@@ -40,8 +42,9 @@ def test_the_secrets_hold_what_the_pods_mount(tmp_path: Path) -> None:
     assert set(objects) == {"Namespace/kvmesh", "Secret/kvmesh-mesh-tls", "Secret/kvmesh-api-keys",
                             "Secret/kvmesh-admin-keys"}
     tls = {k: base64.b64decode(v) for k, v in objects["Secret/kvmesh-mesh-tls"]["data"].items()}
-    assert set(tls) == {"ca.pem", *(f"{r}.pem" for r in ROLES), *(f"{r}-key.pem" for r in ROLES)}
-    assert "ca-key.pem" not in tls
+    pod_roles = [r for r in ROLES if r != "admin"]
+    assert set(tls) == {"ca.pem", *(f"{r}.pem" for r in pod_roles), *(f"{r}-key.pem" for r in pod_roles)}
+    assert "ca-key.pem" not in tls and "admin-key.pem" not in tls   # the operator's pair stays local
     for overlay in OVERLAYS:
         if overlay.endswith("cert-manager"):
             continue  # its pods mount cert-manager's Secrets instead
@@ -84,5 +87,5 @@ def _check_admin(tmp_path: Path, objects: dict[str, Any]) -> None:
     assert (tmp_path / "s" / "admin-token").read_text().strip() == "kvma-test"
     operator = load_config(tmp_path / "s" / "operator.yaml")
     assert (operator.scheduler.host, operator.scheduler.port) == ("127.0.0.1", 50051)
-    identity = identity_for(operator, "admin")
+    identity = identity_for(operator, "admin")   # loads: ca.pem, admin.pem, admin-key.pem all there
     assert identity is not None and identity.cert_file == (tmp_path / "s" / "mesh-tls" / "admin.pem").resolve()
