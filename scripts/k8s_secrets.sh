@@ -1,14 +1,25 @@
 #!/usr/bin/env bash
-# The two Secrets the Kubernetes manifests (deploy/) refer to by name, made
+# The Secrets the Kubernetes manifests (deploy/) refer to by name, made
 # outside git (no key is ever committed):
-#   kvmesh-mesh-tls  the mesh CA certificate and each role's certificate and
-#                    key (ca.pem, <role>.pem, <role>-key.pem; never ca-key.pem),
+#   kvmesh-mesh-tls  the mesh CA certificate and each pod role's certificate
+#                    and key (ca.pem, <role>.pem, <role>-key.pem; never
+#                    ca-key.pem, nor the operator's admin pair),
 #                    from the development mesh CA `kvmesh up --mesh-tls` uses
 #                    (services/tools/devcerts.py --mesh; kept while valid).
 #   kvmesh-api-keys  api-keys.yaml: the gateway's API key file (SHA-256 only;
 #                    gateway.api_keys_file, mounted at /etc/kvmesh/api-keys)
 #                    for the key in $KVMESH_API_KEY, else a generated one
 #                    printed once and kept in <out>/api-key.
+#   kvmesh-admin-keys admin-keys.yaml: the scheduler's admin key file (SHA-256
+#                    only; scheduler.admin_keys_file, mounted at
+#                    /etc/kvmesh/admin-keys) for the token in
+#                    $KVMESH_ADMIN_TOKEN, else a generated one printed once
+#                    and kept in <out>/admin-token; holder name
+#                    $KVMESH_ADMIN_NAME (default operator).
+# Also <out>/operator.yaml: the config `kvmesh admin` / `kvmesh top` use on
+# the operator's machine through `kubectl port-forward` (scheduler on
+# 127.0.0.1:50051 + 9101, mesh TLS with the `admin` certificate of
+# <out>/mesh-tls; deploy/README.md "Operate it").
 #
 #   scripts/k8s_secrets.sh [--out DIR] [--namespace NS] [--apply]
 #
@@ -29,7 +40,7 @@ while [ $# -gt 0 ]; do
     --out) OUT="$2"; shift 2 ;;
     --namespace) NAMESPACE="$2"; shift 2 ;;
     --apply) APPLY=1; shift ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "k8s_secrets.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -38,10 +49,13 @@ command -v kubectl >/dev/null || { echo "k8s_secrets.sh: kubectl not found" >&2;
 
 mkdir -p "$OUT"
 chmod 700 "$OUT"
+OUT="$(cd "$OUT" && pwd)"   # absolute: operator.yaml names its certificate folder
 TLS="$OUT/mesh-tls"
 (cd "$ROOT" && "$PY" -m services.tools.devcerts --mesh --out "$TLS" >/dev/null)
 
-ROLES=(scheduler gateway engine envoy admin)
+# The pods' roles. The `admin` certificate (kvmesh admin / top) stays on
+# this machine, in $TLS: no pod needs it, so the cluster never holds it.
+ROLES=(scheduler gateway engine envoy)
 tls_args=(--from-file="ca.pem=$TLS/ca.pem")
 for role in "${ROLES[@]}"; do
   tls_args+=(--from-file="$role.pem=$TLS/$role.pem" --from-file="$role-key.pem=$TLS/$role-key.pem")
@@ -68,6 +82,46 @@ api_keys:
 YAML
 )
 
+ADMIN_TOKEN_FILE="$OUT/admin-token"
+if [ -n "${KVMESH_ADMIN_TOKEN:-}" ]; then
+  admin_token="$KVMESH_ADMIN_TOKEN"
+elif [ -s "$ADMIN_TOKEN_FILE" ]; then
+  admin_token="$(cat "$ADMIN_TOKEN_FILE")"
+else
+  admin_token="kvma-$("$PY" -c 'import secrets; print(secrets.token_urlsafe(32))')"
+  echo "generated admin token (kept in $ADMIN_TOKEN_FILE): $admin_token"
+fi
+# Kept for `kvmesh admin --token-file` (also when given by the environment).
+(umask 077 && printf '%s\n' "$admin_token" > "$ADMIN_TOKEN_FILE")
+admin_digest="$(printf '%s' "$admin_token" | "$PY" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
+ADMIN_KEYS="$OUT/admin-keys.yaml"
+(umask 077 && cat > "$ADMIN_KEYS" <<YAML
+# The scheduler's scheduler.admin_keys_file (services/scheduler/admin_api.py):
+# entries like scheduler.admin_keys (services/common/config/scheduler.py).
+admin_keys:
+  - sha256: $admin_digest
+    name: ${KVMESH_ADMIN_NAME:-operator}
+YAML
+)
+cat > "$OUT/operator.yaml" <<YAML
+# \`kvmesh --config $OUT/operator.yaml admin|top ...\` on this machine, with
+#   kubectl -n $NAMESPACE port-forward deploy/kvmesh-scheduler 50051 9101
+# (+ deploy/kvmesh-gateway 9102 for top's gateway row). Mesh TLS: the
+# \`admin\` certificate and the CA below (the scheduler requires both).
+scheduler:
+  host: 127.0.0.1
+  port: 50051
+  metrics_port: 9101
+gateway:
+  metrics_port: 9102
+engines:
+  # Engine metrics are per pod (not forwarded): top shows them from GetState.
+  count: 0
+mesh_tls:
+  enabled: true
+  cert_dir: $TLS
+YAML
+
 {
   kubectl create namespace "$NAMESPACE" --dry-run=client -o yaml
   echo "---"
@@ -76,10 +130,14 @@ YAML
   echo "---"
   kubectl create secret generic kvmesh-api-keys --namespace "$NAMESPACE" \
     --from-file="api-keys.yaml=$KEYS" --dry-run=client -o yaml
+  echo "---"
+  kubectl create secret generic kvmesh-admin-keys --namespace "$NAMESPACE" \
+    --from-file="admin-keys.yaml=$ADMIN_KEYS" --dry-run=client -o yaml
 } > "$OUT/secrets.yaml"
 chmod 600 "$OUT/secrets.yaml"
 printf 'resources:\n  - secrets.yaml\n' > "$OUT/kustomization.yaml"
-echo "wrote $OUT/secrets.yaml (kvmesh-mesh-tls, kvmesh-api-keys in namespace $NAMESPACE)"
+echo "wrote $OUT/secrets.yaml (kvmesh-mesh-tls, kvmesh-api-keys, kvmesh-admin-keys in namespace $NAMESPACE)"
+echo "wrote $OUT/operator.yaml (kvmesh admin / top through kubectl port-forward)"
 
 if [ "$APPLY" = 1 ]; then
   kubectl apply -k "$OUT"

@@ -2,7 +2,8 @@
 
     kvmesh envoy render [--topology F] [--out F]   one topology
     kvmesh envoy render --all [--check]            every envoy/*.yaml -> envoy/rendered/
-                                                   (+ deploy/base/envoy/ for Kubernetes)
+                                                   (+ deploy/base/envoy/, deploy/overlays/tracing/
+                                                   for Kubernetes)
 
 What the rendered Envoy does, and why:
 - One public listener, codec AUTO: HTTP/1.1 and h2c (gRPC without TLS) on one port.
@@ -31,7 +32,9 @@ What the rendered Envoy does, and why:
   header value (per API key); 429 + Retry-After.
 - Optional TLS with ALPN h2/http1.1; the browser chat page (web/) is served
   by Envoy from files read at start-up.
-- Admin (and /stats/prometheus) on loopback only (checked by the topology).
+- Admin (and /stats/prometheus) on loopback only (checked by the topology);
+  optionally a stats-only listener forwarding GET /stats/prometheus alone to
+  it (stats.py), for a Prometheus in another pod.
 
 Structure: this module assembles the bootstrap and runs the command;
 listener.py (connection manager, TLS, local replies) with routes.py and
@@ -52,11 +55,13 @@ from services.edge.clusters import cluster
 from services.edge.fragments import GRPC_CLUSTER, HTTP_CLUSTER, TYPE, socket_address
 from services.edge.listener import listener
 from services.edge.routes import PUBLIC_GRPC_PREFIXES, WEB_FILES
+from services.edge.stats import admin_cluster, stats_listener
 from services.edge.topology import Topology, TopologyError, load_topology
 from services.edge.tracing import collector_cluster
 
 __all__ = [
     "DEPLOY_ENVOY_DIR",
+    "DEPLOY_TRACING_ENVOY",
     "ENVOY_DIR",
     "GRPC_CLUSTER",
     "HTTP_CLUSTER",
@@ -78,6 +83,9 @@ DEFAULT_TOPOLOGY = ENVOY_DIR / "topology.yaml"
 # copied there by `--all` (and compared by `--all --check`).
 KUBERNETES_TOPOLOGY = ENVOY_DIR / "topology-kubernetes.yaml"
 DEPLOY_ENVOY_DIR = ROOT / "deploy" / "base" / "envoy"
+# The same with tracing on: deploy/overlays/tracing's Envoy bootstrap.
+KUBERNETES_TRACING_TOPOLOGY = ENVOY_DIR / "topology-kubernetes-tracing.yaml"
+DEPLOY_TRACING_ENVOY = ROOT / "deploy" / "overlays" / "tracing" / "envoy.yaml"
 
 
 def render(topology: Topology) -> dict[str, Any]:
@@ -87,11 +95,15 @@ def render(topology: Topology) -> dict[str, Any]:
         "node": {"id": "kvmesh-edge", "cluster": "kvmesh"},
         "admin": {"address": socket_address(topology.admin.host, topology.admin.port)},
         "static_resources": {
-            "listeners": [listener(topology)],
+            "listeners": [
+                listener(topology),
+                *([stats_listener(topology.stats)] if topology.stats.enabled else []),
+            ],
             "clusters": [
                 cluster(topology, GRPC_CLUSTER, grpc=True),
                 cluster(topology, HTTP_CLUSTER, grpc=False),
                 *([collector_cluster(topology.tracing)] if topology.tracing.enabled else []),
+                *([admin_cluster(topology.admin.host, topology.admin.port)] if topology.stats.enabled else []),
             ],
         },
         "overload_manager": {
@@ -131,10 +143,11 @@ def _topologies() -> list[Path]:
 
 
 def _deploy_copies() -> list[tuple[Path, Path]]:
-    """(source, copy) pairs of deploy/base/envoy/."""
+    """(source, copy) pairs of deploy/base/envoy/ and deploy/overlays/tracing/."""
     pairs = [
         (rendered_path_for(KUBERNETES_TOPOLOGY), DEPLOY_ENVOY_DIR / "envoy.yaml"),
         (ENVOY_DIR / "kvmesh.pb", DEPLOY_ENVOY_DIR / "kvmesh.pb"),
+        (rendered_path_for(KUBERNETES_TRACING_TOPOLOGY), DEPLOY_TRACING_ENVOY),
     ]
     pairs += [(ROOT / "web" / name, DEPLOY_ENVOY_DIR / "web" / name) for name, _ in WEB_FILES.values()]
     return pairs

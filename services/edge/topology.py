@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from services.common.config import ConfigError, config_from_dict
+from services.edge.stats import StatsSpec
 from services.edge.tracing import TracingSpec
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "HealthCheckSpec",
     "ListenerSpec",
     "RateLimitSpec",
+    "StatsSpec",
     "TimeoutSpec",
     "TlsSpec",
     "UpstreamTlsSpec",
@@ -262,6 +264,8 @@ class Topology:
     max_connections: int = 50_000
     # Envoy's OpenTelemetry spans (services/edge/tracing.py); off by default.
     tracing: TracingSpec = field(default_factory=TracingSpec)
+    # A listener serving only GET /stats/prometheus (services/edge/stats.py); off by default.
+    stats: StatsSpec = field(default_factory=StatsSpec)
 
     def validate(self, heartbeat_seconds: float | None = None) -> None:
         """Raise TopologyError for values out of bounds. With the gateway's
@@ -272,6 +276,9 @@ class Topology:
         self._validate_limits()
         self._validate_tls()
         if (problem := self.tracing.validate()) is not None:
+            raise TopologyError(problem)
+        taken = {"listener.port": self.listener.port, "admin.port": self.admin.port}
+        if (problem := self.stats.validate(taken)) is not None:
             raise TopologyError(problem)
         if self.max_connections < 1:
             raise TopologyError("max_connections: must be >= 1")

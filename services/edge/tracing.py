@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from services.common.config.tracing import TracingConfig
 from services.edge.fragments import TYPE, seconds, socket_address
 
-__all__ = ["COLLECTOR_CLUSTER", "TracingSpec", "collector_cluster", "hcm_tracing"]
+__all__ = ["COLLECTOR_CLUSTER", "TracingSpec", "collector_cluster", "hcm_tracing", "spec_from_config"]
 
 COLLECTOR_CLUSTER = "otel_collector"
 
@@ -56,6 +57,17 @@ class TracingSpec:
         if not self.timeout_seconds > 0:
             return f"tracing.timeout_seconds: must be > 0, got {self.timeout_seconds}"
         return None
+
+
+def spec_from_config(tracing: TracingConfig) -> TracingSpec:
+    """Envoy's tracer as the mesh config's `tracing:` block makes it: the
+    same receiver, `<service_name>-envoy`, the same sampling (`kvmesh up`;
+    the Kubernetes tracing overlay's topology is checked against it)."""
+    if not tracing.enabled:
+        return TracingSpec()
+    return TracingSpec(traces_url=tracing.traces_url, service_name=tracing.service("envoy"),
+                       sampling_percent=tracing.sample_ratio * 100, headers=dict(tracing.headers) or None,
+                       timeout_seconds=tracing.export_timeout_seconds)
 
 
 def hcm_tracing(spec: TracingSpec) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from services.edge.topology import (
     UpstreamTlsSpec,
     load_topology,
 )
-from services.edge.tracing import TracingSpec
+from services.edge.tracing import spec_from_config
 from services.launcher.children import MeshError
 from services.launcher.port_plan import gateway_ports
 from services.launcher.resolve import ROOT, absolute
@@ -88,10 +88,7 @@ def render_envoy(cfg: MeshConfig, topology: Topology | None, gateways: int, dev_
         topology.timeouts, upstream_keepalive_seconds=cfg.network.keepalive_time_seconds,
         upstream_keepalive_timeout_seconds=cfg.network.keepalive_timeout_seconds))
     if cfg.tracing.enabled:  # Envoy's span is the root of each request's trace
-        topology = dataclasses.replace(topology, tracing=TracingSpec(
-            traces_url=cfg.tracing.traces_url, service_name=cfg.tracing.service("envoy"),
-            sampling_percent=cfg.tracing.sample_ratio * 100, headers=dict(cfg.tracing.headers) or None,
-            timeout_seconds=cfg.tracing.export_timeout_seconds))
+        topology = dataclasses.replace(topology, tracing=spec_from_config(cfg.tracing))
     topology.validate(heartbeat_seconds=cfg.gateway.heartbeat_seconds)
     removal = topology.health_check.removal_seconds
     if removal > cfg.gateway.drain_unready_seconds:

@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 SCHEMAS = DEPLOY / "schemas"
 # Every kustomization an operator may apply (and the base they share).
-OVERLAYS = ("base", "overlays/dev-cpu", "overlays/gpu", "overlays/monitoring", "overlays/cert-manager")
+OVERLAYS = ("base", "overlays/dev-cpu", "overlays/gpu", "overlays/monitoring", "overlays/cert-manager",
+            "overlays/tracing")
 # The Kubernetes versions the manifests must be valid for: the oldest we
 # support (kubectl on these machines is 1.32) and the newest
 # kubernetes-validate 1.37.0 knows.

@@ -12,16 +12,18 @@ from typing import Any
 import pytest
 
 from services.edge import render as render_mod
-from services.edge.render import ENVOY_DIR, main, render
+from services.edge.render import ENVOY_DIR, GRPC_CLUSTER, HTTP_CLUSTER, main, render
 from services.edge.topology import DnsSpec, GatewayEndpoint, Topology, TopologyError, load_topology
 
 
 def _clusters(topology: Topology) -> list[dict[str, Any]]:
-    return list(render(topology)["static_resources"]["clusters"])
+    """The two gateway clusters (not the stats listener's loopback admin one)."""
+    return [c for c in render(topology)["static_resources"]["clusters"] if c["name"] in (GRPC_CLUSTER, HTTP_CLUSTER)]
 
 
 def test_a_dns_name_gives_a_strict_dns_cluster_with_health_checks() -> None:
     topology = load_topology(ENVOY_DIR / "topology-kubernetes.yaml")
+    assert len(_clusters(topology)) == 2
     for cluster in _clusters(topology):
         assert "type" not in cluster
         dns = cluster["cluster_type"]["typed_config"]

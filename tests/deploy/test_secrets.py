@@ -1,7 +1,9 @@
-"""scripts/k8s_secrets.sh: the two Secrets the pods mount, made offline
-from the development mesh CA -- every file a pod's volume picks exists, each
-role's certificate loads as that role's mesh identity, the CA's key stays
-out, the API key file loads as the gateway reads it."""
+"""scripts/k8s_secrets.sh: the Secrets the pods mount, made offline from the
+development mesh CA -- every file a pod's volume picks exists, each role's
+certificate loads as that role's mesh identity, the CA's key and the
+operator's admin key stay out, the API key file loads as the gateway reads
+it, the admin key file as the scheduler does, and the operator's config
+finds the admin certificate."""
 
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ from typing import Any
 
 import yaml
 
-from services.common.config import GatewayConfig
-from services.common.mesh_tls import ROLES, MeshIdentity
+from services.common.config import GatewayConfig, SchedulerConfig, load_config
+from services.common.mesh_tls import ROLES, MeshIdentity, identity_for
 from services.gateway.keys import load_api_keys_file
+from services.scheduler.admin_api import load_admin_keys_file
 
 from .manifests import OVERLAYS, ROOT, render
 from .wiring import pods
@@ -26,8 +29,8 @@ from .wiring import pods
 SCRIPT = ROOT / "scripts" / "k8s_secrets.sh"
 
 
-def _run(out: Path, key: str) -> dict[str, Any]:
-    env = {**os.environ, "KVMESH_API_KEY": key, "PYTHON": sys.executable}
+def _run(out: Path, key: str, admin_token: str = "kvma-test") -> dict[str, Any]:
+    env = {**os.environ, "KVMESH_API_KEY": key, "KVMESH_ADMIN_TOKEN": admin_token, "PYTHON": sys.executable}
     subprocess.run(["bash", str(SCRIPT), "--out", str(out)], env=env, check=True, capture_output=True,
                    timeout=120, cwd=ROOT)
     docs = [d for d in yaml.safe_load_all((out / "secrets.yaml").read_text()) if d]
@@ -36,10 +39,12 @@ def _run(out: Path, key: str) -> dict[str, Any]:
 
 def test_the_secrets_hold_what_the_pods_mount(tmp_path: Path) -> None:
     objects = _run(tmp_path / "s", "sk-test")
-    assert set(objects) == {"Namespace/kvmesh", "Secret/kvmesh-mesh-tls", "Secret/kvmesh-api-keys"}
+    assert set(objects) == {"Namespace/kvmesh", "Secret/kvmesh-mesh-tls", "Secret/kvmesh-api-keys",
+                            "Secret/kvmesh-admin-keys"}
     tls = {k: base64.b64decode(v) for k, v in objects["Secret/kvmesh-mesh-tls"]["data"].items()}
-    assert set(tls) == {"ca.pem", *(f"{r}.pem" for r in ROLES), *(f"{r}-key.pem" for r in ROLES)}
-    assert "ca-key.pem" not in tls
+    pod_roles = [r for r in ROLES if r != "admin"]
+    assert set(tls) == {"ca.pem", *(f"{r}.pem" for r in pod_roles), *(f"{r}-key.pem" for r in pod_roles)}
+    assert "ca-key.pem" not in tls and "admin-key.pem" not in tls   # the operator's pair stays local
     for overlay in OVERLAYS:
         if overlay.endswith("cert-manager"):
             continue  # its pods mount cert-manager's Secrets instead
@@ -57,6 +62,7 @@ def test_the_secrets_hold_what_the_pods_mount(tmp_path: Path) -> None:
     keys_file.write_bytes(base64.b64decode(objects["Secret/kvmesh-api-keys"]["data"]["api-keys.yaml"]))
     keys = load_api_keys_file(dataclasses.replace(GatewayConfig(), api_keys_file=str(keys_file)))
     assert [k.sha256 for k in keys] == [hashlib.sha256(b"sk-test").hexdigest()]
+    _check_admin(tmp_path, objects)
     rendered = subprocess.run(["kubectl", "kustomize", str(tmp_path / "s")], check=True, capture_output=True,
                               text=True, timeout=60).stdout
     assert "kvmesh-mesh-tls" in rendered
@@ -67,3 +73,19 @@ def test_a_second_run_keeps_the_ca(tmp_path: Path) -> None:
     again = _run(tmp_path, "b")
     assert again["Secret/kvmesh-mesh-tls"]["data"]["ca.pem"] == first
     assert (tmp_path / "secrets.yaml").stat().st_mode & 0o077 == 0
+
+
+def _check_admin(tmp_path: Path, objects: dict[str, Any]) -> None:
+    """The scheduler's admin key file holds the token's SHA-256 (only); the
+    operator's config reaches the scheduler with the admin certificate."""
+    data = base64.b64decode(objects["Secret/kvmesh-admin-keys"]["data"]["admin-keys.yaml"])
+    assert b"kvma-test" not in data
+    keys_file = tmp_path / "admin-keys.yaml"
+    keys_file.write_bytes(data)
+    keys = load_admin_keys_file(dataclasses.replace(SchedulerConfig(), admin_keys_file=str(keys_file)))
+    assert [(k.sha256, k.name) for k in keys] == [(hashlib.sha256(b"kvma-test").hexdigest(), "operator")]
+    assert (tmp_path / "s" / "admin-token").read_text().strip() == "kvma-test"
+    operator = load_config(tmp_path / "s" / "operator.yaml")
+    assert (operator.scheduler.host, operator.scheduler.port) == ("127.0.0.1", 50051)
+    identity = identity_for(operator, "admin")   # loads: ca.pem, admin.pem, admin-key.pem all there
+    assert identity is not None and identity.cert_file == (tmp_path / "s" / "mesh-tls" / "admin.pem").resolve()

@@ -24,9 +24,11 @@ from .wiring import (
     pod_of,
     policy_allows,
 )
+from .wiring_monitoring import check_admin_keys, check_envoy_stats, check_scraped, check_tracing
 
 CHECKS: list[Callable[[list[Obj]], list[str]]] = [
     check_commands, check_env, check_config, check_ports, check_drain, check_engine_identity, check_envoy,
+    check_scraped, check_envoy_stats, check_admin_keys, check_tracing,
 ]
 
 
@@ -165,7 +167,7 @@ def test_a_manifest_file_with_a_wrong_flag_fails(tmp_path: Path) -> None:
 def test_network_policies_hold_their_intent() -> None:
     """Only Envoy from outside; gateways from Envoy; the scheduler from
     gateways and engines; engines from gateways and the scheduler; metrics
-    (and probes' port) from the namespace `monitoring` only."""
+    (and probes' port) and Envoy's stats port from the namespace `monitoring` only."""
     for overlay in OVERLAYS:
         objects = render(overlay)
         ns = "kvmesh"
@@ -178,6 +180,7 @@ def test_network_policies_hold_their_intent() -> None:
             ("scheduler", 50051): {"gateway", "engine"},
             ("engine", 50100): {"gateway", "scheduler"},
             ("scheduler", 9101): {"monitoring"}, ("gateway", 9102): {"monitoring"}, ("engine", 9200): {"monitoring"},
+            ("envoy", 9902): {"monitoring"},
         }
         for (dest, port), allowed in expect.items():
             sources: dict[str, tuple[dict[str, str] | None, str]] = {
@@ -203,3 +206,65 @@ def test_alerts_use_metrics_the_services_export() -> None:
     assert names
     known = known_names(set().union(*exported_metric_names().values()))
     assert names - known == set(), "PrometheusRule uses series no service exports"
+
+
+def _monitoring_broken(change: Callable[[list[Obj]], None]) -> list[Obj]:
+    objects = copy.deepcopy(render("overlays/monitoring"))
+    change(objects)
+    return objects
+
+
+def _envoy_config(objects: list[Obj], old: str, new: str) -> None:
+    cm = next(o for o in objects if o["metadata"]["name"].startswith("kvmesh-envoy") and o["kind"] == "ConfigMap")
+    assert old in cm["data"]["envoy.yaml"]
+    cm["data"]["envoy.yaml"] = cm["data"]["envoy.yaml"].replace(old, new)
+
+
+def test_envoy_stats_port_declared_scraped_and_allowed() -> None:
+    """The stats listener's port is a containerPort, the PodMonitor kvmesh-envoy
+    scrapes /stats/prometheus on it, only `monitoring` may reach it."""
+    objects = render("overlays/monitoring")
+    envoy = pod_of(objects, "envoy")
+    assert {p["name"]: p["containerPort"] for p in envoy.container["ports"]} == {"http": 8080, "metrics": 9902}
+    monitor = find(objects, "PodMonitor", "kvmesh-envoy")
+    assert monitor is not None and monitor["spec"]["podMetricsEndpoints"][0]["path"] == "/stats/prometheus"
+    # Undeclared port, no PodMonitor, a wrong path, a policy without the port, a stats listener gone.
+    objects = _broken(lambda o: pod_of(o, "envoy").container["ports"].pop())
+    assert any("listens on 9902 (metrics)" in p for p in check_ports(objects))
+    objects = _monitoring_broken(lambda o: o.remove(find(o, "PodMonitor", "kvmesh-envoy")))
+    assert any("no monitor scrapes /stats/prometheus on port 9902" in p for p in check_scraped(objects))
+    objects = _monitoring_broken(lambda o: find(o, "PodMonitor", "kvmesh-envoy")[  # type: ignore[index]
+        "spec"]["podMetricsEndpoints"][0].__setitem__("path", "/metrics"))
+    assert any("scrapes /metrics on 9902" in p for p in check_scraped(objects))
+    objects = _broken(lambda o: find(o, "NetworkPolicy", "kvmesh-metrics-from-monitoring")[  # type: ignore[index]
+        "spec"]["ingress"][0]["ports"].pop())
+    assert any("keep the namespace monitoring from port 9902" in p for p in check_scraped(objects))
+    objects = _broken(lambda o: _envoy_config(o, "  - name: stats\n    address", "  - name: stats2\n    address"))
+    assert any("no stats listener" in p for p in check_envoy_stats(objects))
+
+
+def test_envoy_stats_listener_forwarding_more_fails() -> None:
+    objects = _broken(lambda o: _envoy_config(o, "path: /stats/prometheus", "prefix: /"))
+    assert any("forwards" in p for p in check_envoy_stats(objects))
+    objects = _broken(lambda o: _envoy_config(o, "exact: GET", "exact: POST"))
+    assert any("forwards" in p for p in check_envoy_stats(objects))
+    objects = _broken(lambda o: _envoy_config(o, "normalize_path: true", "normalize_path: false"))
+    assert any("unnormalised" in p for p in check_envoy_stats(objects))
+
+
+def test_admin_keys_file_is_a_mounted_secret_key() -> None:
+    def unmounted(objects: list[Obj]) -> None:
+        mounts = _container(objects, "scheduler")["volumeMounts"]
+        mounts[:] = [m for m in mounts if m["name"] != "admin-keys"]
+    assert any("admin_keys_file" in p for p in check_admin_keys(_broken(unmounted)))
+
+    def wrong_key(objects: list[Obj]) -> None:
+        vol = next(v for v in pod_of(objects, "scheduler").spec["volumes"] if v["name"] == "admin-keys")
+        vol["secret"]["items"] = [{"key": "admin-keys.yaml", "path": "keys.yaml"}]
+    assert any("admin_keys_file" in p for p in check_admin_keys(_broken(wrong_key)))
+
+    def off(objects: list[Obj]) -> None:
+        cm = _config_map(objects)
+        cm["data"]["kvmesh.yaml"] = cm["data"]["kvmesh.yaml"].replace(
+            "admin_keys_file: /etc/kvmesh/admin-keys/admin-keys.yaml", "")
+    assert any("Admin service is off" in p for p in check_admin_keys(_broken(off)))

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from services.common.config import ConfigError, MeshConfig, load_config
+from services.edge.render import GRPC_CLUSTER, HTTP_CLUSTER
 
 from .manifests import ROOT, Obj, ident
 
@@ -317,8 +318,9 @@ def listening_ports(objects: list[Obj], pod: Pod) -> dict[str, int]:
         boot = envoy_bootstrap(objects, pod)
         if boot is None:
             return {}
-        listener = boot["static_resources"]["listeners"][0]["address"]["socket_address"]
-        return {"http": int(listener["port_value"])}
+        ports = {"public": "http", "stats": "metrics"}
+        return {ports[listener["name"]]: int(listener["address"]["socket_address"]["port_value"])
+                for listener in boot["static_resources"]["listeners"] if listener["name"] in ports}
     cfg, _ = mesh_config(objects, pod)
     ns, _ = pod_args(pod)
     if cfg is None or ns is None:
@@ -519,7 +521,10 @@ def _gateway_clusters(objects: list[Obj], boot: dict[str, Any]) -> list[str]:
     gw = pod_of(objects, "gateway")
     want = listening_ports(objects, gw)
     problems = []
-    for cluster in boot["static_resources"]["clusters"]:
+    gateway_clusters = [c for c in boot["static_resources"]["clusters"] if c["name"] in (GRPC_CLUSTER, HTTP_CLUSTER)]
+    if len(gateway_clusters) != 2:
+        problems.append(f"Envoy's bootstrap lacks the clusters {GRPC_CLUSTER} and {HTTP_CLUSTER}")
+    for cluster in gateway_clusters:
         role = "grpc" if "http2_protocol_options" in str(cluster["typed_extension_protocol_options"]) else "http"
         dns = cluster.get("cluster_type", {}).get("typed_config", {})
         if cluster.get("cluster_type", {}).get("name") != "envoy.clusters.dns" or \

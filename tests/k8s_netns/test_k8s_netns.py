@@ -14,7 +14,11 @@ each host. Shown:
   with the uninterrupted text, the pod serves again within seconds and is
   placed on;
 - preStop drains (the manifest's exec hook returns once drained, streams go
-  on elsewhere), then SIGTERM ends the engine quickly.
+  on elsewhere), then SIGTERM ends the engine quickly;
+- the operator's tools as `kubectl port-forward` reaches them (from the
+  pod's own loopback): `kvmesh admin` with the admin token and certificate
+  the secrets script made, `kvmesh top --once`; Envoy's stats port answers
+  only GET /stats/prometheus, and the client outside cannot reach it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -39,7 +44,7 @@ from tests.netns.harness import NetnsHarness, netns_unavailable
 from tests.netns.mesh import metric
 
 from .cluster import Cluster, RunningPod, clean_stale, connect
-from .kube import ROOT, Objects, render
+from .kube import ROOT, Objects, render, resolve_port
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -281,6 +286,47 @@ def test_network_policies_let_the_client_reach_envoy_only(kube: Cluster) -> None
     for src, dst, port in ((envoy, engine, 50100), (envoy, sched, 50051), (gateway, engine, 9200),
                            (envoy, gateway, 9102), (engine, sched, 9101)):
         assert from_(src, dst, port) in ("refused", "timeout"), f"{src.pod.name} reached {dst.pod.name}:{port}"
+
+
+def _on_pod_loopback(kube: Cluster, r: RunningPod, *args: str) -> subprocess.CompletedProcess[str]:
+    """`kvmesh ARGS` on this machine through `kubectl port-forward` to pod r:
+    its connections start on the pod's loopback (network namespace only:
+    the operator's files are this machine's)."""
+    operator = kube.run_dir / "secrets" / "operator.yaml"
+    argv = ["ip", "netns", "exec", r.host.ns, sys.executable, "-m", "services.cli", "--config", str(operator),
+            *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False, cwd=ROOT,
+                          env={**os.environ, "COLUMNS": "200"})
+
+
+def test_operator_tools_through_port_forward(kube: Cluster) -> None:
+    sched = kube.by_component("scheduler")[0]
+    token = ["--token-file", str(kube.run_dir / "secrets" / "admin-token")]
+    done = _on_pod_loopback(kube, sched, "admin", *token, "pause", "P2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    state = _on_pod_loopback(kube, sched, "admin", *token, "state")
+    assert state.returncode == 0 and "paused: P2" in state.stdout, state.stdout + state.stderr
+    assert _on_pod_loopback(kube, sched, "admin", *token, "resume", "P2").returncode == 0
+    # A wrong token is refused (the Admin service checks it, not only the certificate).
+    bad = kube.run_dir / "bad-token"
+    bad.write_text("kvma-wrong\n")
+    refused = _on_pod_loopback(kube, sched, "admin", "--token-file", str(bad), "state")
+    assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stdout + refused.stderr, refused
+    top = _on_pod_loopback(kube, sched, "top", "--once", "--interval", "0.5")
+    assert top.returncode == 0 and _engine_name(0) in top.stdout, top.stdout + top.stderr
+
+
+def test_envoy_stats_port_serves_only_prometheus_stats(kube: Cluster) -> None:
+    envoy = kube.by_component("envoy")[0]
+    status, body = kube.http_get(envoy, {"port": "metrics", "path": "/stats/prometheus"})
+    assert status == 200, body[:300]
+    healthy = [line for line in body.splitlines() if line.startswith("envoy_cluster_membership_healthy{")
+               and "gateway_" in line]
+    assert len(healthy) == 2 and all(float(line.split()[-1]) == 2 for line in healthy), healthy
+    for path in ("/config_dump", "/quitquitquit", "/stats", "/clusters"):
+        assert kube.http_get(envoy, {"port": "metrics", "path": path})[0] == 404, path
+    port = resolve_port("metrics", envoy.container.ports)
+    assert kube.net.hosts["client"].call(lambda: connect(envoy.ip, port, 1.5), timeout=10) in ("refused", "timeout")
 
 
 def test_rescheduled_engine_serves_again_and_no_stream_is_lost(kube: Cluster) -> None:

@@ -9,7 +9,9 @@ from services.observability.panels import Board, Panel, Query, Row, rate
 
 __all__ = ["BOARD"]
 
-_EDGE = 'envoy_http_conn_manager_prefix!="admin"'
+# The public listener's connection manager (stat prefix `edge`): not the
+# admin interface's, nor the Kubernetes stats listener's (`stats`, scrapes).
+_EDGE = 'envoy_http_conn_manager_prefix="edge"'
 
 _streams = Row("Gateway streams", (
     Panel("Open streams per gateway", "short", (
