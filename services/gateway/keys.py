@@ -14,16 +14,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from services.common.config import (
     ApiKeyConfig,
-    ConfigError,
     GatewayConfig,
     api_key_digest,
-    config_from_dict,
 )
 from services.common.config.gateway import ApiKeysFile
+from services.common.config.loader import load_side_file
 from services.common.config.validation import check_api_keys
 from services.gateway.errors import ErrorKind, GatewayError
 
@@ -110,11 +107,7 @@ def load_api_keys_file(config: GatewayConfig) -> list[ApiKeyConfig]:
     if not config.api_keys_file:
         return []
     path = REPO_ROOT / config.api_keys_file
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"gateway.api_keys_file: cannot read {path}: {exc}") from exc
-    keys = config_from_dict(ApiKeysFile, data, str(path)).api_keys
+    keys = load_side_file(ApiKeysFile, "gateway.api_keys_file", path).api_keys
     check_api_keys(keys, f"{path}: api_keys", {api_key_digest(k) for k in config.api_keys})
     return keys
 

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import yaml
 
-from services.common.config import ConfigError, SchedulerConfig, config_from_dict
+from services.common.config import SchedulerConfig
+from services.common.config.loader import load_side_file
 from services.common.config.scheduler import AdminKeyConfig, AdminKeysFile
 from services.common.config.validation import check_admin_keys
 from services.common.proto.kvmesh.v1 import admin_pb2, admin_pb2_grpc
@@ -71,11 +71,7 @@ def load_admin_keys_file(config: SchedulerConfig) -> list[AdminKeyConfig]:
     if not config.admin_keys_file:
         return []
     path = REPO_ROOT / config.admin_keys_file
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"scheduler.admin_keys_file: cannot read {path}: {exc}") from exc
-    keys = config_from_dict(AdminKeysFile, data, str(path)).admin_keys
+    keys = load_side_file(AdminKeysFile, "scheduler.admin_keys_file", path).admin_keys
     check_admin_keys(keys, f"{path}: admin_keys", {k.sha256.strip().lower() for k in config.admin_keys})
     return keys
 

@@ -19,7 +19,7 @@ from .errors import ConfigError
 from .mesh import MeshConfig
 from .validation import validate_config
 
-__all__ = ["config_from_dict", "load_config"]
+__all__ = ["config_from_dict", "load_config", "load_side_file"]
 
 T = typing.TypeVar("T")
 
@@ -37,6 +37,16 @@ def load_config(path: str | Path | None) -> MeshConfig:
         config = config_from_dict(MeshConfig, data, str(path))
     validate_config(config, "config" if path is None else str(path))
     return config
+
+
+def load_side_file(cls: type[T], setting: str, path: Path) -> T:
+    """A file a setting names (API keys, admin keys: a mounted Secret), read
+    as dataclass `cls`; ConfigError names the setting and the file."""
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{setting}: cannot read {path}: {exc}") from exc
+    return config_from_dict(cls, data, str(path))
 
 
 def config_from_dict(cls: type[T], data: Any, where: str = "config") -> T:
