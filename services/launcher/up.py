@@ -21,6 +21,7 @@ ones that are due.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -140,14 +141,26 @@ def _print_ready(mesh: Mesh, generated_key: bool) -> None:
 
 def _print_operator(mesh: Mesh) -> None:
     """The admin token, and the live view and knobs that use this run's files."""
-    cli = f"{shlex.quote(sys.executable)} -m services.cli" if not shutil.which("kvmesh") else "kvmesh"
-    config = f"--config {shlex.quote(str(mesh.config_path))}"
+    # --config is kvmesh's own option: it comes before the command.
+    cli = f"{_kvmesh_command()} --config {shlex.quote(str(mesh.config_path))}"
     token_file = shlex.quote(str(mesh.files.admin_token_path))
     note = "yours" if mesh.options.admin_token else "generated for this run"
     print(f"  Admin token ({note}; also in {token_file}): {mesh.admin_token}")
-    print(f"  Watch the fleet:\n    {cli} top {config} --gateways {mesh.options.gateways}")
+    print(f"  Watch the fleet:\n    {cli} top --gateways {mesh.options.gateways}")
     print(f"  Runtime knobs (pause P2, drain an engine, change the policy):\n"
-          f"    {cli} admin {config} --token-file {token_file} pause P2")
+          f"    {cli} admin --token-file {token_file} pause P2")
+
+
+def _kvmesh_command() -> str:
+    """How to run kvmesh from here: the venv's entry point beside this
+    Python (`.venv/bin/kvmesh`, relative when under the working directory),
+    else the one on PATH, else `python -m services.cli`."""
+    beside = Path(sys.executable).with_name("kvmesh")
+    if beside.exists():
+        with contextlib.suppress(ValueError):
+            return shlex.quote(str(beside.relative_to(Path.cwd())))
+        return shlex.quote(str(beside))
+    return "kvmesh" if shutil.which("kvmesh") else f"{shlex.quote(sys.executable)} -m services.cli"
 
 
 def supervise(mesh: Mesh, stop: threading.Event, roll: threading.Event | None = None) -> None:

@@ -140,7 +140,16 @@ def test_admin_token_generated_or_given_hashed_into_the_config_and_written_owner
     _print_operator(given)
     out = capsys.readouterr().out
     assert "Admin token (yours" in out and "ops-token" in out
-    assert f"top --config {given.config_path}" in out and f"--token-file {token_file} pause P2" in out
+    # The printed commands parse with kvmesh's own parser, as a user pastes them.
+    from services.cli import _parser
+
+    lines = [line.split() for line in out.splitlines() if " top " in line or " pause P2" in line]
+    assert len(lines) == 2
+    for words in lines:
+        at = next(i for i, w in enumerate(words) if w == "--config")
+        args = _parser().parse_args(words[at:])
+        assert args.config == str(given.config_path)
+    assert f"--token-file {token_file} pause P2" in out
 
 
 def test_unknown_model_and_bad_counts_are_config_errors(tmp_path: Path) -> None:
