@@ -12,14 +12,17 @@ processes, the model, the warm-up), most of a vLLM test's time. So:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 from _streams import scheduler_state
 from _vllm_compile_cache import share_compile_cache
 
@@ -107,26 +110,62 @@ class SharedVllmMesh:
     next user's check restarts what is down and waits until every engine
     serves again -- one engine's start, not a whole mesh's. A mesh that
     cannot be healed (the scheduler, a gateway or Envoy gone; an engine not
-    back within HEAL_SECONDS) is stopped and started afresh."""
+    back within HEAL_SECONDS) is stopped and started afresh.
+
+    Users may differ in scheduler settings only (`get(scheduler=...)`,
+    SchedulerConfig fields): the scheduler then restarts with the user's
+    values -- its state is soft, engines and gateways re-register within
+    seconds -- and every engine serves again before the user runs."""
 
     def __init__(self, name: str, engines: int, tune: Callable[[MeshConfig], None], model: str = MODEL) -> None:
         self.name, self.engines, self.tune, self.model = name, engines, tune, model
         self._stack: ExitStack | None = None
         self._current: Supervised | None = None
+        # The value of every scheduler field some user set, before any did.
+        self._scheduler_defaults: dict[str, Any] = {}
 
     @property
     def running(self) -> bool:
         return self._current is not None
 
-    def get(self, tmp_path_factory: pytest.TempPathFactory) -> Supervised:
+    def get(self, tmp_path_factory: pytest.TempPathFactory, scheduler: dict[str, Any] | None = None) -> Supervised:
+        scheduler = scheduler or {}
         if self._current is not None and not self._heal(self._current):
             self.close()
         if self._current is None:
+            def tune(config: MeshConfig) -> None:
+                self.tune(config)
+                self._scheduler_defaults = {}
+                self._set_scheduler(config, scheduler)
+
             stack = ExitStack()
             self._current = stack.enter_context(supervised_vllm_mesh(
-                tmp_path_factory.mktemp(self.name), self.engines, self.tune, self.model))
+                tmp_path_factory.mktemp(self.name), self.engines, tune, self.model))
             self._stack = stack
+        elif self._set_scheduler(self._current.mesh.config, scheduler):
+            self._restart_scheduler(self._current)
         return self._current
+
+    def _set_scheduler(self, config: MeshConfig, values: dict[str, Any]) -> bool:
+        """The user's scheduler values, every other field a user set back
+        to its default; True if that changed anything."""
+        for field in values:
+            self._scheduler_defaults.setdefault(field, getattr(config.scheduler, field))
+        want = {**self._scheduler_defaults, **values}
+        changed = {k: v for k, v in want.items() if getattr(config.scheduler, k) != v}
+        for field, value in changed.items():
+            setattr(config.scheduler, field, value)
+        return bool(changed)
+
+    def _restart_scheduler(self, supervised: Supervised) -> None:
+        mesh = supervised.mesh
+        mesh.config_path.write_text(  # as Mesh.start wrote it; every child reads it at its start
+            "# Written by kvmesh up: the config every child of this mesh reads.\n"
+            + yaml.safe_dump(dataclasses.asdict(mesh.config), sort_keys=False))
+        with supervised.lock:
+            mesh.restart("scheduler")
+        if not self._heal(supervised):
+            raise AssertionError(f"{self.name}: the engines did not serve again after the scheduler's restart")
 
     def close(self) -> None:
         stack, self._stack, self._current = self._stack, None, None

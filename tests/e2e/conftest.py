@@ -1,6 +1,9 @@
 """The real-vLLM meshes several e2e test modules share (a vLLM engine's boot
 is most of a vLLM test's time; _vllm_mesh.SharedVllmMesh):
 
+- `shared_tiny_one`: one tiny-llama engine running 2 sequences -- a whole
+  vLLM batch in a few requests (test_e2e_vllm.py, test_e2e_vllm_preemption.py,
+  which differ in scheduler settings only: the scheduler restarts between);
 - `shared_tiny_pair`: two tiny-llama engines, 8 sequences each, the hang
   floor low (HANG_FLOOR_SECONDS) -- engine faults and migration
   (test_e2e_vllm_core_kill.py, test_e2e_vllm_migration.py);
@@ -34,6 +37,10 @@ AGENT_MODEL = "SmolLM2-135M-Instruct"
 HANG_FLOOR_SECONDS = 20.0
 
 
+def _tiny_one(config: MeshConfig) -> None:
+    config.engines.template.vllm.max_num_seqs = 2
+
+
 def _tiny_pair(config: MeshConfig) -> None:
     config.engines.template.vllm.max_num_seqs = 8
     config.engines.template.hang_floor_seconds = HANG_FLOOR_SECONDS
@@ -49,9 +56,16 @@ def _smol_pair(config: MeshConfig) -> None:
 
 
 SHARED = {
+    "shared_tiny_one": SharedVllmMesh("tiny-vllm-one", engines=1, tune=_tiny_one),
     "shared_tiny_pair": SharedVllmMesh("tiny-vllm-pair", engines=2, tune=_tiny_pair),
     "shared_smol_pair": SharedVllmMesh("smol-vllm-pair", engines=2, tune=_smol_pair, model=AGENT_MODEL),
 }
+
+
+@pytest.fixture(scope="session")
+def shared_tiny_one() -> Iterator[SharedVllmMesh]:
+    yield SHARED["shared_tiny_one"]
+    SHARED["shared_tiny_one"].close()
 
 
 @pytest.fixture(scope="session")
