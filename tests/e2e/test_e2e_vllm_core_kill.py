@@ -15,12 +15,13 @@ one `kvmesh up` runs -- restarts it with the same id and port, and it
 serves again (the same greedy tokens as the surviving engine; requests
 through the gateway are placed on it and complete). SIGSTOP: no
 output while the engine holds streams, declared hung past its bound (the
-floor, 20 s here), then the same as a kill; the core continued (SIGCONT)
+floor: 20 s on the shared pair), then the same as a kill; the core continued (SIGCONT)
 after the hang was declared delivers nothing (no text twice), the engine
 still exits and comes back.
 
-Three tests, one mesh: two vLLM engines start in ~1-2 minutes on 2 cores,
-each faulted one again.
+Three tests on the tiny-llama pair the run shares with
+test_e2e_vllm_migration.py (tests/e2e/conftest.py; the hang floor 20 s):
+two vLLM engines start in ~1-2 minutes on 2 cores, each faulted one again.
 """
 
 from __future__ import annotations
@@ -29,9 +30,8 @@ import asyncio
 import itertools
 import os
 import signal
-import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,10 +39,9 @@ from typing import Any
 import grpc
 import pytest
 from _streams import StreamResult, gateway_counter, run_streams, scheduler_state, wait_until
-from _vllm_mesh import running_vllm_mesh
+from _vllm_mesh import SharedVllmMesh, Supervised
 
 from services.common.affinity import descendants
-from services.common.config import MeshConfig
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, scheduler_pb2
 from services.common.service_main import EXIT_SERVICE_FAILED
 from services.launcher.mesh import ChildExit, Mesh
@@ -53,11 +52,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(2400)]
 STREAMS = 8
 MAX_TOKENS = 1500  # ~10 s of decode: no stream ends before the fault
 RESTART_SECONDS = 900.0  # a vLLM engine's start-up on a busy 2-core machine
-# The hang floor here (30 s by default): steps of this mesh are ~0.1 s, so
-# the bound is the floor. Not lower: with another vLLM mesh running on the
-# same 2 cores, a fresh engine's first batch took 6 s without an output
-# (5 s here declared that engine hung).
-HANG_FLOOR_SECONDS = 20.0
+FENCED_TRIES = 3  # direct_generate
 # vLLM 0.32 on CPU, one engine, tensor/pipeline/data parallel 1: the CPU
 # platform turns the "uni" executor into the multiprocess one (OpenMP needs
 # its own process), so the model runs in one worker process under the core.
@@ -65,34 +60,11 @@ HANG_FLOOR_SECONDS = 20.0
 VLLM_TREE = ["VLLM::EngineCore", "VLLM::Worker"]
 
 
-def _tune(config: MeshConfig) -> None:
-    config.engines.template.vllm.max_num_seqs = 8
-    config.engines.template.hang_floor_seconds = HANG_FLOOR_SECONDS
-
-
-@dataclass
-class Supervised:
-    mesh: Mesh
-    restarts: Restarts
-
-
 @pytest.fixture(scope="module")
-def supervised(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervised]:
-    with running_vllm_mesh(tmp_path_factory.mktemp("vllm-core-kill"), engines=2, tune=_tune) as mesh:
-        stop = threading.Event()
-        restarts = Restarts(mesh)
-
-        def loop() -> None:  # `kvmesh up`'s supervision loop (up.supervise), observable
-            while not stop.wait(0.5):
-                restarts.check()
-
-        thread = threading.Thread(target=loop, name="supervise", daemon=True)
-        thread.start()
-        try:
-            yield Supervised(mesh, restarts)
-        finally:
-            stop.set()
-            thread.join(timeout=RESTART_SECONDS)
+def supervised(shared_tiny_pair: SharedVllmMesh, tmp_path_factory: pytest.TempPathFactory) -> Supervised:
+    """The shared tiny-llama pair (tests/e2e/conftest.py: 8 sequences per
+    engine, the hang floor 20 s), supervised like `kvmesh up`."""
+    return shared_tiny_pair.get(tmp_path_factory)
 
 
 def _title(pid: int) -> str:
@@ -121,7 +93,22 @@ def engine_state(state: scheduler_pb2.SchedulerState | None, engine_id: str) -> 
 
 
 async def direct_generate(address: str, request_id: str, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    """One greedy generation on an engine's own gRPC port; its token ids."""
+    """One greedy generation on an engine's own gRPC port; its token ids.
+    No scheduler leases it, so lease fencing (services/scheduler/fencing.py)
+    ends it UNAVAILABLE "fenced" should it outlive two load reports
+    `fencing.confirm_seconds` (1 s) apart -- a slow step on a loaded
+    machine; such a run is tried again (a new id), up to FENCED_TRIES."""
+    for attempt in range(FENCED_TRIES):
+        try:
+            return await _direct_once(address, f"{request_id}-{attempt}", prompt_ids, max_tokens)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is not grpc.StatusCode.UNAVAILABLE or "fenced" not in (exc.details() or "") \
+                    or attempt == FENCED_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+async def _direct_once(address: str, request_id: str, prompt_ids: list[int], max_tokens: int) -> list[int]:
     async with grpc.aio.insecure_channel(address) as channel:
         call = engine_pb2_grpc.EngineStub(channel).Generate()
         await call.write(engine_pb2.EngineGenerateMessage(request=engine_pb2.EngineRequest(
@@ -406,7 +393,7 @@ async def test_vllm_engine_core_sigstop_is_a_hang_detected_within_the_bound(supe
     detected = log.rsplit("backend hung: no output for ", 1)[1].split(" s", 1)[0]
     bound = log.rsplit("(bound ", 1)[1].split(" s", 1)[0]
     assert float(detected) <= float(bound) + 3.0, (detected, bound)
-    assert fault.elapsed >= HANG_FLOOR_SECONDS - 0.5, fault.elapsed
+    assert fault.elapsed >= mesh.config.engine_config(0).hang_floor_seconds - 0.5, fault.elapsed
     back_after = await back_and_serving(mesh, restarts, fault, counts[victim])
     stat = Path(f"/proc/{fault.target}/stat")
     assert not stat.exists() or b" Z " in stat.read_bytes(), "the stopped core outlived its engine"

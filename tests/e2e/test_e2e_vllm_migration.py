@@ -3,20 +3,21 @@ the tiny random-weight Llama, one engine SIGKILLed while they run; every
 stream completes on the other engine and its text equals an uninterrupted
 greedy run of the same request -- no token repeated or missing at the seam.
 
-ONE test, its own mesh (two vLLM engines start in ~1-2 minutes on 2 cores).
+ONE test, on the tiny-llama pair the run shares with
+test_e2e_vllm_core_kill.py (tests/e2e/conftest.py): two vLLM engines start
+in ~1-2 minutes on 2 cores, once for both modules. The killed engine stays
+down; a later user of the pair restarts it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import pytest
 from _streams import StreamResult, gateway_counter, run_streams, scheduler_state, wait_until
-from _vllm_mesh import running_vllm_mesh
+from _vllm_mesh import SharedVllmMesh
 
-from services.common.config import MeshConfig
 from services.launcher.mesh import Mesh
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -28,14 +29,10 @@ STREAMS = 6
 MAX_TOKENS = 1500
 
 
-def _tune(config: MeshConfig) -> None:
-    config.engines.template.vllm.max_num_seqs = 8
-
-
 @pytest.fixture(scope="module")
-def two_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    with running_vllm_mesh(tmp_path_factory.mktemp("vllm-migration"), engines=2, tune=_tune) as mesh:
-        yield mesh
+def two_vllm(shared_tiny_pair: SharedVllmMesh, tmp_path_factory: pytest.TempPathFactory) -> Mesh:
+    """Two tiny-llama engines, 8 sequences each (tests/e2e/conftest.py)."""
+    return shared_tiny_pair.get(tmp_path_factory).mesh
 
 
 async def _run(mesh: Mesh, prompts: list[str]) -> tuple[list[StreamResult], list[asyncio.Task[StreamResult]], object]:

@@ -4,25 +4,26 @@ takes a P2's slot at once (the scheduler preempts the youngest P2), and the
 preempted P2 stream continues after it from exactly the next token -- its
 text equals an uninterrupted greedy run of the same request.
 
-ONE test, its own mesh: one vLLM engine running 2 sequences, no engine queue
-slack and no lease kept for P0, so the two P2 streams leave no room and only
-a preemption can start the P0. Behaviour, not speed: the P0 finishes while
-the P2 streams still run; its time to first token beside an idle engine's is
-printed for the record (BENCHMARKS.md has the measured figures).
+ONE test, on the one-engine tiny-llama mesh the run shares with
+test_e2e_vllm.py (tests/e2e/conftest.py): one vLLM engine running 2
+sequences; the scheduler (restarted with these settings where the mesh ran
+with others) keeps no engine queue slack and no lease for P0, so the two P2
+streams leave no room and only a preemption can start the P0. Behaviour, not
+speed: the P0 finishes while the P2 streams still run; its time to first
+token beside an idle engine's is printed for the record (BENCHMARKS.md has
+the measured figures).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import aiohttp
 import pytest
 from _streams import StreamResult, scheduler_state, stream_completion
-from _vllm_mesh import running_vllm_mesh
+from _vllm_mesh import SharedVllmMesh
 
-from services.common.config import MeshConfig
 from services.launcher.mesh import Mesh
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -34,16 +35,11 @@ P0_TOKENS = 16
 WAIT = 300.0
 
 
-def _tune(config: MeshConfig) -> None:
-    config.engines.template.vllm.max_num_seqs = 2
-    config.scheduler.engine_queue_slack = 0
-    config.scheduler.p0_reserved_leases = 0
-
-
 @pytest.fixture(scope="module")
-def vllm_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    with running_vllm_mesh(tmp_path_factory.mktemp("vllm-preemption"), engines=1, tune=_tune) as mesh:
-        yield mesh
+def vllm_mesh(shared_tiny_one: SharedVllmMesh, tmp_path_factory: pytest.TempPathFactory) -> Mesh:
+    mesh = shared_tiny_one.get(tmp_path_factory, scheduler={"engine_queue_slack": 0, "p0_reserved_leases": 0}).mesh
+    assert mesh.config.engine_config(0).vllm.max_num_seqs == 2
+    return mesh
 
 
 async def _timed_p0(session: aiohttp.ClientSession, mesh: Mesh) -> tuple[StreamResult, float]:

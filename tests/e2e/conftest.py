@@ -1,0 +1,116 @@
+"""The real-vLLM meshes several e2e test modules share (a vLLM engine's boot
+is most of a vLLM test's time; _vllm_mesh.SharedVllmMesh):
+
+- `shared_tiny_one`: one tiny-llama engine running 2 sequences -- a whole
+  vLLM batch in a few requests (test_e2e_vllm.py, test_e2e_vllm_preemption.py,
+  which differ in scheduler settings only: the scheduler restarts between);
+- `shared_tiny_pair`: two tiny-llama engines, 8 sequences each, the hang
+  floor low (HANG_FLOOR_SECONDS) -- engine faults and migration
+  (test_e2e_vllm_core_kill.py, test_e2e_vllm_migration.py);
+- `shared_smol_pair`: two SmolLM2-135M-Instruct engines -- the agent API
+  (agent_api/) and a structured stream's migration
+  (test_e2e_vllm_structured_migration.py).
+
+A module takes the mesh with `<holder>.get(tmp_path_factory)` in a module
+(or package) fixture: a health check, and a repair (or a fresh mesh) where
+an earlier module left it broken. So a module run alone (`-k`) gets a mesh
+of its own as before, and order never decides a result. It does decide the
+cost: the modules of one mesh run one after another (the collection hook
+below), and a mesh is stopped once the next test does not use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _vllm_mesh import SharedVllmMesh
+
+from services.common.config import MeshConfig
+
+AGENT_MODEL = "SmolLM2-135M-Instruct"
+# The hang bound of the tiny pair (30 s by default): its steps are ~0.1 s,
+# so the bound is the floor. Not lower: with another vLLM mesh running on
+# the same 2 cores, a fresh engine's first batch took 6 s without an output
+# (5 s here declared that engine hung).
+HANG_FLOOR_SECONDS = 20.0
+
+
+def _tiny_one(config: MeshConfig) -> None:
+    config.engines.template.vllm.max_num_seqs = 2
+
+
+def _tiny_pair(config: MeshConfig) -> None:
+    config.engines.template.vllm.max_num_seqs = 8
+    config.engines.template.hang_floor_seconds = HANG_FLOOR_SECONDS
+
+
+def _smol_pair(config: MeshConfig) -> None:
+    config.engines.template.vllm.kv_cache_gib = 0.5  # the 8192-token context needs 0.35 GiB
+    # A test SIGKILLs one engine; on a loaded shared 2-core machine (every
+    # vLLM pinned to one core) a 30 s stall of the OTHER one was taken for a
+    # hang and restarted it too, leaving no engine. No test of this mesh
+    # tests the hang bound.
+    config.engines.template.hang_floor_seconds = 180.0
+
+
+SHARED = {
+    "shared_tiny_one": SharedVllmMesh("tiny-vllm-one", engines=1, tune=_tiny_one),
+    "shared_tiny_pair": SharedVllmMesh("tiny-vllm-pair", engines=2, tune=_tiny_pair),
+    "shared_smol_pair": SharedVllmMesh("smol-vllm-pair", engines=2, tune=_smol_pair, model=AGENT_MODEL),
+}
+
+
+@pytest.fixture(scope="session")
+def shared_tiny_one() -> Iterator[SharedVllmMesh]:
+    yield SHARED["shared_tiny_one"]
+    SHARED["shared_tiny_one"].close()
+
+
+@pytest.fixture(scope="session")
+def shared_tiny_pair() -> Iterator[SharedVllmMesh]:
+    yield SHARED["shared_tiny_pair"]
+    SHARED["shared_tiny_pair"].close()
+
+
+@pytest.fixture(scope="session")
+def shared_smol_pair() -> Iterator[SharedVllmMesh]:
+    yield SHARED["shared_smol_pair"]
+    SHARED["shared_smol_pair"].close()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The modules of one shared mesh run one after another, where the first
+    of them stands: between two of its users the mesh would be stopped and
+    booted again. Every other module keeps its place."""
+    modules: dict[Path, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.path, []).append(item)
+    users = {path: next((name for name in SHARED for item in its if name in item.fixturenames), None)
+             for path, its in modules.items()}
+    ordered: list[pytest.Item] = []
+    placed: set[str] = set()
+    for path, its in modules.items():
+        name = users[path]
+        if name is None:
+            ordered += its
+        elif name not in placed:
+            placed.add(name)
+            ordered += [item for other, group in modules.items() if users[other] == name for item in group]
+    items[:] = ordered
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After a test's own teardown: a shared mesh the next test does not
+    use is stopped now, not at the end of the session."""
+    yield
+    for name, shared in SHARED.items():
+        if shared.running and (nextitem is None or name not in nextitem.fixturenames):
+            shared.close()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for shared in SHARED.values():
+        shared.close()
