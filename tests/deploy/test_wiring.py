@@ -194,9 +194,9 @@ def test_network_policies_hold_their_intent() -> None:
 
 def test_alerts_use_metrics_the_services_export() -> None:
     """Every series the rendered PrometheusRule reads is one a service's
-    registry exports (services/common/metric_catalogue.py) or a verified
+    registry exports (services/observability/metric_catalogue.py) or a verified
     Envoy stat (services/observability/promql.py)."""
-    from services.common.metric_catalogue import exported_metric_names
+    from services.observability.metric_catalogue import exported_metric_names
     from services.observability.promql import known_names, metric_names
 
     rule = find(render("overlays/monitoring"), "PrometheusRule", "kvmesh")

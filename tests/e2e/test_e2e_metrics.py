@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from services.common.config import MeshConfig
-from services.common.metric_catalogue import exported_metric_names
 from services.launcher.mesh import Mesh
+from services.observability.metric_catalogue import exported_metric_names
 
 pytestmark = pytest.mark.e2e
 

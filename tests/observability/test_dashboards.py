@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from services.common.config import AlertsConfig, load_config
-from services.common.metric_catalogue import exported_metric_names
 from services.observability.alerts import alert_subject, rules_document
 from services.observability.boards import BOARDS
+from services.observability.metric_catalogue import exported_metric_names
 from services.observability.panels import VARIABLES, substitute
 from services.observability.promql import alert_queries, known_names, metric_names, panel_queries
 from services.observability.render import DASHBOARD_DIR, PROMETHEUS_RULE, RULES_FILE, rendered_files, stale_files

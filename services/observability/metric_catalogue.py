@@ -14,8 +14,9 @@ Two views, both keyed "gateway" | "scheduler" | "engine":
   whether or not a child exists yet (a labelled counter shows up in the
   exposition only after its first event).
 
-This module imports the three services' metric modules (the one place in
-services/common that does: it describes them, it is not used by them).
+It imports the three services' metric modules, so it lives with the
+dashboards that read it (services/observability), not in services/common,
+which no service module depends the other way on.
 """
 
 from __future__ import annotations

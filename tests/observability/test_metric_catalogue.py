@@ -3,8 +3,8 @@ register, as families and as exposition sample names."""
 
 from __future__ import annotations
 
-from services.common.metric_catalogue import SERVICES, exported_metric_families, exported_metric_names
 from services.gateway.metrics import GatewayMetrics
+from services.observability.metric_catalogue import SERVICES, exported_metric_families, exported_metric_names
 
 # The issue-17 contract (BRIEF17 "Shared contract"), by the names a query uses.
 CONTRACT = {
