@@ -62,6 +62,20 @@ class Stream:
     def first_chunk_after(self, t: float) -> float | None:
         return next((c for c in self.chunk_times if c > t), None)
 
+    def resumed_after_stall(self, t: float, stall: float) -> float | None:
+        """When the stream flowed again after its first gap longer than
+        `stall` from `t` on (a gap that starts before `t` counts from `t`),
+        or None. Not simply the first chunk after `t`: chunks already on
+        their way, or sent while a slow cut is being applied, come first."""
+        previous = t
+        for c in self.chunk_times:
+            if c <= t:
+                continue
+            if c - previous > stall:
+                return c
+            previous = c
+        return None
+
 
 class _Cut(Exception):
     """The stream stalled, or its body ended without [DONE]."""
