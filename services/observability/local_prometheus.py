@@ -12,7 +12,6 @@ its PID, always (`stop`, or leaving the `with` block).
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from services.launcher.ports import free_port
 from services.observability.prom_api import PromError, api
 
 if TYPE_CHECKING:
@@ -51,12 +51,6 @@ def mesh_targets(mesh: Mesh) -> list[ScrapeTarget]:
     if endpoints.admin_port:
         targets.append(ScrapeTarget("kvmesh-envoy", f"127.0.0.1:{endpoints.admin_port}", "/stats/prometheus"))
     return targets
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class LocalPrometheus:
@@ -97,7 +91,7 @@ class LocalPrometheus:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.data_dir / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(self.config(), sort_keys=False))
-        self.port = _free_port()
+        self.port = free_port()
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 [self.binary, f"--config.file={config_path}", f"--storage.tsdb.path={self.data_dir / 'tsdb'}",

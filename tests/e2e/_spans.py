@@ -4,20 +4,15 @@ receiver, and the spans it received, grouped by trace."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections import defaultdict
 from typing import Any
+
+from services.launcher.ports import free_port
 
 __all__ = ["OURS", "Spans", "attrs", "free_port"]
 
 # kvmesh's own spans; any other span in a request's trace is Envoy's (or vLLM's).
 OURS = ("gateway.request", "scheduler.admit", "engine.generate")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def value(any_value: Any) -> Any:
