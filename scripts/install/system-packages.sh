@@ -15,7 +15,8 @@
 #   kubectl (`kubectl kustomize` renders deploy/ for tests/deploy; on the
 #   machine image already), prometheus (a real Prometheus scrapes a mesh and
 #   evaluates every dashboard query and alert rule; promtool checks the rules),
-#   tmux (`kvmesh top` is driven in a real terminal) and,
+#   tmux (`kvmesh top` is driven in a real terminal), redis-server (the
+#   response cache shared by several gateways, killed mid-run) and,
 #   to lint these very steps (tests/unit/test_install_steps.py), shellcheck.
 # The accelerator defaults to $KVMESH_ACCEL, else cpu.
 # --slim (images): no recommended packages, apt's lists removed afterwards.
@@ -49,6 +50,7 @@ nftables cmd:nft
 kubectl cmd:kubectl
 prometheus cmd:promtool
 tmux cmd:tmux
+redis-server cmd:redis-server
 shellcheck cmd:shellcheck"
 
 present() {
