@@ -63,7 +63,10 @@ from services.gateway.request_meter import RequestMeter
 from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.stop_seam import StopSeam
 
-__all__ = ["DriverSettings", "GenerationDriver"]
+__all__ = ["DriverSettings", "GenerationDriver", "Run"]
+
+# One request's generation, given where to emit its events.
+Run = Callable[[Emit], Awaitable[None]]
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +106,16 @@ class GenerationDriver:
         kept for a resume instead of cancelling them."""
         self.detaching = True
 
-    def start(self, job: Job) -> EventStream:
+    def start(self, job: Job, tap: Callable[[Run], Run] | None = None) -> EventStream:
+        """`tap` wraps the request's run (the response cache's recorder)."""
         run: Choices | _Generation
         if job.n > 1 or job.echo_text:
             run = Choices(job, functools.partial(_Generation, self))  # choices.py: n > 1, echo
         else:
             run = _Generation(self, job)
         metered = RequestMeter(self.metrics, job, self.clock).wrap(run.run)
+        if tap is not None:
+            metered = tap(metered)
         return EventStream(metered, self.settings.heartbeat_seconds, self.clock, run.before_close,
                            self.metrics.stream_signals)
 

@@ -16,6 +16,7 @@ from services.gateway import request_trace
 from services.gateway.jobs import Job, build_job
 from services.gateway.keys import KeyStore, Principal, effective_priority
 from services.gateway.limits import Grant, RateLimiter
+from services.gateway.response_cache import ResponseCache, disabled_cache
 from services.gateway.tokenization import TokenizerRegistry
 
 __all__ = ["Admitted", "Frontdoor"]
@@ -33,7 +34,7 @@ class Admitted:
 class Frontdoor:
     def __init__(
         self, config: MeshConfig, keys: KeyStore, limiter: RateLimiter, tokenizers: TokenizerRegistry, clock: Clock,
-        tracing: Tracing = NO_TRACING,
+        tracing: Tracing = NO_TRACING, cache: ResponseCache | None = None,
     ) -> None:
         self._config = config
         # The gateway's tracer: both transports start each request's span with it.
@@ -42,6 +43,9 @@ class Frontdoor:
         self.limiter = limiter
         self.tokenizers = tokenizers
         self._clock = clock  # stamps each job's arrival
+        # The response cache both transports consult after admission
+        # (services/gateway/response_cache/); by default one that is off.
+        self.cache = cache or disabled_cache()
 
     def authenticate(self, raw_key: str | None) -> Principal:
         return self.keys.authenticate(raw_key)

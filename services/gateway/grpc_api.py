@@ -176,9 +176,13 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
         admitted = await self._frontdoor.admit(generation, principal, priority, request_id, span)
         if resume is not None:
             admitted.job.resume_from = resume.last_index
-        await context.send_initial_metadata((("x-request-id", request_id),))
+        # The response cache (response_cache/): a hit never reaches the driver.
+        cache = self._frontdoor.cache
+        ticket = await cache.lookup(admitted.job, generation, principal, metadata, resume is not None)
+        await context.send_initial_metadata(
+            (("x-request-id", request_id), *((k.lower(), v) for k, v in ticket.headers.items())))
         self._metrics.active_streams.inc()
-        stream = self._driver.start(admitted.job)
+        stream = cache.start(ticket, admitted.job, self._driver)
         try:
             async for event in stream:
                 if isinstance(event, TextDelta):

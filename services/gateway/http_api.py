@@ -226,9 +226,12 @@ class HttpApi:
         else:
             formatter_cls = ChatFormatter if route == "chat" else CompletionFormatter
             formatter = formatter_cls(request_id, generation.model, generation.include_usage)
-        headers = {"x-request-id": request_id, **admitted.grant.headers}
+        # The response cache (response_cache/): a hit never reaches the driver.
+        cache = self._frontdoor.cache
+        ticket = await cache.lookup(admitted.job, generation, principal, request.headers, resume is not None)
+        headers = {"x-request-id": request_id, **admitted.grant.headers, **ticket.headers}
         self._metrics.active_streams.inc()
-        stream = self._driver.start(admitted.job)
+        stream = cache.start(ticket, admitted.job, self._driver)
         try:
             if generation.stream:
                 return await self._stream(request, stream, formatter, headers, tally, resume is not None,

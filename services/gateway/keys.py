@@ -39,6 +39,8 @@ class Principal:
     requests_per_second: float  # 0 = unlimited
     tokens_per_minute: float    # 0 = unlimited
     max_generation_seconds: float  # 0 = the gateway default
+    response_cache: str = "off"    # off | on | request (services/gateway/response_cache/)
+    share_response_cache: bool = False
 
 
 ANONYMOUS = Principal("anonymous", "anonymous", 0, frozenset(), 0.0, 0.0, 0.0)
@@ -124,5 +126,7 @@ def _index(keys: Sequence[ApiKeyConfig]) -> dict[str, Principal]:
             requests_per_second=key.requests_per_second,
             tokens_per_minute=key.tokens_per_minute,
             max_generation_seconds=key.max_generation_seconds,
+            response_cache=key.response_cache,
+            share_response_cache=key.share_response_cache,
         )
     return out

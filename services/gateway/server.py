@@ -53,6 +53,7 @@ from services.gateway.http_api import HttpApi
 from services.gateway.keys import KeyStore
 from services.gateway.limits import RateLimiter
 from services.gateway.metrics import GatewayMetrics, metrics_app
+from services.gateway.response_cache import build_response_cache
 from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.served_models import ServedModels
 from services.gateway.tokenization import TokenizerRegistry
@@ -87,8 +88,11 @@ class GatewayService:
         self.tracing = tracing_for(config.tracing, "gateway", f"gateway-{replica}")
         self.tokenizers = TokenizerRegistry(config.models)
         self.clock = clock or SystemClock()
+        # One response cache for both transports (services/gateway/response_cache/).
+        self.response_cache = build_response_cache(config, self.metrics.registry, self.clock,
+                                                   self.tokenizers.model_dirs)
         self.frontdoor = Frontdoor(config, KeyStore(gw), RateLimiter(self.clock), self.tokenizers, self.clock,
-                                   self.tracing)
+                                   self.tracing, self.response_cache)
         self._scheduler: SchedulerClient | None = None
         self._engines: EnginePool | None = None
         self._grpc: grpc.aio.Server | None = None
@@ -241,6 +245,7 @@ class GatewayService:
         if self._scheduler is not None:
             await self._scheduler.close()
             self._scheduler = None
+        await self.response_cache.aclose()
         await self.tracing.aclose()  # exports the spans still buffered
 
 

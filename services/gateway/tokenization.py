@@ -140,6 +140,11 @@ class TokenizerRegistry:
     def names(self) -> list[str]:
         return sorted(self._models)
 
+    @property
+    def model_dirs(self) -> dict[str, Path]:
+        """model -> the directory its tokenizer was loaded from."""
+        return {name: model.model_dir for name, model in self._models.items()}
+
     def get(self, name: str) -> ModelTokenizer:
         found = self._models.get(name)
         if found is not None:

@@ -9,6 +9,7 @@ default, its bounds and why, where it is declared:
     engines.py      engines: the template engine, its simulator and vLLM
     scheduler.py    scheduler: aging, admission limits, placement, queues
     gateway.py      gateway and its API keys
+    response_cache.py  the gateway's response cache (embedded or Redis)
     responses.py    the Responses API's store (TTL, size bounds)
     tracing.py      OpenTelemetry traces: OTLP endpoint, sampling
     alerts.py       alert thresholds (rendered into the rule files, read by no service)
@@ -36,6 +37,7 @@ from .gateway import ApiKeyConfig, GatewayConfig
 from .loader import config_from_dict, load_config
 from .mesh import TOOL_PARSERS, EnvoyConfig, MeshConfig, MeshTlsConfig, ModelConfig
 from .network import FencingConfig, NetworkConfig
+from .response_cache import ResponseCacheConfig
 from .responses import ResponsesConfig
 from .scheduler import AdminKeyConfig, AgingConfig, PolicyProfileConfig, SchedulerConfig
 from .tracing import TracingConfig
@@ -58,6 +60,7 @@ __all__ = [
     "ModelConfig",
     "NetworkConfig",
     "PolicyProfileConfig",
+    "ResponseCacheConfig",
     "ResponsesConfig",
     "SchedulerConfig",
     "SimCostConfig",

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .response_cache import ResponseCacheConfig
+
 __all__ = ["ApiKeyConfig", "ApiKeysFile", "GatewayConfig"]
 
 
@@ -27,6 +29,14 @@ class ApiKeyConfig:
     tokens_per_minute: float = 0.0
     # Longest generation in seconds for this key; 0 = the gateway default.
     max_generation_seconds: float = 0.0
+    # The response cache (gateway.response_cache; README "Response cache"):
+    # "off" (default: every request reaches an engine), "on" (every
+    # deterministic request -- temperature 0 or a seed -- may be answered
+    # from it), "request" (only requests sending `X-Kvmesh-Cache: on`).
+    response_cache: str = "off"
+    # true: this key's entries are shared with every other key that shares
+    # (a fleet of identical clients); false: only this key's tenant sees them.
+    share_response_cache: bool = False
 
 
 @dataclass
@@ -92,3 +102,6 @@ class GatewayConfig:
     # Bounds: 0 <= drain_unready_seconds <= drain_seconds.
     drain_seconds: float = 30.0
     drain_unready_seconds: float = 3.0
+    # Completed deterministic answers replayed without an engine
+    # (services/common/config/response_cache.py).
+    response_cache: ResponseCacheConfig = field(default_factory=ResponseCacheConfig)

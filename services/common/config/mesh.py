@@ -46,6 +46,13 @@ class ModelConfig:
     # TOOL_PARSERS. Default hermes: the format most tool-trained open models
     # and vLLM's reference parser use.
     tool_parser: str = "hermes"
+    # The model's revision as the response cache keys it (an answer cached
+    # for one revision is never served for another). Empty = a hash of the
+    # model directory's files (names, sizes, the small files' contents and
+    # each weight file's first and last MiB), computed by the gateway at
+    # start (services/gateway/response_cache/revision.py). Set it (e.g. the
+    # hub commit) when gateways and engines read different copies.
+    revision: str = ""
 
 
 @dataclass

@@ -21,6 +21,7 @@ from .engines import EngineConfig
 from .errors import ConfigError
 from .gateway import ApiKeyConfig
 from .mesh import TOOL_PARSERS, MeshConfig
+from .response_cache import check_cache_mode, check_response_cache
 from .scheduler import AdminKeyConfig, SchedulerConfig
 
 __all__ = ["api_key_digest", "check_admin_keys", "check_api_keys", "validate_config"]
@@ -239,6 +240,7 @@ def _check_gateway(gateway: _Section) -> None:
     if g.drain_unready_seconds > g.drain_seconds:
         gateway.fail("drain_unready_seconds", f"must be <= drain_seconds ({g.drain_seconds}), "
                      f"got {g.drain_unready_seconds}")
+    check_response_cache(f"{gateway.path}.response_cache", g.response_cache)
 
 
 def _check_api_keys(gateway: _Section) -> None:
@@ -263,6 +265,7 @@ def check_api_keys(keys: Sequence[ApiKeyConfig], path: str, seen: set[str] | Non
         if key.priority_ceiling not in _PRIORITY_CLASSES:
             entry.fail("priority_ceiling", f"must be 0, 1 or 2, got {key.priority_ceiling}")
         entry.non_negative("requests_per_second", "tokens_per_minute", "max_generation_seconds")
+        check_cache_mode(f"{entry.path}.response_cache", key.response_cache)
 
 
 def check_admin_keys(keys: Sequence[AdminKeyConfig], path: str, seen: set[str] | None = None) -> None:
