@@ -43,13 +43,16 @@ def _registries() -> dict[str, CollectorRegistry]:
     from services.engine.backend import LoadSnapshot
     from services.engine.metrics import EngineMetrics
     from services.gateway.metrics import GatewayMetrics
+    from services.gateway.response_cache.metrics import CacheMetrics
     from services.scheduler.metrics import SchedulerMetrics
 
     def idle() -> LoadSnapshot:
         return LoadSnapshot(0, 0, 0, 1, 0, 0, [])
 
+    gateway = GatewayMetrics()
+    CacheMetrics(gateway.registry, "embedded")   # the response cache's, on the gateway's registry
     return {
-        "gateway": GatewayMetrics().registry,
+        "gateway": gateway.registry,
         "scheduler": SchedulerMetrics().registry,
         "engine": EngineMetrics("catalogue", "catalogue", idle).registry,
     }

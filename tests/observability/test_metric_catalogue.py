@@ -19,6 +19,10 @@ CONTRACT = {
         "inference_objective_request_error_total", "inference_objective_request_duration_seconds_bucket",
         "inference_objective_input_tokens_bucket", "inference_objective_output_tokens_bucket",
         "inference_objective_running_requests",
+        # issue 18: the response cache
+        "kvmesh_gateway_response_cache_hits_total", "kvmesh_gateway_response_cache_misses_total",
+        "kvmesh_gateway_response_cache_stores_total", "kvmesh_gateway_response_cache_evictions_total",
+        "kvmesh_gateway_response_cache_errors_total", "kvmesh_gateway_response_cache_bytes",
     },
     "scheduler": {
         "kvmesh_scheduler_decision_seconds_bucket", "kvmesh_scheduler_reported_prefix_hit_rate",
