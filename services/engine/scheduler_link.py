@@ -51,11 +51,13 @@ from typing import TypeAlias, cast
 
 import grpc
 
-from services.common.config import EngineConfig, MeshConfig
+from services.common.config import ConfigError, EngineConfig, MeshConfig
 from services.common.grpc_server import client_options
 from services.common.mesh_tls import aio_channel, identity_for
+from services.common.model_revision import model_revision
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.engine.fencing import Fencer
+from services.engine.model import resolve_model
 from services.engine.runtime import EngineRuntime
 
 __all__ = ["SUPERSEDED_METADATA_KEY", "KvEventLog", "SchedulerLink", "advertised_host", "new_incarnation"]
@@ -186,6 +188,7 @@ class SchedulerLink:
         self._runtime = runtime
         self._address = address  # the server's `address`: advertise_address when set
         self.incarnation = new_incarnation()
+        self._revision: str | None = None   # EngineHello.model_revision, on first hello
         self.superseded_by: str | None = None  # set once a newer process took the id over
         self._http_address = http_address
         self._backend_name = backend_name or engine.backend
@@ -306,8 +309,20 @@ class SchedulerLink:
             max_running=info.max_running, weight=self._engine.weight,
             max_model_len=info.max_model_len, hash_block_tokens=self._config.hash_block_tokens,
             backend=self._backend_name, http_address=self._http_address,
-            incarnation=self.incarnation,
+            incarnation=self.incarnation, model_revision=self._model_revision(),
         )
+
+    def _model_revision(self) -> str:
+        """The served model's revision, computed once (a few MiB read)."""
+        if self._revision is None:
+            try:
+                spec = resolve_model(self._config, self._engine)
+            except ConfigError:
+                self._revision = ""   # a model-less sim: nothing to fingerprint
+                return self._revision
+            configured = next((m.revision for m in self._config.models if m.name == spec.name), "")
+            self._revision = model_revision(spec.path, configured) if spec.path is not None else configured
+        return self._revision
 
     async def _send_snapshot(self, call: _ConnectCall) -> None:
         # Synchronous from here to the message's creation: no event can slip

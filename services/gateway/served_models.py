@@ -37,20 +37,27 @@ CACHE_SECONDS = 1.5
 class ServedModel:
     engines: int
     max_model_len: int  # 0 = no engine reported one
+    # The model revisions its serving engines report (EngineHello
+    # model_revision; the response cache keys by it); empty = none sent.
+    revisions: frozenset[str] = frozenset()
 
 
 def served_from_state(state: scheduler_pb2.SchedulerState | None) -> dict[str, ServedModel]:
     """model -> how it is served, from a scheduler state (None: nothing)."""
     engines: dict[str, int] = {}
     lengths: dict[str, int] = {}
+    revisions: dict[str, set[str]] = {}
     for engine in state.engines if state is not None else ():
         if not engine.serving or engine.draining:
             continue
         engines[engine.model] = engines.get(engine.model, 0) + 1
+        if engine.model_revision:
+            revisions.setdefault(engine.model, set()).add(engine.model_revision)
         if engine.max_model_len:
             known = lengths.get(engine.model, 0)
             lengths[engine.model] = engine.max_model_len if not known else min(known, engine.max_model_len)
-    return {model: ServedModel(count, lengths.get(model, 0)) for model, count in engines.items()}
+    return {model: ServedModel(count, lengths.get(model, 0), frozenset(revisions.get(model, ())))
+            for model, count in engines.items()}
 
 
 class ServedModels:

@@ -125,6 +125,7 @@ class GatewayService:
         server, health = make_server([SERVICE_NAME], identity)
         # One cached view of the served models for both transports.
         served = ServedModels(functools.partial(self._scheduler.get_state, 1.0), self.clock)
+        self.response_cache.attach_fleet(served.current)   # the engines' model revisions
         inference_pb2_grpc.add_InferenceServicer_to_server(
             InferenceApi(self.frontdoor, driver, self._scheduler, self.metrics, served), server
         )

@@ -84,7 +84,7 @@ def hello_info(hello: scheduler_pb2.EngineHello, hash_block_tokens: int) -> Engi
         block_size=hello.block_size, total_blocks=hello.total_blocks,
         max_running=hello.max_running, weight=hello.weight or 1.0,
         max_model_len=hello.max_model_len, backend=hello.backend, http_address=hello.http_address,
-        incarnation=hello.incarnation,
+        incarnation=hello.incarnation, model_revision=hello.model_revision,
     )
 
 

@@ -64,6 +64,7 @@ class EngineInfo:
     backend: str = ""
     http_address: str = ""
     incarnation: int = 0        # 0 = not sent (an engine older than incarnations)
+    model_revision: str = ""    # EngineHello.model_revision ("" = not sent)
 
 
 @dataclass

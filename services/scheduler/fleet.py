@@ -36,6 +36,7 @@ class EngineStat:
     cached_blocks: int
     backend: str
     incarnation: int = 0
+    model_revision: str = ""
 
 
 @dataclass(frozen=True)
@@ -216,7 +217,7 @@ class EngineFleet:
     def stats(self, now: float) -> list[EngineStat]:
         return [
             EngineStat(self._view(e, now), e.info.address, self.kv.blocks(e.engine_id), e.info.backend,
-                       e.info.incarnation)
+                       e.info.incarnation, e.info.model_revision)
             for e in sorted(self._registry, key=lambda r: r.engine_id)
         ]
 

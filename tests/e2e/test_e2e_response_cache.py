@@ -20,11 +20,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 from _redis_server import RedisServer
-from _streams import engine_counters, gateway_counter, wait_until
+from _streams import engine_counters, gateway_counter, scheduler_state, wait_until
 from redis.asyncio import Redis
 
 from services.common.config import ApiKeyConfig
 from services.common.config.response_cache import ResponseCacheConfig
+from services.common.model_revision import model_revision
 from services.launcher.mesh import Mesh
 
 pytestmark = pytest.mark.e2e
@@ -108,6 +109,12 @@ async def _settled(mesh: Mesh, success_at_least: float) -> tuple[float, ...]:
 async def test_a_hit_needs_no_engine_on_either_gateway_and_through_envoy(
         cache_mesh: Mesh, redis_server: RedisServer) -> None:
     mesh = cache_mesh
+    # Each engine reports the revision it loaded (EngineHello -> GetState): the
+    # fingerprint of the same files the gateways would compute themselves.
+    state = scheduler_state(mesh)
+    assert state is not None
+    expected = model_revision(Path(mesh.config.model(MODEL).path))
+    assert [e.model_revision for e in state.engines] == [expected] * 2
     gw0, gw1 = mesh.endpoints.gateway_http
     async with aiohttp.ClientSession() as session:
         status, text, _ = await _chat(session, gw0, KEY_A, "What is a response cache?")

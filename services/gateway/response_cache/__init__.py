@@ -3,7 +3,8 @@ fixed seed) replayed without an engine. README "Response cache".
 
     policy.py       which requests may use it; what the headers ask
     key.py          the key: scope, model + revision, prompt tokens, sampling, output shape
-    revision.py     a model's revision (configured, or its files' fingerprint)
+    (services/common/model_revision.py: a model's revision, configured or its files' fingerprint;
+     engines report theirs, cache.py keys by it)
     record.py       record a generation's events; encode, decode, replay
     embedded.py     the in-process store (LRU within max_bytes, TTL)
     redis_store.py  the shared store (Redis, SET EX) behind a circuit breaker (breaker.py)

@@ -14,7 +14,6 @@ from services.common.config.response_cache import ResponseCacheConfig
 from services.gateway.response_cache.cache import CacheStore, ResponseCache
 from services.gateway.response_cache.embedded import EmbeddedStore
 from services.gateway.response_cache.metrics import CacheMetrics
-from services.gateway.response_cache.redis_store import RedisStore
 
 __all__ = ["build_response_cache", "disabled_cache"]
 
@@ -26,6 +25,9 @@ def build_response_cache(config: MeshConfig, registry: CollectorRegistry, clock:
     metrics = CacheMetrics(registry, settings.store)
     store: CacheStore
     if settings.store == "redis":
+        # Imported only when used: redis-py loads OpenTelemetry's API at import,
+        # which a gateway with tracing off must not (tests/unit/common/test_tracing.py).
+        from services.gateway.response_cache.redis_store import RedisStore
         store = RedisStore(settings, clock, metrics)
     else:
         store = EmbeddedStore(settings.max_bytes, settings.ttl_seconds, clock, metrics)

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from services.common.clock import Clock
 from services.common.config.response_cache import ResponseCacheConfig
+from services.common.model_revision import model_revision
 from services.common.openai_api.requests import GenerationInput
 from services.gateway.driver import GenerationDriver
 from services.gateway.event_stream import EventStream
@@ -34,11 +35,14 @@ from services.gateway.response_cache.key import cache_key, cache_scope
 from services.gateway.response_cache.metrics import CacheMetrics
 from services.gateway.response_cache.policy import CacheStatus, directive_for, uncacheable_reason
 from services.gateway.response_cache.record import Recorded, Recorder, decode_entry, replay
-from services.gateway.response_cache.revision import model_revision
+from services.gateway.served_models import ServedModel
 
-__all__ = ["CacheStore", "ResponseCache", "Ticket"]
+__all__ = ["CacheStore", "Fleet", "ResponseCache", "Ticket"]
 
 log = logging.getLogger(__name__)
+
+# The models served now, with the revisions their engines report (served_models.py).
+Fleet = Callable[[], Awaitable[Mapping[str, ServedModel]]]
 
 
 class CacheStore(Protocol):
@@ -81,13 +85,35 @@ class ResponseCache:
         self._revisions: dict[str, str] = {}
         self._clock = clock
         self._pending: set[asyncio.Task[None]] = set()
+        self._fleet: Fleet | None = None
+
+    def attach_fleet(self, fleet: Fleet) -> None:
+        """Where the serving engines' revisions come from (the gateway's
+        cached GetState view, shared with /v1/models)."""
+        self._fleet = fleet
 
     @property
     def store(self) -> CacheStore | None:
         return self._store
 
-    def revision(self, model: str) -> str:
-        """The model's revision (revision.py), computed once per model."""
+    async def revision(self, model: str) -> str | None:
+        """The revision answers for `model` are keyed by: the one its serving
+        engines report (EngineHello.model_revision); None while they report
+        several (a rollout: which one answers is unknown, so no entry is
+        safe to read or write); without reports (no fleet view, engines that
+        send none, the scheduler unreachable) this gateway's own fingerprint
+        of the same model files."""
+        if self._fleet is not None:
+            try:
+                served = (await self._fleet()).get(model)
+            except Exception:  # noqa: BLE001 - no fleet view: the own fingerprint
+                served = None
+            if served is not None and served.revisions:
+                return next(iter(served.revisions)) if len(served.revisions) == 1 else None
+        return self._own_revision(model)
+
+    def _own_revision(self, model: str) -> str:
+        """This gateway's fingerprint of the model (model_revision.py), computed once."""
         found = self._revisions.get(model)
         if found is None:
             directory, configured = self._model_dirs.get(model, (Path("/nonexistent"), ""))
@@ -104,8 +130,11 @@ class ResponseCache:
             return OFF
         if uncacheable_reason(request, resumed) is not None:
             return Ticket(CacheStatus.BYPASS)
+        revision = await self.revision(job.model)
+        if revision is None:
+            return Ticket(CacheStatus.BYPASS)
         scope = cache_scope(principal.tenant, principal.share_response_cache)
-        key = cache_key(scope, self.revision(job.model), job, request)
+        key = cache_key(scope, revision, job, request)
         if not directive.read:
             return Ticket(CacheStatus.BYPASS, key, write=directive.write)
         events = await self._get(key)

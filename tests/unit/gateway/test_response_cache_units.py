@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from services.common.clock import FakeClock
 from services.common.config import ConfigError, MeshConfig, validate_config
 from services.common.config.response_cache import ResponseCacheConfig
+from services.common.model_revision import model_revision
 from services.common.openai_api.requests import GenerationInput, SamplingOptions
 from services.common.openai_api.structured import StructuredSpec
 from services.common.proto.kvmesh.v1 import common_pb2
@@ -24,7 +25,6 @@ from services.gateway.response_cache.key import cache_key, cache_scope
 from services.gateway.response_cache.metrics import CacheMetrics
 from services.gateway.response_cache.policy import CacheDirective, directive_for, uncacheable_reason
 from services.gateway.response_cache.record import Recorder, decode_entry, encode_entry, replay
-from services.gateway.response_cache.revision import model_revision
 
 REV = "sha256:abc"
 
@@ -263,3 +263,44 @@ def test_breaker_opens_after_failures_in_a_row_and_probes_once_after_reset() -> 
     assert breaker.allow()
     breaker.success()
     assert not breaker.open and breaker.allow() and breaker.allow()
+
+
+# ---------------------------------------------------------------- revisions the engines report
+
+
+async def test_the_key_follows_the_revision_the_serving_engines_report(tmp_path: Path) -> None:
+    from services.gateway.keys import Principal
+    from services.gateway.response_cache.cache import ResponseCache
+    from services.gateway.response_cache.policy import CacheStatus
+    from services.gateway.served_models import ServedModel
+
+    (tmp_path / "config.json").write_text("{}")
+    clock = FakeClock()
+    metrics = CacheMetrics(CollectorRegistry(), "embedded")
+    cache = ResponseCache(ResponseCacheConfig(), EmbeddedStore(1 << 20, 60, clock, metrics), metrics,
+                          {"m": (tmp_path, "")}, clock)
+    principal = Principal("k", "acme", 0, frozenset(), 0.0, 0.0, 0.0, response_cache="on")
+    fleet: dict[str, ServedModel] = {}
+
+    async def current() -> dict[str, ServedModel]:
+        return fleet
+
+    async def ticket() -> tuple[CacheStatus, str]:
+        out = await cache.lookup(_job(), _request(), principal, {})
+        return out.status, out.key
+
+    # No engine reports one: this gateway's fingerprint of the same files.
+    assert await cache.revision("m") == model_revision(tmp_path)
+    cache.attach_fleet(current)
+    fleet["m"] = ServedModel(2, 0, frozenset({"rev-1"}))
+    assert await cache.revision("m") == "rev-1"
+    status, key_1 = await ticket()
+    await cache._put(key_1, encode_entry(_events()))
+    assert await ticket() == (CacheStatus.HIT, key_1)
+    # The engines now serve another revision: another key, the old entry is never read.
+    fleet["m"] = ServedModel(2, 0, frozenset({"rev-2"}))
+    status, key_2 = await ticket()
+    assert status == CacheStatus.MISS and key_2 != key_1
+    # Mid-rollout (two revisions serving): neither read nor written.
+    fleet["m"] = ServedModel(2, 0, frozenset({"rev-1", "rev-2"}))
+    assert await ticket() == (CacheStatus.BYPASS, "")

@@ -1,6 +1,8 @@
-"""A model's revision, as the response cache keys it: `models[].revision`
-when configured, else a fingerprint of the model directory the gateway
-tokenizes with (and the engines load: the same `models[].path`).
+"""A model's revision: `models[].revision` when configured, else a
+fingerprint of the model directory. Engines send theirs in `EngineHello`
+(`model_revision`, shown in GetState); the gateway's response cache keys
+answers by the revision the serving engines report (its own fingerprint of
+the same `models[].path` when none does).
 
 The fingerprint is SHA-256 over, for every file under the directory (hidden
 ones skipped, sorted by relative path): its path and size, the whole content
