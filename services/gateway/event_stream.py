@@ -45,6 +45,9 @@ class EventStream:
     (cancels the driver if still running)."""
 
     _END = object()
+    # False for a stream no engine keeps (a response cache replay): the SSE
+    # transport then sends no resume ids (`Last-Event-ID` could find nothing).
+    resumable = True
 
     def __init__(
         self, run: Callable[[Emit], Awaitable[None]], heartbeat_seconds: float, clock: Clock,

@@ -258,7 +258,8 @@ class HttpApi:
         response: web.StreamResponse | None = None
         # Event ids (resume points) only where a stream can be resumed: one
         # choice, no tool calls held back.
-        sse_id = f"id: {request[_REQUEST_ID]}.".encode() if n == 1 and formatter.resumable else b""
+        sse_id = (f"id: {request[_REQUEST_ID]}.".encode() if n == 1 and formatter.resumable and stream.resumable
+                  else b"")
 
         async def started() -> web.StreamResponse:
             nonlocal response

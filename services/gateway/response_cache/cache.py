@@ -148,7 +148,9 @@ class ResponseCache:
         """The request's event stream: the entry replayed, or the driver's
         generation (recorded when the ticket says to store it)."""
         if ticket.events is not None:
-            return EventStream(replay(ticket.events), driver.settings.heartbeat_seconds, self._clock)
+            replayed = EventStream(replay(ticket.events), driver.settings.heartbeat_seconds, self._clock)
+            replayed.resumable = False   # nothing on an engine to resume: a re-send is a hit again
+            return replayed
         if ticket.write:
             recorder = Recorder(lambda raw: self._store_later(ticket.key, raw), self._config.max_entry_bytes)
             return driver.start(job, tap=recorder.wrap)

@@ -82,6 +82,8 @@ async def test_a_second_greedy_request_is_replayed_without_scheduler_or_engine(m
     assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] == len(sent.prompt_token_ids)
     assert usage["completion_tokens"] == 6
     assert chunks[0]["id"] != _sse_content(first)[1][0]["id"]   # a new response, not the old one
+    # No resume ids: no engine keeps a replay (a re-send is a hit again).
+    assert "\nid: " in "\n" + first and "\nid: " not in "\n" + again
     # The same entry serves the non-streamed shape too.
     status, headers, body = await _post(mesh, KEY_ON)
     out = json.loads(body)
