@@ -178,7 +178,11 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
             admitted.job.resume_from = resume.last_index
         # The response cache (response_cache/): a hit never reaches the driver.
         cache = self._frontdoor.cache
-        ticket = await cache.lookup(admitted.job, generation, principal, metadata, resume is not None)
+        try:
+            ticket = await cache.lookup(admitted.job, generation, principal, metadata, resume is not None)
+        except BaseException:   # the client left during the lookup: settle its grant all the same
+            self._frontdoor.settle(admitted, 0)
+            raise
         await context.send_initial_metadata(
             (("x-request-id", request_id), *((k.lower(), v) for k, v in ticket.headers.items())))
         self._metrics.active_streams.inc()

@@ -228,7 +228,11 @@ class HttpApi:
             formatter = formatter_cls(request_id, generation.model, generation.include_usage)
         # The response cache (response_cache/): a hit never reaches the driver.
         cache = self._frontdoor.cache
-        ticket = await cache.lookup(admitted.job, generation, principal, request.headers, resume is not None)
+        try:
+            ticket = await cache.lookup(admitted.job, generation, principal, request.headers, resume is not None)
+        except BaseException:   # the client left during the lookup: settle its grant all the same
+            self._settle(admitted, tally)
+            raise
         headers = {"x-request-id": request_id, **admitted.grant.headers, **ticket.headers}
         self._metrics.active_streams.inc()
         stream = cache.start(ticket, admitted.job, self._driver)

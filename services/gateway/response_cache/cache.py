@@ -123,8 +123,19 @@ class ResponseCache:
 
     async def lookup(self, job: Job, request: GenerationInput, principal: Principal,
                      headers: Mapping[str, str], resumed: bool = False) -> Ticket:
+        """What the cache does for this request; never raises (but a
+        cancellation): anything unexpected is counted and the cache is off."""
         if self._store is None or not self._config.enabled:
             return OFF
+        try:
+            return await self._lookup(job, request, principal, headers, resumed)
+        except Exception:   # a cache failure never fails a request
+            self._count("errors")
+            log.exception("response cache: lookup failed; the request is generated")
+            return OFF
+
+    async def _lookup(self, job: Job, request: GenerationInput, principal: Principal,
+                      headers: Mapping[str, str], resumed: bool) -> Ticket:
         directive = directive_for(principal.response_cache, headers)
         if directive is None:
             return OFF

@@ -150,13 +150,13 @@ async def test_grpc_hit_is_replayed_with_its_metadata(mesh: Mesh) -> None:
     async with grpc.aio.insecure_channel(mesh.grpc_address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         results = []
-        for _ in range(2):
-            call = stub.Chat(request, metadata=(("authorization", f"Bearer {KEY_ON}"),))
+        for extra in ((), (), (("cache-control", "no-store"),)):
+            call = stub.Chat(request, metadata=(("authorization", f"Bearer {KEY_ON}"), *extra))
             events = [e async for e in call]
             results.append((dict(await call.initial_metadata()).get("x-kvmesh-cache"), events))
-    (first_status, first), (second_status, second) = results
-    assert (first_status, second_status) == ("miss", "hit")
-    assert len(mesh.engines["engine-a"].requests) == 1
+    (first_status, first), (second_status, second), (third_status, _) = results
+    assert (first_status, second_status, third_status) == ("miss", "hit", "bypass")
+    assert len(mesh.engines["engine-a"].requests) == 2     # the first and the no-store one
     text = ["".join(e.delta.text for e in events if e.HasField("delta")) for events in (first, second)]
     assert text[0] == text[1] and text[0]
     done = second[-1].finished
