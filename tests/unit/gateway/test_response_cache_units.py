@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from services.common.clock import FakeClock
-from services.common.config import ConfigError, MeshConfig, validate_config
+from services.common.config import ApiKeyConfig, ConfigError, MeshConfig, validate_config
 from services.common.config.response_cache import ResponseCacheConfig
 from services.common.model_revision import model_revision
 from services.common.openai_api.requests import GenerationInput, SamplingOptions
@@ -134,6 +134,12 @@ def test_config_bounds() -> None:
     config.gateway.response_cache = ResponseCacheConfig(store="memcached")
     with pytest.raises(ConfigError, match=r"response_cache\.store"):
         validate_config(config)
+    config.gateway.response_cache = ResponseCacheConfig()
+    config.gateway.api_keys = [ApiKeyConfig(sha256="a" * 64, tenant="t", response_cache="yes")]
+    with pytest.raises(ConfigError, match=r"api_keys\[0\]\.response_cache: must be one of off, on, request"):
+        validate_config(config)
+    config.gateway.api_keys[0].response_cache = "request"
+    validate_config(config)
 
 
 # ---------------------------------------------------------------- entries
