@@ -105,10 +105,23 @@ def validate_config(config: MeshConfig, where: str = "config") -> None:
     envoy.non_negative("base_id")
     _check_partitions(mesh)
     mesh.at("resume").non_negative("grace_seconds")
+    _check_deadlines(mesh.at("deadlines"))
     mesh.at("responses").positive("ttl_seconds", "max_bytes")
     mesh.at("responses").non_negative("max_entries")
     _check_tracing(mesh.at("tracing"))
     _check_alerts(mesh.at("alerts"))
+
+
+def _check_deadlines(deadlines: _Section) -> None:
+    deadlines.within("multiple", 1, 100)
+    deadlines.positive("window_samples", "window_seconds", "min_samples")
+    if deadlines.settings.min_samples > deadlines.settings.window_samples:
+        deadlines.fail("min_samples", f"must be <= window_samples ({deadlines.settings.window_samples}), "
+                       f"got {deadlines.settings.min_samples}")
+    for kind in ("queue_wait", "first_token", "token_stall", "generation"):
+        bounds = deadlines.at(kind)
+        bounds.positive("floor_seconds")
+        bounds.non_negative("ceiling_seconds")
 
 
 def _check_alerts(alerts: _Section) -> None:
