@@ -189,6 +189,10 @@ def _check_engine(engine: _Section, config: MeshConfig) -> None:
     sim.positive("chunk_tokens")
     sim.within("vocab_size", 2, float("inf"))
     sim.within("eos_probability", 0.0, 1.0)
+    for i, step in enumerate(e.sim.speed_schedule):
+        entry = sim.at("speed_schedule")
+        if not (step.at_seconds >= 0 and 0 <= step.factor < float("inf")):
+            entry.fail(f"[{i}]", f"at_seconds and factor must be >= 0 (factor finite), got {step}")
     vllm = engine.at("vllm")
     vllm.positive("kv_cache_gib", "max_num_seqs")
     vllm.non_negative("max_num_batched_tokens", "block_size")
