@@ -116,6 +116,11 @@ class ProgressWatch:
             return 0.0
         return self._limits.first_token_seconds if self._first else self._limits.token_stall_seconds
 
+    def check_within(self) -> float:
+        """Look again at least this often: the first token's limit may be
+        long, and once it came, the (shorter) stall limit runs from it."""
+        return 0.0 if self._limits is None else self._limits.token_stall_seconds
+
     def due_at(self) -> float | None:
         """When the engine becomes overdue if nothing happens (None: unarmed)."""
         if self._limits is None:
@@ -147,28 +152,26 @@ class StallTimer:
         self.reason: str | None = None
 
     def arm(self) -> None:
+        """Look at the watch when it is next due (at least every stall
+        limit); `_fire` re-arms itself until the watch trips or stops."""
         due = self._watch.due_at()
         if due is None or self.reason is not None:
             return
-        delay = max(0.0, due - self._clock.monotonic())
-        # A held watch (relaying to a slow client) is looked at again a limit later.
+        now = self._clock.monotonic()
+        # Not due yet (progress moved it), or held (relaying to a slow
+        # client): look again when due, or a stall limit from now.
+        delay = due - now if due > now else self._watch.limit()
+        delay = min(delay, self._watch.check_within())
         self._handle = asyncio.get_running_loop().call_later(max(delay, 0.001), self._fire)
 
     def _fire(self) -> None:
         self._handle = None
         reason = self._watch.overdue(self._clock.monotonic())
         if reason is None:
-            if self._watch.armed:
-                self._rearm_later()
+            self.arm()
             return
         self.reason = reason
         self._on_stall(reason)
-
-    def _rearm_later(self) -> None:
-        due = self._watch.due_at()
-        now = self._clock.monotonic()
-        delay = (due - now) if due is not None and due > now else self._watch.limit()
-        self._handle = asyncio.get_running_loop().call_later(max(delay, 0.001), self._fire)
 
     def cancel(self) -> None:
         if self._handle is not None:

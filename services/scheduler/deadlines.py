@@ -39,7 +39,7 @@ from services.common.metric_labels import priority_label
 from .events import Delivery
 from .latency_window import LatencyWindow
 from .metrics import SchedulerMetrics
-from .records import PlacedDeadlines, PlacedInfo, QueueEntry, RequestRecord
+from .records import AdmitOptions, PlacedDeadlines, PlacedInfo, QueueEntry, RequestRecord
 
 __all__ = ["Deadline", "DeadlineBook", "DeadlineKind", "PlacedDeadlines", "Source"]
 
@@ -88,6 +88,9 @@ class DeadlineBook:
         self._metrics = metrics
         self._windows: dict[tuple[DeadlineKind, str, int], LatencyWindow] = {}
         self._keys: set[tuple[str, int]] = set()   # (model, class) seen, for GetState and gauges
+        # Prompt sizes of the first-token samples: a longer prompt than their
+        # p95 gets a proportionally longer first-token deadline (`stamp`).
+        self._prompts: dict[tuple[str, int], LatencyWindow] = {}
 
     @property
     def enabled(self) -> bool:
@@ -111,9 +114,14 @@ class DeadlineBook:
     def first_token(self, rec: RequestRecord, now: float) -> None:
         """The gateway told `FirstToken` for `rec`'s lease (a re-attached
         lease began mid-stream: its first token is no sample)."""
-        if rec.lease is not None and not rec.options.running_on_engine:
-            self.observe(DeadlineKind.FIRST_TOKEN, rec.options.model, rec.options.priority,
-                         now - rec.lease.placed_at, now)
+        if rec.lease is None or rec.options.running_on_engine or not self._config.enabled:
+            return
+        key = (rec.options.model, rec.options.priority)
+        self.observe(DeadlineKind.FIRST_TOKEN, *key, now - rec.lease.placed_at, now)
+        sizes = self._prompts.get(key)
+        if sizes is None:
+            sizes = self._prompts[key] = LatencyWindow(self._config.window_samples, self._config.window_seconds)
+        sizes.add(float(rec.options.prompt_tokens), now)
 
     def expired(self, entry: QueueEntry, now: float) -> str:
         """A queued request ran out of time: its wait counts (so a backlog
@@ -191,18 +199,30 @@ class DeadlineBook:
             return
         for i, (request_id, notice) in enumerate(notices):
             if isinstance(notice, PlacedInfo) and (rec := record(request_id)) is not None:
-                notices[i] = (request_id, self.stamp(notice, rec.options.model, rec.options.priority,
-                                                     rec.options.max_tokens, now))
+                notices[i] = (request_id, self.stamp(notice, rec.options, now))
 
-    def stamp(self, notice: PlacedInfo, model: str, priority: int, max_tokens: int, now: float) -> PlacedInfo:
-        """`notice` with the deadlines the gateway enforces."""
+    def stamp(self, notice: PlacedInfo, options: AdmitOptions, now: float) -> PlacedInfo:
+        """`notice` with the deadlines the gateway enforces for `options`."""
+        model, priority = options.model, options.priority
         stall = self.deadline(DeadlineKind.TOKEN_STALL, model, priority, now)
         return replace(notice, deadlines=PlacedDeadlines(
-            self.deadline(DeadlineKind.FIRST_TOKEN, model, priority, now).seconds,
+            self.first_token_for(model, priority, options.prompt_tokens, now).seconds,
             stall.seconds,
-            self.generation(model, priority, max_tokens, now).seconds,
+            self.generation(model, priority, options.max_tokens, now).seconds,
             stall.p95 or 0.0,
         ))
+
+    def first_token_for(self, model: str, priority: int, prompt_tokens: int, now: float) -> Deadline:
+        """The first-token deadline for a prompt of `prompt_tokens` (after a
+        migration: prompt + generated): scaled up by prompt / p95 prompt of
+        the samples when longer, since prefill grows with it."""
+        base = self.deadline(DeadlineKind.FIRST_TOKEN, model, priority, now)
+        sizes = self._prompts.get((model, priority))
+        typical = None if sizes is None else sizes.p95(now)
+        if base.source is Source.DEFAULT or base.p95 is None or not typical or prompt_tokens <= typical:
+            return base
+        return self._clamp(DeadlineKind.FIRST_TOKEN, model, priority, base.p95 * prompt_tokens / typical,
+                           base.samples, now)
 
     # ---------------------------------------------------------------- views
 

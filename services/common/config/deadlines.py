@@ -69,18 +69,20 @@ class DeadlinesConfig:
     # turned away.
     queue_wait: DeadlineBounds = field(default_factory=lambda: DeadlineBounds(20.0, 0.0))
     # Placement -> the first token on that engine, watched by the gateway.
-    # Floor 10 s: a long prompt's prefill behind a full batch takes seconds
-    # on a loaded GPU, and a 2-core CI machine adds seconds of scheduling
-    # delay. Ceiling 30 s: the engine's own hang floor
-    # (engines.template.hang_floor_seconds), the first fixed bound that
-    # caught a silent engine before.
-    first_token: DeadlineBounds = field(default_factory=lambda: DeadlineBounds(10.0, 30.0))
+    # A prompt longer than the window's p95 prompt gets proportionally more
+    # (prefill grows with it). Floor 10 s: a long prompt's prefill behind a
+    # full batch takes seconds on a loaded GPU, and a 2-core CI machine adds
+    # seconds of scheduling delay. Ceiling 0 = the engine's own hang floor
+    # (engines.template.hang_floor_seconds, 30 s), the first fixed bound
+    # that caught a silent engine before.
+    first_token: DeadlineBounds = field(default_factory=lambda: DeadlineBounds(10.0, 0.0))
     # No delta for this long mid-stream = the engine is lost: migrate.
     # Floor 5 s: a healthy stream on a loaded 2-core machine shows gaps of
     # 1-2 s (GC, event-loop stalls, a long prefill chunk in the same step,
     # vLLM's own recompute preemption); 5 s is well above that and 6x
-    # under the engine's 30 s hang floor. Ceiling 30 s: that hang floor.
-    token_stall: DeadlineBounds = field(default_factory=lambda: DeadlineBounds(5.0, 30.0))
+    # under the engine's 30 s hang floor. Ceiling 0 = that hang floor
+    # (engines.template.hang_floor_seconds).
+    token_stall: DeadlineBounds = field(default_factory=lambda: DeadlineBounds(5.0, 0.0))
     # The whole generation: multiple x (p95 first token + max_tokens x p95
     # gap). Ceiling 0 = gateway.max_generation_seconds (a key's or the
     # request's own limit applies too). Floor 30 s: the estimate assumes the

@@ -107,3 +107,25 @@ def test_timer_calls_on_stall_once_after_the_deadline_and_not_while_progressing(
     assert progressing == []
     assert len(stalled) == 1 and "past the stall deadline" in stalled[0]
     assert waited >= 1.0
+
+
+def test_timer_watches_the_stall_limit_from_the_first_token_not_the_first_token_limit() -> None:
+    """A long first-token limit (30 s) must not delay the check of a short
+    stall limit once the first token came (the timer was armed for 30 s)."""
+    async def scenario() -> float:
+        clock = SystemClock()
+        tripped = asyncio.Event()
+        watch = ProgressWatch()
+        watch.start(StallLimits(30.0, 0.5), clock.monotonic())
+        timer = StallTimer(watch, clock, lambda _reason: tripped.set())
+        timer.arm()
+        await asyncio.sleep(0.05)
+        watch.delta(clock.monotonic())        # the first token; then silence
+        watch.waiting(clock.monotonic())
+        silent_from = clock.monotonic()
+        await asyncio.wait_for(tripped.wait(), 20.0)
+        timer.cancel()
+        return clock.monotonic() - silent_from
+
+    waited = asyncio.run(scenario())
+    assert 0.5 <= waited < 10.0, waited

@@ -106,6 +106,26 @@ def test_generation_is_from_first_token_and_gap_p95s() -> None:
     assert book.generation(MODEL, 1, 10_000, 0.0).source is Source.CEILING      # 120 s
 
 
+def test_a_longer_prompt_than_usual_gets_a_longer_first_token_deadline() -> None:
+    core, clock, token = _core()
+    for i in range(6):                              # 1000-token prompts, first token after 5 s
+        _placed(core, opts(f"r{i}", prompt_tokens=1000))
+        clock.advance(5.0)
+        core.handle(FirstToken(f"r{i}"))
+        core.handle(RequestDone(f"r{i}"))
+        report_load(core, "e1", token)
+    usual = _placed(core, opts("usual", prompt_tokens=800)).deadlines
+    assert usual is not None and usual.first_token_seconds == pytest.approx(15.0)      # 3 x 5 s
+    core.handle(RequestDone("usual"))
+    report_load(core, "e1", token)
+    longer = _placed(core, opts("longer", prompt_tokens=1500)).deadlines
+    assert longer is not None and longer.first_token_seconds == pytest.approx(22.5)    # x 1500 / 1000
+    core.handle(RequestDone("longer"))
+    report_load(core, "e1", token)
+    huge = _placed(core, opts("huge", prompt_tokens=9000)).deadlines
+    assert huge is not None and huge.first_token_seconds == pytest.approx(30.0)        # the ceiling
+
+
 def test_disabled_means_the_fixed_values_and_no_placed_deadlines() -> None:
     book = DeadlineBook(_config(enabled=False))
     for _ in range(10):
