@@ -16,6 +16,11 @@ hands a delta to a slow client (backpressure is not a stall) and while the
 request is off any engine (requeued after a preemption, moving): each
 engine start arms the watch again, and `stop` disarms it.
 
+A request that stalled once gets twice the limits on its next engine (and
+so on): if the whole fleet slowed down faster than the p95 followed, the
+request then waits longer rather than being moved off every engine in turn
+until it runs out of migrations or engines.
+
 `ProgressWatch` is pure (fed times, it answers), tested on a fake clock;
 `StallTimer` runs it on the event loop with one timer re-armed lazily (a
 delta costs two attribute writes, not a timer). The gaps it sees between
@@ -88,6 +93,7 @@ class ProgressWatch:
         self._since = 0.0          # when the driver began waiting for the engine
         self._first = True         # no delta yet on this engine
         self._held = False
+        self._backoff = 1.0        # doubled by each stall of this request
 
     @property
     def armed(self) -> bool:
@@ -111,15 +117,21 @@ class ProgressWatch:
         """Off the engine (finished, failed, preempted, moving): no clock."""
         self._limits = None
 
+    def stalled(self) -> None:
+        """This request's engine was declared lost for silence: the next
+        engine gets twice the limits."""
+        self._backoff *= 2
+
     def limit(self) -> float:
         if self._limits is None:
             return 0.0
-        return self._limits.first_token_seconds if self._first else self._limits.token_stall_seconds
+        limits = self._limits
+        return (limits.first_token_seconds if self._first else limits.token_stall_seconds) * self._backoff
 
     def check_within(self) -> float:
         """Look again at least this often: the first token's limit may be
         long, and once it came, the (shorter) stall limit runs from it."""
-        return 0.0 if self._limits is None else self._limits.token_stall_seconds
+        return 0.0 if self._limits is None else self._limits.token_stall_seconds * self._backoff
 
     def due_at(self) -> float | None:
         """When the engine becomes overdue if nothing happens (None: unarmed)."""
@@ -171,6 +183,7 @@ class StallTimer:
             self.arm()
             return
         self.reason = reason
+        self._watch.stalled()
         self._on_stall(reason)
 
     def cancel(self) -> None:

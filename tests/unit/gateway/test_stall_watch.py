@@ -59,6 +59,21 @@ def test_watch_stops_while_requeued_and_restarts_on_the_next_engine() -> None:
     assert watch.overdue(clock.monotonic()) is not None
 
 
+def test_each_stall_doubles_the_limits_on_the_next_engine() -> None:
+    watch = ProgressWatch()
+    watch.start(LIMITS, 0.0)
+    watch.delta(1.0)
+    watch.waiting(1.0)
+    assert watch.overdue(3.0) is not None    # 2 s stall limit
+    watch.stalled()
+    watch.stop()
+    watch.start(LIMITS, 10.0)                # the next engine
+    assert watch.overdue(29.9) is None and watch.overdue(30.0) is not None   # first token: 2 x 10 s
+    watch.delta(30.0)
+    watch.waiting(30.0)
+    assert watch.overdue(33.9) is None and watch.overdue(34.0) is not None   # stall: 2 x 2 s
+
+
 def test_no_limits_means_no_watch() -> None:
     watch = ProgressWatch()
     watch.start(None, 0.0)
