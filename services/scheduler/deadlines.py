@@ -76,6 +76,10 @@ class Deadline:
                 f"({self.source.value})")
 
 
+# How old a p95 may be when read (latency_window.py): placements ask for it
+# at every step of a busy dispatch; a quarter second is fresh enough.
+_P95_STALENESS_SECONDS = 0.25
+
 _WINDOWED = (DeadlineKind.QUEUE_WAIT, DeadlineKind.FIRST_TOKEN, DeadlineKind.TOKEN_STALL)
 
 
@@ -135,7 +139,8 @@ class DeadlineBook:
         key = (kind, model, priority)
         window = self._windows.get(key)
         if window is None:
-            window = self._windows[key] = LatencyWindow(self._config.window_samples, self._config.window_seconds)
+            window = self._windows[key] = LatencyWindow(
+                self._config.window_samples, self._config.window_seconds, _P95_STALENESS_SECONDS)
             self._keys.add((model, priority))
         return window
 

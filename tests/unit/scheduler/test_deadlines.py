@@ -55,6 +55,15 @@ def test_window_follows_a_speed_change_within_a_few_percent_new_samples() -> Non
     assert window.p95(1.0) == 0.05
 
 
+def test_window_p95_may_be_a_little_stale_when_asked_to() -> None:
+    window = LatencyWindow(max_samples=100, max_age_seconds=100.0, max_staleness_seconds=1.0)
+    window.add(1.0, 0.0)
+    assert window.p95(0.0) == 1.0
+    window.add(9.0, 0.5)
+    assert window.p95(0.5) == 1.0 and window.count(0.5) == 2    # sorted at 0.0: reused until 1.0
+    assert window.p95(1.0) == 9.0
+
+
 # ---------------------------------------------------------------- the clamp
 
 
