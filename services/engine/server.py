@@ -201,6 +201,11 @@ class EngineService:
         app = web.Application()
         add_metrics_route(app, self.metrics.exposition)
         add_health_routes(app, Probes(self._live, self._ready, self._started), self.drain)
+        speed = getattr(self.backend, "speed", None)
+        if speed is not None:  # a sim engine: its run-time speed knob (sim/speed_http.py)
+            from services.engine.sim.speed_http import add_speed_routes
+
+            add_speed_routes(app, speed)
         self._metrics_server = HttpEndpoint(app)
         self.metrics_port = await self._metrics_server.start(host, port)
 

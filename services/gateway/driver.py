@@ -18,6 +18,11 @@ again; on preemption, requeue, wait and continue -> finish.
   only -- then continues there exactly like a migration. A preemption is
   not a failure: it uses no migration and excludes no engine.
   `max_generation_seconds` bounds the whole generation, waits included.
+- Deadlines from live latency: each `Placed` carries the first-token and
+  stall deadlines the scheduler learned from the fleet's p95s
+  (stall_watch.py): an engine silent past them is lost -- the stream
+  migrates as above instead of waiting for keepalive or the engine's hang
+  detector; and a generation limit, min'ed with `max_generation_seconds`.
 
 Who owns what: each request's driver runs in ONE task (the pump of its
 `event_stream.EventStream`), which alone owns the request's state: the
@@ -45,7 +50,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from services.common.clock import Clock
@@ -61,6 +66,7 @@ from services.gateway.lease_link import LeaseLink
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.request_meter import RequestMeter
 from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.stall_watch import ProgressWatch, StallLimits, StallTimer
 from services.gateway.stop_seam import StopSeam
 
 __all__ = ["DriverSettings", "GenerationDriver", "Run"]
@@ -146,6 +152,9 @@ class _Generation:
         self._deltas = 0
         self._resume_from = job.resume_from
         self._resume_pending = job.resume_from is not None
+        # The engine's progress (stall_watch.py) and the generation's limit now.
+        self._watch = ProgressWatch()
+        self._limit_seconds = 0.0  # set in `_generate`
 
     async def before_close(self) -> None:
         """The transport closes before the end (its client left): say
@@ -171,7 +180,7 @@ class _Generation:
                                       "kvmesh.cached_tokens": finished.usage.cached_tokens})
         # `done` goes out before the client's last event, so a transport that
         # stops reading right after `Finished` cannot lose it.
-        await lease.report_done(finished)
+        await lease.report_done(finished, self._watch.sample)
         try:
             await self._emit(finished)
         finally:
@@ -182,7 +191,10 @@ class _Generation:
     async def _generate(self, lease: LeaseLink, placed: scheduler_pb2.Placed) -> Finished:
         """Stream from the placed engine; on engine failure, migrate; when
         preempted, requeue and continue where it is placed next."""
-        deadline = asyncio.get_running_loop().time() + self._job.max_generation_seconds
+        self._limit_seconds = self._job.max_generation_seconds
+        if placed.generation_seconds > 0:  # the derived limit; the job's (config, key, request) caps it
+            self._limit_seconds = min(self._limit_seconds, placed.generation_seconds)
+        deadline = asyncio.get_running_loop().time() + self._limit_seconds
         while True:
             stream = self._stream = self._driver.engines.open(placed.engine_address, placed.engine_id)
             self._job.trace.set("kvmesh.engine", placed.engine_id)
@@ -232,14 +244,22 @@ class _Generation:
             stream.stop()
 
         timer = asyncio.get_running_loop().call_at(deadline, expire)
+        self._watch.start(StallLimits.from_placed(placed), self._driver.clock.monotonic())
+        stall = StallTimer(self._watch, self._driver.clock, lambda _reason: stream.stop())
+        stall.arm()
         try:
             return await self._relay(lease, placed, stream)
         except EngineStopped:
             if expired:
                 raise TimeoutError from None
+            if stall.reason is not None:  # the engine went silent: lost, like a broken stream
+                self._driver.metrics.stalls.inc()
+                raise EngineFailure(stream.engine_id, f"engine {stream.engine_id}: {stall.reason}") from None
             raise
         finally:
             timer.cancel()
+            stall.cancel()
+            self._watch.stop()
 
     async def _engine_lost(self, failure: EngineFailure) -> Finished | None:
         """The engine failed: how the request ends now, or None to migrate."""
@@ -286,7 +306,7 @@ class _Generation:
     def _timed_out(self) -> Finished:
         return self._end(
             FinishReason.TIMEOUT,
-            f"the generation ran past its {self._job.max_generation_seconds:g}s limit", ErrorKind.TIMEOUT,
+            f"the generation ran past its {self._limit_seconds:g}s limit", ErrorKind.TIMEOUT,
         )
 
     async def _relay(self, lease: LeaseLink, placed: scheduler_pb2.Placed, stream: EngineStream) -> Finished:
@@ -297,7 +317,7 @@ class _Generation:
             await stream.resume(self._job.request_id, self._job.prompt_ids, self._job.trace_context)
         else:
             await stream.start(self._engine_request(placed))
-        async for event in stream.events():
+        async for event in self._watched(stream):
             if event.HasField("delta"):
                 delta = event.delta
                 self._deltas += 1
@@ -327,6 +347,15 @@ class _Generation:
             reason = FinishReason.from_proto(done.finish_reason)
             return self._end(reason, done.message, ErrorKind.GENERATION_FAILED)
         raise EngineFailure(stream.engine_id, f"engine {stream.engine_id}: stream ended early")  # pragma: no cover
+
+    async def _watched(self, stream: EngineStream) -> AsyncIterator[engine_pb2.EngineGenerateEvent]:
+        """The engine's events, each one progress for the stall watch, whose
+        clock holds while the caller relays it (a slow client is no stall)."""
+        watch, clock = self._watch, self._driver.clock
+        async for event in stream.events():
+            watch.delta(clock.monotonic())
+            yield event
+            watch.waiting(clock.monotonic())
 
     def _on_resumed(self, resumed: engine_pb2.EngineResumed) -> None:
         """The engine kept the generation: what came before its replay."""

@@ -97,7 +97,7 @@ _REJECT_KINDS: dict[int, ErrorKind] = {
 _REJECT_ADVICE: dict[int, str] = {
     scheduler_pb2.REJECT_CODE_QUEUE_FULL: "the queue for this priority is full; retry later or use a lower priority",
     scheduler_pb2.REJECT_CODE_TENANT_FULL: "your tenant has too many queued requests; wait for some to finish",
-    scheduler_pb2.REJECT_CODE_EXPIRED: "the request waited in the queue past its time-to-live; retry later",
+    scheduler_pb2.REJECT_CODE_EXPIRED: "the request waited in the queue past its deadline; retry later",
     scheduler_pb2.REJECT_CODE_NO_ENGINE: "no engine is serving this model right now; retry later",
     scheduler_pb2.REJECT_CODE_DRAINING: "the scheduler is shutting down; retry shortly",
     scheduler_pb2.REJECT_CODE_TOO_LARGE: "the request fits on no engine; shorten the prompt or lower max_tokens",

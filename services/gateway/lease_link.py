@@ -51,6 +51,7 @@ from services.gateway.events import Emit, Finished, QueuedUpdate
 from services.gateway.jobs import Job
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.scheduler_client import AdmitSession, SchedulerClient
+from services.gateway.stall_watch import GapSample
 
 __all__ = ["LeaseLink"]
 
@@ -271,8 +272,9 @@ class LeaseLink:
             since = self._clock.monotonic() if preempted_at is None else preempted_at
             self._metrics.preempted_seconds.labels(priority).observe(self._clock.monotonic() - since)
 
-    async def report_done(self, finished: Finished) -> None:
-        """Send the outcome (cheap, no round trip); `close()` afterwards."""
+    async def report_done(self, finished: Finished, gaps: GapSample | None = None) -> None:
+        """Send the outcome (cheap, no round trip), with the stream's sampled
+        delta gaps for the scheduler's deadlines; `close()` afterwards."""
         # A re-attach still under way holds no lease yet: nothing to report.
         self._running = False
         await self._stop_reattach()
@@ -282,6 +284,8 @@ class LeaseLink:
                 completion_tokens=finished.usage.completion_tokens,
                 cached_tokens=finished.usage.cached_tokens,
                 finish_reason=finished.reason.value,
+                delta_gaps_seconds=gaps.gaps if gaps is not None else (),
+                max_delta_gap_seconds=gaps.max_gap if gaps is not None else 0.0,
             )
         )
 

@@ -109,6 +109,12 @@ class GatewayMetrics:
             "kvmesh_gateway_migrations_total", "Streams moved to another engine after an engine failure",
             registry=self.registry,
         )
+        self.stalls = Counter(
+            "kvmesh_gateway_engine_stalls_total",
+            "Engine streams declared lost for silence past the live first-token or stall deadline "
+            "(services/gateway/stall_watch.py); each then migrates like a failure",
+            registry=self.registry,
+        )
         self.preemptions = Counter(
             "kvmesh_gateway_preemptions_total",
             "Streams stopped on their engine because the scheduler gave the slot to a higher class "

@@ -33,7 +33,8 @@ from services.common.config import MeshConfig
 from services.common.config.addresses import join_host_port
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-__all__ = ["EngineRow", "Frame", "Gatherer", "GatewayRow", "QueueRow", "Samples", "parse_samples", "targets"]
+__all__ = ["DeadlineRow", "EngineRow", "Frame", "Gatherer", "GatewayRow", "QueueRow", "Samples", "parse_samples",
+           "targets"]
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 _HTTP_TIMEOUT_SECONDS = 0.8
@@ -62,6 +63,19 @@ class QueueRow:
 
 
 @dataclass(frozen=True)
+class DeadlineRow:
+    """One learned deadline (GetState's DeadlineState)."""
+
+    model: str
+    priority: int
+    kind: str                      # queue_wait | first_token | token_stall | generation
+    p95_seconds: float
+    samples: int
+    deadline_seconds: float
+    source: str                    # derived | floor | ceiling | default
+
+
+@dataclass(frozen=True)
 class GatewayRow:
     name: str
     open_streams: int | None
@@ -78,6 +92,7 @@ class Frame:
     queues: list[QueueRow] = field(default_factory=list)
     gateways: list[GatewayRow] = field(default_factory=list)
     rejections: dict[str, int] = field(default_factory=dict)   # "scheduler queue_full" -> count
+    deadlines: list[DeadlineRow] = field(default_factory=list)
     leases: int = 0
     problems: list[str] = field(default_factory=list)
 
@@ -197,6 +212,8 @@ class Gatherer:
             rows = [q for q in state.queues if q.priority == cls]
             frame.queues.append(QueueRow(cls, sum(q.queued for q in rows),
                                          max((q.oldest_wait_seconds for q in rows), default=0.0), cls in paused))
+        frame.deadlines = [DeadlineRow(d.model, d.priority, d.kind, d.p95_seconds, d.samples, d.deadline_seconds,
+                                       d.source) for d in state.deadlines]
         for (name, labels), value in scraped.get(self._scheduler_metrics, {}).items():
             if name == "kvmesh_scheduler_rejections_total" and value:
                 frame.rejections[f"scheduler {dict(labels).get('reason', '?')}"] = int(value)

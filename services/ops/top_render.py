@@ -76,6 +76,18 @@ def _rejections(frame: Frame) -> Table:
     return table
 
 
+def _deadlines(frame: Frame) -> Table:
+    table = _table("Deadlines from live p95 (GetState)")
+    for name in ("model", "class", "kind", "p95", "samples", "deadline", "source"):
+        table.add_column(name, justify="left" if name in ("model", "class", "kind", "source") else "right",
+                         no_wrap=True)
+    for d in frame.deadlines:
+        table.add_row(d.model, f"P{d.priority}", d.kind, f"{d.p95_seconds * 1000:.0f} ms" if d.samples else "-",
+                      str(d.samples), f"{d.deadline_seconds:.2f} s",
+                      Text(d.source, style="green" if d.source == "derived" else "dim"))
+    return table
+
+
 # Narrower than this, the queue, gateway and rejection tables stack.
 _SIDE_BY_SIDE_COLUMNS = 110
 
@@ -94,6 +106,8 @@ def render(frame: Frame, width: int = 160) -> RenderableType:
         parts.append(middle)
     else:
         parts.extend(tables)
+    if frame.deadlines:
+        parts.append(_deadlines(frame))
     for problem in frame.problems:
         parts.append(Text(f"! {problem}", style="red"))
     return Group(*parts)

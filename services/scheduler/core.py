@@ -1,19 +1,15 @@
 """The scheduler core: the one owner of the scheduler's mutable state.
 
-Ownership rule: the core owns all mutable scheduler state, through three
-objects only it calls: `RequestBook` (request_book.py: every admitted
-request's record and lease), `WaitingRoom` (waiting.py: the model queues
-and Replace lanes) and `EngineFleet` (fleet.py: the engine registry, KV
-index, reservations, leases and engine views), plus the per-class counters
-of `ClassLedger` (class_stats.py). Helpers it owns act on them only
-when it calls: `RoomMaker` (making_room.py: displacement at admission,
-preemption in dispatch), `Comebacks` (comebacks.py: Replace and Requeue)
-and `DetachedLeases` (detached_leases.py: leases kept for a stream resume);
-`EngineEvents` (engine_events.py) handles the engines' Connect-stream events,
-`AdminKnobs` (admin_knobs.py) the operator's (pause, drain, policy).
-All of it changes only inside `SchedulerCore.handle`, called only from the
-event loop's thread (grpc_api.py and engine_links.py for stream messages, server.py's timers
-for `Tick`); synchronous, so no two events interleave and no lock is needed.
+Ownership rule: the core owns all mutable scheduler state, through three objects only it calls: `RequestBook`
+(request_book.py: every admitted request's record and lease), `WaitingRoom` (waiting.py: the model queues and
+Replace lanes) and `EngineFleet` (fleet.py: the engine registry, KV index, reservations, leases and engine
+views), plus the per-class counters of `ClassLedger` (class_stats.py). Helpers it owns act on them only when it
+calls: `RoomMaker` (making_room.py: displacement at admission, preemption in dispatch), `Comebacks`
+(comebacks.py: Replace and Requeue) and `DetachedLeases` (detached_leases.py: leases kept for a stream resume);
+`EngineEvents` (engine_events.py) handles the engines' Connect-stream events, `AdminKnobs` (admin_knobs.py) the
+operator's (pause, drain, policy), `DeadlineBook` (deadlines.py) learns deadlines. All of it changes only inside
+`SchedulerCore.handle`, called only from the event loop's thread (grpc_api.py and engine_links.py for stream
+messages, server.py's timers for `Tick`); synchronous, so no two events interleave and no lock is needed.
 
 One entry point: `handle(event) -> Outbox` applies one event (events.py),
 then ALWAYS dispatches (idempotent, cheap when nothing waits: no caller can
@@ -65,6 +61,7 @@ from .admission_limits import AdmissionLimits, DispatchRateMeter, validate_optio
 from .aging import AgingRule
 from .class_stats import ClassLedger, ClassStat
 from .comebacks import Comebacks
+from .deadlines import DeadlineBook, DeadlineKind
 from .detached_leases import DetachedLeases
 from .engine_events import EngineEvents
 from .events import Delivery, Outbox
@@ -115,6 +112,7 @@ class SchedulerCore:
         self.fleet = EngineFleet(self._config, clock.monotonic(), self._limits.retry_min)
         self._seq = itertools.count()
         self._ledger = ClassLedger(self.metrics)
+        self.deadlines = DeadlineBook(config, self.metrics)  # deadlines.py: from live p95s
         self._gauges = FleetGauges(self.metrics, self._aging, [m.name for m in config.models],
                                    self._config.stale_report_seconds)
         self._requests = RequestBook(self.fleet, self.waiting, self.metrics, self._ledger)
@@ -147,6 +145,7 @@ class SchedulerCore:
         out = Outbox()
         self._handlers[type(event)](event, out, self._clock.monotonic())
         out.notices.extend(self._dispatch())
+        self.deadlines.stamp_all(out.notices, self._requests.get, self._clock.monotonic())
         if isinstance(event, ev.Tick):
             self.waiting.drop_empty()
             self._refresh_gauges()
@@ -191,21 +190,19 @@ class SchedulerCore:
                 return placed
         arrival = self._arrival(options, now)
         self.fleet.check_servable(options, frozenset(), now)
-        expires_at = self._limits.expires_at(options.priority, arrival)
+        bound = self.deadlines.queue_bound(options.model, options.priority, now)
+        expires_at = min(self._limits.expires_at(options.priority, arrival), arrival + bound.seconds)
         if now >= expires_at:
-            raise AdmissionError(
-                RejectReason.EXPIRED,
-                f"the request waited {now - arrival:.1f} s, past the P{options.priority} "
-                "time-to-live",
-                self._retry_after_for(options.priority),
-            )
+            raise AdmissionError(RejectReason.EXPIRED, f"the request waited {now - arrival:.1f} s, past the "
+                                 f"P{options.priority} queue-wait deadline, {bound.describe()}",
+                                 self._retry_after_for(options.priority))
         cls_now = self._aging.class_at(options.priority, arrival, now)
         rate = self._rate.rate(now)
         self._limits.check_class_cap(cls_now, self.waiting.class_len(cls_now), rate)
         displaced.extend(self._room.displace_for(options.tenant, cls_now, rate, now))
         entry = QueueEntry(
             options=options, seq=next(self._seq), arrival=arrival,
-            base_class=options.priority, cls=options.priority, expires_at=expires_at,
+            base_class=options.priority, cls=options.priority, expires_at=expires_at, ttl_reason=bound.describe(),
         )
         queue = self.waiting.queue(options.model)
         self.metrics.count_promotions(queue.push(entry, now))
@@ -262,11 +259,13 @@ class SchedulerCore:
         rec = self._requests.get(event.request_id)
         if rec is not None and rec.lease is not None and rec.lease.first_token_at is None:
             rec.lease.first_token_at = now
+            self.deadlines.first_token(rec, now)
 
     def _on_done(self, event: ev.RequestDone, out: Outbox, now: float) -> None:
         """The lease ends now (the stream's close later finds nothing to do)."""
         rec = self._requests.get(event.request_id)
         if rec is not None:
+            self.deadlines.observe_gaps(rec.options.model, rec.options.priority, event.delta_gaps, now)
             self._requests.finish(rec, Outcome.WITHDRAWN if event.withdrawn else Outcome.DONE, now)
 
     # ------------------------------------------------------------ place and dispatch
@@ -345,6 +344,7 @@ class SchedulerCore:
             waited = max(0.0, now - entry.arrival)
             if not entry.resumed:   # a requeued request's wait is kvmesh_scheduler_preempted_seconds
                 self.metrics.queue_wait.labels(priority_label(entry.base_class)).observe(waited)
+                self.deadlines.observe(DeadlineKind.QUEUE_WAIT, opts.model, entry.base_class, waited, now)
         engine = self.fleet.get(placement.view.engine_id)
         if engine is None:  # pragma: no cover - views come from the registry
             raise RuntimeError("placement chose an unknown engine")
@@ -381,8 +381,7 @@ class SchedulerCore:
         for entry in expired.entries:
             rec = self._requests.get(entry.request_id)
             if rec is not None:
-                message = (f"waited {now - entry.arrival:.1f} s in the queue, past the "
-                           f"P{entry.base_class} time-to-live; retry later")
+                message = self.deadlines.expired(entry, now)
                 out.append((entry.request_id, self._requests.reject(
                     rec, now, RejectReason.EXPIRED, message, self._retry_after_for(entry.cls))))
         for rec in expired.replacements:
@@ -413,6 +412,7 @@ class SchedulerCore:
         self.metrics.engines.labels("fresh").set(fresh)
         self.metrics.engines.labels("stale").set(len(self.fleet) - fresh)
         self._gauges.refresh(self.fleet, self.waiting, now)
+        self.deadlines.refresh_metrics(now)
 
     # ------------------------------------------------------------ queries (read only)
 
@@ -447,4 +447,4 @@ class SchedulerCore:
         return StateView(
             self.policy.name, self.waiting.stats(now), self.fleet.stats(now),
             self.queued_total(), self.fleet.lease_count(), self._ledger.snapshot(),
-            sorted(self.waiting.paused), sorted(self.fleet.admin_drained))
+            sorted(self.waiting.paused), sorted(self.fleet.admin_drained), self.deadlines.states(now))

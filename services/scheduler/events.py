@@ -80,6 +80,8 @@ class RequestDone:
 
     request_id: str
     withdrawn: bool = False
+    # Gaps between the stream's deltas, sampled by the gateway (deadlines.py).
+    delta_gaps: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

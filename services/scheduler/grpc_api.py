@@ -72,6 +72,9 @@ _COMMANDS = {
 
 # Marks the end of an Admit stream's client side (EOF, cancel or read error).
 _CLIENT_GONE = object()
+# Delta gaps taken from one RequestDone (the gateway sends up to 16; more is
+# a misbehaving client, not more information).
+_MAX_GAPS = 64
 
 # The servicer contexts of the two streams (strings: grpc.aio's classes are
 # generic only in the type stubs).
@@ -102,7 +105,7 @@ def _to_proto(notice: Notice) -> scheduler_pb2.AdmitServerMessage:
         return scheduler_pb2.AdmitServerMessage(placed=scheduler_pb2.Placed(
             engine_id=notice.engine_id, engine_address=notice.engine_address,
             lease_id=notice.lease_id, cached_tokens=notice.cached_tokens,
-            engine_incarnation=notice.engine_incarnation))
+            engine_incarnation=notice.engine_incarnation, **_deadline_fields(notice)))
     if isinstance(notice, PreemptedInfo):
         return scheduler_pb2.AdmitServerMessage(preempted=scheduler_pb2.Preempted(
             engine_id=notice.engine_id, preemptions=notice.preemptions,
@@ -110,6 +113,14 @@ def _to_proto(notice: Notice) -> scheduler_pb2.AdmitServerMessage:
     return scheduler_pb2.AdmitServerMessage(rejected=scheduler_pb2.Rejected(
         code=_REJECT_CODES[notice.reason], message=notice.message,
         retry_after_seconds=notice.retry_after_seconds))
+
+
+def _deadline_fields(notice: PlacedInfo) -> dict[str, float]:
+    d = notice.deadlines
+    if d is None:
+        return {}
+    return {"first_token_seconds": d.first_token_seconds, "token_stall_seconds": d.token_stall_seconds,
+            "generation_seconds": d.generation_seconds, "token_stall_p95_seconds": d.token_stall_p95_seconds}
 
 
 def _options(msg: scheduler_pb2.AdmitRequest) -> AdmitOptions:
@@ -150,6 +161,12 @@ def _state_proto(view: StateView) -> scheduler_pb2.SchedulerState:
             for c in view.classes
         ],
         paused_priorities=view.paused, drained_engines=view.drained,
+        deadlines=[
+            scheduler_pb2.DeadlineState(
+                kind=d.kind.value, model=d.model, priority=d.priority, p95_seconds=d.p95 or 0.0,
+                samples=d.samples, deadline_seconds=d.seconds, source=d.source.value)
+            for d in view.deadlines
+        ],
     )
 
 
@@ -303,7 +320,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if kind == "first_token":
             self.deliver(self.core.handle(ev.FirstToken(request_id)))
         elif kind == "done":
-            self.deliver(self.core.handle(ev.RequestDone(request_id, msg.done.finish_reason == "abort")))
+            done = msg.done
+            self.deliver(self.core.handle(ev.RequestDone(
+                request_id, done.finish_reason == "abort", tuple(done.delta_gaps_seconds[:_MAX_GAPS]))))
         elif kind == "requeue":
             q = msg.requeue
             self.traces.again(request_id, "requeue", q.prompt_tokens)

@@ -82,6 +82,21 @@ class SchedulerMetrics:
         self._add_preemption_metrics(r)
         self._add_fleet_metrics(r)
         self._add_pool_metrics(r)
+        self._add_deadline_metrics(r)
+
+    def _add_deadline_metrics(self, r: CollectorRegistry) -> None:
+        """The deadline book's values (deadlines.py), refreshed by the tick."""
+        self.deadline_seconds = Gauge(
+            "kvmesh_scheduler_deadline_seconds",
+            "Deadline in force: clamp(multiple x p95, floor, ceiling), or the ceiling until enough samples",
+            ["kind", "model_name", "priority"], registry=r,
+        )
+        self.latency_p95_seconds = Gauge(
+            "kvmesh_scheduler_latency_p95_seconds",
+            "p95 of the live latency window each deadline comes from (0 = no samples; generation: the "
+            "estimate p95 first token + max_tokens x p95 gap for a 256-token request)",
+            ["kind", "model_name", "priority"], registry=r,
+        )
 
     def _add_fleet_metrics(self, r: CollectorRegistry) -> None:
         """Decision latency, engines serving and flapping, queue age against

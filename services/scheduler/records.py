@@ -19,6 +19,7 @@ __all__ = [
     "AdmitOptions",
     "Lease",
     "Outcome",
+    "PlacedDeadlines",
     "PlacedInfo",
     "PlacementDetail",
     "PreemptedInfo",
@@ -110,6 +111,9 @@ class QueueEntry:
     base_class: int            # class as admitted (TTL is the base class's)
     cls: int                   # class it waits in now (after aging)
     expires_at: float
+    # Where expires_at came from (deadlines.Deadline.describe), for the
+    # `expired` message; "" = the class's time-to-live.
+    ttl_reason: str = ""
     queued: bool = True        # false once popped or withdrawn
     # Requeued after a preemption: it has streamed tokens already, so no
     # TTL (expires_at is inf) and never displaced by admission.
@@ -147,6 +151,17 @@ class QueuedInfo:
 
 
 @dataclass(frozen=True)
+class PlacedDeadlines:
+    """The deadlines a `Placed` carries (deadlines.py; 0 = none: the
+    gateway's fixed limits)."""
+
+    first_token_seconds: float = 0.0
+    token_stall_seconds: float = 0.0
+    generation_seconds: float = 0.0
+    token_stall_p95_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
 class PlacedInfo:
     engine_id: str
     engine_address: str
@@ -156,6 +171,8 @@ class PlacedInfo:
     # How the decision was made, for the request's trace (admit_trace.py);
     # None unless the core explains placements (tracing on).
     detail: PlacementDetail | None = None
+    # Stamped by the core from its deadline book (deadlines.py) on the way out.
+    deadlines: PlacedDeadlines | None = None
 
 
 @dataclass(frozen=True)

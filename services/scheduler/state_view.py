@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .class_stats import ClassStat
 from .fleet import EngineStat
 from .waiting import QueueStat
+
+if TYPE_CHECKING:
+    from .deadlines import Deadline
 
 __all__ = ["StateView"]
 
@@ -23,3 +27,5 @@ class StateView:
     # The operator's knobs (admin_knobs.py): paused classes, drained engine ids.
     paused: list[int] = field(default_factory=list)
     drained: list[str] = field(default_factory=list)
+    # The deadline book's values (deadlines.py), per kind, model and class.
+    deadlines: list[Deadline] = field(default_factory=list)

@@ -46,6 +46,7 @@ class StreamResult:
     error: str | None = None
     done: bool = False
     first_chunk: asyncio.Event = field(default_factory=asyncio.Event)
+    chunk_at: list[float] = field(default_factory=list)  # time.monotonic() of each chunk
 
     @property
     def ok(self) -> bool:
@@ -84,6 +85,7 @@ async def stream_completion(
                         if choice.get("finish_reason"):
                             result.finish_reason = choice["finish_reason"]
                     result.chunks += 1
+                    result.chunk_at.append(time.monotonic())
                     result.first_chunk.set()
                 result.done = events.done
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:

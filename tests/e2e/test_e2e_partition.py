@@ -36,6 +36,10 @@ def MESH_TUNE(config: MeshConfig) -> None:  # noqa: N802 - the fixture's hook na
     # This test is about the network: keep the hang detector (which would
     # also fire once the stopped engine runs again) out of it.
     config.engines.template.hang_floor_seconds = 300.0
+    # And the gateway's stall watch (deadlines from live latency) too: it
+    # moves a silent engine's streams after ~5 s, before keepalive's 10 s
+    # (test_e2e_deadlines.py measures that); this test measures keepalive.
+    config.deadlines.enabled = False
 
 
 def _engine_counter(mesh: Mesh, index: int, name: str) -> float:

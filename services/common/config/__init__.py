@@ -5,6 +5,7 @@ child process, and each service reads its own section. Every field says its
 default, its bounds and why, where it is declared:
 
     mesh.py         the document (MeshConfig), models, mesh TLS, Envoy
+    deadlines.py    deadlines learned from live p95 latency (queue wait, stall, generation)
     network.py      keepalive of every hop, lease fencing (silent partitions)
     engines.py      engines: the template engine, its simulator and vLLM
     scheduler.py    scheduler: aging, admission limits, placement, queues
@@ -31,6 +32,7 @@ the bounds phase unless it calls `validate_config`.
 from __future__ import annotations
 
 from .alerts import AlertsConfig
+from .deadlines import DeadlineBounds, DeadlinesConfig
 from .engines import EngineConfig, EnginesConfig, SimCostConfig, VllmConfig
 from .errors import ConfigError
 from .gateway import ApiKeyConfig, GatewayConfig
@@ -50,6 +52,8 @@ __all__ = [
     "AlertsConfig",
     "ApiKeyConfig",
     "ConfigError",
+    "DeadlineBounds",
+    "DeadlinesConfig",
     "EngineConfig",
     "EnginesConfig",
     "EnvoyConfig",

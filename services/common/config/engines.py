@@ -15,6 +15,16 @@ __all__ = ["EngineConfig", "EnginesConfig", "SimCostConfig", "VllmConfig"]
 
 
 @dataclass
+class SimSpeedStep:
+    """One entry of `speed_schedule` (services/engine/sim/speed.py)."""
+
+    # Seconds after the sim's step loop started. >= 0.
+    at_seconds: float = 0.0
+    # Steps cost this many times their modelled time from then on. >= 0.
+    factor: float = 1.0
+
+
+@dataclass
 class SimCostConfig:
     """The simulated GPU's cost model (services/engine/sim/cost_model.py).
 
@@ -36,6 +46,11 @@ class SimCostConfig:
     chunk_tokens: int = 512
     # Multiplies all costs; 0 = no simulated time at all. Bounds: >= 0.
     speed_factor: float = 1.0
+    # Speed changes at run time (services/engine/sim/speed.py): from each
+    # entry's at_seconds after start, steps cost `factor` x more (on top of
+    # speed_factor); empty = 1 throughout. `POST /sim/speed?factor=F` on the
+    # engine's metrics port overrides it live.
+    speed_schedule: list[SimSpeedStep] = field(default_factory=list)
     # Vocabulary the deterministic text is drawn from (token ids). Used only
     # when the model directory has no tokenizer.json; otherwise the
     # tokenizer's own vocabulary size applies. Bounds: >= 2.

@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .alerts import AlertsConfig
+from .deadlines import DeadlinesConfig
 from .engines import EngineConfig, EnginesConfig
 from .errors import ConfigError
 from .gateway import GatewayConfig
@@ -134,6 +135,7 @@ class MeshConfig:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     fencing: FencingConfig = field(default_factory=FencingConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
+    deadlines: DeadlinesConfig = field(default_factory=DeadlinesConfig)
     responses: ResponsesConfig = field(default_factory=ResponsesConfig)
     # OpenTelemetry traces (tracing.py); off unless an endpoint is set.
     tracing: TracingConfig = field(default_factory=TracingConfig)

@@ -106,10 +106,23 @@ def validate_config(config: MeshConfig, where: str = "config") -> None:
     envoy.non_negative("base_id")
     _check_partitions(mesh)
     mesh.at("resume").non_negative("grace_seconds")
+    _check_deadlines(mesh.at("deadlines"))
     mesh.at("responses").positive("ttl_seconds", "max_bytes")
     mesh.at("responses").non_negative("max_entries")
     _check_tracing(mesh.at("tracing"))
     _check_alerts(mesh.at("alerts"))
+
+
+def _check_deadlines(deadlines: _Section) -> None:
+    deadlines.within("multiple", 1, 100)
+    deadlines.positive("window_samples", "window_seconds", "min_samples")
+    if deadlines.settings.min_samples > deadlines.settings.window_samples:
+        deadlines.fail("min_samples", f"must be <= window_samples ({deadlines.settings.window_samples}), "
+                       f"got {deadlines.settings.min_samples}")
+    for kind in ("queue_wait", "first_token", "token_stall", "generation"):
+        bounds = deadlines.at(kind)
+        bounds.positive("floor_seconds")
+        bounds.non_negative("ceiling_seconds")
 
 
 def _check_alerts(alerts: _Section) -> None:
@@ -177,6 +190,10 @@ def _check_engine(engine: _Section, config: MeshConfig) -> None:
     sim.positive("chunk_tokens")
     sim.within("vocab_size", 2, float("inf"))
     sim.within("eos_probability", 0.0, 1.0)
+    for i, step in enumerate(e.sim.speed_schedule):
+        entry = sim.at("speed_schedule")
+        if not (step.at_seconds >= 0 and 0 <= step.factor < float("inf")):
+            entry.fail(f"[{i}]", f"at_seconds and factor must be >= 0 (factor finite), got {step}")
     vllm = engine.at("vllm")
     vllm.positive("kv_cache_gib", "max_num_seqs")
     vllm.non_negative("max_num_batched_tokens", "block_size")

@@ -33,6 +33,7 @@ from services.engine.backend import (
 from services.engine.model import DEFAULT_MAX_MODEL_LEN, TextCodec, load_codec, resolve_model
 from services.engine.sim.core import CoreLimits, SimCore, SimRequest
 from services.engine.sim.cost_model import step_seconds
+from services.engine.sim.speed import SimSpeed
 from services.engine.sim.step_stats import SimStepMeter
 from services.engine.sim.text import TokenPicker
 
@@ -81,11 +82,14 @@ class SimBackend:
         self._loop_task: asyncio.Task[None] | None = None
         self._on_change: Callable[[], None] | None = None
         self._meter = SimStepMeter()  # step statistics for the engine's metrics (step_stats.py)
+        # Run-time speed (speed.py): the schedule counts from the step loop's start.
+        self.speed = SimSpeed(engine.sim.speed_schedule, 0.0)
 
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
         if self._loop_task is None:
+            self.speed.begin(asyncio.get_running_loop().time())
             self._loop_task = asyncio.create_task(self._run(), name="sim-step-loop")
         # Warm-up: one tiny real generation through the step loop. Shorter
         # than a block, so it leaves nothing in the prefix cache.
@@ -202,7 +206,7 @@ class SimBackend:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            seconds = step_seconds(self._cost, plan.work)
+            seconds = step_seconds(self._cost, plan.work) * self.speed.factor(started)
             # The step's own Python time counts as simulated time already.
             await asyncio.sleep(max(0.0, seconds - (loop.time() - started)))
             await self._unwedged.wait()

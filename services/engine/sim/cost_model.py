@@ -35,6 +35,14 @@ The constants live in `SimCostConfig` (services/common/config/engines.py).
 yields to the event loop, see sim/backend.py), which benchmarks of the mesh's
 own overhead and unit tests use.
 
+Speed at run time (sim/speed.py): every step's time is also multiplied by
+the sim's current speed factor -- `engines.sim.speed_schedule` (a list of
+{at_seconds, factor} counted from the step loop's start, e.g. factor 5 from
+60 s: a GPU that slows to a fifth), or set live on the engine's metrics port
+with `curl -X POST 'http://127.0.0.1:<metrics_port>/sim/speed?factor=5'`
+(`GET` shows it, `DELETE` returns to the schedule; sim engines only). The
+deadline tests use it to make the fleet's latency change under the mesh.
+
 n > 1 costs what it costs vLLM: the gateway starts the copies of a request on
 the same engine after choice 0's first token (services/gateway/choices.py),
 so each copy's prompt is a prefix-cache hit (sim/core.py) and only its last

@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 
 from services.common.config import MeshConfig
-from services.ops.top_data import EngineRow, Frame, GatewayRow, Gatherer, QueueRow, parse_samples, targets
+from services.ops.top_data import DeadlineRow, EngineRow, Frame, GatewayRow, Gatherer, QueueRow, parse_samples, targets
 from services.ops.top_render import render
 
 
@@ -46,6 +46,17 @@ def test_screen_shows_engines_queues_gateways_and_rejections(width: int) -> None
     assert "round_robin" in text and "leases 3" in text
     assert "gateway-0" in text and "3.2" in text and "queue_full" in text
     assert "! 127.0.0.1:9: connection refused" in text
+
+
+def test_screen_shows_the_learned_deadlines() -> None:
+    frame = _frame()
+    frame.deadlines = [DeadlineRow("tiny-llama", 1, "token_stall", 0.4445, 64, 1.3335, "derived"),
+                       DeadlineRow("tiny-llama", 1, "queue_wait", 0.0, 0, 300.0, "default")]
+    lines = _text(frame).splitlines()
+    assert next(line for line in lines if "token_stall" in line).split() == [
+        "tiny-llama", "P1", "token_stall", "444", "ms", "64", "1.33", "s", "derived"]
+    assert next(line for line in lines if "queue_wait" in line).split() == [
+        "tiny-llama", "P1", "queue_wait", "-", "0", "300.00", "s", "default"]
 
 
 def test_an_empty_fleet_says_so() -> None:

@@ -82,16 +82,20 @@ class FirstToken(_message.Message):
     def __init__(self) -> None: ...
 
 class RequestDone(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "delta_gaps_seconds", "max_delta_gap_seconds")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    DELTA_GAPS_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DELTA_GAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     finish_reason: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    delta_gaps_seconds: _containers.RepeatedScalarFieldContainer[float]
+    max_delta_gap_seconds: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., delta_gaps_seconds: _Optional[_Iterable[float]] = ..., max_delta_gap_seconds: _Optional[float] = ...) -> None: ...
 
 class Requeue(_message.Message):
     __slots__ = ("prompt_tokens", "max_tokens", "prefix_hashes")
@@ -128,18 +132,26 @@ class Queued(_message.Message):
     def __init__(self, position: _Optional[int] = ..., estimated_wait_seconds: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class Placed(_message.Message):
-    __slots__ = ("engine_id", "engine_address", "lease_id", "cached_tokens", "engine_incarnation")
+    __slots__ = ("engine_id", "engine_address", "lease_id", "cached_tokens", "engine_incarnation", "first_token_seconds", "token_stall_seconds", "generation_seconds", "token_stall_p95_seconds")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STALL_P95_SECONDS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     engine_address: str
     lease_id: str
     cached_tokens: int
     engine_incarnation: int
-    def __init__(self, engine_id: _Optional[str] = ..., engine_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., engine_incarnation: _Optional[int] = ...) -> None: ...
+    first_token_seconds: float
+    token_stall_seconds: float
+    generation_seconds: float
+    token_stall_p95_seconds: float
+    def __init__(self, engine_id: _Optional[str] = ..., engine_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., engine_incarnation: _Optional[int] = ..., first_token_seconds: _Optional[float] = ..., token_stall_seconds: _Optional[float] = ..., generation_seconds: _Optional[float] = ..., token_stall_p95_seconds: _Optional[float] = ...) -> None: ...
 
 class Rejected(_message.Message):
     __slots__ = ("code", "message", "retry_after_seconds")
@@ -358,7 +370,7 @@ class ClassState(_message.Message):
     def __init__(self, priority: _Optional[int] = ..., preemptions: _Optional[int] = ..., requeued: _Optional[int] = ..., preempted_now: _Optional[int] = ..., seconds_lost: _Optional[float] = ..., displaced: _Optional[int] = ..., protected: _Optional[int] = ...) -> None: ...
 
 class SchedulerState(_message.Message):
-    __slots__ = ("policy", "queues", "engines", "queued_total", "leases_total", "classes", "paused_priorities", "drained_engines")
+    __slots__ = ("policy", "queues", "engines", "queued_total", "leases_total", "classes", "paused_priorities", "drained_engines", "deadlines")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     QUEUES_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
@@ -367,6 +379,7 @@ class SchedulerState(_message.Message):
     CLASSES_FIELD_NUMBER: _ClassVar[int]
     PAUSED_PRIORITIES_FIELD_NUMBER: _ClassVar[int]
     DRAINED_ENGINES_FIELD_NUMBER: _ClassVar[int]
+    DEADLINES_FIELD_NUMBER: _ClassVar[int]
     policy: str
     queues: _containers.RepeatedCompositeFieldContainer[QueueState]
     engines: _containers.RepeatedCompositeFieldContainer[EngineState]
@@ -375,7 +388,8 @@ class SchedulerState(_message.Message):
     classes: _containers.RepeatedCompositeFieldContainer[ClassState]
     paused_priorities: _containers.RepeatedScalarFieldContainer[int]
     drained_engines: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, policy: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[QueueState, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineState, _Mapping]]] = ..., queued_total: _Optional[int] = ..., leases_total: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassState, _Mapping]]] = ..., paused_priorities: _Optional[_Iterable[int]] = ..., drained_engines: _Optional[_Iterable[str]] = ...) -> None: ...
+    deadlines: _containers.RepeatedCompositeFieldContainer[DeadlineState]
+    def __init__(self, policy: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[QueueState, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineState, _Mapping]]] = ..., queued_total: _Optional[int] = ..., leases_total: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassState, _Mapping]]] = ..., paused_priorities: _Optional[_Iterable[int]] = ..., drained_engines: _Optional[_Iterable[str]] = ..., deadlines: _Optional[_Iterable[_Union[DeadlineState, _Mapping]]] = ...) -> None: ...
 
 class Fence(_message.Message):
     __slots__ = ("request_ids",)
@@ -386,3 +400,21 @@ class Fence(_message.Message):
 class Undrain(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class DeadlineState(_message.Message):
+    __slots__ = ("kind", "model", "priority", "p95_seconds", "samples", "deadline_seconds", "source")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    P95_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    model: str
+    priority: int
+    p95_seconds: float
+    samples: int
+    deadline_seconds: float
+    source: str
+    def __init__(self, kind: _Optional[str] = ..., model: _Optional[str] = ..., priority: _Optional[int] = ..., p95_seconds: _Optional[float] = ..., samples: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., source: _Optional[str] = ...) -> None: ...
