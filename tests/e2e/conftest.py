@@ -3,7 +3,10 @@ is most of a vLLM test's time; _vllm_mesh.SharedVllmMesh):
 
 - `shared_tiny_one`: one tiny-llama engine running 2 sequences -- a whole
   vLLM batch in a few requests (test_e2e_vllm.py, test_e2e_vllm_preemption.py,
-  which differ in scheduler settings only: the scheduler restarts between);
+  which differ in scheduler settings only: the scheduler restarts between),
+  tracing to TINY_ONE_TRACE_PORT, where test_e2e_vllm_tracing.py listens
+  while it runs (no receiver otherwise: spans are dropped, serving never
+  waits for an export);
 - `shared_tiny_pair`: two tiny-llama engines, 8 sequences each, the hang
   floor low (HANG_FLOOR_SECONDS) -- engine faults and migration
   (test_e2e_vllm_core_kill.py, test_e2e_vllm_migration.py);
@@ -25,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _vllm_mesh import SharedVllmMesh
+from _vllm_mesh import TINY_ONE_TRACE_PORT, SharedVllmMesh
 
 from services.common.config import MeshConfig
 
@@ -39,6 +42,7 @@ HANG_FLOOR_SECONDS = 20.0
 
 def _tiny_one(config: MeshConfig) -> None:
     config.engines.template.vllm.max_num_seqs = 2
+    config.tracing.otlp_endpoint = f"http://127.0.0.1:{TINY_ONE_TRACE_PORT}"
 
 
 def _tiny_pair(config: MeshConfig) -> None:
