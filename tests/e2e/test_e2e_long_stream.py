@@ -31,6 +31,9 @@ HEARTBEAT_SECONDS = 3.0
 
 def MESH_TUNE(config: MeshConfig) -> None:  # noqa: N802 - the fixture's hook name
     config.engines.template.sim.speed_factor = SPEED_FACTOR
+    # The sim's 2-token warm-up would take ~24 s at this speed before the
+    # engines report healthy; these streams need no warm engine.
+    config.engines.template.sim.warm_up = False
     config.gateway.heartbeat_seconds = HEARTBEAT_SECONDS
     # The gateway's default 120 s cap would end these streams with a timeout.
     config.gateway.max_generation_seconds = 600.0

@@ -87,6 +87,8 @@ class SimBackend:
     async def start(self) -> None:
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self._run(), name="sim-step-loop")
+        if not self._cost.warm_up:
+            return
         # Warm-up: one tiny real generation through the step loop. Shorter
         # than a block, so it leaves nothing in the prefix cache.
         warm = GenerationRequest("__warmup__", [self.codec.clean_token_ids[0]], Sampling(max_tokens=2))
