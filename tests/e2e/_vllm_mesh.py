@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import yaml
+from _mesh_stop import stop_test_mesh
 from _streams import scheduler_state
 from _vllm_compile_cache import share_compile_cache
 
@@ -70,7 +71,7 @@ def running_vllm_mesh(run_dir: Path, engines: int, tune: Callable[[MeshConfig], 
     try:
         yield mesh
     finally:
-        mesh.stop_all()
+        stop_test_mesh(mesh)
 
 
 @dataclass

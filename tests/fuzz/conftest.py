@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from _mesh_stop import stop_test_mesh
 
 from services.launcher.mesh import Mesh
 
@@ -20,4 +21,4 @@ def fuzz_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     try:
         yield mesh
     finally:
-        mesh.stop_all()
+        stop_test_mesh(mesh)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from _mesh_stop import stop_test_mesh
 
 from services.common.config import MeshConfig, load_config
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -69,7 +70,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     try:
         yield started
     finally:
-        started.stop_all()
+        stop_test_mesh(started)
 
 
 # ---------------------------------------------------------------- helpers
