@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from _mesh_stop import stop_test_mesh
 
 if TYPE_CHECKING:
     from services.launcher.mesh import Mesh
@@ -61,4 +62,4 @@ def e2e_mesh(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     try:
         yield mesh
     finally:
-        mesh.stop_all()
+        stop_test_mesh(mesh)

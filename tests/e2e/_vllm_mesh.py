@@ -23,21 +23,27 @@ from typing import Any
 
 import pytest
 import yaml
+from _mesh_stop import stop_test_mesh
 from _streams import scheduler_state
 from _vllm_compile_cache import share_compile_cache
 
 from services.common.config import MeshConfig
 from services.launcher.children import MeshError
 from services.launcher.mesh import Mesh
+from services.launcher.ports import free_port
 from services.launcher.up import Restarts
 
-__all__ = ["MODEL", "SharedVllmMesh", "Supervised", "running_vllm_mesh", "supervised_vllm_mesh"]
+__all__ = ["MODEL", "TINY_ONE_TRACE_PORT", "SharedVllmMesh", "Supervised", "running_vllm_mesh",
+           "supervised_vllm_mesh"]
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-llama"
 # A shared mesh waits this long for a restarted engine and for every engine
 # to serve (a vLLM engine's start-up on a busy 2-core machine).
 HEAL_SECONDS = 900.0
+# The OTLP receiver port the one-engine tiny-llama mesh traces to
+# (tests/e2e/conftest.py): test_e2e_vllm_tracing.py listens there.
+TINY_ONE_TRACE_PORT = free_port()
 
 
 @contextmanager
@@ -65,7 +71,7 @@ def running_vllm_mesh(run_dir: Path, engines: int, tune: Callable[[MeshConfig], 
     try:
         yield mesh
     finally:
-        mesh.stop_all()
+        stop_test_mesh(mesh)
 
 
 @dataclass
@@ -115,7 +121,10 @@ class SharedVllmMesh:
     Users may differ in scheduler settings only (`get(scheduler=...)`,
     SchedulerConfig fields): the scheduler then restarts with the user's
     values -- its state is soft, engines and gateways re-register within
-    seconds -- and every engine serves again before the user runs."""
+    seconds -- and every engine serves again before the user runs. A user
+    whose tests hold under any scheduler settings says so
+    (`any_scheduler=True`) and runs with the mesh's current ones (no
+    restart)."""
 
     def __init__(self, name: str, engines: int, tune: Callable[[MeshConfig], None], model: str = MODEL) -> None:
         self.name, self.engines, self.tune, self.model = name, engines, tune, model
@@ -128,7 +137,8 @@ class SharedVllmMesh:
     def running(self) -> bool:
         return self._current is not None
 
-    def get(self, tmp_path_factory: pytest.TempPathFactory, scheduler: dict[str, Any] | None = None) -> Supervised:
+    def get(self, tmp_path_factory: pytest.TempPathFactory, scheduler: dict[str, Any] | None = None,
+            any_scheduler: bool = False) -> Supervised:
         scheduler = scheduler or {}
         if self._current is not None and not self._heal(self._current):
             self.close()
@@ -142,7 +152,7 @@ class SharedVllmMesh:
             self._current = stack.enter_context(supervised_vllm_mesh(
                 tmp_path_factory.mktemp(self.name), self.engines, tune, self.model))
             self._stack = stack
-        elif self._set_scheduler(self._current.mesh.config, scheduler):
+        elif not any_scheduler and self._set_scheduler(self._current.mesh.config, scheduler):
             self._restart_scheduler(self._current)
         return self._current
 

@@ -3,7 +3,10 @@ is most of a vLLM test's time; _vllm_mesh.SharedVllmMesh):
 
 - `shared_tiny_one`: one tiny-llama engine running 2 sequences -- a whole
   vLLM batch in a few requests (test_e2e_vllm.py, test_e2e_vllm_preemption.py,
-  which differ in scheduler settings only: the scheduler restarts between);
+  which differ in scheduler settings only: the scheduler restarts between),
+  tracing to TINY_ONE_TRACE_PORT, where test_e2e_vllm_tracing.py listens
+  while it runs (no receiver otherwise: spans are dropped, serving never
+  waits for an export);
 - `shared_tiny_pair`: two tiny-llama engines, 8 sequences each, the hang
   floor low (HANG_FLOOR_SECONDS) -- engine faults and migration
   (test_e2e_vllm_core_kill.py, test_e2e_vllm_migration.py);
@@ -17,15 +20,24 @@ an earlier module left it broken. So a module run alone (`-k`) gets a mesh
 of its own as before, and order never decides a result. It does decide the
 cost: the modules of one mesh run one after another (the collection hook
 below), and a mesh is stopped once the next test does not use it.
+
+Also here: `LongStreamRun`, test_e2e_long_stream.py's two minutes of
+waiting, run in the background from collection on (_long_stream.py).
 """
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from _vllm_mesh import SharedVllmMesh
+from _vllm_mesh import TINY_ONE_TRACE_PORT, SharedVllmMesh
 
 from services.common.config import MeshConfig
 
@@ -39,6 +51,7 @@ HANG_FLOOR_SECONDS = 20.0
 
 def _tiny_one(config: MeshConfig) -> None:
     config.engines.template.vllm.max_num_seqs = 2
+    config.tracing.otlp_endpoint = f"http://127.0.0.1:{TINY_ONE_TRACE_PORT}"
 
 
 def _tiny_pair(config: MeshConfig) -> None:
@@ -80,6 +93,59 @@ def shared_smol_pair() -> Iterator[SharedVllmMesh]:
     SHARED["shared_smol_pair"].close()
 
 
+class LongStreamRun:
+    """test_e2e_long_stream.py's two-minute run (_long_stream.py) in a
+    process of its own, started once the test is collected: it waits on
+    the clock, not the CPU, so it runs beside the tests before it. The
+    test reads its result (`result`), waiting for it if it is still on."""
+
+    SCRIPT = Path(__file__).with_name("_long_stream.py")
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[str] | None = None
+        self._dir: Path | None = None
+
+    def start(self) -> None:
+        if self._proc is None:
+            self._dir = Path(tempfile.mkdtemp(prefix="kvmesh-long-stream-"))
+            with (self._dir / "run.log").open("w") as log:
+                self._proc = subprocess.Popen([sys.executable, str(self.SCRIPT), str(self._dir / "mesh")],
+                                              stdout=subprocess.PIPE, stderr=log, text=True,
+                                              cwd=self.SCRIPT.parents[2])
+
+    def result(self, timeout: float = 600.0) -> dict[str, Any]:
+        self.start()
+        assert self._proc is not None and self._dir is not None
+        out, _ = self._proc.communicate(timeout=timeout)
+        lines = out.strip().splitlines()
+        log = (self._dir / "run.log").read_text(errors="replace")[-3000:]
+        assert self._proc.returncode == 0 and lines, f"the long-stream run failed ({self._dir}):\n{log}"
+        shutil.rmtree(self._dir, ignore_errors=True)  # kept (the mesh's logs) only when the run failed
+        return dict(json.loads(lines[-1]))
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()  # the script stops its mesh on SIGTERM
+            try:
+                self._proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+
+
+LONG_STREAM = LongStreamRun()
+
+
+@pytest.fixture(scope="session")
+def long_stream_run() -> LongStreamRun:
+    return LONG_STREAM
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not session.config.option.collectonly and any(
+            item.path.name == "test_e2e_long_stream.py" for item in session.items):
+        LONG_STREAM.start()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The modules of one shared mesh run one after another, where the first
     of them stands: between two of its users the mesh would be stopped and
@@ -114,3 +180,4 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     for shared in SHARED.values():
         shared.close()
+    LONG_STREAM.stop()

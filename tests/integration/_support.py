@@ -20,6 +20,7 @@ from pathlib import Path
 import aiohttp
 import grpc
 import pytest
+from _mesh_stop import stop_test_mesh
 
 from services.bench.sse import SseEvents
 from services.common.config import ApiKeyConfig, MeshConfig, load_config
@@ -65,7 +66,7 @@ def mesh_running(
     try:
         yield mesh
     finally:
-        mesh.stop_all()
+        stop_test_mesh(mesh)
 
 
 # ---------------------------------------------------------------- scheduler

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from _mesh_stop import stop_test_mesh
 
 from services.common.config import MeshConfig, load_config
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -52,6 +53,11 @@ WAIT_SECONDS = 60.0
 
 def _tune(config: MeshConfig) -> None:
     config.engines.template.sim.speed_factor = 0.0
+    # The reference generations (_direct) go straight to the engine, with no
+    # lease: lease fencing ends such a generation (UNAVAILABLE "fenced") once
+    # it outlives the scheduler's start-up grace (10 s) -- every time on a
+    # loaded machine, where setup alone took longer. Nothing here tests fencing.
+    config.fencing.enabled = False
     for model in config.models:
         if model.name == MODEL:
             model.max_model_len = 65_536  # the sim needs no position embeddings
@@ -69,7 +75,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     try:
         yield started
     finally:
-        started.stop_all()
+        stop_test_mesh(started)
 
 
 # ---------------------------------------------------------------- helpers

@@ -105,6 +105,10 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             cluster.start()
             net.assert_safe()
             yield cluster
+            # The test is over: the gateways' drain (3 s not ready, for a
+            # load balancer) buys nothing now (tests/_mesh_stop.py).
+            for r in cluster.by_component("gateway"):
+                cluster.kill(r)
         assert net.leftovers() == [], f"teardown left {net.leftovers()}"
     finally:
         if cluster is not None:

@@ -36,4 +36,8 @@ def netns_mesh(netns_ok: None, request: pytest.FixtureRequest,
         mesh.start()
         net.assert_safe()
         yield mesh
+        # The test is over: its gateways' drain (3 s not ready, for a load
+        # balancer) buys nothing now (tests/_mesh_stop.py).
+        for name in [n for n in mesh.procs if n.startswith("gateway-")]:
+            mesh.kill(name)
     assert net.leftovers() == [], f"teardown left {net.leftovers()}"

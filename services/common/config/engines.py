@@ -59,6 +59,10 @@ class SimCostConfig:
     # deterministic hash as the token itself). 0 = every generation runs to
     # max_tokens, which keeps benchmark output lengths exact.
     eos_probability: float = 0.0
+    # Run one 2-token generation before the engine reports healthy. Off only
+    # for a sim slowed so far that it would take tens of seconds (a test of
+    # 12 s tokens); the engine then serves its first request cold.
+    warm_up: bool = True
 
 
 @dataclass

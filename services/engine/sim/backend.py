@@ -91,6 +91,8 @@ class SimBackend:
         if self._loop_task is None:
             self.speed.begin(asyncio.get_running_loop().time())
             self._loop_task = asyncio.create_task(self._run(), name="sim-step-loop")
+        if not self._cost.warm_up:
+            return
         # Warm-up: one tiny real generation through the step loop. Shorter
         # than a block, so it leaves nothing in the prefix cache.
         warm = GenerationRequest("__warmup__", [self.codec.clean_token_ids[0]], Sampling(max_tokens=2))
