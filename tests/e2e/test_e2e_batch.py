@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import aiohttp
 import openai
 import pytest
-from _streams import stream_completion
+from _streams import gateway_counter, stream_completion
 
 from services.common.config import ApiKeyConfig, MeshConfig
 from services.launcher.mesh import Mesh
@@ -161,6 +161,10 @@ def test_sigkill_of_the_owner_gateway_mid_batch(mesh: Mesh) -> None:
                                           (batch.id,)).fetchone()
     assert new_owner != owner and new_epoch == epoch + 1, (owner, epoch, new_owner, new_epoch)
     assert running > 0, "no line was in flight when the owner was killed"
+    # The new owner re-attached to the dead one's generations rather than running them again.
+    resumed = sum(gateway_counter(mesh, "kvmesh_gateway_batch_requests_total", 'result="resumed"', r)
+                  for r in (0, 1))
+    assert resumed >= 1, f"none of the {running} lines in flight at the kill was resumed"
 
 
 def test_tenant_isolation_and_upload_limits(mesh: Mesh) -> None:
