@@ -33,8 +33,10 @@ class BatchConfig:
     # once and shrinks on 429s / queue rejections and when its lines wait in
     # the scheduler's queue, so a batch fills idle capacity, not the queue.
     max_in_flight: int = 32
-    # Tries of one line on retriable failures (429, 503, engine lost,
-    # timeout) before it goes to the error file. >= 1.
+    # Tries of one line that failed (engines lost, an internal error) before
+    # it goes to the error file. >= 1. Refusals -- the key's rate limit, a
+    # full queue, no engine -- are waited out (backing off) without using
+    # tries, until the batch's completion window ends.
     max_attempts: int = 5
     # Ownership lease of a batch, seconds: a gateway that stops renewing it
     # (dead, or cut off from the database) is taken over this long after its

@@ -130,7 +130,7 @@ class BatchRun:
             return
         # A line its previous owner left running: its generation may still be on its engine.
         resume = line.state == "running" and line.epoch != self.lease.epoch and bool(line.request_id)
-        attempt, request_id, backoff = line.attempt, line.request_id, 0.5
+        attempt, request_id, backoff, failures = line.attempt, line.request_id, 0.5, 0
         while True:
             if not resume:
                 attempt += 1
@@ -152,7 +152,10 @@ class BatchRun:
                 continue
             resume = False
             deps.metrics.requests.labels("retried").inc()
-            if attempt >= deps.config.max_attempts:
+            # Refusals (a rate limit, a full queue, no engine) wait their turn
+            # without using up tries: a busy fleet is what a batch waits out.
+            failures += result.pace is not Pace.REJECTED
+            if failures >= deps.config.max_attempts:
                 error = http_error(GatewayError(ErrorKind.UNAVAILABLE, f"gave up after {attempt} tries: "
                                                 f"{result.message}", code="batch_request_failed"))
                 await self._record(line, Result(Outcome.DONE, result.pace, response_line(

@@ -110,19 +110,23 @@ async def test_retriable_failures_are_retried_then_reported(db: Database, monkey
         return None
     monkeypatch.setattr("services.gateway.batch.batch_run.asyncio.sleep", no_sleep)
     failures = {"c0": 1, "c1": 99}
+    refusals = {"c0": 4, "c1": 0}
 
     def script(attempt: Attempt) -> Result:
+        if refusals[attempt.custom_id] > 0:  # waited out: uses no try
+            refusals[attempt.custom_id] -= 1
+            return Result(Outcome.RETRY, Pace.REJECTED, message="queue full")
         if failures[attempt.custom_id] > 0:
             failures[attempt.custom_id] -= 1
-            return Result(Outcome.RETRY, Pace.REJECTED, message="queue full")
+            return Result(Outcome.RETRY, Pace.NEUTRAL, message="engines failed")
         return ok(attempt)
     deps, executor = _setup(db, 2, script, max_attempts=3)
     await _run(deps, "gw", 1000.0).run()
-    assert sorted(a.request_id for a in executor.attempts) == [
-        "batch_t-1-1", "batch_t-1-2", "batch_t-2-1", "batch_t-2-2", "batch_t-2-3"]
+    assert sorted(a.request_id for a in executor.attempts) == sorted(
+        [f"batch_t-1-{i}" for i in range(1, 7)] + ["batch_t-2-1", "batch_t-2-2", "batch_t-2-3"])
     errors = _file_lines(db, "error_file_id")
     assert [(e["custom_id"], e["response"]["status_code"]) for e in errors] == [("c1", 503)]
-    assert "queue full" in errors[0]["response"]["body"]["error"]["message"]
+    assert "engines failed" in errors[0]["response"]["body"]["error"]["message"]
     assert [o["custom_id"] for o in _file_lines(db, "output_file_id")] == ["c0"]
 
 
