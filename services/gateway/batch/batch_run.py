@@ -180,8 +180,9 @@ class BatchRun:
             if moved is None:
                 return  # cancelled meanwhile (the runner sees it next poll), or no longer ours
         outputs = await db.run(db.store.outputs, self.lease.batch_id)
+        files = await asyncio.to_thread(files_of, outputs, final)  # up to max_lines lines: off the event loop
         done = await db.run(db.store.finish, self.lease, self._tenant, {"status": final, f"{final}_at": now},
-                            files_of(outputs, final), now)
+                            files, now)
         if done is not None:
             log.info("batch %s %s: %d lines", self.lease.batch_id, final, len(outputs))
 

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from services.gateway.batch.execute import pace_of
 from services.gateway.batch.inputs import check_input
 from services.gateway.batch.output import files_of, not_run_line, response_line
 from services.gateway.batch.pacing import Pace, Window
@@ -89,3 +90,14 @@ def test_pacing_window_grows_when_placed_and_backs_off_on_rejections() -> None:
     assert window.backoff == 0.0 and window.size == 2
     window.observe(Pace.NEUTRAL, now=40.0)
     assert window.size == 2
+
+
+@pytest.mark.parametrize(("queued", "wait", "run", "pace"), [
+    (False, 0.0, 1.0, Pace.PLACED),
+    (True, 0.8, 1.0, Pace.PLACED),    # a backlog no longer than the run: keep (and grow) the window
+    (True, 2.0, 1.0, Pace.QUEUED),    # waited longer than it ran: the runner sends too much
+    (True, 0.2, 0.05, Pace.PLACED),   # short waits are no signal whatever the line's length
+])
+def test_a_lines_queue_wait_against_its_run_time_is_the_signal(queued: bool, wait: float, run: float,
+                                                                 pace: Pace) -> None:
+    assert pace_of(queued, wait, run) is pace
