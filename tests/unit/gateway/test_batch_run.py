@@ -240,3 +240,20 @@ async def test_cancelling_reaches_the_owner_at_its_next_poll(db: Database) -> No
     assert batch is not None and batch["status"] == "cancelled"
     assert len(_file_lines(db, "error_file_id")) == 6
     await runner.stop()
+
+
+async def test_a_draining_gateway_finishes_its_lines_and_hands_the_batch_over(db: Database) -> None:
+    deps, executor = _setup(db, 6, ok)
+    executor.release.clear()
+    runner = _runner(deps, "gw-a")
+    await runner._tick()
+    await _attempts(executor, 4)
+    await deps.gate.close()          # the drain: no new lines
+    executor.release.set()
+    await _settle(runner)
+    await runner._tick()             # its run ended: the lease goes
+    assert not runner._owned
+    counts = (await db.run(db.store.get_batch, "tenant", "batch_t") or {})["request_counts"]
+    assert counts["completed"] == 4  # the lines in flight finished here
+    assert await db.run(db.store.claim, "batch_t", "gw-b", deps.clock.wall(), TTL) is not None  # at once
+    await runner.stop()
