@@ -101,7 +101,7 @@ class BatchRun:
                 if not await self._deps.gate.acquire():
                     return
                 if self.stop_as is not None:
-                    await self._deps.gate.release()
+                    self._deps.gate.release()
                     return
                 task = asyncio.create_task(self._line(line), name=f"batch-line-{line.batch_id}-{line.line}")
                 self._lines.add(task)
@@ -118,7 +118,7 @@ class BatchRun:
         except Exception:
             log.exception("batch %s line %d failed", self.lease.batch_id, line.line)
         finally:
-            await self._deps.gate.release()
+            self._deps.gate.release()
 
     async def _run_line(self, line: LineRecord) -> None:
         deps, store = self._deps, self._deps.db.store

@@ -96,8 +96,9 @@ class FilesApi:
         while (part := await reader.next()) is not None:
             if not isinstance(part, BodyPartReader):
                 continue
-            if part.name == "purpose":
-                purpose = (await part.read(decode=False))[:64].decode(errors="replace").strip()
+            if part.name == "purpose":  # a short word: read at most one chunk of it
+                purpose = (await part.read_chunk(256))[:64].decode(errors="replace").strip()
+                await part.release()
             elif part.name == "file":
                 filename = (part.filename or filename)[:255]
                 chunks, size = [], 0

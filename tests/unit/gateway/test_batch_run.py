@@ -248,7 +248,7 @@ async def test_a_draining_gateway_finishes_its_lines_and_hands_the_batch_over(db
     runner = _runner(deps, "gw-a")
     await runner._tick()
     await _attempts(executor, 4)
-    await deps.gate.close()          # the drain: no new lines
+    deps.gate.close()                # the drain: no new lines
     executor.release.set()
     await _settle(runner)
     await runner._tick()             # its run ended: the lease goes
@@ -257,3 +257,18 @@ async def test_a_draining_gateway_finishes_its_lines_and_hands_the_batch_over(db
     assert counts["completed"] == 4  # the lines in flight finished here
     assert await db.run(db.store.claim, "batch_t", "gw-b", deps.clock.wall(), TTL) is not None  # at once
     await runner.stop()
+
+
+async def test_the_gate_bounds_lines_and_close_wakes_its_waiters() -> None:
+    clock = FakeClock()
+    gate = Gate(Window(limit_max=2, limit=2.0), clock)
+    assert await gate.acquire() and await gate.acquire()
+    waiter = asyncio.create_task(gate.acquire())
+    await asyncio.sleep(0.01)
+    assert not waiter.done()          # full: waits for a release
+    gate.release()
+    assert await asyncio.wait_for(waiter, 5) and gate.in_flight == 2
+    third = asyncio.create_task(gate.acquire())
+    await asyncio.sleep(0.01)
+    gate.close()
+    assert await asyncio.wait_for(third, 5) is False and gate.in_flight == 2
