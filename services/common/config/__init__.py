@@ -12,6 +12,7 @@ default, its bounds and why, where it is declared:
     gateway.py      gateway and its API keys
     response_cache.py  the gateway's response cache (embedded or Redis)
     responses.py    the Responses API's store (TTL, size bounds)
+    batch.py        the Batch API: its database, file size bound, runner
     tracing.py      OpenTelemetry traces: OTLP endpoint, sampling
     alerts.py       alert thresholds (rendered into the rule files, read by no service)
     errors.py       ConfigError
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 from .alerts import AlertsConfig
 from .deadlines import DeadlineBounds, DeadlinesConfig
+from .batch import BatchConfig
 from .engines import EngineConfig, EnginesConfig, SimCostConfig, VllmConfig
 from .errors import ConfigError
 from .gateway import ApiKeyConfig, GatewayConfig
@@ -51,6 +53,7 @@ __all__ = [
     "AgingConfig",
     "AlertsConfig",
     "ApiKeyConfig",
+    "BatchConfig",
     "ConfigError",
     "DeadlineBounds",
     "DeadlinesConfig",

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from .alerts import AlertsConfig
 from .deadlines import DeadlinesConfig
+from .batch import BatchConfig
 from .engines import EngineConfig, EnginesConfig
 from .errors import ConfigError
 from .gateway import GatewayConfig
@@ -137,6 +138,8 @@ class MeshConfig:
     resume: ResumeConfig = field(default_factory=ResumeConfig)
     deadlines: DeadlinesConfig = field(default_factory=DeadlinesConfig)
     responses: ResponsesConfig = field(default_factory=ResponsesConfig)
+    # The Batch API's database and runner (batch.py).
+    batch: BatchConfig = field(default_factory=BatchConfig)
     # OpenTelemetry traces (tracing.py); off unless an endpoint is set.
     tracing: TracingConfig = field(default_factory=TracingConfig)
     # Alert thresholds, rendered into the rule files (alerts.py).

@@ -109,6 +109,7 @@ def validate_config(config: MeshConfig, where: str = "config") -> None:
     _check_deadlines(mesh.at("deadlines"))
     mesh.at("responses").positive("ttl_seconds", "max_bytes")
     mesh.at("responses").non_negative("max_entries")
+    _check_batch(mesh.at("batch"))
     _check_tracing(mesh.at("tracing"))
     _check_alerts(mesh.at("alerts"))
 
@@ -123,6 +124,15 @@ def _check_deadlines(deadlines: _Section) -> None:
         bounds = deadlines.at(kind)
         bounds.positive("floor_seconds")
         bounds.non_negative("ceiling_seconds")
+
+
+def _check_batch(batch: _Section) -> None:
+    batch.within("max_file_bytes", 1024, 1024**3)
+    batch.positive("max_lines", "max_in_flight", "max_attempts", "lease_seconds", "poll_seconds",
+                   "completion_window_seconds")
+    if batch.settings.poll_seconds * 2 >= batch.settings.lease_seconds:
+        batch.fail("poll_seconds", f"must be < lease_seconds / 2 ({batch.settings.lease_seconds / 2:g}): "
+                   "a lease is renewed at least twice before it expires")
 
 
 def _check_alerts(alerts: _Section) -> None:

@@ -31,7 +31,7 @@ REJECT_CODE_RESUME_UNKNOWN: RejectCode
 REJECT_CODE_RESUME_FORBIDDEN: RejectCode
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("request_id", "model", "tenant", "priority", "prompt_tokens", "max_tokens", "prefix_hashes", "arrival_unix", "running_on_engine", "resume", "together_with", "trace_context")
+    __slots__ = ("request_id", "model", "tenant", "priority", "prompt_tokens", "max_tokens", "prefix_hashes", "arrival_unix", "running_on_engine", "resume", "together_with", "trace_context", "batch", "batch_deadline_unix")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,8 @@ class AdmitRequest(_message.Message):
     RESUME_FIELD_NUMBER: _ClassVar[int]
     TOGETHER_WITH_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     tenant: str
@@ -63,7 +65,9 @@ class AdmitRequest(_message.Message):
     resume: bool
     together_with: str
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., arrival_unix: _Optional[float] = ..., running_on_engine: _Optional[str] = ..., resume: _Optional[bool] = ..., together_with: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    batch: bool
+    batch_deadline_unix: float
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., arrival_unix: _Optional[float] = ..., running_on_engine: _Optional[str] = ..., resume: _Optional[bool] = ..., together_with: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., batch: _Optional[bool] = ..., batch_deadline_unix: _Optional[float] = ...) -> None: ...
 
 class Replace(_message.Message):
     __slots__ = ("exclude_engines", "prompt_tokens", "max_tokens", "prefix_hashes")
