@@ -185,13 +185,13 @@ class SchedulerCore:
             placed = self._reattach(options, now)
             if placed is not None:
                 return placed
-        if options.together_with:
+        if options.together_with and not options.batch:  # together skips the slot filters
             placed = self._together(options, now)
             if placed is not None:
                 return placed
         arrival = self._arrival(options, now)
         self.fleet.check_servable(options, frozenset(), now)
-        expires_at = self._limits.expires_at(options.priority, arrival)
+        expires_at = self._limits.expires_at(options, arrival, now - self._clock.wall())
         if now >= expires_at:
             raise AdmissionError(
                 RejectReason.EXPIRED,
@@ -201,8 +201,7 @@ class SchedulerCore:
             )
         cls_now = self._aging.class_at(options.priority, arrival, now)
         rate = self._rate.rate(now)
-        self._limits.check_class_cap(cls_now, self.waiting.class_len(cls_now), rate)
-        displaced.extend(self._room.displace_for(options.tenant, cls_now, rate, now))
+        displaced.extend(self._room.admit_room(options, cls_now, rate, now))
         entry = QueueEntry(
             options=options, seq=next(self._seq), arrival=arrival,
             base_class=options.priority, cls=options.priority, expires_at=expires_at,

@@ -89,7 +89,8 @@ class RequestBook:
         rec.state = RequestState.PREEMPTED
         rec.preemptions += 1
         rec.preempted_at = now
-        self._ledger.preempted(rec.options.priority, reached_bound=rec.preemptions >= bound)
+        batch = rec.options.batch  # never protected (preemption.py)
+        self._ledger.preempted(rec.options.priority, not batch and rec.preemptions >= bound, batch)
         return PreemptedInfo(lease.engine_id, rec.preemptions, by_class)
 
     def orphan(self, ended: list[Lease]) -> None:

@@ -23,6 +23,15 @@ class PlacementRequest:
     exclude: frozenset[str] = frozenset()
     # The request's class now (0 = P0), after aging.
     priority: int = 1
+    # A Batch API line: never a P0-reserved lease slot, whatever its class
+    # (the framework enforces it even for a profile without `lease_slots`).
+    batch: bool = False
+
+    @property
+    def slot_priority(self) -> int:
+        """The class whose lease slots the request may fill: a batch line
+        only ever the lowest's (no P0-reserved slot)."""
+        return max(self.priority, 1) if self.batch else self.priority
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,11 @@ class EngineView:
     @property
     def free_blocks(self) -> int:
         return self.blocks_total - self.blocks_used - self.blocks_reserved
+
+    def batch_room(self) -> bool:
+        """A batch line may be leased here: a slot free below the P0-reserved
+        ones (policies.py applies it to every batch placement)."""
+        return self.leases < self.lease_limit_for(1)
 
     def lease_limit_for(self, priority: int) -> int:
         """Lease slots a request of class `priority` may fill."""

@@ -240,6 +240,8 @@ class PlacementPolicy:
     ) -> Placement | None:
         """One engine for `request`, or None when no engine passes now."""
         views = self.complete_views(request, engines, kv_index, hash_block_tokens, headroom_tokens)
+        if request.batch:  # whatever the profile's filters: never a P0-reserved slot
+            views = [v for v in views if v.batch_room()]
         for f in self.filters:
             if not views:
                 return None
@@ -257,6 +259,8 @@ class PlacementPolicy:
     def passes(self, request: PlacementRequest, view: EngineView) -> bool:
         """Whether one completed view passes every filter (no pick, no
         memory): preemption's test that a victim's slot makes room."""
+        if request.batch and not view.batch_room():
+            return False
         views = [view]
         for f in self.filters:
             views = f.filter(request, views)

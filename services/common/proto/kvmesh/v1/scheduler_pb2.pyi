@@ -31,7 +31,7 @@ REJECT_CODE_RESUME_UNKNOWN: RejectCode
 REJECT_CODE_RESUME_FORBIDDEN: RejectCode
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("request_id", "model", "tenant", "priority", "prompt_tokens", "max_tokens", "prefix_hashes", "arrival_unix", "running_on_engine", "resume", "together_with", "trace_context")
+    __slots__ = ("request_id", "model", "tenant", "priority", "prompt_tokens", "max_tokens", "prefix_hashes", "arrival_unix", "running_on_engine", "resume", "together_with", "trace_context", "batch", "batch_deadline_unix")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,8 @@ class AdmitRequest(_message.Message):
     RESUME_FIELD_NUMBER: _ClassVar[int]
     TOGETHER_WITH_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     tenant: str
@@ -63,7 +65,9 @@ class AdmitRequest(_message.Message):
     resume: bool
     together_with: str
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., arrival_unix: _Optional[float] = ..., running_on_engine: _Optional[str] = ..., resume: _Optional[bool] = ..., together_with: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    batch: bool
+    batch_deadline_unix: float
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prefix_hashes: _Optional[_Iterable[int]] = ..., arrival_unix: _Optional[float] = ..., running_on_engine: _Optional[str] = ..., resume: _Optional[bool] = ..., together_with: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., batch: _Optional[bool] = ..., batch_deadline_unix: _Optional[float] = ...) -> None: ...
 
 class Replace(_message.Message):
     __slots__ = ("exclude_engines", "prompt_tokens", "max_tokens", "prefix_hashes")
@@ -284,16 +288,18 @@ class GetStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class QueueState(_message.Message):
-    __slots__ = ("priority", "tenant", "queued", "oldest_wait_seconds")
+    __slots__ = ("priority", "tenant", "queued", "oldest_wait_seconds", "batch")
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     OLDEST_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     priority: int
     tenant: str
     queued: int
     oldest_wait_seconds: float
-    def __init__(self, priority: _Optional[int] = ..., tenant: _Optional[str] = ..., queued: _Optional[int] = ..., oldest_wait_seconds: _Optional[float] = ...) -> None: ...
+    batch: bool
+    def __init__(self, priority: _Optional[int] = ..., tenant: _Optional[str] = ..., queued: _Optional[int] = ..., oldest_wait_seconds: _Optional[float] = ..., batch: _Optional[bool] = ...) -> None: ...
 
 class EngineState(_message.Message):
     __slots__ = ("engine_id", "address", "model", "serving", "draining", "fresh", "running", "waiting", "blocks_used", "blocks_total", "blocks_reserved", "cached_blocks", "leases", "weight", "backend", "incarnation", "max_model_len", "drained_by_admin")
@@ -336,7 +342,7 @@ class EngineState(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., draining: _Optional[bool] = ..., fresh: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., blocks_reserved: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., weight: _Optional[float] = ..., backend: _Optional[str] = ..., incarnation: _Optional[int] = ..., max_model_len: _Optional[int] = ..., drained_by_admin: _Optional[bool] = ...) -> None: ...
 
 class ClassState(_message.Message):
-    __slots__ = ("priority", "preemptions", "requeued", "preempted_now", "seconds_lost", "displaced", "protected")
+    __slots__ = ("priority", "preemptions", "requeued", "preempted_now", "seconds_lost", "displaced", "protected", "batch_queued", "batch_preemptions")
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     REQUEUED_FIELD_NUMBER: _ClassVar[int]
@@ -344,6 +350,8 @@ class ClassState(_message.Message):
     SECONDS_LOST_FIELD_NUMBER: _ClassVar[int]
     DISPLACED_FIELD_NUMBER: _ClassVar[int]
     PROTECTED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     priority: int
     preemptions: int
     requeued: int
@@ -351,7 +359,9 @@ class ClassState(_message.Message):
     seconds_lost: float
     displaced: int
     protected: int
-    def __init__(self, priority: _Optional[int] = ..., preemptions: _Optional[int] = ..., requeued: _Optional[int] = ..., preempted_now: _Optional[int] = ..., seconds_lost: _Optional[float] = ..., displaced: _Optional[int] = ..., protected: _Optional[int] = ...) -> None: ...
+    batch_queued: int
+    batch_preemptions: int
+    def __init__(self, priority: _Optional[int] = ..., preemptions: _Optional[int] = ..., requeued: _Optional[int] = ..., preempted_now: _Optional[int] = ..., seconds_lost: _Optional[float] = ..., displaced: _Optional[int] = ..., protected: _Optional[int] = ..., batch_queued: _Optional[int] = ..., batch_preemptions: _Optional[int] = ...) -> None: ...
 
 class SchedulerState(_message.Message):
     __slots__ = ("policy", "queues", "engines", "queued_total", "leases_total", "classes", "paused_priorities", "drained_engines")
