@@ -42,6 +42,7 @@ from services.common.openai_api.responses import (
 from services.common.proto.kvmesh.v1 import common_pb2
 from services.common.tracing import Span
 from services.gateway import request_trace
+from services.gateway.batch.service import BatchService
 from services.gateway.driver import GenerationDriver
 from services.gateway.errors import ErrorKind, GatewayError, http_error
 from services.gateway.event_stream import EventStream
@@ -107,7 +108,8 @@ class HttpApi:
         self._tokenize = TokenizeApi(frontdoor)
         self.responses_store = responses_store or ResponseStore(config.responses, SystemClock())
 
-    def app(self) -> web.Application:
+    def app(self, batch: BatchService | None = None) -> web.Application:
+        """The routes; with `batch`, the Files + Batches API too (services/gateway/batch/)."""
         app = web.Application(
             middlewares=[self._error_middleware],
             client_max_size=self._config.gateway.max_body_bytes,
@@ -116,6 +118,8 @@ class HttpApi:
         app.router.add_post("/v1/completions", self.completions)
         ResponsesApi(self._frontdoor, self._driver, self._metrics, self.responses_store, self._read_json,
                      _REQUEST_ID).register(app)
+        if batch is not None:
+            batch.register(app, self._read_json)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_post("/tokenize", self._tokenize_route)

@@ -83,6 +83,11 @@ class Job:
     # off) and that span's W3C context, sent on to the scheduler and engines.
     trace: Span = NO_SPAN
     trace_context: tuple[tuple[str, str], ...] = ()
+    # A Batch API line (services/gateway/batch/runner.py): P2 the scheduler
+    # never ages nor lets take a P0-reserved slot, queued until the batch's
+    # completion window ends (unix seconds).
+    batch: bool = False
+    batch_deadline_unix: float = 0.0
 
     @property
     def metric_labels(self) -> tuple[str, str, str]:
@@ -102,6 +107,8 @@ class Job:
             arrival_unix=self.arrival_unix,
             resume=self.resume_from is not None,
             together_with=self.together_with,
+            batch=self.batch,
+            batch_deadline_unix=self.batch_deadline_unix,
         )
         if self.trace_context:
             request.trace_context.update(dict(self.trace_context))

@@ -84,6 +84,13 @@ class KeyStore:
                 ErrorKind.UNAUTHENTICATED, "invalid API key: check the key you send", code="invalid_api_key")
         return principal
 
+    def principal_for(self, key_id: str) -> Principal | None:
+        """The key with this id (a batch runs under its creator's key), or
+        None when it is no longer configured; ANONYMOUS without auth."""
+        if not self.auth_enabled:
+            return ANONYMOUS
+        return next((p for p in self._by_digest.values() if p.key_id == key_id), None)
+
     @staticmethod
     def check_model(principal: Principal, model: str) -> None:
         if principal.models and model not in principal.models:

@@ -10,6 +10,7 @@ default, its bounds and why, where it is declared:
     scheduler.py    scheduler: aging, admission limits, placement, queues
     gateway.py      gateway and its API keys
     responses.py    the Responses API's store (TTL, size bounds)
+    batch.py        the Batch API: its database, file size bound, runner
     tracing.py      OpenTelemetry traces: OTLP endpoint, sampling
     alerts.py       alert thresholds (rendered into the rule files, read by no service)
     errors.py       ConfigError
@@ -30,6 +31,7 @@ the bounds phase unless it calls `validate_config`.
 from __future__ import annotations
 
 from .alerts import AlertsConfig
+from .batch import BatchConfig
 from .engines import EngineConfig, EnginesConfig, SimCostConfig, VllmConfig
 from .errors import ConfigError
 from .gateway import ApiKeyConfig, GatewayConfig
@@ -47,6 +49,7 @@ __all__ = [
     "AgingConfig",
     "AlertsConfig",
     "ApiKeyConfig",
+    "BatchConfig",
     "ConfigError",
     "EngineConfig",
     "EnginesConfig",

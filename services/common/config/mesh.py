@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .alerts import AlertsConfig
+from .batch import BatchConfig
 from .engines import EngineConfig, EnginesConfig
 from .errors import ConfigError
 from .gateway import GatewayConfig
@@ -128,6 +129,8 @@ class MeshConfig:
     fencing: FencingConfig = field(default_factory=FencingConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
     responses: ResponsesConfig = field(default_factory=ResponsesConfig)
+    # The Batch API's database and runner (batch.py).
+    batch: BatchConfig = field(default_factory=BatchConfig)
     # OpenTelemetry traces (tracing.py); off unless an endpoint is set.
     tracing: TracingConfig = field(default_factory=TracingConfig)
     # Alert thresholds, rendered into the rule files (alerts.py).

@@ -107,8 +107,18 @@ def validate_config(config: MeshConfig, where: str = "config") -> None:
     mesh.at("resume").non_negative("grace_seconds")
     mesh.at("responses").positive("ttl_seconds", "max_bytes")
     mesh.at("responses").non_negative("max_entries")
+    _check_batch(mesh.at("batch"))
     _check_tracing(mesh.at("tracing"))
     _check_alerts(mesh.at("alerts"))
+
+
+def _check_batch(batch: _Section) -> None:
+    batch.within("max_file_bytes", 1024, 1024**3)
+    batch.positive("max_lines", "max_in_flight", "max_attempts", "lease_seconds", "poll_seconds",
+                   "completion_window_seconds")
+    if batch.settings.poll_seconds * 2 >= batch.settings.lease_seconds:
+        batch.fail("poll_seconds", f"must be < lease_seconds / 2 ({batch.settings.lease_seconds / 2:g}): "
+                   "a lease is renewed at least twice before it expires")
 
 
 def _check_alerts(alerts: _Section) -> None:

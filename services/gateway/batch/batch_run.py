@@ -1,0 +1,184 @@
+"""One owned batch's run on this gateway: its open lines through the gate
+(gate.py) to the executor (execute.py), each result recorded under the
+ownership fence, then the batch finalized (output / error files, final
+status). The runner (runner.py) starts one per batch it owns and stops it
+on cancellation, expiry, a lost lease or the gateway's stop.
+
+"Runs no request twice" (README "Batch API"): a line is recorded done at
+most once (`record_result` is fenced and only moves a line that is not
+done), so the output has exactly one line per custom_id; a line is
+admitted under a fresh request id `<batch>-<line>-<attempt>` only after
+that attempt was written (fenced) as running; a new owner first RESUMES a
+line the old one left running (same request id: the generation continues
+on its engine, not from the start) and reruns it only when that generation
+is gone (still queued at the crash, past `resume.grace_seconds`, or moved
+to another engine just before).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.clock import Clock
+from services.common.config.batch import BatchConfig
+from services.gateway.batch.execute import Attempt, LineExecutor, Outcome, Result
+from services.gateway.batch.gate import Gate
+from services.gateway.batch.metrics import BatchMetrics
+from services.gateway.batch.output import files_of, response_line
+from services.gateway.batch.ownership import Lease
+from services.gateway.batch.pacing import Pace
+from services.gateway.batch.records import LineRecord
+from services.gateway.batch.store import Database
+from services.gateway.errors import ErrorKind, GatewayError, http_error
+from services.gateway.keys import Principal
+
+__all__ = ["BatchRun", "LostLease", "RunDeps"]
+
+log = logging.getLogger(__name__)
+
+_PAGE = 256   # open lines read per query
+
+
+class LostLease(Exception):
+    """Another gateway owns the batch now: stop without writing."""
+
+
+@dataclass(frozen=True)
+class RunDeps:
+    config: BatchConfig
+    db: Database
+    executor: LineExecutor
+    gate: Gate
+    metrics: BatchMetrics
+    clock: Clock
+
+
+class BatchRun:
+    def __init__(self, deps: RunDeps, lease: Lease, batch: dict[str, Any], tenant: str,
+                 principal: Principal | None) -> None:
+        self._deps = deps
+        self.lease = lease
+        self._batch = batch
+        self._tenant = tenant
+        self._principal = principal
+        self._lines: set[asyncio.Task[None]] = set()
+        self.stop_as: str | None = None   # "cancelled" | "expired": stop and finalize so
+
+    def stop(self, final_status: str) -> None:
+        """Start no more lines, cancel those in flight, end as `final_status`."""
+        if self.stop_as is None:
+            self.stop_as = final_status
+            for task in self._lines:
+                task.cancel()
+
+    def abandon(self) -> None:
+        """Stop here without finalizing (the lease is lost, or the gateway
+        stops): cancel the lines in flight; they stay open for the next owner."""
+        for task in self._lines:
+            task.cancel()
+
+    async def run(self) -> None:
+        status = self._batch["status"]
+        if status == "in_progress":
+            await self._dispatch()
+            await asyncio.gather(*self._lines, return_exceptions=True)
+        if self.stop_as is None and status in ("in_progress", "finalizing"):
+            open_lines = await self._deps.db.run(self._deps.db.store.open_lines, self.lease.batch_id, 0, 1)
+            if open_lines:
+                return  # a line lost its write (fenced): the runner looks again at its next poll
+        await self._finalize(self.stop_as or ("cancelled" if status == "cancelling" else "completed"))
+
+    async def _dispatch(self) -> None:
+        db, after = self._deps.db, 0
+        while self.stop_as is None:
+            page = await db.run(db.store.open_lines, self.lease.batch_id, after, _PAGE)
+            if not page:
+                return
+            for line in page:
+                if not await self._deps.gate.acquire():
+                    return
+                if self.stop_as is not None:
+                    await self._deps.gate.release()
+                    return
+                task = asyncio.create_task(self._line(line), name=f"batch-line-{line.batch_id}-{line.line}")
+                self._lines.add(task)
+                task.add_done_callback(self._lines.discard)
+                after = line.line
+
+    async def _line(self, line: LineRecord) -> None:
+        try:
+            await self._run_line(line)
+        except asyncio.CancelledError:
+            pass  # stopped: the line stays open (cancelled/expired lines go to the error file)
+        except LostLease:
+            log.warning("batch %s: lost its lease while line %d ran", self.lease.batch_id, line.line)
+        except Exception:
+            log.exception("batch %s line %d failed", self.lease.batch_id, line.line)
+        finally:
+            await self._deps.gate.release()
+
+    async def _run_line(self, line: LineRecord) -> None:
+        deps, store = self._deps, self._deps.db.store
+        if self._principal is None:
+            error = http_error(GatewayError(ErrorKind.UNAUTHENTICATED, "the API key that created this batch is "
+                                            "no longer configured", code="invalid_api_key"))
+            await self._record(line, Result(Outcome.DONE, Pace.NEUTRAL, response_line(
+                line.custom_id, "", error.status, error.body)))
+            return
+        # A line its previous owner left running: its generation may still be on its engine.
+        resume = line.state == "running" and line.epoch != self.lease.epoch and bool(line.request_id)
+        attempt, request_id, backoff = line.attempt, line.request_id, 0.5
+        while True:
+            if not resume:
+                attempt += 1
+                request_id = f"{line.batch_id}-{line.line}-{attempt}"
+                if not await deps.db.run(store.mark_running, self.lease, line.line, attempt, request_id):
+                    raise LostLease
+            result = await deps.executor.run(Attempt(
+                self._batch["endpoint"], line.request(), line.custom_id, request_id,
+                float(self._batch["expires_at"]), resume), self._principal)
+            deps.gate.observe(result.pace)
+            if result.outcome is Outcome.DONE:
+                if resume:
+                    deps.metrics.requests.labels("resumed").inc()
+                await self._record(line, result)
+                return
+            if result.outcome is Outcome.RERUN:
+                deps.metrics.requests.labels("rerun").inc()
+                resume = False
+                continue
+            resume = False
+            deps.metrics.requests.labels("retried").inc()
+            if attempt >= deps.config.max_attempts:
+                error = http_error(GatewayError(ErrorKind.UNAVAILABLE, f"gave up after {attempt} tries: "
+                                                f"{result.message}", code="batch_request_failed"))
+                await self._record(line, Result(Outcome.DONE, result.pace, response_line(
+                    line.custom_id, request_id, error.status, error.body)))
+                return
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 30.0)
+
+    async def _record(self, line: LineRecord, result: Result) -> None:
+        deps = self._deps
+        if not await deps.db.run(deps.db.store.record_result, self.lease, line.line, result.output, result.ok,
+                                 result.tokens):
+            raise LostLease
+        deps.metrics.requests.labels("ok" if result.ok else "error").inc()
+        deps.metrics.tokens.inc(result.tokens)
+
+    async def _finalize(self, final: str) -> None:
+        db, now = self._deps.db, int(self._deps.clock.wall())
+        if final == "completed":
+            moved = await db.run(db.store.update_batch, None, self.lease.batch_id, ("in_progress", "finalizing"),
+                                 {"status": "finalizing", "finalizing_at": now}, self.lease)
+            if moved is None:
+                return  # cancelled meanwhile (the runner sees it next poll), or no longer ours
+        outputs = await db.run(db.store.outputs, self.lease.batch_id)
+        done = await db.run(db.store.finish, self.lease, self._tenant, {"status": final, f"{final}_at": now},
+                            files_of(outputs, final), now)
+        if done is not None:
+            log.info("batch %s %s: %d lines", self.lease.batch_id, final, len(outputs))
+

@@ -1,0 +1,63 @@
+"""How many lines one gateway runs at once: an additive-increase /
+multiplicative-decrease window, so a batch fills the fleet's idle capacity
+without flooding the scheduler's queue.
+
+Signals, per finished line (`Pace`):
+- PLACED: the line was placed at once (never reported queued) -> the window
+  grows by one line per window's worth of such lines;
+- QUEUED: the scheduler reported it queued (no idle slot for it) -> the
+  window shrinks by one: more lines would only wait in the queue;
+- REJECTED: 429 / queue full / 503 (a rate limit, the queue, no engine)
+  -> the window halves and new lines wait `backoff` seconds (doubling up
+  to `max_backoff`, reset by the next PLACED).
+
+Pure logic over an injected clock's time; the runner owns one `Window` and
+calls it from its event loop only.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = ["Pace", "Window"]
+
+
+class Pace(enum.Enum):
+    PLACED = "placed"
+    QUEUED = "queued"
+    REJECTED = "rejected"
+    NEUTRAL = "neutral"   # a line that ended otherwise (a client error): no signal
+
+
+@dataclass
+class Window:
+    limit_max: int
+    limit: float = 4.0
+    min_backoff: float = 0.25
+    max_backoff: float = 10.0
+    backoff: float = 0.0        # the current pause after a rejection (0: none)
+    paused_until: float = 0.0   # monotonic seconds; new lines wait until then
+
+    def __post_init__(self) -> None:
+        self.limit = min(self.limit, float(self.limit_max))
+
+    @property
+    def size(self) -> int:
+        """Lines that may run now (at least one)."""
+        return max(1, int(self.limit))
+
+    def observe(self, pace: Pace, now: float) -> None:
+        if pace is Pace.PLACED:
+            self.limit = min(float(self.limit_max), self.limit + 1.0 / self.size)
+            self.backoff = 0.0
+        elif pace is Pace.QUEUED:
+            self.limit = max(1.0, self.limit - 1.0)
+        elif pace is Pace.REJECTED:
+            self.limit = max(1.0, self.limit / 2)
+            self.backoff = min(self.max_backoff, max(self.min_backoff, self.backoff * 2))
+            self.paused_until = max(self.paused_until, now + self.backoff)
+
+    def wait_seconds(self, now: float) -> float:
+        """How long new lines must still wait (0 = go)."""
+        return max(0.0, self.paused_until - now)
