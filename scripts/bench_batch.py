@@ -142,7 +142,10 @@ def p0_load(args: argparse.Namespace, target: Target, salt: str, count: Any) -> 
     result = asyncio.run(run_workload(build_workload(spec, arrival, count), arrival, target))
     ok = [r for r in result.results if r.ok]
     ttft = percentiles([r.ttft for r in ok if r.ttft is not None])
-    return {"window": (started, time.monotonic()), "sent": n, "ok": len(ok),
+    # Placed away from its cached context (less than half the prompt cached): a cold prefill.
+    cold = [r for r in ok if r.cached_tokens * 2 < r.prompt_tokens]
+    return {"window": (started, time.monotonic()), "sent": n, "ok": len(ok), "cold": len(cold),
+            "cold_ttft_ms": percentiles([r.ttft * 1000 for r in cold if r.ttft is not None]),
             "errors": sorted({r.error[:80] for r in result.results if not r.ok}),
             "ttft_ms": {k: (None if v is None else v * 1000) for k, v in ttft.items()},
             "tokens_per_s": sum(r.completion_tokens for r in ok) / args.seconds}

@@ -155,6 +155,7 @@ class Lease:
     cached_tokens: int
     prompt_tokens: int
     cls: int = 1               # the class it was placed in (after aging): preemption compares it
+    batch: bool = False        # a Batch API line's: a P0 does not queue behind it (fleet.py)
     first_token_at: float | None = None
 
 

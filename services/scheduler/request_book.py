@@ -64,6 +64,7 @@ class RequestBook:
         rec.lease = self._fleet.open_lease(
             rec.options.request_id, engine, reserved, cached, rec.options.prompt_tokens, now,
             rec.options.priority if cls is None else cls)
+        rec.lease.batch = rec.options.batch
         rec.state = RequestState.PLACED
         rec.ran_on[engine.engine_id] = engine.info.incarnation
         if rec.preempted_at is not None:

@@ -61,6 +61,10 @@ class EngineView:
     blocks_needed: int = 0      # blocks the request would newly take on it
     cached_blocks: int = 0      # blocks in its prefix cache (last report): how many contexts it keeps
     p0_reserved_leases: int = 0  # of lease_limit, slots only P0 may take
+    # Estimated queueing for a P0, which batch lines never delay (it runs in
+    # the engine's P0 headroom): batch leases left out. None = queue_seconds.
+    # The framework puts it in queue_seconds for a P0 request (policies.py).
+    p0_queue_seconds: float | None = None
 
     @property
     def free_blocks(self) -> int:

@@ -12,7 +12,7 @@ import pytest
 
 from services.common.config import PolicyProfileConfig
 from services.common.proto.kvmesh.v1 import scheduler_pb2
-from services.scheduler.events import RequestArrived, RequestDone, RequeueRequested, Tick
+from services.scheduler.events import KvSnapshotReported, RequestArrived, RequestDone, RequeueRequested, Tick
 from services.scheduler.grpc_api import _options, _state_proto
 from services.scheduler.placement import EngineView
 from services.scheduler.preemption import Candidate, choose_victim
@@ -285,3 +285,22 @@ def test_the_grpc_boundary_runs_a_batch_line_as_p2_whatever_priority_it_carries(
     options = _options(msg)
     assert (options.priority, options.batch, options.batch_deadline_unix) == (2, True, 1.8e9)
     assert _options(scheduler_pb2.AdmitRequest(request_id="r", model="m", priority=0)).priority == 0
+
+
+# ---------------------------------------------------------------- P0 placement beside a batch
+
+@pytest.mark.parametrize(("batch_work", "p0_goes_to"), [(True, "warm"), (False, "cold")])
+def test_a_p0_stays_on_its_warm_engine_however_many_batch_lines_run_there(batch_work: bool, p0_goes_to: str) -> None:
+    """A P0 runs in the engine's P0 headroom, ahead of batch lines, so their
+    leases do not count as queueing for it: it keeps its cached context. The
+    same load of ordinary P2 work still counts (the sticky policy's margin,
+    unchanged)."""
+    core, _ = make_core(engine_queue_slack=2, p0_reserved_leases=1)
+    token = add_engine(core, "warm", max_running=2)
+    core.handle(KvSnapshotReported("warm", token, 0, [11, 12]))
+    for i in range(3):
+        admit(core, batch(f"w{i}") if batch_work else opts(f"w{i}", priority=2))
+        assert core.lease_of(f"w{i}").engine_id == "warm"
+    add_engine(core, "cold", max_running=2)
+    admit(core, opts("chat", priority=0, prefix_hashes=(11, 12)))
+    assert core.lease_of("chat").engine_id == p0_goes_to
