@@ -291,6 +291,7 @@ def row_of(r: dict[str, Any]) -> list[str]:
     return [str(r["run"]), " / ".join(_f(a[p]) for p in ("p50", "p90", "p99")),
             " / ".join(_f(b[p]) for p in ("p50", "p90", "p99")), _f(r["p99_ratio"], "{:.2f}"),
             f"{r['with_batch']['p0']['ok']} / {r['with_batch']['p0']['sent']}",
+            f"{r['p0_alone']['cold']} / {r['with_batch']['p0']['cold']}",
             _f(w["tokens_per_s_in_window"]), _f(r["capacity_tokens_per_s"]),
             _f(r["p0_alone"]["tokens_per_s"]), _f(r["idle_tokens_per_s"]), _f(r["fill_ratio"], "{:.2f}"),
             _f(w["tokens_per_s_alone"]),
@@ -300,6 +301,7 @@ def row_of(r: dict[str, Any]) -> list[str]:
 
 def table(runs: list[dict[str, Any]]) -> str:
     head = ["run", "P0 TTFT p50 / p90 / p99 ms alone", "with batch", "p99 with / alone", "P0 ok / sent",
+            "P0 cold alone / with",
             "batch tok/s (P0 window)", "capacity tok/s", "P0 tok/s", "idle tok/s", "batch / idle",
             "batch alone tok/s", "batch lines out", "batch preemptions"]
     rows = [head, ["---"] * len(head), *(row_of(r) for r in runs)]

@@ -225,12 +225,15 @@ class EngineFleet:
         occupancy = max(len(e.leases), e.load.running + e.load.waiting)
         prefill = e.load.queued_tokens / (self._config.prefill_tokens_per_second * weight)
         per_slot = e.service_seconds / max(1, e.info.max_running)
-        queue_seconds = prefill + max(0, occupancy + 1 - e.info.max_running) * per_slot
+        excess = max(0, occupancy + 1 - e.info.max_running)
+        queue_seconds = prefill + excess * per_slot
         # A P0 runs in the engine's P0 headroom ahead of batch lines: their
         # leases do not make it wait (else a batch on its warm engine sends
         # the P0 to a cold one, a whole prefill: BENCHMARKS.md, "Batch API").
-        batch = sum(1 for lid in e.leases if (lease := self._leases.get(lid)) is not None and lease.batch)
-        p0_queue_seconds = prefill + max(0, occupancy - batch + 1 - e.info.max_running) * per_slot
+        # Counted only on a full engine: the common case stays O(1).
+        batch = sum(1 for lid in e.leases if (lease := self._leases.get(lid)) is not None and lease.batch) \
+            if excess else 0
+        p0_queue_seconds = prefill + max(0, excess - batch) * per_slot
         return EngineView(
             engine_id=e.engine_id, model=e.info.model, serving=e.load.serving,
             draining=e.draining or e.engine_id in self.admin_drained,
