@@ -60,6 +60,7 @@ class QueueRow:
     queued: int
     oldest_wait_seconds: float
     paused: bool
+    batch: bool = False        # Batch API lines (GetState's batch rows): shown apart from P2
 
 
 @dataclass(frozen=True)
@@ -208,10 +209,13 @@ class Gatherer:
                 e.running, e.waiting, self._rate(f"tokens {e.engine_id}", tokens, now),
                 ready.get(e.engine_id, "?")))
         paused = set(state.paused_priorities)
-        for cls in _CLASSES:
-            rows = [q for q in state.queues if q.priority == cls]
+        for cls, batch in [(c, False) for c in _CLASSES] + [(_CLASSES[-1], True)]:
+            rows = [q for q in state.queues if q.priority == cls and q.batch == batch]
+            if batch and not rows:
+                continue
             frame.queues.append(QueueRow(cls, sum(q.queued for q in rows),
-                                         max((q.oldest_wait_seconds for q in rows), default=0.0), cls in paused))
+                                         max((q.oldest_wait_seconds for q in rows), default=0.0), cls in paused,
+                                         batch))
         frame.deadlines = [DeadlineRow(d.model, d.priority, d.kind, d.p95_seconds, d.samples, d.deadline_seconds,
                                        d.source) for d in state.deadlines]
         for (name, labels), value in scraped.get(self._scheduler_metrics, {}).items():

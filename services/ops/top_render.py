@@ -49,7 +49,7 @@ def _queues(frame: Frame) -> Table:
     for name in ("class", "queued", "oldest", "dispatch"):
         table.add_column(name, justify="left" if name in ("class", "dispatch") else "right", no_wrap=True)
     for q in frame.queues:
-        table.add_row(f"P{q.priority}", str(q.queued), f"{q.oldest_wait_seconds:.1f} s",
+        table.add_row(f"P{q.priority}" + (" batch" if q.batch else ""), str(q.queued), f"{q.oldest_wait_seconds:.1f} s",
                       Text("PAUSED", style="bold yellow") if q.paused else Text("on", style="green"))
     return table
 

@@ -9,6 +9,7 @@ no dispatch in the window nothing is moving, and the maximum is given.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -55,6 +56,7 @@ class AdmissionLimits:
     tenant_cap: int
     retry_min: float
     retry_max: float
+    batch_cap: int = 10000
 
     @classmethod
     def from_config(cls, config: SchedulerConfig) -> AdmissionLimits:
@@ -64,6 +66,7 @@ class AdmissionLimits:
             config.tenant_queue_cap,
             config.retry_after_min_seconds,
             config.retry_after_max_seconds,
+            config.batch_queue_cap,
         )
 
     def retry_after(self, ahead: int, rate: float) -> float:
@@ -80,6 +83,17 @@ class AdmissionLimits:
                 RejectReason.QUEUE_FULL,
                 f"the P{cls} queue is full ({self.queue_caps[cls]} requests); retry later",
                 self.retry_after(class_len, rate),
+            )
+
+    def check_batch_cap(self, batch_len: int, rate: float) -> None:
+        """Raise AdmissionError when scheduler.batch_queue_cap batch lines
+        are queued: batch lines count only here (never in a class or tenant
+        cap), so they cannot crowd interactive requests out of the queues."""
+        if batch_len >= self.batch_cap:
+            raise AdmissionError(
+                RejectReason.QUEUE_FULL,
+                f"the batch queue is full ({self.batch_cap} lines); retry later",
+                self.retry_after(batch_len, rate),
             )
 
     def tenant_full(self, tenant: str, tenant_len: int, rate: float) -> AdmissionError | None:
@@ -104,10 +118,14 @@ class AdmissionLimits:
             self.retry_after(tenant_len, rate),
         )
 
-    def expires_at(self, cls: int, arrival: float) -> float:
+    def expires_at(self, options: AdmitOptions, arrival: float, wall_to_monotonic: float) -> float:
         """TTL is counted from arrival in the class the request was admitted
-        in: aging moves it up but does not shorten its patience."""
-        return arrival + self.ttl_seconds[cls]
+        in: aging moves it up but does not shorten its patience. A batch
+        line's is its batch's deadline (a 24 h completion window outlives
+        the P2 TTL); `wall_to_monotonic` = monotonic now - wall now."""
+        if options.batch and options.batch_deadline_unix > 0:
+            return options.batch_deadline_unix + wall_to_monotonic
+        return arrival + self.ttl_seconds[options.priority]
 
 
 def validate_options(options: AdmitOptions) -> None:
@@ -123,5 +141,9 @@ def validate_options(options: AdmitOptions) -> None:
         problems.append("prompt_tokens must be > 0")
     if options.arrival_unix < 0:
         problems.append("arrival_unix must be >= 0 (0 = now)")
+    if options.batch and options.priority != NUM_CLASSES - 1:
+        problems.append(f"a batch line runs as P{NUM_CLASSES - 1}, got priority {options.priority}")
+    if not (math.isfinite(options.batch_deadline_unix) and options.batch_deadline_unix >= 0):
+        problems.append("batch_deadline_unix must be a finite time >= 0 (0 = the P2 TTL)")
     if problems:
         raise AdmissionError(RejectReason.INVALID, "invalid admission: " + "; ".join(problems))

@@ -33,6 +33,7 @@ class ClassStat:
     seconds_lost: float = 0.0  # summed time from preemption to the next placement
     displaced: int = 0         # queued requests refused for a higher class of their tenant
     protected: int = 0         # requests that reached the preemption bound
+    batch_preemptions: int = 0  # of `preemptions`, batch lines (never protected)
 
 
 class ClassLedger:
@@ -40,9 +41,12 @@ class ClassLedger:
         self._metrics = metrics
         self._stats = [ClassStat(c) for c in range(NUM_CLASSES)]
 
-    def preempted(self, cls: int, reached_bound: bool) -> None:
+    def preempted(self, cls: int, reached_bound: bool, batch: bool = False) -> None:
         s = self._stats[cls]
         s.preemptions += 1
+        if batch:
+            s.batch_preemptions += 1
+            self._metrics.batch_preemptions.inc()
         s.preempted_now += 1
         label = priority_label(cls)
         self._metrics.preemptions.labels(label).inc()

@@ -61,7 +61,7 @@ from .admission_limits import AdmissionLimits, DispatchRateMeter, validate_optio
 from .aging import AgingRule
 from .class_stats import ClassLedger, ClassStat
 from .comebacks import Comebacks
-from .deadlines import DeadlineBook, DeadlineKind
+from .deadlines import DeadlineBook
 from .detached_leases import DetachedLeases
 from .engine_events import EngineEvents
 from .events import Delivery, Outbox
@@ -184,25 +184,24 @@ class SchedulerCore:
             placed = self._reattach(options, now)
             if placed is not None:
                 return placed
-        if options.together_with:
+        if options.together_with and not options.batch:  # together skips the slot filters
             placed = self._together(options, now)
             if placed is not None:
                 return placed
         arrival = self._arrival(options, now)
         self.fleet.check_servable(options, frozenset(), now)
-        bound = self.deadlines.queue_bound(options.model, options.priority, now)
-        expires_at = min(self._limits.expires_at(options.priority, arrival), arrival + bound.seconds)
+        expires_at, ttl_reason = self.deadlines.queue_expiry(
+            options, self._limits.expires_at(options, arrival, now - self._clock.wall()), arrival, now)
         if now >= expires_at:
             raise AdmissionError(RejectReason.EXPIRED, f"the request waited {now - arrival:.1f} s, past the "
-                                 f"P{options.priority} queue-wait deadline, {bound.describe()}",
+                                 f"P{options.priority} queue-wait deadline, {ttl_reason}",
                                  self._retry_after_for(options.priority))
         cls_now = self._aging.class_at(options.priority, arrival, now)
         rate = self._rate.rate(now)
-        self._limits.check_class_cap(cls_now, self.waiting.class_len(cls_now), rate)
-        displaced.extend(self._room.displace_for(options.tenant, cls_now, rate, now))
+        displaced.extend(self._room.admit_room(options, cls_now, rate, now))
         entry = QueueEntry(
             options=options, seq=next(self._seq), arrival=arrival,
-            base_class=options.priority, cls=options.priority, expires_at=expires_at, ttl_reason=bound.describe(),
+            base_class=options.priority, cls=options.priority, expires_at=expires_at, ttl_reason=ttl_reason,
         )
         queue = self.waiting.queue(options.model)
         self.metrics.count_promotions(queue.push(entry, now))
@@ -344,7 +343,7 @@ class SchedulerCore:
             waited = max(0.0, now - entry.arrival)
             if not entry.resumed:   # a requeued request's wait is kvmesh_scheduler_preempted_seconds
                 self.metrics.queue_wait.labels(priority_label(entry.base_class)).observe(waited)
-                self.deadlines.observe(DeadlineKind.QUEUE_WAIT, opts.model, entry.base_class, waited, now)
+                self.deadlines.queued(opts, entry.base_class, waited, now)
         engine = self.fleet.get(placement.view.engine_id)
         if engine is None:  # pragma: no cover - views come from the registry
             raise RuntimeError("placement chose an unknown engine")

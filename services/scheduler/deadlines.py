@@ -89,6 +89,14 @@ class DeadlineBook:
         self._ttl = tuple(config.scheduler.queue_ttl_seconds)
         self._max_generation = config.gateway.max_generation_seconds
         self._hang_floor = config.engines.template.hang_floor_seconds
+        # A queued request is never turned away before it could have aged to
+        # P0 and then had P0's floor there: P1's queue-wait floor is the
+        # floor + p1_seconds, P2's the floor + p2_seconds + p1_seconds.
+        # Otherwise a derived bound would undo the aging promise (a P2
+        # request reaches P0 within 60 s) and reject batch-class work that
+        # merely waits its turn behind interactive traffic.
+        aging = config.scheduler.aging
+        self._aging_to_top = (0.0, aging.p1_seconds, aging.p1_seconds + aging.p2_seconds)
         self._metrics = metrics
         self._windows: dict[tuple[DeadlineKind, str, int], LatencyWindow] = {}
         self._keys: set[tuple[str, int]] = set()   # (model, class) seen, for GetState and gauges
@@ -127,11 +135,28 @@ class DeadlineBook:
             sizes = self._prompts[key] = LatencyWindow(self._config.window_samples, self._config.window_seconds)
         sizes.add(float(rec.options.prompt_tokens), now)
 
+    def queued(self, options: AdmitOptions, base_class: int, waited: float, now: float) -> None:
+        """A request left the queue for an engine after `waited` seconds. A
+        batch line's wait is no sample: it waits behind every other class by
+        design, and its hours would raise P2's bound for everyone."""
+        if not options.batch:
+            self.observe(DeadlineKind.QUEUE_WAIT, options.model, base_class, waited, now)
+
+    def queue_expiry(self, options: AdmitOptions, limit_expiry: float, arrival: float,
+                     now: float) -> tuple[float, str]:
+        """When a request admitted now expires from the queue, and why: the
+        derived bound, never later than the class TTL (`limit_expiry`); a
+        batch line's is its batch's completion window alone."""
+        if options.batch:
+            return limit_expiry, "the end of its batch's completion window"
+        bound = self.queue_bound(options.model, options.priority, now)
+        return min(limit_expiry, arrival + bound.seconds), bound.describe()
+
     def expired(self, entry: QueueEntry, now: float) -> str:
         """A queued request ran out of time: its wait counts (so a backlog
         raises the p95 rather than hiding from it); returns the message."""
         waited = now - entry.arrival
-        self.observe(DeadlineKind.QUEUE_WAIT, entry.options.model, entry.base_class, waited, now)
+        self.queued(entry.options, entry.base_class, waited, now)
         return (f"waited {waited:.1f} s in the queue, past the P{entry.base_class} queue-wait deadline, "
                 f"{entry.ttl_reason or 'its time-to-live'}; retry later")
 
@@ -186,6 +211,8 @@ class DeadlineBook:
             return Deadline(kind, model, priority, ceiling, p95, samples, Source.DEFAULT)
         value, source = self._config.multiple * p95, Source.DERIVED
         floor = self._bounds(kind).floor_seconds
+        if kind is DeadlineKind.QUEUE_WAIT:
+            floor += self._aging_to_top[min(max(priority, 0), len(self._aging_to_top) - 1)]
         if value < floor:
             value, source = floor, Source.FLOOR
         if value > ceiling:  # after the floor: nothing is looser than the ceiling

@@ -224,11 +224,17 @@ class EngineFleet:
     def _view(self, e: EngineRecord, now: float) -> EngineView:
         weight = e.info.weight if e.info.weight > 0 else 1.0
         occupancy = max(len(e.leases), e.load.running + e.load.waiting)
+        prefill = e.load.queued_tokens / (self._config.prefill_tokens_per_second * weight)
+        per_slot = e.service_seconds / max(1, e.info.max_running)
         excess = max(0, occupancy + 1 - e.info.max_running)
-        queue_seconds = (
-            e.load.queued_tokens / (self._config.prefill_tokens_per_second * weight)
-            + excess * e.service_seconds / max(1, e.info.max_running)
-        )
+        queue_seconds = prefill + excess * per_slot
+        # A P0 runs in the engine's P0 headroom ahead of batch lines: their
+        # leases do not make it wait (else a batch on its warm engine sends
+        # the P0 to a cold one, a whole prefill: BENCHMARKS.md, "Batch API").
+        # Counted only on a full engine: the common case stays O(1).
+        batch = sum(1 for lid in e.leases if (lease := self._leases.get(lid)) is not None and lease.batch) \
+            if excess else 0
+        p0_queue_seconds = prefill + max(0, excess - batch) * per_slot
         return EngineView(
             engine_id=e.engine_id, model=e.info.model, serving=e.load.serving,
             draining=e.draining or e.engine_id in self.admin_drained,
@@ -239,7 +245,7 @@ class EngineFleet:
             leases=len(e.leases), lease_limit=e.info.max_running + self._config.engine_queue_slack,
             max_running=e.info.max_running, running=e.load.running, waiting=e.load.waiting,
             queued_tokens=e.load.queued_tokens, weight=weight,
-            max_model_len=e.info.max_model_len, queue_seconds=queue_seconds,
+            max_model_len=e.info.max_model_len, queue_seconds=queue_seconds, p0_queue_seconds=p0_queue_seconds,
             cached_blocks=e.load.cached_blocks, p0_reserved_leases=self._config.p0_reserved_leases,
         )
 

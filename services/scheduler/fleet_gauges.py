@@ -13,7 +13,8 @@ core's housekeeping tick (the core's one owner, never the metrics thread):
   `inference_pool_average_kv_cache_utilization` and
   `inference_pool_average_queue_size`, over its serving engines.
 - per class: `kvmesh_scheduler_oldest_wait_seconds` (arrival to now of the
-  oldest request queued in it), and once `kvmesh_scheduler_aging_bound_seconds`.
+  oldest request queued in it; batch lines apart: they wait hours by design),
+  and once `kvmesh_scheduler_aging_bound_seconds`; `kvmesh_scheduler_batch_queued`.
 
 Cost: O(engines) per tick; the queue scan (O(queued)) at most once per
 `queue_interval` seconds.
@@ -55,6 +56,7 @@ class FleetGauges:
     def refresh(self, engines: Iterable[EngineRecord], waiting: WaitingRoom, now: float) -> None:
         for cls in range(NUM_CLASSES):
             self._metrics.queue_length.labels(priority_label(cls)).set(waiting.class_len(cls))
+        self._metrics.batch_queued.set(waiting.batch_len())
         self._engines(list(engines), now)
         if now >= self._next_queue_scan:
             self._next_queue_scan = now + self._queue_interval
@@ -99,6 +101,8 @@ class FleetGauges:
     def _queues(self, waiting: WaitingRoom, now: float) -> None:
         oldest = [0.0] * NUM_CLASSES
         for stat in waiting.stats(now):
+            if stat.batch:
+                continue
             oldest[stat.priority] = max(oldest[stat.priority], stat.oldest_wait_seconds)
         for cls, seconds in enumerate(oldest):
             self._metrics.oldest_wait.labels(priority_label(cls)).set(seconds)

@@ -37,6 +37,7 @@ from .aging import AgingRule
 from .core import SchedulerCore
 from .engine_links import EngineLinks
 from .records import (
+    NUM_CLASSES,
     AdmitOptions,
     Notice,
     PlacedInfo,
@@ -124,8 +125,11 @@ def _deadline_fields(notice: PlacedInfo) -> dict[str, float]:
 
 
 def _options(msg: scheduler_pb2.AdmitRequest) -> AdmitOptions:
+    # A batch line runs as P2 whatever priority the gateway put (records.AdmitOptions).
     return AdmitOptions(
-        request_id=msg.request_id, model=msg.model, tenant=msg.tenant, priority=msg.priority,
+        request_id=msg.request_id, model=msg.model, tenant=msg.tenant,
+        priority=NUM_CLASSES - 1 if msg.batch else msg.priority,
+        batch=msg.batch, batch_deadline_unix=msg.batch_deadline_unix,
         prompt_tokens=msg.prompt_tokens, max_tokens=msg.max_tokens,
         prefix_hashes=tuple(msg.prefix_hashes), arrival_unix=msg.arrival_unix,
         running_on_engine=msg.running_on_engine, resume=msg.resume, together_with=msg.together_with,
@@ -138,7 +142,7 @@ def _state_proto(view: StateView) -> scheduler_pb2.SchedulerState:
         policy=view.policy,
         queues=[
             scheduler_pb2.QueueState(priority=q.priority, tenant=q.tenant, queued=q.queued,
-                                     oldest_wait_seconds=q.oldest_wait_seconds)
+                                     oldest_wait_seconds=q.oldest_wait_seconds, batch=q.batch)
             for q in view.queues
         ],
         engines=[
@@ -157,7 +161,8 @@ def _state_proto(view: StateView) -> scheduler_pb2.SchedulerState:
             scheduler_pb2.ClassState(
                 priority=c.priority, preemptions=c.preemptions, requeued=c.requeued,
                 preempted_now=c.preempted_now, seconds_lost=c.seconds_lost,
-                displaced=c.displaced, protected=c.protected)
+                displaced=c.displaced, protected=c.protected, batch_preemptions=c.batch_preemptions,
+                batch_queued=sum(q.queued for q in view.queues if q.batch and q.priority == c.priority))
             for c in view.classes
         ],
         paused_priorities=view.paused, drained_engines=view.drained,

@@ -7,12 +7,16 @@
              Class caps are per class, so nothing below can make room there
              (admission_limits.py refuses as before). Requests requeued
              after a preemption are never displaced: they have streamed
-             tokens already.
+             tokens already. Batch lines are never displaced (they do not
+             count in a tenant's cap) and displace nothing: they are
+             checked against scheduler.batch_queue_cap alone.
   dispatch   the head of a model's queue is of a class in
              `scheduler.preempt_classes` and no engine can take it: one
              lower-class, unprotected lease is preempted on the engine
              where it runs best (the rule is preemption.py's), so the
-             core's next placement attempt puts it there at once.
+             core's next placement attempt puts it there at once. Batch
+             lines go first, and are never protected by
+             scheduler.max_preemptions (preemption.py says why).
 
 Ownership rule: `RoomMaker` is owned by `SchedulerCore` and called only
 from its dispatch and admission (so only from the core's one thread, see
@@ -29,7 +33,7 @@ from .events import Delivery
 from .fleet import EngineFleet
 from .placement import PlacementPolicy, PlacementRequest
 from .preemption import Candidate, choose_victim
-from .records import RequestRecord, RequestState
+from .records import AdmitOptions, RequestRecord, RequestState
 from .request_book import RequestBook
 from .waiting import WaitingRoom
 
@@ -41,7 +45,7 @@ def placement_request(rec: RequestRecord, cls: int) -> PlacementRequest:
     o = rec.options
     return PlacementRequest(
         o.request_id, o.model, o.prompt_tokens, o.max_tokens, o.prefix_hashes, rec.exclude,
-        priority=cls)
+        priority=cls, batch=o.batch)
 
 
 class RoomMaker:
@@ -58,6 +62,16 @@ class RoomMaker:
         self._hash_block_tokens = config.hash_block_tokens
         self._headroom = config.scheduler.decode_headroom_tokens
         self._max_preemptions = config.scheduler.max_preemptions
+
+    def admit_room(self, options: AdmitOptions, cls: int, rate: float, now: float) -> list[Delivery]:
+        """Queue room for a newcomer waiting in class `cls`: a batch line
+        against the batch cap only; anything else against its class cap,
+        then its tenant's (displace_for). Raises the AdmissionError."""
+        if options.batch:
+            self._limits.check_batch_cap(self._waiting.batch_len(), rate)
+            return []
+        self._limits.check_class_cap(cls, self._waiting.class_len(cls), rate)
+        return self.displace_for(options.tenant, cls, rate, now)
 
     def displace_for(self, tenant: str, cls: int, rate: float, now: float) -> list[Delivery]:
         """Room in `tenant`'s cap for a newcomer of class `cls`: nothing to do
@@ -88,10 +102,11 @@ class RoomMaker:
         model = rec.options.model
         candidates = [
             Candidate(e.engine_id, lease.request_id, lease.cls, lease.placed_at,
-                      victim.preemptions, lease.reserved_blocks)
+                      victim.preemptions, lease.reserved_blocks, victim.options.batch)
             for e in self._fleet if e.info.model == model for lease in self._fleet.leases_on(e.engine_id)
             if lease.cls > cls and (victim := self._book.get(lease.request_id)) is not None
-            and victim.lease is lease and victim.preemptions < self._max_preemptions
+            and victim.lease is lease
+            and (victim.options.batch or victim.preemptions < self._max_preemptions)
             and victim.state is not RequestState.DETACHED  # nobody could answer Requeue
         ]
         if not candidates:

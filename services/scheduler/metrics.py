@@ -194,6 +194,15 @@ class SchedulerMetrics:
             "Requests preempted and not placed again yet, by admitted class",
             ["priority"], registry=r,
         )
+        self.batch_queued = Gauge(
+            "kvmesh_scheduler_batch_queued",
+            "Batch API lines queued (all models), counted against scheduler.batch_queue_cap", registry=r,
+        )
+        self.batch_preemptions = Counter(
+            "kvmesh_scheduler_batch_preemptions_total",
+            "Batch API lines whose lease went to a higher class (also in kvmesh_scheduler_preemptions_total)",
+            registry=r,
+        )
 
     def placed(self, policy: str, kind: str, prompt_tokens: int, cached_tokens: int) -> None:
         self.placements.labels(policy, kind).inc()

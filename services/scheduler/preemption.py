@@ -21,6 +21,14 @@ Engine first, then victim:
           determinism. A candidate is taken only if ending its lease lets
           the newcomer pass the placement filters on that engine (`fits`);
           engines where no single victim makes room are skipped.
+Batch lines (AdmitRequest.batch) go first, fleet-wide: the rule above runs
+over the batch candidates alone, and only when none of them makes room over
+all candidates. Nobody waits on a batch line's stream and its deadline is
+hours away, so ending it costs only the recompute of its prefix; ending an
+ordinary P2 stream costs a person or a pipeline latency. For the same
+reason batch candidates are never protected by `max_preemptions`: a batch
+line yields as often as interactive work needs its slot (it resumes from its
+last token each time), which is what "fills idle capacity" promises.
 Preempting one victim per placement keeps each decision small and visible;
 the next queue head asks again.
 """
@@ -48,6 +56,7 @@ class Candidate:
     placed_at: float
     preemptions: int           # times its request was preempted already
     blocks: int                # blocks its lease accounts for on the engine
+    batch: bool = False        # a Batch API line: preempted first, never protected
 
 
 @dataclass(frozen=True)
@@ -61,9 +70,9 @@ def engine_order(view: EngineView) -> tuple[int, int, float, str]:
     return (-view.prefix_blocks, view.leases, view.queue_seconds, view.engine_id)
 
 
-def victim_order(candidate: Candidate) -> tuple[int, float, str]:
+def victim_order(candidate: Candidate) -> tuple[bool, int, float, str]:
     """Sort key: the victim to take first on one engine."""
-    return (-candidate.cls, -candidate.placed_at, candidate.request_id)
+    return (not candidate.batch, -candidate.cls, -candidate.placed_at, candidate.request_id)
 
 
 def view_after(view: EngineView, victim: Candidate) -> EngineView:
@@ -97,10 +106,23 @@ def choose_victim(
     blocks_needed); `fits` says whether the newcomer could be placed on a
     view (default: `fits_after(newcomer_cls)`)."""
     fits = fits or fits_after(newcomer_cls)
+    eligible = [c for c in candidates
+                if c.cls > newcomer_cls and (c.batch or c.preemptions < max_preemptions)]
+    batch = [c for c in eligible if c.batch]
+    for tier in ([batch, eligible] if batch else [eligible]):
+        choice = _choose_in(engines, tier, fits)
+        if choice is not None:
+            return choice
+    return None
+
+
+def _choose_in(
+    engines: Sequence[EngineView], candidates: Sequence[Candidate], fits: Callable[[EngineView], bool],
+) -> Choice | None:
+    """Engine first (engine_order), then victim (victim_order)."""
     by_engine: dict[str, list[Candidate]] = {}
     for c in candidates:
-        if c.cls > newcomer_cls and c.preemptions < max_preemptions:
-            by_engine.setdefault(c.engine_id, []).append(c)
+        by_engine.setdefault(c.engine_id, []).append(c)
     for view in sorted((v for v in engines if v.engine_id in by_engine), key=engine_order):
         for victim in sorted(by_engine[view.engine_id], key=victim_order):
             if fits(view_after(view, victim)):

@@ -17,6 +17,11 @@ then applied at once (aging catches up: the request takes the class its wait
 gives it, as if there had been no pause). Promotions into a paused class go
 on. TTL expiry goes on in every class.
 
+Batch lines (entry.batch, records.AdmitOptions) wait in a queue of their own after
+P2 (`ModelQueue.batch`, class P2, paused with P2): never promoted, left
+after every ordinary P2 request, and not counted in `class_len` or
+`tenant_len` (their cap is scheduler.batch_queue_cap).
+
 Not thread-safe: owned by the scheduler core (see core.py).
 """
 
@@ -167,6 +172,8 @@ class ModelQueue:
         # Due promotions out of a paused class, by that class, until resumed.
         self._held: dict[int, list[tuple[float, int, int, QueueEntry]]] = {}
         self.classes = [ClassQueue(c, fairness, ordering) for c in range(NUM_CLASSES)]
+        # Batch lines: after every class, fair across tenants among themselves.
+        self.batch = ClassQueue(NUM_CLASSES - 1, fairness, ordering)
         self._entries: dict[str, QueueEntry] = {}
         self._promotions: list[tuple[float, int, int, QueueEntry]] = []
         self._expiries: list[tuple[float, int, QueueEntry]] = []
@@ -181,13 +188,21 @@ class ModelQueue:
     def get(self, request_id: str) -> QueueEntry | None:
         return self._entries.get(request_id)
 
+    def _queue_of(self, entry: QueueEntry) -> ClassQueue:
+        return self.batch if entry.batch else self.classes[entry.cls]
+
     def push(self, entry: QueueEntry, now: float) -> list[Promotion]:
         """Queue `entry` in the class aging gives it at `now` (a re-admitted
         request may already be due for promotion). Returns the promotions
-        applied, so the caller can count them."""
+        applied, so the caller can count them. A batch line is not aged."""
         if entry.request_id in self._entries:
             raise ValueError(f"request {entry.request_id} is already queued")
         self._entries[entry.request_id] = entry
+        heapq.heappush(self._expiries, (entry.expires_at, next(self._tie), entry))
+        if entry.batch:
+            entry.cls = entry.base_class
+            self.batch.push(entry)
+            return []
         target = self._aging.class_at(entry.base_class, entry.arrival, now)
         promotions = [
             Promotion(entry, c, c - 1) for c in range(entry.base_class, target, -1)
@@ -195,7 +210,6 @@ class ModelQueue:
         entry.cls = target
         self.classes[target].push(entry)
         self._schedule_promotion(entry)
-        heapq.heappush(self._expiries, (entry.expires_at, next(self._tie), entry))
         return promotions
 
     def _schedule_promotion(self, entry: QueueEntry) -> None:
@@ -209,7 +223,7 @@ class ModelQueue:
         if entry is None:
             return None
         entry.queued = False
-        self.classes[entry.cls].discard(entry)
+        self._queue_of(entry).discard(entry)
         return entry
 
     def advance(self, now: float) -> tuple[list[Promotion], list[QueueEntry]]:
@@ -259,7 +273,7 @@ class ModelQueue:
     def peek(self) -> QueueEntry | None:
         """The request that leaves next: best class not paused first, then
         fairness."""
-        for queue in self.classes:
+        for queue in (*self.classes, self.batch):
             if queue.live and queue.cls not in self._paused:
                 return queue.peek()
         return None
@@ -267,13 +281,13 @@ class ModelQueue:
     def pop(self, entry: QueueEntry) -> None:
         """Take out `entry`, which `peek` just returned."""
         del self._entries[entry.request_id]
-        self.classes[entry.cls].pop(entry)
+        self._queue_of(entry).pop(entry)
 
     def positions(self) -> Iterator[tuple[QueueEntry, int]]:
         """Every queued entry with its position (0 = next), assuming
         round-robin rounds in each class and no new arrivals. O(n log n)."""
         position = 0
-        for queue in self.classes:
+        for queue in (*self.classes, self.batch):
             active = list(queue.tenant_entries())
             rank = 0
             while active:
@@ -289,15 +303,20 @@ class ModelQueue:
     def position_of(self, entry: QueueEntry) -> int:
         """Cheap estimate for one entry, taking it as the last of its tenant
         in its class: O(tenants)."""
-        ahead = sum(q.live for q in self.classes[: entry.cls])
-        queue = self.classes[entry.cls]
+        ahead = sum(q.live for q in (self.classes if entry.batch else self.classes[: entry.cls]))
+        queue = self._queue_of(entry)
         rank = max(0, queue.tenant_count(entry.tenant) - 1)
         return ahead + queue.estimate_position(entry.tenant, rank)
 
     def class_len(self, cls: int) -> int:
+        """Ordinary requests waiting in class `cls` (batch lines apart)."""
         return self.classes[cls].live
 
+    def batch_len(self) -> int:
+        return self.batch.live
+
     def tenant_len(self, tenant: str) -> int:
+        """The tenant's ordinary queued requests (its cap's count)."""
         return sum(q.tenant_count(tenant) for q in self.classes)
 
     def oldest_arrival(self, cls: int, tenant: str) -> float | None:

@@ -98,6 +98,21 @@ class AdmitOptions:
     running_on_engine: str = ""
     resume: bool = False       # re-attach a detached lease (detached_leases.py)
     together_with: str = ""    # lease on this request's engine at once (a choice of n > 1)
+    # A Batch API line (AdmitRequest.batch). The scheduler's rules for one:
+    #  - it runs as P2 and stays P2: never aged (queue.py), so a batch flood
+    #    can never reach P0 by waiting; ordinary P2 keeps its aging;
+    #  - it never takes a P0-reserved lease slot (placement/policies.py
+    #    enforces it for every profile) nor the together (n > 1) shortcut,
+    #    which skips the slot filters (core.py);
+    #  - it waits after every ordinary P2 request (queue.py's batch queue;
+    #    round robin across tenants among batch lines);
+    #  - it is the first preemption victim, fleet-wide, and never protected
+    #    by max_preemptions (preemption.py);
+    #  - it counts against scheduler.batch_queue_cap only, never a class or
+    #    tenant cap, and is never displaced (making_room.py);
+    #  - its queue TTL is `batch_deadline_unix` (admission_limits.py).
+    batch: bool = False
+    batch_deadline_unix: float = 0.0  # its queue TTL as a Unix time; 0 = the P2 TTL
 
 
 @dataclass(eq=False)
@@ -127,6 +142,10 @@ class QueueEntry:
     def tenant(self) -> str:
         return self.options.tenant
 
+    @property
+    def batch(self) -> bool:
+        return self.options.batch
+
 
 @dataclass
 class Lease:
@@ -140,6 +159,7 @@ class Lease:
     cached_tokens: int
     prompt_tokens: int
     cls: int = 1               # the class it was placed in (after aging): preemption compares it
+    batch: bool = False        # a Batch API line's: a P0 does not queue behind it (fleet.py)
     first_token_at: float | None = None
 
 

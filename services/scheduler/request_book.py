@@ -64,6 +64,7 @@ class RequestBook:
         rec.lease = self._fleet.open_lease(
             rec.options.request_id, engine, reserved, cached, rec.options.prompt_tokens, now,
             rec.options.priority if cls is None else cls)
+        rec.lease.batch = rec.options.batch
         rec.state = RequestState.PLACED
         rec.ran_on[engine.engine_id] = engine.info.incarnation
         if rec.preempted_at is not None:
@@ -89,7 +90,8 @@ class RequestBook:
         rec.state = RequestState.PREEMPTED
         rec.preemptions += 1
         rec.preempted_at = now
-        self._ledger.preempted(rec.options.priority, reached_bound=rec.preemptions >= bound)
+        batch = rec.options.batch  # never protected (preemption.py)
+        self._ledger.preempted(rec.options.priority, not batch and rec.preemptions >= bound, batch)
         return PreemptedInfo(lease.engine_id, rec.preemptions, by_class)
 
     def orphan(self, ended: list[Lease]) -> None:

@@ -30,6 +30,7 @@ class QueueStat:
     tenant: str
     queued: int
     oldest_wait_seconds: float
+    batch: bool = False        # batch lines (records.AdmitOptions): a row apart from ordinary P2
 
 
 @dataclass
@@ -104,6 +105,10 @@ class WaitingRoom:
     def class_len(self, cls: int) -> int:
         return sum(q.class_len(cls) for q in self._queues.values())
 
+    def batch_len(self) -> int:
+        """Batch lines queued, all models (scheduler.batch_queue_cap's count)."""
+        return sum(q.batch_len() for q in self._queues.values())
+
     def tenant_len(self, tenant: str) -> int:
         return sum(q.tenant_len(tenant) for q in self._queues.values())
 
@@ -125,11 +130,13 @@ class WaitingRoom:
             yield from queue.positions()
 
     def stats(self, now: float) -> list[QueueStat]:
-        stats: dict[tuple[int, str], tuple[int, float]] = {}
+        """One row per (class, tenant, batch or not), ordinary rows first."""
+        stats: dict[tuple[bool, int, str], tuple[int, float]] = {}
         for queue in self._queues.values():
-            for cls_queue in queue.classes:
+            for cls_queue in (*queue.classes, queue.batch):
+                batch = cls_queue is queue.batch
                 for tenant, entries in cls_queue.tenant_entries():
-                    count, oldest = stats.get((cls_queue.cls, tenant), (0, 0.0))
+                    count, oldest = stats.get((batch, cls_queue.cls, tenant), (0, 0.0))
                     wait = max(now - min(e.arrival for e in entries), 0.0)
-                    stats[(cls_queue.cls, tenant)] = (count + len(entries), max(oldest, wait))
-        return [QueueStat(c, t, n, w) for (c, t), (n, w) in sorted(stats.items())]
+                    stats[(batch, cls_queue.cls, tenant)] = (count + len(entries), max(oldest, wait))
+        return [QueueStat(c, t, n, w, b) for (b, c, t), (n, w) in sorted(stats.items())]

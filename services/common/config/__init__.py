@@ -33,8 +33,8 @@ the bounds phase unless it calls `validate_config`.
 from __future__ import annotations
 
 from .alerts import AlertsConfig
-from .deadlines import DeadlineBounds, DeadlinesConfig
 from .batch import BatchConfig
+from .deadlines import DeadlineBounds, DeadlinesConfig
 from .engines import EngineConfig, EnginesConfig, SimCostConfig, VllmConfig
 from .errors import ConfigError
 from .gateway import ApiKeyConfig, GatewayConfig

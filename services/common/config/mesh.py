@@ -8,8 +8,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .alerts import AlertsConfig
-from .deadlines import DeadlinesConfig
 from .batch import BatchConfig
+from .deadlines import DeadlinesConfig
 from .engines import EngineConfig, EnginesConfig
 from .errors import ConfigError
 from .gateway import GatewayConfig

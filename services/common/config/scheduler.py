@@ -98,6 +98,13 @@ class SchedulerConfig:
     queue_ttl_seconds: list[float] = field(default_factory=lambda: [60.0, 300.0, 3600.0])
     # Most requests one tenant may have queued (all classes). >= 0.
     tenant_queue_cap: int = 2000
+    # Most Batch API lines (AdmitRequest.batch) queued, all tenants; past it
+    # -> 429 for the line (the gateway's batch runner retries it later).
+    # Batch lines count here INSTEAD of queue_caps[2] and tenant_queue_cap,
+    # so a 50k-line batch can neither fill the P2 queue nor a tenant's room
+    # for its interactive requests, nor displace any of them. 10000 = the P2
+    # cap: a runner keeps far fewer in flight, this is the flood guard. >= 0.
+    batch_queue_cap: int = 10000
     # An engine with no report for this long is not placed on. > 0, and
     # above engines' report_interval_seconds.
     stale_report_seconds: float = 2.0

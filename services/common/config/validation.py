@@ -243,7 +243,7 @@ def _check_scheduler_limits(scheduler: _Section) -> None:
     if len(s.queue_ttl_seconds) != n or any(t <= 0 for t in s.queue_ttl_seconds):
         scheduler.fail("queue_ttl_seconds",
                        f"need {n} TTLs > 0 [P0, P1, P2], got {s.queue_ttl_seconds}")
-    scheduler.non_negative("tenant_queue_cap", "decode_headroom_tokens", "engine_queue_slack",
+    scheduler.non_negative("tenant_queue_cap", "batch_queue_cap", "decode_headroom_tokens", "engine_queue_slack",
                            "p0_reserved_leases", "max_preemptions")
     _check_classes(scheduler, "preempt_classes", s.preempt_classes)
     if not 0 < s.retry_after_min_seconds <= s.retry_after_max_seconds:

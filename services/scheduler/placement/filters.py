@@ -87,4 +87,4 @@ class LeaseSlotsFilter:
     name = "lease_slots"
 
     def filter(self, request: PlacementRequest, engines: Sequence[EngineView]) -> list[EngineView]:
-        return [e for e in engines if e.leases < e.lease_limit_for(request.priority)]
+        return [e for e in engines if e.leases < e.lease_limit_for(request.slot_priority)]

@@ -23,6 +23,15 @@ class PlacementRequest:
     exclude: frozenset[str] = frozenset()
     # The request's class now (0 = P0), after aging.
     priority: int = 1
+    # A Batch API line: never a P0-reserved lease slot, whatever its class
+    # (the framework enforces it even for a profile without `lease_slots`).
+    batch: bool = False
+
+    @property
+    def slot_priority(self) -> int:
+        """The class whose lease slots the request may fill: a batch line
+        only ever the lowest's (no P0-reserved slot)."""
+        return max(self.priority, 1) if self.batch else self.priority
 
 
 @dataclass(frozen=True)
@@ -52,10 +61,19 @@ class EngineView:
     blocks_needed: int = 0      # blocks the request would newly take on it
     cached_blocks: int = 0      # blocks in its prefix cache (last report): how many contexts it keeps
     p0_reserved_leases: int = 0  # of lease_limit, slots only P0 may take
+    # Estimated queueing for a P0, which batch lines never delay (it runs in
+    # the engine's P0 headroom): batch leases left out. None = queue_seconds.
+    # The framework puts it in queue_seconds for a P0 request (policies.py).
+    p0_queue_seconds: float | None = None
 
     @property
     def free_blocks(self) -> int:
         return self.blocks_total - self.blocks_used - self.blocks_reserved
+
+    def batch_room(self) -> bool:
+        """A batch line may be leased here: a slot free below the P0-reserved
+        ones (policies.py applies it to every batch placement)."""
+        return self.leases < self.lease_limit_for(1)
 
     def lease_limit_for(self, priority: int) -> int:
         """Lease slots a request of class `priority` may fill."""

@@ -133,14 +133,14 @@ class ApproxPrefixMemory:
         return result
 
 
-def _with_request_fields(view: EngineView, **fields: int) -> EngineView:
+def _with_request_fields(view: EngineView, **fields: float) -> EngineView:
     """`dataclasses.replace(view, **fields)` without re-running the frozen
     __init__: that took ~9 us per engine, so with 32 engines it was the largest
     cost of every placement decision (scripts/bench_scheduler.py); a copy of
     the field dict is ~0.7 us and yields an equal, still-frozen view."""
     if not hasattr(view, "__dict__"):  # a slotted subclass: take the slow, general path
         # The dataclass plugin checks each keyword against every field's type;
-        # the callers pass only EngineView's int fields.
+        # the callers pass only EngineView's int and float fields.
         return dataclasses.replace(view, **cast("dict[str, Any]", fields))
     out = object.__new__(type(view))
     out.__dict__.update(view.__dict__)
@@ -209,6 +209,8 @@ class PlacementPolicy:
                         request.prompt_tokens, request.max_tokens, cached,
                         e.block_size, headroom_tokens,
                     ),
+                    queue_seconds=e.p0_queue_seconds if request.priority == 0 and e.p0_queue_seconds is not None
+                    else e.queue_seconds,
                 )
             )
         return views
@@ -240,6 +242,8 @@ class PlacementPolicy:
     ) -> Placement | None:
         """One engine for `request`, or None when no engine passes now."""
         views = self.complete_views(request, engines, kv_index, hash_block_tokens, headroom_tokens)
+        if request.batch:  # whatever the profile's filters: never a P0-reserved slot
+            views = [v for v in views if v.batch_room()]
         for f in self.filters:
             if not views:
                 return None
@@ -257,6 +261,8 @@ class PlacementPolicy:
     def passes(self, request: PlacementRequest, view: EngineView) -> bool:
         """Whether one completed view passes every filter (no pick, no
         memory): preemption's test that a victim's slot makes room."""
+        if request.batch and not view.batch_room():
+            return False
         views = [view]
         for f in self.filters:
             views = f.filter(request, views)

@@ -29,7 +29,8 @@ def _frame() -> Frame:
         taken_at=0.0, scheduler="127.0.0.1:50051", policy="round_robin", leases=3,
         engines=[EngineRow("engine-0", "serving", 0.42, 3, 1, 812.5, "ok"),
                  EngineRow("engine-1", "drained", 0.0, 0, 0, None, "draining")],
-        queues=[QueueRow(0, 0, 0.0, False), QueueRow(1, 2, 1.5, False), QueueRow(2, 7, 12.25, True)],
+        queues=[QueueRow(0, 0, 0.0, False), QueueRow(1, 2, 1.5, False), QueueRow(2, 7, 12.25, True),
+                QueueRow(2, 40, 300.0, True, batch=True)],
         gateways=[GatewayRow("gateway-0", 5, 3.25, 2)],
         rejections={"scheduler queue_full": 4}, problems=["127.0.0.1:9: connection refused"])
 
@@ -43,6 +44,7 @@ def test_screen_shows_engines_queues_gateways_and_rejections(width: int) -> None
     assert engine1 == ["engine-1", "drained", "0%", "0", "0", "-", "draining"]
     assert "PAUSED" in next(line for line in text.splitlines() if " P2 " in line)
     assert "12.2 s" in text or "12.3 s" in text
+    assert next(line for line in text.splitlines() if "P2 batch" in line).split()[2:4] == ["40", "300.0"]
     assert "round_robin" in text and "leases 3" in text
     assert "gateway-0" in text and "3.2" in text and "queue_full" in text
     assert "! 127.0.0.1:9: connection refused" in text

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from services.common.config import ConfigError, SchedulerConfig
+from services.common.config import ConfigError, PolicyProfileConfig, SchedulerConfig
 from services.scheduler.placement import (
     EngineView,
     PickerState,
@@ -146,6 +146,27 @@ def test_every_builtin_policy_builds_and_places(name: str) -> None:
 class _NoKv:
     def prefix_matches(self, prefix, engines):  # type: ignore[no-untyped-def]
         return dict.fromkeys(engines, 0)
+
+
+BARE = PolicyProfileConfig(filters=["model", "serving"])   # no lease_slots filter at all
+
+
+@pytest.mark.parametrize("name", [*sorted(builtin_profiles()), "bare"])
+def test_no_policy_gives_a_batch_line_a_p0_reserved_slot(name: str) -> None:
+    """Whatever the profile's filters, a batch line (at any class it could be
+    asked in) never fills an engine's P0-reserved lease slots; an ordinary
+    request of the same class may where its class allows."""
+    policy = build_policy(name, SchedulerConfig(policy_profiles={"bare": BARE}), REGISTRY)
+    last_slots = [view("a", leases=9, lease_limit=10, p0_reserved_leases=1),
+                  view("b", leases=8, lease_limit=10, p0_reserved_leases=2)]
+    for cls in (0, 1, 2):
+        batch = dataclasses.replace(REQUEST, exclude=frozenset(), priority=cls, batch=True)
+        assert policy.place(batch, last_slots, _NoKv(), 16, 256) is None, cls
+        assert not any(policy.passes(batch, v) for v in policy.complete_views(batch, last_slots, _NoKv(), 16, 256))
+    p0 = dataclasses.replace(REQUEST, exclude=frozenset(), priority=0)
+    assert policy.place(p0, last_slots, _NoKv(), 16, 256) is not None
+    free = dataclasses.replace(REQUEST, exclude=frozenset(), priority=2, batch=True)
+    assert policy.place(free, [view("c", leases=8, lease_limit=10, p0_reserved_leases=1)], _NoKv(), 16, 256)
 
 
 def test_custom_profile_from_config() -> None:

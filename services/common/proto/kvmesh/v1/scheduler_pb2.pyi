@@ -302,16 +302,18 @@ class GetStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class QueueState(_message.Message):
-    __slots__ = ("priority", "tenant", "queued", "oldest_wait_seconds")
+    __slots__ = ("priority", "tenant", "queued", "oldest_wait_seconds", "batch")
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     OLDEST_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     priority: int
     tenant: str
     queued: int
     oldest_wait_seconds: float
-    def __init__(self, priority: _Optional[int] = ..., tenant: _Optional[str] = ..., queued: _Optional[int] = ..., oldest_wait_seconds: _Optional[float] = ...) -> None: ...
+    batch: bool
+    def __init__(self, priority: _Optional[int] = ..., tenant: _Optional[str] = ..., queued: _Optional[int] = ..., oldest_wait_seconds: _Optional[float] = ..., batch: _Optional[bool] = ...) -> None: ...
 
 class EngineState(_message.Message):
     __slots__ = ("engine_id", "address", "model", "serving", "draining", "fresh", "running", "waiting", "blocks_used", "blocks_total", "blocks_reserved", "cached_blocks", "leases", "weight", "backend", "incarnation", "max_model_len", "drained_by_admin", "model_revision")
@@ -356,7 +358,7 @@ class EngineState(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., draining: _Optional[bool] = ..., fresh: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., blocks_reserved: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., weight: _Optional[float] = ..., backend: _Optional[str] = ..., incarnation: _Optional[int] = ..., max_model_len: _Optional[int] = ..., drained_by_admin: _Optional[bool] = ..., model_revision: _Optional[str] = ...) -> None: ...
 
 class ClassState(_message.Message):
-    __slots__ = ("priority", "preemptions", "requeued", "preempted_now", "seconds_lost", "displaced", "protected")
+    __slots__ = ("priority", "preemptions", "requeued", "preempted_now", "seconds_lost", "displaced", "protected", "batch_queued", "batch_preemptions")
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     REQUEUED_FIELD_NUMBER: _ClassVar[int]
@@ -364,6 +366,8 @@ class ClassState(_message.Message):
     SECONDS_LOST_FIELD_NUMBER: _ClassVar[int]
     DISPLACED_FIELD_NUMBER: _ClassVar[int]
     PROTECTED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     priority: int
     preemptions: int
     requeued: int
@@ -371,7 +375,9 @@ class ClassState(_message.Message):
     seconds_lost: float
     displaced: int
     protected: int
-    def __init__(self, priority: _Optional[int] = ..., preemptions: _Optional[int] = ..., requeued: _Optional[int] = ..., preempted_now: _Optional[int] = ..., seconds_lost: _Optional[float] = ..., displaced: _Optional[int] = ..., protected: _Optional[int] = ...) -> None: ...
+    batch_queued: int
+    batch_preemptions: int
+    def __init__(self, priority: _Optional[int] = ..., preemptions: _Optional[int] = ..., requeued: _Optional[int] = ..., preempted_now: _Optional[int] = ..., seconds_lost: _Optional[float] = ..., displaced: _Optional[int] = ..., protected: _Optional[int] = ..., batch_queued: _Optional[int] = ..., batch_preemptions: _Optional[int] = ...) -> None: ...
 
 class SchedulerState(_message.Message):
     __slots__ = ("policy", "queues", "engines", "queued_total", "leases_total", "classes", "paused_priorities", "drained_engines", "deadlines")
