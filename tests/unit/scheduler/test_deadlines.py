@@ -233,3 +233,26 @@ def test_queue_wait_bound_is_the_ttl_with_too_few_samples() -> None:
     clock.advance(1.5)
     rejected = dict(core.handle(Tick()).notices)["late"]
     assert isinstance(rejected, RejectedInfo) and "the fixed 60 s" in rejected.message
+
+
+def test_queue_wait_floor_of_a_lower_class_adds_its_aging_time_to_p0() -> None:
+    # Aging 30 s + 30 s (make_config's default): P1 reaches P0 after 30 s, P2 after 60 s;
+    # a derived bound must leave each request that long plus P0's floor (20 s).
+    book = DeadlineBook(_config())
+    for cls in range(3):
+        for _ in range(5):
+            book.observe(QW, MODEL, cls, 0.1, 0.0)       # an idle fleet: p95 0.1 s
+    assert [book.queue_bound(MODEL, c, 0.0).seconds for c in range(3)] == [20.0, 50.0, 80.0]
+    assert {book.queue_bound(MODEL, c, 0.0).source for c in range(3)} == {Source.FLOOR}
+
+
+def test_a_batch_line_expires_with_its_batch_and_its_wait_is_no_sample() -> None:
+    book = DeadlineBook(_config())
+    for _ in range(5):
+        book.observe(QW, MODEL, 2, 0.1, 0.0)
+    line = opts("b0", priority=2, batch=True, batch_deadline_unix=1e9)
+    assert book.queue_expiry(line, 86_400.0, 0.0, 0.0) == (86_400.0, "the end of its batch's completion window")
+    expiry, reason = book.queue_expiry(opts("p2", priority=2), 3600.0, 0.0, 0.0)
+    assert expiry == 80.0 and "80 s" in reason
+    book.queued(line, 2, 5000.0, 1.0)                    # hours behind interactive work: not P2's p95
+    assert book.deadline(QW, MODEL, 2, 1.0).p95 == 0.1
