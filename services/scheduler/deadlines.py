@@ -158,7 +158,7 @@ class DeadlineBook:
         waited = now - entry.arrival
         self.queued(entry.options, entry.base_class, waited, now)
         return (f"waited {waited:.1f} s in the queue, past the P{entry.base_class} queue-wait deadline, "
-                f"{entry.ttl_reason or 'its time-to-live'}; retry later")
+                f"{entry.ttl_reason or 'its time-to-live'}")
 
     def _window(self, kind: DeadlineKind, model: str, priority: int) -> LatencyWindow:
         key = (kind, model, priority)

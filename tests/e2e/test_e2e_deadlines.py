@@ -48,6 +48,13 @@ def MESH_TUNE(config: MeshConfig) -> None:  # noqa: N802 - the fixture's hook na
     # and a first-token deadline under that would move healthy streams.
     d.first_token.floor_seconds = 10.0
     d.queue_wait.floor_seconds = 1.0
+    # A class's queue-wait floor adds its aging time to P0 (P1: + 30 s by
+    # default); aging in 0.1 s keeps the test's P1 floor at 1.1 s. Aged to
+    # P0, the queued requests must still wait their turn: no P0-only lease
+    # slots, no preemption of the running ones.
+    config.scheduler.aging.p1_seconds = config.scheduler.aging.p2_seconds = 0.1
+    config.scheduler.p0_reserved_leases = 0
+    config.scheduler.preempt_classes = []
     config.engines.template.max_running = 8
     # Keepalive and the hang detector far out: only the stall watch can move
     # a stream off the stopped engine within seconds.
@@ -173,7 +180,7 @@ async def test_queued_past_the_derived_bound_is_rejected_with_bound_and_p95(e2e_
     finally:
         _speed(mesh, None)
     rejected = [r for r in results if r.status == 503]
-    assert rejected, [(r.status, r.error) for r in results]
+    assert rejected, ([(r.status, r.error) for r in results], _deadline(mesh, "queue_wait"))
     failed = [(r.status, r.finish_reason, r.error) for r in results if r.status != 503 and not r.ok]
     assert not failed, (failed, mesh.log_tail("gateway-0", 60))
     bound = _deadline(mesh, "queue_wait")
