@@ -96,20 +96,24 @@ def _routes(topology: Topology) -> list[dict[str, Any]]:
             {"name": "content-type", "string_match": {"prefix": "application/grpc"}}]},
         "direct_response": _NOT_PUBLIC,
     })
-    # Batch input uploads (POST /v1/files) may be far larger than a request
-    # body: Envoy's body limit is lifted on this route alone, and the
-    # gateway counts the upload against `batch.max_file_bytes` (413) itself.
-    routes.append({
+    routes.append(_files_upload(http))
+    routes.append({"name": "openai", "match": {"prefix": "/v1/"}, "route": http})
+    # Everything else the gateway's HTTP side serves (/health, /v1 without slash...).
+    routes.append({"name": "gateway_http", "match": {"prefix": "/"}, "route": http})
+    return routes
+
+
+def _files_upload(http: dict[str, Any]) -> dict[str, Any]:
+    """Batch input uploads (POST /v1/files) may be far larger than a request
+    body: Envoy's body limit is lifted on this route alone, and the gateway
+    counts the upload against `batch.max_file_bytes` (413) itself."""
+    return {
         "name": "files_upload",
         "match": {"path": "/v1/files", "headers": [{"name": ":method", "string_match": {"exact": "POST"}}]},
         "route": http,
         "typed_per_filter_config": {"envoy.filters.http.body_size_limit": {
             TYPE: "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": True}},
-    })
-    routes.append({"name": "openai", "match": {"prefix": "/v1/"}, "route": http})
-    # Everything else the gateway's HTTP side serves (/health, /v1 without slash...).
-    routes.append({"name": "gateway_http", "match": {"prefix": "/"}, "route": http})
-    return routes
+    }
 
 
 def _web_routes(topology: Topology) -> list[dict[str, Any]]:

@@ -197,10 +197,37 @@ def _paths() -> dict[str, Any]:
         "/v1/models/{model}": _json_get(
             "One model", "OpenAI model object", (401, 403, 404),
             parameters=[{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]),
+        **_batch_paths(),
         "/tokenize": _json_post("Token ids of a prompt or chat, with the gateway's tokenizer (vLLM's /tokenize)"),
         "/detokenize": _json_post("Text of token ids (vLLM's /detokenize)"),
         "/health": _json_get("200 only while the scheduler is reachable", "ready", (503,), security=[]),
         "/openapi.json": _json_get("This document", "OpenAPI 3 document", (), security=[]),
+    }
+
+
+def _batch_paths() -> dict[str, Any]:
+    """The Files + Batch API (services/gateway/batch/; README "The Batch API")."""
+    def path_id(name: str) -> dict[str, Any]:
+        return {"parameters": [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}]}
+    upload = {"post": {
+        "summary": "Upload a JSONL batch input (multipart: purpose=batch, file); 413 over batch.max_file_bytes",
+        "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {"type": "object"}}}},
+        "responses": {"200": {"description": "OpenAI file object",
+                              "content": {"application/json": {"schema": {"type": "object"}}}},
+                      **_error_responses(400, 401, 413)},
+    }}
+    return {
+        "/v1/files": {**upload, **_json_get("This tenant's files (after, limit, order, purpose)", "file list",
+                                            (401,))},
+        "/v1/files/{file_id}": _json_get("A file (404: unknown or another tenant's)", "OpenAI file object",
+                                         (401, 404), **path_id("file_id")),
+        "/v1/files/{file_id}/content": _json_get("A file's content", "the file's bytes", (401, 404),
+                                                 **path_id("file_id")),
+        "/v1/batches": {**_json_post("Create a batch from an uploaded file (endpoint, completion_window 24h)"),
+                        **_json_get("This tenant's batches, newest first (after, limit)", "batch list", (401,))},
+        "/v1/batches/{batch_id}": _json_get("A batch with its request counts", "OpenAI batch object", (401, 404),
+                                            **path_id("batch_id")),
+        "/v1/batches/{batch_id}/cancel": {"post": {**_json_post("Cancel a batch")["post"], **path_id("batch_id")}},
     }
 
 

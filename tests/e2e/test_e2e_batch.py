@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import aiohttp
 import openai
 import pytest
-from _streams import stream_completion
+from _streams import gateway_counter, stream_completion
 
 from services.common.config import ApiKeyConfig, MeshConfig
 from services.launcher.mesh import Mesh
@@ -161,6 +161,10 @@ def test_sigkill_of_the_owner_gateway_mid_batch(mesh: Mesh) -> None:
                                           (batch.id,)).fetchone()
     assert new_owner != owner and new_epoch == epoch + 1, (owner, epoch, new_owner, new_epoch)
     assert running > 0, "no line was in flight when the owner was killed"
+    # The new owner re-attached to the dead one's generations rather than running them again.
+    replica = int(new_owner.split("/")[0].removeprefix("gateway-"))
+    resumed = gateway_counter(mesh, "kvmesh_gateway_batch_requests_total", 'result="resumed"', replica)
+    assert resumed >= 1, f"none of the {running} lines in flight at the kill was resumed"
 
 
 def test_tenant_isolation_and_upload_limits(mesh: Mesh) -> None:
@@ -237,3 +241,26 @@ def test_cancel_stops_the_batch(mesh: Mesh) -> None:
     assert {e["error"]["code"] for e in errors if e["response"] is None} == {"batch_cancelled"}
     with pytest.raises(openai.ConflictError):
         client.batches.cancel(client.batches.list(limit=100).data[-1].id)
+
+
+def test_scheduler_sigkill_mid_batch_loses_nothing(mesh: Mesh) -> None:
+    """Last in the module: the scheduler is SIGKILLed mid-batch and started
+    again; lines in flight re-attach, queued ones are
+    re-admitted, refusals meanwhile are waited out -- every line once."""
+    client = _client(mesh)
+    n = 400
+    upload = client.files.create(file=("sched.jsonl", _jsonl(mesh, n, 24, "s")), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + BATCH_TIMEOUT
+    while client.batches.retrieve(batch.id).request_counts.completed < 50:
+        assert time.monotonic() < deadline, "the batch made no progress"
+        time.sleep(0.2)
+    pid = mesh.pid("scheduler")
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    mesh.wait("scheduler", 30)
+    mesh.restart("scheduler")
+    done = _wait_batch(client, batch.id)
+    assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (n, 0), done
+    ids = [o["custom_id"] for o in _output_lines(client, done.output_file_id)]
+    assert len(ids) == n and set(ids) == {f"s-{i}" for i in range(n)}

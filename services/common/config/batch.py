@@ -30,11 +30,15 @@ class BatchConfig:
     max_lines: int = 50_000
     # Most lines one gateway runs at once across the batches it owns. >= 1.
     # The runner starts lower and adapts: it grows while lines are placed at
-    # once and shrinks on 429s / queue rejections and when its lines wait in
-    # the scheduler's queue, so a batch fills idle capacity, not the queue.
+    # once (or wait in the scheduler's queue no longer than they then run: a
+    # small backlog that fills each freed slot at once), shrinks when they
+    # wait longer, and halves on 429s / queue rejections: a batch fills idle
+    # capacity, not the queue.
     max_in_flight: int = 32
-    # Tries of one line on retriable failures (429, 503, engine lost,
-    # timeout) before it goes to the error file. >= 1.
+    # Tries of one line that failed (engines lost, an internal error) before
+    # it goes to the error file. >= 1. Refusals -- the key's rate limit, a
+    # full queue, no engine -- are waited out (backing off) without using
+    # tries, until the batch's completion window ends.
     max_attempts: int = 5
     # Ownership lease of a batch, seconds: a gateway that stops renewing it
     # (dead, or cut off from the database) is taken over this long after its

@@ -101,7 +101,7 @@ class BatchRun:
                 if not await self._deps.gate.acquire():
                     return
                 if self.stop_as is not None:
-                    await self._deps.gate.release()
+                    self._deps.gate.release()
                     return
                 task = asyncio.create_task(self._line(line), name=f"batch-line-{line.batch_id}-{line.line}")
                 self._lines.add(task)
@@ -118,7 +118,7 @@ class BatchRun:
         except Exception:
             log.exception("batch %s line %d failed", self.lease.batch_id, line.line)
         finally:
-            await self._deps.gate.release()
+            self._deps.gate.release()
 
     async def _run_line(self, line: LineRecord) -> None:
         deps, store = self._deps, self._deps.db.store
@@ -130,7 +130,7 @@ class BatchRun:
             return
         # A line its previous owner left running: its generation may still be on its engine.
         resume = line.state == "running" and line.epoch != self.lease.epoch and bool(line.request_id)
-        attempt, request_id, backoff = line.attempt, line.request_id, 0.5
+        attempt, request_id, backoff, failures = line.attempt, line.request_id, 0.5, 0
         while True:
             if not resume:
                 attempt += 1
@@ -152,7 +152,10 @@ class BatchRun:
                 continue
             resume = False
             deps.metrics.requests.labels("retried").inc()
-            if attempt >= deps.config.max_attempts:
+            # Refusals (a rate limit, a full queue, no engine) wait their turn
+            # without using up tries: a busy fleet is what a batch waits out.
+            failures += result.pace is not Pace.REJECTED
+            if failures >= deps.config.max_attempts:
                 error = http_error(GatewayError(ErrorKind.UNAVAILABLE, f"gave up after {attempt} tries: "
                                                 f"{result.message}", code="batch_request_failed"))
                 await self._record(line, Result(Outcome.DONE, result.pace, response_line(
@@ -177,8 +180,9 @@ class BatchRun:
             if moved is None:
                 return  # cancelled meanwhile (the runner sees it next poll), or no longer ours
         outputs = await db.run(db.store.outputs, self.lease.batch_id)
+        files = await asyncio.to_thread(files_of, outputs, final)  # up to max_lines lines: off the event loop
         done = await db.run(db.store.finish, self.lease, self._tenant, {"status": final, f"{final}_at": now},
-                            files_of(outputs, final), now)
+                            files, now)
         if done is not None:
             log.info("batch %s %s: %d lines", self.lease.batch_id, final, len(outputs))
 

@@ -72,9 +72,9 @@ class BatchesApi:
         if not isinstance(body, dict):
             raise _invalid("the body must be a JSON object", "body")
         endpoint, window = body.get("endpoint"), body.get("completion_window")
-        if endpoint not in ENDPOINTS:
+        if not isinstance(endpoint, str) or endpoint not in ENDPOINTS:
             raise _invalid(f"endpoint must be one of {', '.join(ENDPOINTS)}", "endpoint")
-        if window not in _WINDOWS:
+        if not isinstance(window, str) or window not in _WINDOWS:
             raise _invalid(f"completion_window must be one of {', '.join(_WINDOWS)}", "completion_window")
         metadata = _metadata(body.get("metadata"))
         file_id = body.get("input_file_id")

@@ -30,12 +30,15 @@ from services.gateway.keys import Principal
 from services.gateway.tool_calls import parser_for
 from services.gateway.tool_output import ToolChatFormatter
 
-__all__ = ["BATCH_PRIORITY", "Attempt", "LineExecutor", "Outcome", "Result"]
+__all__ = ["BATCH_PRIORITY", "Attempt", "LineExecutor", "Outcome", "Result", "pace_of"]
 
 BATCH_PRIORITY = 2
 # Failures worth another try later: the fleet was busy, away or slow.
 _RETRIABLE = {ErrorKind.RATE_LIMITED, ErrorKind.OVERLOADED, ErrorKind.UNAVAILABLE, ErrorKind.GENERATION_FAILED,
               ErrorKind.INTERNAL}
+# A queue wait shorter than this is no signal whatever the line's length:
+# the scheduler's own admission round trip and a step's wait take about as long.
+_MIN_QUEUE_SIGNAL_SECONDS = 0.25
 _BACK_OFF = {ErrorKind.RATE_LIMITED, ErrorKind.OVERLOADED, ErrorKind.UNAVAILABLE}
 
 
@@ -100,21 +103,33 @@ class LineExecutor:
             formatter = ChatFormatter(attempt.request_id, generation.model, False)
         else:
             formatter = CompletionFormatter(attempt.request_id, generation.model, False)
-        collected = _Collected()
+        clock = self._driver.clock
+        collected = _Collected(clock.monotonic())
         stream = self._driver.start(job)
         try:
             async for event in stream:
-                collected.add(event)
+                collected.add(event, clock.monotonic())
         finally:
             await stream.aclose()
             self._frontdoor.settle(admitted, collected.tokens)
         return collected.result(attempt, formatter)
 
 
+def pace_of(queued: bool, queue_wait: float, run_time: float) -> Pace:
+    """A finished line's signal to the window (pacing.py). A line that waited
+    in the scheduler's queue no longer than it then ran is a healthy backlog
+    -- there was a line ready for each slot that freed -- so the window may
+    grow; one that waited longer says the runner sends more than the fleet
+    has room for."""
+    return Pace.QUEUED if queued and queue_wait > max(run_time, _MIN_QUEUE_SIGNAL_SECONDS) else Pace.PLACED
+
+
 class _Collected:
     """A non-streamed response's pieces, per choice (n > 1)."""
 
-    def __init__(self) -> None:
+    def __init__(self, started: float) -> None:
+        # When the line was sent, got its first token, ended (monotonic): its queue wait and run time.
+        self.started = self.first_token = self.ended = started
         self.texts: dict[int, list[str]] = defaultdict(list)
         self.logprobs: dict[int, list[common_pb2.TokenLogprob]] = defaultdict(list)
         self.reasons: dict[int, str] = {}
@@ -122,19 +137,22 @@ class _Collected:
         self.tokens = 0
         self.queued = False
 
-    def add(self, event: object) -> None:
+    def add(self, event: object, now: float) -> None:
         if isinstance(event, TextDelta):
+            if not self.tokens and event.token_ids:
+                self.first_token = now
             self.tokens += len(event.token_ids)
             self.texts[event.choice].append(event.text)
             self.logprobs[event.choice].extend(event.logprobs)
         elif isinstance(event, Finished):
+            self.ended = now
             self.finished = event
             self.reasons[event.choice] = event.reason.value
         elif isinstance(event, QueuedUpdate):
             self.queued = True
 
     def result(self, attempt: Attempt, formatter: Formatter) -> Result:
-        pace = Pace.QUEUED if self.queued else Pace.PLACED
+        pace = pace_of(self.queued, self.first_token - self.started, self.ended - self.first_token)
         finished = self.finished
         if finished is None or finished.reason in (FinishReason.ERROR, FinishReason.ABORT):
             return Result(Outcome.RETRY, pace, tokens=self.tokens,

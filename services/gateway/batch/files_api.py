@@ -38,7 +38,7 @@ def int_query(request: web.Request, name: str, default: int, high: int) -> int:
     raw = request.query.get(name)
     if raw is None:
         return default
-    if not raw.isdigit() or not 1 <= int(raw) <= high:
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9) or not 1 <= int(raw) <= high:
         raise GatewayError(ErrorKind.INVALID_REQUEST, f"{name} must be an integer within 1 .. {high}", param=name)
     return int(raw)
 
@@ -78,7 +78,13 @@ class FilesApi:
         if not request.content_type.startswith("multipart/"):
             raise GatewayError(ErrorKind.INVALID_REQUEST, "upload a file as multipart/form-data with fields "
                                "`purpose` and `file`", param="file")
-        purpose, filename, content = await self._read_form(request)
+        try:
+            purpose, filename, content = await self._read_form(request)
+        except GatewayError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - aiohttp's multipart reader on a malformed body, whatever it raises
+            raise GatewayError(ErrorKind.INVALID_REQUEST, f"the multipart body is malformed: {exc}"[:300],
+                               param="file") from None
         if purpose not in _PURPOSES:
             raise GatewayError(ErrorKind.INVALID_REQUEST, f"purpose must be one of {', '.join(_PURPOSES)}, "
                                f"got {purpose!r}", param="purpose")
@@ -96,8 +102,9 @@ class FilesApi:
         while (part := await reader.next()) is not None:
             if not isinstance(part, BodyPartReader):
                 continue
-            if part.name == "purpose":
-                purpose = (await part.read(decode=False))[:64].decode(errors="replace").strip()
+            if part.name == "purpose":  # a short word: read at most one chunk of it
+                purpose = (await part.read_chunk(256))[:64].decode(errors="replace").strip()
+                await part.release()
             elif part.name == "file":
                 filename = (part.filename or filename)[:255]
                 chunks, size = [], 0

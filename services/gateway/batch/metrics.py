@@ -11,6 +11,7 @@ __all__ = ["BatchMetrics"]
 
 class BatchMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
         self.requests = Counter(
             "kvmesh_gateway_batch_requests_total",
             "Batch lines this gateway ended, by result: ok (200 in the output file), error (an error "

@@ -2,11 +2,12 @@
 multiplicative-decrease window, so a batch fills the fleet's idle capacity
 without flooding the scheduler's queue.
 
-Signals, per finished line (`Pace`):
-- PLACED: the line was placed at once (never reported queued) -> the window
-  grows by one line per window's worth of such lines;
-- QUEUED: the scheduler reported it queued (no idle slot for it) -> the
-  window shrinks by one: more lines would only wait in the queue;
+Signals, per finished line (`Pace`, decided by execute.py `pace_of`):
+- PLACED: the line was placed at once, or waited in the scheduler's queue
+  no longer than it then ran (a backlog that keeps every freed slot busy)
+  -> the window grows by one line per window's worth of such lines;
+- QUEUED: it waited in the queue longer than it ran (the fleet has no room
+  for that many) -> the window shrinks by one;
 - REJECTED: 429 / queue full / 503 (a rate limit, the queue, no engine)
   -> the window halves and new lines wait `backoff` seconds (doubling up
   to `max_backoff`, reset by the next PLACED).

@@ -66,7 +66,8 @@ class BatchRunner:
 
     async def _tick(self) -> None:
         await self._renew()
-        await self._claim()
+        if not self._deps.gate.closed:  # a draining gateway takes no new batches
+            await self._claim()
         deps = self._deps
         counts = await deps.db.run(deps.db.store.status_counts)
         for status in (*ACTIVE, *FINAL):
@@ -78,6 +79,8 @@ class BatchRunner:
         for batch_id, (run, task) in list(self._owned.items()):
             if task.done():
                 del self._owned[batch_id]
+                if deps.gate.closed:  # drained: the batch's next lines run on another gateway now
+                    await deps.db.run(store.release, run.lease)
                 continue
             lease = await deps.db.run(store.renew, run.lease, deps.clock.wall(), deps.config.lease_seconds)
             if lease is None:

@@ -56,9 +56,9 @@ class BatchService:
 
     async def pause(self) -> None:
         """A drain: start no more lines; those in flight go on until `stop`."""
-        await self.gate.close()
+        self.gate.close()
 
     async def stop(self) -> None:
-        await self.gate.close()
+        self.gate.close()
         await self.runner.stop()
         self.db.close()

@@ -163,6 +163,21 @@ def test_body_limit_streams_instead_of_buffering() -> None:
     assert names[-1] == "envoy.filters.http.router"
 
 
+def test_the_body_limit_is_lifted_for_batch_file_uploads_only() -> None:
+    """POST /v1/files (Batch API input, bounded by the gateway's
+    batch.max_file_bytes) passes Envoy's request body limit; nothing else."""
+    routes = _hcm(render(Topology()))["route_config"]["virtual_hosts"][0]["routes"]
+    names = [r["name"] for r in routes]
+    assert names.index("files_upload") < names.index("openai")
+    upload = routes[names.index("files_upload")]
+    assert upload["match"]["path"] == "/v1/files"
+    assert upload["match"]["headers"] == [{"name": ":method", "string_match": {"exact": "POST"}}]
+    assert upload["route"]["cluster"] == "gateway_http"
+    lifted = [r["name"] for r in routes
+              if r.get("typed_per_filter_config", {}).get("envoy.filters.http.body_size_limit", {}).get("disabled")]
+    assert lifted == ["files_upload"]
+
+
 def test_every_replica_is_an_endpoint() -> None:
     topology = load_topology(ENVOY_DIR / "topology-replicas.yaml")
     config = yaml.safe_load(render_yaml(topology))
