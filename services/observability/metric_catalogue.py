@@ -42,6 +42,7 @@ _SUFFIXES = {
 def _registries() -> dict[str, CollectorRegistry]:
     from services.engine.backend import LoadSnapshot
     from services.engine.metrics import EngineMetrics
+    from services.gateway.batch.metrics import BatchMetrics
     from services.gateway.metrics import GatewayMetrics
     from services.gateway.response_cache.metrics import CacheMetrics
     from services.scheduler.metrics import SchedulerMetrics
@@ -51,6 +52,7 @@ def _registries() -> dict[str, CollectorRegistry]:
 
     gateway = GatewayMetrics()
     CacheMetrics(gateway.registry, "embedded")   # the response cache's, on the gateway's registry
+    BatchMetrics(gateway.registry)                # the Batch API's, on the gateway's registry too
     return {
         "gateway": gateway.registry,
         "scheduler": SchedulerMetrics().registry,
