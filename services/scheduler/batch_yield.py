@@ -21,13 +21,17 @@ The rule, per placement of such a request:
      picks the engine it would pick on a fleet idle of batch work;
   2. if the chosen engine passes the policy's filters as it really is, the
      request is placed there and nothing is preempted;
-  3. otherwise one batch line there is preempted (preemption.choose_victim
+  3. otherwise, if the policy over the real views finds a placement with
+     as many cached tokens (the context is warm on an engine with a free
+     slot too), that one is taken and nothing is preempted: a line yields
+     only to spare the request a colder placement;
+  4. otherwise one batch line there is preempted (preemption.choose_victim
      over that engine's batch candidates: least progress lost first, and
      only a victim whose slot/blocks make the request fit) and the request
      takes its room in the same dispatch; its Preempted notice goes out with
      the placement, counted by RequestBook.preempt like any batch preemption;
-  4. if no single batch line there makes room, placement falls back to the
-     real views (today's behaviour; the core may still preempt generally).
+  5. if no single batch line there makes room, the real views' placement
+     stands (today's behaviour; the core may still preempt generally).
 Ordinary P2 and P1 leases are never treated as room here: ending one costs a
 person's or a pipeline's latency, so they keep the "preempt only when nothing
 can take it" rule. A batch line or a request of another class is placed over
@@ -67,15 +71,32 @@ class BatchYield:
     def place(self, request: PlacementRequest, now: float, out: list[Delivery]) -> Placement | None:
         """The policy's placement for `request` (its class = request.priority);
         a batch line it preempted to make room goes into `out`."""
-        policy = self._room.policy
         views = self._fleet.views(request.model, now)
         batch = self._candidates(request) if self._yields_to(request) else {}
-        if batch:
-            placement = policy.place(request, [_without(v, batch.get(v.engine_id, [])) for v in views],
-                                     self._fleet.kv, self._hash_block_tokens, self._headroom)
-            if placement is not None and self._room_on(request, placement, views, batch, now, out):
-                return placement
-        return policy.place(request, views, self._fleet.kv, self._hash_block_tokens, self._headroom)
+        if not batch:
+            return self._place(request, views)
+        wanted = self._place(request, [_without(v, batch.get(v.engine_id, [])) for v in views])
+        if wanted is None:
+            return self._place(request, views)
+        engine = self._completed(request, views, wanted.view.engine_id)
+        if engine is not None and self._room.policy.passes(request, engine):
+            return wanted                       # a really free slot there: nobody yields
+        plain = self._place(request, views)
+        if plain is not None and plain.cached_tokens >= wanted.cached_tokens:
+            return plain                        # as warm elsewhere without taking a slot
+        if engine is not None and self._preempt_on(request, engine, batch.get(engine.engine_id, []), now, out):
+            return wanted
+        return plain
+
+    def _place(self, request: PlacementRequest, views: list[EngineView]) -> Placement | None:
+        return self._room.policy.place(request, views, self._fleet.kv, self._hash_block_tokens, self._headroom)
+
+    def _completed(self, request: PlacementRequest, views: list[EngineView], engine_id: str) -> EngineView | None:
+        """The engine as it really is, completed for the request."""
+        real = [v for v in views if v.engine_id == engine_id]
+        completed = self._room.policy.complete_views(
+            request, real, self._fleet.kv, self._hash_block_tokens, self._headroom)
+        return completed[0] if completed else None
 
     def _yields_to(self, request: PlacementRequest) -> bool:
         return request.priority in self._preempt_classes and not request.batch
@@ -95,21 +116,15 @@ class BatchYield:
                         line.preemptions, lease.reserved_blocks, True))
         return found
 
-    def _room_on(
-        self, request: PlacementRequest, placement: Placement, views: list[EngineView],
-        batch: dict[str, list[Candidate]], now: float, out: list[Delivery],
+    def _preempt_on(
+        self, request: PlacementRequest, engine: EngineView, lines: list[Candidate], now: float,
+        out: list[Delivery],
     ) -> bool:
-        """Whether the chosen engine really has room for the request, after
-        preempting one batch line there if it must (its notice into `out`)."""
-        policy, engine_id = self._room.policy, placement.view.engine_id
-        real = [v for v in views if v.engine_id == engine_id]
-        completed = policy.complete_views(request, real, self._fleet.kv, self._hash_block_tokens,
-                                          self._headroom)
-        if not completed:  # pragma: no cover - the placement came from these views
-            return False
-        if policy.passes(request, completed[0]):
-            return True
-        choice = choose_victim(request.priority, completed, batch.get(engine_id, []), self._max_preemptions,
+        """Preempt the batch line on `engine` whose room lets the request pass
+        there (victim rule: preemption.py); its Preempted notice into `out`.
+        False when no single line makes room."""
+        policy = self._room.policy
+        choice = choose_victim(request.priority, [engine], lines, self._max_preemptions,
                                lambda view: policy.passes(request, view))
         if choice is None:
             return False

@@ -105,3 +105,18 @@ def test_an_empty_preempt_classes_turns_the_rule_off() -> None:
     admit(core, opts("p0-second", priority=0, prefix_hashes=CONTEXT))
     assert core.lease_of("p0-second").engine_id == "B"
     assert core.request_state("b0") is RequestState.PLACED
+
+
+def test_no_batch_line_yields_when_another_engine_is_as_warm_and_has_a_free_slot() -> None:
+    """Even where the policy would rather use A once its batch lines were
+    gone: a line yields only to spare the request a colder placement."""
+    core, _ = fleet("batch")
+    token_b = core.fleet.get("B").token
+    core.handle(KvSnapshotReported("B", token_b, 0, list(CONTEXT)))
+    for i in range(2):                    # B busier than A would be without its batch lines
+        admit(core, opts(f"o{i}", priority=2))
+        assert core.lease_of(f"o{i}").engine_id == "B"
+    out = core.handle(RequestArrived(opts("p0-second", priority=0, prefix_hashes=CONTEXT)))
+    assert kinds(out) == [("p0-second", "QueuedInfo"), ("p0-second", "PlacedInfo")]
+    assert core.lease_of("p0-second").engine_id == "B"
+    assert batch_preemptions(core) == 0
