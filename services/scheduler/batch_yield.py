@@ -75,21 +75,28 @@ class BatchYield:
         batch = self._candidates(request) if self._yields_to(request) else {}
         if not batch:
             return self._place(request, views)
-        wanted = self._place(request, [_without(v, batch.get(v.engine_id, [])) for v in views])
+        # a trial: the approximate prefix memory learns only the placement taken
+        wanted = self._place(request, [_without(v, batch.get(v.engine_id, [])) for v in views], False)
         if wanted is None:
             return self._place(request, views)
         engine = self._completed(request, views, wanted.view.engine_id)
         if engine is not None and self._room.policy.passes(request, engine):
-            return wanted                       # a really free slot there: nobody yields
-        plain = self._place(request, views)
+            return self._taken(request, wanted)  # a really free slot there: nobody yields
+        plain = self._place(request, views, False)
         if plain is not None and plain.cached_tokens >= wanted.cached_tokens:
-            return plain                        # as warm elsewhere without taking a slot
+            return self._taken(request, plain)  # as warm elsewhere without taking a slot
         if engine is not None and self._preempt_on(request, engine, batch.get(engine.engine_id, []), now, out):
-            return wanted
-        return plain
+            return self._taken(request, wanted)
+        return None if plain is None else self._taken(request, plain)
 
-    def _place(self, request: PlacementRequest, views: list[EngineView]) -> Placement | None:
-        return self._room.policy.place(request, views, self._fleet.kv, self._hash_block_tokens, self._headroom)
+    def _place(self, request: PlacementRequest, views: list[EngineView], remember: bool = True,
+               ) -> Placement | None:
+        return self._room.policy.place(request, views, self._fleet.kv, self._hash_block_tokens, self._headroom,
+                                       remember)
+
+    def _taken(self, request: PlacementRequest, placement: Placement) -> Placement:
+        self._room.policy.remember(request, placement.view.engine_id)
+        return placement
 
     def _completed(self, request: PlacementRequest, views: list[EngineView], engine_id: str) -> EngineView | None:
         """The engine as it really is, completed for the request."""

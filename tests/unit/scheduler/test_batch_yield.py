@@ -120,3 +120,19 @@ def test_no_batch_line_yields_when_another_engine_is_as_warm_and_has_a_free_slot
     assert kinds(out) == [("p0-second", "QueuedInfo"), ("p0-second", "PlacedInfo")]
     assert core.lease_of("p0-second").engine_id == "B"
     assert batch_preemptions(core) == 0
+
+
+def test_with_approximate_prefixes_the_memory_learns_only_the_placement_taken() -> None:
+    """A profile without KV events remembers where it sent each prefix; the
+    trial placement over the yielded views must not teach it an engine the
+    request did not go to."""
+    core, _ = make_core(engine_queue_slack=0, p0_reserved_leases=1, policy="prefix_approx")
+    add_engine(core, "A", max_running=2)
+    admit(core, batch("b0"))
+    admit(core, opts("p0-first", priority=0, prefix_hashes=CONTEXT))   # A learns CONTEXT
+    add_engine(core, "B", max_running=2)
+    admit(core, opts("p0-second", priority=0, prefix_hashes=CONTEXT))
+    assert core.lease_of("p0-second").engine_id == "A"                  # b0 yielded
+    assert core.request_state("b0") is RequestState.PREEMPTED
+    memory = core.policy.approx
+    assert memory is not None and memory.prefix_matches(CONTEXT, ["A", "B"]) == {"A": 2, "B": 0}
