@@ -23,7 +23,8 @@ Phases of a request and where each lives:
             (waiting.py, queue.py; fairness and ordering from
             queue_policies.py);
   place     `_try_place` here asks the placement policy (placement/) over
-            the fleet's engine views (fleet.py);
+            the fleet's engine views (fleet.py), through batch_yield.py: for
+            a preempt class, batch lines' slots count as room (one yields);
   preempt   when a queue head of a class in `scheduler.preempt_classes`
             cannot be placed, `RoomMaker.preempt_for` ends one lower-class,
             unprotected lease (victim rule: preemption.py) and the head is
@@ -59,6 +60,7 @@ from . import events as ev
 from .admin_knobs import AdminKnobs
 from .admission_limits import AdmissionLimits, DispatchRateMeter, validate_options
 from .aging import AgingRule
+from .batch_yield import BatchYield
 from .class_stats import ClassLedger, ClassStat
 from .comebacks import Comebacks
 from .deadlines import DeadlineBook
@@ -99,7 +101,6 @@ class SchedulerCore:
         self, config: MeshConfig, clock: Clock, metrics: SchedulerMetrics | None = None
     ) -> None:
         self._config = config.scheduler
-        self._hash_block_tokens = config.hash_block_tokens
         self._clock = clock
         self.metrics = metrics or SchedulerMetrics()
         self._aging = AgingRule.from_config(self._config.aging)
@@ -120,6 +121,7 @@ class SchedulerCore:
         self._preempt_classes = frozenset(self._config.preempt_classes)
         self._room = RoomMaker(
             self._requests, self.waiting, self.fleet, self.policy, self._limits, self._ledger, config)
+        self._yield = BatchYield(self._requests, self.fleet, self._room, config)  # batch lines yield slots
         self._comebacks = Comebacks(
             self._requests, self.waiting, self.fleet, self._limits, self._ledger, self._seq,
             self.metrics.count_promotions)
@@ -308,26 +310,24 @@ class SchedulerCore:
     ) -> Notice | None:
         """`_try_place`; with no room now and `cls` a preempt class, preempt
         one lower-class lease (its Preempted into `out`) and place there."""
-        notice = self._try_place(rec, now, entry, queue)
+        notice = self._try_place(rec, now, out, entry, queue)
         if notice is None and cls in self._preempt_classes:
             preempted = self._room.preempt_for(rec, cls, now)
             if preempted is not None:
                 out.append(preempted)
-                notice = self._try_place(rec, now, entry, queue)
+                notice = self._try_place(rec, now, out, entry, queue)
         return notice
 
     def _try_place(
-        self, rec: RequestRecord, now: float,
+        self, rec: RequestRecord, now: float, out: list[Delivery],
         entry: QueueEntry | None = None, queue: ModelQueue | None = None,
     ) -> Notice | None:
-        """Placed, Rejected (it can never be placed), or None (no room now)."""
+        """Placed, Rejected (it can never be placed), or None (no room now);
+        a batch line it took the room of (batch_yield.py) is Preempted into `out`."""
         opts = rec.options
         cls = entry.cls if entry is not None else opts.priority
         request, began = placement_request(rec, cls), time.perf_counter()  # decision time: real CPU time
-        placement = self.policy.place(
-            request, self.fleet.views(opts.model, now), self.fleet.kv,
-            self._hash_block_tokens, self._config.decode_headroom_tokens,
-        )
+        placement = self._yield.place(request, now, out)
         self.metrics.decision_seconds.labels(self.policy.name).observe(time.perf_counter() - began)
         if placement is None:
             try:

@@ -3,7 +3,9 @@ class: a pure function over engine views and lease candidates, so the rule
 is unit-testable without a core.
 
 The core (core.py) asks only when the head of a model's queue is of a class
-in `scheduler.preempt_classes` and no engine can take it now. A candidate is
+in `scheduler.preempt_classes` and no engine can take it now; batch_yield.py
+asks it for one engine, over that engine's batch lines, when such a request's
+placement chose an engine full of them. A candidate is
 a live lease on an engine serving the model whose class (the class it was
 placed in, after aging) is strictly lower than the newcomer's, and whose
 request was preempted fewer than `scheduler.max_preemptions` times (after

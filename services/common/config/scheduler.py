@@ -134,6 +134,9 @@ class SchedulerConfig:
     # back to its queue with its arrival time and continues later from the
     # next token. [0] = interactive requests never wait behind batch work;
     # add 1 to let P1 preempt P2 too; [] = no preemption. Values in {0, 1, 2}.
+    # For these classes Batch API lines' slots and blocks also count as room
+    # in placement, so such a request keeps its warm engine and a batch line
+    # there yields (scheduler/batch_yield.py).
     preempt_classes: list[int] = field(default_factory=lambda: [0])
     # Times one request may be preempted; after that it is protected and runs
     # to its end, so a batch request under a steady interactive stream still

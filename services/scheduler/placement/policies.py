@@ -239,8 +239,11 @@ class PlacementPolicy:
         kv_index: PrefixSource,
         hash_block_tokens: int,
         headroom_tokens: int,
+        remember: bool = True,
     ) -> Placement | None:
-        """One engine for `request`, or None when no engine passes now."""
+        """One engine for `request`, or None when no engine passes now.
+        `remember=False`: a trial placement, maybe not taken (the caller
+        calls `remember` for the one it takes; scheduler/batch_yield.py)."""
         views = self.complete_views(request, engines, kv_index, hash_block_tokens, headroom_tokens)
         if request.batch:  # whatever the profile's filters: never a P0-reserved slot
             views = [v for v in views if v.batch_room()]
@@ -254,9 +257,14 @@ class PlacementPolicy:
         chosen = self.picker.pick(request, scored, self.state)
         if chosen is None:
             return None
-        if self.approx is not None:
-            self.approx.remember(request.prefix_hashes, chosen.engine_id)
+        if remember:
+            self.remember(request, chosen.engine_id)
         return Placement(chosen, chosen.cached_tokens, chosen.blocks_needed, scored)
+
+    def remember(self, request: PlacementRequest, engine_id: str) -> None:
+        """The request went to `engine_id` (the approximate prefix memory)."""
+        if self.approx is not None:
+            self.approx.remember(request.prefix_hashes, engine_id)
 
     def passes(self, request: PlacementRequest, view: EngineView) -> bool:
         """Whether one completed view passes every filter (no pick, no
