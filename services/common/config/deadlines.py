@@ -66,7 +66,10 @@ class DeadlinesConfig:
     # scheduler.queue_ttl_seconds. Floor 20 s: an idle fleet's p95 wait is
     # ~0, and a burst arriving then must still get time for a few
     # generations (and a 2-5 s scheduler restart) to clear before it is
-    # turned away.
+    # turned away. P1's and P2's floors add their aging time to P0
+    # (scheduler.aging: 30 s and 60 s by default), so a request always gets
+    # the time to age to P0 and P0's floor there. A batch line's expiry is
+    # its batch's completion window, never this.
     queue_wait: DeadlineBounds = field(default_factory=lambda: DeadlineBounds(20.0, 0.0))
     # Placement -> the first token on that engine, watched by the gateway.
     # A prompt longer than the window's p95 prompt gets proportionally more
