@@ -207,3 +207,10 @@ class EngineBackend(Protocol):
     def dead_reason(self) -> str | None:
         """None while the backend can serve; once it never can again (its
         core process died...), why. Cheap: polled about once a second."""
+
+    async def probe(self) -> None:
+        """Return once the backend has shown that its loop still runs (vLLM:
+        a utility call the engine core answers between two steps; sim: the
+        step loop not wedged). It does not return while the backend is hung:
+        the liveness watch bounds it. Asked only while the backend holds no
+        request (then no output can show its progress)."""

@@ -16,6 +16,14 @@ backend; the moment the backend goes from idle to holding requests counts
 too, so idle time is never taken for a hang. A request's first output is no
 interval (its prefill and queueing are not a step): the floor covers it.
 
+An idle backend shows no progress, so while it holds no request the watch
+probes it (`EngineBackend.probe`, every PROBE_EVERY_SECONDS, or a quarter
+of the floor if that is shorter): a probe still
+unanswered after the hang bound is a hang too. Without it a core wedged while
+its streams were moved away -- the gateways' stall deadlines move them within
+seconds, long before the hang bound -- would look idle and healthy forever,
+and every request placed on it would stall in turn.
+
 `HangDetector` is pure -- fed times, it answers -- so the bound is tested on
 a fake clock. `LivenessWatch` runs it: every check period (a quarter of the
 floor, at most MAX_CHECK_SECONDS) it asks the backend and the detector, and
@@ -30,20 +38,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from services.common.clock import Clock
 
-__all__ = ["HangDetector", "HangPolicy", "LivenessWatch", "MAX_CHECK_SECONDS", "STEP_WINDOW"]
+__all__ = ["HangDetector", "HangPolicy", "LivenessWatch", "MAX_CHECK_SECONDS", "PROBE_EVERY_SECONDS", "STEP_WINDOW"]
+
+log = logging.getLogger(__name__)
 
 # Step intervals the bound is computed from: a few seconds of a busy engine,
 # minutes of a quiet one -- recent enough to follow a load change.
 STEP_WINDOW = 256
 HANG_QUANTILE = 0.99
 MAX_CHECK_SECONDS = 1.0
+# How often an idle backend is asked to prove it runs: cheap (one utility
+# round trip to vLLM's core), and a wedged idle core is found within the
+# hang bound + this.
+PROBE_EVERY_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -103,8 +118,12 @@ class LivenessWatch:
         in_backend: Callable[[], int],
         dead_reason: Callable[[], str | None],
         on_failure: Callable[[str], None],
+        probe: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.detector = HangDetector(policy, clock.monotonic())
+        self._probe = probe
+        self._probe_task: asyncio.Future[None] | None = None
+        self._probe_sent = -math.inf   # when the probe in flight (or the last one) was sent
         self._clock = clock
         self._in_backend = in_backend
         self._dead_reason = dead_reason
@@ -112,6 +131,7 @@ class LivenessWatch:
         self._task: asyncio.Task[None] | None = None
         self.failure: str | None = None
         self.period = min(MAX_CHECK_SECONDS, policy.floor_seconds / 4)
+        self.probe_every = min(PROBE_EVERY_SECONDS, policy.floor_seconds / 4)
 
     def start(self) -> None:
         if self._task is None:
@@ -119,6 +139,9 @@ class LivenessWatch:
             self._task = asyncio.create_task(self._run(), name="liveness-watch")
 
     async def stop(self) -> None:
+        probe, self._probe_task = self._probe_task, None
+        if probe is not None and not probe.done():
+            probe.cancel()
         task, self._task = self._task, None
         if task is not None and task is not asyncio.current_task():
             task.cancel()
@@ -146,11 +169,30 @@ class LivenessWatch:
             self.failure = f"backend dead: {dead}"
         elif self._in_backend() == 0:
             self.detector.idle(now)
+            self.failure = self._probe_check(now)
         else:
             self.failure = self.detector.hung(now)
         if self.failure is not None:
             self._on_failure(self.failure)
         return self.failure
+
+    def _probe_check(self, now: float) -> str | None:
+        """Send a probe when one is due; the hang if one went unanswered past the bound."""
+        if self._probe is None:
+            return None
+        task = self._probe_task
+        if task is not None and not task.done():
+            waited, bound = now - self._probe_sent, self.detector.bound()
+            if waited > bound:
+                return (f"backend hung: no answer to a liveness probe for {waited:.1f} s while idle "
+                        f"(bound {bound:.1f} s)")
+            return None
+        if task is not None and not task.cancelled() and task.exception() is not None:
+            log.warning("liveness probe failed: %r", task.exception())
+        if now - self._probe_sent >= self.probe_every:
+            self._probe_sent = now
+            self._probe_task = asyncio.ensure_future(self._probe())
+        return None
 
     async def _run(self) -> None:
         # Polled: the bound runs on the injected clock, and no event says "nothing happened".

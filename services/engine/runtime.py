@@ -261,7 +261,7 @@ class EngineRuntime:
         self._listeners: list[Callable[[], None]] = []
         self._start_attempted = False
         self.liveness = LivenessWatch(hang or HangPolicy(), self.clock, lambda: self.gate.in_backend,
-                                      backend.dead_reason, self.fail)
+                                      backend.dead_reason, self.fail, backend.probe)
 
     # ---------------------------------------------------------------- state
 

@@ -57,6 +57,11 @@ def _tiny_one(config: MeshConfig) -> None:
 def _tiny_pair(config: MeshConfig) -> None:
     config.engines.template.vllm.max_num_seqs = 8
     config.engines.template.hang_floor_seconds = HANG_FLOOR_SECONDS
+    # The engine's own fault handling is what these modules test: a stopped
+    # core's streams must wait for the engine's hang bound, not move on the
+    # gateways' stall deadlines (seconds) first. The deadlines run on the
+    # other vLLM meshes.
+    config.deadlines.enabled = False
 
 
 def _smol_pair(config: MeshConfig) -> None:

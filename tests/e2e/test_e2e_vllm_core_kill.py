@@ -27,6 +27,7 @@ two vLLM engines start in ~1-2 minutes on 2 cores, each faulted one again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import signal
@@ -44,6 +45,7 @@ from _vllm_mesh import SharedVllmMesh, Supervised
 from services.common.affinity import descendants
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, scheduler_pb2
 from services.common.service_main import EXIT_SERVICE_FAILED
+from services.engine.liveness import PROBE_EVERY_SECONDS
 from services.launcher.mesh import ChildExit, Mesh
 from services.launcher.up import Restarts
 
@@ -407,3 +409,38 @@ async def test_vllm_engine_core_sigstop_is_a_hang_detected_within_the_bound(supe
           f"{fault.elapsed:.1f}s from SIGSTOP to last token; SIGCONT {after:.1f}s after SIGSTOP "
           f"({'the core continued' if alive else 'the core was already gone'}), no text twice; "
           f"exited {gone.returncode}, restarted and serving again {back_after:.0f}s after SIGSTOP")
+
+
+async def test_vllm_idle_engine_core_sigstop_is_found_by_the_liveness_probe(supervised: Supervised) -> None:
+    """SIGSTOP of an IDLE engine's core (no stream on it: also what is left
+    once the gateways' stall deadlines moved a wedged core's streams away):
+    no output is owed, so only the liveness probe -- a utility round trip to
+    the core -- can find it. The engine fails within the hang bound plus one
+    probe period and is restarted; the stopped core is reaped."""
+    mesh, restarts = supervised.mesh, supervised.restarts
+    state = scheduler_state(mesh)
+    assert state is not None and all(e.leases == 0 for e in state.engines)
+    victim = state.engines[0].engine_id
+    seen, restarted = len(restarts.exits), restarts.restarted.count(victim)
+    target = vllm_tree(mesh, victim)["VLLM::EngineCore"]
+    began = time.monotonic()
+    os.kill(target, signal.SIGSTOP)
+    try:
+        gone = await exit_of(restarts, victim, seen)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(target, signal.SIGCONT)
+    elapsed = time.monotonic() - began
+    log = gone.log_path.read_text(errors="replace")
+    assert "no answer to a liveness probe" in log, f"see {gone.log_path}"
+    bound = mesh.config.engine_config(0).hang_floor_seconds
+    assert bound - 0.5 <= elapsed <= bound + PROBE_EVERY_SECONDS + 30.0, (elapsed, bound)
+
+    def back() -> bool:
+        view = engine_state(scheduler_state(mesh), victim)
+        return restarts.restarted.count(victim) > restarted and view is not None and view.serving and view.fresh
+    await wait_until(back, RESTART_SECONDS, f"{victim} to be restarted and serving", poll=1.0)
+    stat = Path(f"/proc/{target}/stat")
+    assert not stat.exists() or b" Z " in stat.read_bytes(), "the stopped core outlived its engine"
+    print(f"vLLM EngineCore SIGSTOP while idle on {victim}: engine failed {elapsed:.1f} s later "
+          f"(bound {bound:g} s + probe period {PROBE_EVERY_SECONDS:g} s), restarted and serving again")

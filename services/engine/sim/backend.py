@@ -155,6 +155,9 @@ class SimBackend:
     def dead_reason(self) -> str | None:
         return self._dead
 
+    async def probe(self) -> None:
+        await self._unwedged.wait()
+
     # ---------------------------------------------------------------- faults (tests)
 
     def crash(self, reason: str = "the simulator crashed") -> None:

@@ -301,6 +301,12 @@ class VllmBackend:
             return None
         return "vLLM's engine core or its worker died (AsyncLLM.errored)"
 
+    async def probe(self) -> None:
+        if self._llm is not None and not self._stopped:
+            # A round trip through the engine core's input queue: a wedged or
+            # stopped core never answers (AsyncLLM.check_health only reads a flag).
+            await self._llm.is_sleeping()
+
     @property
     def stats(self) -> EngineStats:
         """vLLM's latest scheduler view and prefix-cache counters (metrics)."""

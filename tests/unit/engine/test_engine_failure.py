@@ -199,15 +199,16 @@ async def test_a_hung_backend_is_detected_within_its_bound_and_fails_the_engine(
         svc.backend.resume()  # type: ignore[attr-defined]
 
 
-async def test_an_idle_backend_is_never_hung() -> None:
+async def test_an_idle_backend_is_hung_only_when_it_does_not_answer_its_probe() -> None:
     svc = EngineService(mesh_config(), sim_engine(hang_floor_seconds=0.1))
     async with started(svc), engine_stub(svc) as stub:
-        svc.backend.hang()  # type: ignore[attr-defined]
-        await asyncio.sleep(0.4)  # four floors with nothing in the backend
+        await asyncio.sleep(0.4)  # four floors, idle and answering its probes
         assert svc.runtime.dead is None and svc.runtime.serving
-        svc.backend.resume()  # type: ignore[attr-defined]
         code, _, reason = await ending(await _write(stub.Generate(), "later"))
         assert code == grpc.StatusCode.OK and reason == common_pb2.FINISH_REASON_LENGTH
+        svc.backend.hang()  # type: ignore[attr-defined]  # wedged with nothing in it
+        await asyncio.wait_for(svc.runtime.died.wait(), 30)
+        assert "no answer to a liveness probe" in (svc.runtime.dead or "")
 
 
 def test_the_hang_bound_is_max_of_floor_and_k_times_p99_step() -> None:
@@ -254,3 +255,39 @@ def test_a_backend_that_says_it_is_dead_fails_at_the_next_check() -> None:
     assert watch.check() is None
     dead[0] = "core process exited"
     assert watch.check() == "backend dead: core process exited" and failures == [watch.failure]
+
+
+async def test_an_idle_backend_that_never_answers_its_probe_is_hung() -> None:
+    # The gateways' stall deadlines move a wedged core's streams away within
+    # seconds; the core then holds nothing and shows no progress: only the
+    # probe finds it. A probe answered in time (or an idle, healthy backend) is no hang.
+    clock = FakeClock()
+    answer = asyncio.Event()
+    sent: list[float] = []
+
+    async def probe() -> None:
+        sent.append(clock.monotonic())
+        await answer.wait()
+
+    failures: list[str] = []
+    watch = LivenessWatch(HangPolicy(floor_seconds=10.0, step_multiple=10.0), clock, lambda: 0,
+                          lambda: None, failures.append, probe)
+    assert watch.check() is None
+    await asyncio.sleep(0)
+    assert len(sent) == 1
+    answer.set()                                   # answered: healthy
+    await asyncio.sleep(0)
+    clock.advance(watch.probe_every)
+    assert watch.check() is None
+    await asyncio.sleep(0)
+    assert len(sent) == 2                          # answered at once (the event stays set)
+    answer.clear()
+    clock.advance(watch.probe_every)
+    assert watch.check() is None                   # a third probe, now unanswered
+    await asyncio.sleep(0)
+    clock.advance(10.0)
+    assert watch.check() is None                   # within the 10 s bound
+    clock.advance(0.5)
+    assert "no answer to a liveness probe for 10.5 s" in (watch.check() or "")
+    assert len(failures) == 1
+    await watch.stop()

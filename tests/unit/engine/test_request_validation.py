@@ -84,6 +84,9 @@ class BareBackend:
     def dead_reason(self) -> str | None:
         return None
 
+    async def probe(self) -> None:
+        pass
+
 
 BACKENDS: dict[str, Callable[[], EngineBackend | None]] = {
     "sim": lambda: None,  # EngineService builds the configured sim
