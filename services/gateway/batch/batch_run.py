@@ -139,7 +139,7 @@ class BatchRun:
                     raise LostLease
             result = await deps.executor.run(Attempt(
                 self._batch["endpoint"], line.request(), line.custom_id, request_id,
-                float(self._batch["expires_at"]), resume, deps.gate.placed_at_once), self._principal)
+                float(self._batch["expires_at"]), resume), self._principal)
             deps.gate.observe(result.pace)
             if result.outcome is Outcome.DONE:
                 if resume:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import enum
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,8 +56,6 @@ class Attempt:
     request_id: str
     deadline_unix: float
     resume: bool
-    # Called once when the line's first token came without a queue wait (pacing's slow start).
-    on_placed: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -111,10 +108,7 @@ class LineExecutor:
         stream = self._driver.start(job)
         try:
             async for event in stream:
-                had_tokens = collected.tokens > 0
                 collected.add(event, clock.monotonic())
-                if not had_tokens and collected.tokens and not collected.queued and attempt.on_placed:
-                    attempt.on_placed()
         finally:
             await stream.aclose()
             self._frontdoor.settle(admitted, collected.tokens)

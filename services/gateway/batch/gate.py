@@ -46,10 +46,6 @@ class Gate:
     def observe(self, pace: Pace) -> None:
         self.window.observe(pace, self._clock.monotonic())
 
-    def placed_at_once(self) -> None:
-        self.window.placed_at_once()
-        self._wake.set()   # the window may have grown: a waiting line may start
-
     def release(self) -> None:
         self.in_flight -= 1
         self._wake.set()

@@ -7,11 +7,7 @@ Signals, per finished line (`Pace`, decided by execute.py `pace_of`):
   no longer than it then ran (a backlog that keeps every freed slot busy)
   -> in slow start (below `threshold`, until the first QUEUED / REJECTED)
   the window grows by one line per such line, doubling each line's run
-  time; after it, by one line per window's worth of such lines. In slow
-  start a line placed at once also adds a line the moment its first token
-  arrives (`placed_at_once`): the window then doubles per placement round
-  trip, not per line run time, and stops growing that way as soon as lines
-  queue. Without the
+  time; after it, by one line per window's worth of such lines. Without the
   slow start a fresh gateway's window crept from 4 by one line per line run
   time (~6 s in BENCHMARKS.md's batch bench): a 40 s P0 window saw ~9 lines
   of 16 slots in flight, 196 of ~285 idle tok/s, every first run alike;
@@ -75,12 +71,6 @@ class Window:
             self.threshold = self.limit
             self.backoff = min(self.max_backoff, max(self.min_backoff, self.backoff * 2))
             self.paused_until = max(self.paused_until, now + self.backoff)
-
-    def placed_at_once(self) -> None:
-        """A line got its first token without waiting in the queue: in slow
-        start the fleet has room for one more at once."""
-        if self.limit < self.threshold:
-            self.limit = min(float(self.limit_max), self.limit + 1.0)
 
     def wait_seconds(self, now: float) -> float:
         """How long new lines must still wait (0 = go)."""

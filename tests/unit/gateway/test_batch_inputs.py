@@ -130,17 +130,3 @@ def test_pacing_window_after_a_rejection_grows_additively() -> None:
     for _ in range(8):
         window.observe(Pace.PLACED, now=1.0)
     assert window.size == 9  # no second slow start right after the fleet refused lines
-
-
-def test_pacing_slow_start_grows_on_each_line_placed_at_once_then_not() -> None:
-    window = Window(limit_max=32)
-    for _ in range(12):   # 4 lines start, each placed at once adds one: 16 well before any line ends
-        window.placed_at_once()
-    assert window.size == 16
-    window.observe(Pace.QUEUED, now=1.0)  # the fleet is full
-    window.placed_at_once()
-    assert window.size == 15  # past slow start a placement is no signal; completions grow it
-    capped = Window(limit_max=8)
-    for _ in range(20):
-        capped.placed_at_once()
-    assert capped.size == 8
