@@ -29,7 +29,8 @@ class BatchConfig:
     # Most requests (lines) in one batch. >= 1. 50,000 as OpenAI.
     max_lines: int = 50_000
     # Most lines one gateway runs at once across the batches it owns. >= 1.
-    # The runner starts lower and adapts: it grows while lines are placed at
+    # The runner starts at 4 and adapts: it doubles (slow start) until lines
+    # first wait too long, then grows by a line per window while lines are placed at
     # once (or wait in the scheduler's queue no longer than they then run: a
     # small backlog that fills each freed slot at once), shrinks when they
     # wait longer, and halves on 429s / queue rejections: a batch fills idle

@@ -5,12 +5,17 @@ without flooding the scheduler's queue.
 Signals, per finished line (`Pace`, decided by execute.py `pace_of`):
 - PLACED: the line was placed at once, or waited in the scheduler's queue
   no longer than it then ran (a backlog that keeps every freed slot busy)
-  -> the window grows by one line per window's worth of such lines;
+  -> in slow start (below `threshold`, until the first QUEUED / REJECTED)
+  the window grows by one line per such line, doubling each line's run
+  time; after it, by one line per window's worth of such lines. Without the
+  slow start a fresh gateway's window crept from 4 by one line per line run
+  time (~6 s in BENCHMARKS.md's batch bench): a 40 s P0 window saw ~9 lines
+  of 16 slots in flight, 196 of ~285 idle tok/s, every first run alike;
 - QUEUED: it waited in the queue longer than it ran (the fleet has no room
   for that many) -> the window shrinks by one;
 - REJECTED: 429 / queue full / 503 (a rate limit, the queue, no engine)
   -> the window halves and new lines wait `backoff` seconds (doubling up
-  to `max_backoff`, reset by the next PLACED).
+  to `max_backoff`, reset by the next PLACED); slow start ends.
 
 Pure logic over an injected clock's time; the runner owns one `Window` and
 calls it from its event loop only.
@@ -39,9 +44,14 @@ class Window:
     max_backoff: float = 10.0
     backoff: float = 0.0        # the current pause after a rejection (0: none)
     paused_until: float = 0.0   # monotonic seconds; new lines wait until then
+    # Slow start's end: below it each PLACED line adds a whole line (0 = set
+    # to limit_max: until the fleet first says it is full, double).
+    threshold: float = 0.0
 
     def __post_init__(self) -> None:
         self.limit = min(self.limit, float(self.limit_max))
+        if self.threshold <= 0:
+            self.threshold = float(self.limit_max)
 
     @property
     def size(self) -> int:
@@ -50,12 +60,15 @@ class Window:
 
     def observe(self, pace: Pace, now: float) -> None:
         if pace is Pace.PLACED:
-            self.limit = min(float(self.limit_max), self.limit + 1.0 / self.size)
+            step = 1.0 if self.limit < self.threshold else 1.0 / self.size
+            self.limit = min(float(self.limit_max), self.limit + step)
             self.backoff = 0.0
         elif pace is Pace.QUEUED:
             self.limit = max(1.0, self.limit - 1.0)
+            self.threshold = self.limit
         elif pace is Pace.REJECTED:
             self.limit = max(1.0, self.limit / 2)
+            self.threshold = self.limit
             self.backoff = min(self.max_backoff, max(self.min_backoff, self.backoff * 2))
             self.paused_until = max(self.paused_until, now + self.backoff)
 

@@ -101,3 +101,32 @@ def test_pacing_window_grows_when_placed_and_backs_off_on_rejections() -> None:
 def test_a_lines_queue_wait_against_its_run_time_is_the_signal(queued: bool, wait: float, run: float,
                                                                  pace: Pace) -> None:
     assert pace_of(queued, wait, run) is pace
+
+
+def test_pacing_window_slow_starts_to_fill_a_fresh_fleet_in_a_few_line_times() -> None:
+    # A fleet of 16 free slots, lines placed at once: each "round" every line
+    # in flight finishes PLACED (one line run time). Additive increase alone
+    # took 12 rounds (~70 s at 6 s a line, BENCHMARKS.md); slow start doubles.
+    window, rounds = Window(limit_max=32), 0
+    while window.size < 16:
+        for _ in range(window.size):
+            window.observe(Pace.PLACED, now=float(rounds))
+        rounds += 1
+    assert rounds == 2 and window.size == 16  # 4 -> 8 -> 16
+    window.observe(Pace.QUEUED, now=2.0)  # the fleet is full: slow start ends
+    assert window.size == 15 and window.threshold == 15.0
+    for _ in range(14):
+        window.observe(Pace.PLACED, now=3.0)
+    assert window.size == 15
+    window.observe(Pace.PLACED, now=3.0)
+    window.observe(Pace.PLACED, now=3.0)
+    assert window.size == 16  # then one line per window's worth of placed lines
+
+
+def test_pacing_window_after_a_rejection_grows_additively() -> None:
+    window = Window(limit_max=32, limit=16.0)
+    window.observe(Pace.REJECTED, now=0.0)
+    assert window.size == 8
+    for _ in range(8):
+        window.observe(Pace.PLACED, now=1.0)
+    assert window.size == 9  # no second slow start right after the fleet refused lines
