@@ -72,7 +72,8 @@ class BatchYield:
         """The policy's placement for `request` (its class = request.priority);
         a batch line it preempted to make room goes into `out`."""
         views = self._fleet.views(request.model, now)
-        batch = self._candidates(request) if self._yields_to(request) else {}
+        # No batch lease anywhere (the usual case): no scan of the fleet's leases.
+        batch = self._candidates(request) if self._fleet.batch_leases and self._yields_to(request) else {}
         if not batch:
             return self._place(request, views)
         # a trial: the approximate prefix memory learns only the placement taken

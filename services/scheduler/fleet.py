@@ -58,6 +58,8 @@ class EngineFleet:
         self.kv = KvIndex()
         self.reservations = ReservationBook()
         self._leases: dict[str, Lease] = {}
+        # Batch API leases now: placement skips the batch-yield scan while there are none.
+        self.batch_leases = 0
         # Blocks of preempted leases that an engine's last report still
         # counts as used: free for placement until its next report.
         self._freed: dict[str, int] = {}
@@ -137,6 +139,7 @@ class EngineFleet:
         self.reservations.drop_engine(engine_id)
         self._freed.pop(engine_id, None)
         ended = [lease for lid in record.leases if (lease := self._leases.pop(lid, None))]
+        self.batch_leases -= sum(lease.batch for lease in ended)
         record.leases.clear()
         return ended
 
@@ -184,6 +187,12 @@ class EngineFleet:
         self._leases[lease.lease_id] = lease
         return lease
 
+    def mark_batch(self, lease: Lease) -> None:
+        """`lease` is a Batch API line's (counted while it is open)."""
+        if not lease.batch and lease.lease_id in self._leases:
+            lease.batch = True
+            self.batch_leases += 1
+
     def close_lease(self, lease: Lease, now: float, preempted: bool = False) -> None:
         """End a lease (idempotent); its duration feeds the engine's
         service-time estimate. A `preempted` lease's blocks count as free at
@@ -191,6 +200,7 @@ class EngineFleet:
         engine's used blocks until its next report."""
         if self._leases.pop(lease.lease_id, None) is None:
             return
+        self.batch_leases -= lease.batch
         released = self.reservations.release(lease.engine_id, lease.request_id)
         if preempted and not released and lease.reserved_blocks:
             self._freed[lease.engine_id] = self._freed.get(lease.engine_id, 0) + lease.reserved_blocks

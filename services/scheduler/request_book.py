@@ -64,7 +64,8 @@ class RequestBook:
         rec.lease = self._fleet.open_lease(
             rec.options.request_id, engine, reserved, cached, rec.options.prompt_tokens, now,
             rec.options.priority if cls is None else cls)
-        rec.lease.batch = rec.options.batch
+        if rec.options.batch:
+            self._fleet.mark_batch(rec.lease)
         rec.state = RequestState.PLACED
         rec.ran_on[engine.engine_id] = engine.info.incarnation
         if rec.preempted_at is not None:
