@@ -50,7 +50,6 @@ import logging
 import math
 import random
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -60,7 +59,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_priorities import lease_slots, mesh_config, warm
+from bench_priorities import lease_slots, mesh_config, sim_mesh, warm
 from scenario_preemption import write_json
 
 from services.bench.cli import token_counter
@@ -76,7 +75,7 @@ from services.bench.workloads import (
     WorkloadSpec,
     build_workload,
 )
-from services.launcher.mesh import Mesh, MeshOptions, start_on_free_ports
+from services.launcher.mesh import Mesh
 
 MODEL = "tiny-llama"
 _WORDS = ("river ledger invoice parcel harbor customs tariff warranty schedule appendix delivery payment "
@@ -341,17 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     count = token_counter(str(ROOT / ".models" / MODEL))
     runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-batch-") as tmp:
-        config = mesh_config(args)
-        print(f"starting a mesh: {args.engines} sim engines ...", file=sys.stderr, flush=True)
-        mesh: Mesh = start_on_free_ports(config, MeshOptions(engines=args.engines, backend="sim", model=MODEL,
-                                                             free_ports=True, run_dir=Path(tmp)))
-        try:
-            target = Target(mesh.endpoints.public_http, MODEL, mesh.api_key, timeout_seconds=args.request_timeout)
-            for run in range(1, args.runs + 1):
-                runs.append(one_run(args, target, mesh, run, count))
-        finally:
-            mesh.stop_all()
+    with sim_mesh(mesh_config(args), args.engines, "kvmesh-bench-batch-") as mesh:
+        target = Target(mesh.endpoints.public_http, MODEL, mesh.api_key, timeout_seconds=args.request_timeout)
+        for run in range(1, args.runs + 1):
+            runs.append(one_run(args, target, mesh, run, count))
     print(f"\n{args.engines} sim engines ({Path(args.profile).stem}, speed {args.speed_factor:g}, max_running "
           f"{args.max_running}, {args.total_blocks} blocks); P0: Poisson {args.p0_rate:g}/s for {args.seconds:g} s, "
           f"{args.groups} contexts x {args.context_tokens} tokens, max_tokens {args.p0_max_tokens}; batch lines: "

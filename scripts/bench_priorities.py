@@ -42,6 +42,8 @@ import math
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,20 @@ from services.engine.sim.profiles import apply_profile, load_profile
 from services.launcher.mesh import Mesh, MeshOptions, start_on_free_ports
 
 MODEL = "tiny-llama"
+
+
+@contextmanager
+def sim_mesh(config: MeshConfig, engines: int, prefix: str) -> Iterator[Mesh]:
+    """The benchmarks' mesh: `engines` sim engines serving MODEL on free
+    loopback ports, in a scratch run directory; stopped on the way out."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        print(f"starting a mesh: {engines} sim engines ...", file=sys.stderr, flush=True)
+        mesh = start_on_free_ports(config, MeshOptions(engines=engines, backend="sim", model=MODEL,
+                                                       free_ports=True, run_dir=Path(tmp)))
+        try:
+            yield mesh
+        finally:
+            mesh.stop_all()
 
 
 def mesh_config(args: argparse.Namespace) -> MeshConfig:
@@ -154,30 +170,23 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     count = token_counter(str(ROOT / ".models" / MODEL))
     runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="kvmesh-priorities-") as tmp:
-        config = mesh_config(args)
-        print(f"starting a mesh: {args.engines} sim engines ...", file=sys.stderr, flush=True)
-        mesh: Mesh = start_on_free_ports(config, MeshOptions(engines=args.engines, backend="sim", model=MODEL,
-                                                             free_ports=True, run_dir=Path(tmp)))
-        try:
-            target = Target(mesh.endpoints.public_http, MODEL, mesh.api_key, timeout_seconds=args.request_timeout)
-            scheduler = mesh.endpoints.scheduler
-            closed = ArrivalSpec(Arrival.CLOSED, concurrency=2 * lease_slots(mesh.config))
-            cap = measure("capacity (closed loop)", spec_of(args, "[capacity] ", args.capacity_requests), closed,
+    with sim_mesh(mesh_config(args), args.engines, "kvmesh-priorities-") as mesh:
+        target = Target(mesh.endpoints.public_http, MODEL, mesh.api_key, timeout_seconds=args.request_timeout)
+        scheduler = mesh.endpoints.scheduler
+        closed = ArrivalSpec(Arrival.CLOSED, concurrency=2 * lease_slots(mesh.config))
+        cap = measure("capacity (closed loop)", spec_of(args, "[capacity] ", args.capacity_requests), closed,
+                      target, count, scheduler)
+        capacity = cap["overall"]["requests_per_s"]
+        cap["load"] = f"closed loop, {closed.concurrency} in flight"
+        runs.append(cap)
+        for factor in args.overloads:
+            rate = factor * capacity
+            n = max(1, math.ceil(rate * args.seconds))
+            run = measure(f"{factor:g}x overload: Poisson {rate:.2f}/s, {n} requests",
+                          spec_of(args, f"[{factor:g}x] ", n), ArrivalSpec(Arrival.POISSON, rate=rate),
                           target, count, scheduler)
-            capacity = cap["overall"]["requests_per_s"]
-            cap["load"] = f"closed loop, {closed.concurrency} in flight"
-            runs.append(cap)
-            for factor in args.overloads:
-                rate = factor * capacity
-                n = max(1, math.ceil(rate * args.seconds))
-                run = measure(f"{factor:g}x overload: Poisson {rate:.2f}/s, {n} requests",
-                              spec_of(args, f"[{factor:g}x] ", n), ArrivalSpec(Arrival.POISSON, rate=rate),
-                              target, count, scheduler)
-                run["load"] = f"{factor:g}x ({rate:.2f}/s)"
-                runs.append(run)
-        finally:
-            mesh.stop_all()
+            run["load"] = f"{factor:g}x ({rate:.2f}/s)"
+            runs.append(run)
     print(f"\n{args.engines} sim engines ({Path(args.profile).stem}, speed {args.speed_factor:g}, max_running "
           f"{args.max_running}, {args.total_blocks} blocks); mixed_priority: {args.groups} groups x "
           f"{args.context_tokens}-token contexts, max_tokens {args.max_tokens}, mix {args.priority_mix}; "
