@@ -3,6 +3,7 @@
 # other routers and load generators, installed into their OWN venv
 # (.venv-peers) so they never touch kvmesh's .venv. Not part of `make test`.
 #
+#   smg==1.13.0                                SGLang's gateway (sglang-router's successor)
 #   sglang-router==0.3.2, vllm-router==0.1.17  routers over the same sim engines
 #   inference-perf==0.7.0                      a load generator nobody here wrote
 #
@@ -20,8 +21,9 @@ fi
 VENV=.venv-peers
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/pip" install --quiet --upgrade pip
-"$VENV/bin/pip" install --quiet 'sglang-router==0.3.2' 'vllm-router==0.1.17' 'inference-perf==0.7.0'
+"$VENV/bin/pip" install --quiet 'smg==1.13.0' 'sglang-router==0.3.2' 'vllm-router==0.1.17' 'inference-perf==0.7.0'
 "$VENV/bin/sglang-router" --help >/dev/null 2>&1 || "$VENV/bin/python" -m sglang_router.launch_router --help >/dev/null
 "$VENV/bin/vllm-router" --help >/dev/null
+"$VENV/bin/smg" --help >/dev/null
 "$VENV/bin/inference-perf" --help >/dev/null
 echo "setup_peers: done ($VENV)"
