@@ -19,12 +19,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.bench.workloads import (
+    CACHE_PRESSURE_RATE,
     Arrival,
     ArrivalSpec,
     TokenCounter,
     WorkloadKind,
     WorkloadSpec,
     build_workload,
+    spec_for,
 )
 
 if TYPE_CHECKING:  # aiohttp and the rest load only when a benchmark runs (kvmesh --help stays fast)
@@ -80,16 +82,21 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--workload", choices=[k.value for k in WorkloadKind], default="shared_prefix")
     p.add_argument("--requests", type=int, default=100, help="conversations (requests for one-turn kinds)")
     p.add_argument("--arrival", choices=[a.value for a in Arrival], default="poisson")
-    p.add_argument("--rate", type=float, default=8.0, help="open loop: conversations per second")
+    p.add_argument("--rate", type=float, help=f"open loop: conversations per second (default 8; "
+                   f"cache_pressure {CACHE_PRESSURE_RATE:g})")
     p.add_argument("--gamma-shape", type=float, default=1.0, help="gamma arrivals: shape (CV = 1/sqrt)")
     p.add_argument("--concurrency", type=int, default=8, help="closed loop: conversations in flight")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--groups", type=int, default=8)
-    p.add_argument("--context-tokens", type=int, default=1500)
-    p.add_argument("--question-words", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--think-seconds", type=float, default=0.0)
+    # Unset = the workload's own default (services/bench/workloads.py: 8 groups x 1500 tokens, 16 words,
+    # 16 tokens, 4 turns, 0 s; cache_pressure: 64 x 3000 +- 1/3, 24 words, 32 tokens, 3 turns, 1 s).
+    p.add_argument("--groups", type=int)
+    p.add_argument("--context-tokens", type=int)
+    p.add_argument("--context-spread", type=float, help="cache_pressure: context lengths tokens x (1 +- spread)")
+    p.add_argument("--zipf", type=float, help="cache_pressure: group k drawn with weight k**-zipf (0.8)")
+    p.add_argument("--question-words", type=int)
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--turns", type=int)
+    p.add_argument("--think-seconds", type=float)
     p.add_argument("--long-fraction", type=float, default=0.3)
     p.add_argument("--long-max-tokens", type=int, default=512)
     p.add_argument("--priority-mix", default="0.2,0.3,0.5", help="P0,P1,P2 fractions (mixed_priority)")
@@ -124,13 +131,15 @@ async def _main(ns: argparse.Namespace) -> int:
 
     mix = tuple(float(x) for x in ns.priority_mix.split(","))
     try:
-        spec = WorkloadSpec(
-            kind=WorkloadKind(ns.workload), conversations=ns.requests, seed=ns.seed, groups=ns.groups,
-            context_tokens=ns.context_tokens, question_words=ns.question_words, max_tokens=ns.max_tokens,
-            turns=ns.turns, think_seconds=ns.think_seconds, long_fraction=ns.long_fraction,
-            long_max_tokens=ns.long_max_tokens, priority_mix=mix,
+        kind = WorkloadKind(ns.workload)
+        spec = spec_for(
+            kind, ns.requests, seed=ns.seed, groups=ns.groups, context_tokens=ns.context_tokens,
+            context_spread=ns.context_spread, zipf=ns.zipf, question_words=ns.question_words,
+            max_tokens=ns.max_tokens, turns=ns.turns, think_seconds=ns.think_seconds,
+            long_fraction=ns.long_fraction, long_max_tokens=ns.long_max_tokens, priority_mix=mix,
         )
-        arrival = ArrivalSpec(Arrival(ns.arrival), ns.rate, ns.gamma_shape, ns.concurrency)
+        rate = ns.rate if ns.rate is not None else CACHE_PRESSURE_RATE if kind is WorkloadKind.CACHE_PRESSURE else 8.0
+        arrival = ArrivalSpec(Arrival(ns.arrival), rate, ns.gamma_shape, ns.concurrency)
     except ValueError as exc:
         print(f"kvmesh bench: {exc}", file=sys.stderr)
         return 2
@@ -143,7 +152,7 @@ async def _main(ns: argparse.Namespace) -> int:
     run, summary = await bench(spec, arrival, target, token_counter(ns.tokenizer), show_progress=not ns.quiet,
                                scheduler=ns.scheduler)
     print(format_summary(summary))
-    meta = {"url": ns.url, "model": model, "workload": ns.workload, "arrival": ns.arrival, "rate": ns.rate,
+    meta = {"url": ns.url, "model": model, "workload": ns.workload, "arrival": ns.arrival, "rate": arrival.rate,
             "concurrency": ns.concurrency, "seed": ns.seed, "requests": ns.requests}
     if ns.json:
         write_json(Path(ns.json), meta, summary, run.results)
