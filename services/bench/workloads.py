@@ -251,7 +251,10 @@ def _pressure_workload(
     """CACHE_PRESSURE: contexts of varied length, Zipf group popularity, growing sessions."""
     lo = max(1, round(spec.context_tokens * (1 - spec.context_spread)))
     hi = max(lo, round(spec.context_tokens * (1 + spec.context_spread)))
-    contexts = [_long_context(rng, g, rng.randint(lo, hi), spec.salt, count) for g in range(spec.groups)]
+    # The contexts come from their own stream: the same for any number of
+    # sessions and any arrivals (a warm-up run of fewer sessions warms them).
+    ctx_rng = random.Random(f"contexts {spec.seed}")
+    contexts = [_long_context(ctx_rng, g, ctx_rng.randint(lo, hi), spec.salt, count) for g in range(spec.groups)]
     cum = list(itertools.accumulate(zipf_weights(spec.groups, spec.zipf)))
     out = []
     for i, at in enumerate(offsets):

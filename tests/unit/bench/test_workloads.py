@@ -121,3 +121,11 @@ def test_cache_pressure_sessions_grow_over_distinct_turns() -> None:
     assert len(set(users)) == len(users) and all(t.max_tokens == 32 for c in convs for t in c.turns)
     with pytest.raises(ValueError):
         WorkloadSpec(WorkloadKind.CACHE_PRESSURE, 5, zipf=-1.0)
+
+
+def test_cache_pressure_contexts_do_not_depend_on_sessions_or_arrivals() -> None:
+    spec = spec_for(WorkloadKind.CACHE_PRESSURE, 30, groups=3, context_tokens=40)
+    few = build_workload(spec_for(WorkloadKind.CACHE_PRESSURE, 5, groups=3, context_tokens=40),
+                         ArrivalSpec(Arrival.GAMMA, rate=1.0, gamma_shape=0.3))
+    many = build_workload(spec, ArrivalSpec(rate=9.0))
+    assert {c.group: c.system for c in few}.items() <= {c.group: c.system for c in many}.items()
