@@ -6,7 +6,12 @@ prefix hit rate and rejections, overall and per priority class.
         --requests 200 --arrival poisson --rate 8 --tokenizer .models/tiny-llama \
         --json out.json --chart out.png
 
-`bench(...)` is the same run for scripts (scripts/bench_peers.py).
+    kvmesh bench --workload cache_pressure --requests 150 --tokenizer .models/tiny-llama \
+        --floor-profile config/sim-profiles/llama3-8b-a100.yaml --floor-engines 8 --floor-speed-factor 4
+
+prints the run and its floor (services/bench/floor.py: the same requests on
+ideal sim engines of that profile). `bench(...)` is the same run for scripts
+(scripts/bench_peers.py).
 """
 
 from __future__ import annotations
@@ -104,6 +109,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="model dir with tokenizer.json: exact context lengths")
     p.add_argument("--scheduler", metavar="HOST:PORT",
                    help="a kvmesh scheduler's gRPC address (plaintext): report its per-class preemptions")
+    p.add_argument("--floor-profile", metavar="YAML",
+                   help="also report the floor: the run replayed on ideal sim engines of this profile "
+                        "(services/bench/floor.py; needs --tokenizer)")
+    p.add_argument("--floor-engines", type=int, default=8, help="engines of the floor's fleet")
+    p.add_argument("--floor-speed-factor", type=float,
+                   help="the floor's sim speed factor (default: the profile's; bench_peers runs 4)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", help="write results JSON here")
     p.add_argument("--chart", help="write a PNG chart here")
@@ -143,6 +154,9 @@ async def _main(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvmesh bench: {exc}", file=sys.stderr)
         return 2
+    if ns.floor_profile and not ns.tokenizer:
+        print("kvmesh bench: --floor-profile needs --tokenizer (the model dir: exact prompt tokens)", file=sys.stderr)
+        return 2
     model = ns.model
     if not model:
         async with aiohttp.ClientSession() as s:
@@ -152,6 +166,10 @@ async def _main(ns: argparse.Namespace) -> int:
     run, summary = await bench(spec, arrival, target, token_counter(ns.tokenizer), show_progress=not ns.quiet,
                                scheduler=ns.scheduler)
     print(format_summary(summary))
+    if ns.floor_profile:
+        summary["floor"] = _floor(ns, run)
+        print(f"floor ({ns.floor_engines} x {Path(ns.floor_profile).stem}):\n"
+              + format_summary({"overall": summary["floor"], "classes": {}}))
     meta = {"url": ns.url, "model": model, "workload": ns.workload, "arrival": ns.arrival, "rate": arrival.rate,
             "concurrency": ns.concurrency, "seed": ns.seed, "requests": ns.requests}
     if ns.json:
@@ -160,6 +178,17 @@ async def _main(ns: argparse.Namespace) -> int:
         title = f"{ns.workload} @ {ns.url} ({ns.arrival}, seed {ns.seed})"
         write_chart(Path(ns.chart), run.results, summary, title)
     return 0 if summary["overall"]["ok"] else 1
+
+
+def _floor(ns: argparse.Namespace, run: RunResult) -> dict[str, Any]:
+    """The run's floor (services/bench/floor.py) on --floor-engines engines of --floor-profile."""
+    from services.bench.floor import floor_summary
+    from services.common.config import MeshConfig
+    from services.engine.sim.profiles import apply_profile, load_profile
+
+    config = MeshConfig()
+    apply_profile(config, load_profile(ns.floor_profile), speed_factor=ns.floor_speed_factor)
+    return floor_summary(run.results, config.engines.template, ns.floor_engines, Path(ns.tokenizer))
 
 
 def _cmd_bench(ns: argparse.Namespace) -> None:

@@ -157,3 +157,25 @@ async def test_cli_runs_cache_pressure_with_its_own_defaults(fake, tmp_path: Pat
     assert {len(b["messages"]) for b in server.bodies} == {2, 4, 6}
     assert all(b["messages"][0]["content"].startswith("Group ") for b in server.bodies)
     assert json.loads((tmp_path / "p.json").read_text())["meta"]["rate"] == 100.0
+
+
+async def test_cli_prints_and_saves_the_floor_when_asked(fake, tmp_path: Path, capsys) -> None:
+    import argparse
+
+    from services.bench.cli import _main, add_parser
+
+    _server, url = fake
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    root = Path(__file__).resolve().parents[3]
+    base = ["bench", "--url", url, "--model", "m", "--workload", "cache_pressure", "--requests", "3", "--groups",
+            "1", "--context-tokens", "300", "--think-seconds", "0", "--rate", "50", "--max-tokens", "2", "--quiet",
+            "--floor-profile", str(root / "config" / "sim-profiles" / "llama3-8b-a100.yaml"), "--floor-engines", "2"]
+    assert await _main(parser.parse_args(base)) == 2  # the floor needs the tokenizer
+    ns = parser.parse_args([*base, "--tokenizer", str(root / ".models" / "tiny-llama"),
+                            "--json", str(tmp_path / "f.json")])
+    assert await _main(ns) == 0
+    out = capsys.readouterr().out
+    assert "floor (2 x llama3-8b-a100)" in out and out.count("| all | 9/9 |") == 2
+    floor = json.loads((tmp_path / "f.json").read_text())["summary"]["floor"]
+    assert floor["requests"] == 9 and sum(floor["per_engine"]) == 9 and floor["prefix_hit_rate"] > 0.5
