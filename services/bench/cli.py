@@ -93,7 +93,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=8, help="closed loop: conversations in flight")
     p.add_argument("--seed", type=int, default=1)
     # Unset = the workload's own default (services/bench/workloads.py: 8 groups x 1500 tokens, 16 words,
-    # 16 tokens, 4 turns, 0 s; cache_pressure: 64 x 3000 +- 1/3, 24 words, 32 tokens, 3 turns, 1 s).
+    # 16 tokens, 4 turns, 0 s; cache_pressure: 64 x 3000 +- 1/3, 24 words, 32 tokens, 4 turns, 1 s).
     p.add_argument("--groups", type=int)
     p.add_argument("--context-tokens", type=int)
     p.add_argument("--context-spread", type=float, help="cache_pressure: context lengths tokens x (1 +- spread)")

@@ -153,8 +153,8 @@ async def test_cli_runs_cache_pressure_with_its_own_defaults(fake, tmp_path: Pat
                             "4", "--groups", "2", "--context-tokens", "40", "--think-seconds", "0", "--rate",
                             "100", "--max-tokens", "2", "--quiet", "--json", str(tmp_path / "p.json")])
     assert await _main(ns) == 0
-    assert "| all | 12/12 |" in capsys.readouterr().out  # 4 sessions x the default 3 turns
-    assert {len(b["messages"]) for b in server.bodies} == {2, 4, 6}
+    assert "| all | 16/16 |" in capsys.readouterr().out  # 4 sessions x the default 4 turns
+    assert {len(b["messages"]) for b in server.bodies} == {2, 4, 6, 8}
     assert all(b["messages"][0]["content"].startswith("Group ") for b in server.bodies)
     assert json.loads((tmp_path / "p.json").read_text())["meta"]["rate"] == 100.0
 
@@ -176,6 +176,6 @@ async def test_cli_prints_and_saves_the_floor_when_asked(fake, tmp_path: Path, c
                             "--json", str(tmp_path / "f.json")])
     assert await _main(ns) == 0
     out = capsys.readouterr().out
-    assert "floor (2 x llama3-8b-a100)" in out and out.count("| all | 9/9 |") == 2
+    assert "floor (2 x llama3-8b-a100)" in out and out.count("| all | 12/12 |") == 2
     floor = json.loads((tmp_path / "f.json").read_text())["summary"]["floor"]
-    assert floor["requests"] == 9 and sum(floor["per_engine"]) == 9 and floor["prefix_hit_rate"] > 0.5
+    assert floor["requests"] == 12 and sum(floor["per_engine"]) == 12 and floor["prefix_hit_rate"] > 0.5

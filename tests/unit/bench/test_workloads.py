@@ -92,7 +92,7 @@ def test_invalid_specs_are_refused() -> None:
 
 def test_cache_pressure_defaults_are_the_benchmark_shape_and_overrides_win() -> None:
     spec = spec_for(WorkloadKind.CACHE_PRESSURE, 10)
-    assert (spec.groups, spec.context_tokens, spec.turns, spec.max_tokens, spec.zipf) == (64, 3000, 3, 32, 0.8)
+    assert (spec.groups, spec.context_tokens, spec.turns, spec.max_tokens, spec.zipf) == (64, 3000, 4, 32, 0.8)
     # Distinct context total: several times one engine's KV (640 x 16 = 10,240) and past the fleet's 81,920.
     assert spec.groups * spec.context_tokens > 2 * 8 * 640 * 16
     tuned = spec_for(WorkloadKind.CACHE_PRESSURE, 10, groups=5, zipf=None, seed=3)
