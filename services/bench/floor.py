@@ -5,7 +5,8 @@ to the physical limit, not only to other routers.
 `floor_summary(results, engine, engines, tokenizer_dir)` takes every request
 the run sent (`RequestResult.messages`, its start offset, its output length)
 and replays it in virtual time -- a discrete-event simulation, nothing sleeps;
-~10k requests in seconds -- through `services/engine/sim/cost_model.py`'s
+3,000 requests of 3k tokens on 8 engines in 0.5 s here, 1.8 s at 4x overload
+-- through `services/engine/sim/cost_model.py`'s
 `step_seconds` with the engine's `SimCostConfig`, chunk budget, batch cap
 (`max_running`) and block size, on `engines` identical engines. The result has
 the shape of `stats.summarize(...)["overall"]` plus `per_engine`.
