@@ -52,12 +52,14 @@ sticky_until_saturated, 150 sessions per rate after a 40-session warm-up of
 the same contexts; TTFT p50/p90/p99, requests/s done, prefix hit rate):
   2.0 sessions/s ( 8 req/s):  99 /  874 / 1764 ms,  7.8 req/s, 85.9%
   2.5 sessions/s (10 req/s): 111 / 1029 / 2608 ms,  9.1 req/s, 82.3%
+  2.5 again:                 112 /  955 / 2516 ms,  9.2 req/s, 83.1%
   3.0 sessions/s (12 req/s): 128 / 1480 / 3053 ms, 10.5 req/s, 77.7%
-With 3 turns, 5 sessions/s (15 req/s) was past capacity (9.7 req/s done, p50
-1.0 s, hits down to 53%: spilled requests evict the hot contexts) and 7/s
-collapsed (8.1 req/s, 39%). Hits fall as load rises: the fleet's capacity on
-this workload is ~12-13 requests/s for this router, so 2.5 sessions/s is near
-(~80%) but under it. The floor of the 2.5/s run (services/bench/floor.py):
+  3.5 sessions/s (14 req/s): 895 / 3344 / 6646 ms, 10.3 req/s, 59.3%
+  4.5 sessions/s (18 req/s): 2492 / 8839 / 13929 ms, 9.1 req/s, 42.9%
+Hits fall as load rises (spilled requests evict the hot contexts), and past
+~10.5 requests/s done throughput falls with them: that is the fleet's
+capacity on this workload for this router, so 2.5 sessions/s (10 req/s) is
+near (~85-95%) but under it. The floor of the 2.5/s run (services/bench/floor.py):
 55 / 75 / 984 ms at 93.5% hits (unbounded KV), 55 / 77 / 984 ms at 92.5%
 (the fleet's own KV pooled, clairvoyant eviction).
 
@@ -113,7 +115,7 @@ _PRESSURE_DEFAULTS = MappingProxyType({
     "turns": 4, "question_words": 24, "max_tokens": 32, "think_seconds": 1.0,
 })
 # Sessions per second recommended for the cache-pressure benchmark (x 4 turns = 10 requests/s):
-# ~80% of the fleet's capacity under kvmesh's default policy (module docstring, "Capacity").
+# ~85-95% of the fleet's capacity (~10.5 req/s) under kvmesh's default policy (module docstring, "Capacity").
 CACHE_PRESSURE_RATE = 2.5
 
 
