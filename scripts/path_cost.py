@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--rate", type=float, default=14.0)
     p.add_argument("--strace", default="", help="child name to attach strace -c -f to (e.g. gateway-0)")
+    p.add_argument("--pyspy", nargs="*", default=[], help="child names to sample with py-spy (collapsed stacks)")
+    p.add_argument("--pyspy-bin", default="py-spy")
     args = p.parse_args(argv)
     peers_args = argparse.Namespace(
         profile=str(ROOT / "config" / "sim-profiles" / "llama3-8b-a100.yaml"), speed_factor=4.0,
@@ -124,10 +126,16 @@ def main(argv: list[str] | None = None) -> int:
                 pid = mesh.pid(args.strace)
                 out = f"/tmp/strace-{args.strace}.txt"
                 tracer = subprocess.Popen(["strace", "-c", "-f", "-p", str(pid), "-o", out])
+            spies = [subprocess.Popen([args.pyspy_bin, "record", "--nonblocking", "-r", "200", "-f", "raw",
+                                       "-o", f"/tmp/pyspy-{name}.txt", "-p", str(mesh.pid(name))],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for name in args.pyspy]
             before = sample(groups)
             summary: dict[str, Any] = bp.run_one("kvmesh:sticky_until_saturated", spec, arrival, target, count,
                                                  mesh, warm=False)
             after = sample(groups)
+            for spy in spies:
+                spy.send_signal(signal.SIGINT)
+                spy.wait()
             if tracer is not None:
                 tracer.send_signal(signal.SIGINT)
                 tracer.wait()
