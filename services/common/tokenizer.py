@@ -171,6 +171,11 @@ class HfTokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
+    @property
+    def raw(self) -> Tokenizer:
+        """The `tokenizers.Tokenizer` itself (its added tokens, plain encodes)."""
+        return self._tokenizer
+
     def render_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
                     tool_format: str = "hermes", add_generation_prompt: bool = True) -> str:
         """The chat as prompt text, ending with the assistant's turn opened

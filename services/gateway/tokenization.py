@@ -23,6 +23,7 @@ from services.common.config import ConfigError, ModelConfig
 from services.common.prefix_hash import block_hashes
 from services.common.tokenizer import HfTokenizer, context_length
 from services.gateway.errors import ErrorKind, GatewayError
+from services.gateway.prefix_tokens import CachedPrefix, PrefixTokenCache, SplitPrompt, joined_hashes
 
 __all__ = ["INLINE_CHARS", "ModelTokenizer", "TokenizedPrompt", "TokenizerRegistry"]
 
@@ -60,6 +61,8 @@ class ModelTokenizer:
                 f"models[{name}].max_model_len: not set and {model_dir}/config.json has no max_position_embeddings"
             )
         self.vocab_size = self._hf.vocab_size
+        # Long system prompts' ids, reused (prefix_tokens.py; the loop's thread only).
+        self.prefixes = PrefixTokenCache(self._hf.raw)
 
     @property
     def has_chat_template(self) -> bool:
@@ -97,7 +100,40 @@ class ModelTokenizer:
         size = sum(len(m.get("content") or "") for m in messages) + (len(str(tools)) if tools else 0)
         if size < INLINE_CHARS:
             return self._chat_sync(messages, hash_block_tokens, tools, tool_format)
-        return await asyncio.to_thread(self._chat_sync, messages, hash_block_tokens, tools, tool_format)
+        # Rendering is ~16 us even at 8k chars (measured); tokenizing is the cost.
+        text = self._hf.render_chat(messages, tools, tool_format)
+        split = self.prefixes.split(text, messages)
+        if split is not None:
+            found = await self._from_prefix(split, hash_block_tokens)
+            if found is not None:
+                return found
+        prompt, entry = await asyncio.to_thread(self._whole_sync, text, split, hash_block_tokens)
+        if split is not None:
+            self.prefixes.store(split, entry)
+        return prompt
+
+    async def _from_prefix(self, split: SplitPrompt, hash_block_tokens: int) -> TokenizedPrompt | None:
+        """The prompt from its cached prefix + the rest tokenized (inline
+        when short: a question after a system prompt takes ~0.05 ms)."""
+        entry = self.prefixes.lookup(split, hash_block_tokens)
+        if entry is None:
+            return None
+        if len(split.rest) < INLINE_CHARS:
+            rest = self.prefixes.encode_rest(split)
+        else:
+            rest = await asyncio.to_thread(self.prefixes.encode_rest, split)
+        if rest is None:
+            return None
+        ids = entry.token_ids + rest
+        return TokenizedPrompt(ids, joined_hashes(entry, ids), split.text)
+
+    def _whole_sync(self, text: str, split: SplitPrompt | None,
+                    hash_block_tokens: int) -> tuple[TokenizedPrompt, CachedPrefix | None]:
+        """The whole prompt tokenized (a worker thread), and the entry for
+        its prefix when the split encoding gives the same ids."""
+        ids = self._hf.encode(text, add_special_tokens=False)
+        entry = None if split is None else self.prefixes.split_encode(split, ids, hash_block_tokens)
+        return TokenizedPrompt(ids, block_hashes(ids, hash_block_tokens), text), entry
 
     async def tokenize_text(self, prompt: str, hash_block_tokens: int) -> TokenizedPrompt:
         if len(prompt) < INLINE_CHARS:

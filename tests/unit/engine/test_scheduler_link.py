@@ -208,3 +208,24 @@ async def test_a_fence_ends_the_named_generations_and_counts_them(mesh) -> None:
     assert svc.runtime.live_count == 0 and svc.backend.load().blocks_used == 0
     assert svc.link is not None and svc.link.fencer.fenced == 1
     assert b'kvmesh_engine_fenced_total{engine="engine-0"} 1.0' in svc.metrics.exposition()
+
+
+async def test_unchanged_loads_go_out_only_as_heartbeats_and_changes_at_once(mesh) -> None:
+    svc, fake, _ = mesh
+    link = svc.link
+    assert link is not None and link.heartbeat == 0.5  # stale_report_seconds 2.0 / 4 (> the 0.05 s interval)
+    loop = asyncio.get_running_loop()
+    first = (await fake.next("load")).load
+    sent_at = loop.time()
+    second = (await fake.next("load")).load
+    # Idle: every 0.05 s report in between repeated the first, and was left out.
+    assert second == first and link.reports_skipped >= 3
+    assert loop.time() - sent_at >= link.heartbeat / 2
+    task = asyncio.create_task(generate(svc, "long", prompt_of(8, start=900), 4000))
+    try:
+        async with asyncio.timeout(5):
+            while "long" not in (await fake.next("load")).load.request_ids:
+                pass
+    finally:
+        await svc.runtime.abort("long")
+        await task

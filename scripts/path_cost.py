@@ -1,0 +1,163 @@
+"""Wake-ups per request on each process of the kvmesh path, under the load of
+BENCHMARKS.md's router comparison (the all-fits workload).
+
+    flock /work/wt/bench19.lock .venv/bin/python scripts/path_cost.py [--requests 300] [--strace gateway]
+
+One mesh of 8 sim engines built exactly as `scripts/bench_peers.py` builds it
+(its own functions), the default policy, the warm-up, then the measured run.
+Around the measured run it reads, for Envoy, the gateway, the scheduler and
+the engines (summed), every thread's voluntary and involuntary context
+switches (/proc/PID/task/*/status) and the process's CPU time
+(/proc/PID/stat), and prints each per request. `--strace NAME` also attaches
+`strace -c -f` to that child for the measured run (it slows the child: read
+its syscall counts, not the TTFT of that run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_peers as bp
+
+from services.bench.runner import Target
+from services.bench.workloads import Arrival, ArrivalSpec
+from services.common.affinity import descendants
+from services.launcher.mesh import Mesh, MeshOptions
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Sample:
+    voluntary: int = 0
+    involuntary: int = 0
+    cpu_s: float = 0.0
+    threads: int = 0
+    by_thread: dict[str, int] = field(default_factory=dict)  # comm -> voluntary switches
+
+
+def _read(pid: int) -> Sample:
+    s = Sample()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            comm = (task / "comm").read_text().strip()
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches"):
+                    s.voluntary += int(line.split()[1])
+                    s.by_thread[comm] = s.by_thread.get(comm, 0) + int(line.split()[1])
+                elif line.startswith("nonvoluntary_ctxt_switches"):
+                    s.involuntary += int(line.split()[1])
+            s.threads += 1
+        except FileNotFoundError:
+            continue
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    s.cpu_s = (int(fields[11]) + int(fields[12])) / _TICK
+    return s
+
+
+def _groups(mesh: Mesh) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for name in mesh.names:
+        pid = mesh.pid(name)
+        if pid is None:
+            continue
+        key = "engines" if name.startswith("engine") else name
+        out.setdefault(key, []).extend([pid, *descendants(pid)])
+    return out
+
+
+def sample(groups: dict[str, list[int]]) -> dict[str, Sample]:
+    out: dict[str, Sample] = {}
+    for key, pids in groups.items():
+        total = Sample()
+        for pid in pids:
+            try:
+                s = _read(pid)
+            except FileNotFoundError:
+                continue
+            total.voluntary += s.voluntary
+            total.involuntary += s.involuntary
+            total.cpu_s += s.cpu_s
+            total.threads += s.threads
+            for comm, n in s.by_thread.items():
+                total.by_thread[comm] = total.by_thread.get(comm, 0) + n
+        out[key] = total
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--rate", type=float, default=14.0)
+    p.add_argument("--strace", default="", help="child name to attach strace -c -f to (e.g. gateway-0)")
+    p.add_argument("--pyspy", nargs="*", default=[], help="child names to sample with py-spy (collapsed stacks)")
+    p.add_argument("--pyspy-bin", default="py-spy")
+    args = p.parse_args(argv)
+    peers_args = argparse.Namespace(
+        profile=str(ROOT / "config" / "sim-profiles" / "llama3-8b-a100.yaml"), speed_factor=4.0,
+        total_blocks=640, max_running=0, max_model_len=16384, requests=args.requests, seed=1, groups=16,
+        context_tokens=2000, max_tokens=16)
+    count = bp.token_counter(str(ROOT / ".models" / bp.MODEL))
+    arrival = ArrivalSpec(Arrival.POISSON, rate=args.rate)
+    with tempfile.TemporaryDirectory(prefix="kvmesh-pathcost-") as tmp:
+        mesh = Mesh(bp.mesh_config(peers_args), MeshOptions(engines=8, backend="sim", model=bp.MODEL,
+                                                           free_ports=True, run_dir=Path(tmp)))
+        mesh.start()
+        try:
+            print("children:", mesh.names, file=sys.stderr)
+            target = Target(mesh.endpoints.public_http, bp.MODEL, mesh.api_key)
+            spec = bp.workload(peers_args, "[path] ")
+            bp.warm_up(spec, arrival, target, count)
+            groups = _groups(mesh)
+            tracer: subprocess.Popen[bytes] | None = None
+            if args.strace:
+                pid = mesh.pid(args.strace)
+                out = f"/tmp/strace-{args.strace}.txt"
+                tracer = subprocess.Popen(["strace", "-c", "-f", "-p", str(pid), "-o", out])
+            spies = [subprocess.Popen([args.pyspy_bin, "record", "--nonblocking", "-r", "200", "-f", "raw",
+                                       "-o", f"/tmp/pyspy-{name}.txt", "-p", str(mesh.pid(name))],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for name in args.pyspy]
+            before = sample(groups)
+            summary: dict[str, Any] = bp.run_one("kvmesh:sticky_until_saturated", spec, arrival, target, count,
+                                                 mesh, warm=False)
+            after = sample(groups)
+            for spy in spies:
+                spy.send_signal(signal.SIGINT)
+                spy.wait()
+            if tracer is not None:
+                tracer.send_signal(signal.SIGINT)
+                tracer.wait()
+                print(Path(f"/tmp/strace-{args.strace}.txt").read_text())
+        finally:
+            mesh.stop_all()
+    n = summary["overall"]["ok"]
+    o = summary["overall"]["ttft_s"]
+    print(f"\n{n} requests; TTFT p50/p90/p99 ms {o['p50']*1000:.0f}/{o['p90']*1000:.0f}/{o['p99']*1000:.0f}")
+    print("| process | threads | voluntary cs / req | involuntary cs / req | CPU ms / req |")
+    print("|---|---:|---:|---:|---:|")
+    for key in sorted(after):
+        a, b = after[key], before[key]
+        print(f"| {key} | {a.threads} | {(a.voluntary - b.voluntary) / n:.1f} | "
+              f"{(a.involuntary - b.involuntary) / n:.1f} | {(a.cpu_s - b.cpu_s) * 1000 / n:.2f} |")
+    print("\nvoluntary switches per request by thread name:")
+    for key in sorted(after):
+        a, b = after[key], before[key]
+        per = {c: (v - b.by_thread.get(c, 0)) / n for c, v in a.by_thread.items()}
+        print(f"  {key}: " + ", ".join(f"{c} {v:.1f}" for c, v in sorted(per.items(), key=lambda x: -x[1]) if v >= 0.5))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
