@@ -45,24 +45,28 @@ warm-up, one table each:
 
 Every run sees the same arrivals, groups and questions as the other runs of
 its workload; only a per-run salt at the head of each shared context differs,
-so no run inherits another's cache. Warm-up, unmeasured, before each run:
-all_fits -- the first request of each group at its own arrival time (open
-loop, like the run; a sequential warm-up is unfair to sglang-router, which
-then sends every new prefix to one idle worker, BENCHMARKS.md); cache_pressure
--- the first turn of each group's first session, in order of first appearance,
-one every 1/--pressure-rate s (every router has seen every group once and the
-engines' caches are full, as in a long-running deployment; the caches cannot
-hold them all, which is the point of the workload).
+so no run inherits another's cache. Warm-up, unmeasured, before each run, with
+the run's salt: all_fits -- the first request of each group at its own arrival
+time (open loop, like the run; a sequential warm-up is unfair to sglang-router,
+which then sends every new prefix to one idle worker, BENCHMARKS.md);
+cache_pressure -- a shorter run of the same traffic, --pressure-warm sessions
+(the same contexts: the workload draws them from their own seeded stream), so
+the caches hold what this traffic keeps warm, as in a deployment that has been
+running.
 
-Each table has a floor row: services/bench/floor.py's replay of the default
-policy's run (its arrivals, prompts and max_tokens) by the sim's cost model
-with every prefix cached where it could be and no queueing beyond the fleet's
-capacity; "x floor" is each run's p90 over the floor's p90 (floors of the
-other runs differ only by their salts' tokens; `floor_per_run` in the JSON has
-each run's own when --floor-per-run). Then the default policy (the one
-config/kvmesh.yaml names, or --default-policy) against the best peer: the
-peers' best p90 / kvmesh's p90 (> 1 = kvmesh better), same at p99, and
-throughput.
+Floor (services/bench/floor.py, helper "pressure"): each run's own requests
+(arrivals, the exact chats sent, output lengths; its warm-up's prompts cached
+from the start) replayed in virtual time by the sim's cost model on an ideal
+fleet -- every prefix cached where it could be, oracle placement, no path
+cost. Every run gets its own floor (a replay costs ~0.5 s per 3,000 requests
+plus tokenizing them, between measured runs; in the JSON as run["floor"]);
+"x floor at p90" is the run's p90 over its own floor's p90; the floor row
+shows the default policy's run's floor (the first target's if the default is
+not among the targets; the runs' floors differ only by their salts' tokens).
+Under each table, the default policy (config/kvmesh.yaml's scheduler.policy,
+or --default-policy) against the best peer: the best peer p90 / kvmesh's p90
+(> 1 = kvmesh better), the same at p99 (the peer best there), and req/s over
+the best peer's.
 Then, optionally (--priority-rate), kvmesh's default policy under overload
 with mixed priorities (X-Priority P0/P1/P2), to show P0 TTFT and aging.
 
@@ -97,18 +101,21 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.bench import workloads as wl
 from services.bench.cli import bench, token_counter
+from services.bench.floor import floor_summary
 from services.bench.report import format_summary
 from services.bench.runner import Target, run_workload
 from services.bench.stats import RequestResult
 from services.bench.workloads import (
+    CACHE_PRESSURE_RATE,
     Arrival,
     ArrivalSpec,
     Conversation,
+    TokenCounter,
     WorkloadKind,
     WorkloadSpec,
     build_workload,
+    spec_for,
 )
 from services.common.config import MeshConfig, load_config
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -142,7 +149,7 @@ def mesh_config(args: argparse.Namespace) -> MeshConfig:
         if model.name == MODEL:
             model.max_model_len = args.max_model_len
     config.engines.http_base_port = 1      # non-zero = on; the launcher picks free ports
-    config.scheduler.policy = args.default_policy
+    config.scheduler.policy = getattr(args, "default_policy", CONFIG_DEFAULT_POLICY)  # other scripts pass fewer args
     config.scheduler.metrics_port = 0
     config.gateway.metrics_port = 0
     config.gateway.max_generation_seconds = 600.0
@@ -269,6 +276,10 @@ class Peer:
 # ---------------------------------------------------------------- workloads
 
 
+# The conversations of a run's unmeasured warm-up, from the run's own spec and arrivals.
+WarmUp = Callable[[WorkloadSpec, ArrivalSpec, TokenCounter | None], list[Conversation]]
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """One workload of the run: its spec for a salt, its arrivals, its warm-up."""
@@ -276,26 +287,28 @@ class Workload:
     name: str
     spec: Callable[[str], WorkloadSpec]
     arrival: ArrivalSpec
-    warm: Callable[[list[Conversation]], list[Conversation]]
+    warm: WarmUp
     describe: str
 
 
-def firsts_at_own_time(conversations: list[Conversation]) -> list[Conversation]:
-    """The first conversation of each group, at its own arrival time."""
+def firsts_at_own_time(spec: WorkloadSpec, arrival: ArrivalSpec, count: TokenCounter | None) -> list[Conversation]:
+    """The first conversation of each group, at its own arrival time. Built
+    with the run's own arrival spec: the generator draws arrivals first, so
+    another spec would draw other contexts."""
     firsts: dict[int, Conversation] = {}
-    for conv in conversations:
+    for conv in build_workload(spec, arrival, count):
         firsts.setdefault(conv.group, conv)
     return list(firsts.values())
 
 
-def firsts_paced(rate: float) -> Callable[[list[Conversation]], list[Conversation]]:
-    """The first turn of each group's first session, in order of first
-    appearance, one every 1/rate s: with many groups (Zipf: the rare ones
-    first appear late in the run) waiting for each one's own time would
-    take as long as the run."""
-    def warm(conversations: list[Conversation]) -> list[Conversation]:
-        return [dataclasses.replace(c, at=k / rate, turns=c.turns[:1])
-                for k, c in enumerate(firsts_at_own_time(conversations))]
+def shorter_run(sessions: int) -> WarmUp:
+    """The workload's first `sessions` sessions' worth of the same traffic
+    (same contexts and salt, same rate; CACHE_PRESSURE draws its contexts
+    from their own seeded stream, so fewer sessions warm the same ones):
+    the caches then hold what this traffic keeps warm, the popular head
+    more than the tail, as in a deployment that has been running."""
+    def warm(spec: WorkloadSpec, arrival: ArrivalSpec, count: TokenCounter | None) -> list[Conversation]:
+        return build_workload(dataclasses.replace(spec, conversations=sessions), arrival, count)
     return warm
 
 
@@ -310,38 +323,42 @@ def all_fits(args: argparse.Namespace) -> Workload:
 
 
 def cache_pressure(args: argparse.Namespace) -> Workload:
-    kind = WorkloadKind("cache_pressure")  # helper "pressure"'s kind (services/bench/workloads.py)
-    rate = args.pressure_rate or getattr(wl, "CACHE_PRESSURE_RATE", 4.0)
-    spec_for = getattr(wl, "spec_for", None)
+    rate = args.pressure_rate or CACHE_PRESSURE_RATE
 
-    def spec(salt: str) -> WorkloadSpec:
-        if spec_for is not None:  # the kind's own benchmark shape
-            return spec_for(kind, args.pressure_requests, seed=args.seed, salt=salt)
-        return WorkloadSpec(kind, conversations=args.pressure_requests, seed=args.seed, salt=salt)
+    def spec(salt: str) -> WorkloadSpec:  # the kind's own benchmark shape (services/bench/workloads.py)
+        return spec_for(WorkloadKind.CACHE_PRESSURE, args.pressure_requests, seed=args.seed, salt=salt)
     s = spec("")
-    return Workload("cache_pressure", spec, ArrivalSpec(Arrival.POISSON, rate=rate), firsts_paced(rate),
-                    f"cache pressure: {s.groups} groups x ~{s.context_tokens} tokens, {args.pressure_requests} "
-                    f"sessions x {s.turns} turns, Poisson {rate:g}/s, max_tokens {s.max_tokens}")
+    return Workload("cache_pressure", spec, ArrivalSpec(Arrival.POISSON, rate=rate),
+                    shorter_run(args.pressure_warm),
+                    f"cache pressure: {s.groups} groups x {s.context_tokens} tokens +- {s.context_spread:.0%}, "
+                    f"Zipf {s.zipf:g}, {args.pressure_requests} sessions x {s.turns} turns (think "
+                    f"{s.think_seconds:g} s), Poisson {rate:g} sessions/s, max_tokens {s.max_tokens}, "
+                    f"warm-up {args.pressure_warm} sessions")
 
 
 # ---------------------------------------------------------------- runs
 
 
-def warm_up(workload: Workload, spec: WorkloadSpec, target: Target, count: Any) -> None:
-    """Unmeasured: the workload's warm-up requests (module docstring).
-    Built with the run's own arrival spec: the generator draws arrivals
-    first, so another spec would draw other contexts."""
-    convs = workload.warm(build_workload(spec, workload.arrival, count))
-    run = asyncio.run(run_workload(convs, workload.arrival, target))
+def warm_up(workload: Workload, spec: WorkloadSpec, target: Target,
+            count: TokenCounter | None) -> list[RequestResult]:
+    """Unmeasured: the workload's warm-up requests (module docstring)."""
+    run = asyncio.run(run_workload(workload.warm(spec, workload.arrival, count), workload.arrival, target))
     failed = [r.error for r in run.results if not r.ok]
     if failed:
         raise RuntimeError(f"warm-up failed: {failed[:3]}")
+    return run.results
 
 
-def run_one(label: str, workload: Workload, spec: WorkloadSpec, target: Target, count: Any,
-            mesh: Mesh, warm: bool = True) -> tuple[dict[str, Any], list[RequestResult]]:
-    if warm:
-        warm_up(workload, spec, target, count)
+@dataclasses.dataclass
+class Measured:
+    summary: dict[str, Any]
+    results: list[RequestResult]
+    warm: list[RequestResult]
+
+
+def run_one(label: str, workload: Workload, spec: WorkloadSpec, target: Target, count: TokenCounter | None,
+            mesh: Mesh) -> Measured:
+    warm = warm_up(workload, spec, target, count)
     before = engine_successes(mesh)
     run, summary = asyncio.run(bench(spec, workload.arrival, target, count, label=label))
     after = engine_successes(mesh)
@@ -354,17 +371,15 @@ def run_one(label: str, workload: Workload, spec: WorkloadSpec, target: Target, 
     summary["workload"] = workload.name
     print(f"\n{label} [{workload.name}]\n{format_summary(summary)}\nrequests per engine: {summary['per_engine']}",
           file=sys.stderr, flush=True)
-    return summary, run.results
+    return Measured(summary, run.results, warm)
 
 
-def floor_of(results: list[RequestResult], mesh: Mesh, engines: int) -> dict[str, Any] | None:
-    """services/bench/floor.py's floor of these requests (helper "pressure"),
-    or None while that module is missing."""
-    try:
-        from services.bench.floor import floor_summary  # type: ignore[import-not-found, unused-ignore]
-    except ImportError:
-        return None
-    return dict(floor_summary(results, mesh.config.engines.template, engines, MODEL_DIR))
+def floor_of(m: Measured, mesh: Mesh) -> dict[str, Any]:
+    """services/bench/floor.py's floor of this run's own requests (its
+    warm-up's prompts cached from the start, as on the real fleet); a
+    virtual-time replay, ~0.5 s per 3,000 requests plus their tokenization,
+    run between measured runs."""
+    return floor_summary(m.results, mesh.config.engines.template, mesh.config.engines.count, MODEL_DIR, m.warm)
 
 
 def _ms(block: dict[str, Any] | None, p: str) -> float | None:
@@ -378,24 +393,26 @@ def _cell(v: float | None, fmt: str = "{:.0f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
-def table(rows: list[dict[str, Any]], floor: dict[str, Any] | None, floor_label: str) -> str:
+def table(rows: list[dict[str, Any]], floor_from: str) -> str:
+    """One row per run (its "x floor" against its own requests' floor), then
+    the floor row of `floor_from`'s run."""
     head = ["router / policy", "ok", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "req/s", "out tok/s",
             "prefix hit rate", "requests per engine", "x floor at p90"]
     out = [head, ["---"] * len(head)]
-    floor_p90 = _ms(floor, "p90")
     for s in rows:
-        o = s["overall"]
-        p90 = _ms(o, "p90")
+        o, p90, floor_p90 = s["overall"], _ms(s["overall"], "p90"), _ms(s["floor"], "p90")
         x = None if p90 is None or not floor_p90 else p90 / floor_p90
         out.append([s["label"], f"{o['ok']}/{o['requests']}", _cell(_ms(o, "p50")), _cell(p90),
                     _cell(_ms(o, "p99")), f"{o['requests_per_s']:.2f}", f"{o['output_tokens_per_s']:.0f}",
                     _cell(o["prefix_hit_rate"], "{:.1%}"), "/".join(str(n) for n in s["per_engine"]),
                     _cell(x, "{:.2f}x")])
+    floor = next((s["floor"] for s in rows if s["label"] == floor_from), None)
     if floor is not None:
-        out.append([f"floor ({floor_label})", "-", _cell(_ms(floor, "p50")), _cell(floor_p90),
-                    _cell(_ms(floor, "p99")), _cell(floor.get("requests_per_s"), "{:.2f}"),
-                    _cell(floor.get("output_tokens_per_s")), _cell(floor.get("prefix_hit_rate"), "{:.1%}"),
-                    "-", "1.00x"])
+        out.append([f"floor (replay of {floor_from}'s requests)", f"{floor['ok']}/{floor['requests']}",
+                    _cell(_ms(floor, "p50")), _cell(_ms(floor, "p90")), _cell(_ms(floor, "p99")),
+                    _cell(floor["requests_per_s"], "{:.2f}"), _cell(floor["output_tokens_per_s"]),
+                    _cell(floor["prefix_hit_rate"], "{:.1%}"), "/".join(str(n) for n in floor["per_engine"]),
+                    "1.00x"])
     return "\n".join("| " + " | ".join(r) + " |" for r in out)
 
 
@@ -439,7 +456,7 @@ def versus_lines(v: dict[str, Any] | None) -> str:
 class Bench:
     """The mesh, the current router state, and every run's results."""
 
-    def __init__(self, args: argparse.Namespace, mesh: Mesh, count: Any) -> None:
+    def __init__(self, args: argparse.Namespace, mesh: Mesh, count: TokenCounter | None) -> None:
         self.args = args
         self.mesh = mesh
         self.count = count
@@ -448,7 +465,7 @@ class Bench:
         self.runs = 0
         self.peer: Peer | None = None
 
-    def run_target(self, name: str, workload: Workload) -> tuple[dict[str, Any], list[RequestResult]]:
+    def run_target(self, name: str, workload: Workload) -> Measured:
         """One measured run of `name` on `workload`, on a fresh router: a
         restarted scheduler or a new peer process (no state from a run before)."""
         spec = workload.spec(f"[run {self.runs}] ")
@@ -470,16 +487,13 @@ class Bench:
     def run_workload(self, workload: Workload) -> dict[str, Any]:
         default = f"kvmesh:{self.args.default_policy}"
         rows: list[dict[str, Any]] = []
-        floors: dict[str, dict[str, Any] | None] = {}
         for name in self.args.targets:
-            summary, results = self.run_target(name, workload)
-            rows.append(summary)
-            if name == default or self.args.floor_per_run or (name == self.args.targets[-1] and not floors):
-                floors[name] = floor_of(results, self.mesh, self.args.engines)
-        floor_from = default if default in floors else next(iter(floors), "")
-        return {"name": workload.name, "describe": workload.describe, "runs": rows,
-                "floor": floors.get(floor_from), "floor_from": floor_from,
-                "floor_per_run": floors if self.args.floor_per_run else {},
+            m = self.run_target(name, workload)
+            m.summary["floor"] = floor_of(m, self.mesh)  # cheap: virtual time, between measured runs
+            rows.append(m.summary)
+        floor_from = default if default in self.args.targets else self.args.targets[0]
+        return {"name": workload.name, "describe": workload.describe, "runs": rows, "floor_from": floor_from,
+                "floor": next(s["floor"] for s in rows if s["label"] == floor_from),
                 "versus": versus_best_peer(rows, default)}
 
     def priority_run(self) -> dict[str, Any]:
@@ -490,9 +504,8 @@ class Bench:
                             salt="[priorities] ", priority_mix=(0.2, 0.3, 0.5))
         arrival = ArrivalSpec(Arrival.POISSON, rate=args.priority_rate)
         workload = Workload("mixed_priority", lambda _salt: spec, arrival, firsts_at_own_time, "")
-        summary, _ = run_one(f"kvmesh:{args.default_policy} mixed priorities @ {args.priority_rate}/s",
-                             workload, spec, self.kv_target, self.count, self.mesh)
-        return summary
+        return run_one(f"kvmesh:{args.default_policy} mixed priorities @ {args.priority_rate}/s",
+                             workload, spec, self.kv_target, self.count, self.mesh).summary
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -520,10 +533,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g = p.add_argument_group("cache_pressure (its shape: services/bench/workloads.py)")
     g.add_argument("--pressure-requests", type=int, default=120, help="sessions (each several turns)")
     g.add_argument("--pressure-rate", type=float, default=0.0,
-                   help="Poisson sessions per second (0 = workloads.CACHE_PRESSURE_RATE)")
+                   help=f"Poisson sessions per second (0 = workloads.CACHE_PRESSURE_RATE, {CACHE_PRESSURE_RATE:g})")
+    g.add_argument("--pressure-warm", type=int, default=40, help="sessions of the unmeasured warm-up run")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--floor-per-run", action="store_true",
-                   help="the floor of every run's own requests, not only the default policy's")
     p.add_argument("--priority-rate", type=float, default=0.0,
                    help="then: kvmesh default policy, mixed priorities at this rate (0 = skip)")
     p.add_argument("--priority-requests", type=int, default=600)
@@ -543,7 +555,7 @@ def report(args: argparse.Namespace, tables: list[dict[str, Any]], priority: dic
           f"speed {args.speed_factor:g}), seed {args.seed}")
     for t in tables:
         print(f"\n## {t['name']}: {t['describe']}\n")
-        print(table(t["runs"], t["floor"], f"replay of {t['floor_from']}'s requests"))
+        print(table(t["runs"], t["floor_from"]))
         print(versus_lines(t["versus"]))
     if priority is not None:
         print(f"\n{priority['label']} (aging {args.aging_seconds:g} s per class)")
