@@ -115,6 +115,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--floor-engines", type=int, default=8, help="engines of the floor's fleet")
     p.add_argument("--floor-speed-factor", type=float,
                    help="the floor's sim speed factor (default: the profile's; bench_peers runs 4)")
+    p.add_argument("--floor-total-blocks", type=int,
+                   help="also the floor on the fleet's own KV: this many blocks per engine, pooled, "
+                        "clairvoyant eviction (bench_peers runs 640)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", help="write results JSON here")
     p.add_argument("--chart", help="write a PNG chart here")
@@ -167,9 +170,13 @@ async def _main(ns: argparse.Namespace) -> int:
                                scheduler=ns.scheduler)
     print(format_summary(summary))
     if ns.floor_profile:
-        summary["floor"] = _floor(ns, run)
-        print(f"floor ({ns.floor_engines} x {Path(ns.floor_profile).stem}):\n"
+        summary["floor"] = _floor(ns, run, None)
+        print(f"floor ({ns.floor_engines} x {Path(ns.floor_profile).stem}, unbounded KV):\n"
               + format_summary({"overall": summary["floor"], "classes": {}}))
+    if ns.floor_profile and ns.floor_total_blocks:
+        summary["floor_kv"] = _floor(ns, run, ns.floor_total_blocks)
+        print(f"floor ({ns.floor_engines} x {ns.floor_total_blocks} KV blocks, pooled):\n"
+              + format_summary({"overall": summary["floor_kv"], "classes": {}}))
     meta = {"url": ns.url, "model": model, "workload": ns.workload, "arrival": ns.arrival, "rate": arrival.rate,
             "concurrency": ns.concurrency, "seed": ns.seed, "requests": ns.requests}
     if ns.json:
@@ -180,15 +187,19 @@ async def _main(ns: argparse.Namespace) -> int:
     return 0 if summary["overall"]["ok"] else 1
 
 
-def _floor(ns: argparse.Namespace, run: RunResult) -> dict[str, Any]:
-    """The run's floor (services/bench/floor.py) on --floor-engines engines of --floor-profile."""
+def _floor(ns: argparse.Namespace, run: RunResult, total_blocks: int | None) -> dict[str, Any]:
+    """The run's floor (services/bench/floor.py) on --floor-engines engines of
+    --floor-profile; with `total_blocks`, on their own KV (kv_bounded)."""
     from services.bench.floor import floor_summary
     from services.common.config import MeshConfig
     from services.engine.sim.profiles import apply_profile, load_profile
 
     config = MeshConfig()
     apply_profile(config, load_profile(ns.floor_profile), speed_factor=ns.floor_speed_factor)
-    return floor_summary(run.results, config.engines.template, ns.floor_engines, Path(ns.tokenizer))
+    engine = config.engines.template
+    if total_blocks:
+        engine.total_blocks = total_blocks
+    return floor_summary(run.results, engine, ns.floor_engines, Path(ns.tokenizer), kv_bounded=bool(total_blocks))
 
 
 def _cmd_bench(ns: argparse.Namespace) -> None:

@@ -20,7 +20,10 @@ What the replay assumes (the ideal fleet):
     admission a request hits the longest chain of cached full blocks of its
     prompt, at most (len - 1) // block_size of them (the last prompt token is
     always computed, as in sim/core.py and vLLM). KV never runs out, so
-    nothing is evicted or preempted.
+    nothing is evicted or preempted. With `kv_bounded` (a tighter bound
+    under cache pressure) the cache is instead the fleet's own KV,
+    engines x total_blocks blocks pooled fleet-wide, evicting by Belady's
+    MIN (services/bench/floor_kv.py says why that bounds any router).
   * The sim's step loop per engine (sim/core.py): each step gives running
     requests a prefill chunk or one decode token, in admission order, within
     `chunk_tokens`; then admits waiting requests in arrival order while the
@@ -62,6 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.bench.floor_kv import PooledKv, UnboundedKv
 from services.bench.stats import RequestResult, percentiles
 from services.common.config import EngineConfig
 from services.common.tokenizer import HfTokenizer
@@ -96,6 +100,8 @@ class _Live:
     computed: int = 0           # tokens whose KV exists
     length: int = 0             # prompt + generated tokens
     generated: int = 0
+    rank: int = 0               # position in arrival order
+    pinned: list[int] = field(default_factory=list)  # cached blocks it holds while running
 
 
 @dataclass
@@ -120,29 +126,43 @@ class _Fleet:
     """The ideal fleet's state; `replay` drives it in time order."""
 
     def __init__(self, engine: EngineConfig, engines: int, requests: Sequence[FloorRequest],
-                 warm: Sequence[tuple[int, ...]]) -> None:
+                 warm: Sequence[tuple[int, ...]], kv_blocks: int | None) -> None:
         self.cost = engine.sim
         self.block = engine.block_size
         self.chunk = engine.sim.chunk_tokens
         self.max_running = engine.max_running
         self.engines = [_Engine(i) for i in range(engines)]
-        self.cached: set[int] = {h for prompt in warm for h in _block_hashes(prompt, self.block)}
         self.out = [FloorOutcome() for _ in requests]
         self.events: list[tuple[float, int, int, int]] = []  # (time, seq, kind 0=arrival 1=step end, index)
         self.seq = 0
         for i, r in enumerate(requests):
             self._push(r.start, 0, i)
-        self.live = {i: _Live(i, r, _block_hashes(r.prompt + r.generated, self.block), length=len(r.prompt))
-                     for i, r in enumerate(requests)}
+        order = sorted(range(len(requests)), key=lambda i: requests[i].start)
+        self.live = {i: _Live(i, requests[i], _block_hashes(requests[i].prompt + requests[i].generated, self.block),
+                              length=len(requests[i].prompt), rank=rank) for rank, i in enumerate(order)}
+        warm_blocks = [(h, d) for prompt in warm for d, h in enumerate(_block_hashes(prompt, self.block))]
+        self.kv = (UnboundedKv(h for h, _ in warm_blocks) if kv_blocks is None
+                   else PooledKv(kv_blocks, self._uses(), warm_blocks))
+
+    def _uses(self) -> dict[int, list[int]]:
+        """Block -> ranks of the requests whose prompt could hit it, ascending."""
+        uses: dict[int, list[int]] = {}
+        for x in sorted(self.live.values(), key=lambda x: x.rank):
+            for h in x.hashes[:self._limit(x)]:
+                uses.setdefault(h, []).append(x.rank)
+        return uses
+
+    def _limit(self, live: _Live) -> int:
+        return (len(live.req.prompt) - 1) // self.block
 
     def _push(self, t: float, kind: int, index: int) -> None:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, kind, index))
 
     def _hit_blocks(self, live: _Live) -> int:
-        limit = (len(live.req.prompt) - 1) // self.block
+        limit = self._limit(live)
         n = 0
-        while n < limit and live.hashes[n] in self.cached:
+        while n < limit and live.hashes[n] in self.kv:
             n += 1
         return n
 
@@ -185,7 +205,11 @@ class _Fleet:
             budget -= n
         while budget > 0 and e.waiting and len(e.running) < self.max_running:
             x = e.waiting.popleft()
-            x.computed = self._hit_blocks(x) * self.block
+            hit = self._hit_blocks(x)
+            x.computed = hit * self.block
+            x.pinned = x.hashes[:hit]
+            self.kv.pin(x.pinned)
+            self.kv.admitted(x.rank, x.hashes[:self._limit(x)])
             self.out[x.index].cached_tokens = x.computed
             n = min(x.length - x.computed, budget)
             e.running.append(x)
@@ -203,7 +227,9 @@ class _Fleet:
             before, x.computed = x.computed, x.computed + n
             known = len(x.req.prompt) + len(x.req.generated)
             for b in range(before // self.block, min(x.computed, known) // self.block):
-                self.cached.add(x.hashes[b])
+                self.kv.add(x.hashes[b], b)
+                self.kv.pin(x.hashes[b:b + 1])
+                x.pinned.append(x.hashes[b])
             if x.computed < x.length:
                 continue
             x.generated += 1
@@ -214,6 +240,9 @@ class _Fleet:
             if x.generated >= x.req.output_tokens:
                 result.e2e = now - x.req.start
                 e.running.remove(x)
+                self.kv.unpin(x.pinned)
+        if isinstance(self.kv, PooledKv):  # running requests' partial and unhashed blocks take room too
+            self.kv.trim(sum(-(-x.computed // self.block) - len(x.pinned) for f in self.engines for x in f.running))
         e.plan = []
         e.busy_until = None
         if e.running or e.waiting:
@@ -221,13 +250,15 @@ class _Fleet:
 
 
 def replay(requests: Sequence[FloorRequest], engine: EngineConfig, engines: int,
-           warm: Sequence[tuple[int, ...]] = ()) -> list[FloorOutcome]:
+           warm: Sequence[tuple[int, ...]] = (), kv_blocks: int | None = None) -> list[FloorOutcome]:
     """Each request's engine, TTFT, end-to-end time and cached prompt tokens
     on the ideal fleet (module docstring), the prompts in `warm` cached from
-    the start; same order as `requests`."""
+    the start; same order as `requests`. `kv_blocks`: the prefix cache is
+    that many blocks pooled fleet-wide with clairvoyant eviction
+    (floor_kv.PooledKv) instead of unbounded."""
     if engines <= 0:
         raise ValueError("engines must be >= 1")
-    fleet = _Fleet(engine, engines, requests, warm)
+    fleet = _Fleet(engine, engines, requests, warm, kv_blocks)
     while fleet.events:
         now, _, kind, index = heapq.heappop(fleet.events)
         if kind == 0:
@@ -305,11 +336,14 @@ def summarize_floor(requests: Sequence[FloorRequest], outcomes: Sequence[FloorOu
 
 
 def floor_summary(results: Sequence[RequestResult], engine: EngineConfig, engines: int,
-                  tokenizer_dir: Path, warm: Sequence[RequestResult] = ()) -> dict[str, Any]:
+                  tokenizer_dir: Path, warm: Sequence[RequestResult] = (),
+                  kv_bounded: bool = False) -> dict[str, Any]:
     """The floor of a run (module docstring): its requests that carry the
     chat they sent, replayed on `engines` ideal copies of `engine`. `warm`:
     requests sent before the measured run (bench_peers' warm-up), whose
-    prompts the ideal fleet holds from the start as the real one did."""
+    prompts the ideal fleet holds from the start as the real one did.
+    `kv_bounded`: the fleet's own KV (engines x engine.total_blocks blocks,
+    pooled, Belady eviction: floor_kv.PooledKv) instead of an unbounded cache."""
     ids = prompt_ids(tokenizer_dir)
     sent = sorted((r for r in results if r.messages), key=lambda r: r.start)
     prompts = {(r.conversation, r.turn): ids(r.messages) for r in sent}
@@ -320,4 +354,5 @@ def floor_summary(results: Sequence[RequestResult], engine: EngineConfig, engine
         generated = after[len(prompt):len(prompt) + out] if after[:len(prompt)] == prompt else ()
         requests.append(FloorRequest(r.start, prompt, out, generated))
     cached = [ids(r.messages) for r in warm if r.messages]
-    return summarize_floor(requests, replay(requests, engine, engines, cached), engines)
+    kv_blocks = engines * engine.total_blocks if kv_bounded else None
+    return summarize_floor(requests, replay(requests, engine, engines, cached, kv_blocks), engines)

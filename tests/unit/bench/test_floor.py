@@ -127,3 +127,20 @@ def test_on_one_engine_with_room_the_replay_is_the_sims_own_step_loop() -> None:
     floor = [o.ttft for o in replay(requests, engine, engines=1)]
     assert floor == pytest.approx(_sim_core_ttfts(requests, engine), abs=1e-9)
     assert max(t or 0.0 for t in floor) > 5 * min(t or 0.0 for t in floor)  # it did queue
+
+
+def test_the_fleets_kv_pooled_keeps_what_is_used_next_and_with_room_is_the_unbounded_floor() -> None:
+    a, b, c = _prompt(320, seed=1), _prompt(320, seed=2), _prompt(320, seed=3)  # 20 blocks each
+    requests = [FloorRequest(t, p, 3) for t, p in ((0.0, a), (5.0, b), (10.0, c), (15.0, a))]
+    # Room for one prompt idle and one running (+ their partial blocks): when C runs, B's blocks
+    # (never used again) go, not A's (used next) -- least-recently-used would have dropped A's.
+    pooled = replay(requests, _engine(), engines=1, kv_blocks=45)
+    assert pooled[3].cached_tokens == 304
+    # Room for the running one only: A's chain loses its tail first, so what is left still hits.
+    tight = replay(requests, _engine(), engines=1, kv_blocks=30)
+    assert 0 < tight[3].cached_tokens < 304
+    base = _prompt(700, seed=1)
+    mixed = [FloorRequest(0.05 * k, base[: 300 + 37 * (k % 5)] + _prompt(40 + 13 * k, seed=k), 2 + k % 4)
+             for k in range(24)]
+    roomy = replay(mixed, _engine(max_running=3), engines=2, kv_blocks=100_000)
+    assert [o.ttft for o in roomy] == [o.ttft for o in replay(mixed, _engine(max_running=3), engines=2)]

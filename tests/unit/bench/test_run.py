@@ -173,9 +173,11 @@ async def test_cli_prints_and_saves_the_floor_when_asked(fake, tmp_path: Path, c
             "--floor-profile", str(root / "config" / "sim-profiles" / "llama3-8b-a100.yaml"), "--floor-engines", "2"]
     assert await _main(parser.parse_args(base)) == 2  # the floor needs the tokenizer
     ns = parser.parse_args([*base, "--tokenizer", str(root / ".models" / "tiny-llama"),
-                            "--json", str(tmp_path / "f.json")])
+                            "--floor-total-blocks", "640", "--json", str(tmp_path / "f.json")])
     assert await _main(ns) == 0
     out = capsys.readouterr().out
-    assert "floor (2 x llama3-8b-a100)" in out and out.count("| all | 12/12 |") == 2
-    floor = json.loads((tmp_path / "f.json").read_text())["summary"]["floor"]
-    assert floor["requests"] == 12 and sum(floor["per_engine"]) == 12 and floor["prefix_hit_rate"] > 0.5
+    assert "floor (2 x llama3-8b-a100, unbounded KV)" in out and "floor (2 x 640 KV blocks, pooled)" in out
+    assert out.count("| all | 12/12 |") == 3
+    summary = json.loads((tmp_path / "f.json").read_text())["summary"]
+    for floor in (summary["floor"], summary["floor_kv"]):
+        assert floor["requests"] == 12 and sum(floor["per_engine"]) == 12 and floor["prefix_hit_rate"] > 0.5
