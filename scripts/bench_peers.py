@@ -57,8 +57,9 @@ running.
 Floor (services/bench/floor.py, helper "pressure"): each run's own requests
 (arrivals, the exact chats sent, output lengths; its warm-up's prompts cached
 from the start) replayed in virtual time by the sim's cost model on an ideal
-fleet -- every prefix cached where it could be, oracle placement, no path
-cost. Every run gets its own floor (a replay costs ~0.5 s per 3,000 requests
+fleet -- the fleet's KV pooled across engines with Belady eviction
+(kv_bounded=True, the tighter of its two bounds), every prefix cached where it
+could be, oracle placement, no path cost. Every run gets its own floor (a replay costs ~0.5 s per 3,000 requests
 plus tokenizing them, between measured runs; in the JSON as run["floor"]);
 "x floor at p90" is the run's p90 over its own floor's p90; the floor row
 shows the default policy's run's floor (the first target's if the default is
@@ -376,10 +377,11 @@ def run_one(label: str, workload: Workload, spec: WorkloadSpec, target: Target, 
 
 def floor_of(m: Measured, mesh: Mesh) -> dict[str, Any]:
     """services/bench/floor.py's floor of this run's own requests (its
-    warm-up's prompts cached from the start, as on the real fleet); a
-    virtual-time replay, ~0.5 s per 3,000 requests plus their tokenization,
-    run between measured runs."""
-    return floor_summary(m.results, mesh.config.engines.template, mesh.config.engines.count, MODEL_DIR, m.warm)
+    warm-up's prompts cached from the start, as on the real fleet), on the
+    fleet's own KV pooled (kv_bounded: the tighter bound); a virtual-time
+    replay, run between measured runs."""
+    return floor_summary(m.results, mesh.config.engines.template, mesh.config.engines.count, MODEL_DIR, m.warm,
+                         kv_bounded=True)
 
 
 def _ms(block: dict[str, Any] | None, p: str) -> float | None:
@@ -531,7 +533,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--requests", type=int, default=300)
     g.add_argument("--rate", type=float, default=14.0, help="Poisson arrivals per second")
     g = p.add_argument_group("cache_pressure (its shape: services/bench/workloads.py)")
-    g.add_argument("--pressure-requests", type=int, default=120, help="sessions (each several turns)")
+    g.add_argument("--pressure-requests", type=int, default=150, help="sessions (each several turns)")
     g.add_argument("--pressure-rate", type=float, default=0.0,
                    help=f"Poisson sessions per second (0 = workloads.CACHE_PRESSURE_RATE, {CACHE_PRESSURE_RATE:g})")
     g.add_argument("--pressure-warm", type=int, default=40, help="sessions of the unmeasured warm-up run")
