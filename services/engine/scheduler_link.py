@@ -383,7 +383,8 @@ class SchedulerLink:
             running=load.running, waiting=load.waiting, blocks_used=load.blocks_used,
             blocks_total=load.blocks_total, cached_blocks=load.cached_blocks,
             serving=self._runtime.serving, queued_tokens=load.queued_tokens,
-            request_ids=load.request_ids,
+            request_ids=load.request_ids, prefill_tokens_per_second=load.prefill_tokens_per_second,
+            step_seconds=load.step_seconds, step_token_budget=load.step_token_budget,
         )
         report.prefix_cache_queries, report.prefix_cache_hits = self._runtime.metrics.prefix_cache_totals()
         await call.write(scheduler_pb2.EngineMessage(load=report))
