@@ -287,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="then: kvmesh default policy, mixed priorities at this rate (0 = skip)")
     p.add_argument("--priority-requests", type=int, default=600)
     p.add_argument("--aging-seconds", type=float, default=10.0, help="aging for the priority run")
+    p.add_argument("--priority-policy", default="sticky_until_saturated", help="kvmesh policy of the priority run")
     p.add_argument("--log-dir", default=str(ROOT / ".run" / "bench-peers"), help="peer routers' logs")
     p.add_argument("--json", default=str(ROOT / "artifacts" / "bench" / "peers.json"))
     args = p.parse_args(argv)
@@ -321,9 +322,9 @@ def main(argv: list[str] | None = None) -> int:
                     peer = None
             priority: dict[str, Any] | None = None
             if args.priority_rate:
-                switch_policy(mesh, "sticky_until_saturated", args.engines, args.aging_seconds)
+                switch_policy(mesh, args.priority_policy, args.engines, args.aging_seconds)
                 spec = workload(args, "[priorities] ", WorkloadKind.MIXED_PRIORITY, args.priority_requests)
-                priority = run_one(f"kvmesh:sticky_until_saturated mixed priorities @ {args.priority_rate}/s",
+                priority = run_one(f"kvmesh:{args.priority_policy} mixed priorities @ {args.priority_rate}/s",
                                    spec, ArrivalSpec(Arrival.POISSON, rate=args.priority_rate), kv_target,
                                    count, mesh)
         finally:
