@@ -6,7 +6,12 @@ prefix hit rate and rejections, overall and per priority class.
         --requests 200 --arrival poisson --rate 8 --tokenizer .models/tiny-llama \
         --json out.json --chart out.png
 
-`bench(...)` is the same run for scripts (scripts/bench_peers.py).
+    kvmesh bench --workload cache_pressure --requests 150 --tokenizer .models/tiny-llama \
+        --floor-profile config/sim-profiles/llama3-8b-a100.yaml --floor-engines 8 --floor-speed-factor 4
+
+prints the run and its floor (services/bench/floor.py: the same requests on
+ideal sim engines of that profile). `bench(...)` is the same run for scripts
+(scripts/bench_peers.py).
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.bench.workloads import (
+    CACHE_PRESSURE_RATE,
     Arrival,
     ArrivalSpec,
     TokenCounter,
     WorkloadKind,
     WorkloadSpec,
     build_workload,
+    spec_for,
 )
 
 if TYPE_CHECKING:  # aiohttp and the rest load only when a benchmark runs (kvmesh --help stays fast)
@@ -80,16 +87,21 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--workload", choices=[k.value for k in WorkloadKind], default="shared_prefix")
     p.add_argument("--requests", type=int, default=100, help="conversations (requests for one-turn kinds)")
     p.add_argument("--arrival", choices=[a.value for a in Arrival], default="poisson")
-    p.add_argument("--rate", type=float, default=8.0, help="open loop: conversations per second")
+    p.add_argument("--rate", type=float, help=f"open loop: conversations per second (default 8; "
+                   f"cache_pressure {CACHE_PRESSURE_RATE:g})")
     p.add_argument("--gamma-shape", type=float, default=1.0, help="gamma arrivals: shape (CV = 1/sqrt)")
     p.add_argument("--concurrency", type=int, default=8, help="closed loop: conversations in flight")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--groups", type=int, default=8)
-    p.add_argument("--context-tokens", type=int, default=1500)
-    p.add_argument("--question-words", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--think-seconds", type=float, default=0.0)
+    # Unset = the workload's own default (services/bench/workloads.py: 8 groups x 1500 tokens, 16 words,
+    # 16 tokens, 4 turns, 0 s; cache_pressure: 64 x 3000 +- 1/3, 24 words, 32 tokens, 4 turns, 1 s).
+    p.add_argument("--groups", type=int)
+    p.add_argument("--context-tokens", type=int)
+    p.add_argument("--context-spread", type=float, help="cache_pressure: context lengths tokens x (1 +- spread)")
+    p.add_argument("--zipf", type=float, help="cache_pressure: group k drawn with weight k**-zipf (0.8)")
+    p.add_argument("--question-words", type=int)
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--turns", type=int)
+    p.add_argument("--think-seconds", type=float)
     p.add_argument("--long-fraction", type=float, default=0.3)
     p.add_argument("--long-max-tokens", type=int, default=512)
     p.add_argument("--priority-mix", default="0.2,0.3,0.5", help="P0,P1,P2 fractions (mixed_priority)")
@@ -97,6 +109,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="model dir with tokenizer.json: exact context lengths")
     p.add_argument("--scheduler", metavar="HOST:PORT",
                    help="a kvmesh scheduler's gRPC address (plaintext): report its per-class preemptions")
+    p.add_argument("--floor-profile", metavar="YAML",
+                   help="also report the floor: the run replayed on ideal sim engines of this profile "
+                        "(services/bench/floor.py; needs --tokenizer)")
+    p.add_argument("--floor-engines", type=int, default=8, help="engines of the floor's fleet")
+    p.add_argument("--floor-speed-factor", type=float,
+                   help="the floor's sim speed factor (default: the profile's; bench_peers runs 4)")
+    p.add_argument("--floor-total-blocks", type=int,
+                   help="also the floor on the fleet's own KV: this many blocks per engine, pooled, "
+                        "clairvoyant eviction (bench_peers runs 640)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", help="write results JSON here")
     p.add_argument("--chart", help="write a PNG chart here")
@@ -124,15 +145,20 @@ async def _main(ns: argparse.Namespace) -> int:
 
     mix = tuple(float(x) for x in ns.priority_mix.split(","))
     try:
-        spec = WorkloadSpec(
-            kind=WorkloadKind(ns.workload), conversations=ns.requests, seed=ns.seed, groups=ns.groups,
-            context_tokens=ns.context_tokens, question_words=ns.question_words, max_tokens=ns.max_tokens,
-            turns=ns.turns, think_seconds=ns.think_seconds, long_fraction=ns.long_fraction,
-            long_max_tokens=ns.long_max_tokens, priority_mix=mix,
+        kind = WorkloadKind(ns.workload)
+        spec = spec_for(
+            kind, ns.requests, seed=ns.seed, groups=ns.groups, context_tokens=ns.context_tokens,
+            context_spread=ns.context_spread, zipf=ns.zipf, question_words=ns.question_words,
+            max_tokens=ns.max_tokens, turns=ns.turns, think_seconds=ns.think_seconds,
+            long_fraction=ns.long_fraction, long_max_tokens=ns.long_max_tokens, priority_mix=mix,
         )
-        arrival = ArrivalSpec(Arrival(ns.arrival), ns.rate, ns.gamma_shape, ns.concurrency)
+        rate = ns.rate if ns.rate is not None else CACHE_PRESSURE_RATE if kind is WorkloadKind.CACHE_PRESSURE else 8.0
+        arrival = ArrivalSpec(Arrival(ns.arrival), rate, ns.gamma_shape, ns.concurrency)
     except ValueError as exc:
         print(f"kvmesh bench: {exc}", file=sys.stderr)
+        return 2
+    if ns.floor_profile and not ns.tokenizer:
+        print("kvmesh bench: --floor-profile needs --tokenizer (the model dir: exact prompt tokens)", file=sys.stderr)
         return 2
     model = ns.model
     if not model:
@@ -143,7 +169,15 @@ async def _main(ns: argparse.Namespace) -> int:
     run, summary = await bench(spec, arrival, target, token_counter(ns.tokenizer), show_progress=not ns.quiet,
                                scheduler=ns.scheduler)
     print(format_summary(summary))
-    meta = {"url": ns.url, "model": model, "workload": ns.workload, "arrival": ns.arrival, "rate": ns.rate,
+    if ns.floor_profile:
+        summary["floor"] = _floor(ns, run, None)
+        print(f"floor ({ns.floor_engines} x {Path(ns.floor_profile).stem}, unbounded KV):\n"
+              + format_summary({"overall": summary["floor"], "classes": {}}))
+    if ns.floor_profile and ns.floor_total_blocks:
+        summary["floor_kv"] = _floor(ns, run, ns.floor_total_blocks)
+        print(f"floor ({ns.floor_engines} x {ns.floor_total_blocks} KV blocks, pooled):\n"
+              + format_summary({"overall": summary["floor_kv"], "classes": {}}))
+    meta = {"url": ns.url, "model": model, "workload": ns.workload, "arrival": ns.arrival, "rate": arrival.rate,
             "concurrency": ns.concurrency, "seed": ns.seed, "requests": ns.requests}
     if ns.json:
         write_json(Path(ns.json), meta, summary, run.results)
@@ -151,6 +185,21 @@ async def _main(ns: argparse.Namespace) -> int:
         title = f"{ns.workload} @ {ns.url} ({ns.arrival}, seed {ns.seed})"
         write_chart(Path(ns.chart), run.results, summary, title)
     return 0 if summary["overall"]["ok"] else 1
+
+
+def _floor(ns: argparse.Namespace, run: RunResult, total_blocks: int | None) -> dict[str, Any]:
+    """The run's floor (services/bench/floor.py) on --floor-engines engines of
+    --floor-profile; with `total_blocks`, on their own KV (kv_bounded)."""
+    from services.bench.floor import floor_summary
+    from services.common.config import MeshConfig
+    from services.engine.sim.profiles import apply_profile, load_profile
+
+    config = MeshConfig()
+    apply_profile(config, load_profile(ns.floor_profile), speed_factor=ns.floor_speed_factor)
+    engine = config.engines.template
+    if total_blocks:
+        engine.total_blocks = total_blocks
+    return floor_summary(run.results, engine, ns.floor_engines, Path(ns.tokenizer), kv_bounded=bool(total_blocks))
 
 
 def _cmd_bench(ns: argparse.Namespace) -> None:

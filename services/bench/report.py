@@ -57,6 +57,6 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def write_json(path: Path, meta: dict[str, Any], summary: dict[str, Any], results: list[RequestResult]) -> None:
-    doc = {"meta": meta, "summary": summary,
-           "requests": [{k: v for k, v in dataclasses.asdict(r).items() if k != "chunk_gaps"} for r in results]}
+    keep = [f.name for f in dataclasses.fields(RequestResult) if f.name not in ("chunk_gaps", "messages")]
+    doc = {"meta": meta, "summary": summary, "requests": [{k: getattr(r, k) for k in keep} for r in results]}
     path.write_text(json.dumps(doc, indent=1, default=str))

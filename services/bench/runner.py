@@ -153,8 +153,8 @@ async def _conversation(
             await asyncio.sleep(conv.think_seconds)
         messages.append({"role": "user", "content": turn.user})
         result = RequestResult(conv.index, k, conv.priority, conv.group, max_tokens=turn.max_tokens,
-                               lateness=lateness if k == 0 else 0.0)
-        answer = await _one_turn(session, target, conv, k, list(messages), t0, result)
+                               lateness=lateness if k == 0 else 0.0, messages=list(messages))
+        answer = await _one_turn(session, target, conv, k, result.messages, t0, result)
         sink.append(result)
         if progress is not None:
             progress(result)

@@ -39,6 +39,9 @@ class RequestResult:
     chunks: int = 0
     max_tokens: int = 0
     chunk_gaps: list[float] = field(default_factory=list)
+    # The chat sent (history included), for services/bench/floor.py's replay;
+    # not written to JSON (report.py): a long context per request.
+    messages: list[dict[str, str]] = field(default_factory=list, repr=False)
 
     @property
     def tpot(self) -> float | None:

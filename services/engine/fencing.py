@@ -7,6 +7,13 @@ stops, which frees its KV blocks -- logged and counted
 A fenced generation is handed over, not cancelled: should a gateway still be
 reading it, its stream ends UNAVAILABLE and the gateway migrates the request
 from its next token (never a truncated answer), as when an engine stops.
+
+Requests of the engine's own OpenAI endpoint (http_api.py, ids starting with
+OWN_ENDPOINT_PREFIX) are never leased by the scheduler, so load reports leave
+them out (`fenceable`): listed, each was fenced ~1-2 s after it started --
+every request of another router (bench_peers' smg, sglang-router) whose
+prompt and answer took longer ended early with finish_reason "abort"
+(measured on the cache-pressure workload, 2026-12-02).
 """
 
 from __future__ import annotations
@@ -16,9 +23,17 @@ from collections.abc import Sequence
 
 from services.engine.runtime import EngineRuntime
 
-__all__ = ["Fencer"]
+__all__ = ["OWN_ENDPOINT_PREFIX", "Fencer", "fenceable"]
 
 log = logging.getLogger(__name__)
+
+# Request ids of the engine's own OpenAI endpoint (http_api.py).
+OWN_ENDPOINT_PREFIX = "http-"
+
+
+def fenceable(request_ids: Sequence[str]) -> list[str]:
+    """The ids a load report lists: not those of the engine's own endpoint."""
+    return [r for r in request_ids if not r.startswith(OWN_ENDPOINT_PREFIX)]
 
 
 class Fencer:

@@ -41,6 +41,7 @@ from services.common.openai_api.structured import structured_to_proto
 from services.common.proto.kvmesh.v1 import engine_pb2
 from services.engine.backend import GenerationOutput, GenerationRequest, InvalidRequest
 from services.engine.errors import DuplicateRequest, NotAccepting
+from services.engine.fencing import OWN_ENDPOINT_PREFIX
 from services.engine.grpc_api import request_from_proto
 from services.engine.model import TextCodec
 from services.engine.runtime import EngineRuntime
@@ -159,7 +160,8 @@ class OpenAIHttpServer:
         sampling = replace(parsed.sampling, logprobs=None).to_proto(max_tokens)
         if parsed.structured is not None:
             sampling.structured.CopyFrom(structured_to_proto(parsed.structured))
-        message = engine_pb2.EngineRequest(request_id=f"http-{uuid.uuid4().hex}", prompt_token_ids=prompt,
+        message = engine_pb2.EngineRequest(request_id=f"{OWN_ENDPOINT_PREFIX}{uuid.uuid4().hex}",
+                                           prompt_token_ids=prompt,
                                            sampling=sampling, priority=_priority(body))
         return parsed, request_from_proto(message)
 

@@ -56,7 +56,7 @@ from services.common.grpc_server import client_options
 from services.common.mesh_tls import aio_channel, identity_for
 from services.common.model_revision import model_revision
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.engine.fencing import Fencer
+from services.engine.fencing import Fencer, fenceable
 from services.engine.model import resolve_model
 from services.engine.runtime import EngineRuntime
 
@@ -383,7 +383,8 @@ class SchedulerLink:
             running=load.running, waiting=load.waiting, blocks_used=load.blocks_used,
             blocks_total=load.blocks_total, cached_blocks=load.cached_blocks,
             serving=self._runtime.serving, queued_tokens=load.queued_tokens,
-            request_ids=load.request_ids, prefill_tokens_per_second=load.prefill_tokens_per_second,
+            request_ids=fenceable(load.request_ids),  # not the engine's own endpoint's (fencing.py)
+            prefill_tokens_per_second=load.prefill_tokens_per_second,
             step_seconds=load.step_seconds, step_token_budget=load.step_token_budget,
         )
         report.prefix_cache_queries, report.prefix_cache_hits = self._runtime.metrics.prefix_cache_totals()

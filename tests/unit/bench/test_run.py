@@ -88,6 +88,7 @@ async def test_mixed_priority_open_loop_run_reports_classes_hits_and_rejections(
     write_json(tmp_path / "r.json", {"run": "test"}, summary, run.results)
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["summary"]["overall"]["ok"] == o["ok"] and len(doc["requests"]) == 40
+    assert "messages" not in doc["requests"][0] and "chunk_gaps" not in doc["requests"][0]
     write_chart(tmp_path / "r.png", run.results, summary, "test")
     _plain_png(tmp_path / "plain.png", summary)
     for name in ("r.png", "plain.png"):
@@ -97,9 +98,12 @@ async def test_mixed_priority_open_loop_run_reports_classes_hits_and_rejections(
 async def test_closed_loop_multi_turn_resends_the_history_with_real_answers(fake) -> None:
     server, url = fake
     spec = WorkloadSpec(WorkloadKind.MULTI_TURN, conversations=6, turns=3, max_tokens=3)
-    _run, summary = await bench(spec, ArrivalSpec(Arrival.CLOSED, concurrency=2), Target(url, "m"),
+    run, summary = await bench(spec, ArrivalSpec(Arrival.CLOSED, concurrency=2), Target(url, "m"),
                                show_progress=False)
     assert summary["overall"]["ok"] == 18
+    # Each result keeps the chat it sent (the floor replays it).
+    assert sorted(len(r.messages) for r in run.results) == sorted([2, 4, 6] * 6)
+    assert {str(r.messages) for r in run.results} == {str(b["messages"]) for b in server.bodies}
     last_turns = [b["messages"] for b in server.bodies if len(b["messages"]) == 6]
     assert len(last_turns) == 6
     for messages in last_turns:
@@ -135,3 +139,45 @@ async def test_cli_resolves_the_model_and_writes_json_and_chart(fake, tmp_path: 
     assert {r["max_tokens"] for r in doc["requests"]} <= {2, 5}
     assert (tmp_path / "o.png").stat().st_size > 1000
     assert all(h.get("X-Test") == "yes" for h in server.headers)
+
+
+async def test_cli_runs_cache_pressure_with_its_own_defaults(fake, tmp_path: Path, capsys) -> None:
+    import argparse
+
+    from services.bench.cli import _main, add_parser
+
+    server, url = fake
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    ns = parser.parse_args(["bench", "--url", url, "--model", "m", "--workload", "cache_pressure", "--requests",
+                            "4", "--groups", "2", "--context-tokens", "40", "--think-seconds", "0", "--rate",
+                            "100", "--max-tokens", "2", "--quiet", "--json", str(tmp_path / "p.json")])
+    assert await _main(ns) == 0
+    assert "| all | 16/16 |" in capsys.readouterr().out  # 4 sessions x the default 4 turns
+    assert {len(b["messages"]) for b in server.bodies} == {2, 4, 6, 8}
+    assert all(b["messages"][0]["content"].startswith("Group ") for b in server.bodies)
+    assert json.loads((tmp_path / "p.json").read_text())["meta"]["rate"] == 100.0
+
+
+async def test_cli_prints_and_saves_the_floor_when_asked(fake, tmp_path: Path, capsys) -> None:
+    import argparse
+
+    from services.bench.cli import _main, add_parser
+
+    _server, url = fake
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    root = Path(__file__).resolve().parents[3]
+    base = ["bench", "--url", url, "--model", "m", "--workload", "cache_pressure", "--requests", "3", "--groups",
+            "1", "--context-tokens", "300", "--think-seconds", "0", "--rate", "50", "--max-tokens", "2", "--quiet",
+            "--floor-profile", str(root / "config" / "sim-profiles" / "llama3-8b-a100.yaml"), "--floor-engines", "2"]
+    assert await _main(parser.parse_args(base)) == 2  # the floor needs the tokenizer
+    ns = parser.parse_args([*base, "--tokenizer", str(root / ".models" / "tiny-llama"),
+                            "--floor-total-blocks", "640", "--json", str(tmp_path / "f.json")])
+    assert await _main(ns) == 0
+    out = capsys.readouterr().out
+    assert "floor (2 x llama3-8b-a100, unbounded KV)" in out and "floor (2 x 640 KV blocks, pooled)" in out
+    assert out.count("| all | 12/12 |") == 3
+    summary = json.loads((tmp_path / "f.json").read_text())["summary"]
+    for floor in (summary["floor"], summary["floor_kv"]):
+        assert floor["requests"] == 12 and sum(floor["per_engine"]) == 12 and floor["prefix_hit_rate"] > 0.5

@@ -14,6 +14,8 @@ from services.bench.workloads import (
     WorkloadSpec,
     arrival_offsets,
     build_workload,
+    spec_for,
+    zipf_weights,
 )
 
 
@@ -86,3 +88,44 @@ def test_invalid_specs_are_refused() -> None:
         ArrivalSpec(Arrival.POISSON, rate=0.0)
     with pytest.raises(ValueError):
         ArrivalSpec(Arrival.CLOSED, concurrency=0)
+
+
+def test_cache_pressure_defaults_are_the_benchmark_shape_and_overrides_win() -> None:
+    spec = spec_for(WorkloadKind.CACHE_PRESSURE, 10)
+    assert (spec.groups, spec.context_tokens, spec.turns, spec.max_tokens, spec.zipf) == (64, 3000, 4, 32, 0.8)
+    # Distinct context total: several times one engine's KV (640 x 16 = 10,240) and past the fleet's 81,920.
+    assert spec.groups * spec.context_tokens > 2 * 8 * 640 * 16
+    tuned = spec_for(WorkloadKind.CACHE_PRESSURE, 10, groups=5, zipf=None, seed=3)
+    assert (tuned.groups, tuned.zipf, tuned.seed) == (5, 0.8, 3)
+    assert spec_for(WorkloadKind.SHARED_PREFIX, 10, groups=None) == WorkloadSpec(WorkloadKind.SHARED_PREFIX, 10)
+
+
+def test_cache_pressure_contexts_vary_in_length_and_groups_follow_zipf() -> None:
+    count = lambda text: len(text.split())  # noqa: E731 - one "token" per word
+    spec = spec_for(WorkloadKind.CACHE_PRESSURE, 3000, groups=6, context_tokens=300, context_spread=0.5)
+    convs = build_workload(spec, ArrivalSpec(rate=50.0), count)
+    contexts = {c.group: c.system for c in convs}
+    assert sorted(contexts) == list(range(6)) and all(c.system == contexts[c.group] for c in convs)
+    lengths = [count(t) for t in contexts.values()]
+    assert all(150 <= n <= 450 for n in lengths) and len(set(lengths)) > 1
+    shares = [sum(c.group == g for c in convs) / len(convs) for g in range(6)]
+    assert shares == pytest.approx(zipf_weights(6, 0.8), abs=0.03)
+    assert shares[0] > 2 * shares[5]  # skewed: 6**0.8 = 4.2x
+
+
+def test_cache_pressure_sessions_grow_over_distinct_turns() -> None:
+    convs = build_workload(spec_for(WorkloadKind.CACHE_PRESSURE, 20, groups=4, context_tokens=40, turns=3),
+                           ArrivalSpec(rate=5.0))
+    assert all(len(c.turns) == 3 and c.think_seconds == 1.0 and c.priority is None for c in convs)
+    users = [t.user for c in convs for t in c.turns]
+    assert len(set(users)) == len(users) and all(t.max_tokens == 32 for c in convs for t in c.turns)
+    with pytest.raises(ValueError):
+        WorkloadSpec(WorkloadKind.CACHE_PRESSURE, 5, zipf=-1.0)
+
+
+def test_cache_pressure_contexts_do_not_depend_on_sessions_or_arrivals() -> None:
+    spec = spec_for(WorkloadKind.CACHE_PRESSURE, 30, groups=3, context_tokens=40)
+    few = build_workload(spec_for(WorkloadKind.CACHE_PRESSURE, 5, groups=3, context_tokens=40),
+                         ArrivalSpec(Arrival.GAMMA, rate=1.0, gamma_shape=0.3))
+    many = build_workload(spec, ArrivalSpec(rate=9.0))
+    assert {c.group: c.system for c in few}.items() <= {c.group: c.system for c in many}.items()

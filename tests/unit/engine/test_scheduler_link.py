@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import aiohttp
 import grpc
 import pytest
-from engine_helpers import engine_config, mesh_config, prompt_of
+from engine_helpers import engine_config, free_port, mesh_config, prompt_of
 
 from services.common.prefix_hash import block_hashes
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -208,3 +209,29 @@ async def test_a_fence_ends_the_named_generations_and_counts_them(mesh) -> None:
     assert svc.runtime.live_count == 0 and svc.backend.load().blocks_used == 0
     assert svc.link is not None and svc.link.fencer.fenced == 1
     assert b'kvmesh_engine_fenced_total{engine="engine-0"} 1.0' in svc.metrics.exposition()
+
+
+async def test_load_reports_leave_out_the_engines_own_endpoint_requests() -> None:
+    """A request of the engine's own OpenAI endpoint (another router's) is
+    leased by no scheduler: the report counts it as running but does not list
+    its id, so the scheduler never fences it (listed, each was ended ~1-2 s
+    after it started, finish_reason "abort")."""
+    server, fake, port = await start_fake()
+    engine = engine_config(scheduler_address=f"127.0.0.1:{port}", http_port=free_port())
+    engine.sim.speed_factor = 0.05
+    svc = EngineService(mesh_config(), engine)
+    await svc.start()
+    try:
+        await fake.next("kv_snapshot")
+        body = {"prompt": prompt_of(8, start=700), "max_tokens": 4000, "stream": True}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"http://127.0.0.1:{engine.http_port}/v1/completions", json=body) as resp:
+                await resp.content.readline()  # the stream is open: the generation is live
+                async with asyncio.timeout(5):
+                    while not (load := (await fake.next("load")).load).running:
+                        pass
+                assert svc.runtime.live_count == 1
+                assert list(load.request_ids) == []
+    finally:
+        await svc.stop()
+        await server.stop(0)
