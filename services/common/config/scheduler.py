@@ -166,8 +166,10 @@ class SchedulerConfig:
     tick_seconds: float = 0.1
     # Estimate of an engine's prefill speed at weight 1, in prompt tokens/s,
     # used to turn an engine's queued prompt tokens into seconds of queueing
-    # (sticky_until_saturated). 20k tok/s matches the sim's default cost model.
-    # > 0.
+    # (sticky_until_saturated). 20k tok/s matches the sim's default cost model
+    # (the calibrated A100 profile at speed_factor 4 prefills ~4,700).
+    # predicted_ttft uses each engine's own measured speed (LoadReport 310)
+    # and this only until the engine has measured one. > 0.
     prefill_tokens_per_second: float = 20000.0
     # predicted_ttft: a hot prefix spreads to a cold engine only when its
     # warm engines' predicted TTFT exceeds the cold one's (full prefill
