@@ -195,6 +195,16 @@ def engine_urls(mesh: Mesh) -> list[str]:
     return [f"http://127.0.0.1:{mesh.config.engine_config(i).http_port}" for i in range(mesh.config.engines.count)]
 
 
+def engine_speeds(mesh: Mesh) -> str:
+    """Each engine's measured prefill speed and step time (LoadReport 310-311) as the scheduler has them."""
+    try:
+        with grpc.insecure_channel(mesh.endpoints.scheduler) as channel:
+            state = scheduler_pb2_grpc.SchedulerStub(channel).GetState(scheduler_pb2.GetStateRequest(), timeout=5)
+    except grpc.RpcError as err:
+        return f"(GetState failed: {err.code().name})"
+    return " ".join(f"{e.prefill_tokens_per_second:.0f}/{e.step_seconds * 1000:.0f}" for e in state.engines)
+
+
 def engine_successes(mesh: Mesh) -> list[int]:
     """Requests each engine has finished (its vllm:request_success_total)."""
     out = []
@@ -370,8 +380,8 @@ def run_one(label: str, workload: Workload, spec: WorkloadSpec, target: Target, 
                                    r.cached_tokens, r.status] for r in run.results]
     summary["label"] = label
     summary["workload"] = workload.name
-    print(f"\n{label} [{workload.name}]\n{format_summary(summary)}\nrequests per engine: {summary['per_engine']}",
-          file=sys.stderr, flush=True)
+    print(f"\n{label} [{workload.name}]\n{format_summary(summary)}\nrequests per engine: {summary['per_engine']}\n"
+          f"measured prefill tok/s / step ms per engine: {engine_speeds(mesh)}", file=sys.stderr, flush=True)
     return Measured(summary, run.results, warm)
 
 

@@ -134,6 +134,10 @@ class LoadSnapshot:
     cached_blocks: int
     queued_tokens: int
     request_ids: list[str]
+    # The engine's measured step speed (services/engine/step_speed.py); 0 = unknown.
+    prefill_tokens_per_second: float = 0.0
+    step_seconds: float = 0.0
+    step_token_budget: int = 0
 
 
 @dataclass(frozen=True)

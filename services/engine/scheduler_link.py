@@ -396,6 +396,8 @@ class SchedulerLink:
             blocks_total=load.blocks_total, cached_blocks=load.cached_blocks,
             serving=self._runtime.serving, queued_tokens=load.queued_tokens,
             request_ids=fenceable(load.request_ids),  # not the engine's own endpoint's (fencing.py)
+            prefill_tokens_per_second=load.prefill_tokens_per_second,
+            step_seconds=load.step_seconds, step_token_budget=load.step_token_budget,
         )
         report.prefix_cache_queries, report.prefix_cache_hits = self._runtime.metrics.prefix_cache_totals()
         blob = report.SerializeToString(deterministic=True)

@@ -95,6 +95,8 @@ def _load(report: scheduler_pb2.LoadReport) -> EngineLoad:
         serving=report.serving, queued_tokens=report.queued_tokens,
         request_ids=frozenset(report.request_ids),
         prefix_cache_queries=report.prefix_cache_queries, prefix_cache_hits=report.prefix_cache_hits,
+        prefill_tokens_per_second=report.prefill_tokens_per_second, step_seconds=report.step_seconds,
+        step_token_budget=report.step_token_budget,
     )
 
 

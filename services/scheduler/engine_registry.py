@@ -82,6 +82,10 @@ class EngineLoad:
     # Prompt tokens looked up in / found in its prefix cache since it started.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Its measured step speed (services/engine/step_speed.py); 0 = unknown.
+    prefill_tokens_per_second: float = 0.0
+    step_seconds: float = 0.0
+    step_token_budget: int = 0
 
 
 @dataclass

@@ -257,6 +257,18 @@ class EngineFleet:
             queued_tokens=e.load.queued_tokens, weight=weight,
             max_model_len=e.info.max_model_len, queue_seconds=queue_seconds, p0_queue_seconds=p0_queue_seconds,
             cached_blocks=e.load.cached_blocks, p0_reserved_leases=self._config.p0_reserved_leases,
+            prefill_tokens_per_second=e.load.prefill_tokens_per_second, step_seconds=e.load.step_seconds,
+            step_token_budget=e.load.step_token_budget, unreported_tokens=self._unreported_tokens(e),
+        )
+
+    def _unreported_tokens(self, e: EngineRecord) -> int:
+        """Uncached prompt tokens of leases on `e` its last report does not
+        show: placed since, so not in its queued_tokens yet. O(leases on e)."""
+        reported = e.load.request_ids
+        return sum(
+            max(0, lease.prompt_tokens - lease.cached_tokens)
+            for lid in e.leases
+            if (lease := self._leases.get(lid)) is not None and lease.request_id not in reported
         )
 
     def check_servable(

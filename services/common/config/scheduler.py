@@ -46,8 +46,10 @@ class PolicyProfileConfig:
     # Picker name: chooses one engine from the scored ones.
     picker: str = "max_score"
     # Where cached-prefix knowledge comes from: "kv_index" (engines' KV
-    # events), "approx" (where this policy sent each prefix) or "none".
-    prefix_source: Literal["kv_index", "approx", "none"] = "kv_index"
+    # events), "kv_inflight" (those plus the prefixes of requests placed but
+    # not yet reported, for scheduler.inflight_prefix_seconds), "approx"
+    # (where this policy sent each prefix) or "none".
+    prefix_source: Literal["kv_index", "kv_inflight", "approx", "none"] = "kv_index"
 
 
 @dataclass
@@ -164,9 +166,21 @@ class SchedulerConfig:
     tick_seconds: float = 0.1
     # Estimate of an engine's prefill speed at weight 1, in prompt tokens/s,
     # used to turn an engine's queued prompt tokens into seconds of queueing
-    # (sticky_until_saturated). 20k tok/s matches the sim's default cost model.
-    # > 0.
+    # (sticky_until_saturated). 20k tok/s matches the sim's default cost model
+    # (the calibrated A100 profile at speed_factor 4 prefills ~4,700).
+    # predicted_ttft uses each engine's own measured speed (LoadReport 310)
+    # and this only until the engine has measured one. > 0.
     prefill_tokens_per_second: float = 20000.0
+    # predicted_ttft: a hot prefix spreads to a cold engine only when its
+    # warm engines' predicted TTFT exceeds the cold one's (full prefill
+    # counted) by this many seconds, and an extra warm copy takes requests
+    # only while the preferred one is this much worse (hysteresis both
+    # ways). >= 0.
+    predicted_ttft_margin_seconds: float = 0.1
+    # kv_inflight prefix source: seconds a placed request's prefix counts as
+    # about to be cached on its engine when no KV event has shown it yet.
+    # > 0.
+    inflight_prefix_seconds: float = 5.0
     # Seconds a request holds a batch slot before anything is measured; the
     # per-engine figure then follows an EWMA of observed lease durations. > 0.
     initial_service_seconds: float = 2.0

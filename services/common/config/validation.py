@@ -230,9 +230,9 @@ def _check_scheduler_timing(scheduler: _Section) -> None:
     scheduler.positive(
         "stale_report_seconds", "queued_update_seconds", "tick_seconds",
         "prefill_tokens_per_second", "initial_service_seconds",
-        "dispatch_rate_window_seconds",
+        "dispatch_rate_window_seconds", "inflight_prefix_seconds",
     )
-    scheduler.non_negative("sticky_margin_seconds", "engine_grace_seconds")
+    scheduler.non_negative("sticky_margin_seconds", "engine_grace_seconds", "predicted_ttft_margin_seconds")
 
 
 def _check_scheduler_limits(scheduler: _Section) -> None:

@@ -36,6 +36,7 @@ from services.engine.sim.cost_model import step_seconds
 from services.engine.sim.speed import SimSpeed
 from services.engine.sim.step_stats import SimStepMeter
 from services.engine.sim.text import TokenPicker
+from services.engine.step_speed import StepSpeed
 
 __all__ = ["SimBackend"]
 
@@ -82,6 +83,9 @@ class SimBackend:
         self._loop_task: asyncio.Task[None] | None = None
         self._on_change: Callable[[], None] | None = None
         self._meter = SimStepMeter()  # step statistics for the engine's metrics (step_stats.py)
+        # Measured step speed for the load report (step_speed.py): the sim's
+        # steps as they really took, timer overshoot and slowdowns included.
+        self._speed = StepSpeed(budget_tokens=engine.sim.chunk_tokens)
         # Run-time speed (speed.py): the schedule counts from the step loop's start.
         self.speed = SimSpeed(engine.sim.speed_schedule, 0.0)
 
@@ -138,7 +142,11 @@ class SimBackend:
         return found
 
     def load(self) -> LoadSnapshot:
-        return self._core.load()
+        load = self._core.load()
+        load.prefill_tokens_per_second = self._speed.prefill_tokens_per_second
+        load.step_seconds = self._speed.step_seconds
+        load.step_token_budget = self._speed.budget_tokens
+        return load
 
     def kv_snapshot(self) -> list[int]:
         return self._core.pool.snapshot()
@@ -217,6 +225,8 @@ class SimBackend:
             await self._unwedged.wait()
             before = self._meter.before_apply(plan)
             finished = self._core.apply(plan)
-            self._meter.after_step(plan, before, started, loop.time())
+            ended = loop.time()
+            self._meter.after_step(plan, before, started, ended)
+            self._speed.observe(ended - started, plan.work.prefill_tokens)
             if finished or plan.changed:
                 self._changed()

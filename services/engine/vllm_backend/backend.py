@@ -282,6 +282,8 @@ class VllmBackend:
             cached_blocks=self._translator.num_blocks if self._translator else 0,
             queued_tokens=queued,
             request_ids=list(self._active),
+            prefill_tokens_per_second=self._stats.speed.prefill_tokens_per_second,
+            step_seconds=self._stats.speed.step_seconds,
         )
 
     def kv_snapshot(self) -> list[int]:

@@ -15,10 +15,11 @@ continuously in between).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.engine.backend import RequestPhases, StepObserver
+from services.engine.step_speed import StepSpeed
 
 __all__ = ["EngineStats", "forward_iteration", "make_stat_logger_factory"]
 
@@ -36,6 +37,7 @@ class EngineStats:
     preemptions: int = 0
     observer: StepObserver | None = None  # the engine's metrics (set_step_observer)
     last_step_at: float | None = None     # iteration timestamp of the last step with a batch
+    speed: StepSpeed = field(default_factory=StepSpeed)  # measured step speed for the load report
 
 
 def forward_iteration(stats: EngineStats, scheduler_stats: Any, iteration_stats: Any, busy_before: bool) -> None:
@@ -43,9 +45,6 @@ def forward_iteration(stats: EngineStats, scheduler_stats: Any, iteration_stats:
     attribute, as vLLM's own PrometheusStatLogger reads them)."""
     observer = stats.observer
     at = getattr(iteration_stats, "iteration_timestamp", None)
-    if observer is None:
-        stats.last_step_at = at if stats.running else None
-        return
     details = getattr(scheduler_stats, "iteration_details", None) if scheduler_stats is not None else None
     seconds: float | None = None
     if details is not None:
@@ -54,6 +53,10 @@ def forward_iteration(stats: EngineStats, scheduler_stats: Any, iteration_stats:
         seconds = at - stats.last_step_at
     prompt_stats = getattr(iteration_stats, "prompt_token_stats", None)
     computed = prompt_stats.computed if prompt_stats is not None else iteration_stats.num_prompt_tokens
+    stats.speed.observe(seconds, computed)
+    if observer is None:
+        stats.last_step_at = at if stats.running else None
+        return
     observer.step(seconds, computed + iteration_stats.num_generation_tokens,
                   getattr(iteration_stats, "num_preempted_reqs", 0))
     for gap in iteration_stats.inter_token_latencies_iter:

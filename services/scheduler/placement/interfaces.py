@@ -65,6 +65,15 @@ class EngineView:
     # the engine's P0 headroom): batch leases left out. None = queue_seconds.
     # The framework puts it in queue_seconds for a P0 request (policies.py).
     p0_queue_seconds: float | None = None
+    # The engine's measured step speed (LoadReport 310-312; 0 = unknown: a
+    # policy falls back to scheduler.prefill_tokens_per_second).
+    prefill_tokens_per_second: float = 0.0
+    step_seconds: float = 0.0
+    step_token_budget: int = 0
+    # Uncached prompt tokens of our leases there that its last report does
+    # not show yet (placed since): work ahead of a new request not yet in
+    # queued_tokens.
+    unreported_tokens: int = 0
 
     @property
     def free_blocks(self) -> int:

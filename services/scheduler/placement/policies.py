@@ -22,6 +22,11 @@ Built-in policies (`scheduler.policy`):
                          (counting the prefill a colder engine would pay);
                          then, and for cold prefixes, least load, then the
                          fewest cached blocks (prefixes spread over engines)
+  predicted_ttft         the engine with the lowest predicted time to first
+                         token from engines' measured speeds, counting
+                         prefixes placed but not yet reported as cached;
+                         a hot prefix spreads and shrinks back
+                         (placement/predicted.py, placement/inflight.py)
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from typing import Any, Literal, Protocol, cast
 from services.common.config import ConfigError, PolicyProfileConfig, SchedulerConfig
 
 from ..reservations import blocks_needed
+from .inflight import InflightPrefixes, OverlaidPrefixes
 from .interfaces import (
     EngineView,
     Filter,
@@ -66,7 +72,7 @@ def builtin_profiles() -> dict[str, PolicyProfileConfig]:
     """The built-in policies as profiles (a fresh copy each call)."""
 
     def profile(
-        scorers: dict[str, float], picker: str, source: Literal["kv_index", "approx", "none"]
+        scorers: dict[str, float], picker: str, source: Literal["kv_index", "kv_inflight", "approx", "none"]
     ) -> PolicyProfileConfig:
         return PolicyProfileConfig(
             filters=list(_DEFAULT_FILTERS), scorers=scorers, picker=picker,
@@ -84,6 +90,9 @@ def builtin_profiles() -> dict[str, PolicyProfileConfig]:
         ),
         "sticky_until_saturated": profile(
             {"load": 1.0, "kv_usage": 0.5, "cache_spread": 0.5}, "sticky_until_saturated", "kv_index"
+        ),
+        "predicted_ttft": profile(
+            {"load": 1.0, "kv_usage": 0.5, "cache_spread": 0.5}, "predicted_ttft", "kv_inflight"
         ),
     }
 
@@ -149,6 +158,14 @@ def _with_request_fields(view: EngineView, **fields: float) -> EngineView:
 
 
 @dataclass(frozen=True)
+class PrefixMemoryLimits:
+    """Bounds of a policy's own prefix memory (approx / kv_inflight)."""
+
+    capacity: int                   # hashes remembered at most
+    inflight_seconds: float = 5.0   # how long a placed prefix counts as cached
+
+
+@dataclass(frozen=True)
 class Placement:
     view: EngineView
     cached_tokens: int
@@ -167,7 +184,7 @@ class PlacementPolicy:
         picker: Picker,
         prefix_source: str,
         seed: int,
-        approx_capacity: int,
+        memory: PrefixMemoryLimits,
     ) -> None:
         self.name = name
         self.filters = list(filters)
@@ -175,11 +192,15 @@ class PlacementPolicy:
         self.picker = picker
         self.prefix_source_name = prefix_source
         self.state = PickerState(rng=random.Random(seed))
-        self.approx = ApproxPrefixMemory(approx_capacity) if prefix_source == "approx" else None
+        self.approx = ApproxPrefixMemory(memory.capacity) if prefix_source == "approx" else None
+        self.inflight = (InflightPrefixes(memory.inflight_seconds, memory.capacity)
+                         if prefix_source == "kv_inflight" else None)
 
     def _prefix_source(self, kv_index: PrefixSource) -> PrefixSource:
         if self.prefix_source_name == "kv_index":
             return kv_index
+        if self.inflight is not None:
+            return OverlaidPrefixes(kv_index, self.inflight)
         if self.approx is not None:
             return self.approx
         return _NoPrefix()
@@ -265,6 +286,8 @@ class PlacementPolicy:
         """The request went to `engine_id` (the approximate prefix memory)."""
         if self.approx is not None:
             self.approx.remember(request.prefix_hashes, engine_id)
+        if self.inflight is not None:
+            self.inflight.add(request.prefix_hashes, engine_id)
 
     def passes(self, request: PlacementRequest, view: EngineView) -> bool:
         """Whether one completed view passes every filter (no pick, no
@@ -282,6 +305,8 @@ class PlacementPolicy:
         self.state.rr_current.pop(engine_id, None)
         if self.approx is not None:
             self.approx.forget_engine(engine_id)
+        if self.inflight is not None:
+            self.inflight.forget_engine(engine_id)
 
 
 def build_policy(name: str, config: SchedulerConfig, registry: PluginRegistry) -> PlacementPolicy:
@@ -299,5 +324,5 @@ def build_policy(name: str, config: SchedulerConfig, registry: PluginRegistry) -
         picker=registry.make_picker(profile.picker, f"{where}.picker"),
         prefix_source=profile.prefix_source,
         seed=config.placement_seed,
-        approx_capacity=config.approx_prefix_capacity,
+        memory=PrefixMemoryLimits(config.approx_prefix_capacity, config.inflight_prefix_seconds),
     )

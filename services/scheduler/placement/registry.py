@@ -18,6 +18,7 @@ from services.common.config import ConfigError, SchedulerConfig
 from ..queue_policies import FairnessPolicy, FifoOrdering, OrderingPolicy, RoundRobinTenants
 from . import filters, pickers, scorers
 from .interfaces import Filter, Picker, Scorer
+from .predicted import PredictedTtftPicker
 
 __all__ = ["PluginRegistry", "builtin_registry"]
 
@@ -111,6 +112,8 @@ def builtin_registry(config: SchedulerConfig) -> PluginRegistry:
         pickers.StickyUntilSaturatedPicker.name,
         lambda: pickers.StickyUntilSaturatedPicker(margin, prefill_rate),
     )
+    ttft_margin = config.predicted_ttft_margin_seconds
+    registry.register_picker(PredictedTtftPicker.name, lambda: PredictedTtftPicker(prefill_rate, ttft_margin))
     registry.register_fairness(RoundRobinTenants.name, RoundRobinTenants)
     registry.register_ordering(FifoOrdering.name, FifoOrdering)
     return registry

@@ -246,6 +246,19 @@ async def test_drain_command_reaches_engine_and_stops_placement(stack) -> None:
     engine.cancel()
 
 
+async def test_measured_step_speed_reaches_get_state(stack) -> None:
+    """LoadReport 310-311 (the engine's measured prefill speed and step
+    time) are read into the fleet's view and shown by GetState."""
+    _, stub, _ = stack
+    engine = stub.Connect(timeout=TIMEOUT * 3)
+    await engine.write(hello("eng-4"))
+    await engine.write(pb.EngineMessage(load=pb.LoadReport(
+        serving=True, blocks_total=1000, prefill_tokens_per_second=4700.0, step_seconds=0.04, step_token_budget=512)))
+    state = await wait_state(stub, lambda s: len(s.engines) == 1 and s.engines[0].fresh)
+    assert (state.engines[0].prefill_tokens_per_second, state.engines[0].step_seconds) == (4700.0, 0.04)
+    engine.cancel()
+
+
 async def test_serve_runs_until_cancelled() -> None:
     from services.scheduler.server import serve
 

@@ -220,7 +220,7 @@ class EngineHello(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., max_running: _Optional[int] = ..., weight: _Optional[float] = ..., max_model_len: _Optional[int] = ..., hash_block_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., http_address: _Optional[str] = ..., incarnation: _Optional[int] = ..., model_revision: _Optional[str] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("running", "waiting", "blocks_used", "blocks_total", "cached_blocks", "serving", "queued_tokens", "request_ids", "prefix_cache_queries", "prefix_cache_hits")
+    __slots__ = ("running", "waiting", "blocks_used", "blocks_total", "cached_blocks", "serving", "queued_tokens", "request_ids", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens_per_second", "step_seconds", "step_token_budget")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +231,9 @@ class LoadReport(_message.Message):
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     blocks_used: int
@@ -241,7 +244,10 @@ class LoadReport(_message.Message):
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     prefix_cache_queries: int
     prefix_cache_hits: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., serving: _Optional[bool] = ..., queued_tokens: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
+    prefill_tokens_per_second: float
+    step_seconds: float
+    step_token_budget: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., serving: _Optional[bool] = ..., queued_tokens: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens_per_second: _Optional[float] = ..., step_seconds: _Optional[float] = ..., step_token_budget: _Optional[int] = ...) -> None: ...
 
 class KvEvents(_message.Message):
     __slots__ = ("seq", "stored", "removed", "cleared")
@@ -316,7 +322,7 @@ class QueueState(_message.Message):
     def __init__(self, priority: _Optional[int] = ..., tenant: _Optional[str] = ..., queued: _Optional[int] = ..., oldest_wait_seconds: _Optional[float] = ..., batch: _Optional[bool] = ...) -> None: ...
 
 class EngineState(_message.Message):
-    __slots__ = ("engine_id", "address", "model", "serving", "draining", "fresh", "running", "waiting", "blocks_used", "blocks_total", "blocks_reserved", "cached_blocks", "leases", "weight", "backend", "incarnation", "max_model_len", "drained_by_admin", "model_revision")
+    __slots__ = ("engine_id", "address", "model", "serving", "draining", "fresh", "running", "waiting", "blocks_used", "blocks_total", "blocks_reserved", "cached_blocks", "leases", "weight", "backend", "incarnation", "max_model_len", "drained_by_admin", "model_revision", "prefill_tokens_per_second", "step_seconds")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -336,6 +342,8 @@ class EngineState(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     DRAINED_BY_ADMIN_FIELD_NUMBER: _ClassVar[int]
     MODEL_REVISION_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     address: str
     model: str
@@ -355,7 +363,9 @@ class EngineState(_message.Message):
     max_model_len: int
     drained_by_admin: bool
     model_revision: str
-    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., draining: _Optional[bool] = ..., fresh: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., blocks_reserved: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., weight: _Optional[float] = ..., backend: _Optional[str] = ..., incarnation: _Optional[int] = ..., max_model_len: _Optional[int] = ..., drained_by_admin: _Optional[bool] = ..., model_revision: _Optional[str] = ...) -> None: ...
+    prefill_tokens_per_second: float
+    step_seconds: float
+    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., draining: _Optional[bool] = ..., fresh: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., blocks_reserved: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., weight: _Optional[float] = ..., backend: _Optional[str] = ..., incarnation: _Optional[int] = ..., max_model_len: _Optional[int] = ..., drained_by_admin: _Optional[bool] = ..., model_revision: _Optional[str] = ..., prefill_tokens_per_second: _Optional[float] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class ClassState(_message.Message):
     __slots__ = ("priority", "preemptions", "requeued", "preempted_now", "seconds_lost", "displaced", "protected", "batch_queued", "batch_preemptions")

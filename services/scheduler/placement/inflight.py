@@ -1,0 +1,107 @@
+"""Prefixes about to be cached: an overlay over the KV index (prefix source
+`kv_inflight`) for requests placed but not yet reported by KV events.
+
+An engine reports a prompt's blocks only once it has prefilled them: one
+report interval plus queueing plus the prefill itself (~0.6 s for a
+2,000-token context on the benchmark's sim at speed_factor 4). Until then the
+KV index says nobody holds a new prefix, so a burst of requests sharing it is
+placed as if cold, one by one: each on the least loaded engine, several
+engines each paying the full prefill (and evicting other contexts for the
+copy). With the overlay the first placement makes its engine warm for the
+rest of the burst.
+
+An entry lives until the first of:
+* the KV index shows the engine holding the block (reported: the overlay is
+  no longer needed, and the index then also sees its eviction);
+* `ttl_seconds` after the placement (default 5 s, well past a cold prefill
+  plus a report interval, yet short): the overlay cannot see a lease end or
+  an abort before the prefill, and a wrong "warm" costs at most one
+  misplaced prefill per prefix within that bound;
+* the engine leaving (`forget_engine`) or the capacity bound (oldest first).
+
+Owned by one `PlacementPolicy`; called on the scheduler core's thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+__all__ = ["InflightPrefixes", "OverlaidPrefixes"]
+
+
+class _Source(Protocol):
+    def prefix_matches(self, prefix: Sequence[int], engines: Iterable[str]) -> dict[str, int]: ...
+
+
+class InflightPrefixes:
+    def __init__(self, ttl_seconds: float, capacity: int, clock: Callable[[], float] = time.monotonic) -> None:
+        if ttl_seconds <= 0 or capacity <= 0:
+            raise ValueError("in-flight prefix TTL and capacity must be > 0")
+        self._ttl = ttl_seconds
+        self._capacity = capacity
+        self._clock = clock
+        # hash -> engine id -> expiry; in order of last placement, so the
+        # oldest (first to expire, TTLs being equal) are at the front.
+        self._entries: OrderedDict[int, dict[str, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, prefix: Sequence[int], engine_id: str) -> None:
+        """`engine_id` is about to cache `prefix` (a request was placed there)."""
+        now = self._clock()
+        expires = now + self._ttl
+        for h in prefix:
+            engines = self._entries.get(h)
+            if engines is None:
+                engines = self._entries[h] = {}
+            else:
+                self._entries.move_to_end(h)
+            engines[engine_id] = expires
+        while self._entries:
+            first = next(iter(self._entries.values()))
+            if len(self._entries) <= self._capacity and max(first.values(), default=float("-inf")) >= now:
+                break
+            self._entries.popitem(last=False)
+
+    def forget_engine(self, engine_id: str) -> None:
+        for engines in self._entries.values():
+            engines.pop(engine_id, None)
+
+    def _holds(self, engine_id: str, block_hash: int, now: float) -> bool:
+        engines = self._entries.get(block_hash)
+        expires = engines.get(engine_id) if engines is not None else None
+        return expires is not None and expires >= now
+
+    def extend(self, prefix: Sequence[int], reported: dict[str, int]) -> dict[str, int]:
+        """Per engine, its reported match extended by the hashes placed there
+        since; entries the report already covers are dropped."""
+        if not self._entries or not prefix:
+            return reported
+        now = self._clock()
+        result = dict(reported)
+        for engine_id, held in reported.items():
+            if held and self._holds(engine_id, prefix[held - 1], now):
+                for h in prefix[:held]:               # reported: no longer in flight
+                    engines = self._entries.get(h)
+                    if engines is not None:
+                        engines.pop(engine_id, None)
+            i = held
+            while i < len(prefix) and self._holds(engine_id, prefix[i], now):
+                i += 1
+            result[engine_id] = i
+        return result
+
+
+class OverlaidPrefixes:
+    """A prefix source: the KV index's matches extended by the overlay."""
+
+    def __init__(self, base: _Source, inflight: InflightPrefixes) -> None:
+        self._base = base
+        self._inflight = inflight
+
+    def prefix_matches(self, prefix: Sequence[int], engines: Iterable[str]) -> dict[str, int]:
+        return self._inflight.extend(prefix, self._base.prefix_matches(prefix, engines))

@@ -1,0 +1,104 @@
+"""The `predicted_ttft` picker: each engine rated by the time to first token
+this request would see there, from what the engine measures and reports.
+
+    TTFT(e) = slot wait                     (no batch slot free: leases over max_running)
+            + (tokens ahead + uncached) / prefill speed
+            + steps x step time
+
+* tokens ahead: the engine's queued prompt tokens (its report) plus the
+  uncached prompt tokens of our leases it has not reported yet;
+* uncached: the part of THIS prompt the engine does not hold (KV index plus
+  the in-flight overlay, placement/inflight.py);
+* prefill speed and step time: measured by the engine (LoadReport 310-312,
+  services/engine/step_speed.py); step time includes the decode load of its
+  running batch, since every running sequence slows every step (the sim's
+  cost model, sim/cost_model.py). Unmeasured: scheduler.prefill_tokens_per_second
+  x weight and no step term. The benchmark's sim prefills ~4,700 tok/s at
+  speed_factor 4, so the fixed 20,000 made a cold prefill look 4x cheaper
+  than it is and the sticky policy spilled too readily;
+* steps: 1 + tokens / the engine's step token budget (chunked prefill).
+
+Choice, with `margin` seconds of hysteresis both ways:
+1. No engine holds any of the prefix: the lowest predicted TTFT; engines
+   within `_TIE_SECONDS` of it are equal and the scorers' order decides
+   (load, KV headroom, fewest cached contexts).
+2. Warm engines (holding part of the prefix) win unless the best of them is
+   predicted worse than the best cold engine, its full prefill counted, by
+   more than `margin`: then the hot prefix spreads to that cold engine (the
+   overlay makes it warm for the rest of the burst, so one engine takes the
+   copy, not several).
+3. Among warm engines within `margin` of the best warm one: the longest
+   prefix, then a stable per-prefix order (highest random weight of (prefix,
+   engine), i.e. rendezvous hashing). The same engine therefore takes the
+   prefix whenever it can, and an extra copy gets only the overflow.
+
+Why this does not thrash: a copy is added only when the warm engines are
+`margin` worse than a cold one even after paying its prefill; once added, a
+copy takes requests only while the preferred warm engine is `margin` behind
+it, and when load falls every request returns to the preferred engine (the
+choice is a function of the load, not of the last pick), so the extra copy
+stops being touched and ages out of its engine's LRU cache when other
+contexts need the room. Nothing is evicted on purpose and nothing flips on
+noise smaller than the margin.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+from .interfaces import EngineView, PickerState, PlacementRequest, ScoredEngine
+
+__all__ = ["PredictedTtftPicker", "predicted_ttft"]
+
+# Idle engines' measured step speeds differ by timer noise (a few ms per
+# step on the shared cores); closer than this, predictions are equal.
+_TIE_SECONDS = 0.02
+
+
+def predicted_ttft(request: PlacementRequest, view: EngineView, fallback_tokens_per_second: float) -> float:
+    """Seconds until `request`'s first token on `view`'s engine."""
+    fixed_rate = fallback_tokens_per_second * max(view.weight, 1e-9)
+    rate = view.prefill_tokens_per_second if view.prefill_tokens_per_second > 0 else fixed_rate
+    # The fleet's queue_seconds = queued_tokens at the fixed rate + slot wait
+    # (fleet.py `_view`; for a P0 the slots batch lines leave it): the slot wait is the rest.
+    slot_wait = max(0.0, view.queue_seconds - view.queued_tokens / fixed_rate)
+    uncached = max(0, request.prompt_tokens - view.cached_tokens)
+    tokens = view.queued_tokens + view.unreported_tokens + uncached
+    steps = 1 + (tokens // view.step_token_budget if view.step_token_budget > 0 else 0)
+    return slot_wait + tokens / rate + steps * view.step_seconds
+
+
+def _rank(request: PlacementRequest, engine_id: str) -> int:
+    """Rendezvous weight of (the request's first prefix block, engine)."""
+    root = request.prefix_hashes[0] if request.prefix_hashes else 0
+    return zlib.crc32(f"{root}:{engine_id}".encode())
+
+
+class PredictedTtftPicker:
+    name = "predicted_ttft"
+
+    def __init__(self, fallback_tokens_per_second: float, margin_seconds: float) -> None:
+        if fallback_tokens_per_second <= 0:
+            raise ValueError("prefill_tokens_per_second must be > 0")
+        if margin_seconds < 0:
+            raise ValueError("predicted_ttft margin must be >= 0 seconds")
+        self.fallback = fallback_tokens_per_second
+        self.margin = margin_seconds
+
+    def pick(
+        self, request: PlacementRequest, candidates: Sequence[ScoredEngine], state: PickerState
+    ) -> EngineView | None:
+        if not candidates:
+            return None
+        predicted = [(c.view, predicted_ttft(request, c.view, self.fallback)) for c in candidates]
+        warm = [(v, t) for v, t in predicted if v.prefix_blocks > 0]
+        cold = [(v, t) for v, t in predicted if v.prefix_blocks <= 0]
+        best_cold = min((t for _, t in cold), default=float("inf"))
+        if warm:
+            best_warm = min(t for _, t in warm)
+            if best_warm <= best_cold + self.margin:
+                near = [v for v, t in warm if t <= best_warm + self.margin]
+                return max(near, key=lambda v: (v.prefix_blocks, _rank(request, v.engine_id)))
+        # candidates are in score order: the first near-best cold engine
+        return next(v for v, t in cold if t <= best_cold + _TIE_SECONDS)
