@@ -83,7 +83,7 @@ class SchedulerConfig:
     port: int = 50051
     metrics_port: int = 9101
     # Placement policy by registered name (services/scheduler/placement/).
-    policy: str = "sticky_until_saturated"
+    policy: str = "predicted_ttft"
     # Which registered queue fairness policy the scheduler uses: which
     # tenant's request goes next. Round robin keeps one tenant's burst from
     # starving the others.

@@ -16,13 +16,13 @@ Built-in policies (`scheduler.policy`):
   prefix_approx          prefix affinity from where this policy sent each
                          prefix (no engine KV events), then load
   kv_precise             prefix affinity from engines' KV events, then load
-  sticky_until_saturated (default) the engine with the longest cached prefix
+  sticky_until_saturated the engine with the longest cached prefix
                          unless its estimated queueing exceeds the best other
                          engine's by scheduler.sticky_margin_seconds
                          (counting the prefill a colder engine would pay);
                          then, and for cold prefixes, least load, then the
                          fewest cached blocks (prefixes spread over engines)
-  predicted_ttft         the engine with the lowest predicted time to first
+  predicted_ttft         (default) the engine with the lowest predicted time to first
                          token from engines' measured speeds, counting
                          prefixes placed but not yet reported as cached;
                          a hot prefix spreads and shrinks back

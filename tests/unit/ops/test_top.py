@@ -132,7 +132,7 @@ async def test_gather_against_a_scheduler_and_metrics_ports(metrics_port: int) -
                 gatherer.close()
     finally:
         await service.stop(grace=0.2)
-    assert first.policy == "sticky_until_saturated" and first.engines == [] and first.problems == []
+    assert first.policy == "predicted_ttft" and first.engines == [] and first.problems == []
     assert [q.priority for q in first.queues] == [0, 1, 2]
     (gw,) = second.gateways
     assert gw.open_streams == 2 and gw.rejections == 1 and gw.requests_per_second == 0.0

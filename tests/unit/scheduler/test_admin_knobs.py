@@ -151,7 +151,7 @@ def test_policy_switch_takes_effect_for_the_next_placement() -> None:
     admit(core, opts("b"))
     placements = "kvmesh_scheduler_placements_total"
     assert core.state().policy == "round_robin"
-    assert core.metrics.value(placements, {"policy": "sticky_until_saturated", "kind": "cold"}) == 1
+    assert core.metrics.value(placements, {"policy": "predicted_ttft", "kind": "cold"}) == 1
     assert core.metrics.value(placements, {"policy": "round_robin", "kind": "cold"}) == 1
     with pytest.raises(ConfigError, match="unknown policy 'nope'"):
         core.handle(PolicyChosen("nope"))

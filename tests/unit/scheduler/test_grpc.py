@@ -74,7 +74,7 @@ async def test_queued_then_placed_then_done(stack) -> None:
 
     state = await wait_state(stub, lambda s: s.queued_total == 1)
     assert [(q.priority, q.tenant, q.queued) for q in state.queues] == [(2, "t", 1)]
-    assert state.policy == "sticky_until_saturated"
+    assert state.policy == "predicted_ttft"
 
     engine = stub.Connect(timeout=TIMEOUT * 3)
     await engine.write(hello())
