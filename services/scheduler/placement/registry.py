@@ -114,6 +114,11 @@ def builtin_registry(config: SchedulerConfig) -> PluginRegistry:
     )
     ttft_margin = config.predicted_ttft_margin_seconds
     registry.register_picker(PredictedTtftPicker.name, lambda: PredictedTtftPicker(prefill_rate, ttft_margin))
+    # Eviction weight 1: a live block pushed out costs its owner one prefill of it,
+    # as dear as the same prefill for this request.
+    registry.register_picker(
+        "predicted_ttft_live", lambda: PredictedTtftPicker(prefill_rate, ttft_margin, evict_weight=1.0)
+    )
     registry.register_fairness(RoundRobinTenants.name, RoundRobinTenants)
     registry.register_ordering(FifoOrdering.name, FifoOrdering)
     return registry
