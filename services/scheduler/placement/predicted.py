@@ -37,7 +37,9 @@ TTFT plus evict_weight x the prefill of the LIVE blocks the request's new
 blocks would push out there: blocks over the engine's room (blocks_total -
 live_blocks), live ones (placed there in the last few seconds,
 placement/live.py) being what a session comes back to on its next turn. The
-warm/cold spread test still compares plain predicted TTFTs.
+spread test (2.) compares the warm engines with these charged cold costs: a
+hot prefix or a session's later turn leaves the engine holding it only when
+that pays for the contexts the move evicts too.
 
 Why this does not thrash: a copy is added only when the warm engines are
 `margin` worse than a cold one even after paying its prefill; once added, a
@@ -119,14 +121,13 @@ class PredictedTtftPicker:
         predicted = [(c.view, predicted_ttft(request, c.view, self.fallback)) for c in candidates]
         warm = [(v, t) for v, t in predicted if v.prefix_blocks > 0]
         cold = [(v, t) for v, t in predicted if v.prefix_blocks <= 0]
+        if self.evict_weight > 0:  # a cold choice, or a spread, pays for the live blocks it evicts
+            cold = [(v, t + self.evict_weight * eviction_seconds(v, self.fallback)) for v, t in cold]
         best_cold = min((t for _, t in cold), default=float("inf"))
         if warm:
             best_warm = min(t for _, t in warm)
             if best_warm <= best_cold + self.margin:
                 near = [v for v, t in warm if t <= best_warm + self.margin]
                 return max(near, key=lambda v: (v.prefix_blocks, _rank(request, v.engine_id)))
-        if self.evict_weight > 0:
-            cold = [(v, t + self.evict_weight * eviction_seconds(v, self.fallback)) for v, t in cold]
-            best_cold = min(t for _, t in cold)
         # candidates are in score order: the first near-best cold engine
         return next(v for v, t in cold if t <= best_cold + _TIE_SECONDS)

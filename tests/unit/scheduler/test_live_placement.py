@@ -110,3 +110,17 @@ def test_the_policy_fills_live_blocks_from_its_own_placements() -> None:
 class _Nothing:
     def prefix_matches(self, prefix, engines):  # type: ignore[no-untyped-def]
         return dict.fromkeys(engines, 0)
+
+
+def test_a_spread_pays_for_the_live_blocks_it_evicts() -> None:
+    from .test_predicted_ttft import warm
+    # the warm engine is 0.15 s behind an idle cold one (margin 0.1): the plain picker spreads...
+    busy_warm = warm("w", queued_tokens=2500, live_blocks=300, blocks_needed=2)
+    full_cold = view("c", live_blocks=640, blocks_needed=130)
+    plain = PredictedTtftPicker(FALLBACK, 0.1)
+    assert pick(plain, [busy_warm, full_cold]) == "c"
+    # ...the live one stays: the spread would evict 130 live blocks (0.44 s of prefill)
+    assert pick(PredictedTtftPicker(FALLBACK, 0.1, evict_weight=1.0), [busy_warm, full_cold]) == "w"
+    # with room beside the cold engine's live set, it spreads as before
+    roomy_cold = view("c", live_blocks=100, blocks_needed=130)
+    assert pick(PredictedTtftPicker(FALLBACK, 0.1, evict_weight=1.0), [busy_warm, roomy_cold]) == "c"
