@@ -2,7 +2,7 @@
 placed there within the last `window_seconds` -- contexts a session is about
 to come back to. A cold prefill that overflows an engine's free room evicts
 cached blocks (LRU); if those are live, the session that owns them pays a
-cold prefill of them on its next turn. The predicted_ttft_live picker
+cold prefill of them on its next turn. The predicted_ttft picker
 (placement/predicted.py) charges that cost to each cold choice.
 
 Why a window of 4 s: on the cache_pressure workload (services/bench/

@@ -26,10 +26,11 @@ Built-in policies (`scheduler.policy`):
                          token from engines' measured speeds, counting
                          prefixes placed but not yet reported as cached;
                          a hot prefix spreads and shrinks back
-                         (placement/predicted.py, placement/inflight.py)
-  predicted_ttft_live    predicted_ttft, a cold prefill also charged the
-                         re-prefill of the live blocks (placed there in the
-                         last seconds) it would evict (placement/live.py)
+                         (placement/predicted.py, placement/inflight.py);
+                         a cold prefill (or a spread) is also charged the
+                         re-prefill of the live blocks -- placed there in the
+                         last seconds -- it would evict (placement/live.py)
+  predicted_ttft_plain   predicted_ttft without that eviction charge
 """
 
 from __future__ import annotations
@@ -98,8 +99,8 @@ def builtin_profiles() -> dict[str, PolicyProfileConfig]:
         "predicted_ttft": profile(
             {"load": 1.0, "kv_usage": 0.5, "cache_spread": 0.5}, "predicted_ttft", "kv_inflight"
         ),
-        "predicted_ttft_live": profile(
-            {"load": 1.0, "kv_usage": 0.5, "cache_spread": 0.5}, "predicted_ttft_live", "kv_inflight"
+        "predicted_ttft_plain": profile(
+            {"load": 1.0, "kv_usage": 0.5, "cache_spread": 0.5}, "predicted_ttft_plain", "kv_inflight"
         ),
     }
 

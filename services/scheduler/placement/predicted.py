@@ -32,7 +32,7 @@ Choice, with `margin` seconds of hysteresis both ways:
    engine), i.e. rendezvous hashing). The same engine therefore takes the
    prefix whenever it can, and an extra copy gets only the overflow.
 
-`predicted_ttft_live` (evict_weight > 0) orders cold engines by predicted
+`predicted_ttft` (evict_weight 1; `predicted_ttft_plain` has 0) orders cold engines by predicted
 TTFT plus evict_weight x the prefill of the LIVE blocks the request's new
 blocks would push out there: blocks over the engine's room (blocks_total -
 live_blocks), live ones (placed there in the last few seconds,
@@ -99,7 +99,8 @@ class PredictedTtftPicker:
     name = "predicted_ttft"
 
     def __init__(
-        self, fallback_tokens_per_second: float, margin_seconds: float, evict_weight: float = 0.0
+        self, fallback_tokens_per_second: float, margin_seconds: float, evict_weight: float = 0.0,
+        name: str = "predicted_ttft",
     ) -> None:
         if fallback_tokens_per_second <= 0:
             raise ValueError("prefill_tokens_per_second must be > 0")
@@ -110,8 +111,7 @@ class PredictedTtftPicker:
         self.evict_weight = evict_weight
         # The policy tracks live working sets only for a picker that reads them.
         self.uses_live_set = evict_weight > 0
-        if self.uses_live_set:
-            self.name = "predicted_ttft_live"
+        self.name = name
 
     def pick(
         self, request: PlacementRequest, candidates: Sequence[ScoredEngine], state: PickerState

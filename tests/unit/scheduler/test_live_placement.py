@@ -1,4 +1,4 @@
-"""`predicted_ttft_live`: cold placement charged the live blocks it would
+"""`predicted_ttft`'s eviction charge: cold placement charged the live blocks it would
 evict, and the live working set behind it (fake views, fake clock)."""
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ def test_live_set_is_bounded() -> None:
 
 
 def test_the_policy_fills_live_blocks_from_its_own_placements() -> None:
-    config = SchedulerConfig(policy="predicted_ttft_live")
-    policy = build_policy("predicted_ttft_live", config, builtin_registry(config))
+    config = SchedulerConfig(policy="predicted_ttft")
+    policy = build_policy("predicted_ttft", config, builtin_registry(config))
     assert policy.live is not None
     engines = [view("a", prefill_tokens_per_second=0.0), view("b", prefill_tokens_per_second=0.0)]
     first = policy.place(REQUEST, engines, _Nothing(), 16, 0)
@@ -103,7 +103,7 @@ def test_the_policy_fills_live_blocks_from_its_own_placements() -> None:
     assert by_id[first.view.engine_id] == len(REQUEST.prefix_hashes)
     assert sorted(by_id.values()) == [0, len(REQUEST.prefix_hashes)]
     # the plain policy tracks nothing
-    plain = build_policy("predicted_ttft", config, builtin_registry(config))
+    plain = build_policy("predicted_ttft_plain", config, builtin_registry(config))
     assert plain.live is None
 
 
