@@ -74,6 +74,10 @@ class EngineView:
     # not show yet (placed since): work ahead of a new request not yet in
     # queued_tokens.
     unreported_tokens: int = 0
+    # Blocks of prefixes the policy placed here within the last few seconds
+    # (sessions about to come back; placement/live.py), at least its used
+    # blocks; 0 when the policy does not track them.
+    live_blocks: int = 0
 
     @property
     def free_blocks(self) -> int:

@@ -26,7 +26,11 @@ Built-in policies (`scheduler.policy`):
                          token from engines' measured speeds, counting
                          prefixes placed but not yet reported as cached;
                          a hot prefix spreads and shrinks back
-                         (placement/predicted.py, placement/inflight.py)
+                         (placement/predicted.py, placement/inflight.py);
+                         a cold prefill (or a spread) is also charged the
+                         re-prefill of the live blocks -- placed there in the
+                         last seconds -- it would evict (placement/live.py)
+  predicted_ttft_plain   predicted_ttft without that eviction charge
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from .interfaces import (
     ScoredEngine,
     Scorer,
 )
+from .live import LIVE_WINDOW_SECONDS, LiveWorkingSet
 from .registry import PluginRegistry
 
 __all__ = [
@@ -93,6 +98,9 @@ def builtin_profiles() -> dict[str, PolicyProfileConfig]:
         ),
         "predicted_ttft": profile(
             {"load": 1.0, "kv_usage": 0.5, "cache_spread": 0.5}, "predicted_ttft", "kv_inflight"
+        ),
+        "predicted_ttft_plain": profile(
+            {"load": 1.0, "kv_usage": 0.5, "cache_spread": 0.5}, "predicted_ttft_plain", "kv_inflight"
         ),
     }
 
@@ -195,6 +203,9 @@ class PlacementPolicy:
         self.approx = ApproxPrefixMemory(memory.capacity) if prefix_source == "approx" else None
         self.inflight = (InflightPrefixes(memory.inflight_seconds, memory.capacity)
                          if prefix_source == "kv_inflight" else None)
+        # Only for a picker that reads EngineView.live_blocks (placement/live.py).
+        self.live = (LiveWorkingSet(LIVE_WINDOW_SECONDS, memory.capacity)
+                     if getattr(picker, "uses_live_set", False) else None)
 
     def _prefix_source(self, kv_index: PrefixSource) -> PrefixSource:
         if self.prefix_source_name == "kv_index":
@@ -217,9 +228,11 @@ class PlacementPolicy:
         matches = self._prefix_source(kv_index).prefix_matches(
             request.prefix_hashes, [e.engine_id for e in engines]
         )
+        live = self.live.live_hashes(list(matches)) if self.live is not None else {}
         views = []
         for e in engines:
             prefix_blocks = matches.get(e.engine_id, 0)
+            live_tokens = live.get(e.engine_id, 0) * hash_block_tokens
             cached = min(prefix_blocks * hash_block_tokens, request.prompt_tokens)
             views.append(
                 _with_request_fields(
@@ -232,6 +245,7 @@ class PlacementPolicy:
                     ),
                     queue_seconds=e.p0_queue_seconds if request.priority == 0 and e.p0_queue_seconds is not None
                     else e.queue_seconds,
+                    live_blocks=max(-(-live_tokens // max(e.block_size, 1)), e.blocks_used) if live else 0,
                 )
             )
         return views
@@ -288,6 +302,8 @@ class PlacementPolicy:
             self.approx.remember(request.prefix_hashes, engine_id)
         if self.inflight is not None:
             self.inflight.add(request.prefix_hashes, engine_id)
+        if self.live is not None:
+            self.live.add(request.prefix_hashes, engine_id)
 
     def passes(self, request: PlacementRequest, view: EngineView) -> bool:
         """Whether one completed view passes every filter (no pick, no
@@ -307,6 +323,8 @@ class PlacementPolicy:
             self.approx.forget_engine(engine_id)
         if self.inflight is not None:
             self.inflight.forget_engine(engine_id)
+        if self.live is not None:
+            self.live.forget_engine(engine_id)
 
 
 def build_policy(name: str, config: SchedulerConfig, registry: PluginRegistry) -> PlacementPolicy:

@@ -32,6 +32,15 @@ Choice, with `margin` seconds of hysteresis both ways:
    engine), i.e. rendezvous hashing). The same engine therefore takes the
    prefix whenever it can, and an extra copy gets only the overflow.
 
+`predicted_ttft` (evict_weight 1; `predicted_ttft_plain` has 0) orders cold engines by predicted
+TTFT plus evict_weight x the prefill of the LIVE blocks the request's new
+blocks would push out there: blocks over the engine's room (blocks_total -
+live_blocks), live ones (placed there in the last few seconds,
+placement/live.py) being what a session comes back to on its next turn. The
+spread test (2.) compares the warm engines with these charged cold costs: a
+hot prefix or a session's later turn leaves the engine holding it only when
+that pays for the contexts the move evicts too.
+
 Why this does not thrash: a copy is added only when the warm engines are
 `margin` worse than a cold one even after paying its prefill; once added, a
 copy takes requests only while the preferred warm engine is `margin` behind
@@ -49,7 +58,7 @@ from collections.abc import Sequence
 
 from .interfaces import EngineView, PickerState, PlacementRequest, ScoredEngine
 
-__all__ = ["PredictedTtftPicker", "predicted_ttft"]
+__all__ = ["PredictedTtftPicker", "eviction_seconds", "predicted_ttft"]
 
 # Idle engines' measured step speeds differ by timer noise (a few ms per
 # step on the shared cores); closer than this, predictions are equal.
@@ -69,6 +78,17 @@ def predicted_ttft(request: PlacementRequest, view: EngineView, fallback_tokens_
     return slot_wait + tokens / rate + steps * view.step_seconds
 
 
+def eviction_seconds(view: EngineView, fallback_tokens_per_second: float) -> float:
+    """Prefill seconds of the live blocks `view`'s engine would evict to take
+    the request's new blocks (0 while they fit beside its live set)."""
+    if view.blocks_total <= 0:
+        return 0.0
+    over = view.live_blocks + view.blocks_needed - view.blocks_total
+    evicted = min(max(0, over), view.live_blocks)
+    rate = view.prefill_tokens_per_second or fallback_tokens_per_second * max(view.weight, 1e-9)
+    return evicted * view.block_size / rate
+
+
 def _rank(request: PlacementRequest, engine_id: str) -> int:
     """Rendezvous weight of (the request's first prefix block, engine)."""
     root = request.prefix_hashes[0] if request.prefix_hashes else 0
@@ -78,13 +98,20 @@ def _rank(request: PlacementRequest, engine_id: str) -> int:
 class PredictedTtftPicker:
     name = "predicted_ttft"
 
-    def __init__(self, fallback_tokens_per_second: float, margin_seconds: float) -> None:
+    def __init__(
+        self, fallback_tokens_per_second: float, margin_seconds: float, evict_weight: float = 0.0,
+        name: str = "predicted_ttft",
+    ) -> None:
         if fallback_tokens_per_second <= 0:
             raise ValueError("prefill_tokens_per_second must be > 0")
-        if margin_seconds < 0:
-            raise ValueError("predicted_ttft margin must be >= 0 seconds")
+        if margin_seconds < 0 or evict_weight < 0:
+            raise ValueError("predicted_ttft margin and eviction weight must be >= 0")
         self.fallback = fallback_tokens_per_second
         self.margin = margin_seconds
+        self.evict_weight = evict_weight
+        # The policy tracks live working sets only for a picker that reads them.
+        self.uses_live_set = evict_weight > 0
+        self.name = name
 
     def pick(
         self, request: PlacementRequest, candidates: Sequence[ScoredEngine], state: PickerState
@@ -94,6 +121,8 @@ class PredictedTtftPicker:
         predicted = [(c.view, predicted_ttft(request, c.view, self.fallback)) for c in candidates]
         warm = [(v, t) for v, t in predicted if v.prefix_blocks > 0]
         cold = [(v, t) for v, t in predicted if v.prefix_blocks <= 0]
+        if self.evict_weight > 0:  # a cold choice, or a spread, pays for the live blocks it evicts
+            cold = [(v, t + self.evict_weight * eviction_seconds(v, self.fallback)) for v, t in cold]
         best_cold = min((t for _, t in cold), default=float("inf"))
         if warm:
             best_warm = min(t for _, t in warm)
