@@ -97,6 +97,18 @@ async def test_hello_snapshot_then_loads(mesh) -> None:
     assert load.serving and load.blocks_total == 256
 
 
+async def a_long_request_is_listed(svc: EngineService, fake: FakeScheduler) -> None:
+    """Start a long generation, wait until a load report lists its id, end it."""
+    task = asyncio.create_task(generate(svc, "long", prompt_of(8, start=900), 4000))
+    try:
+        async with asyncio.timeout(5):
+            while "long" not in (await fake.next("load")).load.request_ids:
+                pass
+    finally:
+        await svc.runtime.abort("long")
+        await task
+
+
 async def test_kv_events_follow_the_snapshot_seq_and_resync(mesh) -> None:
     svc, fake, _ = mesh
     snapshot = (await fake.next("kv_snapshot")).kv_snapshot
@@ -106,14 +118,7 @@ async def test_kv_events_follow_the_snapshot_seq_and_resync(mesh) -> None:
     assert events.seq == snapshot.seq + 1
     assert list(events.stored) == block_hashes(prompt, 16)[: len(events.stored)]
     # A load report lists what is running: run something long, look for its id.
-    task = asyncio.create_task(generate(svc, "long", prompt_of(8, start=900), 4000))
-    try:
-        async with asyncio.timeout(5):
-            while "long" not in (await fake.next("load")).load.request_ids:
-                pass
-    finally:
-        await svc.runtime.abort("long")
-        await task
+    await a_long_request_is_listed(svc, fake)
     await fake.commands.put(scheduler_pb2.SchedulerCommand(resync=scheduler_pb2.Resync()))
     fresh = (await fake.next("kv_snapshot")).kv_snapshot
     assert set(block_hashes(prompt, 16)) <= set(fresh.hashes)
@@ -222,14 +227,7 @@ async def test_unchanged_loads_go_out_only_as_heartbeats_and_changes_at_once(mes
     # Idle: every 0.05 s report in between repeated the first, and was left out.
     assert second == first and link.reports_skipped >= 3
     assert loop.time() - sent_at >= link.heartbeat / 2
-    task = asyncio.create_task(generate(svc, "long", prompt_of(8, start=900), 4000))
-    try:
-        async with asyncio.timeout(5):
-            while "long" not in (await fake.next("load")).load.request_ids:
-                pass
-    finally:
-        await svc.runtime.abort("long")
-        await task
+    await a_long_request_is_listed(svc, fake)
 
 
 async def test_load_reports_leave_out_the_engines_own_endpoint_requests() -> None:

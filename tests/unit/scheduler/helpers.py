@@ -16,6 +16,7 @@ from services.scheduler.events import (
     LoadReported,
     RequestArrived,
 )
+from services.scheduler.placement.interfaces import EngineView
 from services.scheduler.records import AdmitOptions, Notice
 
 MODEL = "m"
@@ -90,3 +91,16 @@ def placed_engine(deliveries, request_id: str) -> str | None:
 
 def replace_options(o: AdmitOptions, **kw: Any) -> AdmitOptions:
     return dataclasses.replace(o, **kw)
+
+
+# An idle serving engine of model "m"; tests override what they vary.
+_VIEW_DEFAULTS: dict[str, Any] = dict(
+    model="m", serving=True, draining=False, fresh=True, block_size=16, blocks_total=100, blocks_used=0,
+    blocks_reserved=0, leases=0, lease_limit=10, max_running=8, running=0, waiting=0, queued_tokens=0,
+    weight=1.0, max_model_len=0, queue_seconds=0.0,
+)
+
+
+def engine_view(engine_id: str, **fields: Any) -> EngineView:
+    """A placement view of one engine: the defaults above, then `fields`."""
+    return EngineView(engine_id=engine_id, **{**_VIEW_DEFAULTS, **fields})

@@ -21,19 +21,15 @@ from services.scheduler.placement import (
 from services.scheduler.queue_policies import FairnessState, FifoOrdering, RoundRobinTenants
 from services.scheduler.records import AdmitOptions, QueueEntry
 
+from .helpers import engine_view
+
 REGISTRY = builtin_registry(SchedulerConfig())
 REQUEST = PlacementRequest("r", "m", 64, 16, (1, 2, 3, 4), frozenset({"x3"}))
 
 
 def view(engine_id: str, **kw: object) -> EngineView:
-    base = dict(
-        engine_id=engine_id, model="m", serving=True, draining=False, fresh=True, block_size=16,
-        blocks_total=100, blocks_used=10, blocks_reserved=5, leases=1, lease_limit=10,
-        max_running=8, running=1, waiting=0, queued_tokens=0, weight=1.0, max_model_len=0,
-        queue_seconds=0.0, prefix_blocks=0, cached_tokens=0, blocks_needed=5,
-    )
-    base.update(kw)
-    return EngineView(**base)  # type: ignore[arg-type]
+    fields: dict[str, object] = dict(blocks_used=10, blocks_reserved=5, leases=1, running=1, blocks_needed=5)
+    return engine_view(engine_id, **{**fields, **kw})
 
 
 def varied_views() -> list[EngineView]:

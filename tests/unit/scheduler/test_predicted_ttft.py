@@ -20,7 +20,7 @@ from services.scheduler.placement import (
 from services.scheduler.placement.inflight import InflightPrefixes, OverlaidPrefixes
 from services.scheduler.placement.predicted import PredictedTtftPicker, predicted_ttft
 
-from .helpers import add_engine, admit, make_core, opts, report_load
+from .helpers import add_engine, admit, engine_view, make_core, opts, report_load
 
 FALLBACK = 20000.0
 PREFIX = tuple(range(100, 225))            # 125 blocks of 16 tokens: a 2,000-token context
@@ -28,14 +28,9 @@ REQUEST = PlacementRequest("r", "m", prompt_tokens=2030, max_tokens=16, prefix_h
 
 
 def view(engine_id: str, **kw: object) -> EngineView:
-    base = dict(
-        engine_id=engine_id, model="m", serving=True, draining=False, fresh=True, block_size=16,
-        blocks_total=640, blocks_used=0, blocks_reserved=0, leases=0, lease_limit=10,
-        max_running=8, running=0, waiting=0, queued_tokens=0, weight=1.0, max_model_len=0,
-        queue_seconds=0.0, prefill_tokens_per_second=4700.0, step_seconds=0.04, step_token_budget=512,
-    )
-    base.update(kw)
-    return EngineView(**base)  # type: ignore[arg-type]
+    fields: dict[str, object] = dict(blocks_total=640, prefill_tokens_per_second=4700.0, step_seconds=0.04,
+                                     step_token_budget=512)
+    return engine_view(engine_id, **{**fields, **kw})
 
 
 def warm(engine_id: str, **kw: object) -> EngineView:
