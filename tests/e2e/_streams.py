@@ -159,6 +159,13 @@ def engine_counters(mesh: Mesh, name: str) -> list[float]:
     return out
 
 
+def all_placed(mesh: Mesh, streams: int, engines: int = 2) -> bool:
+    """`streams` requests hold leases and all `engines` engines serve."""
+    state = scheduler_state(mesh)
+    return (state is not None and len(state.engines) == engines and all(e.serving for e in state.engines)
+            and sum(e.leases for e in state.engines) == streams)
+
+
 def scheduler_state(mesh: Mesh) -> scheduler_pb2.SchedulerState | None:
     """The scheduler's GetState, None while it is unreachable."""
     state: scheduler_pb2.SchedulerState | None = get_scheduler_state(mesh.endpoints.scheduler)

@@ -13,7 +13,13 @@ this request would see there, from what the engine measures and reports.
   services/engine/step_speed.py); step time includes the decode load of its
   running batch, since every running sequence slows every step (the sim's
   cost model, sim/cost_model.py). Unmeasured: scheduler.prefill_tokens_per_second
-  x weight and no step term. The benchmark's sim prefills ~4,700 tok/s at
+  x weight and no step term -- unless other candidates have measured theirs:
+  then it borrows theirs (`with_peer_speed`). An engine that just (re)started
+  has not measured a step yet; with no step term and the fixed 20,000 tok/s
+  it looked several times faster than its measured peers, and a burst went
+  there whole -- and stayed there on the next turns, its prefixes now warm
+  (seen: six streams after an engine's restart all on it, the other idle).
+  The benchmark's sim prefills ~4,700 tok/s at
   speed_factor 4, so the fixed 20,000 made a cold prefill look 4x cheaper
   than it is and the sticky policy spilled too readily;
 * steps: 1 + tokens / the engine's step token budget (chunked prefill).
@@ -53,12 +59,14 @@ noise smaller than the margin.
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 import zlib
 from collections.abc import Sequence
 
 from .interfaces import EngineView, PickerState, PlacementRequest, ScoredEngine
 
-__all__ = ["PredictedTtftPicker", "eviction_seconds", "predicted_ttft"]
+__all__ = ["PredictedTtftPicker", "eviction_seconds", "predicted_ttft", "with_peer_speed"]
 
 # Idle engines' measured step speeds differ by timer noise (a few ms per
 # step on the shared cores); closer than this, predictions are equal.
@@ -87,6 +95,28 @@ def eviction_seconds(view: EngineView, fallback_tokens_per_second: float) -> flo
     evicted = min(max(0, over), view.live_blocks)
     rate = view.prefill_tokens_per_second or fallback_tokens_per_second * max(view.weight, 1e-9)
     return evicted * view.block_size / rate
+
+
+def with_peer_speed(views: Sequence[EngineView]) -> list[EngineView]:
+    """`views` with an unmeasured prefill speed or step time taken from the
+    measured ones, per unit of weight: the median prefill speed (engines of
+    one model run alike) and the fastest step (an engine with nothing
+    measured yet holds no batch, so its steps cost no more than the least
+    loaded peer's). Unchanged when no candidate has measured anything."""
+    rates = [v.prefill_tokens_per_second / max(v.weight, 1e-9) for v in views if v.prefill_tokens_per_second > 0]
+    steps = [v.step_seconds * max(v.weight, 1e-9) for v in views if v.step_seconds > 0]
+    if not rates and not steps:
+        return list(views)
+    rate = statistics.median(rates) if rates else 0.0
+    step = min(steps) if steps else 0.0
+    out: list[EngineView] = []
+    for v in views:
+        weight = max(v.weight, 1e-9)
+        own_rate = v.prefill_tokens_per_second if v.prefill_tokens_per_second > 0 else rate * weight
+        own_step = v.step_seconds if v.step_seconds > 0 else step / weight
+        same = (own_rate, own_step) == (v.prefill_tokens_per_second, v.step_seconds)
+        out.append(v if same else dataclasses.replace(v, prefill_tokens_per_second=own_rate, step_seconds=own_step))
+    return out
 
 
 def _rank(request: PlacementRequest, engine_id: str) -> int:
@@ -118,7 +148,10 @@ class PredictedTtftPicker:
     ) -> EngineView | None:
         if not candidates:
             return None
-        predicted = [(c.view, predicted_ttft(request, c.view, self.fallback)) for c in candidates]
+        # Predicted on borrowed speeds, but what is returned is the engine's own view.
+        own = {c.view.engine_id: c.view for c in candidates}
+        views = with_peer_speed([c.view for c in candidates])
+        predicted = [(v, predicted_ttft(request, v, self.fallback)) for v in views]
         warm = [(v, t) for v, t in predicted if v.prefix_blocks > 0]
         cold = [(v, t) for v, t in predicted if v.prefix_blocks <= 0]
         if self.evict_weight > 0:  # a cold choice, or a spread, pays for the live blocks it evicts
@@ -128,6 +161,6 @@ class PredictedTtftPicker:
             best_warm = min(t for _, t in warm)
             if best_warm <= best_cold + self.margin:
                 near = [v for v, t in warm if t <= best_warm + self.margin]
-                return max(near, key=lambda v: (v.prefix_blocks, _rank(request, v.engine_id)))
+                return own[max(near, key=lambda v: (v.prefix_blocks, _rank(request, v.engine_id))).engine_id]
         # candidates are in score order: the first near-best cold engine
-        return next(v for v, t in cold if t <= best_cold + _TIE_SECONDS)
+        return own[next(v for v, t in cold if t <= best_cold + _TIE_SECONDS).engine_id]

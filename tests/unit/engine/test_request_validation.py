@@ -155,18 +155,24 @@ async def test_every_backend_answers_a_shared_rule_alike(stub: engine_pb2_grpc.E
     assert word in err.details()
 
 
-async def test_every_backend_answers_a_duplicate_id_already_exists(service: EngineService,
-                                                                   stub: engine_pb2_grpc.EngineStub,
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+async def test_every_backend_answers_a_duplicate_id_already_exists(backend: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    # The live owner's grace (services/engine/detached.py) shortened: the
-    # fast sim would finish the first request within the default and let go.
+    # The live owner's grace (services/engine/detached.py) shortened, and the
+    # sim at real speed (3,000 tokens take seconds): the fixture's instant sim
+    # finished the first request in ~0.2 s, sometimes inside the grace, and
+    # then the second was no duplicate any more.
     monkeypatch.setattr("services.engine.detached._RELEASE_GRACE_SECONDS", 0.1)
-    first = stub.Generate()
-    await first.write(message("dup", prompt_of(10), max_tokens=3000))
-    assert (await first.read()).HasField("delta")
-    err = await refusal(stub, message("dup"))
-    assert err.code() == grpc.StatusCode.ALREADY_EXISTS and "dup" in err.details()
-    first.cancel()
+    config = engine_config()
+    config.sim.speed_factor = 1.0
+    async with started(EngineService(mesh_config(), config, backend=BACKENDS[backend]())) as service, \
+            engine_stub(service) as stub:
+        first = stub.Generate()
+        await first.write(message("dup", prompt_of(10), max_tokens=3000))
+        assert (await first.read()).HasField("delta")
+        err = await refusal(stub, message("dup"))
+        assert err.code() == grpc.StatusCode.ALREADY_EXISTS and "dup" in err.details()
+        first.cancel()
 
 
 async def test_every_backend_answers_a_draining_engine_unavailable(service: EngineService,

@@ -18,7 +18,7 @@ from services.scheduler.placement import (
     builtin_registry,
 )
 from services.scheduler.placement.inflight import InflightPrefixes, OverlaidPrefixes
-from services.scheduler.placement.predicted import PredictedTtftPicker, predicted_ttft
+from services.scheduler.placement.predicted import PredictedTtftPicker, predicted_ttft, with_peer_speed
 
 from .helpers import add_engine, admit, engine_view, make_core, opts, report_load
 
@@ -157,6 +157,43 @@ def test_a_burst_of_one_new_prefix_lands_on_one_engine(policy: str, engines_used
         # each placement shows as a lease (no report yet): the load scorer sees it
         views = [dataclasses.replace(v, leases=v.leases + 1) if v.engine_id == used[-1] else v for v in views]
     assert len(set(used)) == engines_used
+
+
+def test_an_unmeasured_engine_borrows_its_peers_speed() -> None:
+    fresh = view("fresh", prefill_tokens_per_second=0.0, step_seconds=0.0, weight=2.0)
+    peers = [view("a", prefill_tokens_per_second=4000.0, step_seconds=0.06),
+             view("b", prefill_tokens_per_second=5000.0, step_seconds=0.04),
+             view("c", prefill_tokens_per_second=9000.0, step_seconds=0.09)]
+    got = {v.engine_id: v for v in with_peer_speed([fresh, *peers])}
+    # the median speed, the fastest step, per unit of weight
+    assert (got["fresh"].prefill_tokens_per_second, got["fresh"].step_seconds) == (2 * 5000.0, 0.04 / 2)
+    assert [got[p.engine_id] for p in peers] == peers
+    # nothing measured anywhere: the fixed fallback stays in charge
+    alone = [view("x", prefill_tokens_per_second=0.0, step_seconds=0.0)]
+    assert with_peer_speed(alone) == alone
+
+
+def test_a_burst_after_an_engine_restart_spreads_over_both_engines() -> None:
+    """The restarted engine has measured nothing yet. Predicted on the fixed
+    20,000 tok/s and no step term, it was ~50 ms faster than its measured
+    idle peer for a short prompt, and a whole burst of new streams went
+    there (and stayed on the next turn: its prefixes were warm)."""
+    config = SchedulerConfig(policy="predicted_ttft")
+    chosen = build_policy("predicted_ttft", config, builtin_registry(config))
+    short = dataclasses.replace(REQUEST, prompt_tokens=20, prefix_hashes=(7,))
+    views = [view("measured", prefill_tokens_per_second=1500.0, step_seconds=0.05),
+             view("restarted", prefill_tokens_per_second=0.0, step_seconds=0.0)]
+    used = []
+    for i in range(6):
+        request = dataclasses.replace(short, request_id=f"r{i}", prefix_hashes=(1000 + i,))
+        placement = chosen.place(request, views, _NoKv(), 16, 256)
+        assert placement is not None
+        used.append(placement.view.engine_id)
+        own = next(v for v in views if v.engine_id == used[-1])  # its own speed, not the borrowed one
+        assert placement.view.prefill_tokens_per_second == own.prefill_tokens_per_second
+        views = [dataclasses.replace(v, leases=v.leases + 1, unreported_tokens=v.unreported_tokens + 20)
+                 if v.engine_id == used[-1] else v for v in views]
+    assert used.count("measured") == used.count("restarted") == 3
 
 
 def test_measured_speed_and_unreported_leases_reach_the_view() -> None:
