@@ -144,7 +144,7 @@ class SimBackend:
     def load(self) -> LoadSnapshot:
         load = self._core.load()
         load.prefill_tokens_per_second = self._speed.prefill_tokens_per_second
-        load.step_seconds = self._speed.step_seconds
+        load.step_seconds = self._speed.step_seconds_at(load.running)
         load.step_token_budget = self._speed.budget_tokens
         return load
 
@@ -227,6 +227,6 @@ class SimBackend:
             finished = self._core.apply(plan)
             ended = loop.time()
             self._meter.after_step(plan, before, started, ended)
-            self._speed.observe(ended - started, plan.work.prefill_tokens)
+            self._speed.observe(ended - started, plan.work.prefill_tokens, plan.work.decode_sequences)
             if finished or plan.changed:
                 self._changed()

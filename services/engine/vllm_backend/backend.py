@@ -283,7 +283,7 @@ class VllmBackend:
             queued_tokens=queued,
             request_ids=list(self._active),
             prefill_tokens_per_second=self._stats.speed.prefill_tokens_per_second,
-            step_seconds=self._stats.speed.step_seconds,
+            step_seconds=self._stats.speed.step_seconds_at(running),
         )
 
     def kv_snapshot(self) -> list[int]:

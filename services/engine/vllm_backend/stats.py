@@ -53,7 +53,8 @@ def forward_iteration(stats: EngineStats, scheduler_stats: Any, iteration_stats:
         seconds = at - stats.last_step_at
     prompt_stats = getattr(iteration_stats, "prompt_token_stats", None)
     computed = prompt_stats.computed if prompt_stats is not None else iteration_stats.num_prompt_tokens
-    stats.speed.observe(seconds, computed)
+    # sequences decoded ~ tokens generated (one each, no speculative decoding here)
+    stats.speed.observe(seconds, computed, iteration_stats.num_generation_tokens)
     if observer is None:
         stats.last_step_at = at if stats.running else None
         return

@@ -83,3 +83,54 @@ def test_the_sim_reports_what_its_steps_measured() -> None:
             await backend.stop()
 
     asyncio.run(run())
+
+
+def test_fit_separates_the_decode_load_and_reports_the_batch_now() -> None:
+    """Steps at batches of 1-8 with some prefill, as the sim's cost model
+    takes them: the fit finds what one more sequence adds to a step, so an
+    engine that went idle reports the fixed cost, not its last busy batch's
+    step time (which a burst read as 'slower' and avoided)."""
+    cost = SimCostConfig(decode_seconds_per_step=0.0097758, decode_seconds_per_sequence=0.0000294,
+                         prefill_seconds_per_token=0.0000529, decode_seconds_per_kilotoken_context=0.000087,
+                         speed_factor=4.0)
+    rng = random.Random(2)
+    speed = StepSpeed()
+    for i in range(600):
+        batch = 1 + (i // 40) % 8         # the batch drifts as requests come and go
+        prefill = rng.choice([0, 0, 30, 512])
+        work = StepWork(prefill_tokens=prefill, decode_sequences=batch, decode_context_tokens=batch * 3000)
+        speed.observe(step_seconds(cost, work) + rng.uniform(0, 0.001), prefill, batch)
+    per_sequence = 4 * (0.0000294 + 3 * 0.000087)
+    assert speed.seconds_per_sequence == pytest.approx(per_sequence, rel=0.15)
+    assert speed.prefill_tokens_per_second == pytest.approx(1 / (4 * 0.0000529), rel=0.1)
+    assert speed.step_seconds_at(0) == pytest.approx(4 * 0.0097758 + 0.0005, rel=0.1)
+    assert speed.step_seconds_at(8) - speed.step_seconds_at(0) == pytest.approx(8 * per_sequence, rel=0.15)
+    # then only one batch size for a long while: the decode slope is kept
+    for _ in range(500):
+        speed.observe(step_seconds(cost, StepWork(decode_sequences=4, decode_context_tokens=12000)), 0, 4)
+    assert speed.seconds_per_sequence == pytest.approx(per_sequence, rel=0.15)
+
+
+def test_an_idle_sim_reports_its_fixed_step_not_its_last_batch() -> None:
+    async def run() -> None:
+        engine = engine_config()
+        engine.sim.speed_factor = 1.0
+        backend = SimBackend(mesh_config(), engine)
+        await backend.start()
+        try:
+            async def one(i: int, n: int) -> None:
+                request = GenerationRequest(f"r{i}", backend.codec.clean_token_ids[:1] * n, Sampling(max_tokens=40))
+                async for _ in backend.generate(request):
+                    pass
+            # batches of 1 to 8 (staggered starts), then idle
+            for round_ in range(3):
+                await asyncio.gather(*(one(round_ * 10 + i, 50 + 60 * i) for i in range(8)))
+            idle = backend.load()
+            assert idle.running == 0
+            assert backend._speed.seconds_per_sequence > 0
+            assert idle.step_seconds == pytest.approx(backend._speed.step_seconds_at(0))
+            assert idle.step_seconds < backend._speed.step_seconds_at(8)
+        finally:
+            await backend.stop()
+
+    asyncio.run(run())
