@@ -10,9 +10,9 @@ this request would see there, from what the engine measures and reports.
 * uncached: the part of THIS prompt the engine does not hold (KV index plus
   the in-flight overlay, placement/inflight.py);
 * prefill speed and step time: measured by the engine (LoadReport 310-312,
-  services/engine/step_speed.py); step time includes the decode load of its
-  running batch, since every running sequence slows every step (the sim's
-  cost model, sim/cost_model.py). Unmeasured: scheduler.prefill_tokens_per_second
+  services/engine/step_speed.py); step time includes the decode load of the
+  batch running at the report, since every running sequence slows every
+  step (the sim's cost model, sim/cost_model.py). Unmeasured: scheduler.prefill_tokens_per_second
   x weight and no step term -- unless other candidates have measured theirs:
   then it borrows theirs (`with_peer_speed`). An engine that just (re)started
   has not measured a step yet; with no step term and the fixed 20,000 tok/s
