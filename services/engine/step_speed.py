@@ -110,7 +110,7 @@ class StepSpeed:
         """Marginal prefill speed; 0 = not measured yet."""
         return 1.0 / self.seconds_per_token if self.seconds_per_token > 0 else 0.0
 
-    def step_seconds_at(self, sequences: int) -> float:
+    def step_seconds_at(self, sequences: float) -> float:
         """A step's time without prefill with `sequences` decoding; 0 = unknown."""
         if self.weight <= 0:
             return 0.0
@@ -121,6 +121,4 @@ class StepSpeed:
     @property
     def step_seconds(self) -> float:
         """A step's time without prefill at the recent steps' mean batch; 0 = unknown."""
-        if self.weight <= 0:
-            return 0.0
-        return max(0.0, (self.sum_y - self.seconds_per_token * self.sum_x) / self.weight)
+        return self.step_seconds_at(self.sum_s / self.weight) if self.weight > 0 else 0.0

@@ -12,16 +12,16 @@ this request would see there, from what the engine measures and reports.
 * prefill speed and step time: measured by the engine (LoadReport 310-312,
   services/engine/step_speed.py); step time includes the decode load of the
   batch running at the report, since every running sequence slows every
-  step (the sim's cost model, sim/cost_model.py). Unmeasured: scheduler.prefill_tokens_per_second
-  x weight and no step term -- unless other candidates have measured theirs:
-  then it borrows theirs (`with_peer_speed`). An engine that just (re)started
-  has not measured a step yet; with no step term and the fixed 20,000 tok/s
-  it looked several times faster than its measured peers, and a burst went
-  there whole -- and stayed there on the next turns, its prefixes now warm
+  step (the sim's cost model, sim/cost_model.py). The benchmark's sim
+  prefills ~4,700 tok/s at speed_factor 4, so the fixed 20,000 made a cold
+  prefill look 4x cheaper than it is and the sticky policy spilled too
+  readily. An engine that has not measured yet borrows its peers' figures
+  (`with_peer_speed`): one just (re)started, priced at the fixed 20,000 tok/s
+  with no step term, looked several times faster than its measured peers and
+  took a whole burst -- and kept it on the next turns, its prefixes now warm
   (seen: six streams after an engine's restart all on it, the other idle).
-  The benchmark's sim prefills ~4,700 tok/s at
-  speed_factor 4, so the fixed 20,000 made a cold prefill look 4x cheaper
-  than it is and the sticky policy spilled too readily;
+  With nobody measured: scheduler.prefill_tokens_per_second x weight and no
+  step term;
 * steps: 1 + tokens / the engine's step token budget (chunked prefill).
 
 Choice, with `margin` seconds of hysteresis both ways:
@@ -73,10 +73,15 @@ __all__ = ["PredictedTtftPicker", "eviction_seconds", "predicted_ttft", "with_pe
 _TIE_SECONDS = 0.02
 
 
+def _prefill_rate(view: EngineView, fallback_tokens_per_second: float) -> float:
+    """The engine's measured prefill speed, else the fixed one x its weight."""
+    return view.prefill_tokens_per_second or fallback_tokens_per_second * max(view.weight, 1e-9)
+
+
 def predicted_ttft(request: PlacementRequest, view: EngineView, fallback_tokens_per_second: float) -> float:
     """Seconds until `request`'s first token on `view`'s engine."""
     fixed_rate = fallback_tokens_per_second * max(view.weight, 1e-9)
-    rate = view.prefill_tokens_per_second if view.prefill_tokens_per_second > 0 else fixed_rate
+    rate = _prefill_rate(view, fallback_tokens_per_second)
     # The fleet's queue_seconds = queued_tokens at the fixed rate + slot wait
     # (fleet.py `_view`; for a P0 the slots batch lines leave it): the slot wait is the rest.
     slot_wait = max(0.0, view.queue_seconds - view.queued_tokens / fixed_rate)
@@ -93,8 +98,7 @@ def eviction_seconds(view: EngineView, fallback_tokens_per_second: float) -> flo
         return 0.0
     over = view.live_blocks + view.blocks_needed - view.blocks_total
     evicted = min(max(0, over), view.live_blocks)
-    rate = view.prefill_tokens_per_second or fallback_tokens_per_second * max(view.weight, 1e-9)
-    return evicted * view.block_size / rate
+    return evicted * view.block_size / _prefill_rate(view, fallback_tokens_per_second)
 
 
 def with_peer_speed(views: Sequence[EngineView]) -> list[EngineView]:
@@ -102,7 +106,10 @@ def with_peer_speed(views: Sequence[EngineView]) -> list[EngineView]:
     measured ones, per unit of weight: the median prefill speed (engines of
     one model run alike) and the fastest step (an engine with nothing
     measured yet holds no batch, so its steps cost no more than the least
-    loaded peer's). Unchanged when no candidate has measured anything."""
+    loaded peer's). Unchanged when every candidate has measured both, the
+    steady state (no work on this per-placement path), or none has."""
+    if all(v.prefill_tokens_per_second > 0 and v.step_seconds > 0 for v in views):
+        return list(views)
     rates = [v.prefill_tokens_per_second / max(v.weight, 1e-9) for v in views if v.prefill_tokens_per_second > 0]
     steps = [v.step_seconds * max(v.weight, 1e-9) for v in views if v.step_seconds > 0]
     if not rates and not steps:
