@@ -31,6 +31,9 @@ from services.bench.workloads import Arrival, ArrivalSpec, Conversation
 __all__ = ["RunResult", "Target", "run_workload"]
 
 REJECT_STATUSES = (429, 503)
+# The same refusals inside a stream already open (heartbeats went out while the
+# request queued): an error event of these OpenAI types before any text.
+REJECT_ERROR_TYPES = ("rate_limit_error", "service_unavailable_error")
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,9 @@ async def _one_turn(
                 return ""
             async for event in SseEvents(resp.content):
                 if "error" in event:
-                    result.error = f"stream error: {str(event['error'])[:160]}"
+                    error = event["error"]
+                    result.error = f"stream error: {str(error)[:160]}"
+                    result.rejected = not text and isinstance(error, dict) and error.get("type") in REJECT_ERROR_TYPES
                     return "".join(text)
                 piece = "".join((c.get("delta") or {}).get("content") or c.get("text") or ""
                                 for c in event.get("choices") or [])

@@ -17,7 +17,8 @@ again; on preemption, requeue, wait and continue -> finish.
   for the next placement -- the client's stream stays open, heartbeats
   only -- then continues there exactly like a migration. A preemption is
   not a failure: it uses no migration and excludes no engine.
-  `max_generation_seconds` bounds the whole generation, waits included.
+  `max_generation_seconds` bounds the whole generation, waits included;
+  the limit derived from live latency does not count the wait.
 - Deadlines from live latency: each `Placed` carries the first-token and
   stall deadlines the scheduler learned from the fleet's p95s
   (stall_watch.py): an engine silent past them is lost -- the stream
@@ -66,7 +67,7 @@ from services.gateway.lease_link import LeaseLink
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.request_meter import RequestMeter
 from services.gateway.scheduler_client import SchedulerClient
-from services.gateway.stall_watch import ProgressWatch, StallLimits, StallTimer
+from services.gateway.stall_watch import GenerationLimit, ProgressWatch, StallLimits, StallTimer
 from services.gateway.stop_seam import StopSeam
 
 __all__ = ["DriverSettings", "GenerationDriver", "Run"]
@@ -152,9 +153,8 @@ class _Generation:
         self._deltas = 0
         self._resume_from = job.resume_from
         self._resume_pending = job.resume_from is not None
-        # The engine's progress (stall_watch.py) and the generation's limit now.
+        # The engine's progress (stall_watch.py).
         self._watch = ProgressWatch()
-        self._limit_seconds = 0.0  # set in `_generate`
 
     async def before_close(self) -> None:
         """The transport closes before the end (its client left): say
@@ -191,28 +191,27 @@ class _Generation:
     async def _generate(self, lease: LeaseLink, placed: scheduler_pb2.Placed) -> Finished:
         """Stream from the placed engine; on engine failure, migrate; when
         preempted, requeue and continue where it is placed next."""
-        self._limit_seconds = self._job.max_generation_seconds
-        if placed.generation_seconds > 0:  # the derived limit; the job's (config, key, request) caps it
-            self._limit_seconds = min(self._limit_seconds, placed.generation_seconds)
-        deadline = asyncio.get_running_loop().time() + self._limit_seconds
+        loop = asyncio.get_running_loop()
+        limit = GenerationLimit.starting(
+            self._job.max_generation_seconds, placed.generation_seconds, loop.time())
         while True:
             stream = self._stream = self._driver.engines.open(placed.engine_address, placed.engine_id)
             self._job.trace.set("kvmesh.engine", placed.engine_id)
             lease.running_on(placed.engine_id, stream.stop)
             move: Callable[[Emit], Awaitable[scheduler_pb2.Placed]]
             try:
-                return await self._relay_until(deadline, lease, placed, stream)
+                return await self._relay_until(limit.at, lease, placed, stream)
             except TimeoutError:
                 await stream.abort()
-                return self._timed_out()
+                return self._timed_out(limit.seconds)
             except EngineStopped:
                 stream.cancel()
                 ended = await self._left_engine()
-                move = lease.requeue
+                move, preempted = lease.requeue, True
             except EngineFailure as failure:
                 stream.cancel()
                 ended = await self._engine_lost(failure)
-                move = functools.partial(lease.replace, self._excluded())
+                move, preempted = functools.partial(lease.replace, self._excluded()), False
                 if ended is None:
                     self._driver.metrics.migrations.inc()
             except BaseException:
@@ -223,11 +222,14 @@ class _Generation:
                 raise
             if ended is not None:
                 return ended
+            left_at = loop.time()
             try:
-                async with asyncio.timeout_at(deadline):
+                async with asyncio.timeout_at(limit.cap_at if preempted else limit.at):
                     placed = await move(self._emit)
             except TimeoutError:
-                return self._timed_out()
+                return self._timed_out(limit.cap_seconds if preempted else limit.seconds)
+            if preempted:
+                limit.yielded(loop.time() - left_at)
 
     async def _relay_until(
         self, deadline: float, lease: LeaseLink, placed: scheduler_pb2.Placed, stream: EngineStream,
@@ -303,10 +305,9 @@ class _Generation:
             return self._end(FinishReason.STOP, "", ErrorKind.GENERATION_FAILED)
         return None
 
-    def _timed_out(self) -> Finished:
+    def _timed_out(self, limit_seconds: float) -> Finished:
         return self._end(
-            FinishReason.TIMEOUT,
-            f"the generation ran past its {self._limit_seconds:g}s limit", ErrorKind.TIMEOUT,
+            FinishReason.TIMEOUT, f"the generation ran past its {limit_seconds:g}s limit", ErrorKind.TIMEOUT,
         )
 
     async def _relay(self, lease: LeaseLink, placed: scheduler_pb2.Placed, stream: EngineStream) -> Finished:

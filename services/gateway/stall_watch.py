@@ -21,6 +21,10 @@ so on): if the whole fleet slowed down faster than the p95 followed, the
 request then waits longer rather than being moved off every engine in turn
 until it runs out of migrations or engines.
 
+`GenerationLimit` is the whole generation's time limit: the job's cap, and
+the one derived from live latency, which stops while the request waits
+after a preemption.
+
 `ProgressWatch` is pure (fed times, it answers), tested on a fake clock;
 `StallTimer` runs it on the event loop with one timer re-armed lazily (a
 delta costs two attribute writes, not a timer). The gaps it sees between
@@ -35,6 +39,7 @@ timer's callback runs on the same loop and only calls `on_stall`.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,7 +47,7 @@ from dataclasses import dataclass, field
 from services.common.clock import Clock
 from services.common.proto.kvmesh.v1 import scheduler_pb2
 
-__all__ = ["GAP_SAMPLES", "GapSample", "ProgressWatch", "StallLimits", "StallTimer"]
+__all__ = ["GAP_SAMPLES", "GapSample", "GenerationLimit", "ProgressWatch", "StallLimits", "StallTimer"]
 
 # Delta gaps a request reports (RequestDone.delta_gaps_seconds): enough for
 # the scheduler's window to fill from a few dozen requests, little per request.
@@ -61,6 +66,41 @@ class StallLimits:
         if placed.first_token_seconds <= 0 or placed.token_stall_seconds <= 0:
             return None
         return cls(placed.first_token_seconds, placed.token_stall_seconds, placed.token_stall_p95_seconds)
+
+
+@dataclass
+class GenerationLimit:
+    """When the whole generation times out (loop time). Two limits, the
+    earlier wins: the job's cap (`gateway.max_generation_seconds`, a key's
+    or the request's) counts every wait; the one derived from the fleet's
+    live latency (`Placed.generation_seconds`: 3x what a healthy engine
+    takes for this many tokens) does not count a wait after a preemption.
+    That wait is the scheduler's choice, bounded by aging: a batch request
+    that yielded its slot to interactive work must not then time out for
+    it (at 4x overload a P2 requeued behind P0 and P1 work used to)."""
+
+    cap_seconds: float
+    derived_seconds: float  # 0: none (deadlines off)
+    cap_at: float
+    derived_at: float
+
+    @classmethod
+    def starting(cls, cap_seconds: float, derived_seconds: float, now: float) -> GenerationLimit:
+        derived_at = now + derived_seconds if derived_seconds > 0 else math.inf
+        return cls(cap_seconds, derived_seconds, now + cap_seconds, derived_at)
+
+    @property
+    def at(self) -> float:
+        return min(self.cap_at, self.derived_at)
+
+    @property
+    def seconds(self) -> float:
+        """The limit that ends the generation at `at`, for its message."""
+        return self.cap_seconds if self.cap_at <= self.derived_at else self.derived_seconds
+
+    def yielded(self, seconds: float) -> None:
+        """The request waited `seconds` off any engine after a preemption."""
+        self.derived_at += max(seconds, 0.0)
 
 
 @dataclass

@@ -24,6 +24,9 @@ class FakeServer:
         self.seen_systems: set[str] = set()
         self.bodies: list[dict] = []
         self.headers: list[dict[str, str]] = []
+        # P1 questions: divisible by 3, refused inside the open stream (queue
+        # expiry); by 4, an error after some text (a failure).
+        self.stream_errors = False
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -41,6 +44,16 @@ class FakeServer:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         n = body["max_tokens"]
+        if self.stream_errors and request.headers.get("X-Priority") == "1" and number % 3 == 0:
+            error = {"message": "waited past its deadline", "type": "service_unavailable_error", "code": "expired"}
+            await resp.write(b"data: " + json.dumps({"error": error}).encode() + b"\n\n")
+            return resp
+        if self.stream_errors and request.headers.get("X-Priority") == "1" and number % 4 == 0:
+            event = {"choices": [{"index": 0, "delta": {"content": " w0"}}]}
+            error = {"message": "ran past its limit", "type": "timeout_error", "code": "timeout"}
+            for chunk in (event, {"error": error}):
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            return resp
         for i in range(n):
             event = {"choices": [{"index": 0, "delta": {"content": f" w{i}"}}]}
             await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
@@ -181,3 +194,19 @@ async def test_cli_prints_and_saves_the_floor_when_asked(fake, tmp_path: Path, c
     summary = json.loads((tmp_path / "f.json").read_text())["summary"]
     for floor in (summary["floor"], summary["floor_kv"]):
         assert floor["requests"] == 12 and sum(floor["per_engine"]) == 12 and floor["prefix_hit_rate"] > 0.5
+
+
+async def test_a_refusal_inside_an_open_stream_is_a_rejection_an_error_after_text_a_failure(fake) -> None:
+    server, url = fake
+    server.stream_errors = True
+    spec = WorkloadSpec(WorkloadKind.MIXED_PRIORITY, conversations=60, seed=3, groups=2, context_tokens=30,
+                        max_tokens=4)
+    run, summary = await bench(spec, ArrivalSpec(Arrival.POISSON, rate=400.0), Target(url, "m", "k"),
+                               show_progress=False)
+    p1 = [r for r in run.results if r.priority == 1]
+    expired = [r for r in p1 if r.conversation % 3 == 0]
+    broken = [r for r in p1 if r.conversation % 4 == 0 and r.conversation % 3 != 0]
+    assert expired and broken
+    assert all(r.rejected and not r.ok for r in expired)
+    assert all(not r.rejected and not r.ok for r in broken)
+    assert summary["classes"]["P1"]["failed"] == len(broken)

@@ -249,6 +249,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.requeue_hold: asyncio.Event | None = None
         self.requeue_engines: list[str] = []
         self.requeue_reject: scheduler_pb2.Rejected | None = None
+        # The generation limit derived from live latency, in every Placed (0 = none).
+        self.generation_seconds = 0.0
 
     async def preempt(self, record: AdmitRecord, by_priority: int = 0) -> None:
         """Tell a running request its slot went to a higher class."""
@@ -269,13 +271,15 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             return
         engine = self.requeue_engines.pop(0) if self.requeue_engines else next(iter(self.engines))
         await context.write(scheduler_pb2.AdmitServerMessage(placed=scheduler_pb2.Placed(
-            engine_id=engine, engine_address=self.engines[engine], lease_id=f"lease-{engine}-again")))
+            engine_id=engine, engine_address=self.engines[engine], lease_id=f"lease-{engine}-again",
+            generation_seconds=self.generation_seconds)))
 
     def _placed(self, exclude: set[str]) -> scheduler_pb2.AdmitServerMessage:
         for engine_id, address in self.engines.items():
             if engine_id not in exclude:
                 return scheduler_pb2.AdmitServerMessage(placed=scheduler_pb2.Placed(
-                    engine_id=engine_id, engine_address=address, lease_id=f"lease-{engine_id}"))
+                    engine_id=engine_id, engine_address=address, lease_id=f"lease-{engine_id}",
+                    generation_seconds=self.generation_seconds))
         return scheduler_pb2.AdmitServerMessage(rejected=scheduler_pb2.Rejected(
             code=scheduler_pb2.REJECT_CODE_NO_ENGINE, message="all excluded", retry_after_seconds=1))
 

@@ -226,6 +226,29 @@ async def test_max_generation_seconds_bounds_the_wait_after_a_preemption(mesh: M
     assert (await mesh.scheduler.admits[0].wait_done()).finish_reason == "timeout"
 
 
+async def test_the_derived_generation_limit_does_not_count_the_wait_after_a_preemption(mesh: Mesh) -> None:
+    # At 4x overload a P2 preempted and requeued behind P0/P1 work waited past
+    # the fleet's derived limit and ended `timeout` (bench_priorities.py).
+    a = mesh.engines["engine-a"]
+    a.answer_tokens, a.pause_after = 12, 2
+    mesh.scheduler.generation_seconds = 0.5
+    mesh.scheduler.requeue_hold = asyncio.Event()
+    asyncio.get_running_loop().call_later(1.2, mesh.scheduler.requeue_hold.set)
+    events = await _chat(mesh, [2])
+    assert events[-1].finished.finish_reason != common_pb2.FINISH_REASON_TIMEOUT, events[-1].finished.message
+    assert _answer(events) == expected_answer(list(a.requests[0].prompt_token_ids), 12)
+    assert events[-1].finished.usage.completion_tokens == 12
+
+
+async def test_the_derived_generation_limit_still_ends_a_generation_that_runs_past_it(mesh: Mesh) -> None:
+    a = mesh.engines["engine-a"]
+    a.answer_tokens, a.token_delay = 12, 0.1  # ~1.2 s on its engine
+    mesh.scheduler.generation_seconds = 0.5
+    events = await _chat(mesh, [])
+    assert events[-1].finished.finish_reason == common_pb2.FINISH_REASON_TIMEOUT
+    assert "0.5s limit" in events[-1].finished.message
+
+
 async def test_scheduler_restart_while_preempted_readmits_prompt_and_generated(mesh: Mesh) -> None:
     a = mesh.engines["engine-a"]
     a.answer_tokens, a.pause_after = 12, 5

@@ -5,12 +5,20 @@ is off any engine (requeued, moving) -- on a fake clock."""
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
 from services.common.clock import FakeClock, SystemClock
 from services.common.proto.kvmesh.v1 import scheduler_pb2
-from services.gateway.stall_watch import GAP_SAMPLES, GapSample, ProgressWatch, StallLimits, StallTimer
+from services.gateway.stall_watch import (
+    GAP_SAMPLES,
+    GapSample,
+    GenerationLimit,
+    ProgressWatch,
+    StallLimits,
+    StallTimer,
+)
 
 LIMITS = StallLimits(first_token_seconds=10.0, token_stall_seconds=2.0, token_stall_p95_seconds=0.5)
 
@@ -144,3 +152,24 @@ def test_timer_watches_the_stall_limit_from_the_first_token_not_the_first_token_
 
     waited = asyncio.run(scenario())
     assert 0.5 <= waited < 10.0, waited
+
+
+def test_generation_limit_the_earlier_limit_wins_and_names_itself() -> None:
+    limit = GenerationLimit.starting(cap_seconds=120.0, derived_seconds=30.0, now=100.0)
+    assert (limit.at, limit.seconds) == (130.0, 30.0)
+    capped = GenerationLimit.starting(cap_seconds=10.0, derived_seconds=30.0, now=100.0)
+    assert (capped.at, capped.seconds) == (110.0, 10.0)
+
+
+def test_generation_limit_without_a_derived_limit_is_the_cap() -> None:
+    limit = GenerationLimit.starting(cap_seconds=120.0, derived_seconds=0.0, now=5.0)
+    assert limit.derived_at == math.inf
+    assert (limit.at, limit.seconds) == (125.0, 120.0)
+
+
+def test_generation_limit_a_wait_after_a_preemption_moves_only_the_derived_limit() -> None:
+    limit = GenerationLimit.starting(cap_seconds=120.0, derived_seconds=30.0, now=0.0)
+    limit.yielded(50.0)
+    assert (limit.derived_at, limit.cap_at) == (80.0, 120.0)
+    limit.yielded(60.0)  # now the cap is the earlier one: it counts every wait
+    assert (limit.at, limit.seconds) == (120.0, 120.0)
