@@ -96,8 +96,10 @@ class Choices:
                     break
                 await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
                 for task in self._tasks:
-                    if task.done() and not task.cancelled() and task.exception() is not None:
-                        raise task.exception()  # type: ignore[misc]
+                    if task.done() and not task.cancelled():
+                        error = task.exception()
+                        if error is not None:
+                            raise error
         finally:
             for task in self._tasks:
                 task.cancel()
