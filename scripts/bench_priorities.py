@@ -148,6 +148,15 @@ def table(runs: list[dict[str, Any]], speed: float) -> str:
     return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 
+def not_served(runs: list[dict[str, Any]]) -> str:
+    """What each refused or failed request was told, by load and class."""
+    lines = [f"{run['load']} {name} {what} {count}x: {reason}"
+             for run in runs for name, b in run["classes"].items()
+             for what in ("rejected", "failed")
+             for reason, count in b.get("rejections" if what == "rejected" else "errors", {}).items()]
+    return "\n".join(lines) if lines else "every request was served"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engines", type=int, default=2)
@@ -192,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.context_tokens}-token contexts, max_tokens {args.max_tokens}, mix {args.priority_mix}; "
           f"capacity {capacity:.2f} req/s; {args.seconds:g} s of arrivals per overload; seed {args.seed}")
     print(table(runs, args.speed_factor))
+    print(not_served(runs))
     write_json(args.json, {"args": vars(args), "capacity_rps": capacity, "runs": runs})
     return 0
 

@@ -321,7 +321,7 @@ def summarize_floor(requests: Sequence[FloorRequest], outcomes: Sequence[FloorOu
     for o in outcomes:
         per_engine[o.engine] += 1
     return {
-        "requests": len(requests), "ok": len(requests), "rejected": 0, "failed": 0, "errors": {},
+        "requests": len(requests), "ok": len(requests), "rejected": 0, "failed": 0, "errors": {}, "rejections": {},
         "ttft_s": percentiles(o.ttft for o in outcomes if o.ttft is not None),
         "itl_s": percentiles(itl),
         "e2e_s": percentiles(o.e2e for o in outcomes if o.e2e is not None),

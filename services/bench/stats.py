@@ -85,16 +85,19 @@ def _block(results: list[RequestResult], duration: float) -> dict[str, Any]:
     cached = sum(r.cached_tokens for r in ok)
     out_tokens = sum(r.completion_tokens for r in ok)
     errors: dict[str, int] = {}
+    rejections: dict[str, int] = {}  # why the server said no, as it said it
     for r in results:
-        if not r.ok and not r.rejected:
+        if not r.ok:
+            counts = rejections if r.rejected else errors
             key = r.error[:120] or f"HTTP {r.status}"
-            errors[key] = errors.get(key, 0) + 1
+            counts[key] = counts.get(key, 0) + 1
     return {
         "requests": len(results),
         "ok": len(ok),
         "rejected": sum(r.rejected for r in results),
         "failed": len(results) - len(ok) - sum(r.rejected for r in results),
         "errors": errors,
+        "rejections": rejections,
         "ttft_s": percentiles(r.ttft for r in ok if r.ttft is not None),
         "itl_s": percentiles(t for t in (r.tpot for r in ok) if t is not None),
         "e2e_s": percentiles(r.e2e for r in ok if r.e2e is not None),

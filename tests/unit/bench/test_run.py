@@ -210,3 +210,5 @@ async def test_a_refusal_inside_an_open_stream_is_a_rejection_an_error_after_tex
     assert all(r.rejected and not r.ok for r in expired)
     assert all(not r.rejected and not r.ok for r in broken)
     assert summary["classes"]["P1"]["failed"] == len(broken)
+    reasons = summary["classes"]["P1"]["rejections"]
+    assert sum(reasons.values()) == len(expired) and all("past its deadline" in k for k in reasons)
