@@ -77,7 +77,7 @@ class Chaos:
         self.vllm = mesh.config.engines.backend == "vllm"
         self.faults = list(faults)
         self.stop = threading.Event()
-        self.restarts = Restarts(mesh, self.stop)
+        self.restarts = Restarts(mesh)
         if "core-kill" in self.faults and not self.vllm:
             self.faults.remove("core-kill")
             tally.actions.append("core-kill skipped: the sim has no engine-core process, and its crash hook "

@@ -7,8 +7,10 @@ of a child happen in any window. Over a fake supervisor and a fake clock."""
 from __future__ import annotations
 
 import io
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -207,3 +209,26 @@ def test_scheduler_and_engines_restart_always_others_never(tmp_path: Path) -> No
     assert policies[Role.SCHEDULER] is RestartPolicy.ALWAYS
     assert policies[Role.ENGINE] is RestartPolicy.ALWAYS
     assert policies[Role.GATEWAY] is RestartPolicy.NEVER
+
+
+class _ChaosMesh(FakeSupervisor):
+    """What scripts/chaos.py's fault loop reads of a mesh, beside the supervisor."""
+
+    names = ("scheduler", "engine-0", "engine-1", "gateway-0")
+    config = SimpleNamespace(engines=SimpleNamespace(backend="vllm"))
+
+
+def test_the_chaos_loop_restarts_an_engine_that_exits_on_its_own() -> None:
+    # A vLLM engine whose core chaos.py killed exits 3 by itself; the loop's
+    # Restarts must schedule it as `kvmesh up` does (it was built with a stale
+    # argument once, and the first such exit crashed the fault thread).
+    from scripts.chaoslib.loopback import Chaos
+    from scripts.chaoslib.outcomes import Tally
+
+    mesh = _ChaosMesh({"scheduler": RestartPolicy.ALWAYS, "engine-0": RestartPolicy.ALWAYS,
+                       "engine-1": RestartPolicy.ALWAYS, "gateway-0": RestartPolicy.NEVER})
+    chaos = Chaos(mesh, random.Random(1), ["core-kill", "hang"], 1.0, Tally())  # type: ignore[arg-type]
+    mesh.die("engine-0")
+    chaos.restarts.check()
+    assert [e.name for e in chaos.restarts.exits] == ["engine-0"]
+    assert [name for name, _ in mesh.respawns] == ["engine-0"]  # it had run long enough: at once
