@@ -83,6 +83,7 @@ class ToolCallParser:
         self.calls = 0        # calls started so far
         self._buf = ""        # text not yet handled
         self._held = ""       # trailing whitespace of the content so far
+        self._object: CallObject | None = None  # the call object being read
 
     def feed(self, text: str) -> list[ToolEvent]:  # pragma: no cover - per subclass
         raise NotImplementedError
@@ -106,6 +107,16 @@ class ToolCallParser:
                 self.calls = max(self.calls, event.index + 1)
             out.append(event)
 
+    def _feed_object(self, out: list[ToolEvent]) -> str | None:
+        """Feed the buffer to the call object being read, its events to `out`;
+        returns the text after the object, None while it is incomplete."""
+        if self._object is None:  # pragma: no cover - the object state always has one
+            raise RuntimeError("no call object")
+        events, rest = self._object.feed(self._buf)
+        self._buf = ""
+        self._events(events, out)
+        return rest
+
     def _end(self, out: list[ToolEvent]) -> list[ToolEvent]:
         if self._held and not self.calls:
             out.append(TextOut(self._held))
@@ -123,7 +134,6 @@ class HermesParser(ToolCallParser):
         super().__init__()
         self._state = "text"  # text | lead | object | raw | after
         self._lead = ""       # whitespace between the open tag and the JSON
-        self._object: CallObject | None = None
 
     def feed(self, text: str) -> list[ToolEvent]:
         out: list[ToolEvent] = []
@@ -163,12 +173,8 @@ class HermesParser(ToolCallParser):
         return self._after(out)
 
     def _in_object(self, out: list[ToolEvent]) -> bool:
-        if self._object is None:  # pragma: no cover - the object state always has one
-            raise RuntimeError("no call object")
-        events, rest = self._object.feed(self._buf)
-        self._buf = ""
-        self._events(events, out)
-        if rest is None:
+        rest = self._feed_object(out)
+        if rest is None or self._object is None:
             return False
         if self._object.started:
             self._state = "after"
@@ -231,7 +237,6 @@ class JsonParser(ToolCallParser):
         super().__init__()
         self._state = "lead"  # lead | object | array | element | text | done
         self._raw = ""        # everything fed since the output began, until a call starts
-        self._object: CallObject | None = None
         self._after = False   # content seen after the JSON
 
     def feed(self, text: str) -> list[ToolEvent]:
@@ -292,12 +297,8 @@ class JsonParser(ToolCallParser):
         return True
 
     def _in_object(self, out: list[ToolEvent]) -> bool:
-        if self._object is None:  # pragma: no cover - the object state always has one
-            raise RuntimeError("no call object")
-        events, rest = self._object.feed(self._buf)
-        self._buf = ""
-        self._events(events, out)
-        if rest is None:
+        rest = self._feed_object(out)
+        if rest is None or self._object is None:
             return False
         if not self._object.started:
             if not self.calls:
