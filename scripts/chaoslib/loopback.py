@@ -66,6 +66,15 @@ def _engine_core(mesh: Mesh, engine: str) -> int | None:
     return None
 
 
+def _cont(pid: int) -> bool:
+    """SIGCONT `pid`; False when it no longer exists."""
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 class Chaos:
     """The fault loop (runs in a thread: Mesh is driven from one thread)."""
 
@@ -135,9 +144,12 @@ class Chaos:
         try:
             time.sleep(self.hang_seconds)
         finally:
-            os.kill(pid, signal.SIGCONT)
+            # A vLLM engine that declared its stopped core hung has ended it
+            # (and exited, to be restarted): nothing is left to continue.
+            gone = not _cont(pid)
         what = "EngineCore" if self.vllm else "process"
-        return f"SIGSTOP {name}'s {what} (pid {pid}) for {self.hang_seconds:g}s, then SIGCONT"
+        after = "gone by then: its engine had declared it hung" if gone else "then SIGCONT"
+        return f"SIGSTOP {name}'s {what} (pid {pid}) for {self.hang_seconds:g}s, {after}"
 
     def gateway_roll(self) -> str:
         self._keep_counters(self.gateways)

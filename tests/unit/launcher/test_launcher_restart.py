@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import io
 import random
+import subprocess
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -232,3 +234,27 @@ def test_the_chaos_loop_restarts_an_engine_that_exits_on_its_own() -> None:
     chaos.restarts.check()
     assert [e.name for e in chaos.restarts.exits] == ["engine-0"]
     assert [name for name, _ in mesh.respawns] == ["engine-0"]  # it had run long enough: at once
+
+
+def test_the_chaos_hang_fault_survives_a_stopped_process_that_was_ended() -> None:
+    # A vLLM engine ends its core once it declares it hung (the bound is
+    # shorter than a long `--hang-seconds`); SIGCONT then found no process and
+    # the fault thread died with ProcessLookupError, ending the run unreported.
+    from scripts.chaoslib.loopback import Chaos
+    from scripts.chaoslib.outcomes import Tally
+
+    victim = subprocess.Popen(["sleep", "30"])
+    mesh = _ChaosMesh({"engine-0": RestartPolicy.ALWAYS, "engine-1": RestartPolicy.ALWAYS})
+    mesh.config = SimpleNamespace(engines=SimpleNamespace(backend="sim"))
+    mesh.pid = lambda _name: victim.pid  # type: ignore[attr-defined]
+    chaos = Chaos(mesh, random.Random(1), ["hang"], 0.5, Tally())  # type: ignore[arg-type]
+    # As the engine ends its hung core, and its parent reaps it.
+    ender = threading.Timer(0.1, lambda: (victim.kill(), victim.wait(10)))
+    ender.start()
+    try:
+        said = chaos.hang()
+    finally:
+        ender.cancel()
+        victim.kill()
+        victim.wait(10)
+    assert "gone by then" in said
