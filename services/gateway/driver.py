@@ -18,7 +18,7 @@ again; on preemption, requeue, wait and continue -> finish.
   only -- then continues there exactly like a migration. A preemption is
   not a failure: it uses no migration and excludes no engine.
   `max_generation_seconds` bounds the whole generation, waits included;
-  the limit derived from live latency does not count the wait.
+  the limit derived from live latency counts only time on engines.
 - Deadlines from live latency: each `Placed` carries the first-token and
   stall deadlines the scheduler learned from the fleet's p95s
   (stall_watch.py): an engine silent past them is lost -- the stream
@@ -207,11 +207,11 @@ class _Generation:
             except EngineStopped:
                 stream.cancel()
                 ended = await self._left_engine()
-                move, preempted = lease.requeue, True
+                move = lease.requeue
             except EngineFailure as failure:
                 stream.cancel()
                 ended = await self._engine_lost(failure)
-                move, preempted = functools.partial(lease.replace, self._excluded()), False
+                move = functools.partial(lease.replace, self._excluded())
                 if ended is None:
                     self._driver.metrics.migrations.inc()
             except BaseException:
@@ -224,12 +224,11 @@ class _Generation:
                 return ended
             left_at = loop.time()
             try:
-                async with asyncio.timeout_at(limit.cap_at if preempted else limit.at):
+                async with asyncio.timeout_at(limit.cap_at):
                     placed = await move(self._emit)
             except TimeoutError:
-                return self._timed_out(limit.cap_seconds if preempted else limit.seconds)
-            if preempted:
-                limit.yielded(loop.time() - left_at)
+                return self._timed_out(limit.cap_seconds)
+            limit.off_engine(loop.time() - left_at)
 
     async def _relay_until(
         self, deadline: float, lease: LeaseLink, placed: scheduler_pb2.Placed, stream: EngineStream,

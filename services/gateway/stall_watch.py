@@ -22,8 +22,8 @@ request then waits longer rather than being moved off every engine in turn
 until it runs out of migrations or engines.
 
 `GenerationLimit` is the whole generation's time limit: the job's cap, and
-the one derived from live latency, which stops while the request waits
-after a preemption.
+the one derived from live latency, which stops while the request waits off
+any engine (requeued after a preemption, moving after a failure).
 
 `ProgressWatch` is pure (fed times, it answers), tested on a fake clock;
 `StallTimer` runs it on the event loop with one timer re-armed lazily (a
@@ -74,10 +74,13 @@ class GenerationLimit:
     earlier wins: the job's cap (`gateway.max_generation_seconds`, a key's
     or the request's) counts every wait; the one derived from the fleet's
     live latency (`Placed.generation_seconds`: 3x what a healthy engine
-    takes for this many tokens) does not count a wait after a preemption.
-    That wait is the scheduler's choice, bounded by aging: a batch request
-    that yielded its slot to interactive work must not then time out for
-    it (at 4x overload a P2 requeued behind P0 and P1 work used to)."""
+    takes for this many tokens) counts only time on engines, not a wait to
+    be placed again. After a preemption that wait is the scheduler's choice,
+    bounded by aging: a batch request that yielded its slot must not time
+    out for it (at 4x overload P2 requests requeued behind P0 and P1 work
+    did). After an engine failure it may be a restart of the model's last
+    engine (scheduler.engine_return_seconds): the stream that waited for it
+    must not time out either."""
 
     cap_seconds: float
     derived_seconds: float  # 0: none (deadlines off)
@@ -98,8 +101,8 @@ class GenerationLimit:
         """The limit that ends the generation at `at`, for its message."""
         return self.cap_seconds if self.cap_at <= self.derived_at else self.derived_seconds
 
-    def yielded(self, seconds: float) -> None:
-        """The request waited `seconds` off any engine after a preemption."""
+    def off_engine(self, seconds: float) -> None:
+        """The request waited `seconds` off any engine to be placed again."""
         self.derived_at += max(seconds, 0.0)
 
 

@@ -287,6 +287,7 @@ class SchedulerCore:
         lane = self.waiting.lane(model)
         while lane:
             rec = next(iter(lane.values()))
+            rec.exclude = self.fleet.exclusions(rec.exclude, rec.ran_on)  # an engine restarted since is not
             notice = self._place_or_preempt(rec, rec.options.priority, now, out)
             if notice is None:
                 return out

@@ -76,7 +76,7 @@ class EngineEvents:
     def left(self, event: ev.EngineLeft, out: Outbox, now: float) -> None:
         """Its leases end at once; their requests wait ORPHANED for the
         gateway, which sees the engine fail and Replaces or gives up."""
-        ended = self._fleet.leave(event.engine_id, event.token)
+        ended = self._fleet.leave(event.engine_id, event.token, now)
         if ended is None:
             return
         self.policy.forget_engine(event.engine_id)

@@ -13,7 +13,7 @@ reservations, service-time estimates) and answers what placement needs.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from services.common.config import SchedulerConfig
@@ -65,7 +65,8 @@ class EngineFleet:
         self._freed: dict[str, int] = {}
         self._lease_ids = itertools.count(1)
         # Last time an engine for each model was seen: a model nobody serves
-        # is accepted for engine_grace_seconds after that (or after start-up).
+        # is accepted for engine_grace_seconds after that (or after start-up),
+        # a replacement (a stream that lost its engine) engine_return_seconds.
         self._model_seen: dict[str, float] = {}
         # Engine ids an operator drained (kvmesh.v1.Admin DrainEngine),
         # registered or not: one that reconnects stays drained. Placement
@@ -125,12 +126,15 @@ class EngineFleet:
         if self.current(engine_id, token) is not None:
             self.kv.apply_snapshot(engine_id, seq, hashes)
 
-    def leave(self, engine_id: str, token: int) -> list[Lease] | None:
+    def leave(self, engine_id: str, token: int, now: float) -> list[Lease] | None:
         """Forget an engine, its KV entries, reservations and leases at once.
         Returns the leases it held (now ended), or None when `token` is not
         the current registration (a stale stream's late close)."""
         record = self._registry.unregister(engine_id, token)
-        return None if record is None else self._forget(record)
+        if record is None:
+            return None
+        self._model_seen[record.info.model] = now  # its model was served until now
+        return self._forget(record)
 
     def _forget(self, record: EngineRecord) -> list[Lease]:
         """Drop what `record`'s process held: KV, reservations, leases."""
@@ -143,7 +147,7 @@ class EngineFleet:
         record.leases.clear()
         return ended
 
-    def exclusions(self, exclude: Sequence[str], ran_on: dict[str, int]) -> frozenset[str]:
+    def exclusions(self, exclude: Iterable[str], ran_on: dict[str, int]) -> frozenset[str]:
         """The engines a Replace excludes that still hold: not one whose
         registered process is newer than the one the request ran on there
         (a restarted or rescheduled engine: the process that failed the
@@ -281,7 +285,10 @@ class EngineFleet:
             self._model_seen[options.model] = now
         else:
             seen = self._model_seen.get(options.model, self._started)
-            if replacing or now - seen > self._config.engine_grace_seconds:
+            # A replacement has streamed text already: it waits longer for an
+            # engine of its model to come back (restarted by its supervisor).
+            bound = self._config.engine_return_seconds if replacing else self._config.engine_grace_seconds
+            if now - seen > bound:
                 raise AdmissionError(
                     RejectReason.NO_ENGINE,
                     f"no engine serves model {options.model!r}; check the model name or start "

@@ -160,6 +160,13 @@ class SchedulerConfig:
     # scheduler restart); later such requests are rejected NO_ENGINE at once.
     # >= 0.
     engine_grace_seconds: float = 10.0
+    # A stream whose engine died mid-answer while no other engine serves its
+    # model (every one dead or restarting at once) waits, with heartbeats, for
+    # one to return this long after the model was last served; then it is
+    # refused NO_ENGINE. Refusing it at once would lose the text it already
+    # streamed; 120 s covers a vLLM engine's restart (~45 s on CPU, 30-120 s
+    # with a large model on a GPU). >= 0.
+    engine_return_seconds: float = 120.0
     # Seconds between housekeeping passes (aging promotions, TTL expiry,
     # stale engines). Dispatch itself is event-driven; this pass only catches
     # what time alone changes. 0.1 s keeps TTL and aging within 100 ms. > 0.

@@ -232,7 +232,8 @@ def _check_scheduler_timing(scheduler: _Section) -> None:
         "prefill_tokens_per_second", "initial_service_seconds",
         "dispatch_rate_window_seconds", "inflight_prefix_seconds",
     )
-    scheduler.non_negative("sticky_margin_seconds", "engine_grace_seconds", "predicted_ttft_margin_seconds")
+    scheduler.non_negative("sticky_margin_seconds", "engine_grace_seconds", "engine_return_seconds",
+                           "predicted_ttft_margin_seconds")
 
 
 def _check_scheduler_limits(scheduler: _Section) -> None:

@@ -251,6 +251,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.requeue_reject: scheduler_pb2.Rejected | None = None
         # The generation limit derived from live latency, in every Placed (0 = none).
         self.generation_seconds = 0.0
+        # Seconds before a Replace is placed (a restarting engine, a busy fleet).
+        self.replace_delay = 0.0
 
     async def preempt(self, record: AdmitRecord, by_priority: int = 0) -> None:
         """Tell a running request its slot went to a higher class."""
@@ -327,6 +329,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                         self.admit_cancelled.set()
                 elif kind == "replace":
                     record.replaces.append(message.replace)
+                    await asyncio.sleep(self.replace_delay)
                     await context.write(self._placed(set(message.replace.exclude_engines)))
                 elif kind == "requeue":
                     record.requeues.append(message.requeue)

@@ -240,6 +240,18 @@ async def test_the_derived_generation_limit_does_not_count_the_wait_after_a_pree
     assert events[-1].finished.usage.completion_tokens == 12
 
 
+async def test_the_derived_generation_limit_does_not_count_the_wait_for_a_replacement(mesh: Mesh) -> None:
+    # A stream whose engine died waits for its model's last engine to restart
+    # (scheduler.engine_return_seconds); that wait is not the generation's time.
+    a = mesh.engines["engine-a"]
+    a.answer_tokens, a.break_after = 12, 3
+    await mesh.add_engine(FakeEngine("engine-b", answer_tokens=12))
+    mesh.scheduler.generation_seconds, mesh.scheduler.replace_delay = 0.5, 1.2
+    events = await _chat(mesh, [])
+    assert events[-1].finished.finish_reason != common_pb2.FINISH_REASON_TIMEOUT, events[-1].finished.message
+    assert _answer(events) == expected_answer(list(a.requests[0].prompt_token_ids), 12)
+
+
 async def test_the_derived_generation_limit_still_ends_a_generation_that_runs_past_it(mesh: Mesh) -> None:
     a = mesh.engines["engine-a"]
     a.answer_tokens, a.token_delay = 12, 0.1  # ~1.2 s on its engine

@@ -167,9 +167,9 @@ def test_generation_limit_without_a_derived_limit_is_the_cap() -> None:
     assert (limit.at, limit.seconds) == (125.0, 120.0)
 
 
-def test_generation_limit_a_wait_after_a_preemption_moves_only_the_derived_limit() -> None:
+def test_generation_limit_a_wait_off_engine_moves_only_the_derived_limit() -> None:
     limit = GenerationLimit.starting(cap_seconds=120.0, derived_seconds=30.0, now=0.0)
-    limit.yielded(50.0)
+    limit.off_engine(50.0)
     assert (limit.derived_at, limit.cap_at) == (80.0, 120.0)
-    limit.yielded(60.0)  # now the cap is the earlier one: it counts every wait
+    limit.off_engine(60.0)  # now the cap is the earlier one: it counts every wait
     assert (limit.at, limit.seconds) == (120.0, 120.0)

@@ -20,7 +20,7 @@ from services.scheduler.engine_registry import (
     EngineRegistry,
     SupersededEngineError,
 )
-from services.scheduler.events import EngineJoined, EngineLeft, ReplaceRequested, RequestArrived
+from services.scheduler.events import EngineJoined, EngineLeft, ReplaceRequested, RequestArrived, Tick
 from services.scheduler.records import PlacedInfo, RejectedInfo
 
 from .helpers import MODEL, admit, make_core, opts, report_load
@@ -176,6 +176,43 @@ def test_an_exclusion_of_the_same_process_still_holds() -> None:
     admit(core, opts("r1"))
     refused = [n for rid, n in _replace(core, "r1") if rid == "r1"]
     assert len(refused) == 1 and isinstance(refused[0], RejectedInfo)
+    assert refused[0].reason.value == "no_engine"
+
+
+def _answers(notices, request_id: str) -> list:
+    return [n for rid, n in notices if rid == request_id]
+
+
+def test_a_replace_waits_for_its_models_only_engine_to_come_back() -> None:
+    """The model's only engine died mid-stream (a killed vLLM core: the engine
+    exits and is restarted). Refusing the stream's Replace at once would lose
+    the text it already streamed: it waits, and goes to the restarted
+    process, which the exclusion of the dead one no longer covers."""
+    core, clock = make_core()
+    old = _join(core, "old:1", OLD)
+    report_load(core, "e", old.token)
+    admit(core, opts("r1"))
+    clock.advance(300.0)  # served for a while: the model's "last seen" is its engine's leaving
+    core.handle(EngineLeft("e", old.token))
+    assert _answers(_replace(core, "r1"), "r1") == []       # waiting, not refused
+    clock.advance(45.0)                                      # the engine restarts meanwhile
+    assert _answers(core.handle(Tick()).notices, "r1") == []
+    new = _join(core, "new:1", NEW)
+    placed = _answers(new.notices, "r1") + _answers(report_load(core, "e", new.token), "r1")
+    assert len(placed) == 1 and isinstance(placed[0], PlacedInfo), placed
+    assert (placed[0].engine_address, placed[0].engine_incarnation) == ("new:1", NEW)
+
+
+def test_a_replace_is_refused_once_its_model_stayed_unserved_past_the_return_bound() -> None:
+    core, clock = make_core(engine_return_seconds=30.0)
+    old = _join(core, "old:1", OLD)
+    report_load(core, "e", old.token)
+    admit(core, opts("r1"))
+    core.handle(EngineLeft("e", old.token))
+    assert _answers(_replace(core, "r1"), "r1") == []
+    clock.advance(31.0)
+    refused = _answers(core.handle(Tick()).notices, "r1")
+    assert len(refused) == 1 and isinstance(refused[0], RejectedInfo), refused
     assert refused[0].reason.value == "no_engine"
 
 

@@ -130,7 +130,7 @@ async def test_cancelled_admit_leaves_the_queue(stack) -> None:
 
 
 async def test_engine_stream_close_drops_leases(stack) -> None:
-    _service, stub, _ = stack
+    service, stub, _ = stack
     engine = stub.Connect(timeout=TIMEOUT * 3)
     await engine.write(hello("eng-2"))
     await engine.write(pb.EngineMessage(load=pb.LoadReport(serving=True, blocks_total=1000)))
@@ -142,9 +142,13 @@ async def test_engine_stream_close_drops_leases(stack) -> None:
         kinds.append((await asyncio.wait_for(call.read(), TIMEOUT)).WhichOneof("msg"))
     engine.cancel()
     await wait_state(stub, lambda s: not s.engines and s.leases_total == 0)
-    # the gateway asks for a replacement; no engine is left -> rejected
+    # The gateway asks for a replacement; no engine is left. It waits for one
+    # to come back (engine_return_seconds), then it is rejected.
     await call.write(pb.AdmitClientMessage(replace=pb.Replace(
         exclude_engines=["eng-2"], prompt_tokens=80, max_tokens=8)))
+    # (Either order of the clock and the replace ends so; the wait itself is
+    # test_engine_identity.py's.)
+    service.clock.advance(service.config.scheduler.engine_return_seconds + 1)  # type: ignore[attr-defined]
     msg = await asyncio.wait_for(call.read(), TIMEOUT)
     assert msg.WhichOneof("msg") == "rejected"
     assert msg.rejected.code == pb.REJECT_CODE_NO_ENGINE
