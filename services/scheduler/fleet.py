@@ -298,6 +298,11 @@ class EngineFleet:
             return
         usable = [e for e in engines if e.engine_id not in exclude]
         if not usable:
+            if replacing and any(not e.load.serving for e in engines):
+                # An excluded engine is failing (still connected while it
+                # exits): its restart is a new process the exclusion does not
+                # cover, so wait for it as for an engine that left.
+                return
             raise AdmissionError(
                 RejectReason.NO_ENGINE,
                 f"every engine serving {options.model!r} is excluded by the replace",

@@ -203,6 +203,23 @@ def test_a_replace_waits_for_its_models_only_engine_to_come_back() -> None:
     assert (placed[0].engine_address, placed[0].engine_incarnation) == ("new:1", NEW)
 
 
+def test_a_replace_excluding_a_failing_engine_still_connected_waits_for_its_restart() -> None:
+    """The replace can arrive while the failed engine is still connected,
+    exiting (it reported not serving): the exclusion covers that process
+    only, so the request waits for the new one instead of being refused."""
+    core, clock = make_core()
+    old = _join(core, "old:1", OLD)
+    report_load(core, "e", old.token)
+    admit(core, opts("r1"))
+    report_load(core, "e", old.token, serving=False)       # its backend died: failing
+    assert _answers(_replace(core, "r1"), "r1") == []       # waiting, not refused
+    core.handle(EngineLeft("e", old.token))
+    clock.advance(40.0)
+    new = _join(core, "new:1", NEW)
+    placed = _answers(new.notices, "r1") + _answers(report_load(core, "e", new.token), "r1")
+    assert len(placed) == 1 and isinstance(placed[0], PlacedInfo), placed
+
+
 def test_a_replace_is_refused_once_its_model_stayed_unserved_past_the_return_bound() -> None:
     core, clock = make_core(engine_return_seconds=30.0)
     old = _join(core, "old:1", OLD)
