@@ -107,15 +107,16 @@ class ToolCallParser:
                 self.calls = max(self.calls, event.index + 1)
             out.append(event)
 
-    def _feed_object(self, out: list[ToolEvent]) -> str | None:
+    def _feed_object(self, out: list[ToolEvent]) -> tuple[CallObject, str] | None:
         """Feed the buffer to the call object being read, its events to `out`;
-        returns the text after the object, None while it is incomplete."""
-        if self._object is None:  # pragma: no cover - the object state always has one
+        returns the object and the text after it, None while it is incomplete."""
+        call = self._object
+        if call is None:  # pragma: no cover - the object state always has one
             raise RuntimeError("no call object")
-        events, rest = self._object.feed(self._buf)
+        events, rest = call.feed(self._buf)
         self._buf = ""
         self._events(events, out)
-        return rest
+        return None if rest is None else (call, rest)
 
     def _end(self, out: list[ToolEvent]) -> list[ToolEvent]:
         if self._held and not self.calls:
@@ -173,13 +174,14 @@ class HermesParser(ToolCallParser):
         return self._after(out)
 
     def _in_object(self, out: list[ToolEvent]) -> bool:
-        rest = self._feed_object(out)
-        if rest is None or self._object is None:
+        done = self._feed_object(out)
+        if done is None:
             return False
-        if self._object.started:
+        call, rest = done
+        if call.started:
             self._state = "after"
         else:  # not a call: the block is content
-            self._text(self.OPEN + self._lead + self._object.buf, out)
+            self._text(self.OPEN + self._lead + call.buf, out)
             self._state = "text"
         self._buf, self._object = rest, None
         return True
@@ -297,13 +299,14 @@ class JsonParser(ToolCallParser):
         return True
 
     def _in_object(self, out: list[ToolEvent]) -> bool:
-        rest = self._feed_object(out)
-        if rest is None or self._object is None:
+        done = self._feed_object(out)
+        if done is None:
             return False
-        if not self._object.started:
+        call, rest = done
+        if not call.started:
             if not self.calls:
                 return self._as_text(out)
-            self._text(self._object.buf, out)
+            self._text(call.buf, out)
         self._buf, self._object = rest, None
         self._state = "array" if self._state == "element" else "done"
         return True
