@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from services.common.config import SchedulerConfig
 
-from .records import NUM_CLASSES, AdmissionError, AdmitOptions, RejectReason
+from .classes import ClassRules, ClassTable, class_problems
+from .records import AdmissionError, AdmitOptions, RejectReason
 
 __all__ = ["AdmissionLimits", "DispatchRateMeter", "validate_options"]
 
@@ -51,22 +52,18 @@ class DispatchRateMeter:
 
 @dataclass(frozen=True)
 class AdmissionLimits:
-    queue_caps: tuple[int, ...]
-    ttl_seconds: tuple[float, ...]
+    classes: ClassTable        # per-class caps and TTLs (classes.py)
     tenant_cap: int
     retry_min: float
     retry_max: float
-    batch_cap: int = 10000
 
     @classmethod
-    def from_config(cls, config: SchedulerConfig) -> AdmissionLimits:
+    def from_config(cls, config: SchedulerConfig, classes: ClassTable | None = None) -> AdmissionLimits:
         return cls(
-            tuple(config.queue_caps),
-            tuple(config.queue_ttl_seconds),
+            classes if classes is not None else ClassTable.from_config(config),
             config.tenant_queue_cap,
             config.retry_after_min_seconds,
             config.retry_after_max_seconds,
-            config.batch_queue_cap,
         )
 
     def retry_after(self, ahead: int, rate: float) -> float:
@@ -75,25 +72,16 @@ class AdmissionLimits:
             return self.retry_max
         return min(self.retry_max, max(self.retry_min, ahead / rate))
 
-    def check_class_cap(self, cls: int, class_len: int, rate: float) -> None:
-        """Raise AdmissionError when the class queue is full. Caps are per
-        class, so nothing queued in another class can make room here."""
-        if class_len >= self.queue_caps[cls]:
+    def check_cap(self, rules: ClassRules, queued: int, rate: float) -> None:
+        """Raise AdmissionError when `queued` requests fill the queue cap of
+        `rules`' class. Caps are per class, so nothing queued in another
+        class can make room here; a class with its own cap (CapScope.OWN)
+        counts only there, so it cannot crowd the others out of the queues."""
+        if queued >= rules.queue_cap:
             raise AdmissionError(
                 RejectReason.QUEUE_FULL,
-                f"the P{cls} queue is full ({self.queue_caps[cls]} requests); retry later",
-                self.retry_after(class_len, rate),
-            )
-
-    def check_batch_cap(self, batch_len: int, rate: float) -> None:
-        """Raise AdmissionError when scheduler.batch_queue_cap batch lines
-        are queued: batch lines count only here (never in a class or tenant
-        cap), so they cannot crowd interactive requests out of the queues."""
-        if batch_len >= self.batch_cap:
-            raise AdmissionError(
-                RejectReason.QUEUE_FULL,
-                f"the batch queue is full ({self.batch_cap} lines); retry later",
-                self.retry_after(batch_len, rate),
+                f"the {rules.name} queue is full ({rules.queue_cap} {rules.unit}); retry later",
+                self.retry_after(queued, rate),
             )
 
     def tenant_full(self, tenant: str, tenant_len: int, rate: float) -> AdmissionError | None:
@@ -120,12 +108,14 @@ class AdmissionLimits:
 
     def expires_at(self, options: AdmitOptions, arrival: float, wall_to_monotonic: float) -> float:
         """TTL is counted from arrival in the class the request was admitted
-        in: aging moves it up but does not shorten its patience. A batch
-        line's is its batch's deadline (a 24 h completion window outlives
-        the P2 TTL); `wall_to_monotonic` = monotonic now - wall now."""
-        if options.batch and options.batch_deadline_unix > 0:
+        in: aging moves it up but does not shorten its patience. A class
+        whose TTL is the request's own deadline (a batch's 24 h completion
+        window outlives the P2 TTL) takes that when one is set;
+        `wall_to_monotonic` = monotonic now - wall now."""
+        rules = self.classes[options.klass]
+        if rules.ttl_from_deadline and options.batch_deadline_unix > 0:
             return options.batch_deadline_unix + wall_to_monotonic
-        return arrival + self.ttl_seconds[options.priority]
+        return arrival + rules.ttl_seconds
 
 
 def validate_options(options: AdmitOptions) -> None:
@@ -135,14 +125,11 @@ def validate_options(options: AdmitOptions) -> None:
         problems.append("request_id is empty")
     if not options.model:
         problems.append("model is empty")
-    if not 0 <= options.priority < NUM_CLASSES:
-        problems.append(f"priority {options.priority} is not in 0..{NUM_CLASSES - 1}")
+    problems.extend(class_problems(options))
     if options.prompt_tokens <= 0:
         problems.append("prompt_tokens must be > 0")
     if options.arrival_unix < 0:
         problems.append("arrival_unix must be >= 0 (0 = now)")
-    if options.batch and options.priority != NUM_CLASSES - 1:
-        problems.append(f"a batch line runs as P{NUM_CLASSES - 1}, got priority {options.priority}")
     if not (math.isfinite(options.batch_deadline_unix) and options.batch_deadline_unix >= 0):
         problems.append("batch_deadline_unix must be a finite time >= 0 (0 = the P2 TTL)")
     if problems:

@@ -1,7 +1,9 @@
 """Batch lines yield to interactive work: placement for a request of a class
-in `scheduler.preempt_classes` sees the lease slots and KV blocks that
-preemptible Batch API lines hold as room, and takes one of those lines' slots
-on the engine it chose when that engine has no really free one.
+that preempts (classes.py, ClassTable.preempts: a rank in
+`scheduler.preempt_classes`) sees the lease slots and KV blocks that
+preemptible leases of a yielding class (ClassRules.yields_room: Batch API
+lines) hold as room, and takes one of those lines' slots on the engine it
+chose when that engine has no really free one.
 
 Why: batch lines may fill every lease slot but the P0-reserved one on each
 engine. Without this, a second concurrent P0 whose cached context is on a
@@ -47,6 +49,7 @@ import dataclasses
 
 from services.common.config import MeshConfig
 
+from .classes import ClassRules
 from .events import Delivery
 from .fleet import EngineFleet
 from .making_room import RoomMaker
@@ -63,17 +66,20 @@ class BatchYield:
         self._book = book
         self._fleet = fleet
         self._room = room  # its `policy` is the current one (the core swaps it)
-        self._preempt_classes = frozenset(config.scheduler.preempt_classes)
+        self._classes = room.classes
         self._hash_block_tokens = config.hash_block_tokens
         self._headroom = config.scheduler.decode_headroom_tokens
         self._max_preemptions = config.scheduler.max_preemptions
 
-    def place(self, request: PlacementRequest, now: float, out: list[Delivery]) -> Placement | None:
-        """The policy's placement for `request` (its class = request.priority);
-        a batch line it preempted to make room goes into `out`."""
+    def place(self, request: PlacementRequest, rules: ClassRules, now: float, out: list[Delivery],
+              ) -> Placement | None:
+        """The policy's placement for `request` (of class `rules`, waiting in
+        rank request.priority); a batch line it preempted to make room goes
+        into `out`."""
         views = self._fleet.views(request.model, now)
-        # No batch lease anywhere (the usual case): no scan of the fleet's leases.
-        batch = self._candidates(request) if self._fleet.batch_leases and self._yields_to(request) else {}
+        # No yielding lease anywhere (the usual case): no scan of the fleet's leases.
+        yields = self._fleet.yielding_leases and self._classes.preempts(rules.klass, request.priority)
+        batch = self._candidates(request) if yields else {}
         if not batch:
             return self._place(request, views)
         # a trial: the approximate prefix memory learns only the placement taken
@@ -106,22 +112,20 @@ class BatchYield:
             request, real, self._fleet.kv, self._hash_block_tokens, self._headroom)
         return completed[0] if completed else None
 
-    def _yields_to(self, request: PlacementRequest) -> bool:
-        return request.priority in self._preempt_classes and not request.batch
-
     def _candidates(self, request: PlacementRequest) -> dict[str, list[Candidate]]:
-        """Preemptible batch leases per engine serving the request's model."""
+        """Preemptible leases of yielding classes per engine serving the request's model."""
         found: dict[str, list[Candidate]] = {}
         for engine in self._fleet:
             if engine.info.model != request.model:
                 continue
             for lease in self._fleet.leases_on(engine.engine_id):
                 line = self._book.get(lease.request_id)
-                if (line is not None and line.options.batch and line.lease is lease
+                rules = self._classes[lease.klass]
+                if (line is not None and rules.yields_room and line.lease is lease
                         and lease.cls > request.priority and line.state is not RequestState.DETACHED):
                     found.setdefault(engine.engine_id, []).append(Candidate(
                         engine.engine_id, lease.request_id, lease.cls, lease.placed_at,
-                        line.preemptions, lease.reserved_blocks, True))
+                        line.preemptions, lease.reserved_blocks, rules.expendable))
         return found
 
     def _preempt_on(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from services.common.metric_labels import priority_label
 
+from .classes import ClassRules
 from .metrics import SchedulerMetrics
 from .records import NUM_CLASSES
 
@@ -33,7 +34,9 @@ class ClassStat:
     seconds_lost: float = 0.0  # summed time from preemption to the next placement
     displaced: int = 0         # queued requests refused for a higher class of their tenant
     protected: int = 0         # requests that reached the preemption bound
-    batch_preemptions: int = 0  # of `preemptions`, batch lines (never protected)
+    # Of `preemptions`, those of a class shown apart (classes.py,
+    # ClassRules.apart: batch lines; never protected).
+    batch_preemptions: int = 0
 
 
 class ClassLedger:
@@ -41,14 +44,15 @@ class ClassLedger:
         self._metrics = metrics
         self._stats = [ClassStat(c) for c in range(NUM_CLASSES)]
 
-    def preempted(self, cls: int, reached_bound: bool, batch: bool = False) -> None:
-        s = self._stats[cls]
+    def preempted(self, rules: ClassRules, reached_bound: bool) -> None:
+        """A request of class `rules` lost its lease (counted in its rank's row)."""
+        s = self._stats[rules.rank]
         s.preemptions += 1
-        if batch:
+        if rules.apart:
             s.batch_preemptions += 1
             self._metrics.batch_preemptions.inc()
         s.preempted_now += 1
-        label = priority_label(cls)
+        label = rules.label
         self._metrics.preemptions.labels(label).inc()
         self._metrics.preempted_now.labels(label).set(s.preempted_now)
         if reached_bound:

@@ -83,7 +83,7 @@ class Comebacks:
                 rec, now, err.reason, err.message, err.retry_after)))
             return
         rec.state = RequestState.REPLACING
-        rec.replace_expires_at = now + self._limits.ttl_seconds[rec.options.priority]
+        rec.replace_expires_at = now + self._limits.classes[rec.klass].ttl_seconds
         self._waiting.add_replacement(rec)
 
     def requeue(self, event: ev.RequeueRequested, out: Outbox, now: float) -> None:

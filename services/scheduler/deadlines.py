@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from services.common.config import DeadlineBounds, MeshConfig
 from services.common.metric_labels import priority_label
 
+from .classes import ClassRules, ClassTable
 from .events import Delivery
 from .latency_window import LatencyWindow
 from .metrics import SchedulerMetrics
@@ -86,17 +87,15 @@ _WINDOWED = (DeadlineKind.QUEUE_WAIT, DeadlineKind.FIRST_TOKEN, DeadlineKind.TOK
 class DeadlineBook:
     def __init__(self, config: MeshConfig, metrics: SchedulerMetrics | None = None) -> None:
         self._config = config.deadlines
-        self._ttl = tuple(config.scheduler.queue_ttl_seconds)
+        self._classes = ClassTable.from_config(config.scheduler)
         self._max_generation = config.gateway.max_generation_seconds
         self._hang_floor = config.engines.template.hang_floor_seconds
         # A queued request is never turned away before it could have aged to
-        # P0 and then had P0's floor there: P1's queue-wait floor is the
-        # floor + p1_seconds, P2's the floor + p2_seconds + p1_seconds.
-        # Otherwise a derived bound would undo the aging promise (a P2
-        # request reaches P0 within 60 s) and reject batch-class work that
-        # merely waits its turn behind interactive traffic.
-        aging = config.scheduler.aging
-        self._aging_to_top = (0.0, aging.p1_seconds, aging.p1_seconds + aging.p2_seconds)
+        # P0 and then had P0's floor there: each rank's queue-wait floor is
+        # the floor + its ClassRules.aging_to_top_seconds (P1: p1_seconds, P2:
+        # p2_seconds + p1_seconds). Otherwise a derived bound would undo the
+        # aging promise (a P2 request reaches P0 within 60 s) and reject
+        # offline work that merely waits its turn behind interactive traffic.
         self._metrics = metrics
         self._windows: dict[tuple[DeadlineKind, str, int], LatencyWindow] = {}
         self._keys: set[tuple[str, int]] = set()   # (model, class) seen, for GetState and gauges
@@ -136,19 +135,22 @@ class DeadlineBook:
         sizes.add(float(rec.options.prompt_tokens), now)
 
     def queued(self, options: AdmitOptions, base_class: int, waited: float, now: float) -> None:
-        """A request left the queue for an engine after `waited` seconds. A
-        batch line's wait is no sample: it waits behind every other class by
-        design, and its hours would raise P2's bound for everyone."""
-        if not options.batch:
+        """A request left the queue for an engine after `waited` seconds. The
+        wait of a class without a derived bound (batch lines) is no sample: it
+        waits behind every other class by design, and its hours would raise
+        P2's bound for everyone."""
+        if self._classes[options.klass].derived_queue_bound:
             self.observe(DeadlineKind.QUEUE_WAIT, options.model, base_class, waited, now)
 
     def queue_expiry(self, options: AdmitOptions, limit_expiry: float, arrival: float,
                      now: float) -> tuple[float, str]:
         """When a request admitted now expires from the queue, and why: the
         derived bound, never later than the class TTL (`limit_expiry`); a
-        batch line's is its batch's completion window alone."""
-        if options.batch:
-            return limit_expiry, "the end of its batch's completion window"
+        class without a derived bound (a batch line: its batch's completion
+        window) has its TTL alone."""
+        rules = self._classes[options.klass]
+        if not rules.derived_queue_bound:
+            return limit_expiry, rules.fixed_ttl_reason
         bound = self.queue_bound(options.model, options.priority, now)
         return min(limit_expiry, arrival + bound.seconds), bound.describe()
 
@@ -175,7 +177,7 @@ class DeadlineBook:
         """Today's fixed value for `kind` (the configured ceiling caps it)."""
         configured = self._bounds(kind).ceiling_seconds
         if kind is DeadlineKind.QUEUE_WAIT:
-            fixed = self._ttl[min(max(priority, 0), len(self._ttl) - 1)]
+            fixed = self._rank(priority).ttl_seconds
         elif kind is DeadlineKind.GENERATION:
             fixed = self._max_generation
         else:
@@ -183,6 +185,10 @@ class DeadlineBook:
         if kind in (DeadlineKind.QUEUE_WAIT, DeadlineKind.GENERATION):
             return min(fixed, configured) if configured > 0 else fixed
         return configured if configured > 0 else fixed
+
+    def _rank(self, priority: int) -> ClassRules:
+        """The ladder class of `priority` (clamped: a label never fails)."""
+        return self._classes.at_rank(min(max(priority, 0), len(ClassTable.ladder()) - 1))
 
     def _bounds(self, kind: DeadlineKind) -> DeadlineBounds:
         bounds: DeadlineBounds = getattr(self._config, kind.value)
@@ -212,7 +218,7 @@ class DeadlineBook:
         value, source = self._config.multiple * p95, Source.DERIVED
         floor = self._bounds(kind).floor_seconds
         if kind is DeadlineKind.QUEUE_WAIT:
-            floor += self._aging_to_top[min(max(priority, 0), len(self._aging_to_top) - 1)]
+            floor += self._rank(priority).aging_to_top_seconds
         if value < floor:
             value, source = floor, Source.FLOOR
         if value > ceiling:  # after the floor: nothing is looser than the ceiling

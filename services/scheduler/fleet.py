@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from services.common.config import SchedulerConfig
 
+from .classes import ClassTable
 from .engine_registry import EngineInfo, EngineLoad, EngineRecord, EngineRegistry
 from .kv_index import KvIndex
 from .placement import EngineView
@@ -50,16 +51,19 @@ class Joined:
 
 
 class EngineFleet:
-    def __init__(self, config: SchedulerConfig, started: float, retry_min: float) -> None:
+    def __init__(self, config: SchedulerConfig, started: float, retry_min: float,
+                 classes: ClassTable | None = None) -> None:
         self._config = config
+        self._classes = classes if classes is not None else ClassTable.from_config(config)
         self._started = started
         self._retry_min = retry_min
         self._registry = EngineRegistry(config.initial_service_seconds)
         self.kv = KvIndex()
         self.reservations = ReservationBook()
         self._leases: dict[str, Lease] = {}
-        # Batch API leases now: placement skips the batch-yield scan while there are none.
-        self.batch_leases = 0
+        # Leases of yielding classes (ClassRules.yields_room: Batch API lines)
+        # now: placement skips the batch-yield scan while there are none.
+        self.yielding_leases = 0
         # Blocks of preempted leases that an engine's last report still
         # counts as used: free for placement until its next report.
         self._freed: dict[str, int] = {}
@@ -143,7 +147,7 @@ class EngineFleet:
         self.reservations.drop_engine(engine_id)
         self._freed.pop(engine_id, None)
         ended = [lease for lid in record.leases if (lease := self._leases.pop(lid, None))]
-        self.batch_leases -= sum(lease.batch for lease in ended)
+        self.yielding_leases -= sum(self._classes[lease.klass].yields_room for lease in ended)
         record.leases.clear()
         return ended
 
@@ -175,27 +179,22 @@ class EngineFleet:
     # ------------------------------------------------------------ leases
 
     def open_lease(
-        self, request_id: str, engine: EngineRecord, reserved: int, cached: int,
-        prompt_tokens: int, now: float, cls: int = 1,
+        self, options: AdmitOptions, engine: EngineRecord, reserved: int, cached: int, now: float, cls: int,
     ) -> Lease:
-        """Lease `engine` to a request and reserve its blocks (unless the
-        engine's report already shows the request running)."""
+        """Lease `engine` to a request (placed in rank `cls`) and reserve its
+        blocks (unless the engine's report already shows the request running)."""
+        request_id, klass = options.request_id, options.klass
         lease = Lease(
             lease_id=f"lease-{next(self._lease_ids)}", request_id=request_id,
             engine_id=engine.engine_id, placed_at=now, reserved_blocks=reserved,
-            cached_tokens=cached, prompt_tokens=prompt_tokens, cls=cls,
+            cached_tokens=cached, prompt_tokens=options.prompt_tokens, cls=cls, klass=klass,
         )
+        self.yielding_leases += self._classes[klass].yields_room
         if reserved and request_id not in engine.load.request_ids:
             self.reservations.reserve(engine.engine_id, request_id, reserved)
         engine.leases.add(lease.lease_id)
         self._leases[lease.lease_id] = lease
         return lease
-
-    def mark_batch(self, lease: Lease) -> None:
-        """`lease` is a Batch API line's (counted while it is open)."""
-        if not lease.batch and lease.lease_id in self._leases:
-            lease.batch = True
-            self.batch_leases += 1
 
     def close_lease(self, lease: Lease, now: float, preempted: bool = False) -> None:
         """End a lease (idempotent); its duration feeds the engine's
@@ -204,7 +203,7 @@ class EngineFleet:
         engine's used blocks until its next report."""
         if self._leases.pop(lease.lease_id, None) is None:
             return
-        self.batch_leases -= lease.batch
+        self.yielding_leases -= self._classes[lease.klass].yields_room
         released = self.reservations.release(lease.engine_id, lease.request_id)
         if preempted and not released and lease.reserved_blocks:
             self._freed[lease.engine_id] = self._freed.get(lease.engine_id, 0) + lease.reserved_blocks
@@ -242,13 +241,14 @@ class EngineFleet:
         per_slot = e.service_seconds / max(1, e.info.max_running)
         excess = max(0, occupancy + 1 - e.info.max_running)
         queue_seconds = prefill + excess * per_slot
-        # A P0 runs in the engine's P0 headroom ahead of batch lines: their
-        # leases do not make it wait (else a batch on its warm engine sends
-        # the P0 to a cold one, a whole prefill: BENCHMARKS.md, "Batch API").
-        # Counted only on a full engine: the common case stays O(1).
-        batch = sum(1 for lid in e.leases if (lease := self._leases.get(lid)) is not None and lease.batch) \
-            if excess else 0
-        p0_queue_seconds = prefill + max(0, excess - batch) * per_slot
+        # A P0 runs in the engine's P0 headroom ahead of classes that do not
+        # delay it (ClassRules.delays_p0: batch lines): their leases do not
+        # make it wait (else a batch on its warm engine sends the P0 to a
+        # cold one, a whole prefill: BENCHMARKS.md, "Batch API"). Counted
+        # only on a full engine: the common case stays O(1).
+        behind = sum(1 for lid in e.leases if (lease := self._leases.get(lid)) is not None
+                     and not self._classes[lease.klass].delays_p0) if excess else 0
+        p0_queue_seconds = prefill + max(0, excess - behind) * per_slot
         return EngineView(
             engine_id=e.engine_id, model=e.info.model, serving=e.load.serving,
             draining=e.draining or e.engine_id in self.admin_drained,

@@ -13,8 +13,10 @@ core's housekeeping tick (the core's one owner, never the metrics thread):
   `inference_pool_average_kv_cache_utilization` and
   `inference_pool_average_queue_size`, over its serving engines.
 - per class: `kvmesh_scheduler_oldest_wait_seconds` (arrival to now of the
-  oldest request queued in it; batch lines apart: they wait hours by design),
-  and once `kvmesh_scheduler_aging_bound_seconds`; `kvmesh_scheduler_batch_queued`.
+  oldest request queued in it; classes shown apart -- classes.py,
+  ClassRules.apart: batch lines -- left out: they wait hours by design), and
+  once `kvmesh_scheduler_aging_bound_seconds`; `kvmesh_scheduler_batch_queued`
+  (the classes shown apart).
 
 Cost: O(engines) per tick; the queue scan (O(queued)) at most once per
 `queue_interval` seconds.
@@ -24,9 +26,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from services.common.config import SchedulerConfig
 from services.common.metric_labels import priority_label
 
 from .aging import AgingRule
+from .classes import ClassTable
 from .engine_registry import EngineRecord
 from .metrics import SchedulerMetrics
 from .records import NUM_CLASSES
@@ -38,8 +42,9 @@ __all__ = ["FleetGauges"]
 class FleetGauges:
     def __init__(
         self, metrics: SchedulerMetrics, aging: AgingRule, models: Iterable[str], stale_seconds: float,
-        queue_interval: float = 1.0,
+        queue_interval: float = 1.0, classes: ClassTable | None = None,
     ) -> None:
+        self._apart = frozenset((classes or ClassTable.from_config(SchedulerConfig())).apart())
         self._metrics = metrics
         self._models = set(models)
         self._stale = stale_seconds
@@ -56,7 +61,7 @@ class FleetGauges:
     def refresh(self, engines: Iterable[EngineRecord], waiting: WaitingRoom, now: float) -> None:
         for cls in range(NUM_CLASSES):
             self._metrics.queue_length.labels(priority_label(cls)).set(waiting.class_len(cls))
-        self._metrics.batch_queued.set(waiting.batch_len())
+        self._metrics.batch_queued.set(sum(waiting.apart_len(k) for k in self._apart))
         self._engines(list(engines), now)
         if now >= self._next_queue_scan:
             self._next_queue_scan = now + self._queue_interval
@@ -101,7 +106,7 @@ class FleetGauges:
     def _queues(self, waiting: WaitingRoom, now: float) -> None:
         oldest = [0.0] * NUM_CLASSES
         for stat in waiting.stats(now):
-            if stat.batch:
+            if stat.klass in self._apart:
                 continue
             oldest[stat.priority] = max(oldest[stat.priority], stat.oldest_wait_seconds)
         for cls, seconds in enumerate(oldest):

@@ -34,10 +34,10 @@ from services.common.tracing import NO_TRACING, Tracing
 from . import events as ev
 from .admit_trace import AdmitTraces
 from .aging import AgingRule
+from .classes import admitted_priority, wire_batch
 from .core import SchedulerCore
 from .engine_links import EngineLinks
 from .records import (
-    NUM_CLASSES,
     AdmitOptions,
     Notice,
     PlacedInfo,
@@ -125,10 +125,12 @@ def _deadline_fields(notice: PlacedInfo) -> dict[str, float]:
 
 
 def _options(msg: scheduler_pb2.AdmitRequest) -> AdmitOptions:
-    # A batch line runs as P2 whatever priority the gateway put (records.AdmitOptions).
+    # The admission boundary: a batch line runs at its class's rank whatever
+    # priority the gateway put; its class is derived from these two fields
+    # (classes.class_of), which nothing else in the scheduler reads.
     return AdmitOptions(
         request_id=msg.request_id, model=msg.model, tenant=msg.tenant,
-        priority=NUM_CLASSES - 1 if msg.batch else msg.priority,
+        priority=admitted_priority(msg.priority, msg.batch),
         batch=msg.batch, batch_deadline_unix=msg.batch_deadline_unix,
         prompt_tokens=msg.prompt_tokens, max_tokens=msg.max_tokens,
         prefix_hashes=tuple(msg.prefix_hashes), arrival_unix=msg.arrival_unix,
@@ -142,7 +144,7 @@ def _state_proto(view: StateView) -> scheduler_pb2.SchedulerState:
         policy=view.policy,
         queues=[
             scheduler_pb2.QueueState(priority=q.priority, tenant=q.tenant, queued=q.queued,
-                                     oldest_wait_seconds=q.oldest_wait_seconds, batch=q.batch)
+                                     oldest_wait_seconds=q.oldest_wait_seconds, batch=wire_batch(q.klass))
             for q in view.queues
         ],
         engines=[
@@ -163,7 +165,7 @@ def _state_proto(view: StateView) -> scheduler_pb2.SchedulerState:
                 priority=c.priority, preemptions=c.preemptions, requeued=c.requeued,
                 preempted_now=c.preempted_now, seconds_lost=c.seconds_lost,
                 displaced=c.displaced, protected=c.protected, batch_preemptions=c.batch_preemptions,
-                batch_queued=sum(q.queued for q in view.queues if q.batch and q.priority == c.priority))
+                batch_queued=sum(q.queued for q in view.queues if wire_batch(q.klass) and q.priority == c.priority))
             for c in view.classes
         ],
         paused_priorities=view.paused, drained_engines=view.drained,

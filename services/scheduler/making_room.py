@@ -7,16 +7,17 @@
              Class caps are per class, so nothing below can make room there
              (admission_limits.py refuses as before). Requests requeued
              after a preemption are never displaced: they have streamed
-             tokens already. Batch lines are never displaced (they do not
-             count in a tenant's cap) and displace nothing: they are
-             checked against scheduler.batch_queue_cap alone.
+             tokens already. A class with a cap of its own (classes.py,
+             CapScope.OWN: batch lines) is never displaced (it does
+             not count in a tenant's cap) and displaces nothing: it is
+             checked against its own cap alone.
   dispatch   the head of a model's queue is of a class in
              `scheduler.preempt_classes` and no engine can take it: one
              lower-class, unprotected lease is preempted on the engine
              where it runs best (the rule is preemption.py's), so the
-             core's next placement attempt puts it there at once. Batch
-             lines go first, and are never protected by
-             scheduler.max_preemptions (preemption.py says why).
+             core's next placement attempt puts it there at once.
+             Expendable classes (batch lines) go first, and are never
+             protected by scheduler.max_preemptions (preemption.py says why).
 
 Ownership rule: `RoomMaker` is owned by `SchedulerCore` and called only
 from its dispatch and admission (so only from the core's one thread, see
@@ -29,6 +30,7 @@ from services.common.config import MeshConfig
 
 from .admission_limits import AdmissionLimits
 from .class_stats import ClassLedger
+from .classes import CapScope, ClassRules, ClassTable
 from .events import Delivery
 from .fleet import EngineFleet
 from .placement import PlacementPolicy, PlacementRequest
@@ -40,12 +42,12 @@ from .waiting import WaitingRoom
 __all__ = ["RoomMaker", "placement_request"]
 
 
-def placement_request(rec: RequestRecord, cls: int) -> PlacementRequest:
-    """What placement sees of a request waiting in class `cls`."""
+def placement_request(rec: RequestRecord, cls: int, rules: ClassRules) -> PlacementRequest:
+    """What placement sees of a request of class `rules` waiting in rank `cls`."""
     o = rec.options
     return PlacementRequest(
         o.request_id, o.model, o.prompt_tokens, o.max_tokens, o.prefix_hashes, rec.exclude,
-        priority=cls, batch=o.batch)
+        priority=cls, reserved_slots=rules.reserved_slots)
 
 
 class RoomMaker:
@@ -53,6 +55,7 @@ class RoomMaker:
         self, book: RequestBook, waiting: WaitingRoom, fleet: EngineFleet,
         policy: PlacementPolicy, limits: AdmissionLimits, ledger: ClassLedger, config: MeshConfig,
     ) -> None:
+        self.classes: ClassTable = limits.classes
         self._book = book
         self._waiting = waiting
         self._fleet = fleet
@@ -64,13 +67,15 @@ class RoomMaker:
         self._max_preemptions = config.scheduler.max_preemptions
 
     def admit_room(self, options: AdmitOptions, cls: int, rate: float, now: float) -> list[Delivery]:
-        """Queue room for a newcomer waiting in class `cls`: a batch line
-        against the batch cap only; anything else against its class cap,
-        then its tenant's (displace_for). Raises the AdmissionError."""
-        if options.batch:
-            self._limits.check_batch_cap(self._waiting.batch_len(), rate)
+        """Queue room for a newcomer waiting in class `cls`: a class with its
+        own cap against that cap only; anything else against the cap of the
+        class it waits in, then its tenant's (displace_for). Raises the
+        AdmissionError."""
+        rules = self.classes[options.klass]
+        if rules.cap_scope is CapScope.OWN:
+            self._limits.check_cap(rules, self._waiting.apart_len(options.klass), rate)
             return []
-        self._limits.check_class_cap(cls, self._waiting.class_len(cls), rate)
+        self._limits.check_cap(self.classes.at_rank(cls), self._waiting.class_len(cls), rate)
         return self.displace_for(options.tenant, cls, rate, now)
 
     def displace_for(self, tenant: str, cls: int, rate: float, now: float) -> list[Delivery]:
@@ -102,16 +107,16 @@ class RoomMaker:
         model = rec.options.model
         candidates = [
             Candidate(e.engine_id, lease.request_id, lease.cls, lease.placed_at,
-                      victim.preemptions, lease.reserved_blocks, victim.options.batch)
+                      victim.preemptions, lease.reserved_blocks, expendable)
             for e in self._fleet if e.info.model == model for lease in self._fleet.leases_on(e.engine_id)
             if lease.cls > cls and (victim := self._book.get(lease.request_id)) is not None
             and victim.lease is lease
-            and (victim.options.batch or victim.preemptions < self._max_preemptions)
+            and ((expendable := self.classes[lease.klass].expendable) or victim.preemptions < self._max_preemptions)
             and victim.state is not RequestState.DETACHED  # nobody could answer Requeue
         ]
         if not candidates:
             return None
-        request = placement_request(rec, cls)
+        request = placement_request(rec, cls, self.classes[rec.klass])
         views = self.policy.complete_views(
             request, self._fleet.views(model, now), self._fleet.kv, self._hash_block_tokens,
             self._headroom)

@@ -16,21 +16,22 @@ Engine first, then victim:
           (fewer prompt tokens to prefill, so the fastest first token), then
           the fewest leases, then the shortest estimated queue, then the
           engine id (deterministic);
-  victim  on that engine, the lowest class first (batch before near-real-
+  victim  on that engine, the lowest class first (P2 before near-real-
           time work), then the least progress lost -- the most recently
           placed lease, which has generated the fewest tokens, so the
           fewest are recomputed when it resumes -- then the request id for
           determinism. A candidate is taken only if ending its lease lets
           the newcomer pass the placement filters on that engine (`fits`);
           engines where no single victim makes room are skipped.
-Batch lines (AdmitRequest.batch) go first, fleet-wide: the rule above runs
-over the batch candidates alone, and only when none of them makes room over
-all candidates. Nobody waits on a batch line's stream and its deadline is
-hours away, so ending it costs only the recompute of its prefix; ending an
-ordinary P2 stream costs a person or a pipeline latency. For the same
-reason batch candidates are never protected by `max_preemptions`: a batch
-line yields as often as interactive work needs its slot (it resumes from its
-last token each time), which is what "fills idle capacity" promises.
+Candidates of an expendable class (classes.py, ClassRules.expendable: batch
+lines) go first, fleet-wide: the rule above runs over them alone, and only
+when none of them makes room over all candidates. Nobody waits on a batch
+line's stream and its deadline is hours away, so ending it costs only the
+recompute of its prefix; ending an ordinary P2 stream costs a person or a
+pipeline latency. For the same reason expendable candidates are never
+protected by `max_preemptions`: a batch line yields as often as interactive
+work needs its slot (it resumes from its last token each time), which is
+what "fills idle capacity" promises.
 Preempting one victim per placement keeps each decision small and visible;
 the next queue head asks again.
 """
@@ -58,7 +59,7 @@ class Candidate:
     placed_at: float
     preemptions: int           # times its request was preempted already
     blocks: int                # blocks its lease accounts for on the engine
-    batch: bool = False        # a Batch API line: preempted first, never protected
+    expendable: bool = False   # its class's ClassRules.expendable: preempted first, never protected
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def engine_order(view: EngineView) -> tuple[int, int, float, str]:
 
 def victim_order(candidate: Candidate) -> tuple[bool, int, float, str]:
     """Sort key: the victim to take first on one engine."""
-    return (not candidate.batch, -candidate.cls, -candidate.placed_at, candidate.request_id)
+    return (not candidate.expendable, -candidate.cls, -candidate.placed_at, candidate.request_id)
 
 
 def view_after(view: EngineView, victim: Candidate) -> EngineView:
@@ -109,9 +110,9 @@ def choose_victim(
     view (default: `fits_after(newcomer_cls)`)."""
     fits = fits or fits_after(newcomer_cls)
     eligible = [c for c in candidates
-                if c.cls > newcomer_cls and (c.batch or c.preemptions < max_preemptions)]
-    batch = [c for c in eligible if c.batch]
-    for tier in ([batch, eligible] if batch else [eligible]):
+                if c.cls > newcomer_cls and (c.expendable or c.preemptions < max_preemptions)]
+    first = [c for c in eligible if c.expendable]
+    for tier in ([first, eligible] if first else [eligible]):
         choice = _choose_in(engines, tier, fits)
         if choice is not None:
             return choice

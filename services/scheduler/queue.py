@@ -17,10 +17,11 @@ then applied at once (aging catches up: the request takes the class its wait
 gives it, as if there had been no pause). Promotions into a paused class go
 on. TTL expiry goes on in every class.
 
-Batch lines (entry.batch, records.AdmitOptions) wait in a queue of their own after
-P2 (`ModelQueue.batch`, class P2, paused with P2): never promoted, left
-after every ordinary P2 request, and not counted in `class_len` or
-`tenant_len` (their cap is scheduler.batch_queue_cap).
+The aging ladder (`ModelQueue.classes`, by rank) holds the classes that age
+(classes.py, ClassRules.ages). A class off the ladder (batch lines) waits in
+a queue of its own after it (`ModelQueue.apart`, at its rank, paused with
+that rank): never promoted, left after every ladder request, counted in
+`tenant_len` only if its cap scope says so and never in `class_len`.
 
 Not thread-safe: owned by the scheduler core (see core.py).
 """
@@ -32,7 +33,10 @@ import itertools
 from collections.abc import Hashable, Iterator, Set
 from dataclasses import dataclass, field
 
+from services.common.config import SchedulerConfig
+
 from .aging import AgingRule
+from .classes import CapScope, ClassTable, PriorityClass
 from .queue_policies import FairnessPolicy, FairnessState, OrderingPolicy
 from .records import NUM_CLASSES, QueueEntry
 
@@ -165,15 +169,17 @@ class ModelQueue:
 
     def __init__(
         self, aging: AgingRule, fairness: FairnessPolicy, ordering: OrderingPolicy,
-        paused: Set[int] = frozenset(),
+        paused: Set[int] = frozenset(), classes: ClassTable | None = None,
     ) -> None:
         self._aging = aging
+        # Only the table's static columns are read here (ages, rank, cap scope).
+        self._rules = classes if classes is not None else ClassTable.from_config(SchedulerConfig())
         self._paused = paused
         # Due promotions out of a paused class, by that class, until resumed.
         self._held: dict[int, list[tuple[float, int, int, QueueEntry]]] = {}
         self.classes = [ClassQueue(c, fairness, ordering) for c in range(NUM_CLASSES)]
-        # Batch lines: after every class, fair across tenants among themselves.
-        self.batch = ClassQueue(NUM_CLASSES - 1, fairness, ordering)
+        # Classes off the ladder: after it, fair across tenants among themselves.
+        self.apart = {k: ClassQueue(r.rank, fairness, ordering) for k, r in self._rules.items() if not r.ages}
         self._entries: dict[str, QueueEntry] = {}
         self._promotions: list[tuple[float, int, int, QueueEntry]] = []
         self._expiries: list[tuple[float, int, QueueEntry]] = []
@@ -189,19 +195,19 @@ class ModelQueue:
         return self._entries.get(request_id)
 
     def _queue_of(self, entry: QueueEntry) -> ClassQueue:
-        return self.batch if entry.batch else self.classes[entry.cls]
+        return self.classes[entry.cls] if self._rules[entry.klass].ages else self.apart[entry.klass]
 
     def push(self, entry: QueueEntry, now: float) -> list[Promotion]:
         """Queue `entry` in the class aging gives it at `now` (a re-admitted
         request may already be due for promotion). Returns the promotions
-        applied, so the caller can count them. A batch line is not aged."""
+        applied, so the caller can count them. A class off the ladder is not aged."""
         if entry.request_id in self._entries:
             raise ValueError(f"request {entry.request_id} is already queued")
         self._entries[entry.request_id] = entry
         heapq.heappush(self._expiries, (entry.expires_at, next(self._tie), entry))
-        if entry.batch:
+        if not self._rules[entry.klass].ages:
             entry.cls = entry.base_class
-            self.batch.push(entry)
+            self.apart[entry.klass].push(entry)
             return []
         target = self._aging.class_at(entry.base_class, entry.arrival, now)
         promotions = [
@@ -273,7 +279,7 @@ class ModelQueue:
     def peek(self) -> QueueEntry | None:
         """The request that leaves next: best class not paused first, then
         fairness."""
-        for queue in (*self.classes, self.batch):
+        for queue in self.in_order():
             if queue.live and queue.cls not in self._paused:
                 return queue.peek()
         return None
@@ -287,7 +293,7 @@ class ModelQueue:
         """Every queued entry with its position (0 = next), assuming
         round-robin rounds in each class and no new arrivals. O(n log n)."""
         position = 0
-        for queue in (*self.classes, self.batch):
+        for queue in self.in_order():
             active = list(queue.tenant_entries())
             rank = 0
             while active:
@@ -303,21 +309,32 @@ class ModelQueue:
     def position_of(self, entry: QueueEntry) -> int:
         """Cheap estimate for one entry, taking it as the last of its tenant
         in its class: O(tenants)."""
-        ahead = sum(q.live for q in (self.classes if entry.batch else self.classes[: entry.cls]))
         queue = self._queue_of(entry)
+        ahead = 0
+        for other in self.in_order():  # every queue that leaves before this one
+            if other is queue:
+                break
+            ahead += other.live
         rank = max(0, queue.tenant_count(entry.tenant) - 1)
         return ahead + queue.estimate_position(entry.tenant, rank)
 
     def class_len(self, cls: int) -> int:
-        """Ordinary requests waiting in class `cls` (batch lines apart)."""
+        """Requests waiting on the ladder at rank `cls` (classes apart not counted)."""
         return self.classes[cls].live
 
-    def batch_len(self) -> int:
-        return self.batch.live
+    def apart_len(self, klass: PriorityClass) -> int:
+        """Requests of `klass`, a class off the ladder, waiting."""
+        return self.apart[klass].live
+
+    def in_order(self) -> list[ClassQueue]:
+        """Every class queue in the order they leave: the ladder, then the rest."""
+        return [*self.classes, *self.apart.values()]
 
     def tenant_len(self, tenant: str) -> int:
-        """The tenant's ordinary queued requests (its cap's count)."""
-        return sum(q.tenant_count(tenant) for q in self.classes)
+        """The tenant's queued requests its cap counts (CapScope.CLASS_NOW)."""
+        counted = [*self.classes, *(q for k, q in self.apart.items()
+                                    if self._rules[k].cap_scope is CapScope.CLASS_NOW)]
+        return sum(q.tenant_count(tenant) for q in counted)
 
     def oldest_arrival(self, cls: int, tenant: str) -> float | None:
         for t, entries in self.classes[cls].tenant_entries():

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .classes import ClassTable, PriorityClass, class_of
+
 __all__ = [
     "NUM_CLASSES",
     "Notice",
@@ -31,8 +33,9 @@ __all__ = [
     "SchedulerError",
 ]
 
-# P0 (interactive), P1 (near-real-time), P2 (batch).
-NUM_CLASSES = 3
+# Ranks of the aging ladder: P0 (interactive), P1 (near-real-time), P2
+# (offline); the classes themselves and their rules are classes.py's.
+NUM_CLASSES = len(ClassTable.ladder())
 
 
 class RequestState(enum.Enum):
@@ -98,21 +101,16 @@ class AdmitOptions:
     running_on_engine: str = ""
     resume: bool = False       # re-attach a detached lease (detached_leases.py)
     together_with: str = ""    # lease on this request's engine at once (a choice of n > 1)
-    # A Batch API line (AdmitRequest.batch). The scheduler's rules for one:
-    #  - it runs as P2 and stays P2: never aged (queue.py), so a batch flood
-    #    can never reach P0 by waiting; ordinary P2 keeps its aging;
-    #  - it never takes a P0-reserved lease slot (placement/policies.py
-    #    enforces it for every profile) nor the together (n > 1) shortcut,
-    #    which skips the slot filters (core.py);
-    #  - it waits after every ordinary P2 request (queue.py's batch queue;
-    #    round robin across tenants among batch lines);
-    #  - it is the first preemption victim, fleet-wide, and never protected
-    #    by max_preemptions (preemption.py);
-    #  - it counts against scheduler.batch_queue_cap only, never a class or
-    #    tenant cap, and is never displaced (making_room.py);
-    #  - its queue TTL is `batch_deadline_unix` (admission_limits.py).
+    # A Batch API line (AdmitRequest.batch), as the wire says it: the
+    # scheduler reads its class (`klass`, classes.py) and that class's rules,
+    # never this flag.
     batch: bool = False
     batch_deadline_unix: float = 0.0  # its queue TTL as a Unix time; 0 = the P2 TTL
+
+    @property
+    def klass(self) -> PriorityClass:
+        """Its class (classes.py derives it from priority and batch flag)."""
+        return class_of(self)
 
 
 @dataclass(eq=False)
@@ -143,8 +141,8 @@ class QueueEntry:
         return self.options.tenant
 
     @property
-    def batch(self) -> bool:
-        return self.options.batch
+    def klass(self) -> PriorityClass:
+        return self.options.klass
 
 
 @dataclass
@@ -159,7 +157,7 @@ class Lease:
     cached_tokens: int
     prompt_tokens: int
     cls: int = 1               # the class it was placed in (after aging): preemption compares it
-    batch: bool = False        # a Batch API line's: a P0 does not queue behind it (fleet.py)
+    klass: PriorityClass = PriorityClass.P1  # its request's class (its rules: classes.py)
     first_token_at: float | None = None
 
 
@@ -247,6 +245,10 @@ class RequestRecord:
     # not sent): a Replace's exclusion of an id whose process changed since
     # does not hold (the failed process is gone; comebacks.py).
     ran_on: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def klass(self) -> PriorityClass:
+        return self.options.klass
 
     def holder(self) -> str | None:
         """The engine this request may run on (fencing.py): its lease's, or

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from .class_stats import ClassLedger
+from .classes import ClassTable
 from .engine_registry import EngineRecord
 from .fleet import EngineFleet
 from .metrics import SchedulerMetrics
@@ -33,8 +34,9 @@ __all__ = ["RequestBook"]
 class RequestBook:
     def __init__(
         self, fleet: EngineFleet, waiting: WaitingRoom, metrics: SchedulerMetrics,
-        ledger: ClassLedger,
+        ledger: ClassLedger, classes: ClassTable,
     ) -> None:
+        self._classes = classes
         self._fleet = fleet
         self._waiting = waiting
         self._metrics = metrics
@@ -62,10 +64,7 @@ class RequestBook:
     ) -> Lease:
         """Lease `engine` in class `cls` (default: the admitted class)."""
         rec.lease = self._fleet.open_lease(
-            rec.options.request_id, engine, reserved, cached, rec.options.prompt_tokens, now,
-            rec.options.priority if cls is None else cls)
-        if rec.options.batch:
-            self._fleet.mark_batch(rec.lease)
+            rec.options, engine, reserved, cached, now, rec.options.priority if cls is None else cls)
         rec.state = RequestState.PLACED
         rec.ran_on[engine.engine_id] = engine.info.incarnation
         if rec.preempted_at is not None:
@@ -91,8 +90,8 @@ class RequestBook:
         rec.state = RequestState.PREEMPTED
         rec.preemptions += 1
         rec.preempted_at = now
-        batch = rec.options.batch  # never protected (preemption.py)
-        self._ledger.preempted(rec.options.priority, not batch and rec.preemptions >= bound, batch)
+        rules = self._classes[rec.klass]  # an expendable class is never protected (preemption.py)
+        self._ledger.preempted(rules, not rules.expendable and rec.preemptions >= bound)
         return PreemptedInfo(lease.engine_id, rec.preemptions, by_class)
 
     def orphan(self, ended: list[Lease]) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .aging import AgingRule
+from .classes import ClassTable, PriorityClass
 from .queue import ModelQueue, Promotion
 from .queue_policies import FairnessPolicy, OrderingPolicy
 from .records import NUM_CLASSES, QueueEntry, RequestRecord
@@ -30,7 +31,9 @@ class QueueStat:
     tenant: str
     queued: int
     oldest_wait_seconds: float
-    batch: bool = False        # batch lines (records.AdmitOptions): a row apart from ordinary P2
+    # The queue's class: the ladder class of `priority`, or a class off the
+    # ladder (classes.py) shown as a row apart.
+    klass: PriorityClass = PriorityClass.P1
 
 
 @dataclass
@@ -43,8 +46,10 @@ class Expired:
 
 
 class WaitingRoom:
-    def __init__(self, aging: AgingRule, fairness: FairnessPolicy, ordering: OrderingPolicy) -> None:
+    def __init__(self, aging: AgingRule, fairness: FairnessPolicy, ordering: OrderingPolicy,
+                 classes: ClassTable | None = None) -> None:
         self._aging = aging
+        self._classes = classes
         self._fairness = fairness
         self._ordering = ordering
         self._queues: dict[str, ModelQueue] = {}
@@ -61,7 +66,8 @@ class WaitingRoom:
         """The model's queue, created on first use."""
         queue = self._queues.get(model)
         if queue is None:
-            queue = self._queues[model] = ModelQueue(self._aging, self._fairness, self._ordering, self.paused)
+            queue = self._queues[model] = ModelQueue(
+                self._aging, self._fairness, self._ordering, self.paused, self._classes)
         return queue
 
     def existing_queue(self, model: str) -> ModelQueue | None:
@@ -105,9 +111,10 @@ class WaitingRoom:
     def class_len(self, cls: int) -> int:
         return sum(q.class_len(cls) for q in self._queues.values())
 
-    def batch_len(self) -> int:
-        """Batch lines queued, all models (scheduler.batch_queue_cap's count)."""
-        return sum(q.batch_len() for q in self._queues.values())
+    def apart_len(self, klass: PriorityClass) -> int:
+        """Requests of `klass`, a class off the ladder, queued, all models
+        (its own cap's count: CapScope.OWN)."""
+        return sum(q.apart_len(klass) for q in self._queues.values())
 
     def tenant_len(self, tenant: str) -> int:
         return sum(q.tenant_len(tenant) for q in self._queues.values())
@@ -115,7 +122,8 @@ class WaitingRoom:
     def displaceable(self, tenant: str, above: int) -> QueueEntry | None:
         """The tenant's newest queued request of its lowest class below class
         `above` (numerically greater), or None: what admission displaces for
-        a newcomer of class `above`. O(models x classes x log n)."""
+        a newcomer of class `above`. Only the ladder is searched: a class off
+        it counts in no tenant's cap. O(models x classes x log n)."""
         for cls in range(NUM_CLASSES - 1, above, -1):
             found = [e for q in self._queues.values() if (e := q.classes[cls].newest(tenant))]
             if found:
@@ -130,13 +138,17 @@ class WaitingRoom:
             yield from queue.positions()
 
     def stats(self, now: float) -> list[QueueStat]:
-        """One row per (class, tenant, batch or not), ordinary rows first."""
-        stats: dict[tuple[bool, int, str], tuple[int, float]] = {}
+        """One row per (queue class, tenant), the ladder's rows first."""
+        stats: dict[tuple[bool, int, str, PriorityClass], tuple[int, float]] = {}
+        ladder = ClassTable.ladder()
         for queue in self._queues.values():
-            for cls_queue in (*queue.classes, queue.batch):
-                batch = cls_queue is queue.batch
+            rows = [*((ladder[q.cls], q) for q in queue.classes), *queue.apart.items()]
+            for klass, cls_queue in rows:
+                apart = cls_queue not in queue.classes
                 for tenant, entries in cls_queue.tenant_entries():
-                    count, oldest = stats.get((batch, cls_queue.cls, tenant), (0, 0.0))
+                    key = (apart, cls_queue.cls, tenant, klass)
+                    count, oldest = stats.get(key, (0, 0.0))
                     wait = max(now - min(e.arrival for e in entries), 0.0)
-                    stats[(batch, cls_queue.cls, tenant)] = (count + len(entries), max(oldest, wait))
-        return [QueueStat(c, t, n, w, b) for (b, c, t), (n, w) in sorted(stats.items())]
+                    stats[key] = (count + len(entries), max(oldest, wait))
+        return [QueueStat(c, t, n, w, k) for (_, c, t, k), (n, w) in
+                sorted(stats.items(), key=lambda item: item[0][:3])]

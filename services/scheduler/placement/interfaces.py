@@ -23,15 +23,16 @@ class PlacementRequest:
     exclude: frozenset[str] = frozenset()
     # The request's class now (0 = P0), after aging.
     priority: int = 1
-    # A Batch API line: never a P0-reserved lease slot, whatever its class
-    # (the framework enforces it even for a profile without `lease_slots`).
-    batch: bool = False
+    # Its class may fill the P0-reserved lease slots once it waits in P0
+    # (scheduler/classes.py, ClassRules.reserved_slots; batch lines may not:
+    # the framework enforces it even for a profile without `lease_slots`).
+    reserved_slots: bool = True
 
     @property
     def slot_priority(self) -> int:
-        """The class whose lease slots the request may fill: a batch line
-        only ever the lowest's (no P0-reserved slot)."""
-        return max(self.priority, 1) if self.batch else self.priority
+        """The class whose lease slots the request may fill: without
+        reserved slots never P0's (no P0-reserved slot)."""
+        return self.priority if self.reserved_slots else max(self.priority, 1)
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,9 @@ class EngineView:
     blocks_needed: int = 0      # blocks the request would newly take on it
     cached_blocks: int = 0      # blocks in its prefix cache (last report): how many contexts it keeps
     p0_reserved_leases: int = 0  # of lease_limit, slots only P0 may take
-    # Estimated queueing for a P0, which batch lines never delay (it runs in
-    # the engine's P0 headroom): batch leases left out. None = queue_seconds.
+    # Estimated queueing for a P0, which leases of classes that do not delay
+    # it (batch lines) never delay (it runs in the engine's P0 headroom):
+    # their leases left out. None = queue_seconds.
     # The framework puts it in queue_seconds for a P0 request (policies.py).
     p0_queue_seconds: float | None = None
     # The engine's measured step speed (LoadReport 310-312; 0 = unknown: a
@@ -83,9 +85,9 @@ class EngineView:
     def free_blocks(self) -> int:
         return self.blocks_total - self.blocks_used - self.blocks_reserved
 
-    def batch_room(self) -> bool:
-        """A batch line may be leased here: a slot free below the P0-reserved
-        ones (policies.py applies it to every batch placement)."""
+    def unreserved_room(self) -> bool:
+        """A slot is free below the P0-reserved ones (policies.py applies it
+        to every placement of a request without reserved slots)."""
         return self.leases < self.lease_limit_for(1)
 
     def lease_limit_for(self, priority: int) -> int:

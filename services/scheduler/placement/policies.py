@@ -280,8 +280,8 @@ class PlacementPolicy:
         `remember=False`: a trial placement, maybe not taken (the caller
         calls `remember` for the one it takes; scheduler/batch_yield.py)."""
         views = self.complete_views(request, engines, kv_index, hash_block_tokens, headroom_tokens)
-        if request.batch:  # whatever the profile's filters: never a P0-reserved slot
-            views = [v for v in views if v.batch_room()]
+        if not request.reserved_slots:  # whatever the profile's filters: never a P0-reserved slot
+            views = [v for v in views if v.unreserved_room()]
         for f in self.filters:
             if not views:
                 return None
@@ -308,7 +308,7 @@ class PlacementPolicy:
     def passes(self, request: PlacementRequest, view: EngineView) -> bool:
         """Whether one completed view passes every filter (no pick, no
         memory): preemption's test that a victim's slot makes room."""
-        if request.batch and not view.batch_room():
+        if not request.reserved_slots and not view.unreserved_room():
             return False
         views = [view]
         for f in self.filters:

@@ -156,12 +156,12 @@ def test_no_policy_gives_a_batch_line_a_p0_reserved_slot(name: str) -> None:
     last_slots = [view("a", leases=9, lease_limit=10, p0_reserved_leases=1),
                   view("b", leases=8, lease_limit=10, p0_reserved_leases=2)]
     for cls in (0, 1, 2):
-        batch = dataclasses.replace(REQUEST, exclude=frozenset(), priority=cls, batch=True)
+        batch = dataclasses.replace(REQUEST, exclude=frozenset(), priority=cls, reserved_slots=False)
         assert policy.place(batch, last_slots, _NoKv(), 16, 256) is None, cls
         assert not any(policy.passes(batch, v) for v in policy.complete_views(batch, last_slots, _NoKv(), 16, 256))
     p0 = dataclasses.replace(REQUEST, exclude=frozenset(), priority=0)
     assert policy.place(p0, last_slots, _NoKv(), 16, 256) is not None
-    free = dataclasses.replace(REQUEST, exclude=frozenset(), priority=2, batch=True)
+    free = dataclasses.replace(REQUEST, exclude=frozenset(), priority=2, reserved_slots=False)
     assert policy.place(free, [view("c", leases=8, lease_limit=10, p0_reserved_leases=1)], _NoKv(), 16, 256)
 
 
