@@ -79,11 +79,11 @@ class BatchYield:
         views = self._fleet.views(request.model, now)
         # No yielding lease anywhere (the usual case): no scan of the fleet's leases.
         yields = self._fleet.yielding_leases and self._classes.preempts(rules.klass, request.priority)
-        batch = self._candidates(request) if yields else {}
-        if not batch:
+        lines = self._candidates(request) if yields else {}
+        if not lines:
             return self._place(request, views)
         # a trial: the approximate prefix memory learns only the placement taken
-        wanted = self._place(request, [_without(v, batch.get(v.engine_id, [])) for v in views], False)
+        wanted = self._place(request, [_without(v, lines.get(v.engine_id, [])) for v in views], False)
         if wanted is None:
             return self._place(request, views)
         engine = self._completed(request, views, wanted.view.engine_id)
@@ -92,7 +92,7 @@ class BatchYield:
         plain = self._place(request, views, False)
         if plain is not None and plain.cached_tokens >= wanted.cached_tokens:
             return self._taken(request, plain)  # as warm elsewhere without taking a slot
-        if engine is not None and self._preempt_on(request, engine, batch.get(engine.engine_id, []), now, out):
+        if engine is not None and self._preempt_on(request, engine, lines.get(engine.engine_id, []), now, out):
             return self._taken(request, wanted)
         return None if plain is None else self._taken(request, plain)
 
