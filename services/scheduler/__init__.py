@@ -10,8 +10,13 @@ objects only it calls: `RequestBook` (request_book.py), `WaitingRoom`
 (waiting.py) and `EngineFleet` (fleet.py), plus the per-class counters of
 class_stats.py.
 
+What each priority class may do (P0, P1, P2 and Batch API lines: aging,
+queue cap, TTL, preemption rank, reserved slots, yielding room, deadline
+floors, metric label) is one table, classes.py, built from the config and
+read by every phase below; no other module tests for a particular class.
+
 A request's phases and the file that owns each:
-  admit     core.py `_admit`, with admission_limits.py (caps, TTL,
+  admit     admit.py `Admission`, with admission_limits.py (caps, TTL,
             retry-after), making_room.py (a tenant at its cap: the lowest
             class is displaced), aging.py, waiting.py + queue.py +
             queue_policies.py;
@@ -20,7 +25,8 @@ A request's phases and the file that owns each:
   preempt   making_room.py `RoomMaker.preempt_for` (a preempt-class queue
             head with no room: one lower-class lease ends), the victim rule
             in preemption.py (pure), `RequestBook.preempt`;
-  dispatch  core.py `_dispatch` (Replace lanes, then queues, in order);
+  dispatch  dispatch.py `Dispatcher` (aging and TTL, then Replace lanes,
+            then queues, in order; placement through batch_yield.py);
             leases and reservations in fleet.py;
   requeue   comebacks.py (Requeue after a preemption, Replace after an
             engine failure);
@@ -29,7 +35,8 @@ Around them: events.py (what the core accepts and returns), grpc_api.py
 (Admit / Connect / GetState streams <-> events; the one place for protobuf
 and gRPC status codes), server.py (process: gRPC server, timers, metrics),
 engine_registry.py, kv_index.py, reservations.py (the fleet's books),
-records.py (records, enums, errors), class_stats.py (per-class preemption
+records.py (records, enums, errors), core_parts.py (the owned state the
+phases share), class_stats.py (per-class preemption
 and displacement counters for GetState and metrics), metrics.py.
 
 Entry points: `services.scheduler.server.SchedulerService` and

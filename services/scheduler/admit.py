@@ -13,8 +13,6 @@ leases only through `RequestBook`.
 
 from __future__ import annotations
 
-from services.common.metric_labels import priority_label
-
 from .admission_limits import validate_options
 from .core_parts import CoreParts
 from .detached_leases import DetachedLeases
@@ -93,7 +91,7 @@ class Admission:
         queue = p.waiting.queue(options.model)
         p.metrics.count_promotions(queue.push(entry, now))
         p.requests.add(RequestRecord(options, RequestState.QUEUED, entry=entry, arrival=arrival))
-        p.metrics.admissions.labels(priority_label(options.priority)).inc()
+        p.metrics.admissions.labels(p.classes[options.klass].label).inc()
         return queued_info(queue.position_of(entry), entry.cls, rate)
 
     def _arrival(self, options: AdmitOptions, now: float) -> float:

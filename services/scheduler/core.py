@@ -113,7 +113,7 @@ class SchedulerCore:
                                    plugins.make_ordering(self._config.queue_ordering), self.classes)
         self.fleet = EngineFleet(self._config, clock.monotonic(), self._limits.retry_min, self.classes)
         self._ledger = ClassLedger(self.metrics)
-        self.deadlines = DeadlineBook(config, self.metrics)  # deadlines.py: from live p95s
+        self.deadlines = DeadlineBook(config, self.metrics, self.classes)  # deadlines.py: from live p95s
         self._gauges = FleetGauges(self.metrics, self._aging, [m.name for m in config.models],
                                    self._config.stale_report_seconds, classes=self.classes)
         self._requests = RequestBook(self.fleet, self.waiting, self.metrics, self._ledger, self.classes)

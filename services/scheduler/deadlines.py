@@ -85,9 +85,10 @@ _WINDOWED = (DeadlineKind.QUEUE_WAIT, DeadlineKind.FIRST_TOKEN, DeadlineKind.TOK
 
 
 class DeadlineBook:
-    def __init__(self, config: MeshConfig, metrics: SchedulerMetrics | None = None) -> None:
+    def __init__(self, config: MeshConfig, metrics: SchedulerMetrics | None = None,
+                 classes: ClassTable | None = None) -> None:
         self._config = config.deadlines
-        self._classes = ClassTable.from_config(config.scheduler)
+        self._classes = classes if classes is not None else ClassTable.from_config(config.scheduler)
         self._max_generation = config.gateway.max_generation_seconds
         self._hang_floor = config.engines.template.hang_floor_seconds
         # A queued request is never turned away before it could have aged to
