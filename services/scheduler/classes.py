@@ -43,10 +43,10 @@ __all__ = [
 class PriorityClass(enum.Enum):
     """The scheduler's classes (closed; no meaning in the order)."""
 
-    P0 = "P0"
-    P1 = "P1"
-    P2 = "P2"
-    BATCH = "batch"
+    P0 = "P0"          # interactive
+    P1 = "P1"          # near-real-time
+    P2 = "P2"          # offline, aged so it never starves
+    BATCH = "batch"    # a Batch API line (AdmitRequest.batch): gives way to everything
 
 
 class CapScope(enum.Enum):
