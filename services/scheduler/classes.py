@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from services.common.config import SchedulerConfig
@@ -105,7 +105,7 @@ class ClassRules:
 
 @dataclass(frozen=True)
 class _Row:
-    """The static columns of one class (the reasons are ClassRules')."""
+    """The static columns of one class (their reasons are ClassRules')."""
 
     klass: PriorityClass
     rank: int
@@ -121,6 +121,8 @@ class _Row:
     reserved_slots: bool
     delays_p0: bool
     apart: bool
+    # CapScope.OWN: the SchedulerConfig field of its cap (else queue_caps[rank]).
+    own_cap_setting: str = ""
 
 
 def _ladder(klass: PriorityClass, rank: int) -> _Row:
@@ -136,7 +138,7 @@ _ROWS = (
     _Row(PriorityClass.BATCH, 2, "lines", ages=False, cap_scope=CapScope.OWN, ttl_from_deadline=True,
          derived_queue_bound=False, fixed_ttl_reason="the end of its batch's completion window",
          may_preempt=False, expendable=True, yields_room=True, reserved_slots=False, delays_p0=False,
-         apart=True),
+         apart=True, own_cap_setting="batch_queue_cap"),
 )
 
 # The aging ladder, by rank.
@@ -152,23 +154,7 @@ class ClassTable(Mapping[PriorityClass, ClassRules]):
 
     @classmethod
     def from_config(cls, config: SchedulerConfig) -> ClassTable:
-        aging = (None, config.aging.p1_seconds, config.aging.p2_seconds)
-        to_top = (0.0, config.aging.p1_seconds, config.aging.p1_seconds + config.aging.p2_seconds)
-        rules = {}
-        for row in _ROWS:
-            on_ladder = row.cap_scope is CapScope.CLASS_NOW
-            rules[row.klass] = ClassRules(
-                klass=row.klass, rank=row.rank, label=f"P{row.rank}",
-                name=f"P{row.rank}" if on_ladder else row.klass.value, unit=row.unit, ages=row.ages,
-                aging_seconds=aging[row.rank] if row.ages else None,
-                aging_to_top_seconds=to_top[row.rank] if row.ages else 0.0,
-                queue_cap=config.queue_caps[row.rank] if on_ladder else config.batch_queue_cap,
-                cap_scope=row.cap_scope, ttl_seconds=config.queue_ttl_seconds[row.rank],
-                ttl_from_deadline=row.ttl_from_deadline, derived_queue_bound=row.derived_queue_bound,
-                fixed_ttl_reason=row.fixed_ttl_reason, may_preempt=row.may_preempt, expendable=row.expendable,
-                yields_room=row.yields_room, reserved_slots=row.reserved_slots, delays_p0=row.delays_p0,
-                apart=row.apart)
-        return cls(rules, frozenset(config.preempt_classes))
+        return cls({row.klass: _rules(row, config) for row in _ROWS}, frozenset(config.preempt_classes))
 
     def __getitem__(self, klass: PriorityClass) -> ClassRules:
         return self._rules[klass]
@@ -196,6 +182,24 @@ class ClassTable(Mapping[PriorityClass, ClassRules]):
     def apart(self) -> list[PriorityClass]:
         """Classes GetState and the metrics show apart (ClassRules.apart)."""
         return [k for k, r in self._rules.items() if r.apart]
+
+
+def _rules(row: _Row, config: SchedulerConfig) -> ClassRules:
+    """One class's rules: its static row plus the numbers from the config."""
+    # Off the ladder there is no "class it waits in now" but its own, so its
+    # cap is its own; on it, the cap of the rank it has aged to.
+    own = row.cap_scope is CapScope.OWN
+    if own == row.ages or own != bool(row.own_cap_setting):
+        raise ValueError(f"class {row.klass.value}: a cap of its own exactly when off the aging ladder")
+    aging = config.aging
+    static = {f.name: getattr(row, f.name) for f in fields(row) if f.name != "own_cap_setting"}
+    return ClassRules(
+        **static, label=f"P{row.rank}", name=f"P{row.rank}" if row.ages else row.klass.value,
+        aging_seconds=(None, aging.p1_seconds, aging.p2_seconds)[row.rank] if row.ages else None,
+        aging_to_top_seconds=(0.0, aging.p1_seconds, aging.p1_seconds + aging.p2_seconds)[row.rank]
+        if row.ages else 0.0,
+        queue_cap=getattr(config, row.own_cap_setting) if row.own_cap_setting else config.queue_caps[row.rank],
+        ttl_seconds=config.queue_ttl_seconds[row.rank])
 
 
 # ---------------------------------------------------------------- the wire

@@ -20,8 +20,8 @@ on. TTL expiry goes on in every class.
 The aging ladder (`ModelQueue.classes`, by rank) holds the classes that age
 (classes.py, ClassRules.ages). A class off the ladder (batch lines) waits in
 a queue of its own after it (`ModelQueue.apart`, at its rank, paused with
-that rank): never promoted, left after every ladder request, counted in
-`tenant_len` only if its cap scope says so and never in `class_len`.
+that rank): never promoted, left after every ladder request, and not
+counted in `class_len` or `tenant_len` (it has a cap of its own).
 
 Not thread-safe: owned by the scheduler core (see core.py).
 """
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from services.common.config import SchedulerConfig
 
 from .aging import AgingRule
-from .classes import CapScope, ClassTable, PriorityClass
+from .classes import ClassTable, PriorityClass
 from .queue_policies import FairnessPolicy, FairnessState, OrderingPolicy
 from .records import NUM_CLASSES, QueueEntry
 
@@ -180,6 +180,7 @@ class ModelQueue:
         self.classes = [ClassQueue(c, fairness, ordering) for c in range(NUM_CLASSES)]
         # Classes off the ladder: after it, fair across tenants among themselves.
         self.apart = {k: ClassQueue(r.rank, fairness, ordering) for k, r in self._rules.items() if not r.ages}
+        self._in_order = [*self.classes, *self.apart.values()]
         self._entries: dict[str, QueueEntry] = {}
         self._promotions: list[tuple[float, int, int, QueueEntry]] = []
         self._expiries: list[tuple[float, int, QueueEntry]] = []
@@ -328,13 +329,12 @@ class ModelQueue:
 
     def in_order(self) -> list[ClassQueue]:
         """Every class queue in the order they leave: the ladder, then the rest."""
-        return [*self.classes, *self.apart.values()]
+        return self._in_order
 
     def tenant_len(self, tenant: str) -> int:
-        """The tenant's queued requests its cap counts (CapScope.CLASS_NOW)."""
-        counted = [*self.classes, *(q for k, q in self.apart.items()
-                                    if self._rules[k].cap_scope is CapScope.CLASS_NOW)]
-        return sum(q.tenant_count(tenant) for q in counted)
+        """The tenant's queued requests its cap counts: the ladder's (a class
+        off it has a cap of its own, CapScope.OWN: classes.py checks)."""
+        return sum(q.tenant_count(tenant) for q in self.classes)
 
     def oldest_arrival(self, cls: int, tenant: str) -> float | None:
         for t, entries in self.classes[cls].tenant_entries():

@@ -33,7 +33,7 @@ class QueueStat:
     oldest_wait_seconds: float
     # The queue's class: the ladder class of `priority`, or a class off the
     # ladder (classes.py) shown as a row apart.
-    klass: PriorityClass = PriorityClass.P1
+    klass: PriorityClass
 
 
 @dataclass
