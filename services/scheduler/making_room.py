@@ -26,6 +26,8 @@ core.py); it changes leases and records only through `RequestBook`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from services.common.config import MeshConfig
 
 from .admission_limits import AdmissionLimits
@@ -105,15 +107,7 @@ class RoomMaker:
         # with none -- a stuck head among equal or protected classes, asked
         # again on every dispatch -- skip prefix matching and view completion.
         model = rec.options.model
-        candidates = [
-            Candidate(e.engine_id, lease.request_id, lease.cls, lease.placed_at,
-                      victim.preemptions, lease.reserved_blocks, expendable)
-            for e in self._fleet if e.info.model == model for lease in self._fleet.leases_on(e.engine_id)
-            if lease.cls > cls and (victim := self._book.get(lease.request_id)) is not None
-            and victim.lease is lease
-            and ((expendable := self.classes[lease.klass].expendable) or victim.preemptions < self._max_preemptions)
-            and victim.state is not RequestState.DETACHED  # nobody could answer Requeue
-        ]
+        candidates = list(self._candidates(model, cls))
         if not candidates:
             return None
         request = placement_request(rec, cls, self.classes[rec.klass])
@@ -127,3 +121,19 @@ class RoomMaker:
             return None
         victim = self._book[choice.victim.request_id]
         return (victim.options.request_id, self._book.preempt(victim, cls, self._max_preemptions, now))
+
+    def _candidates(self, model: str, cls: int) -> Iterator[Candidate]:
+        """Leases on `model`'s engines placed in a rank below `cls` whose
+        request may be preempted: its class is expendable or it is below
+        max_preemptions, and it is not DETACHED (nobody could answer Requeue)."""
+        for e in self._fleet:
+            if e.info.model != model:
+                continue
+            for lease in self._fleet.leases_on(e.engine_id):
+                victim = self._book.get(lease.request_id) if lease.cls > cls else None
+                if victim is None or victim.lease is not lease or victim.state is RequestState.DETACHED:
+                    continue
+                expendable = self.classes[lease.klass].expendable
+                if expendable or victim.preemptions < self._max_preemptions:
+                    yield Candidate(e.engine_id, lease.request_id, lease.cls, lease.placed_at,
+                                    victim.preemptions, lease.reserved_blocks, expendable)
