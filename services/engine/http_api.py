@@ -36,7 +36,7 @@ from services.common.openai_api.requests import (
     parse_completion_body,
     parse_json_body,
 )
-from services.common.openai_api.responses import SSE_DONE, ChatFormatter, CompletionFormatter, Formatter, sse
+from services.common.openai_api.completions_output import SSE_DONE, ChatFormatter, CompletionFormatter, Formatter, sse
 from services.common.openai_api.structured import structured_to_proto
 from services.common.proto.kvmesh.v1 import engine_pb2
 from services.engine.backend import GenerationOutput, GenerationRequest, InvalidRequest

@@ -31,7 +31,7 @@ from services.common.clock import SystemClock
 from services.common.config import MeshConfig
 from services.common.openai_api.errors import error_response
 from services.common.openai_api.requests import parse_chat_body, parse_completion_body, parse_json_body
-from services.common.openai_api.responses import (
+from services.common.openai_api.completions_output import (
     SSE_DONE,
     SSE_HEARTBEAT,
     ChatFormatter,

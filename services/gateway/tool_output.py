@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from services.common.openai_api.responses import ChatFormatter, Logprobs, UsageCounts, sse
+from services.common.openai_api.completions_output import ChatFormatter, Logprobs, UsageCounts, sse
 from services.gateway.tool_calls import CallStart, TextOut, ToolCallParser, ToolEvent, collect
 
 __all__ = ["ToolChatFormatter", "tool_finish_reason"]

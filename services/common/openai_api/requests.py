@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from services.common.openai_api.choices import parse_echo, parse_logit_bias, parse_n
 from services.common.openai_api.errors import ApiError, ErrorKind
-from services.common.openai_api.response_format import structured_from_body
+from services.common.openai_api.structured_outputs import structured_from_body
 from services.common.openai_api.structured import StructuredSpec
 from services.common.openai_api.tools import apply_tool_request, parse_message_tool_fields
 from services.common.proto.kvmesh.v1 import common_pb2

@@ -2,7 +2,7 @@
 
 `StructuredSpec` is what every layer carries: parsed from an OpenAI body
 (`response_format`, vLLM's `structured_outputs` and its older `guided_*`
-fields: services/common/openai_api/response_format.py), from the native
+fields: services/common/openai_api/structured_outputs.py), from the native
 gRPC API's `SamplingParams.structured`, or set by the gateway itself (tool
 calling with `tool_choice` required / a named function); sent to the engine
 in `SamplingParams.structured` (common.proto `StructuredOutput`), and

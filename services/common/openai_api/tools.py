@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from services.common.openai_api.errors import ApiError, ErrorKind
-from services.common.openai_api.response_format import check_structured
+from services.common.openai_api.structured_outputs import check_structured
 from services.common.openai_api.structured import StructuredSpec
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.openai_api.responses import ChatFormatter, CompletionFormatter, Formatter
+from services.common.openai_api.completions_output import ChatFormatter, CompletionFormatter, Formatter
 from services.common.proto.kvmesh.v1 import common_pb2
 from services.gateway.batch.inputs import ENDPOINTS
 from services.gateway.batch.output import response_line

@@ -10,7 +10,7 @@ import pytest
 
 from services.common.openai_api.errors import ApiError, ErrorKind, error_body, http_error
 from services.common.openai_api.requests import parse_chat_body, parse_completion_body, parse_json_body
-from services.common.openai_api.responses import ChatFormatter, CompletionFormatter, sse
+from services.common.openai_api.completions_output import ChatFormatter, CompletionFormatter, sse
 from services.common.proto.kvmesh.v1 import common_pb2
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from services.common.openai_api.requests import parse_chat_body
-from services.common.openai_api.responses_format import ResponseBuilder
+from services.common.openai_api.responses_events import ResponseBuilder
 from services.gateway.events import Usage
 from services.gateway.responses_output import PlainText, ToolSplitter, splitter_for
 
