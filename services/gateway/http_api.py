@@ -29,8 +29,6 @@ from aiohttp import web
 
 from services.common.clock import SystemClock
 from services.common.config import MeshConfig
-from services.common.openai_api.errors import error_response
-from services.common.openai_api.requests import parse_chat_body, parse_completion_body, parse_json_body
 from services.common.openai_api.completions_output import (
     SSE_DONE,
     SSE_HEARTBEAT,
@@ -39,6 +37,8 @@ from services.common.openai_api.completions_output import (
     Formatter,
     sse,
 )
+from services.common.openai_api.errors import error_response
+from services.common.openai_api.requests import parse_chat_body, parse_completion_body, parse_json_body
 from services.common.proto.kvmesh.v1 import common_pb2
 from services.common.tracing import Span
 from services.gateway import request_trace

@@ -15,7 +15,7 @@ from services.common.clock import Clock
 from services.common.config import MeshConfig
 from services.common.metric_labels import priority_label
 from services.common.openai_api.requests import GenerationInput, SamplingOptions
-from services.common.openai_api.structured import StructuredSpec
+from services.common.openai_api.structured_outputs import StructuredSpec
 from services.common.openai_api.tools import prompt_tool_format, prompt_tools
 from services.common.proto.kvmesh.v1 import scheduler_pb2
 from services.common.tracing import NO_SPAN, Span

@@ -22,8 +22,8 @@ from typing import Any
 
 from aiohttp import web
 
-from services.common.openai_api.requests import GenerationInput, parse_chat_body
 from services.common.openai_api.completions_output import SSE_HEARTBEAT
+from services.common.openai_api.requests import GenerationInput, parse_chat_body
 from services.common.openai_api.responses_events import ResponseBuilder, event_sse, new_response_id
 from services.common.openai_api.responses_input import (
     ResponsesRequest,

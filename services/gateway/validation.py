@@ -22,8 +22,7 @@ from services.common.openai_api.requests import (
     sampling_from_body,
     show_value,
 )
-from services.common.openai_api.structured_outputs import check_structured
-from services.common.openai_api.structured import StructuredSpec, structured_from_proto
+from services.common.openai_api.structured_outputs import StructuredSpec, check_structured, structured_from_proto
 from services.common.openai_api.tools import set_tool_request
 from services.common.proto.kvmesh.v1 import common_pb2, inference_pb2
 from services.gateway.errors import ErrorKind, GatewayError

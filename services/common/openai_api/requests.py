@@ -21,8 +21,7 @@ from typing import Any, Literal
 
 from services.common.openai_api.choices import parse_echo, parse_logit_bias, parse_n
 from services.common.openai_api.errors import ApiError, ErrorKind
-from services.common.openai_api.structured_outputs import structured_from_body
-from services.common.openai_api.structured import StructuredSpec
+from services.common.openai_api.structured_outputs import StructuredSpec, structured_from_body
 from services.common.openai_api.tools import apply_tool_request, parse_message_tool_fields
 from services.common.proto.kvmesh.v1 import common_pb2
 
@@ -128,7 +127,7 @@ class GenerationInput:
     max_generation_seconds: float | None = None
     n: int = 1            # choices (services/common/openai_api/choices.py)
     echo: bool = False    # completions: the prompt's text first
-    # A constraint on the output (services/common/openai_api/structured.py).
+    # A constraint on the output (services/common/openai_api/structured_outputs.py).
     structured: StructuredSpec | None = None
     # Tool calling (services/common/openai_api/tools.py): normalized tools,
     # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}.

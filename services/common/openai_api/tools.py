@@ -33,8 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from services.common.openai_api.errors import ApiError, ErrorKind
-from services.common.openai_api.structured_outputs import check_structured
-from services.common.openai_api.structured import StructuredSpec
+from services.common.openai_api.structured_outputs import StructuredSpec, check_structured
 
 if TYPE_CHECKING:
     from services.common.openai_api.requests import GenerationInput

@@ -10,8 +10,7 @@ import pytest
 
 from services.common.openai_api.errors import ApiError, ErrorKind
 from services.common.openai_api.requests import parse_chat_body, parse_completion_body
-from services.common.openai_api.structured_outputs import MAX_STRUCTURED_CHARS, check_structured
-from services.common.openai_api.structured import StructuredSpec
+from services.common.openai_api.structured_outputs import MAX_STRUCTURED_CHARS, StructuredSpec, check_structured
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
