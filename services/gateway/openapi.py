@@ -56,7 +56,7 @@ _SAMPLING = {
     **_STRUCTURED,
 }
 
-# Tool calling (services/common/openai_api/tools.py).
+# Tool calling (services/common/tool_calling/request.py).
 _CALL = {"type": "object", "required": ["id", "function"], "properties": {
     "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
     "function": {"type": "object", "required": ["name"],

@@ -31,6 +31,7 @@ from services.common.openai_api.responses_input import (
     parse_responses_body,
     responses_param,
 )
+from services.common.tool_calling.responses_output import OutputSplitter, splitter_for
 from services.common.tracing import Span
 from services.gateway import request_trace
 from services.gateway.driver import GenerationDriver
@@ -41,7 +42,6 @@ from services.gateway.frontdoor import Admitted, Frontdoor
 from services.gateway.jobs import request_id_from
 from services.gateway.keys import Principal, api_key_from_headers
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.responses_output import OutputSplitter, splitter_for
 from services.gateway.responses_store import ResponseStore
 from services.gateway.validation import parse_priority_header
 
