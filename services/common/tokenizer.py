@@ -34,7 +34,7 @@ from tokenizers import Tokenizer
 
 from services.common.config import ConfigError
 from services.common.openai_api.errors import ApiError, ErrorKind
-from services.common.tool_prompt import generic_messages, has_tool_fields, template_messages
+from services.common.tool_calling.prompt import generic_messages, has_tool_fields, template_messages
 
 __all__ = [
     "ChatTemplateError",
@@ -128,7 +128,7 @@ def _compile(source: str) -> jinja2.Template:
 def template_renders_tools(source: str) -> bool:
     """Whether a chat template takes `tools` (it reads the variable), as
     Qwen2.5's, Llama 3.1's or Hermes' do; else tools are rendered through
-    services/common/tool_prompt.py's generic prompt."""
+    services/common/tool_calling/prompt.py's generic prompt."""
     return "tools" in jinja2.meta.find_undeclared_variables(_environment().parse(source))
 
 
@@ -182,7 +182,8 @@ class HfTokenizer:
         (unless `add_generation_prompt` is False: /tokenize's option).
         Tools and the history's tool calls and results go through the
         template when it renders tools, else through the generic tool prompt
-        in `tool_format` ("hermes" or "json"; services/common/tool_prompt.py)."""
+        in `tool_format` ("hermes" or "json", as services/common/tool_calling/call_format.py
+        decides; the prompt: services/common/tool_calling/prompt.py)."""
         if self._template is None:
             raise ChatTemplateError(
                 f"model {self.name!r} has no chat template; use /v1/completions with a raw prompt"

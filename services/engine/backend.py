@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.common.finish_reason import FinishReason
-from services.common.openai_api.structured import StructuredSpec
+from services.common.openai_api.structured_outputs import StructuredSpec
 
 __all__ = [
     "BackendInfo",

@@ -18,6 +18,11 @@ replays it from the first delta and then continues live.
 
 Ownership: all of it runs on the event loop thread; `Keeper` alone changes
 who owns what, in `attach` and `leave`, each called once per call.
+
+Direction: the runtime (services/engine/runtime.py) builds its `Keeper` and
+hands it what it needs -- how to look a live generation up and whether a
+vanished caller's generation may be kept now -- so this module never reaches
+back into the runtime; it knows a generation only as a `KeptGeneration`.
 """
 
 from __future__ import annotations
@@ -25,16 +30,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
-from services.engine.backend import GenerationOutput, InvalidRequest
+from services.engine.backend import GenerationOutput, GenerationRequest, InvalidRequest
 from services.engine.errors import EngineError
 
-if TYPE_CHECKING:
-    from services.engine.runtime import EngineRuntime, Generation
-
-__all__ = ["Attachment", "Keeper", "OutputRecord", "UnknownGeneration"]
+__all__ = ["Attachment", "KeptGeneration", "Keeper", "OutputRecord", "UnknownGeneration"]
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +82,37 @@ class Attachment:
     released: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-class Keeper:
-    """The runtime's owners and detached generations (module docstring)."""
+class KeptGeneration(Protocol):
+    """What the keeper needs of a generation (the runtime's `Generation`)."""
 
-    def __init__(self, runtime: EngineRuntime, grace_seconds: float) -> None:
-        self._runtime = runtime
+    request: GenerationRequest
+    handed_over: bool
+
+    @property
+    def ended(self) -> bool: ...
+
+    def cancel(self, message: str) -> None: ...
+
+    def hand_over(self, message: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+G = TypeVar("G", bound=KeptGeneration)
+
+
+class Keeper(Generic[G]):
+    """The runtime's owners and detached generations (module docstring).
+
+    `live(request_id)` is the runtime's live generation under that id (None
+    once it let go of it); `may_keep()` says whether a generation whose caller
+    vanished may be kept for a resume now (False once the engine failed or
+    is stopping: nobody could resume it here)."""
+
+    def __init__(self, live: Callable[[str], G | None], may_keep: Callable[[], bool],
+                 grace_seconds: float) -> None:
+        self._live = live
+        self._may_keep = may_keep
         self.grace_seconds = grace_seconds
         self._owners: dict[str, Attachment] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
@@ -92,9 +121,9 @@ class Keeper:
     def detached_count(self) -> int:
         return len(self._timers)
 
-    def find(self, request_id: str, prompt: list[int]) -> Generation:
+    def find(self, request_id: str, prompt: list[int]) -> G:
         """The live generation to resume; its original prompt must be `prompt`."""
-        generation = self._runtime.live(request_id)
+        generation = self._live(request_id)
         if generation is None:
             raise UnknownGeneration(
                 f"no generation {request_id!r} to resume here: it finished, expired or never ran")
@@ -104,7 +133,7 @@ class Keeper:
             raise InvalidRequest(f"the resumed request {request_id!r} has another prompt than the original")
         return generation
 
-    async def attach(self, generation: Generation) -> Attachment:
+    async def attach(self, generation: G) -> Attachment:
         """The calling task owns `generation` from now on; a previous owner
         is ended first (superseded)."""
         request_id = generation.request.request_id
@@ -133,7 +162,7 @@ class Keeper:
         preempted request placed here again at once; a live caller gets
         _RELEASE_GRACE_SECONDS to let go first). False: it is running for a
         live caller, a true duplicate."""
-        generation = self._runtime.live(request_id)
+        generation = self._live(request_id)
         if generation is None:
             return True
         owner = self._owners.get(request_id)
@@ -143,7 +172,7 @@ class Keeper:
                     await owner.released.wait()
             if not owner.released.is_set() and not generation.ended:
                 return False
-            generation = self._runtime.live(request_id)
+            generation = self._live(request_id)
             if generation is None:
                 return True
         timer = self._timers.pop(request_id, None)
@@ -154,11 +183,11 @@ class Keeper:
         generation.close()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(_TAKEOVER_SECONDS):
-                while self._runtime.live(request_id) is generation:  # noqa: ASYNC110 - rare path
+                while self._live(request_id) is generation:  # noqa: ASYNC110 - rare path
                     await asyncio.sleep(0.02)
-        return self._runtime.live(request_id) is None
+        return self._live(request_id) is None
 
-    def leave(self, generation: Generation, mine: Attachment, delivered: bool) -> None:
+    def leave(self, generation: G, mine: Attachment, delivered: bool) -> None:
         """The owning call ends; `delivered`: its caller got the final output
         (or an error status). Ends, detaches or (superseded) leaves it be."""
         mine.released.set()
@@ -166,9 +195,8 @@ class Keeper:
         if self._owners.get(request_id) is not mine:
             return  # superseded: the new owner has it
         del self._owners[request_id]
-        runtime = self._runtime
         if (delivered or mine.polite or self.grace_seconds <= 0 or generation.handed_over
-                or runtime.dead is not None or runtime.stopping):
+                or not self._may_keep()):
             generation.cancel("the client closed the call")  # no-op once finished
             generation.close()
             return
@@ -176,7 +204,7 @@ class Keeper:
         self._timers[request_id] = asyncio.get_running_loop().call_later(
             self.grace_seconds, self._expire, generation)
 
-    def _expire(self, generation: Generation) -> None:
+    def _expire(self, generation: G) -> None:
         request_id = generation.request.request_id
         self._timers.pop(request_id, None)
         log.info("request %s: not resumed within %.0f s; cancelled", request_id, self.grace_seconds)
@@ -188,7 +216,7 @@ class Keeper:
         for request_id in list(self._timers):
             timer = self._timers.pop(request_id)
             timer.cancel()
-            generation = self._runtime.live(request_id)
+            generation = self._live(request_id)
             if generation is not None:
                 generation.hand_over("engine stopping; its detached generation cannot be resumed here")
                 generation.close()

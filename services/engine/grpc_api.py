@@ -31,7 +31,7 @@ import grpc
 
 from services.common.finish_reason import FinishReason
 from services.common.idle_calls import IdleCalls
-from services.common.openai_api.structured import structured_from_proto
+from services.common.openai_api.structured_outputs import structured_from_proto
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.common.tracing import NO_SPAN, NO_TRACING, Span, Tracing
 from services.engine import generate_trace

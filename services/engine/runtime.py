@@ -256,7 +256,8 @@ class EngineRuntime:
         self.dead: str | None = None
         self.died = asyncio.Event()
         self._live: dict[str, Generation] = {}
-        self.kept = Keeper(self, resume_grace_seconds)
+        # The keeper is handed the lookups it needs; it does not call back into the runtime.
+        self.kept: Keeper[Generation] = Keeper(self.live, self._may_keep, resume_grace_seconds)
         self.gate: BatchGate[Generation] = BatchGate(lambda: self.backend.info.max_running, metrics)
         self._listeners: list[Callable[[], None]] = []
         self._start_attempted = False
@@ -393,6 +394,11 @@ class EngineRuntime:
 
     def live(self, request_id: str) -> Generation | None:
         return self._live.get(request_id)
+
+    def _may_keep(self) -> bool:
+        """A generation whose caller vanished may wait for a resume: the
+        engine neither failed nor is stopping (detached.py)."""
+        return self.dead is None and not self.stopping
 
     @property
     def live_count(self) -> int:

@@ -55,7 +55,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from services.common.clock import Clock
-from services.common.openai_api.structured import structured_to_proto
+from services.common.openai_api.structured_outputs import structured_to_proto
 from services.common.proto.kvmesh.v1 import engine_pb2, scheduler_pb2
 from services.gateway.choices import Choices
 from services.gateway.engine_client import EnginePool, EngineStream

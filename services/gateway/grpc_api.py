@@ -29,6 +29,8 @@ import grpc
 from services.common.clock import SystemClock
 from services.common.openai_api.requests import GenerationInput
 from services.common.proto.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.common.tool_calling.grpc_mapping import ToolEventMapper
+from services.common.tool_calling.parsers import parser_for
 from services.common.tracing import Span
 from services.gateway import request_trace
 from services.gateway.driver import GenerationDriver
@@ -41,8 +43,6 @@ from services.gateway.metrics import GatewayMetrics, error_label
 from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.served_models import ServedModels
 from services.gateway.tokenize_api import TokenizeApi
-from services.gateway.tool_calls import parser_for
-from services.gateway.tool_grpc import ToolEventMapper
 from services.gateway.validation import (
     chat_from_proto,
     generate_from_proto,

@@ -29,9 +29,7 @@ from aiohttp import web
 
 from services.common.clock import SystemClock
 from services.common.config import MeshConfig
-from services.common.openai_api.errors import error_response
-from services.common.openai_api.requests import parse_chat_body, parse_completion_body, parse_json_body
-from services.common.openai_api.responses import (
+from services.common.openai_api.completions_output import (
     SSE_DONE,
     SSE_HEARTBEAT,
     ChatFormatter,
@@ -39,7 +37,11 @@ from services.common.openai_api.responses import (
     Formatter,
     sse,
 )
+from services.common.openai_api.errors import error_response
+from services.common.openai_api.requests import parse_chat_body, parse_completion_body, parse_json_body
 from services.common.proto.kvmesh.v1 import common_pb2
+from services.common.tool_calling.chat_output import ToolChatFormatter
+from services.common.tool_calling.parsers import parser_for
 from services.common.tracing import Span
 from services.gateway import request_trace
 from services.gateway.batch.service import BatchService
@@ -57,8 +59,6 @@ from services.gateway.responses_store import ResponseStore
 from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.served_models import ServedModels
 from services.gateway.tokenize_api import TokenizeApi
-from services.gateway.tool_calls import parser_for
-from services.gateway.tool_output import ToolChatFormatter
 from services.gateway.validation import parse_priority_header
 
 __all__ = ["HttpApi"]

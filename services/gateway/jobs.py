@@ -15,9 +15,9 @@ from services.common.clock import Clock
 from services.common.config import MeshConfig
 from services.common.metric_labels import priority_label
 from services.common.openai_api.requests import GenerationInput, SamplingOptions
-from services.common.openai_api.structured import StructuredSpec
-from services.common.openai_api.tools import prompt_tool_format, prompt_tools
+from services.common.openai_api.structured_outputs import StructuredSpec
 from services.common.proto.kvmesh.v1 import scheduler_pb2
+from services.common.tool_calling.call_format import call_format, offered_tools
 from services.common.tracing import NO_SPAN, Span
 from services.gateway.errors import ErrorKind, GatewayError
 from services.gateway.keys import Principal
@@ -127,8 +127,8 @@ async def build_job(
     arrival_unix, arrival_monotonic = clock.wall(), clock.monotonic()
     block = config.hash_block_tokens
     if request.messages is not None:
-        prompt = await tokenizer.tokenize_chat(request.messages, block, prompt_tools(request),
-                                               prompt_tool_format(request, tokenizer.tool_parser))
+        prompt = await tokenizer.tokenize_chat(request.messages, block, offered_tools(request),
+                                               call_format(request, tokenizer.tool_parser))
     elif request.prompt_ids is not None:
         prompt = await tokenizer.from_ids(request.prompt_ids, block)
     else:

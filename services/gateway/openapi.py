@@ -24,7 +24,7 @@ def _error_responses(*codes: int) -> dict[str, Any]:
     }
 
 
-# Output constraints (services/common/openai_api/response_format.py): at most one per request.
+# Output constraints (services/common/openai_api/structured_outputs.py): at most one per request.
 _STRUCTURED: dict[str, Any] = {
     "response_format": {"type": "object", "properties": {
         "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
@@ -56,7 +56,7 @@ _SAMPLING = {
     **_STRUCTURED,
 }
 
-# Tool calling (services/common/openai_api/tools.py).
+# Tool calling (services/common/tool_calling/request.py).
 _CALL = {"type": "object", "required": ["id", "function"], "properties": {
     "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
     "function": {"type": "object", "required": ["name"],

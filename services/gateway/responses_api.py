@@ -22,15 +22,16 @@ from typing import Any
 
 from aiohttp import web
 
+from services.common.openai_api.completions_output import SSE_HEARTBEAT
 from services.common.openai_api.requests import GenerationInput, parse_chat_body
-from services.common.openai_api.responses import SSE_HEARTBEAT
-from services.common.openai_api.responses_format import ResponseBuilder, event_sse, new_response_id
+from services.common.openai_api.responses_events import ResponseBuilder, event_sse, new_response_id
 from services.common.openai_api.responses_input import (
     ResponsesRequest,
     chat_body,
     parse_responses_body,
     responses_param,
 )
+from services.common.tool_calling.responses_output import OutputSplitter, splitter_for
 from services.common.tracing import Span
 from services.gateway import request_trace
 from services.gateway.driver import GenerationDriver
@@ -41,7 +42,6 @@ from services.gateway.frontdoor import Admitted, Frontdoor
 from services.gateway.jobs import request_id_from
 from services.gateway.keys import Principal, api_key_from_headers
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.responses_output import OutputSplitter, splitter_for
 from services.gateway.responses_store import ResponseStore
 from services.gateway.validation import parse_priority_header
 

@@ -22,12 +22,11 @@ from services.common.openai_api.requests import (
     sampling_from_body,
     show_value,
 )
-from services.common.openai_api.response_format import check_structured
-from services.common.openai_api.structured import StructuredSpec, structured_from_proto
-from services.common.openai_api.tools import set_tool_request
+from services.common.openai_api.structured_outputs import StructuredSpec, check_structured, structured_from_proto
 from services.common.proto.kvmesh.v1 import common_pb2, inference_pb2
+from services.common.tool_calling.grpc_mapping import message_from_proto, tool_request_from_proto
+from services.common.tool_calling.request import set_tool_request
 from services.gateway.errors import ErrorKind, GatewayError
-from services.gateway.tool_grpc import message_from_proto, tool_request_from_proto
 
 __all__ = [
     "chat_from_proto",
@@ -139,7 +138,7 @@ def chat_from_proto(request: inference_pb2.ChatRequest) -> GenerationInput:
         n=_n(request),
         structured=_structured(request.sampling),
     )
-    set_tool_request(generation, tool_request_from_proto(request))  # services/gateway/tool_grpc.py
+    set_tool_request(generation, tool_request_from_proto(request))  # services/common/tool_calling/grpc_mapping.py
     return generation
 
 

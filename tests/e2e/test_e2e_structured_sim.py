@@ -22,7 +22,7 @@ from _streams import gateway_counter, scheduler_state, wait_until
 from jsonschema import Draft202012Validator
 
 from services.bench.sse import SseEvents
-from services.common.openai_api.structured import StructuredSpec, structured_to_proto
+from services.common.openai_api.structured_outputs import StructuredSpec, structured_to_proto
 from services.common.proto.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.launcher.mesh import Mesh
 

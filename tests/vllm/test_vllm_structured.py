@@ -19,7 +19,7 @@ import pytest_asyncio
 from _vllm_compile_cache import share_compile_cache
 
 from services.common.config import EngineConfig, MeshConfig, ModelConfig
-from services.common.openai_api.structured import StructuredSpec
+from services.common.openai_api.structured_outputs import StructuredSpec
 from services.engine.backend import GenerationOutput, GenerationRequest, InvalidRequest, Sampling
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]

@@ -21,7 +21,7 @@ from .tracing import TracingConfig
 __all__ = ["TOOL_PARSERS", "EnvoyConfig", "MeshConfig", "MeshTlsConfig", "ModelConfig", "ResumeConfig"]
 
 # Tool-call output formats a model may name in `models[].tool_parser`; the
-# gateway's services/gateway/tool_calls.py implements one parser for each.
+# services/common/tool_calling/parsers.py implements one parser for each.
 TOOL_PARSERS = ("hermes", "json")
 
 
@@ -39,7 +39,7 @@ class ModelConfig:
     # Bounds: >= 0.
     max_model_len: int = 0
     # How the model writes a tool call, so the gateway can parse it out of
-    # the text (services/gateway/tool_calls.py; vLLM's `--tool-call-parser`
+    # the text (services/common/tool_calling/parsers.py; vLLM's `--tool-call-parser`
     # names): "hermes" = `<tool_call>{"name": ..., "arguments": {...}}
     # </tool_call>` blocks (Qwen2.5, Hermes, and kvmesh's generic tool
     # prompt for templates without tool support, e.g. SmolLM2's); "json" =

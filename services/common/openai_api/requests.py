@@ -21,10 +21,9 @@ from typing import Any, Literal
 
 from services.common.openai_api.choices import parse_echo, parse_logit_bias, parse_n
 from services.common.openai_api.errors import ApiError, ErrorKind
-from services.common.openai_api.response_format import structured_from_body
-from services.common.openai_api.structured import StructuredSpec
-from services.common.openai_api.tools import apply_tool_request, parse_message_tool_fields
+from services.common.openai_api.structured_outputs import StructuredSpec, structured_from_body
 from services.common.proto.kvmesh.v1 import common_pb2
+from services.common.tool_calling.request import apply_tool_request, parse_message_tool_fields
 
 __all__ = [
     "CHAT_ROLES",
@@ -119,7 +118,7 @@ class GenerationInput:
     route: Literal["chat", "completion"]
     model: str
     sampling: SamplingOptions
-    # Chat messages as the template sees them; tool fields per openai_api/tools.py.
+    # Chat messages as the template sees them; tool fields per tool_calling/request.py.
     messages: list[dict[str, Any]] | None = None
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
@@ -128,9 +127,9 @@ class GenerationInput:
     max_generation_seconds: float | None = None
     n: int = 1            # choices (services/common/openai_api/choices.py)
     echo: bool = False    # completions: the prompt's text first
-    # A constraint on the output (services/common/openai_api/structured.py).
+    # A constraint on the output (services/common/openai_api/structured_outputs.py).
     structured: StructuredSpec | None = None
-    # Tool calling (services/common/openai_api/tools.py): normalized tools,
+    # Tool calling (services/common/tool_calling/request.py): normalized tools,
     # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] = "none"
@@ -276,7 +275,7 @@ def _content(where: str, content: Any) -> str:
 
 def parse_message(i: int, raw: Any) -> dict[str, Any]:
     """messages[i] as the chat template sees it: role, content as one string
-    (text parts joined), name when given, and the tool fields (tools.py)."""
+    (text parts joined), name when given, and the tool fields (tool_calling/request.py)."""
     where = f"messages[{i}]"
     if not isinstance(raw, dict):
         raise invalid(f"{where} must be an object with role and content", where)

@@ -44,7 +44,7 @@ import re
 import zlib
 from typing import Any
 
-from services.common.openai_api.structured import StructuredSpec
+from services.common.openai_api.structured_outputs import StructuredSpec
 from services.engine.backend import GenerationRequest, InvalidRequest
 
 __all__ = ["StructuredScript", "minimal_instance", "minimal_match"]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.finish_reason import FinishReason
-from services.common.openai_api.structured import StructuredSpec
+from services.common.openai_api.structured_outputs import StructuredSpec
 from services.engine.backend import GenerationOutput, InvalidRequest, Sampling
 from services.engine.vllm_backend.vllm_api import VllmApi
 

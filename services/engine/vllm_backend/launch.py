@@ -17,7 +17,7 @@ from typing import Any
 
 from services.common.affinity import omp_cores, pin_vllm_processes
 from services.common.config import EngineConfig
-from services.common.openai_api.structured import StructuredSpec
+from services.common.openai_api.structured_outputs import StructuredSpec
 from services.engine.backend import BackendInfo, GenerationOutput, GenerationRequest, Sampling
 from services.engine.vllm_backend.vllm_api import VllmApi
 

@@ -36,7 +36,7 @@ from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend, validate_xgrammar_grammar
 from vllm.v1.structured_output.request import get_structured_output_key
 
-from services.common.openai_api.structured import STRUCTURED_KINDS, StructuredSpec
+from services.common.openai_api.structured_outputs import STRUCTURED_KINDS, StructuredSpec
 from services.engine.vllm_backend.convert import RESUMED_STRUCTURED, structured_fields
 
 __all__ = ["ResumedGrammarProcessor"]

@@ -17,8 +17,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.openai_api.responses import ChatFormatter, CompletionFormatter, Formatter
+from services.common.openai_api.completions_output import ChatFormatter, CompletionFormatter, Formatter
 from services.common.proto.kvmesh.v1 import common_pb2
+from services.common.tool_calling.chat_output import ToolChatFormatter
+from services.common.tool_calling.parsers import parser_for
 from services.gateway.batch.inputs import ENDPOINTS
 from services.gateway.batch.output import response_line
 from services.gateway.batch.pacing import Pace
@@ -27,8 +29,6 @@ from services.gateway.errors import ErrorKind, GatewayError, http_error
 from services.gateway.events import Finished, FinishReason, QueuedUpdate, TextDelta
 from services.gateway.frontdoor import Frontdoor
 from services.gateway.keys import Principal
-from services.gateway.tool_calls import parser_for
-from services.gateway.tool_output import ToolChatFormatter
 
 __all__ = ["BATCH_PRIORITY", "Attempt", "LineExecutor", "Outcome", "Result", "pace_of"]
 

@@ -8,9 +8,9 @@ import asyncio
 import pytest
 
 from services.common.clock import FakeClock
+from services.common.openai_api.completions_output import ChatFormatter, CompletionFormatter
 from services.common.openai_api.errors import ApiError
 from services.common.openai_api.requests import parse_chat_body, parse_completion_body
-from services.common.openai_api.responses import ChatFormatter, CompletionFormatter
 from services.common.proto.kvmesh.v1 import scheduler_pb2
 from services.gateway.events import Usage
 from services.gateway.served_models import ServedModels, served_from_state

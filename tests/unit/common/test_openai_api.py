@@ -8,13 +8,13 @@ import json
 
 import pytest
 
+from services.common.openai_api.completions_output import ChatFormatter, CompletionFormatter, sse
 from services.common.openai_api.errors import ApiError, ErrorKind, error_body, http_error
 from services.common.openai_api.requests import parse_chat_body, parse_completion_body, parse_json_body
-from services.common.openai_api.responses import ChatFormatter, CompletionFormatter, sse
 from services.common.proto.kvmesh.v1 import common_pb2
 
 
-@pytest.mark.parametrize("name", ["errors", "requests", "responses"])
+@pytest.mark.parametrize("name", ["errors", "requests", "completions_output", "responses_events", "structured_outputs"])
 def test_public_surface(name: str) -> None:
     module = importlib.import_module(f"services.common.openai_api.{name}")
     assert module.__all__, name

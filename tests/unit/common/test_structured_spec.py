@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.openai_api.structured import (
+from services.common.openai_api.structured_outputs import (
     STRUCTURED_KINDS,
     StructuredSpec,
     structured_from_proto,

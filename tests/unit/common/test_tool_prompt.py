@@ -1,5 +1,5 @@
 """Tools in the prompt: through the chat template when it renders tools,
-else through the generic tool prompt (services/common/tool_prompt.py); the
+else through the generic tool prompt (services/common/tool_calling/prompt.py); the
 history's tool calls and results are rendered so the model sees them."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from services.common.openai_api.errors import ApiError
 from services.common.tokenizer import HfTokenizer, template_renders_tools
-from services.common.tool_prompt import generic_messages
+from services.common.tool_calling.prompt import generic_messages
 
 ROOT = Path(__file__).resolve().parents[3]
 SMOLLM2 = ROOT / ".models" / "SmolLM2-135M-Instruct"

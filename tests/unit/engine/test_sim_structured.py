@@ -12,7 +12,7 @@ import pytest
 from engine_helpers import make_core, prompt_of, request, run_core
 from jsonschema import Draft202012Validator
 
-from services.common.openai_api.structured import StructuredSpec
+from services.common.openai_api.structured_outputs import StructuredSpec
 from services.engine.backend import GenerationOutput, GenerationRequest, InvalidRequest
 from services.engine.sim.structured import minimal_instance, minimal_match
 

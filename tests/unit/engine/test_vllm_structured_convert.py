@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from services.common.openai_api.structured import StructuredSpec
+from services.common.openai_api.structured_outputs import StructuredSpec
 from services.engine.backend import InvalidRequest, Sampling
 from services.engine.vllm_backend.convert import RESUMED_STRUCTURED, sampling_params, structured_fields
 from services.engine.vllm_backend.vllm_api import VllmApi

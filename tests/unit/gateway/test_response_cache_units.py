@@ -15,7 +15,7 @@ from services.common.config import ApiKeyConfig, ConfigError, MeshConfig, valida
 from services.common.config.response_cache import ResponseCacheConfig
 from services.common.model_revision import model_revision
 from services.common.openai_api.requests import GenerationInput, SamplingOptions
-from services.common.openai_api.structured import StructuredSpec
+from services.common.openai_api.structured_outputs import StructuredSpec
 from services.common.proto.kvmesh.v1 import common_pb2
 from services.gateway.events import Finished, FinishReason, TextDelta, Usage
 from services.gateway.jobs import Job

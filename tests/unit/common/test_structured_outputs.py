@@ -1,5 +1,5 @@
 """Parsing a body's output constraint: every accepted form, every 400 and the
-parameter it names (services/common/openai_api/response_format.py)."""
+parameter it names (services/common/openai_api/structured_outputs.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import pytest
 
 from services.common.openai_api.errors import ApiError, ErrorKind
 from services.common.openai_api.requests import parse_chat_body, parse_completion_body
-from services.common.openai_api.response_format import MAX_STRUCTURED_CHARS, check_structured
-from services.common.openai_api.structured import StructuredSpec
+from services.common.openai_api.structured_outputs import MAX_STRUCTURED_CHARS, StructuredSpec, check_structured
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 

@@ -1,5 +1,5 @@
-"""The gateway's tool-call parsers (services/gateway/tool_calls.py) and the
-OpenAI chunks they become (tool_output.py): a table of outputs, each fed
+"""The tool-call parsers (services/common/tool_calling/parsers.py) and the
+OpenAI chunks they become (chat_output.py): a table of outputs, each fed
 whole, split at every character boundary, one character at a time and in
 random pieces -- the same content and calls every time."""
 
@@ -13,8 +13,8 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from services.common.openai_api.requests import parse_chat_body
-from services.gateway.events import Usage
-from services.gateway.tool_calls import (
+from services.common.tool_calling.chat_output import ToolChatFormatter
+from services.common.tool_calling.parsers import (
     PARSERS,
     CallArguments,
     CallStart,
@@ -24,7 +24,7 @@ from services.gateway.tool_calls import (
     collect,
     parser_for,
 )
-from services.gateway.tool_output import ToolChatFormatter
+from services.gateway.events import Usage
 
 Calls = list[tuple[str, str]]
 

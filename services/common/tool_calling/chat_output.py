@@ -1,5 +1,5 @@
 """Tool calls in the OpenAI HTTP responses: a chat formatter that runs the
-request's tool-call parser (services/gateway/tool_calls.py) over the text.
+request's tool-call parser (parsers.py) over the text.
 
 Streamed, each engine delta becomes the chunks its parser events give --
 content deltas, and tool-call deltas exactly as OpenAI shapes them (a call's
@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from services.common.openai_api.responses import ChatFormatter, Logprobs, UsageCounts, sse
-from services.gateway.tool_calls import CallStart, TextOut, ToolCallParser, ToolEvent, collect
+from services.common.openai_api.completions_output import ChatFormatter, Logprobs, UsageCounts, sse
+from services.common.tool_calling.parsers import CallStart, TextOut, ToolCallParser, ToolEvent, collect
 
 __all__ = ["ToolChatFormatter", "tool_finish_reason"]
 

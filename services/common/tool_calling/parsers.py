@@ -1,4 +1,4 @@
-"""Tool calls read out of a model's streamed text, in the gateway.
+"""Tool calls read out of a model's streamed text (the gateway's job).
 
 A `ToolCallParser` is fed the text deltas of one generation and returns
 events: `TextOut` (content, passed through as it comes, less what might
@@ -7,8 +7,8 @@ function name) and `CallArguments` (the next fragment of that call's
 arguments JSON text). `finish()` flushes what it held back. Joined, a call's
 fragments are the arguments JSON as the model wrote it; however the text is
 split into deltas, the events add up to the same content and calls. This is
-the API the chat transports use (services/gateway/tool_output.py) and the
-Responses API can reuse: `parser_for(generation, model_parser)` picks the
+the API the chat transports use (chat_output.py, grpc_mapping.py) and the
+Responses API (responses_output.py): `parser_for(generation, model_parser)` picks the
 parser of a request (None: nothing to parse), `collect(parser, text)` parses
 a whole text into (content, calls).
 
@@ -21,7 +21,7 @@ Parsers, by the name a model gives in config (`models[].tool_parser`):
   array of them, after optional whitespace; any other output is content.
   A request whose `tool_choice` is "required" or a named function is parsed
   with it whatever the model's parser: its output is constrained to that
-  JSON (services/common/openai_api/tools.py `tool_call_schema`).
+  JSON (request.py `tool_call_schema`; the choice of format: call_format.py).
 
 Streaming: a call's `CallStart` goes out as soon as its name is complete and
 its arguments object has begun (`{"name": "f", "arguments": {`); then its
@@ -39,8 +39,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from services.common.config import TOOL_PARSERS
-from services.common.openai_api.tools import ToolRequest, forced_tool_names
-from services.gateway.tool_call_json import (
+from services.common.tool_calling.call_format import call_format, offered_tools
+from services.common.tool_calling.call_json import (
     CallArguments,
     CallObject,
     CallStart,
@@ -329,15 +329,13 @@ if tuple(PARSERS) != TOOL_PARSERS:  # pragma: no cover - the config's list and t
 
 
 def parser_for(generation: GenerationInput, model_parser: str) -> ToolCallParser | None:
-    """The parser for one request's output: None when it has no tools or
-    `tool_choice` is "none"; "json" when the output is forced into calls;
-    else the model's own (`models[].tool_parser`)."""
-    if not generation.tools or generation.tool_choice == "none":
+    """The parser for one request's output: None when it offers no tools
+    (none, or `tool_choice` "none"); else the one of its call format
+    (call_format.py: "json" when the output is forced into calls, else the
+    model's own `models[].tool_parser`) -- the format its prompt asked for."""
+    if offered_tools(generation) is None:
         return None
-    request = ToolRequest(generation.tools, generation.tool_choice, generation.parallel_tool_calls)
-    if forced_tool_names(request):
-        return JsonParser()
-    return PARSERS[model_parser]()
+    return PARSERS[call_format(generation, model_parser)]()
 
 
 def collect(parser: ToolCallParser, text: str) -> tuple[str | None, list[dict[str, Any]]]:

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from services.common.openai_api.requests import parse_chat_body
-from services.common.openai_api.responses_format import ResponseBuilder
+from services.common.openai_api.responses_events import ResponseBuilder
+from services.common.tool_calling.responses_output import PlainText, ToolSplitter, splitter_for
 from services.gateway.events import Usage
-from services.gateway.responses_output import PlainText, ToolSplitter, splitter_for
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]

@@ -18,7 +18,7 @@ Normalized shapes (what `GenerationInput` carries and the chat template sees):
 `{"name": <one of the allowed names>, "arguments": <its parameters schema>}`;
 with `parallel_tool_calls` a `required` choice is a non-empty array of calls,
 otherwise exactly one call); the gateway maps the bare JSON back to
-tool calls (services/gateway/tool_calls.py, parser "json").
+tool calls (parsers.py, parser "json"; call_format.py picks it).
 
 Pure functions, no I/O. The Responses API's flat tool and tool-choice shapes
 (`{"type": "function", "name": ...}`) parse with `flat=True`.
@@ -33,8 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from services.common.openai_api.errors import ApiError, ErrorKind
-from services.common.openai_api.response_format import check_structured
-from services.common.openai_api.structured import StructuredSpec
+from services.common.openai_api.structured_outputs import StructuredSpec, check_structured
 
 if TYPE_CHECKING:
     from services.common.openai_api.requests import GenerationInput
@@ -49,8 +48,6 @@ __all__ = [
     "parse_tool_choice",
     "parse_tool_request",
     "parse_tools",
-    "prompt_tool_format",
-    "prompt_tools",
     "set_tool_request",
     "tool_call_schema",
 ]
@@ -319,17 +316,3 @@ def apply_tool_request(generation: GenerationInput, body: dict[str, Any]) -> Non
     """The chat body's tool fields, parsed and put on `generation`."""
     set_tool_request(generation, parse_tool_request(body))
 
-
-def prompt_tools(generation: GenerationInput) -> list[dict[str, Any]] | None:
-    """The tools the prompt shows the model: none with `tool_choice` "none"
-    (OpenAI: the model then calls no tool, so it is not offered any)."""
-    if not generation.tools or generation.tool_choice == "none":
-        return None
-    return generation.tools
-
-
-def prompt_tool_format(generation: GenerationInput, model_parser: str) -> str:
-    """How the generic tool prompt asks for calls: as the model's parser
-    reads them, or as bare JSON when the output is forced into it."""
-    request = ToolRequest(generation.tools or [], generation.tool_choice, generation.parallel_tool_calls)
-    return "json" if forced_tool_names(request) else model_parser

@@ -1,5 +1,5 @@
 """One tool call's JSON read incrementally, and the events a tool-call
-parser emits (services/gateway/tool_calls.py has the parsers and their
+parser emits (parsers.py has the parsers and their
 contract).
 
 `CallObject` is fed a JSON object from its `{`: once its head

@@ -12,7 +12,7 @@ from jsonschema import Draft202012Validator
 
 from services.common.openai_api.errors import ApiError, ErrorKind
 from services.common.openai_api.requests import parse_chat_body, parse_completion_body
-from services.common.openai_api.tools import ToolRequest, parse_tool_choice, parse_tools, tool_call_schema
+from services.common.tool_calling.request import ToolRequest, parse_tool_choice, parse_tools, tool_call_schema
 
 MSG = [{"role": "user", "content": "weather in Paris?"}]
 WEATHER = {"type": "function", "function": {

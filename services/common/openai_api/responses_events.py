@@ -26,7 +26,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from services.common.openai_api.responses import UsageCounts
+from services.common.openai_api.completions_output import UsageCounts
 
 __all__ = ["ResponseBuilder", "event_sse", "new_response_id", "usage_object"]
 

@@ -42,6 +42,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from services.common.config import TOOL_PARSERS
+
 __all__ = ["generic_messages", "has_tool_fields", "template_messages"]
 
 _HEAD = (
@@ -58,6 +60,13 @@ _JSON_FORMAT = (
     '{"name": <function-name>, "arguments": <args-json-object>}, or a json array of such '
     "objects to call several."
 )
+# Per call format (call_format.py decides which; parsers.py reads each): how
+# the prompt asks for calls, and what wraps one call's JSON when the
+# history's calls are written back.
+_ASK: dict[str, str] = {"hermes": _HERMES_FORMAT, "json": _JSON_FORMAT}
+_WRAP: dict[str, tuple[str, str]] = {"hermes": ("<tool_call>\n", "\n</tool_call>"), "json": ("", "")}
+if tuple(_ASK) != TOOL_PARSERS or tuple(_WRAP) != TOOL_PARSERS:  # pragma: no cover - kept in step with config
+    raise RuntimeError(f"tool prompt formats {tuple(_ASK)} differ from the config's {TOOL_PARSERS}")
 
 
 def has_tool_fields(messages: Sequence[dict[str, Any]]) -> bool:
@@ -87,14 +96,15 @@ def template_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]
 
 def _tools_block(tools: Sequence[dict[str, Any]], fmt: str) -> str:
     listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return f"{_HEAD}\n{listed}\n</tools>\n\n{_JSON_FORMAT if fmt == 'json' else _HERMES_FORMAT}"
+    return f"{_HEAD}\n{listed}\n</tools>\n\n{_ASK[fmt]}"
 
 
 def _call_text(call: dict[str, Any], fmt: str) -> str:
     function = call["function"]
     body = json.dumps({"name": function["name"], "arguments": _arguments(function["arguments"])},
                       ensure_ascii=False)
-    return body if fmt == "json" else f"<tool_call>\n{body}\n</tool_call>"
+    before, after = _WRAP[fmt]
+    return f"{before}{body}{after}"
 
 
 def _assistant(message: dict[str, Any], fmt: str) -> dict[str, Any]:

@@ -2,11 +2,11 @@
 
 In: `ChatRequest.tools` / `tool_choice` / `parallel_tool_calls` and the
 messages' `tool_calls` / `tool_call_id` go through the same checks as the
-HTTP bodies (services/common/openai_api/tools.py), with the proto's field
+HTTP bodies (request.py), with the proto's field
 names in errors (`tools[1].name`, `tools[0].parameters_json`).
 
 Out: `ToolEventMapper` turns the generation's events into GenerateEvents
-with the request's tool-call parser (services/gateway/tool_calls.py): each
+with the request's tool-call parser (parsers.py): each
 engine delta is first a `delta` event (its token ids, logprobs, resume index
 and the content text it released -- maybe ""), then `tool_call` events
 (ToolCallDelta: a call's first piece has id and name, the next ones its
@@ -20,12 +20,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from services.common.finish_reason import FinishReason
 from services.common.openai_api.requests import invalid
-from services.common.openai_api.tools import ToolRequest, parse_tool_choice, parse_tools
 from services.common.proto.kvmesh.v1 import common_pb2, inference_pb2
-from services.gateway.events import Event, Finished, TextDelta
-from services.gateway.tool_calls import CallArguments, CallStart, TextOut, ToolCallParser, ToolEvent
+from services.common.tool_calling.parsers import CallArguments, CallStart, TextOut, ToolCallParser, ToolEvent
+from services.common.tool_calling.request import ToolRequest, parse_tool_choice, parse_tools
 
 __all__ = ["ToolEventMapper", "message_from_proto", "tool_request_from_proto"]
 
@@ -98,14 +96,18 @@ class ToolEventMapper:
             out.pop(0)
         return out
 
-    def map(self, event: Event, plain: inference_pb2.GenerateEvent) -> list[inference_pb2.GenerateEvent]:
-        """The GenerateEvents for `event`, whose tool-less form is `plain`."""
-        if isinstance(event, TextDelta):
-            plain.delta.text = ""
-            return self._events(self._parser.feed(event.text), plain)
-        if isinstance(event, Finished):
+    def map(self, event: object, plain: inference_pb2.GenerateEvent) -> list[inference_pb2.GenerateEvent]:
+        """The GenerateEvents for the gateway's `event`, whose tool-less form
+        is `plain`. Only `plain` is read -- it carries the delta's text and
+        the finish reason -- so this module needs none of the gateway's
+        types."""
+        which = plain.WhichOneof("event")
+        if which == "delta":
+            text, plain.delta.text = plain.delta.text, ""
+            return self._events(self._parser.feed(text), plain)
+        if which == "finished":
             held = self._events(self._parser.finish(), inference_pb2.GenerateEvent(request_id=self._request_id))
-            if event.reason is FinishReason.STOP and self._parser.calls > 0:
+            if plain.finished.finish_reason == common_pb2.FINISH_REASON_STOP and self._parser.calls > 0:
                 plain.finished.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
             return [*held, plain]
         return [plain]

@@ -1,4 +1,15 @@
-"""An OpenAI body's output constraint -> one checked `StructuredSpec`, or a
+"""Structured outputs: the one constraint a request may put on its text.
+
+`StructuredSpec` is what every layer carries: parsed from an OpenAI body
+(`structured_from_body`, below), from the native gRPC API's
+`SamplingParams.structured`, or set by the gateway itself (tool calling with
+`tool_choice` required / a named function: services/common/tool_calling/); sent to
+the engine in `SamplingParams.structured` (common.proto `StructuredOutput`,
+one function each way here), and enforced there (vLLM:
+StructuredOutputsParams, xgrammar; the simulator: a documented minimal
+contract, services/engine/sim/structured.py).
+
+An OpenAI body's output constraint -> one checked `StructuredSpec`, or a
 400 naming the parameter.
 
 Accepted, on chat and completions alike:
@@ -33,15 +44,75 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
 from services.common.openai_api.errors import ApiError, ErrorKind
-from services.common.openai_api.structured import StructuredSpec
+from services.common.proto.kvmesh.v1 import common_pb2
 
-__all__ = ["MAX_CHOICES", "MAX_STRUCTURED_CHARS", "check_structured", "structured_from_body"]
+__all__ = [
+    "MAX_CHOICES",
+    "MAX_STRUCTURED_CHARS",
+    "STRUCTURED_KINDS",
+    "StructuredKind",
+    "StructuredSpec",
+    "check_structured",
+    "structured_from_body",
+    "structured_from_proto",
+    "structured_to_proto",
+]
+
+StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+STRUCTURED_KINDS: tuple[StructuredKind, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """kind and its value: json_schema -> the schema as JSON text;
+    json_object -> ""; regex -> the pattern; choice -> a JSON list of the
+    strings; grammar -> EBNF text. `strict` is OpenAI's json_schema.strict
+    (carried; the engine enforces the schema exactly either way)."""
+
+    kind: StructuredKind
+    value: str = ""
+    strict: bool = False
+
+
+_Kind = common_pb2.StructuredOutput.Kind
+_TO_PROTO: dict[str, common_pb2.StructuredOutput.Kind] = {
+    "json_schema": _Kind.KIND_JSON_SCHEMA,
+    "json_object": _Kind.KIND_JSON_OBJECT,
+    "regex": _Kind.KIND_REGEX,
+    "choice": _Kind.KIND_CHOICE,
+    "grammar": _Kind.KIND_GRAMMAR,
+}
+_FROM_PROTO: dict[common_pb2.StructuredOutput.Kind, StructuredKind] = {
+    _Kind.KIND_JSON_SCHEMA: "json_schema",
+    _Kind.KIND_JSON_OBJECT: "json_object",
+    _Kind.KIND_REGEX: "regex",
+    _Kind.KIND_CHOICE: "choice",
+    _Kind.KIND_GRAMMAR: "grammar",
+}
+
+
+def structured_to_proto(spec: StructuredSpec) -> common_pb2.StructuredOutput:
+    return common_pb2.StructuredOutput(kind=_TO_PROTO[spec.kind], value=spec.value, strict=spec.strict)
+
+
+def structured_from_proto(params: common_pb2.SamplingParams) -> StructuredSpec | None:
+    """The spec a SamplingParams carries; None when unset or KIND_UNSPECIFIED
+    (an unknown kind number from a newer peer also reads as None)."""
+    if not params.HasField("structured"):
+        return None
+    msg = params.structured
+    kind = _FROM_PROTO.get(msg.kind)
+    if kind is None:
+        return None
+    return StructuredSpec(kind=kind, value=msg.value, strict=msg.strict)
+
 
 # Longest schema / regex / grammar / choice list, in characters (as JSON text
 # for a schema or choices). 64 KiB holds any schema a person or a pydantic

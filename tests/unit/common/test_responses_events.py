@@ -10,7 +10,7 @@ import openai
 import pydantic
 from openai.types.responses import Response, ResponseStreamEvent
 
-from services.common.openai_api.responses_format import ResponseBuilder, event_sse
+from services.common.openai_api.responses_events import ResponseBuilder, event_sse
 from services.gateway.events import Usage
 
 USAGE = Usage(prompt_tokens=10, completion_tokens=4, cached_tokens=8)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.common.openai_api.requests import GenerationInput
-from services.gateway.tool_calls import CallStart, TextOut, ToolCallParser, ToolEvent, parser_for
+from services.common.tool_calling.parsers import CallStart, TextOut, ToolCallParser, ToolEvent, parser_for
 
 __all__ = ["CallPiece", "OutputPiece", "OutputSplitter", "PlainText", "ToolSplitter", "splitter_for"]
 
