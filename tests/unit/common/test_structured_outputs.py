@@ -137,3 +137,21 @@ def test_check_structured_as_grpc_uses_it(spec: StructuredSpec, ok: bool) -> Non
         with pytest.raises(ApiError) as caught:
             check_structured(spec, "sampling.structured")
         assert caught.value.param == "sampling.structured"
+
+
+def test_a_checked_schema_is_answered_the_same_on_every_request() -> None:
+    """The schema check is memoised (it costs milliseconds): a valid schema
+    stays valid under any parameter name, and an invalid one is refused every
+    time with the message for the parameter it came in."""
+    valid = json.dumps({"type": "object", "properties": {"city": {"type": "string"}}})
+    invalid_schema = json.dumps({"type": "object", "properties": {"city": {"type": 7}}})
+    params = ("response_format.json_schema.schema", "tools[0].function.parameters", "response_format.json_schema.schema")
+    for param in params:
+        assert check_structured(StructuredSpec("json_schema", valid), param).value == valid
+        with pytest.raises(ApiError) as refused:
+            check_structured(StructuredSpec("json_schema", invalid_schema), param)
+        assert refused.value.param == param
+        assert "is not a valid JSON Schema" in refused.value.message
+    for text in ("[1, 2]", "not json"):
+        with pytest.raises(ApiError):
+            check_structured(StructuredSpec("json_schema", text), "response_format")
