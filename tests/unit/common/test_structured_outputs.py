@@ -145,7 +145,8 @@ def test_a_checked_schema_is_answered_the_same_on_every_request() -> None:
     time with the message for the parameter it came in."""
     valid = json.dumps({"type": "object", "properties": {"city": {"type": "string"}}})
     invalid_schema = json.dumps({"type": "object", "properties": {"city": {"type": 7}}})
-    params = ("response_format.json_schema.schema", "tools[0].function.parameters", "response_format.json_schema.schema")
+    params = ("response_format.json_schema.schema", "tools[0].function.parameters",
+              "response_format.json_schema.schema")
     for param in params:
         assert check_structured(StructuredSpec("json_schema", valid), param).value == valid
         with pytest.raises(ApiError) as refused:
