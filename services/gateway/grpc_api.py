@@ -1,6 +1,10 @@
 """The public gRPC API: `kvmesh.v1.Inference` (Chat, Generate, ListModels,
 Tokenize, Detokenize).
 
+Chat and Generate decode the message into a `GenerationInput`, run it
+through the one request pipeline (pipeline.py) and write its events as
+`GenerateEvent`s.
+
 Error boundary: handlers raise `GatewayError`; `_abort` is the one place that
 turns it into a gRPC status (through `errors.grpc_status`). Errors before the
 first token end the call with a status; after it, the stream ends with a
@@ -19,7 +23,6 @@ as the HTTP API's Last-Event-ID.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any, NoReturn, cast
 
@@ -33,12 +36,10 @@ from services.gateway.errors import GatewayError, grpc_status
 from services.gateway.events import Event, Finished, Heartbeat, QueuedUpdate, TextDelta
 from services.gateway.jobs import parse_last_event_id, request_id_from
 from services.gateway.keys import api_key_from_headers
-from services.gateway.metrics import GatewayMetrics, error_label
-from services.gateway.pipeline import PipelineRequest, RequestPipeline, ResumePoint, TokenCount
-from services.gateway.scheduler_client import SchedulerClient
-from services.gateway.served_models import ServedModels
-from services.gateway.tokenize_api import TokenizeApi
+from services.gateway.metrics import error_label
+from services.gateway.pipeline import PipelineRequest, ResumePoint, TokenCount
 from services.gateway.tool_grpc import ToolEventMapper
+from services.gateway.transport_parts import TransportParts
 from services.gateway.validation import (
     chat_from_proto,
     generate_from_proto,
@@ -47,8 +48,6 @@ from services.gateway.validation import (
 )
 
 __all__ = ["InferenceApi", "event_to_proto"]
-
-log = logging.getLogger(__name__)
 
 
 def event_to_proto(request_id: str, event: Event) -> inference_pb2.GenerateEvent:
@@ -91,24 +90,13 @@ def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
 
 
 class InferenceApi(inference_pb2_grpc.InferenceServicer):
-    def __init__(
-        self,
-        pipeline: RequestPipeline,
-        scheduler: SchedulerClient,
-        metrics: GatewayMetrics,
-        served: ServedModels,
-    ) -> None:
-        self._pipeline = pipeline
-        self._frontdoor = pipeline.frontdoor
-        self._scheduler = scheduler
-        self._metrics = metrics
-        self._served = served
-        self._tokenize = TokenizeApi(pipeline.frontdoor)
+    def __init__(self, parts: TransportParts) -> None:
+        self._parts = parts
 
     async def _abort(self, context: grpc.aio.ServicerContext, route: str, exc: GatewayError) -> NoReturn:
         code, message, trailers = grpc_status(exc)
-        self._metrics.requests.labels(route, code.name).inc()
-        self._metrics.rejected(error_label(exc.code, exc.kind.value))
+        self._parts.metrics.requests.labels(route, code.name).inc()
+        self._parts.metrics.rejected(error_label(exc.code, exc.kind.value))
         await context.abort(code, message, trailing_metadata=trailers)
         raise AssertionError("unreachable")  # context.abort always raises
 
@@ -126,7 +114,7 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
         context: grpc.aio.ServicerContext,
     ) -> None:
         metadata = _metadata(context)
-        span = self._pipeline.start_span(metadata, route)
+        span = self._parts.pipeline.start_span(metadata, route)
         count = TokenCount()
         try:
             await self._serve_traced(parse, request, context, metadata, span, count)
@@ -137,7 +125,7 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
             request_trace.failed(span, exc, count.completion_tokens, grpc=True)
             raise
         request_trace.finished(span, count.completion_tokens, 0, grpc=True)
-        self._metrics.requests.labels(route, "OK").inc()
+        self._parts.metrics.requests.labels(route, "OK").inc()
 
     async def _serve_traced(
         self, parse: Callable[[Any], GenerationInput], request: Any,
@@ -151,7 +139,7 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
         span.set("kvmesh.request_id", request_id)  # also on a request refused before admission
         if resume is not None:
             parse_last_event_id(f"{resume.request_id}.0")  # the same id rules as the HTTP API
-        principal = self._pipeline.authenticate(api_key_from_headers(metadata))
+        principal = self._parts.pipeline.authenticate(api_key_from_headers(metadata))
         generation = parse(request)
         priority = priority_from_proto(request.priority)
         remaining = context.time_remaining()
@@ -160,7 +148,7 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
             current = generation.max_generation_seconds
             generation.max_generation_seconds = remaining if current is None else min(current, remaining)
         point = ResumePoint(resume.last_index, "resume") if resume is not None else None
-        async with await self._pipeline.open(PipelineRequest(
+        async with await self._parts.pipeline.open(PipelineRequest(
                 request_id, generation, principal, priority, span, point, metadata, count)) as run:
             await context.send_initial_metadata(
                 (("x-request-id", request_id), *((k.lower(), v) for k, v in run.cache_headers.items())))
@@ -177,13 +165,13 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ListModelsResponse:
         try:
-            principal = self._frontdoor.authenticate(api_key_from_headers(_metadata(context)))
+            principal = self._parts.frontdoor.authenticate(api_key_from_headers(_metadata(context)))
         except GatewayError as exc:
             await self._abort(context, "grpc.ListModels", exc)
-        listed = await self._frontdoor.listed_models(principal, self._served)
+        listed = await self._parts.frontdoor.listed_models(principal, self._parts.served)
         cards = [inference_pb2.ModelCard(id=name, max_model_len=length, engines=engines)
                  for name, length, engines in listed]
-        self._metrics.requests.labels("grpc.ListModels", "OK").inc()
+        self._parts.metrics.requests.labels("grpc.ListModels", "OK").inc()
         return inference_pb2.ListModelsResponse(models=cards)
 
     async def Tokenize(
@@ -198,11 +186,11 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
             if request.HasField(name):
                 body[name] = getattr(request, name)
         try:
-            principal = self._frontdoor.authenticate(api_key_from_headers(_metadata(context)))
-            out = self._tokenize.tokenize(principal, body)
+            principal = self._parts.frontdoor.authenticate(api_key_from_headers(_metadata(context)))
+            out = self._parts.tokenize.tokenize(principal, body)
         except GatewayError as exc:
             await self._abort(context, "grpc.Tokenize", exc)
-        self._metrics.requests.labels("grpc.Tokenize", "OK").inc()
+        self._parts.metrics.requests.labels("grpc.Tokenize", "OK").inc()
         return inference_pb2.TokenizeResponse(tokens=out["tokens"], count=out["count"],
                                               max_model_len=out["max_model_len"])
 
@@ -210,9 +198,10 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.DetokenizeResponse:
         try:
-            principal = self._frontdoor.authenticate(api_key_from_headers(_metadata(context)))
-            out = self._tokenize.detokenize(principal, {"model": request.model or None, "tokens": list(request.tokens)})
+            principal = self._parts.frontdoor.authenticate(api_key_from_headers(_metadata(context)))
+            out = self._parts.tokenize.detokenize(
+                principal, {"model": request.model or None, "tokens": list(request.tokens)})
         except GatewayError as exc:
             await self._abort(context, "grpc.Detokenize", exc)
-        self._metrics.requests.labels("grpc.Detokenize", "OK").inc()
+        self._parts.metrics.requests.labels("grpc.Detokenize", "OK").inc()
         return inference_pb2.DetokenizeResponse(prompt=out["prompt"])

@@ -1,5 +1,9 @@
 """The OpenAI-compatible HTTP API (aiohttp).
 
+Chat and completions decode the body into a `GenerationInput`, run it
+through the one request pipeline (pipeline.py) and render its events as
+OpenAI chunks (SSE, via sse_relay.py) or one JSON body.
+
 Error boundary: handlers raise `GatewayError`; `_error_middleware` is the one
 place that turns it (and aiohttp's own 404/405/413) into OpenAI error JSON via
 `errors.http_error`. Once an SSE response has started, a failure is sent as an
@@ -12,14 +16,14 @@ last). A request with `Last-Event-ID` -- the same body, the same key -- is a
 resume of that stream: same request id, no role chunk, the next text chunk
 first.
 
-An SSE response starts lazily: at the first token, or at the first heartbeat
-while queued. So a request the scheduler rejects quickly still gets a real
-429/503 status, while a long wait in the queue keeps the connection alive.
+An SSE response starts lazily (sse_relay.py): at the first token, or at the
+first heartbeat while queued. So a request the scheduler rejects quickly
+still gets a real 429/503 status, while a long wait in the queue keeps the
+connection alive.
 """
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -37,7 +41,6 @@ from services.common.openai_api.requests import (
 )
 from services.common.openai_api.responses import (
     SSE_DONE,
-    SSE_HEARTBEAT,
     ChatFormatter,
     CompletionFormatter,
     Formatter,
@@ -48,23 +51,20 @@ from services.common.tracing import Span
 from services.gateway import request_trace
 from services.gateway.batch.service import BatchService
 from services.gateway.errors import ErrorKind, GatewayError, finish_error, http_error
-from services.gateway.events import Finished, Heartbeat, TextDelta
+from services.gateway.events import Event, Finished, TextDelta
 from services.gateway.jobs import parse_last_event_id, request_id_from
 from services.gateway.keys import api_key_from_headers
-from services.gateway.metrics import GatewayMetrics, error_label
+from services.gateway.metrics import error_label
 from services.gateway.openapi import openapi_document
-from services.gateway.pipeline import Generation, PipelineRequest, RequestPipeline, ResumePoint, TokenCount
+from services.gateway.pipeline import Generation, PipelineRequest, ResumePoint, TokenCount
 from services.gateway.responses_api import ResponsesApi
 from services.gateway.responses_store import ResponseStore
-from services.gateway.scheduler_client import SchedulerClient
-from services.gateway.served_models import ServedModels
-from services.gateway.tokenize_api import TokenizeApi
+from services.gateway.sse_relay import relay_sse
 from services.gateway.tool_output import ToolChatFormatter
+from services.gateway.transport_parts import TransportParts
 from services.gateway.validation import parse_priority_header
 
 __all__ = ["HttpApi"]
-
-log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -92,22 +92,10 @@ def _formatter(route: str, generation: GenerationInput, request_id: str, run: Ge
 
 
 class HttpApi:
-    def __init__(
-        self,
-        config: MeshConfig,
-        pipeline: RequestPipeline,
-        scheduler: SchedulerClient,
-        metrics: GatewayMetrics,
-        served: ServedModels,
-        responses_store: ResponseStore | None = None,
-    ) -> None:
+    def __init__(self, config: MeshConfig, parts: TransportParts,
+                 responses_store: ResponseStore | None = None) -> None:
         self._config = config
-        self._pipeline = pipeline
-        self._frontdoor = pipeline.frontdoor
-        self._scheduler = scheduler
-        self._metrics = metrics
-        self._served = served
-        self._tokenize = TokenizeApi(pipeline.frontdoor)
+        self._parts = parts
         self.responses_store = responses_store or ResponseStore(config.responses, SystemClock())
 
     def app(self, batch: BatchService | None = None) -> web.Application:
@@ -118,7 +106,7 @@ class HttpApi:
         )
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
-        ResponsesApi(self._pipeline, self.responses_store, self._read_json, _REQUEST_ID).register(app)
+        ResponsesApi(self._parts.pipeline, self.responses_store, self._read_json, _REQUEST_ID).register(app)
         if batch is not None:
             batch.register(app, self._read_json)
         app.router.add_get("/v1/models", self.models)
@@ -140,12 +128,12 @@ class HttpApi:
             status = response.status
             return response
         except GatewayError as exc:
-            self._metrics.rejected(error_label(exc.code, exc.kind.value))
+            self._parts.metrics.rejected(error_label(exc.code, exc.kind.value))
             response = _error_response(exc, request.get(_REQUEST_ID))
             status = response.status
             return response
         except web.HTTPRequestEntityTooLarge:
-            self._metrics.rejected("request_too_large")
+            self._parts.metrics.rejected("request_too_large")
             response = _error_response(
                 GatewayError(
                     ErrorKind.BODY_TOO_LARGE,
@@ -163,13 +151,13 @@ class HttpApi:
             message = f"{request.method} {request.path}: {exc.reason}"
             if exc.status == 404:
                 message = f"no route {request.path}; see GET /openapi.json"
-            self._metrics.rejected(kind.value)
+            self._parts.metrics.rejected(kind.value)
             response = _error_response(GatewayError(kind, message), None)
             response.set_status(exc.status)
             status = exc.status
             return response
         finally:
-            self._metrics.requests.labels(route, str(status)).inc()
+            self._parts.metrics.requests.labels(route, str(status)).inc()
 
     async def _read_json(self, request: web.Request) -> Any:
         limit = self._config.gateway.max_body_bytes
@@ -186,7 +174,7 @@ class HttpApi:
         return await self._generate(request, "completion")
 
     async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
-        span = self._pipeline.start_span(request.headers, route)
+        span = self._parts.pipeline.start_span(request.headers, route)
         count = TokenCount()
         try:
             response = await self._generate_traced(request, route, span, count)
@@ -205,7 +193,7 @@ class HttpApi:
             request.headers.get("x-request-id"), request.headers.get("x-envoy-attempt-count"))
         request[_REQUEST_ID] = request_id
         span.set("kvmesh.request_id", request_id)  # also on a request refused before admission
-        principal = self._pipeline.authenticate(api_key_from_headers(request.headers))
+        principal = self._parts.pipeline.authenticate(api_key_from_headers(request.headers))
         body = await self._read_json(request)
         generation = parse_chat_body(body) if route == "chat" else parse_completion_body(body)
         priority = parse_priority_header(request.headers.get("x-priority"))
@@ -213,7 +201,7 @@ class HttpApi:
             raise GatewayError(ErrorKind.INVALID_REQUEST, "Last-Event-ID resumes a streamed response; "
                                "set \"stream\": true", param="Last-Event-ID")
         point = ResumePoint(resume[1], "Last-Event-ID") if resume else None
-        async with await self._pipeline.open(PipelineRequest(
+        async with await self._parts.pipeline.open(PipelineRequest(
                 request_id, generation, principal, priority, span, point, request.headers, count)) as run:
             formatter = _formatter(route, generation, request_id, run)
             if generation.stream:
@@ -223,53 +211,22 @@ class HttpApi:
     async def _stream(
         self, request: web.Request, stream: Generation, formatter: Formatter, resumed: bool, n: int = 1,
     ) -> web.StreamResponse:
-        response: web.StreamResponse | None = None
         # Event ids (resume points) only where a stream can be resumed: one
         # choice, no tool calls held back.
         sse_id = (f"id: {request[_REQUEST_ID]}.".encode() if n == 1 and formatter.resumable and stream.resumable
                   else b"")
 
-        async def started() -> web.StreamResponse:
-            nonlocal response
-            if response is None:
-                response = web.StreamResponse(
-                    status=200,
-                    headers={
-                        "Content-Type": "text/event-stream",
-                        "Cache-Control": "no-cache",
-                        "X-Accel-Buffering": "no",
-                        **stream.headers,
-                    },
-                )
-                await response.prepare(request)
-                if not resumed:
-                    await response.write(self._first_bytes(formatter, n, sse_id))
-            return response
+        def render(event: Event) -> bytes | None:
+            if isinstance(event, TextDelta):
+                # Nothing when the formatter has none to send yet (a tool call held back).
+                chunk = formatter.delta_sse(event.text, event.logprobs, index=event.choice)
+                return _event_id(sse_id, event.index) + chunk if chunk else b""
+            if isinstance(event, Finished):
+                return self._final_bytes(formatter, event)
+            return None   # QueuedUpdate: OpenAI's stream has no place for it (heartbeats cover it).
 
-        try:
-            async for event in stream:
-                if isinstance(event, TextDelta):
-                    out = await started()
-                    await self._write_delta(out, formatter, event, sse_id, stream)
-                elif isinstance(event, Finished):
-                    out = await started()
-                    await out.write(self._final_bytes(formatter, event))
-                elif isinstance(event, Heartbeat):
-                    out = await started()
-                    await out.write(SSE_HEARTBEAT)
-                # QueuedUpdate: OpenAI's stream has no place for it (heartbeats cover it).
-        except GatewayError as exc:
-            if response is None:
-                raise
-            await response.write(sse(http_error(exc).body) + SSE_DONE)
-        except ConnectionResetError:
-            log.info("request %s: client went away", request.get(_REQUEST_ID))
-            if response is None:
-                raise
-            return response
-        out = await started()
-        await out.write_eof()
-        return out
+        opening = b"" if resumed else self._first_bytes(formatter, n, sse_id)
+        return await relay_sse(request, stream, opening, render, lambda exc: sse(http_error(exc).body) + SSE_DONE)
 
     @staticmethod
     def _first_bytes(formatter: Formatter, n: int, sse_id: bytes) -> bytes:
@@ -279,17 +236,6 @@ class HttpApi:
         if n == 1:
             return _event_id(sse_id, 0) + sse(formatter.first_chunk() or {})
         return b"".join(sse(formatter.first_chunk(i) or {}) for i in range(n))
-
-    @staticmethod
-    async def _write_delta(
-        out: web.StreamResponse, formatter: Formatter, event: TextDelta, sse_id: bytes, stream: Generation,
-    ) -> None:
-        """The delta's chunks, with its resume id when the formatter has
-        them; nothing when it has none to send yet (a tool call held back)."""
-        chunk = formatter.delta_sse(event.text, event.logprobs, index=event.choice)
-        if chunk:
-            await out.write(_event_id(sse_id, event.index) + chunk)
-            stream.mark_output()
 
     @staticmethod
     def _final_bytes(formatter: Formatter, finished: Finished) -> bytes:
@@ -335,33 +281,33 @@ class HttpApi:
 
     async def models(self, request: web.Request) -> web.Response:
         """The models some engine serves now (served_models.py)."""
-        principal = self._frontdoor.authenticate(api_key_from_headers(request.headers))
-        listed = await self._frontdoor.listed_models(principal, self._served)
+        principal = self._parts.frontdoor.authenticate(api_key_from_headers(request.headers))
+        listed = await self._parts.frontdoor.listed_models(principal, self._parts.served)
         return web.json_response({"object": "list", "data": [self._model_card(*m) for m in listed]})
 
     async def model(self, request: web.Request) -> web.Response:
-        principal = self._frontdoor.authenticate(api_key_from_headers(request.headers))
+        principal = self._parts.frontdoor.authenticate(api_key_from_headers(request.headers))
         name = request.match_info["model"]
-        own = self._frontdoor.tokenizer_for(principal, name).max_model_len  # 404, then 403
-        served = await self._served.require(name)
+        own = self._parts.frontdoor.tokenizer_for(principal, name).max_model_len  # 404, then 403
+        served = await self._parts.served.require(name)
         return web.json_response(self._model_card(name, served.max_model_len or own, served.engines))
 
     async def _tokenize_route(self, request: web.Request) -> web.Response:
-        principal = self._frontdoor.authenticate(api_key_from_headers(request.headers))
-        return web.json_response(self._tokenize.tokenize(principal, await self._read_json(request)))
+        principal = self._parts.frontdoor.authenticate(api_key_from_headers(request.headers))
+        return web.json_response(self._parts.tokenize.tokenize(principal, await self._read_json(request)))
 
     async def _detokenize_route(self, request: web.Request) -> web.Response:
-        principal = self._frontdoor.authenticate(api_key_from_headers(request.headers))
-        return web.json_response(self._tokenize.detokenize(principal, await self._read_json(request)))
+        principal = self._parts.frontdoor.authenticate(api_key_from_headers(request.headers))
+        return web.json_response(self._parts.tokenize.detokenize(principal, await self._read_json(request)))
 
     async def health(self, _: web.Request) -> web.Response:
-        if not self._scheduler.is_ready():
+        if not self._parts.scheduler.is_ready():
             raise GatewayError(
                 ErrorKind.UNAVAILABLE,
-                f"the scheduler at {self._scheduler.address} is not reachable",
+                f"the scheduler at {self._parts.scheduler.address} is not reachable",
                 code="scheduler_unavailable",
             )
-        return web.json_response({"status": "ok", "scheduler": self._scheduler.address})
+        return web.json_response({"status": "ok", "scheduler": self._parts.scheduler.address})
 
     async def openapi(self, _: web.Request) -> web.Response:
         return web.json_response(openapi_document())

@@ -119,17 +119,9 @@ class Generation:
         self._closed = False
 
     @property
-    def request_id(self) -> str:
-        return self.job.request_id
-
-    @property
     def resumable(self) -> bool:
         """An engine keeps this stream (a cache replay is not resumable)."""
         return self.stream.resumable
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.count.completion_tokens
 
     def mark_output(self) -> None:
         self.stream.mark_output()

@@ -24,7 +24,6 @@ from typing import Any
 from aiohttp import web
 
 from services.common.openai_api.requests import parse_chat_body
-from services.common.openai_api.responses import SSE_HEARTBEAT
 from services.common.openai_api.responses_format import ResponseBuilder, event_sse, new_response_id
 from services.common.openai_api.responses_input import (
     ResponsesRequest,
@@ -35,12 +34,13 @@ from services.common.openai_api.responses_input import (
 from services.common.tracing import Span
 from services.gateway import request_trace
 from services.gateway.errors import ErrorKind, GatewayError, finish_error
-from services.gateway.events import Finished, Heartbeat, TextDelta
+from services.gateway.events import Event, Finished, TextDelta
 from services.gateway.jobs import request_id_from
 from services.gateway.keys import Principal, api_key_from_headers
 from services.gateway.pipeline import Generation, PipelineRequest, RequestPipeline
 from services.gateway.responses_output import OutputSplitter, PlainText, ToolSplitter
 from services.gateway.responses_store import ResponseStore
+from services.gateway.sse_relay import relay_sse
 from services.gateway.tool_calls import ToolCallParser
 from services.gateway.validation import parse_priority_header
 
@@ -64,6 +64,10 @@ def _not_found(response_id: str, param: str | None) -> GatewayError:
     return GatewayError(ErrorKind.NOT_FOUND, f"{what} with id {response_id[:80]!r} not found: responses are kept "
                         "only with store: true, for responses.ttl_seconds, by the gateway that served them, for "
                         "the API key that created them", param=param, code="response_not_found")
+
+
+def _sse(events: list[dict[str, Any]]) -> bytes:
+    return b"".join(event_sse(e) for e in events)
 
 
 class _Run:
@@ -194,42 +198,17 @@ class ResponsesApi:
         run.end(finished)
         return web.json_response(run.builder.response(), headers=stream.headers)
 
-    async def _stream(self, request: web.Request, stream: Generation, run: _Run) -> web.StreamResponse:
-        """Typed events; the HTTP response starts lazily (first token, first
-        heartbeat or the end), so a quick refusal keeps its real status."""
-        response: web.StreamResponse | None = None
+    @staticmethod
+    async def _stream(request: web.Request, stream: Generation, run: _Run) -> web.StreamResponse:
+        """Typed events (sse_relay.py: the response starts lazily, so a quick
+        refusal keeps its real status)."""
 
-        async def write(events: list[dict[str, Any]]) -> web.StreamResponse:
-            nonlocal response
-            if response is None:
-                response = web.StreamResponse(status=200, headers={
-                    "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                    **stream.headers})
-                await response.prepare(request)
-                events = [*run.opening, *events]
-            if events:
-                await response.write(b"".join(event_sse(e) for e in events))
-            return response
+        def render(event: Event) -> bytes | None:
+            if isinstance(event, TextDelta):
+                return _sse(run.text(event))
+            if isinstance(event, Finished):
+                return _sse(run.end(event))
+            return None
 
-        try:
-            async for event in stream:
-                if isinstance(event, TextDelta):
-                    await write(run.text(event))
-                    stream.mark_output()
-                elif isinstance(event, Finished):
-                    await write(run.end(event))
-                elif isinstance(event, Heartbeat):
-                    await (await write([])).write(SSE_HEARTBEAT)
-        except GatewayError as exc:
-            if response is None:
-                raise
-            await response.write(b"".join(event_sse(e) for e in run.builder.fail(exc.code or exc.kind.value,
-                                                                                   exc.message)))
-        except ConnectionResetError:
-            log.info("request %s: client went away", request.get(self._request_key))
-            if response is None:
-                raise
-            return response
-        out = await write([])
-        await out.write_eof()
-        return out
+        return await relay_sse(request, stream, _sse(run.opening), render,
+                               lambda exc: _sse(run.builder.fail(exc.code or exc.kind.value, exc.message)))

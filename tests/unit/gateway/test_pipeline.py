@@ -122,7 +122,7 @@ async def test_a_finished_generation_is_settled_once_with_the_tokens_it_streamed
     assert metrics.active_streams.count == 1
     events = [event async for event in run]
     assert isinstance(events[-1], Finished)
-    assert run.completion_tokens == 3
+    assert run.count.completion_tokens == 3
     await run.close()
     await run.close()   # a second close does nothing
     assert frontdoor.settled == [("r1", 3)]
