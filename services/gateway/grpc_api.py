@@ -30,14 +30,12 @@ import grpc
 
 from services.common.openai_api.requests import GenerationInput
 from services.common.proto.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from services.common.tracing import Span
-from services.gateway import request_trace
 from services.gateway.errors import GatewayError, grpc_status
 from services.gateway.events import Event, Finished, Heartbeat, QueuedUpdate, TextDelta
 from services.gateway.jobs import parse_last_event_id, request_id_from
 from services.gateway.keys import api_key_from_headers
 from services.gateway.metrics import error_label
-from services.gateway.pipeline import PipelineRequest, ResumePoint, TokenCount
+from services.gateway.pipeline import ResumePoint, Traced
 from services.gateway.tool_grpc import ToolEventMapper
 from services.gateway.transport_parts import TransportParts
 from services.gateway.validation import (
@@ -114,29 +112,23 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
         context: grpc.aio.ServicerContext,
     ) -> None:
         metadata = _metadata(context)
-        span = self._parts.pipeline.start_span(metadata, route)
-        count = TokenCount()
         try:
-            await self._serve_traced(parse, request, context, metadata, span, count)
+            async with self._parts.pipeline.traced(metadata, route, grpc=True) as traced:
+                await self._serve_traced(parse, request, context, metadata, traced)
         except GatewayError as exc:
-            request_trace.failed(span, exc, count.completion_tokens, grpc=True)
             await self._abort(context, route, exc)
-        except BaseException as exc:
-            request_trace.failed(span, exc, count.completion_tokens, grpc=True)
-            raise
-        request_trace.finished(span, count.completion_tokens, 0, grpc=True)
         self._parts.metrics.requests.labels(route, "OK").inc()
 
     async def _serve_traced(
         self, parse: Callable[[Any], GenerationInput], request: Any,
-        context: grpc.aio.ServicerContext, metadata: dict[str, str], span: Span, count: TokenCount,
+        context: grpc.aio.ServicerContext, metadata: dict[str, str], traced: Traced,
     ) -> None:
         """Decode the message, run it through the pipeline, write its events;
         errors raise GatewayError (`_serve` aborts with it)."""
         resume = request.resume if request.HasField("resume") else None
         request_id = resume.request_id if resume else request_id_from(
             metadata.get("x-request-id"), metadata.get("x-envoy-attempt-count"))
-        span.set("kvmesh.request_id", request_id)  # also on a request refused before admission
+        traced.identify(request_id)
         if resume is not None:
             parse_last_event_id(f"{resume.request_id}.0")  # the same id rules as the HTTP API
         principal = self._parts.pipeline.authenticate(api_key_from_headers(metadata))
@@ -148,8 +140,8 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
             current = generation.max_generation_seconds
             generation.max_generation_seconds = remaining if current is None else min(current, remaining)
         point = ResumePoint(resume.last_index, "resume") if resume is not None else None
-        async with await self._parts.pipeline.open(PipelineRequest(
-                request_id, generation, principal, priority, span, point, metadata, count)) as run:
+        async with await self._parts.pipeline.open(
+                traced.request(request_id, generation, principal, priority, point, metadata)) as run:
             await context.send_initial_metadata(
                 (("x-request-id", request_id), *((k.lower(), v) for k, v in run.cache_headers.items())))
             # Tool calls parsed out of the text (services/gateway/tool_grpc.py).

@@ -47,8 +47,6 @@ from services.common.openai_api.responses import (
     sse,
 )
 from services.common.proto.kvmesh.v1 import common_pb2
-from services.common.tracing import Span
-from services.gateway import request_trace
 from services.gateway.batch.service import BatchService
 from services.gateway.errors import ErrorKind, GatewayError, finish_error, http_error
 from services.gateway.events import Event, Finished, TextDelta
@@ -56,7 +54,7 @@ from services.gateway.jobs import parse_last_event_id, request_id_from
 from services.gateway.keys import api_key_from_headers
 from services.gateway.metrics import error_label
 from services.gateway.openapi import openapi_document
-from services.gateway.pipeline import Generation, PipelineRequest, ResumePoint, TokenCount
+from services.gateway.pipeline import Generation, ResumePoint, Traced
 from services.gateway.responses_api import ResponsesApi
 from services.gateway.responses_store import ResponseStore
 from services.gateway.sse_relay import relay_sse
@@ -174,25 +172,18 @@ class HttpApi:
         return await self._generate(request, "completion")
 
     async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
-        span = self._parts.pipeline.start_span(request.headers, route)
-        count = TokenCount()
-        try:
-            response = await self._generate_traced(request, route, span, count)
-        except BaseException as exc:
-            request_trace.failed(span, exc, count.completion_tokens)
-            raise
-        request_trace.finished(span, count.completion_tokens, response.status)
+        async with self._parts.pipeline.traced(request.headers, route) as traced:
+            response = await self._generate_traced(request, route, traced)
+            traced.status = response.status
         return response
 
-    async def _generate_traced(
-        self, request: web.Request, route: str, span: Span, count: TokenCount,
-    ) -> web.StreamResponse:
+    async def _generate_traced(self, request: web.Request, route: str, traced: Traced) -> web.StreamResponse:
         """Decode the body, run it through the pipeline, render its events."""
         resume = parse_last_event_id(request.headers.get("last-event-id"))
         request_id = resume[0] if resume else request_id_from(
             request.headers.get("x-request-id"), request.headers.get("x-envoy-attempt-count"))
         request[_REQUEST_ID] = request_id
-        span.set("kvmesh.request_id", request_id)  # also on a request refused before admission
+        traced.identify(request_id)
         principal = self._parts.pipeline.authenticate(api_key_from_headers(request.headers))
         body = await self._read_json(request)
         generation = parse_chat_body(body) if route == "chat" else parse_completion_body(body)
@@ -201,8 +192,8 @@ class HttpApi:
             raise GatewayError(ErrorKind.INVALID_REQUEST, "Last-Event-ID resumes a streamed response; "
                                "set \"stream\": true", param="Last-Event-ID")
         point = ResumePoint(resume[1], "Last-Event-ID") if resume else None
-        async with await self._parts.pipeline.open(PipelineRequest(
-                request_id, generation, principal, priority, span, point, request.headers, count)) as run:
+        async with await self._parts.pipeline.open(
+                traced.request(request_id, generation, principal, priority, point, request.headers)) as run:
             formatter = _formatter(route, generation, request_id, run)
             if generation.stream:
                 return await self._stream(request, run, formatter, resume is not None, generation.n)

@@ -30,6 +30,7 @@ turned into the client's error by `errors.finish_error`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -47,7 +48,7 @@ from services.gateway.keys import Principal
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.tool_calls import ToolCallParser, parser_for
 
-__all__ = ["Generation", "PipelineRequest", "RequestPipeline", "ResumePoint", "TokenCount"]
+__all__ = ["Generation", "PipelineRequest", "RequestPipeline", "ResumePoint", "TokenCount", "Traced"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,27 @@ class PipelineRequest:
     # directives; None: this transport does not use the cache (Responses).
     cache_headers: Mapping[str, str] | None = None
     count: TokenCount = field(default_factory=TokenCount)
+
+
+@dataclass
+class Traced:
+    """One request's `gateway.request` span and the tokens it streamed, from
+    the transport's first line to its answer (`RequestPipeline.traced`)."""
+
+    span: Span
+    count: TokenCount = field(default_factory=TokenCount)
+    status: int | str = 0   # the answer's HTTP status (gRPC: 0, an abort raises)
+
+    def identify(self, request_id: str) -> None:
+        """Name the request on its span, also when it is refused before admission."""
+        self.span.set("kvmesh.request_id", request_id)
+
+    def request(self, request_id: str, generation: GenerationInput, principal: Principal, priority: int,
+                resume: ResumePoint | None = None, cache_headers: Mapping[str, str] | None = None,
+                ) -> PipelineRequest:
+        """What to `open`, counted on this span."""
+        return PipelineRequest(request_id, generation, principal, priority, self.span, resume, cache_headers,
+                               self.count)
 
 
 class _Settlement:
@@ -165,9 +187,18 @@ class RequestPipeline:
         self._driver = driver
         self._metrics = metrics
 
-    def start_span(self, headers: Mapping[str, str], route: str) -> Span:
-        """The request's `gateway.request` span (request_trace.py)."""
-        return request_trace.start(self.frontdoor.tracing, headers, route)
+    @contextlib.asynccontextmanager
+    async def traced(self, headers: Mapping[str, str], route: str, grpc: bool = False) -> AsyncIterator[Traced]:
+        """The request's span (request_trace.py) around the transport's whole
+        handling: ended as failed with the exception that escapes, else as
+        finished with `Traced.status`; its output tokens are the count."""
+        traced = Traced(request_trace.start(self.frontdoor.tracing, headers, route))
+        try:
+            yield traced
+        except BaseException as exc:
+            request_trace.failed(traced.span, exc, traced.count.completion_tokens, grpc=grpc)
+            raise
+        request_trace.finished(traced.span, traced.count.completion_tokens, traced.status, grpc=grpc)
 
     def authenticate(self, raw_key: str | None) -> Principal:
         return self.frontdoor.authenticate(raw_key)

@@ -31,13 +31,11 @@ from services.common.openai_api.responses_input import (
     parse_responses_body,
     responses_param,
 )
-from services.common.tracing import Span
-from services.gateway import request_trace
 from services.gateway.errors import ErrorKind, GatewayError, finish_error
 from services.gateway.events import Event, Finished, TextDelta
 from services.gateway.jobs import request_id_from
 from services.gateway.keys import Principal, api_key_from_headers
-from services.gateway.pipeline import Generation, PipelineRequest, RequestPipeline
+from services.gateway.pipeline import Generation, RequestPipeline, Traced
 from services.gateway.responses_output import OutputSplitter, PlainText, ToolSplitter
 from services.gateway.responses_store import ResponseStore
 from services.gateway.sse_relay import relay_sse
@@ -153,28 +151,24 @@ class ResponsesApi:
         return entry.conversation
 
     async def create(self, request: web.Request) -> web.StreamResponse:
-        span = self._pipeline.start_span(request.headers, "responses")
-        try:
-            response = await self._create(request, span)
-        except BaseException as exc:
-            request_trace.failed(span, exc, None)  # output tokens: set when the pipeline settles
-            raise
-        request_trace.finished(span, None, response.status)
+        async with self._pipeline.traced(request.headers, "responses") as traced:
+            response = await self._create(request, traced)
+            traced.status = response.status
         return response
 
-    async def _create(self, request: web.Request, span: Span) -> web.StreamResponse:
+    async def _create(self, request: web.Request, traced: Traced) -> web.StreamResponse:
         """Decode the body into a chat request, run it through the pipeline
         (no response cache), render its events as the Responses API's."""
         request_id = request_id_from(request.headers.get("x-request-id"), request.headers.get("x-envoy-attempt-count"))
         request[self._request_key] = request_id
-        span.set("kvmesh.request_id", request_id)
+        traced.identify(request_id)
         principal = self._pipeline.authenticate(api_key_from_headers(request.headers))
         parsed = parse_responses_body(await self._read_json(request))
         history = self._history(parsed, principal)
         priority = parse_priority_header(request.headers.get("x-priority"))
         try:
             generation = parse_chat_body(chat_body(parsed, history))
-            opened = await self._pipeline.open(PipelineRequest(request_id, generation, principal, priority, span))
+            opened = await self._pipeline.open(traced.request(request_id, generation, principal, priority))
         except GatewayError as exc:
             raise _renamed(exc) from None
         async with opened as stream:
