@@ -238,8 +238,12 @@ class RequestPipeline:
         except BaseException:   # the client left during the lookup: settle its grant all the same
             settle()
             raise
+        try:
+            stream = self._driver.start(job) if ticket is None else cache.start(ticket, job, self._driver)
+        except BaseException:
+            settle()
+            raise
         self._metrics.active_streams.inc()
-        stream = self._driver.start(job) if ticket is None else cache.start(ticket, job, self._driver)
         ticket_headers = {} if ticket is None else ticket.headers
         headers = {"x-request-id": request.request_id, **admitted.grant.headers, **ticket_headers}
         return Generation(stream, job, headers, ticket_headers, parser, settle, self._metrics)

@@ -87,8 +87,11 @@ class FakeDriver:
         self.fail: GatewayError | None = None
         self.hold = asyncio.Event()   # cleared: the run waits after its first delta
         self.hold.set()
+        self.broken = False           # start raises
 
     def start(self, job: Job) -> EventStream:
+        if self.broken:
+            raise RuntimeError("cannot start")
         self.started += 1
 
         async def run(emit: Emit) -> None:
@@ -166,6 +169,15 @@ async def test_a_client_that_leaves_during_the_cache_lookup_is_settled_once_and_
         await task
     assert frontdoor.settled == [("r1", 0)]
     assert driver.started == 0
+    assert metrics.active_streams.count == 0
+
+
+async def test_a_generation_that_cannot_start_is_settled_once() -> None:
+    pipeline, frontdoor, driver, metrics = _pipeline()
+    driver.broken = True
+    with pytest.raises(RuntimeError):
+        await pipeline.open(_request(headers={}))
+    assert frontdoor.settled == [("r1", 0)]
     assert metrics.active_streams.count == 0
 
 
