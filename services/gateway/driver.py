@@ -55,17 +55,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from services.common.clock import Clock
-from services.common.openai_api.structured_outputs import structured_to_proto
 from services.common.proto.kvmesh.v1 import engine_pb2, scheduler_pb2
 from services.gateway.choices import Choices
 from services.gateway.engine_client import EnginePool, EngineStream
-from services.gateway.errors import EngineFailure, EngineStopped, ErrorKind, GatewayError
+from services.gateway.errors import EngineFailure, EngineStopped, ErrorKind, GatewayError, finish_error
 from services.gateway.event_stream import EventStream
 from services.gateway.events import Emit, Finished, FinishReason, TextDelta, Usage
 from services.gateway.jobs import Job
 from services.gateway.lease_link import LeaseLink
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.request_meter import RequestMeter
+from services.gateway.request_now import RequestNow
 from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.stall_watch import GenerationLimit, ProgressWatch, StallLimits, StallTimer
 from services.gateway.stop_seam import StopSeam
@@ -143,6 +143,8 @@ class _Generation:
         self._emit: Emit = _no_emit
         self._stream: EngineStream | None = None  # the engine call now
         self._generated: list[int] = []
+        # The request as it stands now (request_now.py): what a next engine gets.
+        self._now = RequestNow(job, self._generated)
         self._cached_tokens = 0
         self._seam = StopSeam(job.sampling.stop, job.sampling.min_tokens)
         # Engines that failed this request, with when (one entry per failure).
@@ -264,7 +266,7 @@ class _Generation:
 
     async def _engine_lost(self, failure: EngineFailure) -> Finished | None:
         """The engine failed: how the request ends now, or None to migrate."""
-        if self._job.max_tokens - len(self._generated) <= 0:
+        if self._now.max_tokens_left <= 0:
             return await self._left_engine()
         failures = len(self._failures) + 1
         log.warning("request %s: %s (failure %d)", self._job.request_id, failure.message, failures)
@@ -293,7 +295,7 @@ class _Generation:
     async def _left_engine(self) -> Finished | None:
         """The request left its engine mid-stream (failed or preempted): how
         it ends now, or None to continue on the next engine."""
-        if self._job.max_tokens - len(self._generated) <= 0:
+        if self._now.max_tokens_left <= 0:
             # Every token arrived; only the engine's `finished` was lost, and
             # with it the text it still held back.
             await self._send_tail(self._seam.flush())
@@ -316,7 +318,7 @@ class _Generation:
             self._resume_pending = False
             await stream.resume(self._job.request_id, self._job.prompt_ids, self._job.trace_context)
         else:
-            await stream.start(self._engine_request(placed))
+            await stream.start(self._now.engine_request(placed.lease_id, self._deltas))
         async for event in self._watched(stream):
             if event.HasField("delta"):
                 delta = event.delta
@@ -367,27 +369,6 @@ class _Generation:
         self._generated.extend(resumed.prior_token_ids)
         self._deltas = resumed.delta_offset
 
-    def _engine_request(self, placed: scheduler_pb2.Placed) -> engine_pb2.EngineRequest:
-        """The request for the placed engine: after a migration, the prompt
-        is prompt + generated and the token budgets are what is left."""
-        job, generated = self._job, self._generated
-        sampling = job.sampling.to_proto(job.max_tokens - len(generated))
-        if job.sampling.min_tokens:
-            sampling.min_tokens = max(0, job.sampling.min_tokens - len(generated))
-        if job.structured is not None:
-            sampling.structured.CopyFrom(structured_to_proto(job.structured))
-        return engine_pb2.EngineRequest(
-            request_id=job.request_id,
-            prompt_token_ids=job.prompt_ids + generated,
-            sampling=sampling,
-            priority=job.priority,
-            lease_id=placed.lease_id,
-            resumed_tokens=len(generated),
-            delta_offset=self._deltas,
-            ack_final=True,
-            trace_context=dict(job.trace_context) if job.trace_context else None,
-        )
-
     async def _send_tail(self, text: str) -> None:
         """Text released at the end, with no tokens of its own."""
         if text:
@@ -407,8 +388,7 @@ class _Generation:
         """The final event; a failure before any token raises `kind` instead,
         so the transport can still answer with a status code."""
         usage = Usage(len(self._job.prompt_ids), len(self._generated), self._cached_tokens)
-        if not reason.ok and not self._generated:
-            if reason is FinishReason.TIMEOUT:
-                kind = ErrorKind.TIMEOUT
-            raise GatewayError(kind, message or f"the generation ended with {reason.value}", code=reason.value)
+        error = finish_error(reason, message, kind)
+        if error is not None and not self._generated:
+            raise error
         return Finished(reason, usage, message)

@@ -9,7 +9,10 @@ endpoint), under the gateway's name. This module alone decides:
   (`from_scheduler_rpc_error`, `from_rejection`, `classify_engine_rpc_error`),
 - domain errors -> HTTP status + OpenAI error JSON + headers (`http_error`,
   the OpenAI surface's mapping),
-- domain errors -> gRPC status code + message + trailing metadata (`grpc_status`).
+- domain errors -> gRPC status code + message + trailing metadata (`grpc_status`),
+- a generation's finish reason -> the client's error (`finish_error`): every
+  transport (SSE, JSON, gRPC status, Responses events, batch lines) and the
+  driver (a failure before any token) ask it.
 
 "Engine failed" (`EngineFailure`: the engine died or dropped the stream, so
 the request migrates elsewhere) is deliberately NOT a `GatewayError`: it never
@@ -25,6 +28,7 @@ import math
 
 import grpc
 
+from services.common.finish_reason import FinishReason
 from services.common.openai_api.errors import ApiError, ErrorKind, HttpError, http_error, http_status_of
 from services.common.proto.kvmesh.v1 import scheduler_pb2
 
@@ -35,6 +39,7 @@ __all__ = [
     "GatewayError",
     "HttpError",
     "classify_engine_rpc_error",
+    "finish_error",
     "from_rejection",
     "from_scheduler_rpc_error",
     "grpc_status",
@@ -174,6 +179,23 @@ def classify_engine_rpc_error(err: grpc.aio.AioRpcError, engine_id: str) -> Gate
     if kind is not None:
         return GatewayError(kind, f"the engine refused the request: {err.details()}")
     return EngineFailure(engine_id, f"engine {engine_id}: {err.code().name}: {err.details()}")
+
+
+# ------------------------------------------------------------ finish -> domain
+
+
+def finish_error(
+    reason: FinishReason, message: str = "", kind: ErrorKind = ErrorKind.GENERATION_FAILED,
+) -> GatewayError | None:
+    """The client's error for a generation that ended with `reason`; None
+    when it succeeded (stop, length). A timeout is always TIMEOUT; any other
+    failure is `kind` (the driver passes UNAVAILABLE when migrations ran
+    out). The error's code is the finish reason itself."""
+    if reason.ok:
+        return None
+    if reason is FinishReason.TIMEOUT:
+        kind = ErrorKind.TIMEOUT
+    return GatewayError(kind, message or f"the generation ended with {reason.value}", code=reason.value)
 
 
 # ------------------------------------------------------------ domain -> gRPC

@@ -1,7 +1,12 @@
-"""What every request goes through before admission, in one order for both
-transports: key -> model exists -> key may use it -> tokenize + context
+"""What every request goes through before admission, in one order for every
+transport: key -> model exists -> key may use it -> tokenize + context
 check -> token buckets. The result is a `Job` plus the rate-limit grant to
-settle when the request ends."""
+settle when the request ends.
+
+The front door's parts (keys, tokenizers, limiter, cache) are its own: the
+transports ask it (`authenticate`, `tokenizer_for`, `listed_models`,
+`model_tool_parser`) and the request pipeline (pipeline.py) admits and
+settles through it, rather than reaching into them."""
 
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ from services.gateway.jobs import Job, build_job
 from services.gateway.keys import KeyStore, Principal, effective_priority
 from services.gateway.limits import Grant, RateLimiter
 from services.gateway.response_cache import ResponseCache, disabled_cache
-from services.gateway.tokenization import TokenizerRegistry
+from services.gateway.served_models import ServedModels
+from services.gateway.tokenization import ModelTokenizer, TokenizerRegistry
 
 __all__ = ["Admitted", "Frontdoor"]
 
@@ -49,6 +55,28 @@ class Frontdoor:
 
     def authenticate(self, raw_key: str | None) -> Principal:
         return self.keys.authenticate(raw_key)
+
+    @property
+    def model_names(self) -> list[str]:
+        """The models this gateway is configured for."""
+        return self.tokenizers.names
+
+    def tokenizer_for(self, principal: Principal, model: str) -> ModelTokenizer:
+        """The model's tokenizer: a 404 for a model not configured, then a
+        403 for one the key may not use."""
+        tokenizer = self.tokenizers.get(model)
+        self.keys.check_model(principal, model)
+        return tokenizer
+
+    def model_tool_parser(self, model: str) -> str:
+        """The model's own tool-call format (`models[].tool_parser`)."""
+        return self.tokenizers.get(model).tool_parser
+
+    async def listed_models(self, principal: Principal, served: ServedModels) -> list[tuple[str, int, int]]:
+        """(model, context length, engines) for each model served now that
+        the key may use (GET /v1/models, ListModels)."""
+        return await served.listed(self.tokenizers.names, lambda n: self.keys.allows(principal, n),
+                                   lambda n: self.tokenizers.get(n).max_model_len)
 
     async def admit(
         self, request: GenerationInput, principal: Principal, priority: int, request_id: str,

@@ -1,6 +1,10 @@
 """The public gRPC API: `kvmesh.v1.Inference` (Chat, Generate, ListModels,
 Tokenize, Detokenize).
 
+Chat and Generate decode the message into a `GenerationInput`, run it
+through the one request pipeline (pipeline.py) and write its events as
+`GenerateEvent`s.
+
 Error boundary: handlers raise `GatewayError`; `_abort` is the one place that
 turns it into a gRPC status (through `errors.grpc_status`). Errors before the
 first token end the call with a status; after it, the stream ends with a
@@ -19,30 +23,21 @@ as the HTTP API's Last-Event-ID.
 
 from __future__ import annotations
 
-import functools
-import logging
 from collections.abc import Callable
 from typing import Any, NoReturn, cast
 
 import grpc
 
-from services.common.clock import SystemClock
 from services.common.openai_api.requests import GenerationInput
 from services.common.proto.kvmesh.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.common.tool_calling.grpc_mapping import ToolEventMapper
-from services.common.tool_calling.parsers import parser_for
-from services.common.tracing import Span
-from services.gateway import request_trace
-from services.gateway.driver import GenerationDriver
-from services.gateway.errors import ErrorKind, GatewayError, grpc_status
+from services.gateway.errors import GatewayError, grpc_status
 from services.gateway.events import Event, Finished, Heartbeat, QueuedUpdate, TextDelta
-from services.gateway.frontdoor import Frontdoor
 from services.gateway.jobs import parse_last_event_id, request_id_from
 from services.gateway.keys import api_key_from_headers
-from services.gateway.metrics import GatewayMetrics, error_label
-from services.gateway.scheduler_client import SchedulerClient
-from services.gateway.served_models import ServedModels
-from services.gateway.tokenize_api import TokenizeApi
+from services.gateway.metrics import error_label
+from services.gateway.pipeline import ResumePoint, Traced
+from services.gateway.transport_parts import TransportParts
 from services.gateway.validation import (
     chat_from_proto,
     generate_from_proto,
@@ -51,8 +46,6 @@ from services.gateway.validation import (
 )
 
 __all__ = ["InferenceApi", "event_to_proto"]
-
-log = logging.getLogger(__name__)
 
 
 def event_to_proto(request_id: str, event: Event) -> inference_pb2.GenerateEvent:
@@ -94,35 +87,14 @@ def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
     return {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
 
 
-class _Count:
-    """Completion tokens a request streamed (rate-limit settlement, its span)."""
-
-    __slots__ = ("tokens",)
-
-    def __init__(self) -> None:
-        self.tokens = 0
-
-
 class InferenceApi(inference_pb2_grpc.InferenceServicer):
-    def __init__(
-        self,
-        frontdoor: Frontdoor,
-        driver: GenerationDriver,
-        scheduler: SchedulerClient,
-        metrics: GatewayMetrics,
-        served: ServedModels | None = None,
-    ) -> None:
-        self._frontdoor = frontdoor
-        self._driver = driver
-        self._scheduler = scheduler
-        self._metrics = metrics
-        self._served = served or ServedModels(functools.partial(scheduler.get_state, 1.0), SystemClock())
-        self._tokenize = TokenizeApi(frontdoor)
+    def __init__(self, parts: TransportParts) -> None:
+        self._parts = parts
 
     async def _abort(self, context: grpc.aio.ServicerContext, route: str, exc: GatewayError) -> NoReturn:
         code, message, trailers = grpc_status(exc)
-        self._metrics.requests.labels(route, code.name).inc()
-        self._metrics.rejected(error_label(exc.code, exc.kind.value))
+        self._parts.metrics.requests.labels(route, code.name).inc()
+        self._parts.metrics.rejected(error_label(exc.code, exc.kind.value))
         await context.abort(code, message, trailing_metadata=trailers)
         raise AssertionError("unreachable")  # context.abort always raises
 
@@ -140,93 +112,58 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
         context: grpc.aio.ServicerContext,
     ) -> None:
         metadata = _metadata(context)
-        span = request_trace.start(self._frontdoor.tracing, metadata, route)
-        tally = _Count()
         try:
-            await self._serve_traced(parse, request, context, metadata, span, tally)
+            async with self._parts.pipeline.traced(metadata, route, grpc=True) as traced:
+                await self._serve_traced(parse, request, context, metadata, traced)
         except GatewayError as exc:
-            request_trace.failed(span, exc, tally.tokens, grpc=True)
             await self._abort(context, route, exc)
-        except BaseException as exc:
-            request_trace.failed(span, exc, tally.tokens, grpc=True)
-            raise
-        request_trace.finished(span, tally.tokens, 0, grpc=True)
-        self._metrics.requests.labels(route, "OK").inc()
+        self._parts.metrics.requests.labels(route, "OK").inc()
 
     async def _serve_traced(
         self, parse: Callable[[Any], GenerationInput], request: Any,
-        context: grpc.aio.ServicerContext, metadata: dict[str, str], span: Span, tally: _Count,
+        context: grpc.aio.ServicerContext, metadata: dict[str, str], traced: Traced,
     ) -> None:
-        """One generation: errors raise GatewayError (`_serve` aborts with it)."""
+        """Decode the message, run it through the pipeline, write its events;
+        errors raise GatewayError (`_serve` aborts with it)."""
         resume = request.resume if request.HasField("resume") else None
         request_id = resume.request_id if resume else request_id_from(
             metadata.get("x-request-id"), metadata.get("x-envoy-attempt-count"))
-        span.set("kvmesh.request_id", request_id)  # also on a request refused before admission
+        traced.identify(request_id)
         if resume is not None:
             parse_last_event_id(f"{resume.request_id}.0")  # the same id rules as the HTTP API
-        principal = self._frontdoor.authenticate(api_key_from_headers(metadata))
+        principal = self._parts.pipeline.authenticate(api_key_from_headers(metadata))
         generation = parse(request)
-        tools = self._tool_mapper(generation, request_id, resume is not None)
         priority = priority_from_proto(request.priority)
         remaining = context.time_remaining()
         if remaining is not None:
             # The client's deadline bounds the generation too.
             current = generation.max_generation_seconds
             generation.max_generation_seconds = remaining if current is None else min(current, remaining)
-        admitted = await self._frontdoor.admit(generation, principal, priority, request_id, span)
-        if resume is not None:
-            admitted.job.resume_from = resume.last_index
-        # The response cache (response_cache/): a hit never reaches the driver.
-        cache = self._frontdoor.cache
-        try:
-            ticket = await cache.lookup(admitted.job, generation, principal, metadata, resume is not None)
-        except BaseException:   # the client left during the lookup: settle its grant all the same
-            self._frontdoor.settle(admitted, 0)
-            raise
-        await context.send_initial_metadata(
-            (("x-request-id", request_id), *((k.lower(), v) for k, v in ticket.headers.items())))
-        self._metrics.active_streams.inc()
-        stream = cache.start(ticket, admitted.job, self._driver)
-        try:
-            async for event in stream:
-                if isinstance(event, TextDelta):
-                    tally.tokens += len(event.token_ids)
+        point = ResumePoint(resume.last_index, "resume") if resume is not None else None
+        async with await self._parts.pipeline.open(
+                traced.request(request_id, generation, principal, priority, point, metadata)) as run:
+            await context.send_initial_metadata(
+                (("x-request-id", request_id), *((k.lower(), v) for k, v in run.cache_headers.items())))
+            # Tool calls parsed out of the text (services/gateway/tool_grpc.py).
+            tools = ToolEventMapper(request_id, run.tool_parser) if run.tool_parser is not None else None
+            async for event in run:
                 message = event_to_proto(request_id, event)
                 for out in tools.map(event, message) if tools is not None else (message,):
                     await context.write(out)
                 if not isinstance(event, Heartbeat):
-                    stream.mark_output()
-        finally:
-            await stream.aclose()
-            self._metrics.active_streams.dec()
-            self._frontdoor.settle(admitted, tally.tokens)
-
-    def _tool_mapper(self, generation: GenerationInput, request_id: str, resume: bool) -> ToolEventMapper | None:
-        """Tool calls parsed out of the text (services/gateway/tool_grpc.py)."""
-        parser = parser_for(generation, self._frontdoor.tokenizers.get(generation.model).tool_parser)
-        if parser is None:
-            return None
-        if resume:
-            raise GatewayError(ErrorKind.INVALID_REQUEST, "a tool-calling stream cannot be resumed; send the "
-                               "request again without resume", param="resume")
-        if generation.n > 1:  # one parser reads one choice
-            raise GatewayError(ErrorKind.INVALID_REQUEST, "n > 1 with tools is not supported; send n requests",
-                               param="n")
-        return ToolEventMapper(request_id, parser)
+                    run.mark_output()
 
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ListModelsResponse:
         try:
-            principal = self._frontdoor.authenticate(api_key_from_headers(_metadata(context)))
+            principal = self._parts.frontdoor.authenticate(api_key_from_headers(_metadata(context)))
         except GatewayError as exc:
             await self._abort(context, "grpc.ListModels", exc)
-        listed = await self._served.listed(
-            self._frontdoor.tokenizers.names, lambda n: self._frontdoor.keys.allows(principal, n),
-            lambda n: self._frontdoor.tokenizers.get(n).max_model_len)
+        listed = await self._parts.frontdoor.listed_models(principal, self._parts.served)
         cards = [inference_pb2.ModelCard(id=name, max_model_len=length, engines=engines)
                  for name, length, engines in listed]
-        self._metrics.requests.labels("grpc.ListModels", "OK").inc()
+        self._parts.metrics.requests.labels("grpc.ListModels", "OK").inc()
         return inference_pb2.ListModelsResponse(models=cards)
 
     async def Tokenize(
@@ -241,11 +178,11 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
             if request.HasField(name):
                 body[name] = getattr(request, name)
         try:
-            principal = self._frontdoor.authenticate(api_key_from_headers(_metadata(context)))
-            out = self._tokenize.tokenize(principal, body)
+            principal = self._parts.frontdoor.authenticate(api_key_from_headers(_metadata(context)))
+            out = self._parts.tokenize.tokenize(principal, body)
         except GatewayError as exc:
             await self._abort(context, "grpc.Tokenize", exc)
-        self._metrics.requests.labels("grpc.Tokenize", "OK").inc()
+        self._parts.metrics.requests.labels("grpc.Tokenize", "OK").inc()
         return inference_pb2.TokenizeResponse(tokens=out["tokens"], count=out["count"],
                                               max_model_len=out["max_model_len"])
 
@@ -253,9 +190,10 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.DetokenizeResponse:
         try:
-            principal = self._frontdoor.authenticate(api_key_from_headers(_metadata(context)))
-            out = self._tokenize.detokenize(principal, {"model": request.model or None, "tokens": list(request.tokens)})
+            principal = self._parts.frontdoor.authenticate(api_key_from_headers(_metadata(context)))
+            out = self._parts.tokenize.detokenize(
+                principal, {"model": request.model or None, "tokens": list(request.tokens)})
         except GatewayError as exc:
             await self._abort(context, "grpc.Detokenize", exc)
-        self._metrics.requests.labels("grpc.Detokenize", "OK").inc()
+        self._parts.metrics.requests.labels("grpc.Detokenize", "OK").inc()
         return inference_pb2.DetokenizeResponse(prompt=out["prompt"])

@@ -31,7 +31,8 @@ the pump ends it before the lease moves or ends (`replace`, `requeue`,
 `report_done`, `abandon`). The Admit stream's reader task is the other: it
 only records a preemption and calls `stop` (`_on_preempted`), synchronously.
 The tokens generated so far are the driver's list, read here (never written)
-to describe the request as it stands now.
+to describe the request as it stands now (`request_now.RequestNow`, which
+builds the driver's next engine request from the same list).
 """
 
 from __future__ import annotations
@@ -44,12 +45,12 @@ from dataclasses import dataclass
 
 from services.common.clock import Clock
 from services.common.metric_labels import priority_label
-from services.common.prefix_hash import block_hashes
 from services.common.proto.kvmesh.v1 import scheduler_pb2
 from services.gateway.errors import GatewayError, SchedulerRestarting
 from services.gateway.events import Emit, Finished, QueuedUpdate
 from services.gateway.jobs import Job
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.request_now import RequestNow
 from services.gateway.scheduler_client import AdmitSession, SchedulerClient
 from services.gateway.stall_watch import GapSample
 
@@ -114,6 +115,8 @@ class LeaseLink:
         self._session = session
         self._job = job
         self._generated = generated
+        # The request as it stands now (request_now.py): what a move asks for.
+        self._now = RequestNow(job, generated)
         self._scheduler = scheduler
         self._metrics = metrics
         self._clock = clock
@@ -160,7 +163,7 @@ class LeaseLink:
                 if now >= readmit_until:
                     raise
                 await backoff.wait()
-                self._session = await _open(self._scheduler, self._clock, self._request())
+                self._session = await _open(self._scheduler, self._clock, self._now.admit_request())
                 self._metrics.readmissions.labels("queued").inc()
                 log.info("request %s: re-admitted after a scheduler restart", self._job.request_id)
                 continue
@@ -234,15 +237,15 @@ class LeaseLink:
         # A re-attach in progress is superseded: the request moves anyway.
         self._running = False
         await self._stop_reattach()
-        tokens = self._job.prompt_ids + self._generated
+        now = self._now
         # A scheduler gone too: `wait_placed` reads the broken stream and
         # admits the request again with prompt + generated.
         with contextlib.suppress(SchedulerRestarting):
             await self._session.replace(
                 exclude=list(excluded),
-                prompt_tokens=len(tokens),
-                max_tokens=self._job.max_tokens - len(self._generated),
-                prefix_hashes=block_hashes(tokens, self._job.hash_block_tokens),
+                prompt_tokens=len(now.tokens),
+                max_tokens=now.max_tokens_left,
+                prefix_hashes=now.prefix_hashes(),
             )
         return await self.wait_placed(emit)
 
@@ -255,15 +258,15 @@ class LeaseLink:
         preempted_at, self._preempted_at = self._preempted_at, None
         priority = priority_label(self._job.priority)
         self._metrics.preemptions.labels(priority).inc()
-        tokens = self._job.prompt_ids + self._generated
+        now = self._now
         try:
             # A scheduler gone too: `wait_placed` reads the broken stream and
             # admits the request again (prompt + generated, same arrival).
             with contextlib.suppress(SchedulerRestarting):
                 await self._session.requeue(
-                    prompt_tokens=len(tokens),
-                    max_tokens=self._job.max_tokens - len(self._generated),
-                    prefix_hashes=block_hashes(tokens, self._job.hash_block_tokens),
+                    prompt_tokens=len(now.tokens),
+                    max_tokens=now.max_tokens_left,
+                    prefix_hashes=now.prefix_hashes(),
                 )
             placed = await self.wait_placed(emit)
             self._job.trace.event("resumed", {"kvmesh.engine": placed.engine_id})
@@ -350,7 +353,7 @@ class LeaseLink:
         re-registers a moment after the scheduler is back; until then the
         answer is a queue place or a placement elsewhere, withdrawn at once."""
         try:
-            session = await self._scheduler.open(self._request(self._engine_id))
+            session = await self._scheduler.open(self._now.admit_request(self._engine_id))
         except GatewayError:
             return None
         try:
@@ -372,18 +375,3 @@ class LeaseLink:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-
-    def _request(self, running_on: str = "") -> scheduler_pb2.AdmitRequest:
-        """The request as it stands now: after a migration the prompt is
-        prompt + generated and max_tokens what is left (like `replace`)."""
-        request = self._job.admit_request()
-        if self._generated:
-            tokens = self._job.prompt_ids + self._generated
-            request.prompt_tokens = len(tokens)
-            request.max_tokens = max(1, self._job.max_tokens - len(self._generated))
-            del request.prefix_hashes[:]
-            request.prefix_hashes.extend(block_hashes(tokens, self._job.hash_block_tokens))
-        request.running_on_engine = running_on
-        if running_on:
-            request.resume = False  # re-attaching after a scheduler restart, not a client's resume
-        return request

@@ -4,9 +4,10 @@ gateway's HTTP API, served ON the chat path.
 A Responses request is parsed (services/common/openai_api/responses_input.py),
 joined to the items of the response it continues (responses_store.py), and
 becomes a chat `GenerationInput` through `parse_chat_body`; from there it is a
-chat request like any other: the same key, model and context checks, rate
-limits, priority class, admission, placement, migration and heartbeats
-(`Frontdoor.admit`, `GenerationDriver.start`). Its output goes through the
+chat request like any other, through the one request pipeline
+(pipeline.py `RequestPipeline.open`: the same key, model and context checks,
+rate limits, priority class, tool-call decision, admission, placement,
+migration and heartbeats; no response cache). Its output goes through the
 tool-call splitter (responses_output.py) into a `ResponseBuilder`
 (responses_format.py): typed SSE events when streamed, the Response object
 when not. Errors are raised as `GatewayError` to the HTTP API's one error
@@ -22,8 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from services.common.openai_api.completions_output import SSE_HEARTBEAT
-from services.common.openai_api.requests import GenerationInput, parse_chat_body
+from services.common.openai_api.requests import parse_chat_body
 from services.common.openai_api.responses_events import ResponseBuilder, event_sse, new_response_id
 from services.common.openai_api.responses_input import (
     ResponsesRequest,
@@ -31,18 +31,15 @@ from services.common.openai_api.responses_input import (
     parse_responses_body,
     responses_param,
 )
-from services.common.tool_calling.responses_output import OutputSplitter, splitter_for
-from services.common.tracing import Span
-from services.gateway import request_trace
-from services.gateway.driver import GenerationDriver
-from services.gateway.errors import ErrorKind, GatewayError
-from services.gateway.event_stream import EventStream
-from services.gateway.events import Finished, Heartbeat, TextDelta
-from services.gateway.frontdoor import Admitted, Frontdoor
+from services.common.tool_calling.parsers import ToolCallParser
+from services.common.tool_calling.responses_output import OutputSplitter, PlainText, ToolSplitter
+from services.gateway.errors import ErrorKind, GatewayError, finish_error
+from services.gateway.events import Event, Finished, TextDelta
 from services.gateway.jobs import request_id_from
 from services.gateway.keys import Principal, api_key_from_headers
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.pipeline import Generation, RequestPipeline, Traced
 from services.gateway.responses_store import ResponseStore
+from services.gateway.sse_relay import relay_sse
 from services.gateway.validation import parse_priority_header
 
 __all__ = ["ResponsesApi"]
@@ -67,22 +64,24 @@ def _not_found(response_id: str, param: str | None) -> GatewayError:
                         "the API key that created them", param=param, code="response_not_found")
 
 
+def _sse(events: list[dict[str, Any]]) -> bytes:
+    return b"".join(event_sse(e) for e in events)
+
+
 class _Run:
     """One request's output: the splitter, the builder, and the store once it ends."""
 
     def __init__(self, api: ResponsesApi, parsed: ResponsesRequest, principal: Principal,
-                 history: list[dict[str, Any]], generation: GenerationInput) -> None:
+                 history: list[dict[str, Any]], tool_parser: ToolCallParser | None) -> None:
         self.builder = ResponseBuilder(new_response_id(), parsed.model, parsed.settings,
                                        previous_response_id=parsed.previous_response_id,
                                        metadata=parsed.metadata, store=parsed.store)
         self.opening = self.builder.start()  # numbered first; sent when a stream starts
-        model_parser = api.frontdoor.tokenizers.get(generation.model).tool_parser
-        self.splitter: OutputSplitter = splitter_for(generation, model_parser)
-        self.completion_tokens = 0
+        # The pipeline's tool-call decision (the chat path's), or plain text.
+        self.splitter: OutputSplitter = PlainText() if tool_parser is None else ToolSplitter(tool_parser)
         self._keep = (api.store, principal.key_id, [*history, *parsed.items]) if parsed.store else None
 
     def text(self, delta: TextDelta) -> list[dict[str, Any]]:
-        self.completion_tokens += len(delta.token_ids)
         return self._pieces(self.splitter.feed(delta.text))
 
     def _pieces(self, pieces: list[Any]) -> list[dict[str, Any]]:
@@ -95,9 +94,9 @@ class _Run:
         return events
 
     def end(self, finished: Finished) -> list[dict[str, Any]]:
-        if not finished.reason.ok:
-            kind = "timeout" if finished.reason.value == "timeout" else "generation_failed"
-            return self.builder.fail(kind, finished.message or f"the generation ended with {finished.reason.value}")
+        error = finish_error(finished.reason, finished.message)
+        if error is not None:
+            return self.builder.fail(error.kind.value, error.message)
         events = self._pieces(self.splitter.finish())
         events += self.builder.finish(finished.reason.value, finished.usage)
         if self._keep is not None:
@@ -108,12 +107,10 @@ class _Run:
 
 
 class ResponsesApi:
-    def __init__(self, frontdoor: Frontdoor, driver: GenerationDriver, metrics: GatewayMetrics,
-                 store: ResponseStore, read_json: ReadJson, request_key: web.RequestKey[str]) -> None:
+    def __init__(self, pipeline: RequestPipeline, store: ResponseStore, read_json: ReadJson,
+                 request_key: web.RequestKey[str]) -> None:
         self.store = store
-        self.frontdoor = frontdoor
-        self._driver = driver
-        self._metrics = metrics
+        self._pipeline = pipeline
         self._read_json = read_json
         self._request_key = request_key
 
@@ -125,7 +122,7 @@ class ResponsesApi:
     # ---------------------------------------------------------------- stored
 
     def _owner(self, request: web.Request) -> str:
-        return self.frontdoor.authenticate(api_key_from_headers(request.headers)).key_id
+        return self._pipeline.authenticate(api_key_from_headers(request.headers)).key_id
 
     async def retrieve(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
@@ -154,46 +151,33 @@ class ResponsesApi:
         return entry.conversation
 
     async def create(self, request: web.Request) -> web.StreamResponse:
-        span = request_trace.start(self.frontdoor.tracing, request.headers, "responses")
-        try:
-            response = await self._create(request, span)
-        except BaseException as exc:
-            request_trace.failed(span, exc, None)  # output tokens: set by `_settle`
-            raise
-        request_trace.finished(span, None, response.status)
+        async with self._pipeline.traced(request.headers, "responses") as traced:
+            response = await self._create(request, traced)
+            traced.status = response.status
         return response
 
-    async def _create(self, request: web.Request, span: Span) -> web.StreamResponse:
+    async def _create(self, request: web.Request, traced: Traced) -> web.StreamResponse:
+        """Decode the body into a chat request, run it through the pipeline
+        (no response cache), render its events as the Responses API's."""
         request_id = request_id_from(request.headers.get("x-request-id"), request.headers.get("x-envoy-attempt-count"))
         request[self._request_key] = request_id
-        span.set("kvmesh.request_id", request_id)
-        principal = self.frontdoor.authenticate(api_key_from_headers(request.headers))
+        traced.identify(request_id)
+        principal = self._pipeline.authenticate(api_key_from_headers(request.headers))
         parsed = parse_responses_body(await self._read_json(request))
         history = self._history(parsed, principal)
         priority = parse_priority_header(request.headers.get("x-priority"))
         try:
             generation = parse_chat_body(chat_body(parsed, history))
-            admitted = await self.frontdoor.admit(generation, principal, priority, request_id, span)
+            opened = await self._pipeline.open(traced.request(request_id, generation, principal, priority))
         except GatewayError as exc:
             raise _renamed(exc) from None
-        run = _Run(self, parsed, principal, history, generation)
-        headers = {"x-request-id": request_id, **admitted.grant.headers}
-        self._metrics.active_streams.inc()
-        stream = self._driver.start(admitted.job)
-        try:
+        async with opened as stream:
+            run = _Run(self, parsed, principal, history, stream.tool_parser)
             if parsed.stream:
-                return await self._stream(request, stream, run, headers)
-            return await self._collect(stream, run, headers)
-        finally:
-            await stream.aclose()
-            self._metrics.active_streams.dec()
-            self._settle(admitted, run)
+                return await self._stream(request, stream, run)
+            return await self._collect(stream, run)
 
-    def _settle(self, admitted: Admitted, run: _Run) -> None:
-        self.frontdoor.settle(admitted, run.completion_tokens)
-        admitted.job.trace.set("gen_ai.usage.output_tokens", run.completion_tokens)
-
-    async def _collect(self, stream: EventStream, run: _Run, headers: dict[str, str]) -> web.Response:
+    async def _collect(self, stream: Generation, run: _Run) -> web.Response:
         finished: Finished | None = None
         async for event in stream:
             if isinstance(event, TextDelta):
@@ -202,50 +186,23 @@ class ResponsesApi:
                 finished = event
         if finished is None:
             raise GatewayError(ErrorKind.INTERNAL, "the generation ended without a result")
-        if not finished.reason.ok:
-            kind = ErrorKind.TIMEOUT if finished.reason.value == "timeout" else ErrorKind.GENERATION_FAILED
-            raise GatewayError(kind, finished.message or f"the generation ended with {finished.reason.value}",
-                               code=finished.reason.value)
+        error = finish_error(finished.reason, finished.message)
+        if error is not None:
+            raise error
         run.end(finished)
-        return web.json_response(run.builder.response(), headers=headers)
+        return web.json_response(run.builder.response(), headers=stream.headers)
 
-    async def _stream(self, request: web.Request, stream: EventStream, run: _Run,
-                      headers: dict[str, str]) -> web.StreamResponse:
-        """Typed events; the HTTP response starts lazily (first token, first
-        heartbeat or the end), so a quick refusal keeps its real status."""
-        response: web.StreamResponse | None = None
+    @staticmethod
+    async def _stream(request: web.Request, stream: Generation, run: _Run) -> web.StreamResponse:
+        """Typed events (sse_relay.py: the response starts lazily, so a quick
+        refusal keeps its real status)."""
 
-        async def write(events: list[dict[str, Any]]) -> web.StreamResponse:
-            nonlocal response
-            if response is None:
-                response = web.StreamResponse(status=200, headers={
-                    "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                    **headers})
-                await response.prepare(request)
-                events = [*run.opening, *events]
-            if events:
-                await response.write(b"".join(event_sse(e) for e in events))
-            return response
+        def render(event: Event) -> bytes | None:
+            if isinstance(event, TextDelta):
+                return _sse(run.text(event))
+            if isinstance(event, Finished):
+                return _sse(run.end(event))
+            return None
 
-        try:
-            async for event in stream:
-                if isinstance(event, TextDelta):
-                    await write(run.text(event))
-                    stream.mark_output()
-                elif isinstance(event, Finished):
-                    await write(run.end(event))
-                elif isinstance(event, Heartbeat):
-                    await (await write([])).write(SSE_HEARTBEAT)
-        except GatewayError as exc:
-            if response is None:
-                raise
-            await response.write(b"".join(event_sse(e) for e in run.builder.fail(exc.code or exc.kind.value,
-                                                                                   exc.message)))
-        except ConnectionResetError:
-            log.info("request %s: client went away", request.get(self._request_key))
-            if response is None:
-                raise
-            return response
-        out = await write([])
-        await out.write_eof()
-        return out
+        return await relay_sse(request, stream, _sse(run.opening), render,
+                               lambda exc: _sse(run.builder.fail(exc.code or exc.kind.value, exc.message)))

@@ -54,10 +54,12 @@ from services.gateway.http_api import HttpApi
 from services.gateway.keys import KeyStore
 from services.gateway.limits import RateLimiter
 from services.gateway.metrics import GatewayMetrics, metrics_app
+from services.gateway.pipeline import RequestPipeline
 from services.gateway.response_cache import build_response_cache
 from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.served_models import ServedModels
 from services.gateway.tokenization import TokenizerRegistry
+from services.gateway.transport_parts import TransportParts
 
 __all__ = ["GatewayService", "serve"]
 
@@ -128,8 +130,11 @@ class GatewayService:
         # One cached view of the served models for both transports.
         served = ServedModels(functools.partial(self._scheduler.get_state, 1.0), self.clock)
         self.response_cache.attach_fleet(served.current)   # the engines' model revisions
+        # The one request path for every transport (pipeline.py), and what else they share.
+        parts = TransportParts(RequestPipeline(self.frontdoor, driver, self.metrics), self._scheduler, self.metrics,
+                               served)
         inference_pb2_grpc.add_InferenceServicer_to_server(
-            InferenceApi(self.frontdoor, driver, self._scheduler, self.metrics, served), server
+            InferenceApi(parts), server
         )
         bound_grpc = add_port(server, join_host_port(gw.host, grpc_port), identity)
         if bound_grpc == 0:
@@ -139,7 +144,7 @@ class GatewayService:
 
         if self.config.batch.enabled:
             self._batch = BatchService(self.config, self.frontdoor, driver, self.metrics, self.clock, self.replica)
-        app = HttpApi(self.config, self.frontdoor, driver, self._scheduler, self.metrics, served).app(self._batch)
+        app = HttpApi(self.config, parts).app(self._batch)
         # Inside the error middleware, so a draining /health is an OpenAI 503.
         app.middlewares.append(self.drain_state.health_middleware)
         # With mesh TLS the API port is Envoy's upstream: TLS, mesh certificates only.

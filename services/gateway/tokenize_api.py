@@ -42,16 +42,14 @@ class TokenizeApi:
     def _tokenizer(self, principal: Principal, body: Any) -> tuple[dict[str, Any], ModelTokenizer]:
         if not isinstance(body, dict):
             raise GatewayError(ErrorKind.INVALID_REQUEST, "the request body must be a JSON object")
-        names = self._frontdoor.tokenizers.names
+        names = self._frontdoor.model_names
         model = body.get("model")
         if model is None and len(names) == 1:
             model = names[0]
         if not isinstance(model, str) or not model:
             raise GatewayError(ErrorKind.INVALID_REQUEST, "model is required: name one from GET /v1/models",
                                param="model", code="missing_required_parameter")
-        tokenizer = self._frontdoor.tokenizers.get(model)
-        self._frontdoor.keys.check_model(principal, model)
-        return body, tokenizer
+        return body, self._frontdoor.tokenizer_for(principal, model)
 
     def tokenize(self, principal: Principal, raw: Any) -> dict[str, Any]:
         body, tokenizer = self._tokenizer(principal, raw)

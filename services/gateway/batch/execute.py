@@ -25,7 +25,7 @@ from services.gateway.batch.inputs import ENDPOINTS
 from services.gateway.batch.output import response_line
 from services.gateway.batch.pacing import Pace
 from services.gateway.driver import GenerationDriver
-from services.gateway.errors import ErrorKind, GatewayError, http_error
+from services.gateway.errors import ErrorKind, GatewayError, finish_error, http_error
 from services.gateway.events import Finished, FinishReason, QueuedUpdate, TextDelta
 from services.gateway.frontdoor import Frontdoor
 from services.gateway.keys import Principal
@@ -95,7 +95,7 @@ class LineExecutor:
             job.resume_from = 0  # every delta again: the output is collected whole
         elif attempt.resume:
             return Result(Outcome.RERUN, Pace.NEUTRAL, message="n > 1 / echo: not resumable")
-        tool_parser = parser_for(generation, self._frontdoor.tokenizers.get(generation.model).tool_parser)
+        tool_parser = parser_for(generation, self._frontdoor.model_tool_parser(generation.model))
         formatter: Formatter
         if tool_parser is not None:
             formatter = ToolChatFormatter(attempt.request_id, generation.model, False, tool_parser)
@@ -157,10 +157,9 @@ class _Collected:
         if finished is None or finished.reason in (FinishReason.ERROR, FinishReason.ABORT):
             return Result(Outcome.RETRY, pace, tokens=self.tokens,
                           message=finished.message if finished else "the generation ended without a result")
-        if not finished.reason.ok:  # a timeout: its limit would end the next try too
-            kind = ErrorKind.TIMEOUT if finished.reason is FinishReason.TIMEOUT else ErrorKind.GENERATION_FAILED
-            error = http_error(GatewayError(kind, finished.message or f"ended with {finished.reason.value}",
-                                            code=finished.reason.value))
+        failure = finish_error(finished.reason, finished.message)
+        if failure is not None:  # a timeout: its limit would end the next try too
+            error = http_error(failure)
             return Result(Outcome.DONE, pace, response_line(attempt.custom_id, attempt.request_id, error.status,
                                                             error.body), tokens=self.tokens)
         choices = [("".join(self.texts[i]), self.logprobs[i], self.reasons.get(i))
