@@ -26,6 +26,7 @@ from aiohttp import web
 from services.batch.credential import CREDENTIAL_ENV, internal_credential
 from services.common.config import ApiKeyConfig, ConfigError, MeshConfig, ModelConfig
 from services.common.config.batch import BatchConfig
+from services.common.health_http import HttpEndpoint
 from services.gateway.keys import KeyStore
 from services.launcher.ports import PortAllocator
 
@@ -60,15 +61,11 @@ async def _fake_gateway() -> AsyncIterator[tuple[FakeGateway, str]]:
     gateway = FakeGateway()
     app = web.Application()
     app.router.add_post("/v1/chat/completions", gateway.handle)
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    endpoint = HttpEndpoint(app)
     try:
-        yield gateway, f"http://127.0.0.1:{port}"
+        yield gateway, f"http://127.0.0.1:{await endpoint.start('127.0.0.1', 0)}"
     finally:
-        await runner.cleanup()
+        await endpoint.stop()
 
 
 def _config(tmp_path: Path, gateway_url: str) -> tuple[Path, MeshConfig]:
