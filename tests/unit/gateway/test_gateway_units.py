@@ -26,10 +26,7 @@ MODULES = [
     "driver", "engine_client", "errors", "event_stream", "events", "frontdoor", "grpc_api", "http_api", "jobs",
     "keys", "lease_link", "limits", "metrics", "openapi", "pipeline", "request_meter", "request_now",
     "scheduler_client", "server", "sse_relay", "transport_parts",
-    "spare_calls", "stop_seam", "tokenization", "validation",
-    "batch.batch_run", "batch.batches_api", "batch.execute", "batch.files_api", "batch.gate", "batch.inputs",
-    "batch.metrics", "batch.output", "batch.ownership", "batch.pacing", "batch.records", "batch.runner",
-    "batch.service", "batch.store",
+    "spare_calls", "stop_seam", "tokenization", "validation", "batch_lines",
 ]
 
 
