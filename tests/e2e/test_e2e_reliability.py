@@ -41,7 +41,7 @@ async def _finish(tasks: list[asyncio.Task[StreamResult]], session: object) -> l
     try:
         return list(await asyncio.gather(*tasks))
     finally:
-        await session.close()  # type: ignore[attr-defined]
+        await session.close()
 
 
 async def _expected(mesh: Mesh, prompts: list[str], max_tokens: list[int],
@@ -65,7 +65,7 @@ def _assert_same(results: list[StreamResult], expected: list[str]) -> None:
 
 
 def _engine(state: object, engine_id: str) -> object | None:
-    return next((e for e in state.engines if e.engine_id == engine_id), None)  # type: ignore[attr-defined]
+    return next((e for e in state.engines if e.engine_id == engine_id), None)
 
 
 async def _rejoined(mesh: Mesh, engine_id: str) -> None:

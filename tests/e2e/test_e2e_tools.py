@@ -42,23 +42,23 @@ def _check_call(name: str, arguments: str) -> None:
 
 
 def test_sdk_round_trip_not_streamed(sdk: openai.OpenAI) -> None:
-    out = sdk.chat.completions.create(model=MODEL, messages=[ASK], tools=[WEATHER], tool_choice="required",  # type: ignore[list-item]
+    out = sdk.chat.completions.create(model=MODEL, messages=[ASK], tools=[WEATHER], tool_choice="required",
                                       max_tokens=64)
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     calls = choice.message.tool_calls or []
     assert calls and all(c.id.startswith("call_") for c in calls)
     for call in calls:
-        _check_call(call.function.name, call.function.arguments)  # type: ignore[union-attr]
+        _check_call(call.function.name, call.function.arguments)
     history: list[Any] = [ASK, choice.message.model_dump(exclude_none=True),
                           *({"role": "tool", "tool_call_id": c.id, "content": "sunny"} for c in calls)]
-    answer = sdk.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",  # type: ignore[list-item]
+    answer = sdk.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
                                          max_tokens=8)
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
 
 
 def test_sdk_streamed_named_call(sdk: openai.OpenAI) -> None:
-    stream = sdk.chat.completions.create(model=MODEL, messages=[ASK], tools=[WEATHER], max_tokens=64, stream=True,  # type: ignore[list-item]
+    stream = sdk.chat.completions.create(model=MODEL, messages=[ASK], tools=[WEATHER], max_tokens=64, stream=True,
                                          tool_choice={"type": "function", "function": {"name": "get_weather"}})
     chunks = list(stream)
     pieces = [tc for ch in chunks for tc in ch.choices[0].delta.tool_calls or []]

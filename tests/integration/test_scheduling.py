@@ -80,7 +80,7 @@ async def _start_blockers(session: aiohttp.ClientSession, mesh: Mesh) -> list[as
     return tasks
 
 
-def _queued(state, priority: int) -> int:  # type: ignore[no-untyped-def]
+def _queued(state, priority: int) -> int:
     return sum(q.queued for q in state.queues if q.priority == priority)
 
 

@@ -357,7 +357,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
 async def _serve(add: object, servicer: object) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server()
-    add(servicer, server)  # type: ignore[operator]
+    add(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"

@@ -72,7 +72,7 @@ def _setup(db: Database, n: int, script: Script, max_attempts: int = 3) -> tuple
              "created_at": now, "expires_at": now + 86400, "input_file_id": "file-x", "completion_window": "24h"}
     db.store.create_batch("tenant", "key", batch, lines)
     executor = FakeExecutor(script)
-    deps = RunDeps(BatchConfig(max_attempts=max_attempts), db, executor, Gate(Window(4), clock),  # type: ignore[arg-type]
+    deps = RunDeps(BatchConfig(max_attempts=max_attempts), db, executor, Gate(Window(4), clock),
                    BatchMetrics(CollectorRegistry()), clock)
     return deps, executor
 

@@ -102,10 +102,10 @@ async def test_auto_streamed_call_deltas(tools_mesh: Mesh) -> None:
     assert deltas[0].role == "assistant"
     assert "".join(d.content or "" for d in deltas) == "Let me check."
     calls = [tc for d in deltas for tc in d.tool_calls or []]
-    assert calls[0].id and calls[0].type == "function" and calls[0].function.name == "get_weather"  # type: ignore[union-attr]
-    assert calls[0].function.arguments == ""  # type: ignore[union-attr]
+    assert calls[0].id and calls[0].type == "function" and calls[0].function.name == "get_weather"
+    assert calls[0].function.arguments == ""
     assert all(tc.id is None and tc.index == 0 for tc in calls[1:])
-    assert json.loads("".join(tc.function.arguments for tc in calls[1:])) == {"city": "Paris"}  # type: ignore[union-attr,misc]
+    assert json.loads("".join(tc.function.arguments for tc in calls[1:])) == {"city": "Paris"}  # type: ignore[misc]
     assert len(calls) >= 3, "arguments stream in fragments"
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
@@ -134,7 +134,7 @@ async def test_tools_with_several_choices_are_refused(tools_mesh: Mesh) -> None:
 async def test_required_is_constrained_and_parsed_as_json(tools_mesh: Mesh, model_dir: Path) -> None:
     scripted(tools_mesh).script = ['[{"name": "get_weather", ', '"arguments": {"city": "Paris"}}]']
     async with client(tools_mesh) as c:
-        out = await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],  # type: ignore[arg-type,list-item]
+        out = await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
                                               tool_choice="required")
     sampling = scripted(tools_mesh).requests[-1].sampling
     assert sampling.structured.kind == common_pb2.StructuredOutput.KIND_JSON_SCHEMA
@@ -151,19 +151,19 @@ async def test_named_choice_is_one_object(tools_mesh: Mesh) -> None:
     scripted(tools_mesh).script = ['{"name": "get_weather", "arguments": {"city": "Oslo"}}']
     async with client(tools_mesh) as c:
         stream = await c.chat.completions.create(
-            model=MODEL, messages=ASK, tools=[WEATHER], stream=True,  # type: ignore[arg-type,list-item]
+            model=MODEL, messages=ASK, tools=[WEATHER], stream=True,
             tool_choice={"type": "function", "function": {"name": "get_weather"}})
         chunks = [chunk async for chunk in stream]
     schema = json.loads(scripted(tools_mesh).requests[-1].sampling.structured.value)
     assert schema["type"] == "object"
     calls = [tc for ch in chunks for tc in ch.choices[0].delta.tool_calls or []]
-    assert calls[0].function.name == "get_weather"  # type: ignore[union-attr]
-    assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == {"city": "Oslo"}  # type: ignore[union-attr]
+    assert calls[0].function.name == "get_weather"
+    assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == {"city": "Oslo"}
 
 
 async def test_none_offers_no_tools_and_parses_nothing(tools_mesh: Mesh, model_dir: Path) -> None:
     async with client(tools_mesh) as c:
-        out = await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none")  # type: ignore[arg-type,list-item]
+        out = await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none")
     assert out.choices[0].finish_reason == "stop" and not out.choices[0].message.tool_calls
     assert out.choices[0].message.content == "".join(HERMES)
     assert "get_weather" not in prompt_text(tools_mesh, model_dir)
@@ -187,7 +187,7 @@ async def test_malformed_tools_are_400_before_queueing(tools_mesh: Mesh) -> None
     async with client(tools_mesh) as c:
         with pytest.raises(openai.BadRequestError) as err:
             await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, bad])  # type: ignore[arg-type,list-item]
-    assert err.value.body["param"] == "tools[1].function.name"  # type: ignore[index]
+    assert err.value.body["param"] == "tools[1].function.name"
     assert tools_mesh.scheduler.admits == []
 
 
@@ -196,7 +196,7 @@ async def test_malformed_tools_are_400_before_queueing(tools_mesh: Mesh) -> None
 
 def _grpc_request(**fields: object) -> inference_pb2.ChatRequest:
     tool = inference_pb2.Tool(name="get_weather", description="Current weather",
-                              parameters_json=json.dumps(WEATHER["function"]["parameters"]))  # type: ignore[index]
+                              parameters_json=json.dumps(WEATHER["function"]["parameters"]))
     return inference_pb2.ChatRequest(model=MODEL, messages=[inference_pb2.ChatMessage(role="user", content="hi")],
                                      tools=[tool], **fields)  # type: ignore[arg-type]
 

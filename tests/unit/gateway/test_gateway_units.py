@@ -205,7 +205,7 @@ def test_an_engine_that_failed_a_request_is_excluded_for_it_only_for_a_while() -
     clock = FakeClock()
     settings = DriverSettings(max_migrations=3, heartbeat_seconds=5.0, exclude_failed_seconds=12.0)
     job = SimpleNamespace(sampling=SimpleNamespace(stop=[], min_tokens=0), resume_from=None)
-    generation = _Generation(SimpleNamespace(clock=clock, settings=settings), job)  # type: ignore[arg-type]
+    generation = _Generation(SimpleNamespace(clock=clock, settings=settings), job)
     generation._failures.append(("engine-1", clock.monotonic()))
     assert generation._excluded() == ["engine-1"]
     clock.advance(12.5)

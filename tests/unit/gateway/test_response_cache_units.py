@@ -167,7 +167,7 @@ async def _record(events: list[TextDelta | Finished], max_bytes: int = 1 << 20) 
 
     async def run(emit: object) -> None:
         for e in events:
-            await emit(e)  # type: ignore[operator]
+            await emit(e)
 
     async def sink(event: object) -> None:
         seen.append(event)
