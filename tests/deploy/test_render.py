@@ -64,7 +64,7 @@ def test_schema_check_catches_wrong_objects() -> None:
     del rule["spec"]["groups"][0]["rules"][0]["expr"]
     cert = copy.deepcopy(find(render("overlays/cert-manager"), "Certificate", "kvmesh-mesh-engine"))
     cert["spec"]["dnsName"] = cert["spec"].pop("dnsNames")
-    errors = schema_errors([sts, svc, monitor, rule, cert], K8S_VERSIONS[0])  # type: ignore[list-item]
+    errors = schema_errors([sts, svc, monitor, rule, cert], K8S_VERSIONS[0])  # type: ignore[list-item]  # rendered objects broken on purpose for the schema check
     assert len(errors) == 5, errors
     assert "httpGets" in errors[0] and "eight thousand" in errors[1] and "intervall" in errors[2]
     assert "expr" in errors[3] and "dnsName" in errors[4]

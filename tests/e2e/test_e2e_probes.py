@@ -107,7 +107,7 @@ async def test_prestop_drain_hands_engine_streams_over_then_sigterm_is_quick(e2e
     try:
         await wait_until(lambda: all(r.chunks > 0 for r in results), 60, "every stream to be running")
         held = _engine_state(mesh, "engine-1")
-        assert held is not None and held.leases > 0, "engine-1 holds no stream"  # type: ignore[attr-defined]
+        assert held is not None and held.leases > 0, "engine-1 holds no stream"  # type: ignore[attr-defined]  # _engine_state() hands back the proto engine as object
         drain = asyncio.create_task(_kvmesh_drain(port))
         await wait_until(lambda: _probe(port, "ready")[0] == 503, 30, "engine-1 to turn unready")
         assert _probe(port, "ready") == (503, "draining")

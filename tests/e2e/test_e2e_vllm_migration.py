@@ -49,7 +49,7 @@ async def test_vllm_engine_sigkill_mid_stream_is_seamless(two_vllm: Mesh) -> Non
     try:
         baseline = list(await asyncio.gather(*tasks))
     finally:
-        await session.close()  # type: ignore[attr-defined]
+        await session.close()  # type: ignore[attr-defined]  # the aiohttp session, typed object here
     assert all(r.ok for r in baseline), [r.error for r in baseline if not r.ok]
     migrations = gateway_counter(mesh, "kvmesh_gateway_migrations_total")
 
@@ -70,7 +70,7 @@ async def test_vllm_engine_sigkill_mid_stream_is_seamless(two_vllm: Mesh) -> Non
         results = list(await asyncio.gather(*tasks))
         elapsed = time.monotonic() - killed
     finally:
-        await session.close()  # type: ignore[attr-defined]
+        await session.close()  # type: ignore[attr-defined]  # the aiohttp session, typed object here
 
     failed = [(i, r.status, r.finish_reason, r.error) for i, r in enumerate(results) if not r.ok]
     assert not failed, failed

@@ -92,7 +92,7 @@ def unique_prompt(n: int) -> list[int]:
 
 
 def greedy(max_tokens: int, **kw: object) -> Sampling:
-    return Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)  # type: ignore[arg-type]
+    return Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)  # type: ignore[arg-type]  # each test's sampling fields, typed object
 
 
 async def collect(backend, request: GenerationRequest) -> list[GenerationOutput]:

@@ -230,7 +230,7 @@ async def test_health_not_serving_until_backend_started() -> None:
         await gate.wait()
         await real_start()
 
-    svc.backend.start = slow_start  # type: ignore[method-assign]
+    svc.backend.start = slow_start  # type: ignore[method-assign]  # a slow start in place of the backend's own
     starting = asyncio.create_task(svc.start())
     try:
         await wait_until(lambda: svc.port != 0)

@@ -49,7 +49,7 @@ async def test_a_dead_engines_stream_migrates_and_the_client_sees_no_error(
         async for chunk in stream:
             chunks.append(chunk)
             if len(chunks) == 3:
-                dying_engine.backend.crash("test: the engine core was SIGKILLed")  # type: ignore[attr-defined]
+                dying_engine.backend.crash("test: the engine core was SIGKILLed")  # type: ignore[attr-defined]  # the engine's sim backend: its crash() is a test hook
     reasons = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
     assert reasons == ["length"] and chunks[-1].usage.completion_tokens == MAX_TOKENS
     record = mesh.scheduler.admits[0]

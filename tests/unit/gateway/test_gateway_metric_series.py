@@ -42,7 +42,7 @@ async def _chat(mesh: Mesh, priority: str, stream: bool = False, key: str = KEY_
 
 
 async def test_requests_by_class_and_model_under_every_name(mesh: Mesh) -> None:
-    m: GatewayMetrics = mesh.gateway.metrics  # type: ignore[attr-defined]
+    m: GatewayMetrics = mesh.gateway.metrics  # type: ignore[attr-defined]  # conftest's Mesh.gateway is typed object
     status0, body0 = await _chat(mesh, "0")
     status2, body2 = await _chat(mesh, "2")
     assert status0 == status2 == 200
@@ -76,7 +76,7 @@ async def test_requests_by_class_and_model_under_every_name(mesh: Mesh) -> None:
 
 
 async def test_running_requests_while_one_waits(mesh: Mesh) -> None:
-    m: GatewayMetrics = mesh.gateway.metrics  # type: ignore[attr-defined]
+    m: GatewayMetrics = mesh.gateway.metrics  # type: ignore[attr-defined]  # conftest's Mesh.gateway is typed object
     mesh.scheduler.queue_hold = asyncio.Event()
     task = asyncio.create_task(_chat(mesh, "1", stream=True))
     while not mesh.scheduler.admits:
@@ -91,7 +91,7 @@ async def test_running_requests_while_one_waits(mesh: Mesh) -> None:
 
 
 async def test_refusals_by_their_openai_code(mesh: Mesh) -> None:
-    m: GatewayMetrics = mesh.gateway.metrics  # type: ignore[attr-defined]
+    m: GatewayMetrics = mesh.gateway.metrics  # type: ignore[attr-defined]  # conftest's Mesh.gateway is typed object
     status, body = await _chat(mesh, "1", key="sk-wrong")
     assert status == 401
     assert value(m, "kvmesh_gateway_rejections_total", reason=body["error"]["code"]) == 1

@@ -96,7 +96,7 @@ async def test_queued_request_is_admitted_again_after_scheduler_restart(mesh: Me
     assert len(restarted.admits) == 1
     again = restarted.admits[0].request
     assert again.arrival_unix == mesh.scheduler.admits[0].request.arrival_unix and not again.running_on_engine
-    text = mesh.gateway.metrics.render().decode()  # type: ignore[attr-defined]
+    text = mesh.gateway.metrics.render().decode()  # type: ignore[attr-defined]  # conftest's Mesh.gateway is typed object
     assert 'kvmesh_gateway_scheduler_readmissions_total{state="queued"} 1.0' in text
     for server in mesh.servers[1:]:
         await server.stop(0)

@@ -61,7 +61,7 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
 async def tools_mesh(model_dir: Path) -> AsyncIterator[Mesh]:
     async with open_mesh(model_dir) as m:
         engine = ScriptedEngine("engine-s", HERMES)
-        await m.add_engine(engine)  # type: ignore[arg-type]
+        await m.add_engine(engine)  # type: ignore[arg-type]  # a scripted engine in place of a FakeEngine
         m.scheduler.engines.pop("engine-a")
         yield m
 
@@ -82,7 +82,7 @@ def prompt_text(mesh: Mesh, model_dir: Path) -> str:
 
 async def test_auto_non_streamed_call(tools_mesh: Mesh, model_dir: Path) -> None:
     async with client(tools_mesh) as c:
-        out = await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER])  # type: ignore[arg-type,list-item]
+        out = await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER])  # type: ignore[arg-type,list-item]  # plain dicts for the SDK's message and tool TypedDicts
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content == "Let me check."
@@ -96,7 +96,7 @@ async def test_auto_non_streamed_call(tools_mesh: Mesh, model_dir: Path) -> None
 
 async def test_auto_streamed_call_deltas(tools_mesh: Mesh) -> None:
     async with client(tools_mesh) as c:
-        stream = await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], stream=True)  # type: ignore[arg-type,list-item]
+        stream = await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], stream=True)  # type: ignore[arg-type,list-item]  # plain dicts for the SDK's message and tool TypedDicts
         chunks = [chunk async for chunk in stream]
     deltas = [ch.choices[0].delta for ch in chunks]
     assert deltas[0].role == "assistant"
@@ -105,7 +105,7 @@ async def test_auto_streamed_call_deltas(tools_mesh: Mesh) -> None:
     assert calls[0].id and calls[0].type == "function" and calls[0].function.name == "get_weather"
     assert calls[0].function.arguments == ""
     assert all(tc.id is None and tc.index == 0 for tc in calls[1:])
-    assert json.loads("".join(tc.function.arguments for tc in calls[1:])) == {"city": "Paris"}  # type: ignore[misc]
+    assert json.loads("".join(tc.function.arguments for tc in calls[1:])) == {"city": "Paris"}  # type: ignore[misc]  # the SDK types a delta's function as Optional
     assert len(calls) >= 3, "arguments stream in fragments"
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
@@ -176,7 +176,7 @@ async def test_history_round_trip_reaches_the_prompt(tools_mesh: Mesh, model_dir
     messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_abc", "content": "sunny, 21C"}]
     async with client(tools_mesh) as c:
-        out = await c.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])  # type: ignore[arg-type,list-item]
+        out = await c.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])  # type: ignore[arg-type,list-item]  # plain dicts for the SDK's message and tool TypedDicts
     assert out.choices[0].message.content == "It is sunny in Paris." and out.choices[0].finish_reason == "stop"
     text = prompt_text(tools_mesh, model_dir)
     assert "sunny, 21C" in text and '"city": "Paris"' in text
@@ -186,7 +186,7 @@ async def test_malformed_tools_are_400_before_queueing(tools_mesh: Mesh) -> None
     bad = {"type": "function", "function": {"name": "get weather"}}
     async with client(tools_mesh) as c:
         with pytest.raises(openai.BadRequestError) as err:
-            await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, bad])  # type: ignore[arg-type,list-item]
+            await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, bad])  # type: ignore[arg-type,list-item]  # plain dicts for the SDK's message and tool TypedDicts
     assert err.value.body["param"] == "tools[1].function.name"
     assert tools_mesh.scheduler.admits == []
 
@@ -198,7 +198,7 @@ def _grpc_request(**fields: object) -> inference_pb2.ChatRequest:
     tool = inference_pb2.Tool(name="get_weather", description="Current weather",
                               parameters_json=json.dumps(WEATHER["function"]["parameters"]))
     return inference_pb2.ChatRequest(model=MODEL, messages=[inference_pb2.ChatMessage(role="user", content="hi")],
-                                     tools=[tool], **fields)  # type: ignore[arg-type]
+                                     tools=[tool], **fields)  # type: ignore[arg-type]  # each case's proto fields, typed object
 
 
 async def _chat(mesh: Mesh, request: inference_pb2.ChatRequest) -> list[inference_pb2.GenerateEvent]:
@@ -250,7 +250,7 @@ async def test_grpc_malformed_tools_are_invalid_argument(
     for name, value in change.items():
         if name == "tools":
             del request.tools[:]
-            request.tools.extend(value)  # type: ignore[arg-type]
+            request.tools.extend(value)  # type: ignore[arg-type]  # each case's proto tools, typed object
         else:
             getattr(request, name).CopyFrom(value)
     with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -148,7 +148,7 @@ async def test_metrics_count_requests_and_migrations(mesh: Mesh) -> None:
         await c.chat.completions.create(model=MODEL, messages=MSG)
         with pytest.raises(openai.NotFoundError):
             await c.chat.completions.create(model="nope", messages=MSG)
-    text = mesh.gateway.metrics.render().decode()  # type: ignore[attr-defined]
+    text = mesh.gateway.metrics.render().decode()  # type: ignore[attr-defined]  # conftest's Mesh.gateway is typed object
     assert 'kvmesh_gateway_requests_total{route="/v1/chat/completions",status="200"} 1.0' in text
     assert 'kvmesh_gateway_requests_total{route="/v1/chat/completions",status="404"} 1.0' in text
     assert "kvmesh_gateway_migrations_total 1.0" in text

@@ -51,7 +51,7 @@ def _cache(url: str, clock: FakeClock, **settings: object) -> tuple[ResponseCach
 
 
 def _value(metric: object) -> float:
-    return metric._value.get()  # type: ignore[attr-defined]
+    return metric._value.get()  # type: ignore[attr-defined]  # prometheus_client's private value holder
 
 
 async def _lookup(cache: ResponseCache) -> CacheStatus:

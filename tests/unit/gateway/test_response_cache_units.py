@@ -212,7 +212,7 @@ def _store(max_bytes: int = 100, ttl: float = 10.0) -> tuple[EmbeddedStore, Fake
 
 
 def _value(metric: object) -> float:
-    return metric._value.get()  # type: ignore[attr-defined]
+    return metric._value.get()  # type: ignore[attr-defined]  # prometheus_client's private value holder
 
 
 async def test_embedded_store_evicts_least_recently_used_within_max_bytes() -> None:

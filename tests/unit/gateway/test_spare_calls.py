@@ -31,14 +31,14 @@ class Opener:
 
 def test_take_without_spare_opens_a_fresh_call() -> None:
     opener = Opener()
-    spare = SpareCall(opener)  # type: ignore[arg-type]
+    spare = SpareCall(opener)  # type: ignore[arg-type]  # a fake opener: only what SpareCall calls
     assert spare.take() is opener.opened[0]
     assert spare.take() is opener.opened[1]
 
 
 def test_replenished_call_is_handed_out_once() -> None:
     opener = Opener()
-    spare = SpareCall(opener)  # type: ignore[arg-type]
+    spare = SpareCall(opener)  # type: ignore[arg-type]  # a fake opener: only what SpareCall calls
     spare.replenish()
     spare.replenish()  # one spare at most: an alive spare is kept
     assert len(opener.opened) == 1
@@ -48,7 +48,7 @@ def test_replenished_call_is_handed_out_once() -> None:
 
 def test_a_spare_the_server_ended_is_never_handed_out() -> None:
     opener = Opener()
-    spare = SpareCall(opener)  # type: ignore[arg-type]
+    spare = SpareCall(opener)  # type: ignore[arg-type]  # a fake opener: only what SpareCall calls
     spare.replenish()
     opener.opened[0].ended = True  # e.g. the scheduler restarted
     call = spare.take()
@@ -57,7 +57,7 @@ def test_a_spare_the_server_ended_is_never_handed_out() -> None:
 
 def test_replenish_replaces_a_dead_spare_and_discard_cancels() -> None:
     opener = Opener()
-    spare = SpareCall(opener)  # type: ignore[arg-type]
+    spare = SpareCall(opener)  # type: ignore[arg-type]  # a fake opener: only what SpareCall calls
     spare.replenish()
     opener.opened[0].ended = True
     spare.replenish()

@@ -52,7 +52,7 @@ HEALTHY_CHILD = textwrap.dedent(
 
 
 def _mesh(tmp_path: Path, **kw: object) -> Mesh:
-    options = MeshOptions(free_ports=True, run_dir=tmp_path, model="tiny-llama", **kw)  # type: ignore[arg-type]
+    options = MeshOptions(free_ports=True, run_dir=tmp_path, model="tiny-llama", **kw)  # type: ignore[arg-type]  # each test's MeshOptions fields, typed object
     return Mesh(load_config(CONFIG), options)
 
 
