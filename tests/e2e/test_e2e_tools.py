@@ -17,6 +17,7 @@ import openai
 import pytest
 import requests
 from jsonschema import Draft202012Validator
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 from services.launcher.mesh import Mesh
 
@@ -25,9 +26,10 @@ pytestmark = pytest.mark.e2e
 MODEL = "tiny-llama"
 GRPCURL = str(Path(sys.prefix) / "bin" / "grpcurl")
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "minLength": 2}}, "required": ["city"]}
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city",
-                                            "parameters": PARAMETERS}}
-ASK = {"role": "user", "content": "What is the weather in Paris?"}
+WEATHER: ChatCompletionToolParam = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "The current weather in a city", "parameters": PARAMETERS}}
+ASK: ChatCompletionMessageParam = {"role": "user", "content": "What is the weather in Paris?"}
 
 
 @pytest.fixture(scope="module")

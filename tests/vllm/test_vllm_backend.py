@@ -13,6 +13,7 @@ import random
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -91,8 +92,8 @@ def unique_prompt(n: int) -> list[int]:
     return [rng.randrange(100, 49000) for _ in range(n)]
 
 
-def greedy(max_tokens: int, **kw: object) -> Sampling:
-    return Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)  # type: ignore[arg-type]  # each test's sampling fields, typed object
+def greedy(max_tokens: int, **kw: Any) -> Sampling:
+    return Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
 async def collect(backend, request: GenerationRequest) -> list[GenerationOutput]:

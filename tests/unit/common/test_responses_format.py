@@ -14,7 +14,8 @@ from services.common.openai_api.responses_format import ResponseBuilder, event_s
 from services.gateway.events import Usage
 
 USAGE = Usage(prompt_tokens=10, completion_tokens=4, cached_tokens=8)
-SETTINGS = {"instructions": None, "max_output_tokens": None, "temperature": 1.0, "top_p": 1.0, "tools": [],
+SETTINGS: dict[str, Any] = {
+    "instructions": None, "max_output_tokens": None, "temperature": 1.0, "top_p": 1.0, "tools": [],
             "tool_choice": "auto", "parallel_tool_calls": True, "text": {"format": {"type": "text"}},
             "truncation": "disabled"}
 _EVENT = pydantic.TypeAdapter(ResponseStreamEvent)

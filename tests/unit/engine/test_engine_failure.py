@@ -49,7 +49,9 @@ async def open_stream(stub: Stub, rid: str, max_tokens: int = 1000) -> grpc.aio.
     return call
 
 
-async def ending(call: grpc.aio.StreamStreamCall) -> tuple[grpc.StatusCode, str, int]:
+async def ending(
+    call: grpc.aio.StreamStreamCall[engine_pb2.EngineGenerateMessage, engine_pb2.EngineGenerateEvent],
+) -> tuple[grpc.StatusCode, str, int]:
     """How the stream ends: (status code, details, finish reason) -- OK and
     the reason for a `finished`, the error's code and details otherwise."""
     try:
@@ -229,7 +231,7 @@ def test_the_hang_bound_is_max_of_floor_and_k_times_p99_step() -> None:
 
 def test_the_watch_on_a_fake_clock() -> None:
     clock = FakeClock()
-    in_backend, dead, failures = [0], [None], []
+    in_backend, dead, failures = [0], [None], list[str]()
     watch = LivenessWatch(HangPolicy(floor_seconds=1.0, step_multiple=10.0), clock, lambda: in_backend[0],
                           lambda: dead[0], failures.append)
     assert watch.period == 0.25

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import pytest
@@ -29,13 +30,15 @@ async def stub(service: EngineService) -> AsyncIterator[engine_pb2_grpc.EngineSt
         yield client
 
 
-def gen_request(rid: str, prompt: list[int], max_tokens: int = 20, **kw: object) -> engine_pb2.EngineGenerateMessage:
+def gen_request(rid: str, prompt: list[int], max_tokens: int = 20, **kw: Any) -> engine_pb2.EngineGenerateMessage:
     return engine_pb2.EngineGenerateMessage(request=engine_pb2.EngineRequest(
         request_id=rid, prompt_token_ids=prompt,
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens), **kw))
 
 
-async def collect(call: grpc.aio.StreamStreamCall) -> tuple[list[int], str, engine_pb2.EngineFinished]:
+async def collect(
+    call: grpc.aio.StreamStreamCall[engine_pb2.EngineGenerateMessage, engine_pb2.EngineGenerateEvent],
+) -> tuple[list[int], str, engine_pb2.EngineFinished]:
     ids: list[int] = []
     text = ""
     while True:

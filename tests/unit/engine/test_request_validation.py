@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import pytest
@@ -95,7 +96,7 @@ BACKENDS: dict[str, Callable[[], EngineBackend | None]] = {
 
 
 def message(rid: str = "x", prompt: list[int] | None = None, max_tokens: int = 5,
-            priority: int = 1, resumed: int = 0, **sampling: object) -> engine_pb2.EngineGenerateMessage:
+            priority: int = 1, resumed: int = 0, **sampling: Any) -> engine_pb2.EngineGenerateMessage:
     return engine_pb2.EngineGenerateMessage(request=engine_pb2.EngineRequest(
         request_id=rid, prompt_token_ids=[1, 2] if prompt is None else prompt,
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, **sampling),

@@ -14,11 +14,12 @@ from collections.abc import AsyncIterator
 import openai
 import pytest
 from conftest import KEY_FULL, MODEL, Mesh
+from openai.types.chat import ChatCompletionMessageParam
 
 from services.common.config import EngineConfig
 from services.engine.server import EngineService
 
-CHAT = [{"role": "user", "content": "hello world"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello world"}]
 MAX_TOKENS = 60
 
 

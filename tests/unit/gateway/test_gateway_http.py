@@ -10,10 +10,11 @@ import aiohttp
 import openai
 import pytest
 from conftest import KEY_FULL, KEY_OTHER, KEY_P1, KEY_SLOW, MODEL, FakeEngine, Mesh, expected_answer, token_text
+from openai.types.chat import ChatCompletionMessageParam
 
 from services.common.proto.kvmesh.v1 import scheduler_pb2
 
-CHAT = [{"role": "user", "content": "hello world"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello world"}]
 
 
 def client(mesh: Mesh, key: str = KEY_FULL, **kw: object) -> openai.AsyncOpenAI:

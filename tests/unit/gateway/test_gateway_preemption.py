@@ -43,7 +43,7 @@ CHAT = inference_pb2.ChatRequest(
 
 
 def _metrics(mesh: Mesh) -> str:
-    return mesh.gateway.metrics.render().decode()  # type: ignore[attr-defined]  # conftest's Mesh.gateway is typed object
+    return mesh.gateway.metrics.render().decode()
 
 
 async def _chat(mesh: Mesh, preempt_at: list[int], key: str = KEY_FULL) -> list[inference_pb2.GenerateEvent]:

@@ -15,6 +15,7 @@ import grpc
 import openai
 import pytest
 from conftest import KEY_FULL, MODEL, Mesh, open_mesh
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 from services.common.proto.kvmesh.v1 import (
     common_pb2,
@@ -25,10 +26,10 @@ from services.common.proto.kvmesh.v1 import (
 )
 from services.common.tokenizer import HfTokenizer
 
-WEATHER = {"type": "function", "function": {
+WEATHER: ChatCompletionToolParam = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+ASK: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the weather in Paris?"}]
 HERMES = ["Let me check.", "\n<tool_", 'call>\n{"name": "get_weather", ', '"arguments": {"city": ',
           '"Paris"}}\n</tool_call>']
 
@@ -82,7 +83,7 @@ def prompt_text(mesh: Mesh, model_dir: Path) -> str:
 
 async def test_auto_non_streamed_call(tools_mesh: Mesh, model_dir: Path) -> None:
     async with client(tools_mesh) as c:
-        out = await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER])  # type: ignore[arg-type,list-item]  # plain dicts for the SDK's message and tool TypedDicts
+        out = await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER])
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content == "Let me check."
@@ -96,7 +97,7 @@ async def test_auto_non_streamed_call(tools_mesh: Mesh, model_dir: Path) -> None
 
 async def test_auto_streamed_call_deltas(tools_mesh: Mesh) -> None:
     async with client(tools_mesh) as c:
-        stream = await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], stream=True)  # type: ignore[arg-type,list-item]  # plain dicts for the SDK's message and tool TypedDicts
+        stream = await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], stream=True)
         chunks = [chunk async for chunk in stream]
     deltas = [ch.choices[0].delta for ch in chunks]
     assert deltas[0].role == "assistant"
@@ -176,7 +177,7 @@ async def test_history_round_trip_reaches_the_prompt(tools_mesh: Mesh, model_dir
     messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_abc", "content": "sunny, 21C"}]
     async with client(tools_mesh) as c:
-        out = await c.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])  # type: ignore[arg-type,list-item]  # plain dicts for the SDK's message and tool TypedDicts
+        out = await c.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])  # type: ignore[arg-type]  # plain dicts for the SDK's message and tool TypedDicts
     assert out.choices[0].message.content == "It is sunny in Paris." and out.choices[0].finish_reason == "stop"
     text = prompt_text(tools_mesh, model_dir)
     assert "sunny, 21C" in text and '"city": "Paris"' in text
@@ -186,7 +187,7 @@ async def test_malformed_tools_are_400_before_queueing(tools_mesh: Mesh) -> None
     bad = {"type": "function", "function": {"name": "get weather"}}
     async with client(tools_mesh) as c:
         with pytest.raises(openai.BadRequestError) as err:
-            await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, bad])  # type: ignore[arg-type,list-item]  # plain dicts for the SDK's message and tool TypedDicts
+            await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, bad])  # type: ignore[list-item]  # plain dicts for the SDK's message and tool TypedDicts
     assert err.value.body["param"] == "tools[1].function.name"
     assert tools_mesh.scheduler.admits == []
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from services.common.openai_api.requests import parse_chat_body
+from services.common.openai_api.requests import GenerationInput, parse_chat_body
 from services.common.openai_api.responses_format import ResponseBuilder
 from services.gateway.events import Usage
 from services.gateway.responses_output import PlainText, ToolSplitter, splitter_for
@@ -16,7 +16,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
-def generation(**fields: object) -> object:
+def generation(**fields: object) -> GenerationInput:
     return parse_chat_body({"model": "m", "messages": [{"role": "user", "content": "x"}], **fields})
 
 

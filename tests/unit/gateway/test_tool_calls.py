@@ -150,7 +150,8 @@ def test_parser_choice() -> None:
     assert parser_for(_generation(tools=[TOOL], tool_choice="none"), "hermes") is None
     assert parser_for(_generation(tools=[TOOL]), "hermes").name == "hermes"
     assert parser_for(_generation(tools=[TOOL]), "json").name == "json"
-    forced = [{"tool_choice": "required"}, {"tool_choice": {"type": "function", "function": {"name": "f"}}}]
+    forced: list[dict[str, Any]] = [{"tool_choice": "required"},
+                                    {"tool_choice": {"type": "function", "function": {"name": "f"}}}]
     for fields in forced:  # constrained output: bare JSON whatever the model's parser
         assert parser_for(_generation(tools=[TOOL], **fields), "hermes").name == "json"
 
