@@ -67,7 +67,7 @@ def _jsonl(mesh: Mesh, n: int, max_tokens: int, tag: str) -> bytes:
 
 
 def _wait_batch(client: openai.OpenAI, batch_id: str, done: tuple[str, ...] = ("completed", "failed", "expired",
-                                                                               "cancelled")) -> object:
+                                                                               "cancelled")) -> openai.types.Batch:
     deadline = time.monotonic() + BATCH_TIMEOUT
     while time.monotonic() < deadline:
         batch = client.batches.retrieve(batch_id)
@@ -106,7 +106,7 @@ async def test_sdk_batch_of_1000_completes_beside_p0_streams(mesh: Mesh) -> None
     upload = await asyncio.to_thread(client.files.create, file=("in.jsonl", _jsonl(mesh, LINES, 8, "a")),
                                      purpose="batch")
     assert upload.purpose == "batch" and upload.bytes > 0
-    stop, p0 = asyncio.Event(), []
+    stop, p0 = asyncio.Event(), list[object]()
     load = asyncio.create_task(_p0_load(mesh, stop, p0))
     try:
         batch = await asyncio.to_thread(client.batches.create, input_file_id=upload.id,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import Any
 
 import aiohttp
 import openai
@@ -17,7 +18,7 @@ from services.common.proto.kvmesh.v1 import scheduler_pb2
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello world"}]
 
 
-def client(mesh: Mesh, key: str = KEY_FULL, **kw: object) -> openai.AsyncOpenAI:
+def client(mesh: Mesh, key: str = KEY_FULL, **kw: Any) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{mesh.http}/v1", api_key=key, max_retries=0, timeout=20, **kw)
 
 
@@ -259,7 +260,7 @@ async def test_heartbeats_while_queued(mesh: Mesh) -> None:
         f"{mesh.http}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_FULL}"},
     ) as r:
         assert r.status == 200
-        lines = []
+        lines: list[str] = []
         while len([ln for ln in lines if ln.startswith(":")]) < 2:
             lines.append((await r.content.readline()).decode().strip())
         assert not any(ln.startswith("data:") and "content\":\" w" in ln for ln in lines)
