@@ -25,7 +25,8 @@ pytestmark = pytest.mark.e2e
 
 MODEL = "tiny-llama"
 GRPCURL = str(Path(sys.prefix) / "bin" / "grpcurl")
-PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "minLength": 2}}, "required": ["city"]}
+PARAMETERS: dict[str, Any] = {"type": "object", "properties": {"city": {"type": "string", "minLength": 2}},
+                              "required": ["city"]}
 WEATHER: ChatCompletionToolParam = {
     "type": "function",
     "function": {"name": "get_weather", "description": "The current weather in a city", "parameters": PARAMETERS}}
@@ -91,14 +92,14 @@ def test_grpcurl_through_envoy(e2e_mesh: Mesh) -> None:
 
 def test_browser_bridge_carries_tool_calls(e2e_mesh: Mesh) -> None:
     """POST /v1/chat: Envoy's transcoder turns the gRPC stream into SSE."""
-    body = {"model": MODEL, "messages": [ASK],
-            "tools": [{"name": "get_weather", "parametersJson": json.dumps(PARAMETERS)}],
-            "toolChoice": {"function": "get_weather"}, "sampling": {"maxTokens": 64}}
+    body: dict[str, Any] = {"model": MODEL, "messages": [ASK],
+                            "tools": [{"name": "get_weather", "parametersJson": json.dumps(PARAMETERS)}],
+                            "toolChoice": {"function": "get_weather"}, "sampling": {"maxTokens": 64}}
     resp = requests.post(f"{e2e_mesh.endpoints.public_http}/v1/chat", json=body, timeout=60, stream=True,
                          headers={"Authorization": f"Bearer {e2e_mesh.api_key}", "Accept": "text/event-stream"})
     assert resp.status_code == 200, resp.text
     events = [json.loads(line[len("data: "):]) for line in resp.iter_lines(decode_unicode=True)
-              if line and line.startswith("data: ")]
+              if line and line.startswith("data: ")]  # type: ignore[arg-type]  # types-requests: iter_lines(decode_unicode=True) yields str
     pieces = [e.get("toolCall") or e.get("tool_call") for e in events if "toolCall" in e or "tool_call" in e]
     assert pieces and pieces[0]["name"] == "get_weather"
     _check_call("get_weather", "".join(p.get("arguments", "") for p in pieces))

@@ -323,7 +323,7 @@ def _http_schema(mesh: Mesh, examples: int, seed: int | None) -> FuzzReport:
 # ---------------------------------------------------------------- gRPC helpers
 
 
-def _grpc_outcome(report: FuzzReport, what: str, consume: Callable[[], None]) -> None:
+def _grpc_outcome(report: FuzzReport, what: str, consume: Callable[[], object]) -> None:
     try:
         consume()
     except grpc.RpcError as err:

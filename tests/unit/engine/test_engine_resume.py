@@ -51,8 +51,8 @@ async def read_deltas(
     out: list[engine_pb2.EngineDelta] = []
     while len(out) < count:
         event = await call.read()
-        assert event.HasField("delta")
-        out.append(event.delta)
+        assert event.HasField("delta")  # type: ignore[attr-defined]  # grpc-stubs type read() as object (its EOF's type)
+        out.append(event.delta)  # type: ignore[attr-defined]  # grpc-stubs type read() as object (its EOF's type)
     return out
 
 

@@ -45,11 +45,11 @@ async def collect(
         event = await call.read()
         if event is grpc.aio.EOF:
             raise AssertionError("stream ended without finished")
-        if event.HasField("delta"):
-            ids += event.delta.token_ids
-            text += event.delta.text
+        if event.HasField("delta"):  # type: ignore[attr-defined]  # grpc-stubs type read() as object (its EOF's type)
+            ids += event.delta.token_ids  # type: ignore[attr-defined]  # grpc-stubs type read() as object (its EOF's type)
+            text += event.delta.text  # type: ignore[attr-defined]  # grpc-stubs type read() as object (its EOF's type)
         else:
-            return ids, text, event.finished
+            return ids, text, event.finished  # type: ignore[attr-defined]  # grpc-stubs type read() as object (its EOF's type)
 
 
 async def wait_until(predicate, timeout: float = 5.0) -> None:
