@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LINTED = ("services", "tests", "scripts")
 GENERATED = ROOT / "services" / "common" / "proto"
 # mypy over services/, scripts/ and tests/ (both runs of scripts/typecheck.py, one shared .mypy_cache):
-# cold 31 s of CPU (73 s wall on a 2-core machine loaded ~5), warm 1.7 s; services/ alone was 14 s
-# cold. The bound is for a loaded 2-core machine.
+# cold 31 s of CPU (36 s wall on a 2-core machine at load ~3, 73 s at load ~5), warm 2 s; services/
+# alone is 9 s cold. The bound is for a loaded 2-core machine.
 TIMEOUT_S = 600
 
 
