@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import aiohttp
 import openai
 import pytest
-from _streams import stream_completion
+from _streams import StreamResult, stream_completion
 
 from services.common.config import ApiKeyConfig, MeshConfig
 from services.launcher.mesh import Mesh
@@ -70,7 +70,7 @@ def _jsonl(mesh: Mesh, n: int, max_tokens: int, tag: str) -> bytes:
 
 
 def _wait_batch(client: openai.OpenAI, batch_id: str, done: tuple[str, ...] = ("completed", "failed", "expired",
-                                                                               "cancelled")) -> object:
+                                                                               "cancelled")) -> openai.types.Batch:
     deadline = time.monotonic() + BATCH_TIMEOUT
     while time.monotonic() < deadline:
         batch = client.batches.retrieve(batch_id)
@@ -95,7 +95,7 @@ def mesh(e2e_mesh: Mesh) -> Iterator[Mesh]:
     yield e2e_mesh
 
 
-async def _p0_load(mesh: Mesh, stop: asyncio.Event, results: list) -> None:
+async def _p0_load(mesh: Mesh, stop: asyncio.Event, results: list[StreamResult]) -> None:
     async with aiohttp.ClientSession() as session:
         async def one(i: int) -> None:
             while not stop.is_set():
@@ -109,7 +109,7 @@ async def test_sdk_batch_of_1000_completes_beside_p0_streams(mesh: Mesh) -> None
     upload = await asyncio.to_thread(client.files.create, file=("in.jsonl", _jsonl(mesh, LINES, 8, "a")),
                                      purpose="batch")
     assert upload.purpose == "batch" and upload.bytes > 0
-    stop, p0 = asyncio.Event(), []
+    stop, p0 = asyncio.Event(), list[StreamResult]()
     load = asyncio.create_task(_p0_load(mesh, stop, p0))
     try:
         batch = await asyncio.to_thread(client.batches.create, input_file_id=upload.id,

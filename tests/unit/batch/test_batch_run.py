@@ -65,15 +65,16 @@ def db(tmp_path: Path) -> Iterator[Database]:
 
 
 def _setup(db: Database, n: int, script: Script, max_attempts: int = 3) -> tuple[RunDeps, FakeExecutor]:
-    lines = [(f"c{i}", json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}), None)
-             for i in range(n)]
+    lines: list[tuple[str, str, str | None]] = [
+        (f"c{i}", json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}), None)
+        for i in range(n)]
     clock = FakeClock()
     now = int(clock.wall())
     batch = {"id": "batch_t", "object": "batch", "endpoint": "/v1/chat/completions", "status": "in_progress",
              "created_at": now, "expires_at": now + 86400, "input_file_id": "file-x", "completion_window": "24h"}
     db.store.create_batch("tenant", "key", batch, lines)
     executor = FakeExecutor(script)
-    deps = RunDeps(BatchConfig(max_attempts=max_attempts), db, executor, Gate(Window(4), clock),  # type: ignore[arg-type]
+    deps = RunDeps(BatchConfig(max_attempts=max_attempts), db, executor, Gate(Window(4), clock),  # type: ignore[arg-type]  # a scripted executor
                    BatchMetrics(CollectorRegistry()), clock)
     return deps, executor
 

@@ -88,7 +88,7 @@ def _start(path: Path) -> subprocess.Popen[bytes]:
 
 async def _until(check: object, seconds: float = 20.0) -> None:
     async with asyncio.timeout(seconds):
-        while not await check():  # type: ignore[operator]
+        while not await check():
             await asyncio.sleep(0.1)
 
 

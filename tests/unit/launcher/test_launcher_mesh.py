@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -53,8 +54,8 @@ HEALTHY_CHILD = textwrap.dedent(
 )
 
 
-def _mesh(tmp_path: Path, **kw: object) -> Mesh:
-    options = MeshOptions(free_ports=True, run_dir=tmp_path, model="tiny-llama", **kw)  # type: ignore[arg-type]
+def _mesh(tmp_path: Path, **kw: Any) -> Mesh:
+    options = MeshOptions(free_ports=True, run_dir=tmp_path, model="tiny-llama", **kw)
     return Mesh(load_config(CONFIG), options)
 
 

@@ -229,7 +229,7 @@ def test_the_chaos_loop_restarts_an_engine_that_exits_on_its_own() -> None:
 
     mesh = _ChaosMesh({"scheduler": RestartPolicy.ALWAYS, "engine-0": RestartPolicy.ALWAYS,
                        "engine-1": RestartPolicy.ALWAYS, "gateway-0": RestartPolicy.NEVER})
-    chaos = Chaos(mesh, random.Random(1), ["core-kill", "hang"], 1.0, Tally())  # type: ignore[arg-type]
+    chaos = Chaos(mesh, random.Random(1), ["core-kill", "hang"], 1.0, Tally())  # type: ignore[arg-type]  # a fake mesh: only what Chaos reads
     mesh.die("engine-0")
     chaos.restarts.check()
     assert [e.name for e in chaos.restarts.exits] == ["engine-0"]
@@ -246,10 +246,10 @@ def test_the_chaos_hang_fault_survives_a_stopped_process_that_was_ended() -> Non
     victim = subprocess.Popen(["sleep", "30"])
     mesh = _ChaosMesh({"engine-0": RestartPolicy.ALWAYS, "engine-1": RestartPolicy.ALWAYS})
     mesh.config = SimpleNamespace(engines=SimpleNamespace(backend="sim"))
-    mesh.pid = lambda _name: victim.pid  # type: ignore[attr-defined]
-    chaos = Chaos(mesh, random.Random(1), ["hang"], 0.5, Tally())  # type: ignore[arg-type]
+    mesh.pid = lambda _name: victim.pid  # type: ignore[attr-defined]  # the fake mesh's pid, set per test
+    chaos = Chaos(mesh, random.Random(1), ["hang"], 0.5, Tally())  # type: ignore[arg-type]  # a fake mesh: only what Chaos reads
     # As the engine ends its hung core, and its parent reaps it.
-    ender = threading.Timer(0.1, lambda: (victim.kill(), victim.wait(10)))
+    ender = threading.Timer(0.1, lambda: (victim.kill(), victim.wait(10)))  # type: ignore[func-returns-value]  # a lambda making two calls; the timer drops the tuple
     ender.start()
     try:
         said = chaos.hang()
