@@ -54,6 +54,6 @@ def test_a_broken_connection_resumes_only_what_can_be_resumed() -> None:
     assert _broken(_attempt(), cut).outcome is Outcome.RESUME
     assert _broken(_attempt(n=2), cut).outcome is Outcome.RETRY        # n > 1 is not resumable
     key = SimpleNamespace(host="127.0.0.1", port=1, ssl=None, is_ssl=False)
-    refused = aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, "refused"))  # type: ignore[arg-type]
+    refused = aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, "refused"))  # type: ignore[arg-type]  # a stand-in ConnectionKey: only host/port/ssl are read
     assert (_broken(_attempt(), refused).outcome, _broken(_attempt(), refused).pace) == (Outcome.RETRY,
                                                                                          Pace.REJECTED)

@@ -27,7 +27,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello world"}]
 async def _mesh(model_dir: Path, internal_sha256: str = sha(INTERNAL)) -> AsyncIterator[Mesh]:
     """conftest's mesh, its config's `batch.internal_key_sha256` set."""
     def config_with_credential(*args: object, **kw: object) -> MeshConfig:
-        config = make_config(*args, **kw)  # type: ignore[arg-type]
+        config = make_config(*args, **kw)  # type: ignore[arg-type]  # passes conftest.make_config its own arguments
         config.batch.internal_key_sha256 = internal_sha256
         return config
 
