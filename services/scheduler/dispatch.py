@@ -115,11 +115,13 @@ class Dispatcher:
         p.metrics.decision_seconds.labels(policy.name).observe(time.perf_counter() - began)
         if placement is None:
             try:
-                p.fleet.check_servable(opts, rec.exclude, now, replacing=entry is None)
+                waits = p.fleet.check_servable(opts, rec.exclude, now, None if entry else rec.replaced_at)
             except AdmissionError as err:
                 if entry is not None and queue is not None:
                     queue.pop(entry)
                 return p.requests.reject(rec, now, err.reason, err.message, err.retry_after)
+            if waits:   # for an engine to come back: its bound, not its class TTL
+                rec.replace_expires_at = max(rec.replace_expires_at, p.fleet.return_deadline(rec.replaced_at))
             return None
         waited = 0.0
         if entry is not None and queue is not None:
@@ -152,7 +154,16 @@ class Dispatcher:
                 out.append((entry.request_id, p.requests.reject(
                     rec, now, RejectReason.EXPIRED, message, p.retry_after_for(entry.cls))))
         for rec in expired.replacements:
-            out.append((rec.options.request_id, p.requests.reject(
-                rec, now, RejectReason.EXPIRED, "no engine had room for the replacement in time",
-                p.limits.retry_min)))
+            out.append((rec.options.request_id, self._expire_replacement(rec, now)))
         return out
+
+    def _expire_replacement(self, rec: RequestRecord, now: float) -> Notice:
+        """Reject a replacement past its time: NO_ENGINE when it waited for an
+        engine that did not come back, EXPIRED when engines had no room."""
+        p = self._p
+        try:
+            p.fleet.check_servable(rec.options, rec.exclude, now, rec.replaced_at)
+        except AdmissionError as err:
+            return p.requests.reject(rec, now, err.reason, err.message, err.retry_after)
+        return p.requests.reject(rec, now, RejectReason.EXPIRED, "no engine had room for the replacement in time",
+                                 p.limits.retry_min)

@@ -15,6 +15,7 @@ from services.scheduler.events import (
     RequestArrived,
     RequestDone,
     StreamClosed,
+    Tick,
 )
 from services.scheduler.records import PlacedInfo, QueuedInfo, RejectedInfo, RejectReason
 
@@ -260,13 +261,34 @@ def test_replace_places_elsewhere_ahead_of_the_queue() -> None:
     assert core.request_state("r3").value == "queued"
 
 
-def test_replace_with_every_engine_excluded_is_rejected() -> None:
-    core, _ = make_core()
+def test_replace_with_every_engine_excluded_is_rejected_after_the_return_bound() -> None:
+    """Issue 29: the excluded engine still reports serving (a stopped core not
+    yet declared hung), yet the replacement waits for an engine it does not
+    exclude, engine_return_seconds from its Replace, then is refused."""
+    core, clock = make_core(engine_return_seconds=30.0)
     add_engine(core, "e1")
     assert place(core, "r") == "e1"
-    out = dict(core.handle(ReplaceRequested("r", ("e1",), 40, 10, ())).notices)
+    assert core.handle(ReplaceRequested("r", ("e1",), 40, 10, ())).notices == []
+    assert core.request_state("r").value == "replacing"
+    clock.advance(29.0)
+    assert core.handle(Tick()).notices == []
+    clock.advance(1.0)
+    out = dict(core.handle(Tick()).notices)
     assert isinstance(out["r"], RejectedInfo) and out["r"].reason is RejectReason.NO_ENGINE
     assert core.request_state("r") is None
+
+
+def test_replace_with_every_engine_excluded_waits_past_its_class_ttl() -> None:
+    """The return bound, not the class TTL, bounds that wait (P0's TTL is 60 s)."""
+    core, clock = make_core(engine_return_seconds=120.0)
+    add_engine(core, "e1")
+    assert place(core, "r", priority=0) == "e1"
+    assert core.handle(ReplaceRequested("r", ("e1",), 40, 10, ())).notices == []
+    clock.advance(90.0)
+    assert core.handle(Tick()).notices == []
+    add_engine(core, "e2")                 # an engine it does not exclude: placed at once
+    lease = core.lease_of("r")
+    assert lease is not None and lease.engine_id == "e2"
 
 
 def test_replace_while_queued_is_invalid() -> None:
