@@ -56,7 +56,9 @@ class Dispatcher:
         """Place every waiting request that can be placed now: per model, the
         Replace lane first, then the class queues in order. A model stops at
         its first request that cannot be placed (strict priority: smaller
-        requests behind it do not overtake it)."""
+        requests behind it do not overtake it) -- but for a replacement that
+        waits for an engine to come back (every engine excluded): no engine
+        here may take it, so it holds no one up."""
         now = self._p.clock.monotonic()
         deliveries = self._advance(now)
         for model in self._p.waiting.models():
@@ -66,11 +68,12 @@ class Dispatcher:
     def _dispatch_model(self, model: str, now: float) -> list[Delivery]:
         p, out = self._p, list[Delivery]()
         lane = p.waiting.lane(model)
-        while lane:
-            rec = next(iter(lane.values()))
+        for rec in list(lane.values()) if lane else []:
             rec.exclude = p.fleet.exclusions(rec.exclude, rec.ran_on)  # an engine restarted since is not
             notice = self._place_or_preempt(rec, rec.options.priority, now, out)
             if notice is None:
+                if rec.awaits_engine:
+                    continue  # no engine here may take it: it competes for no room, holds up no one
                 return out
             lane.pop(rec.options.request_id, None)
             out.append((rec.options.request_id, notice))
@@ -120,6 +123,7 @@ class Dispatcher:
                 if entry is not None and queue is not None:
                     queue.pop(entry)
                 return p.requests.reject(rec, now, err.reason, err.message, err.retry_after)
+            rec.awaits_engine = waits
             if waits:   # for an engine to come back: its bound, not its class TTL
                 rec.replace_expires_at = max(rec.replace_expires_at, p.fleet.return_deadline(rec.replaced_at))
             return None

@@ -291,6 +291,20 @@ def test_replace_with_every_engine_excluded_waits_past_its_class_ttl() -> None:
     assert lease is not None and lease.engine_id == "e2"
 
 
+def test_a_replacement_waiting_for_an_engine_holds_up_no_one() -> None:
+    """Every engine is excluded for r, not for the others: new requests and
+    later replacements are placed on e1 meanwhile (strict order is about
+    room, and r competes for none here)."""
+    core, _ = make_core()
+    add_engine(core, "e1")
+    assert place(core, "r") == "e1" and place(core, "q") == "e1"
+    assert core.handle(ReplaceRequested("r", ("e1",), 40, 10, ())).notices == []
+    assert place(core, "s") == "e1"
+    out = dict(core.handle(ReplaceRequested("q", ("e9",), 40, 10, ())).notices)
+    assert isinstance(out["q"], PlacedInfo) and out["q"].engine_id == "e1"
+    assert core.request_state("r").value == "replacing"
+
+
 def test_replace_while_queued_is_invalid() -> None:
     core, _ = make_core()
     add_engine(core, "e1", report=False)
