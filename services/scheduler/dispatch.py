@@ -24,6 +24,7 @@ and leases only through `RequestBook`.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 from services.common.metric_labels import priority_label
 
@@ -67,8 +68,8 @@ class Dispatcher:
 
     def _dispatch_model(self, model: str, now: float) -> list[Delivery]:
         p, out = self._p, list[Delivery]()
-        lane = p.waiting.lane(model)
-        for rec in list(lane.values()) if lane else []:
+        lane = p.waiting.lane(model) or OrderedDict[str, RequestRecord]()
+        for rec in list(lane.values()):
             rec.exclude = p.fleet.exclusions(rec.exclude, rec.ran_on)  # an engine restarted since is not
             notice = self._place_or_preempt(rec, rec.options.priority, now, out)
             if notice is None:
