@@ -159,15 +159,21 @@ class Dispatcher:
                 out.append((entry.request_id, p.requests.reject(
                     rec, now, RejectReason.EXPIRED, message, p.retry_after_for(entry.cls))))
         for rec in expired.replacements:
-            out.append((rec.options.request_id, self._expire_replacement(rec, now)))
+            notice = self._expire_replacement(rec, now)
+            if notice is not None:
+                out.append((rec.options.request_id, notice))
         return out
 
-    def _expire_replacement(self, rec: RequestRecord, now: float) -> Notice:
+    def _expire_replacement(self, rec: RequestRecord, now: float) -> Notice | None:
         """Reject a replacement past its time: NO_ENGINE when it waited for an
-        engine that did not come back, EXPIRED when engines had no room."""
+        engine that did not come back, EXPIRED when engines had no room.
+        None: it waits for an engine to come back, whose bound is later."""
         p = self._p
         try:
-            p.fleet.check_servable(rec.options, rec.exclude, now, rec.replaced_at)
+            if p.fleet.check_servable(rec.options, rec.exclude, now, rec.replaced_at):
+                rec.replace_expires_at = max(rec.replace_expires_at, p.fleet.return_deadline(rec.replaced_at))
+                if rec.replace_expires_at > now:
+                    return None
         except AdmissionError as err:
             return p.requests.reject(rec, now, err.reason, err.message, err.retry_after)
         return p.requests.reject(rec, now, RejectReason.EXPIRED, "no engine had room for the replacement in time",

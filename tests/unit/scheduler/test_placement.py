@@ -291,6 +291,24 @@ def test_replace_with_every_engine_excluded_waits_past_its_class_ttl() -> None:
     assert lease is not None and lease.engine_id == "e2"
 
 
+def test_a_replacement_that_comes_to_wait_for_an_engine_later_gets_the_return_bound() -> None:
+    """r waits for room on e2 (its class TTL bounds that: P0, 60 s); then e2
+    leaves, and every engine left is one r excludes: from then on it waits
+    for an engine, engine_return_seconds from its Replace."""
+    core, clock = make_core(engine_queue_slack=0, engine_return_seconds=120.0)
+    add_engine(core, "e1", max_running=1)
+    assert place(core, "r", priority=0) == "e1"
+    e2 = add_engine(core, "e2", max_running=1)
+    assert place(core, "s", priority=0) == "e2"
+    assert core.handle(ReplaceRequested("r", ("e1",), 40, 10, ())).notices == []   # e2 full: waits for room
+    core.handle(EngineLeft("e2", e2))
+    clock.advance(90.0)                                                                # past P0's TTL
+    assert [n for rid, n in core.handle(Tick()).notices if rid == "r"] == []
+    add_engine(core, "e3")
+    lease = core.lease_of("r")
+    assert lease is not None and lease.engine_id == "e3"
+
+
 def test_a_replacement_waiting_for_an_engine_holds_up_no_one() -> None:
     """Every engine is excluded for r, not for the others: new requests and
     later replacements are placed on e1 meanwhile (strict order is about
