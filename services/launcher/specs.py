@@ -110,6 +110,10 @@ class _Planner:
             env=child_env(self.options), start_timeout=self._timeout("gateway"),
             # SIGTERM drains it for up to drain_seconds; then it exits by itself.
             stop_grace=self.cfg.gateway.drain_seconds + DEFAULT_STOP_GRACE_SECONDS,
+            # Stateless but for its streams (they resume through another
+            # gateway): a dead one is restarted like the others. A drain we
+            # asked for (rolling restart, stop) is expected, not restarted.
+            restart=RestartPolicy.ALWAYS,
         )
 
     def batch(self, endpoints: Endpoints) -> ChildSpec:
