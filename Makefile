@@ -17,9 +17,13 @@ test: setup
 
 # The `unit` tier (pyproject.toml's markers; tests/conftest.py gives each test
 # its tier by folder): ruff, mypy and the shape check (tests/unit/test_code_*.py)
-# and every in-process test -- no mesh, no root, no vLLM. Under 2 minutes on 2 cores.
+# and every in-process test -- no mesh, no root, no vLLM. Under 2 minutes on 2 cores:
+# two pytest workers (pytest-xdist), a test module's tests in one worker (its
+# module fixtures are made once), and mypy filling its cache meanwhile, so the
+# gate (test_code_gates.py, collected last) finds it warm instead of running cold.
 check: setup
-	$(BIN)/python -m pytest -m unit $(PYTEST_ARGS)
+	$(BIN)/python -m mypy >/dev/null 2>&1 & \
+	$(BIN)/python -m pytest -m unit -n 2 --dist loadfile $(PYTEST_ARGS); status=$$?; wait; exit $$status
 
 setup: $(STAMP)
 
