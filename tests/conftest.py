@@ -1,5 +1,5 @@
 """Shared test set-up: offline Hugging Face, each test's tier marker (by its
-folder, TIERS), and `e2e_mesh`, a whole mesh (real processes, real Envoy) on
+folder: _tiers.py), and `e2e_mesh`, a whole mesh (real processes, real Envoy) on
 free ports, started once per test module."""
 
 from __future__ import annotations
@@ -11,40 +11,16 @@ from typing import TYPE_CHECKING
 
 import pytest
 from _mesh_stop import stop_test_mesh
+from _tiers import tier_of
 
 if TYPE_CHECKING:
     from services.launcher.mesh import Mesh
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = ROOT / "tests"
-# The tier of every test by its folder under tests/ (the markers are described
-# in pyproject.toml): `make check` runs the `unit` tier alone. A test module
-# of a slower folder that is as fast and needs no process says so with
-# `pytestmark = pytest.mark.unit` (e.g. the root-free rules of tests/k8s_netns).
-TIERS = {
-    "unit": "unit",
-    "integration": "integration",
-    "fuzz": "fuzz",
-    "deploy": "deploy",
-    "observability": "observability",
-    "netns": "netns",
-    "k8s_netns": "netns",
-    "vllm": "vllm",
-    "e2e": "e2e",
-}
 
 # Never reach for the hub: every model is a local directory.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-
-def tier_of(path: Path, own: set[str]) -> str | None:
-    """A test's tier: its folder's (None outside the folders of TIERS),
-    or `unit` where its module says so (`own`: its markers)."""
-    if "unit" in own:
-        return "unit"
-    parts = path.relative_to(TESTS).parts if TESTS in path.parents else ()
-    return TIERS.get(parts[0]) if len(parts) > 1 else None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
