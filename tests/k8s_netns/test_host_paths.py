@@ -32,7 +32,9 @@ def test_under_mount_is_by_path_components(path: str, want: str | None) -> None:
 
 
 def test_the_volume_folders_are_not_derived_from_the_clone() -> None:
-    vol_root = Cluster.__dataclass_fields__["vol_root"].default_factory()  # type: ignore[misc]
+    factory = Cluster.__dataclass_fields__["vol_root"].default_factory
+    assert callable(factory)
+    vol_root = factory()
     assert RUN_BASE in vol_root.parents
     assert ROOT not in vol_root.parents
     assert under_mount(vol_root, ["/tmp"]) is None
