@@ -1,18 +1,29 @@
 # The two commands: `make up` (set up, then run the mesh) and `make test`
 # (set up, then run every test). Setup is idempotent and skipped when done.
+# `make check` is the fast tier: lint, types, shape and the unit tests.
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvmesh-setup-done
 
-.PHONY: up test setup lint protos render dashboards images clean
+.PHONY: up test check setup lint protos render dashboards images clean
 
 up: setup
 	$(BIN)/kvmesh up $(ARGS)
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The `unit` tier (pyproject.toml's markers; tests/conftest.py gives each test
+# its tier by folder): ruff, mypy and the shape check (tests/unit/test_code_*.py)
+# and every in-process test -- no mesh, no root, no vLLM. Under 2 minutes on 2 cores:
+# two pytest workers (pytest-xdist), a test module's tests in one worker (its
+# module fixtures are made once), and mypy filling its cache meanwhile, so the
+# gate (test_code_gates.py, collected last) finds it warm instead of running cold.
+check: setup
+	$(BIN)/python scripts/typecheck.py >/dev/null 2>&1 & \
+	$(BIN)/python -m pytest -m unit -n 2 --dist loadfile $(PYTEST_ARGS); status=$$?; wait; exit $$status
 
 setup: $(STAMP)
 

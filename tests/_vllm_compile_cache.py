@@ -5,8 +5,11 @@ engine warms up, with a 150 MB precompiled header: 10-20 s of each boot on
 this 2-core machine. An engine keeps that cache in its scratch directory
 (`<run_dir>/vllm/<engine id>/`, services/engine/vllm_backend/env.py), so
 every test mesh -- a fresh run directory -- compiled it all again. Linking
-the scratch cache directories to one directory per test session compiles
-them once per run; a restarted engine already reused its own.
+the scratch cache directories to one directory (COMPILE_CACHE) compiles
+them once per checkout: the first vLLM test of the first run pays, every
+later engine and every later run finds them (torch's own default cache,
+/tmp/torchinductor_<user>, also outlives a run; it was once per test
+session, and a second `make test` paid again).
 
 Sound to share: inductor keys every entry by its source, the torch version
 and the compiler flags, writes entries atomically and takes file locks for
@@ -19,10 +22,13 @@ import getpass
 import re
 from pathlib import Path
 
-__all__ = ["share_compile_cache"]
+__all__ = ["COMPILE_CACHE", "share_compile_cache"]
+
+# In the checkout's run folder (git-ignored; `make clean` removes it).
+COMPILE_CACHE = Path(__file__).resolve().parents[1] / ".run" / "vllm-compile-cache"
 
 
-def share_compile_cache(scratch: Path, shared: Path) -> None:
+def share_compile_cache(scratch: Path, shared: Path = COMPILE_CACHE) -> None:
     """Before a vLLM engine with scratch directory `scratch` starts: its
     inductor cache (`scratch/inductor`, TORCHINDUCTOR_CACHE_DIR) and torch's
     precompiled headers (under its temp directory, `scratch/tmp`) become

@@ -1,6 +1,6 @@
-"""Shared test set-up: offline Hugging Face, the `e2e` marker for tests under
-tests/e2e, and `e2e_mesh`, a whole mesh (real processes, real Envoy) on free
-ports, started once per test module."""
+"""Shared test set-up: offline Hugging Face, each test's tier marker (by its
+folder: _tiers.py), and `e2e_mesh`, a whole mesh (real processes, real Envoy) on
+free ports, started once per test module."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 
 import pytest
 from _mesh_stop import stop_test_mesh
+from _tiers import tier_of
 
 if TYPE_CHECKING:
     from services.launcher.mesh import Mesh
 
 ROOT = Path(__file__).resolve().parents[1]
-E2E_DIR = ROOT / "tests" / "e2e"
 
 # Never reach for the hub: every model is a local directory.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -25,8 +25,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if E2E_DIR in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.e2e)
+        tier = tier_of(item.path, {m.name for m in item.iter_markers()})
+        if tier is not None:
+            item.add_marker(tier)
 
 
 @pytest.fixture(scope="module")

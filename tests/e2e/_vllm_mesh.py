@@ -50,9 +50,8 @@ TINY_ONE_TRACE_PORT = free_port()
 def running_vllm_mesh(run_dir: Path, engines: int, tune: Callable[[MeshConfig], None],
                       model: str = MODEL) -> Iterator[Mesh]:
     """The default config with a small KV cache, changed by `tune`; skips
-    (with the reason) where the model or vLLM is missing. `run_dir` comes
-    from tmp_path_factory.mktemp: its parent (the session's temp dir) holds
-    the compile cache every engine of the run shares."""
+    (with the reason) where the model or vLLM is missing. Every engine
+    shares the checkout's compile cache (tests/_vllm_compile_cache.py)."""
     from services.common.config import load_config  # keep collection light
     from services.launcher.mesh import MeshOptions
 
@@ -65,8 +64,7 @@ def running_vllm_mesh(run_dir: Path, engines: int, tune: Callable[[MeshConfig], 
     mesh = Mesh(config, MeshOptions(engines=engines, backend="vllm", model=model, free_ports=True,
                                     run_dir=run_dir))
     for i in range(engines):  # the engine's scratch dir: services/engine/vllm_backend/backend.py
-        share_compile_cache(Path(mesh.config.run_dir) / "vllm" / mesh.config.engine_config(i).engine_id,
-                            run_dir.parent / "vllm-compile-cache")
+        share_compile_cache(Path(mesh.config.run_dir) / "vllm" / mesh.config.engine_config(i).engine_id)
     mesh.start()
     try:
         yield mesh

@@ -35,6 +35,7 @@ from typing import Any
 
 from tests.netns.harness import Host, NetnsHarness
 
+from .host_paths import RUN_BASE, bind_back, needed_by_pods, under_mount
 from .kube import ROOT, Container, Objects, Pod, Volume, base_env, pods, resolve_port, selects, service_env
 from .policy import nft_ruleset
 
@@ -86,8 +87,8 @@ class Cluster:
     dns_proc: subprocess.Popen[bytes] | None = None
     links: dict[str, str] = field(default_factory=dict)  # Service-link env of every pod
     gone: set[str] = field(default_factory=set)  # pods deleted: out of DNS until started again
-    # Volume contents: outside /tmp, which pods mount an emptyDir over.
-    vol_root: Path = field(default_factory=lambda: ROOT / ".run" / f"{VOL_PREFIX}{os.getpid()}")
+    # Volume contents: under no pod's mount path (host_paths.py), wherever the clone is.
+    vol_root: Path = field(default_factory=lambda: RUN_BASE / f"{VOL_PREFIX}{os.getpid()}")
 
     # ------------------------------------------------------------ layout
 
@@ -224,12 +225,16 @@ class Cluster:
         c = r.container
         lines = ["set -e", f"hostname {shlex.quote(r.pod.name)}"]
         folder = self.vol_root / r.pod.name
+        # The code and venv under a mount path (a clone under /tmp) stay reachable.
+        keep, bind_back_after = bind_back(needed_by_pods(ROOT), [v.path for v in c.volumes], folder, c.read_only_root)
+        lines += keep
         for i, vol in enumerate(sorted(c.volumes, key=lambda v: v.path.count("/"))):
             src = self._volume_source(vol, folder / f"vol{i}", c.fs_group)
             dst = shlex.quote(vol.path)
             self._mount_point(Path(vol.path), is_file=bool(vol.sub_path))
             lines.append(f"mount -t tmpfs -o mode=1777 tmpfs {dst}" if vol.memory
                          else f"mount --bind {shlex.quote(str(src))} {dst}")
+            lines += bind_back_after.get(vol.path, [])
             if vol.read_only:
                 lines.append(f"mount -o remount,bind,ro {dst}")
         if c.read_only_root:
@@ -281,7 +286,7 @@ class Cluster:
 
     def spawn(self, r: RunningPod) -> None:
         """Start the pod's container on its host."""
-        if str(self.vol_root).startswith(tuple(v.path.rstrip("/") + "/" for v in r.container.volumes)):
+        if under_mount(self.vol_root, [v.path for v in r.container.volumes]) is not None:
             raise RuntimeError(f"{self.vol_root} is under a mount path of {r.pod.name}")
         script = self._mount_script(r)
         argv = ["unshare", "--mount", "--uts", "--ipc", "--propagation", "private", "sh", "-c", script,
@@ -436,7 +441,7 @@ def clean_stale() -> list[str]:
     """Mount points and volume folders of runs whose process is gone (crashed
     or killed before its teardown): removed; what was."""
     removed = []
-    for folder in (ROOT / ".run").glob(f"{VOL_PREFIX}*"):
+    for folder in RUN_BASE.glob(f"{VOL_PREFIX}*"):
         pid = folder.name.removeprefix(VOL_PREFIX)
         if pid.isdigit() and not _alive(int(pid)):
             made = folder / MADE

@@ -7,6 +7,8 @@ import pytest
 
 from .kube import Objects, expand, pods, selects, service_env
 
+pytestmark = pytest.mark.unit  # no root, no namespaces: the fast tier (tests/conftest.py)
+
 ENV = {"POD_NAME": "kvmesh-engine-1", "NS": "kvmesh"}
 
 

@@ -7,12 +7,15 @@ import asyncio
 from pathlib import Path
 
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 
 from services.common.prefix_hash import block_hashes
 from services.engine.vllm_backend.kv_events import KvEventSubscriber
 from services.engine.vllm_backend.kv_translate import KvDelta, KvTranslator
+
+pytestmark = pytest.mark.unit  # in-process, no vLLM: the fast tier (tests/conftest.py)
 
 BLOCK = 32
 

@@ -9,6 +9,8 @@ import pytest
 from services.common.prefix_hash import block_hashes
 from services.engine.vllm_backend.kv_translate import KvTranslator
 
+pytestmark = pytest.mark.unit  # in-process, no vLLM: the fast tier (tests/conftest.py)
+
 BLOCK = 64
 HASH = 16
 

@@ -6,6 +6,8 @@ import pytest
 
 from services.common import affinity
 
+pytestmark = pytest.mark.unit  # in-process, no vLLM: the fast tier (tests/conftest.py)
+
 
 @pytest.mark.parametrize(
     ("cores", "setting", "spec"),

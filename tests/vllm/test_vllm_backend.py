@@ -60,7 +60,7 @@ class Recorder:
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def backend(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator:
+async def backend() -> AsyncIterator:
     if not (TINY / "config.json").is_file():
         pytest.skip(f"{TINY} not built: run `make setup` (python -m services.models.build)")
     try:
@@ -75,8 +75,7 @@ async def backend(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator:
     engine.vllm.max_num_seqs = MAX_NUM_SEQS
     engine.p0_headroom = P0_HEADROOM
     engine.vllm.kv_cache_gib = 0.25
-    share_compile_cache(Path(config.run_dir) / "vllm" / engine.engine_id,
-                        tmp_path_factory.getbasetemp() / "vllm-compile-cache")
+    share_compile_cache(Path(config.run_dir) / "vllm" / engine.engine_id)
     b = VllmBackend(config, engine)
     try:
         await b.start()

@@ -41,7 +41,7 @@ def _valid(value: Any, schema: dict[str, Any]) -> bool:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def smol(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[Any, Any]]:
+async def smol() -> AsyncIterator[tuple[Any, Any]]:
     if not (MODEL / "config.json").is_file():
         pytest.skip(f"{MODEL} missing: run `make setup`")
     from transformers import AutoTokenizer
@@ -52,8 +52,7 @@ async def smol(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[
     engine = EngineConfig(engine_id="vllm-structured", backend="vllm", model="smol")
     engine.vllm.max_num_seqs = 4
     engine.vllm.kv_cache_gib = 0.5  # the 8192-token context needs 0.35 GiB
-    share_compile_cache(Path(config.run_dir) / "vllm" / engine.engine_id,
-                        tmp_path_factory.getbasetemp() / "vllm-compile-cache")
+    share_compile_cache(Path(config.run_dir) / "vllm" / engine.engine_id)
     b = VllmBackend(config, engine)
     try:
         await b.start()
