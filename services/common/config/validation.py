@@ -263,9 +263,11 @@ def _check_gateway(gateway: _Section) -> None:
     gateway.ports("http_port", "grpc_port", "metrics_port")
     gateway.positive("heartbeat_seconds", "max_generation_seconds", "max_body_bytes",
                      "default_max_tokens")
-    gateway.non_negative("max_migrations", "drain_seconds", "drain_unready_seconds")
+    gateway.non_negative("max_migrations", "drain_unready_seconds")
     g = gateway.settings
-    if g.drain_unready_seconds > g.drain_seconds:
+    if g.drain_seconds is not None:
+        gateway.non_negative("drain_seconds")
+    if g.drain_seconds is not None and g.drain_unready_seconds > g.drain_seconds:
         gateway.fail("drain_unready_seconds", f"must be <= drain_seconds ({g.drain_seconds}), "
                      f"got {g.drain_unready_seconds}")
     check_response_cache(f"{gateway.path}.response_cache", g.response_cache)

@@ -173,6 +173,18 @@ def test_specs_pass_the_resolved_config_and_ports(tmp_path: Path) -> None:
     assert "--use-dynamic-base-id" in specs["envoy"].argv
 
 
+def test_gateway_stop_grace_follows_the_generation_bound(tmp_path: Path) -> None:
+    """`kvmesh up` waits the gateway's drain bound + 10 s before SIGKILL; with
+    drain_seconds unset that bound is the generation bound after Envoy's."""
+    _needs_tiny_llama()
+    mesh = _mesh(tmp_path)
+    gateway = mesh.config.gateway
+    gateway.drain_seconds, gateway.max_generation_seconds, gateway.drain_unready_seconds = None, 200.0, 3.0
+    assert {s.name: s for s in mesh.specs()}["gateway-0"].stop_grace == 213.0
+    gateway.drain_seconds = 7.0
+    assert {s.name: s for s in mesh.specs()}["gateway-0"].stop_grace == 17.0
+
+
 def test_written_files_load_back(tmp_path: Path) -> None:
     _needs_tiny_llama()
     mesh = _mesh(tmp_path)
