@@ -82,7 +82,8 @@ def test_an_env_var_nothing_reads_fails() -> None:
 def test_a_config_key_the_loader_refuses_fails() -> None:
     def bad_key(objects: list[Obj]) -> None:
         cm = _config_map(objects)
-        cm["data"]["kvmesh.yaml"] = cm["data"]["kvmesh.yaml"].replace("drain_unready_seconds: 3", "drain_unready_second: 3")
+        cm["data"]["kvmesh.yaml"] = cm["data"]["kvmesh.yaml"].replace(
+            "drain_unready_seconds: 3", "drain_unready_second: 3")
     assert any("drain_unready_second" in p for p in check_config(_broken(bad_key)))
 
     def bad_scheduler(objects: list[Obj]) -> None:
