@@ -22,6 +22,7 @@ from .errors import ConfigError
 from .gateway import ApiKeyConfig
 from .mesh import TOOL_PARSERS, MeshConfig
 from .response_cache import check_cache_mode, check_response_cache
+from .responses import check_responses
 from .scheduler import AdminKeyConfig, SchedulerConfig
 
 __all__ = ["api_key_digest", "check_admin_keys", "check_api_keys", "validate_config"]
@@ -109,6 +110,7 @@ def validate_config(config: MeshConfig, where: str = "config") -> None:
     _check_deadlines(mesh.at("deadlines"))
     mesh.at("responses").positive("ttl_seconds", "max_bytes")
     mesh.at("responses").non_negative("max_entries")
+    check_responses(f"{where}.responses", config.responses, config.gateway.response_cache.redis_url)
     _check_batch(mesh.at("batch"))
     _check_tracing(mesh.at("tracing"))
     _check_alerts(mesh.at("alerts"))
