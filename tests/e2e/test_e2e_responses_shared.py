@@ -1,0 +1,102 @@
+"""The Responses store every gateway sees, on a real sim mesh: two gateways
+sharing one real redis-server (`responses.store: redis`), Envoy in front
+balancing without stickiness. A 10-turn conversation through Envoy, each
+turn continuing the last with `previous_response_id`, succeeds on every turn
+(issue 29: with each gateway's own store 4 of 10 turns got 404) -- and still
+does when one gateway is SIGKILLed between turns.
+
+One module-scoped mesh (its Redis URL is in the gateways' config, so it
+cannot be the shared e2e_mesh)."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from _redis_server import RedisServer
+
+from services.common.config.response_cache import ResponseCacheConfig
+from services.launcher.mesh import Mesh
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "tiny-llama"
+TURNS = 10
+KILL_AFTER = 5
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with RedisServer.start(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def shared_mesh(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    from services.common.config import load_config
+    from services.launcher.mesh import MeshOptions, start_on_free_ports
+
+    if not (ROOT / ".models" / MODEL).is_dir():
+        pytest.skip(f".models/{MODEL} is missing: run `make setup`")
+    config = load_config(ROOT / "config" / "kvmesh.yaml")
+    config.engines.template.sim.speed_factor = 0.5
+    # A generous op timeout: a loaded 2-core CI must not turn a read into a 503.
+    config.gateway.response_cache = ResponseCacheConfig(
+        enabled=False, redis_url=redis_server.url, op_timeout_seconds=1.0, connect_timeout_seconds=1.0)
+    config.responses.store = "redis"
+    options = MeshOptions(engines=2, backend="sim", gateways=2, model=MODEL, free_ports=True,
+                          run_dir=tmp_path_factory.mktemp("responses-mesh"))
+    mesh = start_on_free_ports(config, options)
+    try:
+        yield mesh
+    finally:
+        mesh.stop_all()
+
+
+def _requests(mesh: Mesh, replica: int) -> float:
+    """All requests gateway `replica` finished, any route or status."""
+    port = mesh.config.gateway.metrics_port + replica
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("kvmesh_gateway_requests_total{"))
+
+
+def _turn(sdk: openai.OpenAI, turn: int, previous: str | None) -> tuple[str, int]:
+    """(response id, input tokens) of one turn; turn 3 and 8 streamed."""
+    question = f"Turn {turn}: and what happened next?"
+    if turn in (3, 8):
+        events = list(sdk.responses.create(model=MODEL, input=question, max_output_tokens=8, store=True,
+                                           previous_response_id=previous, stream=True))
+        final = events[-1].response  # type: ignore[union-attr]
+        return final.id, final.usage.input_tokens
+    out = sdk.responses.create(model=MODEL, input=question, max_output_tokens=8, store=True,
+                               previous_response_id=previous)
+    assert out.usage is not None
+    return out.id, out.usage.input_tokens
+
+
+async def test_a_conversation_survives_any_gateway(shared_mesh: Mesh) -> None:
+    mesh = shared_mesh
+    sdk = openai.OpenAI(base_url=f"{mesh.endpoints.public_http}/v1", api_key=mesh.api_key,
+                        timeout=60.0, max_retries=0)
+    previous: str | None = None
+    inputs: list[int] = []
+    served = []
+    for turn in range(TURNS):
+        if turn == KILL_AFTER:
+            served = [_requests(mesh, r) for r in (0, 1)]
+            mesh.kill("gateway-0")
+        try:
+            previous, input_tokens = await asyncio.to_thread(_turn, sdk, turn, previous)
+        except openai.APIStatusError as exc:
+            raise AssertionError(f"turn {turn} failed: {exc.status_code} {exc.message}") from exc
+        inputs.append(input_tokens)
+    # Every turn carried the whole conversation before it.
+    assert inputs == sorted(inputs) and len(set(inputs)) == TURNS, inputs
+    assert all(s > 0 for s in served), f"Envoy did not use both gateways before the kill: {served}"
+    assert previous is not None and sdk.responses.retrieve(previous).id == previous
