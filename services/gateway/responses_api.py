@@ -61,7 +61,8 @@ def _not_found(response_id: str, param: str | None) -> GatewayError:
     what = "Previous response" if param == "previous_response_id" else "Response"
     return GatewayError(ErrorKind.NOT_FOUND, f"{what} with id {response_id[:80]!r} not found: responses are kept "
                         "only with store: true, for responses.ttl_seconds, in responses.store (embedded: by the "
-                        "gateway that served them alone), for the API key that created them", param=param, code="response_not_found")
+                        "gateway that served them alone), for the API key that created them", param=param,
+                        code="response_not_found")
 
 
 def _unavailable(exc: StoreUnavailable) -> GatewayError:
