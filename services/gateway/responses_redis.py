@@ -33,14 +33,11 @@ import math
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-
 from services.common.clock import Clock
 from services.common.config.response_cache import ResponseCacheConfig
 from services.common.config.responses import ResponsesConfig
 from services.gateway.response_cache.breaker import Breaker
+from services.gateway.response_cache.redis_store import redis_client
 from services.gateway.responses_store import StoredResponse, StoreUnavailable
 
 __all__ = ["RedisResponses"]
@@ -70,10 +67,7 @@ class RedisResponses:
         self._retry_after = redis.breaker_reset_seconds
         self._clock = clock
         self.breaker = Breaker(redis.breaker_failures, redis.breaker_reset_seconds, clock)
-        self._client = Redis.from_url(
-            redis.redis_url, socket_connect_timeout=redis.connect_timeout_seconds,
-            socket_timeout=redis.op_timeout_seconds, retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
-            health_check_interval=0)
+        self._client = redis_client(redis)
         self._put = self._client.register_script(_PUT)
 
     @property

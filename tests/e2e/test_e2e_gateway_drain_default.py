@@ -20,18 +20,19 @@ from services.common.config import MeshConfig
 from services.launcher.mesh import Mesh
 
 MESH_GATEWAYS = 2
-STREAMS = 12
-# ~9.5 ms of simulated work per step with 6 sequences per engine, x 6 =
-# ~57 ms per token: 700 tokens run ~40 s, past the old 30 s drain bound and
-# well inside the 90 s generation bound.
-TOKENS = 700
-OLD_DRAIN_SECONDS = 30.0
 
 
 def MESH_TUNE(config: MeshConfig) -> None:  # noqa: N802 - the fixture's hook name
     config.engines.template.sim.speed_factor = 6.0
     config.gateway.max_generation_seconds = 90.0
     config.gateway.drain_seconds = None  # the default: the generation bound
+
+
+STREAMS, OLD_DRAIN_SECONDS = 12, 30.0
+# ~9.5 ms of simulated work per step with 6 sequences per engine, x 6 =
+# ~57 ms per token: 700 tokens run ~40 s, past the old 30 s drain bound and
+# well inside the 90 s generation bound.
+TOKENS = 700
 
 
 async def test_sigterm_under_long_plain_streams_cuts_none(e2e_mesh: Mesh) -> None:

@@ -13,49 +13,31 @@ from __future__ import annotations
 import asyncio
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
+from _redis_mesh import redis_mesh
 from _redis_server import RedisServer
 
-from services.common.config.response_cache import ResponseCacheConfig
+from services.common.config import MeshConfig
 from services.launcher.mesh import Mesh
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-llama"
 TURNS = 10
 KILL_AFTER = 5
 
 
 @pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    with RedisServer.start(tmp_path_factory.mktemp("redis")) as server:
-        yield server
+def shared_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """The mesh on its own redis-server, the Responses store there."""
+    def shared_store(config: MeshConfig) -> None:
+        config.responses.store = "redis"   # on the response cache's Redis; the cache itself off
 
-
-@pytest.fixture(scope="module")
-def shared_mesh(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    from services.common.config import load_config
-    from services.launcher.mesh import MeshOptions, start_on_free_ports
-
-    if not (ROOT / ".models" / MODEL).is_dir():
-        pytest.skip(f".models/{MODEL} is missing: run `make setup`")
-    config = load_config(ROOT / "config" / "kvmesh.yaml")
-    config.engines.template.sim.speed_factor = 0.5
-    # A generous op timeout: a loaded 2-core CI must not turn a read into a 503.
-    config.gateway.response_cache = ResponseCacheConfig(
-        enabled=False, redis_url=redis_server.url, op_timeout_seconds=1.0, connect_timeout_seconds=1.0)
-    config.responses.store = "redis"
-    options = MeshOptions(engines=2, backend="sim", gateways=2, model=MODEL, free_ports=True,
-                          run_dir=tmp_path_factory.mktemp("responses-mesh"))
-    mesh = start_on_free_ports(config, options)
-    try:
+    with RedisServer.start(tmp_path_factory.mktemp("redis")) as redis, \
+            redis_mesh(redis.url, tmp_path_factory.mktemp("responses-mesh"), shared_store, cache=False) as mesh:
         yield mesh
-    finally:
-        mesh.stop_all()
 
 
 def _requests(mesh: Mesh, replica: int) -> float:

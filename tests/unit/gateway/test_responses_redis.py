@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -37,6 +37,14 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
 
 
+@pytest.fixture
+async def client(redis_server: RedisServer) -> AsyncIterator[Redis]:
+    """A plain client, to look at what the store wrote."""
+    plain = Redis.from_url(redis_server.url)
+    yield plain
+    await plain.aclose()
+
+
 def _store(url: str, clock: FakeClock | None = None, **settings: float) -> RedisResponses:
     redis = ResponseCacheConfig(store="redis", redis_url=url)
     return RedisResponses(ResponsesConfig(store="redis", **settings), redis, clock or FakeClock())  # type: ignore[arg-type]
@@ -59,9 +67,8 @@ async def test_every_gateway_sees_an_entry_and_only_its_key(redis_server: RedisS
         await two.aclose()
 
 
-async def test_entries_carry_the_ttl_and_expire(redis_server: RedisServer) -> None:
+async def test_entries_carry_the_ttl_and_expire(redis_server: RedisServer, client: Redis) -> None:
     store = _store(redis_server.url, ttl_seconds=1)
-    client = Redis.from_url(redis_server.url)
     try:
         await store.put("key-a", response("resp_1"), USER)
         assert 0 < await client.pttl("kvmesh:resp:key-a:resp_1") <= 1000
@@ -71,13 +78,11 @@ async def test_entries_carry_the_ttl_and_expire(redis_server: RedisServer) -> No
             assert time.monotonic() < deadline, "the entry outlived its TTL"
             await asyncio.sleep(0.05)
     finally:
-        await client.aclose()
         await store.aclose()
 
 
-async def test_each_keys_entries_are_bounded_oldest_first(redis_server: RedisServer) -> None:
+async def test_each_keys_entries_are_bounded_oldest_first(redis_server: RedisServer, client: Redis) -> None:
     store = _store(redis_server.url, max_entries=3)
-    client = Redis.from_url(redis_server.url)
     try:
         for i in range(5):
             assert await store.put("key-a", response(f"resp_{i}"), USER)
@@ -93,7 +98,6 @@ async def test_each_keys_entries_are_bounded_oldest_first(redis_server: RedisSer
         entry = await store.get("key-a", "resp_4")
         assert entry is not None and entry.response["output"][0]["content"][0]["text"] == "again"
     finally:
-        await client.aclose()
         await store.aclose()
 
 
