@@ -5,6 +5,7 @@ waits, a child dying, kill, restart, stop) over tiny fake children."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shlex
 import signal
@@ -183,6 +184,16 @@ def test_gateway_stop_grace_follows_the_generation_bound(tmp_path: Path) -> None
     assert {s.name: s for s in mesh.specs()}["gateway-0"].stop_grace == 213.0
     gateway.drain_seconds = 7.0
     assert {s.name: s for s in mesh.specs()}["gateway-0"].stop_grace == 17.0
+
+
+def test_several_gateways_on_embedded_responses_stores_warn(tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    _needs_tiny_llama()
+    with caplog.at_level(logging.WARNING, logger="kvmesh.launcher"):
+        _mesh(tmp_path / "one")
+        assert "Responses store" not in caplog.text
+        _mesh(tmp_path / "two", gateways=2)
+    assert "2 gateways, each with its own Responses store" in caplog.text
 
 
 def test_written_files_load_back(tmp_path: Path) -> None:
