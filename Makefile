@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml scripts/setup.sh $(wildcard scripts/install/*.sh script
 # The lint and type gates alone (make test runs them too, in tests/unit/test_code_gates.py).
 lint: setup
 	$(BIN)/python -m ruff check services tests scripts
-	$(BIN)/python -m mypy
+	$(BIN)/python scripts/typecheck.py
 
 # Regenerate the protobuf stubs and Envoy's descriptor set from protos/.
 protos: setup

@@ -200,7 +200,7 @@ async def phase_ttft(args: argparse.Namespace) -> dict[str, object]:
                     direct.append(d)
                     via.append(g)
     ms = 1000.0
-    out = {
+    out: dict[str, object] = {
         "requests": len(direct),
         "direct_p50_ms": percentile(direct, 50) * ms, "direct_p99_ms": percentile(direct, 99) * ms,
         "gateway_p50_ms": percentile(via, 50) * ms, "gateway_p99_ms": percentile(via, 99) * ms,
@@ -460,9 +460,9 @@ def _run_phases(args: argparse.Namespace) -> None:
     phases = {"ttft": phase_ttft, "relay": phase_relay, "hold": phase_hold}
     for name in args.phases:
         started = time.monotonic()
-        results[name] = asyncio.run(phases[name](args))
+        results[name] = report = asyncio.run(phases[name](args))
         print(f"== {name} ({time.monotonic() - started:.0f} s)")
-        for key, value in results[name].items():  # type: ignore[union-attr]
+        for key, value in report.items():
             print(f"  {key:32s} {value:.2f}" if isinstance(value, float) else f"  {key:32s} {value}")
         sys.stdout.flush()
     if args.json:

@@ -33,7 +33,7 @@ from services.common.openai_api.requests import (
 )
 from services.common.openai_api.responses_input import parse_responses_body
 
-_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+_TOOL: dict[str, Any] = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                          "required": ["city"]}}}
 _SCHEMA = {"type": "json_schema", "json_schema": {"name": "city", "schema": {

@@ -23,8 +23,8 @@ try:
     from packaging.requirements import Requirement
     from packaging.specifiers import SpecifierSet
 except ImportError:  # a venv with only pip in it
-    from pip._vendor.packaging.requirements import Requirement  # type: ignore[no-redef]
-    from pip._vendor.packaging.specifiers import SpecifierSet  # type: ignore[no-redef]
+    from pip._vendor.packaging.requirements import Requirement  # type: ignore[assignment]  # pip's vendored copy
+    from pip._vendor.packaging.specifiers import SpecifierSet  # type: ignore[assignment]  # pip's vendored copy
 
 __all__ = ["ACCELERATORS", "check", "pin", "python_ok", "requirements"]
 

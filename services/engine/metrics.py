@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from services.common.finish_reason import FinishReason
 from services.engine.backend import GenerationOutput, LoadSnapshot, RequestPhases
 
 __all__ = ["EngineMetrics"]
@@ -59,6 +60,8 @@ class EngineMetrics:
         self._generation = counter("vllm:generation_tokens", "Tokens generated.")
         self._success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                 [*labels, "finished_reason"], registry=r)
+        for reason in FinishReason:   # at 0 before the first finish: a board reads 0, not nothing
+            self._success.labels(*values, reason.value)
         self._values = values
         self._ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
                                labels, buckets=_TTFT_BUCKETS, registry=r).labels(*values)

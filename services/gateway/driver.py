@@ -157,14 +157,24 @@ class _Generation:
         self._resume_pending = job.resume_from is not None
         # The engine's progress (stall_watch.py).
         self._watch = ProgressWatch()
+        self._reported_done = False   # `done` told the scheduler: nothing left to resume
 
     async def before_close(self) -> None:
         """The transport closes before the end (its client left): say
         `cancel` on the engine call first. Cancelling the pump while it
         waits in a grpc.aio read ends the call bare, which the engine would
         take for a vanished gateway and keep the generation for a resume."""
-        if self._stream is not None and not self._driver.detaching:
+        if self._stream is not None and not self._detaching:
             await self._stream.say_cancel()
+
+    @property
+    def _detaching(self) -> bool:
+        """Does a generation cut off here stay kept for a resume? Yes when
+        this gateway is being cut (a drain's bound), and for a batch line,
+        whose batch service resumes it when it comes back
+        (services/gateway/batch_lines.py) -- until its end was reported:
+        then the transport closing is just the line's end."""
+        return self._driver.detaching or (self._job.batch and not self._reported_done)
 
     async def run(self, emit: Emit) -> None:
         self._emit = emit
@@ -174,7 +184,7 @@ class _Generation:
             placed = await lease.wait_placed(self._emit)
             finished = await self._generate(lease, placed)
         except BaseException:
-            await lease.abandon(resumable=driver.detaching)
+            await lease.abandon(resumable=self._detaching)
             raise
         driver.metrics.finished.labels(finished.reason.value).inc()
         if self._job.trace.recording:
@@ -183,6 +193,7 @@ class _Generation:
         # `done` goes out before the client's last event, so a transport that
         # stops reading right after `Finished` cannot lose it.
         await lease.report_done(finished, self._watch.sample)
+        self._reported_done = True
         try:
             await self._emit(finished)
         finally:
@@ -217,7 +228,7 @@ class _Generation:
                 if ended is None:
                     self._driver.metrics.migrations.inc()
             except BaseException:
-                if self._driver.detaching:
+                if self._detaching:
                     stream.detach()
                 else:
                     stream.cancel()

@@ -48,7 +48,7 @@ from services.common.openai_api.requests import (
 )
 from services.common.proto.kvmesh.v1 import common_pb2
 from services.common.tool_calling.chat_output import ToolChatFormatter
-from services.gateway.batch.service import BatchService
+from services.gateway.batch_lines import BATCH_PRIORITY, BatchLines, LineTiming
 from services.gateway.errors import ErrorKind, GatewayError, finish_error, http_error
 from services.gateway.events import Event, Finished, TextDelta
 from services.gateway.jobs import parse_last_event_id, request_id_from
@@ -95,12 +95,14 @@ class HttpApi:
         self._config = config
         self._parts = parts
         self.responses_store = responses_store or build_responses_store(config, SystemClock())
+        # Lines of the batch service (batch_lines.py): only with its internal credential.
+        self._batch_lines = BatchLines(config, parts.pipeline.frontdoor.keys)
 
     async def _close_responses_store(self, _app: web.Application) -> None:
         await self.responses_store.aclose()
 
-    def app(self, batch: BatchService | None = None) -> web.Application:
-        """The routes; with `batch`, the Files + Batches API too (services/gateway/batch/)."""
+    def app(self) -> web.Application:
+        """The routes (the Files + Batches API is the batch service's, services/batch/)."""
         app = web.Application(
             middlewares=[self._error_middleware],
             client_max_size=self._config.gateway.max_body_bytes,
@@ -109,8 +111,6 @@ class HttpApi:
         app.router.add_post("/v1/completions", self.completions)
         ResponsesApi(self._parts.pipeline, self.responses_store, self._read_json, _REQUEST_ID).register(app)
         app.on_cleanup.append(self._close_responses_store)
-        if batch is not None:
-            batch.register(app, self._read_json)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_post("/tokenize", self._tokenize_route)
@@ -184,24 +184,34 @@ class HttpApi:
     async def _generate_traced(self, request: web.Request, route: str, traced: Traced) -> web.StreamResponse:
         """Decode the body, run it through the pipeline, render its events."""
         resume = parse_last_event_id(request.headers.get("last-event-id"))
-        request_id = resume[0] if resume else request_id_from(
+        line = self._batch_lines.read(request.headers)   # None unless the batch service sent it
+        request_id = line.request_id if line else resume[0] if resume else request_id_from(
             request.headers.get("x-request-id"), request.headers.get("x-envoy-attempt-count"))
         request[_REQUEST_ID] = request_id
         traced.identify(request_id)
-        principal = self._parts.pipeline.authenticate(api_key_from_headers(request.headers))
+        principal = line.principal if line else self._parts.pipeline.authenticate(
+            api_key_from_headers(request.headers))
         body = await self._read_json(request)
         generation = parse_chat_body(body) if route == "chat" else parse_completion_body(body)
-        priority = parse_priority_header(request.headers.get("x-priority"))
+        priority = BATCH_PRIORITY if line else parse_priority_header(request.headers.get("x-priority"))
         if resume and not generation.stream:
             raise GatewayError(ErrorKind.INVALID_REQUEST, "Last-Event-ID resumes a streamed response; "
                                "set \"stream\": true", param="Last-Event-ID")
         point = ResumePoint(resume[1], "Last-Event-ID") if resume else None
-        async with await self._parts.pipeline.open(
-                traced.request(request_id, generation, principal, priority, point, request.headers)) as run:
+        # Batch lines skip the response cache (cache headers None), as they always have.
+        async with await self._parts.pipeline.open(traced.request(
+                request_id, generation, principal, priority, point, None if line else request.headers,
+                batch=line)) as run:
             formatter = _formatter(route, generation, request_id, run)
             if generation.stream:
                 return await self._stream(request, run, formatter, resume is not None, generation.n)
-            return await self._collect(run, formatter)
+            if line is None:
+                return await self._collect(run, formatter)
+            # A batch line's answer also tells its timing (batch_lines.py).
+            timing = LineTiming(self._parts.pipeline.clock)
+            response = await self._collect(run, formatter, timing.see)
+            response.headers.update(timing.headers())
+            return response
 
     async def _stream(
         self, request: web.Request, stream: Generation, formatter: Formatter, resumed: bool, n: int = 1,
@@ -244,12 +254,16 @@ class HttpApi:
             out += sse(formatter.usage_chunk(finished.usage))
         return out + SSE_DONE
 
-    async def _collect(self, stream: Generation, formatter: Formatter) -> web.Response:
+    async def _collect(
+        self, stream: Generation, formatter: Formatter, watch: Callable[[Event], None] | None = None,
+    ) -> web.Response:
         texts: dict[int, list[str]] = defaultdict(list)   # per choice (n > 1)
         logprobs: dict[int, list[common_pb2.TokenLogprob]] = defaultdict(list)
         reasons: dict[int, str] = {}
         finished: Finished | None = None
         async for event in stream:
+            if watch is not None:
+                watch(event)
             if isinstance(event, TextDelta):
                 texts[event.choice].append(event.text)
                 logprobs[event.choice].extend(event.logprobs)

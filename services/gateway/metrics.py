@@ -8,7 +8,9 @@ import asyncio
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from services.common.finish_reason import FinishReason
 from services.common.health_http import OnceDrain, Probes, add_health_routes, add_metrics_route
+from services.common.metric_labels import PRIORITY_LABELS
 from services.gateway.field_metrics import FieldMetrics
 
 __all__ = ["GatewayMetrics", "StreamCount", "StreamSignals", "error_label", "metrics_app"]
@@ -139,6 +141,21 @@ class GatewayMetrics:
         self.field = FieldMetrics(self.registry)
         self.info = Gauge("kvmesh_gateway_info", "Gateway replica", list(labels), registry=self.registry)
         self.info.labels(**labels).set(1)
+        self._zero_known_series()
+
+    def _zero_known_series(self) -> None:
+        """Every child whose label values are known before any event, at 0: a
+        board or alert reading a counter that does not exist yet sees
+        nothing, not 0. (Children keyed by a route, a model or an error code
+        appear with their first request.)"""
+        for label in PRIORITY_LABELS:
+            self.preemptions.labels(label)
+        for state in ("queued", "running"):       # lease_link.py's re-admissions
+            self.readmissions.labels(state)
+        for reason in FinishReason:
+            self.finished.labels(reason.value)
+        for result in ("resumed", "cancelled"):   # the outcomes that are not an error code
+            self.resumes.labels(result)
 
     def _add_latency_metrics(self, r: CollectorRegistry) -> None:
         """Per-request latency histograms, by route, priority class and model."""

@@ -35,10 +35,12 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from services.common.clock import Clock
 from services.common.openai_api.requests import GenerationInput
 from services.common.tool_calling.parsers import ToolCallParser, parser_for
 from services.common.tracing import NO_SPAN, Span
 from services.gateway import request_trace
+from services.gateway.batch_lines import BatchLine
 from services.gateway.driver import GenerationDriver
 from services.gateway.errors import ErrorKind, GatewayError
 from services.gateway.event_stream import EventStream
@@ -80,6 +82,9 @@ class PipelineRequest:
     # directives; None: this transport does not use the cache (Responses).
     cache_headers: Mapping[str, str] | None = None
     count: TokenCount = field(default_factory=TokenCount)
+    # A line of the batch service (batch_lines.py): P2 with the batch marker
+    # and deadline, replayed whole on a resume.
+    batch: BatchLine | None = None
 
 
 @dataclass
@@ -97,10 +102,10 @@ class Traced:
 
     def request(self, request_id: str, generation: GenerationInput, principal: Principal, priority: int,
                 resume: ResumePoint | None = None, cache_headers: Mapping[str, str] | None = None,
-                ) -> PipelineRequest:
+                batch: BatchLine | None = None) -> PipelineRequest:
         """What to `open`, counted on this span."""
         return PipelineRequest(request_id, generation, principal, priority, self.span, resume, cache_headers,
-                               self.count)
+                               self.count, batch)
 
 
 class _Settlement:
@@ -187,6 +192,11 @@ class RequestPipeline:
         self._driver = driver
         self._metrics = metrics
 
+    @property
+    def clock(self) -> Clock:
+        """The driver's: a batch line's timing reads the time its generation does."""
+        return self._driver.clock
+
     @contextlib.asynccontextmanager
     async def traced(self, headers: Mapping[str, str], route: str, grpc: bool = False) -> AsyncIterator[Traced]:
         """The request's span (request_trace.py) around the transport's whole
@@ -229,6 +239,8 @@ class RequestPipeline:
         job = admitted.job
         if request.resume is not None:
             job.resume_from = request.resume.last_index
+        if request.batch is not None:
+            request.batch.apply(job)
         settle = _Settlement(self.frontdoor, admitted, request.count)
         cache = self.frontdoor.cache
         try:

@@ -37,7 +37,7 @@ from services.launcher.children import (
 from services.launcher.envoy_config import envoy_binary, load_run_topology, render_envoy, uses_dev_certs
 from services.launcher.options import Endpoints, MeshOptions, RunFiles
 from services.launcher.port_plan import endpoints, ports_in_use
-from services.launcher.resolve import front_cores, resolve_admin_token, resolve_config
+from services.launcher.resolve import front_cores, resolve_admin_token, resolve_batch, resolve_config
 from services.launcher.rolling import RollStep, envoy_healthy, roll
 from services.launcher.specs import child_env, child_specs
 from services.launcher.supervisor import Supervisor
@@ -82,6 +82,8 @@ class Mesh(Supervisor):
         self.topology = load_run_topology(self.config, self.options.envoy)
         tls_ca = self.files.dev_cert_dir / "ca.pem" if uses_dev_certs(self.topology) else None
         self.endpoints = endpoints(self.config, self.options, tls_ca)
+        self.options = dataclasses.replace(
+            self.options, batch_credential=resolve_batch(self.config, self.options, self.endpoints))
         if self.options.gateways > 1 and self.config.responses.store == "embedded":
             log.warning("%d gateways, each with its own Responses store: previous_response_id finds a stored "
                         "response only on the gateway that created it (set responses.store: redis, with "
@@ -113,7 +115,7 @@ class Mesh(Supervisor):
 
     def start(self) -> Endpoints:
         """Start everything and wait until each service is healthy: the
-        scheduler first, then engines and gateways together, then Envoy (so
+        scheduler first, then engines, the batch service and gateways together, then Envoy (so
         its first health-check round finds the gateways up)."""
         if not self.options.free_ports:
             busy = ports_in_use(self.config, self.options)
@@ -124,7 +126,7 @@ class Mesh(Supervisor):
         specs = self.specs()
         phases = [
             [s for s in specs if s.role is Role.SCHEDULER],
-            [s for s in specs if s.role in (Role.ENGINE, Role.GATEWAY)],
+            [s for s in specs if s.role in (Role.ENGINE, Role.BATCH, Role.GATEWAY)],
             [s for s in specs if s.role is Role.ENVOY],
         ]
         try:

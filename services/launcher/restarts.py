@@ -17,7 +17,11 @@ Rules (`RestartRules`), per child:
 - bounded attempts: at most `max_attempts` restarts in any `window_seconds`;
   the next one waits until the oldest leaves the window (said once per
   wait). A failed restart is always tried again: the bound spaces the
-  attempts out, it never gives up on a child.
+  attempts out, it never gives up on a child;
+- one start per exit: a child that someone else started again since its
+  exit (a rolling restart of the gateways, `Mesh.restart`) is running a
+  process this state is not about, so its due restart is dropped -- never
+  a second start that would stop (and cut) the fresh one.
 
 Ownership: driven from the one thread that drives the mesh (`supervise` in
 up.py, or a test's loop); the clock is injected for tests.
@@ -40,6 +44,7 @@ class RestartTarget(Protocol):
     """What Restarts needs of a supervisor (services/launcher/supervisor.py)."""
 
     def exited(self) -> list[ChildExit]: ...
+    def pid(self, name: str) -> int | None: ...
     def restart_policy(self, name: str) -> RestartPolicy: ...
     def respawn(self, name: str) -> None: ...
     def started(self, name: str) -> bool: ...
@@ -64,6 +69,7 @@ class _Child:
     attempts: deque[float] = field(default_factory=deque)  # restart times within the window
     due: float | None = None  # a restart is scheduled for then
     starting: bool = False    # respawned, not healthy yet
+    pid: int | None = None    # the process this state is about: the one that exited, or our restart
 
 
 class Restarts:
@@ -96,7 +102,10 @@ class Restarts:
                 self._look(name, child, now)
         for name, child in list(self._children.items()):
             if child.due is not None and now >= child.due:
-                self._attempt(name, child, now)
+                if self._mesh.pid(name) != child.pid:
+                    self._started_elsewhere(name, child, now)
+                else:
+                    self._attempt(name, child, now)
 
     def due(self, name: str) -> float | None:
         """When `name`'s next restart is scheduled (None: none is)."""
@@ -116,6 +125,7 @@ class Restarts:
         if policy is not RestartPolicy.ALWAYS:
             return
         child = self._children.setdefault(gone.name, _Child())
+        child.pid = gone.pid
         if child.starting:
             self.failed.append(gone.name)
         self._schedule(gone.name, child, now)
@@ -146,6 +156,15 @@ class Restarts:
             self._schedule(name, child, now)
             return
         child.starting = True
+        child.pid = self._mesh.pid(name)
+
+    def _started_elsewhere(self, name: str, child: _Child, now: float) -> None:
+        """`name` runs a process other than the one that exited: started
+        again by another hand (a rolling restart waits for its health itself)."""
+        child.due = None
+        child.healthy_since = now
+        child.pid = self._mesh.pid(name)
+        self._say(f"{name} was started again meanwhile (pid {child.pid}); its restart is not needed")
 
     def _schedule(self, name: str, child: _Child, now: float) -> None:
         """The child died or its restart failed: when to try next."""

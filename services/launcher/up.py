@@ -6,7 +6,9 @@ exit code and log; what happens next is the child's `RestartPolicy`: the
 scheduler is ALWAYS restarted (soft state: engines re-register, gateways
 re-admit and re-attach), and so are engines (one exits with code 3 when its
 backend died or hung, after handing its streams over; it comes back with the
-same id and port, empty, and registers again); gateways and Envoy are NEVER.
+same id and port, empty, and registers again), and gateways (their streams
+resume through another gateway); Envoy is NEVER. An exit the launcher asked
+for (a rolling restart's drain, a stop) is expected and not restarted.
 SIGUSR1 to `kvmesh up` restarts the gateways one at a time
 (`Mesh.rolling_restart`: each drains, exits, comes back and is in Envoy's
 rotation again before the next one stops), e.g. after upgrading the code.

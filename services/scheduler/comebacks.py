@@ -3,7 +3,9 @@ they are queued again:
 
   Replace  the request's engine failed (the gateway saw it): its lease ends
            and it waits in its model's Replace lane, ahead of the queue,
-           avoiding the engines it names, until its class TTL;
+           avoiding the engines it names, until its class TTL (or, while
+           no engine it does not exclude serves, engine_return_seconds
+           after the Replace, when longer: fleet.py `check_servable`);
   Requeue  its lease went to a higher class (core.py preempted it): it goes
            back into its class queue with its ORIGINAL arrival, so aging
            continues where it was, with the tokens it generated in its
@@ -77,13 +79,16 @@ class Comebacks:
             rec.exclude = self._fleet.exclusions(event.exclude, rec.ran_on)
             if event.prompt_tokens <= 0:
                 raise AdmissionError(RejectReason.INVALID, "replace: prompt_tokens must be > 0")
-            self._fleet.check_servable(rec.options, rec.exclude, now, replacing=True)
+            waits_for_engine = self._fleet.check_servable(rec.options, rec.exclude, now, replaced_at=now)
         except AdmissionError as err:
             out.notices.append((event.request_id, self._book.reject(
                 rec, now, err.reason, err.message, err.retry_after)))
             return
         rec.state = RequestState.REPLACING
+        rec.replaced_at = now
         rec.replace_expires_at = now + self._limits.classes[rec.klass].ttl_seconds
+        if waits_for_engine:
+            rec.replace_expires_at = max(rec.replace_expires_at, self._fleet.return_deadline(now))
         self._waiting.add_replacement(rec)
 
     def requeue(self, event: ev.RequeueRequested, out: Outbox, now: float) -> None:

@@ -109,6 +109,7 @@ class SchedulerCore:
         self._limits = AdmissionLimits.from_config(self._config, self.classes)
         plugins = self._plugins = builtin_registry(self._config)
         self.policy: PlacementPolicy = build_policy(self._config.policy, self._config, plugins)
+        self.metrics.policy_in_force(self.policy.name)
         self.waiting = WaitingRoom(self._aging, plugins.make_fairness(self._config.queue_fairness),
                                    plugins.make_ordering(self._config.queue_ordering), self.classes)
         self.fleet = EngineFleet(self._config, clock.monotonic(), self._limits.retry_min, self.classes)
@@ -221,6 +222,7 @@ class SchedulerCore:
         ConfigError for a name no profile has (nothing changes then)."""
         self.policy = self._room.policy = self._engine_events.policy = build_policy(
             name, self._config, self._plugins)
+        self.metrics.policy_in_force(self.policy.name)
 
     def policy_names(self) -> list[str]:
         """Every policy name `_use_policy` accepts."""

@@ -24,6 +24,7 @@ and leases only through `RequestBook`.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 from services.common.metric_labels import priority_label
 
@@ -56,7 +57,9 @@ class Dispatcher:
         """Place every waiting request that can be placed now: per model, the
         Replace lane first, then the class queues in order. A model stops at
         its first request that cannot be placed (strict priority: smaller
-        requests behind it do not overtake it)."""
+        requests behind it do not overtake it) -- but for a replacement that
+        waits for an engine to come back (every engine excluded): no engine
+        here may take it, so it holds no one up."""
         now = self._p.clock.monotonic()
         deliveries = self._advance(now)
         for model in self._p.waiting.models():
@@ -65,12 +68,13 @@ class Dispatcher:
 
     def _dispatch_model(self, model: str, now: float) -> list[Delivery]:
         p, out = self._p, list[Delivery]()
-        lane = p.waiting.lane(model)
-        while lane:
-            rec = next(iter(lane.values()))
+        lane = p.waiting.lane(model) or OrderedDict[str, RequestRecord]()
+        for rec in list(lane.values()):
             rec.exclude = p.fleet.exclusions(rec.exclude, rec.ran_on)  # an engine restarted since is not
             notice = self._place_or_preempt(rec, rec.options.priority, now, out)
             if notice is None:
+                if rec.awaits_engine:
+                    continue  # no engine here may take it: it competes for no room, holds up no one
                 return out
             lane.pop(rec.options.request_id, None)
             out.append((rec.options.request_id, notice))
@@ -115,11 +119,14 @@ class Dispatcher:
         p.metrics.decision_seconds.labels(policy.name).observe(time.perf_counter() - began)
         if placement is None:
             try:
-                p.fleet.check_servable(opts, rec.exclude, now, replacing=entry is None)
+                waits = p.fleet.check_servable(opts, rec.exclude, now, None if entry else rec.replaced_at)
             except AdmissionError as err:
                 if entry is not None and queue is not None:
                     queue.pop(entry)
                 return p.requests.reject(rec, now, err.reason, err.message, err.retry_after)
+            rec.awaits_engine = waits
+            if waits:   # for an engine to come back: its bound, not its class TTL
+                rec.replace_expires_at = max(rec.replace_expires_at, p.fleet.return_deadline(rec.replaced_at))
             return None
         waited = 0.0
         if entry is not None and queue is not None:
@@ -152,7 +159,22 @@ class Dispatcher:
                 out.append((entry.request_id, p.requests.reject(
                     rec, now, RejectReason.EXPIRED, message, p.retry_after_for(entry.cls))))
         for rec in expired.replacements:
-            out.append((rec.options.request_id, p.requests.reject(
-                rec, now, RejectReason.EXPIRED, "no engine had room for the replacement in time",
-                p.limits.retry_min)))
+            notice = self._expire_replacement(rec, now)
+            if notice is not None:
+                out.append((rec.options.request_id, notice))
         return out
+
+    def _expire_replacement(self, rec: RequestRecord, now: float) -> Notice | None:
+        """Reject a replacement past its time: NO_ENGINE when it waited for an
+        engine that did not come back, EXPIRED when engines had no room.
+        None: it waits for an engine to come back, whose bound is later."""
+        p = self._p
+        try:
+            if p.fleet.check_servable(rec.options, rec.exclude, now, rec.replaced_at):
+                rec.replace_expires_at = max(rec.replace_expires_at, p.fleet.return_deadline(rec.replaced_at))
+                if rec.replace_expires_at > now:
+                    return None
+        except AdmissionError as err:
+            return p.requests.reject(rec, now, err.reason, err.message, err.retry_after)
+        return p.requests.reject(rec, now, RejectReason.EXPIRED, "no engine had room for the replacement in time",
+                                 p.limits.retry_min)

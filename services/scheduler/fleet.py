@@ -276,10 +276,13 @@ class EngineFleet:
         )
 
     def check_servable(
-        self, options: AdmitOptions, exclude: frozenset[str], now: float, replacing: bool = False
-    ) -> None:
+        self, options: AdmitOptions, exclude: frozenset[str], now: float, replaced_at: float | None = None
+    ) -> bool:
         """Raise `AdmissionError` when no engine could ever take the request
-        (as opposed to none having room right now)."""
+        (as opposed to none having room right now). `replaced_at`: when the
+        request's Replace came (None: not a replacement). True = no engine
+        may take it now but one may come back in time: it waits for that
+        (a replacement only; see `return_deadline`)."""
         engines = [e for e in self._registry if e.info.model == options.model]
         if engines:
             self._model_seen[options.model] = now
@@ -287,7 +290,7 @@ class EngineFleet:
             seen = self._model_seen.get(options.model, self._started)
             # A replacement has streamed text already: it waits longer for an
             # engine of its model to come back (restarted by its supervisor).
-            bound = self._config.engine_return_seconds if replacing else self._config.engine_grace_seconds
+            bound = self._config.engine_return_seconds if replaced_at is not None else self._config.engine_grace_seconds
             if now - seen > bound:
                 raise AdmissionError(
                     RejectReason.NO_ENGINE,
@@ -295,19 +298,36 @@ class EngineFleet:
                     "an engine for it",
                     self._retry_min,
                 )
-            return
-        usable = [e for e in engines if e.engine_id not in exclude]
-        if not usable:
-            if replacing and any(not e.load.serving for e in engines):
-                # An excluded engine is failing (still connected while it
-                # exits): its restart is a new process the exclusion does not
-                # cover, so wait for it as for an engine that left.
-                return
-            raise AdmissionError(
-                RejectReason.NO_ENGINE,
-                f"every engine serving {options.model!r} is excluded by the replace",
-                self._retry_min,
-            )
+            return replaced_at is not None
+        if not any(e.engine_id not in exclude for e in engines):
+            return self._wait_for_unexcluded(options.model, now, replaced_at)
+        self._check_fits(options, [e for e in engines if e.engine_id not in exclude])
+        return False
+
+    def _wait_for_unexcluded(self, model: str, now: float, replaced_at: float | None) -> bool:
+        """Every engine of `model` is excluded. A replacement waits, whatever
+        the excluded engines report: one that still says serving may be
+        stopped but not yet declared hung (a SIGSTOPped vLLM core), and its
+        restart is a new process the exclusion does not cover (`exclusions`).
+        It is refused only once `engine_return_seconds` passed since its
+        Replace; anything else is refused at once."""
+        if replaced_at is not None and now < self.return_deadline(replaced_at):
+            return True
+        raise AdmissionError(
+            RejectReason.NO_ENGINE,
+            f"every engine serving {model!r} is excluded by the replace"
+            + ("" if replaced_at is None else
+               f" and none came back within {self._config.engine_return_seconds:g} s"),
+            self._retry_min,
+        )
+
+    def return_deadline(self, replaced_at: float) -> float:
+        """Until when a replacement made at `replaced_at` waits for an engine
+        to come back (scheduler.engine_return_seconds, whatever its class TTL)."""
+        return replaced_at + self._config.engine_return_seconds
+
+    def _check_fits(self, options: AdmitOptions, usable: list[EngineRecord]) -> None:
+        """Raise TOO_LARGE when the request fits on none of `usable`."""
         need_len = options.prompt_tokens + options.max_tokens
         for e in usable:
             fits_len = e.info.max_model_len <= 0 or need_len <= e.info.max_model_len

@@ -15,8 +15,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from services.common.metric_labels import PRIORITY_LABELS, priority_label
 
 from .queue import Promotion
+from .records import RejectReason
 
-__all__ = ["SchedulerMetrics"]
+__all__ = ["PLACEMENT_KINDS", "SchedulerMetrics"]
+
+# kvmesh_scheduler_placements_total's `kind`: a queued request placed on an
+# engine holding its prefix or not, a Replace, a re-attach after a scheduler
+# restart, an n > 1 copy joining its twin (dispatch.py, admit.py).
+PLACEMENT_KINDS = ("cold", "warm", "replace", "reattach", "together")
 
 # Picking an engine: tens of microseconds (few engines) to milliseconds.
 _DECISION_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
@@ -83,6 +89,30 @@ class SchedulerMetrics:
         self._add_fleet_metrics(r)
         self._add_pool_metrics(r)
         self._add_deadline_metrics(r)
+        self._zero_known_series()
+
+    def _zero_known_series(self) -> None:
+        """Every child whose label values are known before any event, at 0: a
+        board or alert reading a counter that does not exist yet sees
+        nothing, not 0. (Children keyed by an engine or a model appear with
+        them; the policy's with `policy_in_force`.)"""
+        for label in PRIORITY_LABELS:
+            self.queue_length.labels(label).set(0)
+            for metric in (self.queue_wait, self.admissions, self.preemptions, self.requeued, self.displaced):
+                metric.labels(label)
+        for lower, upper in zip(PRIORITY_LABELS[1:], PRIORITY_LABELS, strict=False):
+            self.promotions.labels(lower, upper)   # aging moves a request up one class at a time
+        for reason in RejectReason:
+            self.rejections.labels(reason.value)
+        for state in ("fresh", "stale"):
+            self.engines.labels(state).set(0)
+
+    def policy_in_force(self, policy: str) -> None:
+        """The placement policy in use (at start and after an operator's
+        change): its placement and decision series exist from now on, at 0."""
+        for kind in PLACEMENT_KINDS:
+            self.placements.labels(policy, kind)
+        self.decision_seconds.labels(policy)
 
     def _add_deadline_metrics(self, r: CollectorRegistry) -> None:
         """The deadline book's values (deadlines.py), refreshed by the tick."""

@@ -237,6 +237,8 @@ class RequestRecord:
     lease: Lease | None = None
     exclude: frozenset[str] = field(default_factory=frozenset)
     replace_expires_at: float = 0.0
+    replaced_at: float = 0.0   # monotonic; when its last Replace came (REPLACING)
+    awaits_engine: bool = False  # REPLACING: no engine it may use serves now (fleet.check_servable)
     arrival: float = 0.0       # monotonic; a requeue keeps it (aging continues)
     preemptions: int = 0       # times its lease went to a higher class
     preempted_at: float | None = None  # set while preempted and not placed again

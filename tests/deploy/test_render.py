@@ -43,7 +43,7 @@ def test_overlay_renders_with_the_contract_objects(overlay: str) -> None:
     scheduler = find(objects, "Deployment", "kvmesh-scheduler")
     assert scheduler is not None
     assert scheduler["spec"]["replicas"] == 1 and scheduler["spec"]["strategy"]["type"] == "Recreate"
-    assert find(objects, "Service", "kvmesh-envoy")["spec"]["type"] in ("LoadBalancer", "NodePort")  # type: ignore[index]
+    assert find(objects, "Service", "kvmesh-envoy")["spec"]["type"] in ("LoadBalancer", "NodePort")
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -55,16 +55,16 @@ def test_every_object_validates(overlay: str, version: str) -> None:
 def test_schema_check_catches_wrong_objects() -> None:
     objects = render("overlays/monitoring")
     sts = copy.deepcopy(find(objects, "StatefulSet", "kvmesh-engine"))
-    sts["spec"]["template"]["spec"]["containers"][0]["startupProbe"]["httpGets"] = {}  # type: ignore[index]
+    sts["spec"]["template"]["spec"]["containers"][0]["startupProbe"]["httpGets"] = {}
     svc = copy.deepcopy(find(objects, "Service", "kvmesh-gateway"))
-    svc["spec"]["ports"][0]["port"] = "eight thousand"  # type: ignore[index]
+    svc["spec"]["ports"][0]["port"] = "eight thousand"
     monitor = copy.deepcopy(find(objects, "ServiceMonitor", "kvmesh"))
-    monitor["spec"]["endpoints"][0]["intervall"] = "15s"  # type: ignore[index]
+    monitor["spec"]["endpoints"][0]["intervall"] = "15s"
     rule = copy.deepcopy(find(objects, "PrometheusRule", "kvmesh"))
-    del rule["spec"]["groups"][0]["rules"][0]["expr"]  # type: ignore[index]
+    del rule["spec"]["groups"][0]["rules"][0]["expr"]
     cert = copy.deepcopy(find(render("overlays/cert-manager"), "Certificate", "kvmesh-mesh-engine"))
-    cert["spec"]["dnsName"] = cert["spec"].pop("dnsNames")  # type: ignore[index]
-    errors = schema_errors([sts, svc, monitor, rule, cert], K8S_VERSIONS[0])  # type: ignore[list-item]
+    cert["spec"]["dnsName"] = cert["spec"].pop("dnsNames")
+    errors = schema_errors([sts, svc, monitor, rule, cert], K8S_VERSIONS[0])  # type: ignore[list-item]  # rendered objects broken on purpose for the schema check
     assert len(errors) == 5, errors
     assert "httpGets" in errors[0] and "eight thousand" in errors[1] and "intervall" in errors[2]
     assert "expr" in errors[3] and "dnsName" in errors[4]
@@ -72,10 +72,10 @@ def test_schema_check_catches_wrong_objects() -> None:
 
 def test_dev_cpu_is_three_sim_engines_two_gateways_on_a_node_port() -> None:
     objects = render("overlays/dev-cpu")
-    assert find(objects, "StatefulSet", "kvmesh-engine")["spec"]["replicas"] == 3  # type: ignore[index]
-    assert find(objects, "Deployment", "kvmesh-gateway")["spec"]["replicas"] == 2  # type: ignore[index]
-    assert find(objects, "Service", "kvmesh-envoy")["spec"]["type"] == "NodePort"  # type: ignore[index]
-    config = yaml.safe_load(_named(objects, "ConfigMap", "kvmesh-config")["data"]["kvmesh.yaml"])  # type: ignore[index]
+    assert find(objects, "StatefulSet", "kvmesh-engine")["spec"]["replicas"] == 3
+    assert find(objects, "Deployment", "kvmesh-gateway")["spec"]["replicas"] == 2
+    assert find(objects, "Service", "kvmesh-envoy")["spec"]["type"] == "NodePort"
+    config = yaml.safe_load(_named(objects, "ConfigMap", "kvmesh-config")["data"]["kvmesh.yaml"])
     assert config["engines"]["backend"] == "sim"
     pv = find(objects, "PersistentVolume", "kvmesh-models")
     assert pv is not None and pv["spec"]["hostPath"]["path"] == "/models"
@@ -90,7 +90,7 @@ def test_gpu_runs_one_vllm_engine_per_gpu() -> None:
     assert resources["limits"]["nvidia.com/gpu"] == 1 and resources["requests"]["nvidia.com/gpu"] == 1
     assert engine.spec["nodeSelector"] and any(t["key"] == "nvidia.com/gpu" for t in engine.spec["tolerations"])
     assert engine.container["image"] == "kvmesh:gpu"
-    config = yaml.safe_load(_named(objects, "ConfigMap", "kvmesh-config")["data"]["kvmesh.yaml"])  # type: ignore[index]
+    config = yaml.safe_load(_named(objects, "ConfigMap", "kvmesh-config")["data"]["kvmesh.yaml"])
     assert config["engines"]["backend"] == "vllm"
     for name in ("scheduler", "gateway"):
         assert "nvidia.com/gpu" not in str(pod_of(objects, name).container["resources"])

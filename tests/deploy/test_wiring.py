@@ -38,11 +38,11 @@ def test_manifests_match_the_code(overlay: str, check: Callable[[list[Obj]], lis
     assert check(render(overlay)) == []
 
 
-def _container(objects: list[Obj], component: str) -> dict:  # type: ignore[type-arg]
+def _container(objects: list[Obj], component: str) -> dict:
     return pod_of(objects, component).container
 
 
-def _config_map(objects: list[Obj]) -> dict:  # type: ignore[type-arg]
+def _config_map(objects: list[Obj]) -> dict:
     return next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("kvmesh-config"))
 
 
@@ -109,10 +109,10 @@ def test_a_port_the_service_does_not_listen_on_fails() -> None:
         cm = _config_map(objects)
         cm["data"]["kvmesh.yaml"] = cm["data"]["kvmesh.yaml"].replace("metrics_port: 9101", "metrics_port: 9111")
     assert any("9101" in p for p in check_ports(_broken(moved)))
-    objects = _broken(lambda o: find(o, "Service", "kvmesh-engine")["spec"]["ports"][0].__setitem__(  # type: ignore[index]
+    objects = _broken(lambda o: find(o, "Service", "kvmesh-engine")["spec"]["ports"][0].__setitem__(
         "targetPort", 50101))
     assert any("reaches nothing" in p for p in check_ports(objects))
-    objects = _broken(lambda o: find(o, "Service", "kvmesh-gateway")["spec"].pop("clusterIP"))  # type: ignore[index]
+    objects = _broken(lambda o: find(o, "Service", "kvmesh-gateway")["spec"].pop("clusterIP"))
     assert any("not headless" in p for p in check_ports(objects))
 
 
@@ -254,10 +254,10 @@ def test_envoy_stats_port_declared_scraped_and_allowed() -> None:
     assert any("listens on 9902 (metrics)" in p for p in check_ports(objects))
     objects = _monitoring_broken(lambda o: o.remove(find(o, "PodMonitor", "kvmesh-envoy")))
     assert any("no monitor scrapes /stats/prometheus on port 9902" in p for p in check_scraped(objects))
-    objects = _monitoring_broken(lambda o: find(o, "PodMonitor", "kvmesh-envoy")[  # type: ignore[index]
+    objects = _monitoring_broken(lambda o: find(o, "PodMonitor", "kvmesh-envoy")[
         "spec"]["podMetricsEndpoints"][0].__setitem__("path", "/metrics"))
     assert any("scrapes /metrics on 9902" in p for p in check_scraped(objects))
-    objects = _broken(lambda o: find(o, "NetworkPolicy", "kvmesh-metrics-from-monitoring")[  # type: ignore[index]
+    objects = _broken(lambda o: find(o, "NetworkPolicy", "kvmesh-metrics-from-monitoring")[
         "spec"]["ingress"][0]["ports"].pop())
     assert any("keep the namespace monitoring from port 9902" in p for p in check_scraped(objects))
     objects = _broken(lambda o: _envoy_config(o, "  - name: stats\n    address", "  - name: stats2\n    address"))

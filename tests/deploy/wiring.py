@@ -332,8 +332,8 @@ def listening_ports(objects: list[Obj], pod: Pod) -> dict[str, int]:
         return {"http": ns.http_port or gw.http_port, "grpc": ns.grpc_port or gw.grpc_port,
                 "metrics": ns.metrics_port or gw.metrics_port}
     engine = cfg.engine_config(ns.index)
-    ports = {"grpc": engine.port, "metrics": engine.metrics_port, "http": engine.http_port}
-    return {k: v for k, v in ports.items() if v}
+    engine_ports = {"grpc": engine.port, "metrics": engine.metrics_port, "http": engine.http_port}
+    return {k: v for k, v in engine_ports.items() if v}
 
 
 def envoy_admin_port(objects: list[Obj], pod: Pod) -> int | None:

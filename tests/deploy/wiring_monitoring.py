@@ -148,7 +148,7 @@ def _envoy_tracing(boot: dict[str, Any]) -> dict[str, Any] | None:
     for listener in boot["static_resources"]["listeners"]:
         if listener["name"] == "public":
             manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
-            return manager.get("tracing")  # type: ignore[no-any-return]
+            return manager.get("tracing")
     return None
 
 

@@ -32,7 +32,7 @@ def _engines_idle(mesh: Mesh) -> bool:
 
 async def _sse_events(resp: aiohttp.ClientResponse) -> list[tuple[float, dict]]:
     """Each `data:` event with the time it arrived."""
-    events = []
+    events: list[tuple[float, dict]] = []
     while True:
         line = await asyncio.wait_for(resp.content.readline(), timeout=60)
         if not line:

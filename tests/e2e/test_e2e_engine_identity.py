@@ -93,7 +93,7 @@ def _stop(process: subprocess.Popen[bytes] | None) -> None:
 def _registered_at(mesh: Mesh, address: str) -> bool:
     state = scheduler_state(mesh)
     engine = None if state is None else _engine(state, VICTIM)
-    return engine is not None and engine.address == address and engine.fresh and engine.serving  # type: ignore[attr-defined]
+    return engine is not None and engine.address == address and engine.fresh and engine.serving
 
 
 async def test_a_rescheduled_engine_rejoins_at_once_and_the_old_process_is_fenced(

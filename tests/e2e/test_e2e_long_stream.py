@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from conftest import LongStreamRun  # tests/e2e/conftest.py
+    from tests.e2e.conftest import LongStreamRun  # by full name: mypy's bare `conftest` is the gateway tests'
 
 
 def test_streams_over_two_minutes_with_heartbeats_are_not_cut(long_stream_run: LongStreamRun) -> None:

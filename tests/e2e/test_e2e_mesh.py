@@ -18,6 +18,7 @@ import aiohttp
 import grpc
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, inference_pb2, inference_pb2_grpc
 from services.launcher.mesh import Mesh
@@ -26,7 +27,7 @@ from services.launcher.up import examples
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-llama"
 GRPCURL = str(Path(sys.prefix) / "bin" / "grpcurl")
-MESSAGES = [{"role": "user", "content": "Tell me a story about a mesh."}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a story about a mesh."}]
 
 
 def _auth(mesh: Mesh) -> dict[str, str]:

@@ -62,7 +62,7 @@ async def _dropped_after(mesh: Mesh, since: float, timeout: float) -> float:
 def _leases_on(mesh: Mesh, engine_id: str) -> int:
     state = scheduler_state(mesh)
     engine = None if state is None else _engine(state, engine_id)
-    return 0 if engine is None else int(engine.leases)  # type: ignore[attr-defined]
+    return 0 if engine is None else int(engine.leases)
 
 
 async def test_engine_silently_partitioned_then_healed_loses_and_duplicates_nothing(e2e_mesh: Mesh) -> None:

@@ -28,6 +28,7 @@ from _streams import StreamResult, gateway_counter, run_streams, scheduler_state
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.config import MeshConfig
+from services.common.proto.kvmesh.v1 import scheduler_pb2
 from services.launcher.mesh import Mesh
 from services.launcher.port_plan import gateway_ports
 
@@ -68,7 +69,7 @@ async def _kvmesh_drain(port: int) -> tuple[int, str]:
     return proc.returncode, out.decode()
 
 
-def _engine_state(mesh: Mesh, engine_id: str) -> object | None:
+def _engine_state(mesh: Mesh, engine_id: str) -> scheduler_pb2.EngineState | None:
     state = scheduler_state(mesh)
     if state is None:
         return None
@@ -107,7 +108,7 @@ async def test_prestop_drain_hands_engine_streams_over_then_sigterm_is_quick(e2e
     try:
         await wait_until(lambda: all(r.chunks > 0 for r in results), 60, "every stream to be running")
         held = _engine_state(mesh, "engine-1")
-        assert held is not None and held.leases > 0, "engine-1 holds no stream"  # type: ignore[attr-defined]
+        assert held is not None and held.leases > 0, "engine-1 holds no stream"
         drain = asyncio.create_task(_kvmesh_drain(port))
         await wait_until(lambda: _probe(port, "ready")[0] == 503, 30, "engine-1 to turn unready")
         assert _probe(port, "ready") == (503, "draining")

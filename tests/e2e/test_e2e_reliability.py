@@ -10,10 +10,12 @@ import asyncio
 import itertools
 import time
 
+import aiohttp
 import pytest
 from _streams import StreamResult, gateway_counter, run_streams, scheduler_state, wait_until
 
 from services.common.config import MeshConfig
+from services.common.proto.kvmesh.v1 import scheduler_pb2
 from services.launcher.mesh import Mesh
 
 STREAMS = 50
@@ -37,11 +39,11 @@ def _prompts(tag: str, n: int) -> list[str]:
     return [f"{tag} request {i}: tell me a long story about meshes and engines." for i in range(n)]
 
 
-async def _finish(tasks: list[asyncio.Task[StreamResult]], session: object) -> list[StreamResult]:
+async def _finish(tasks: list[asyncio.Task[StreamResult]], session: aiohttp.ClientSession) -> list[StreamResult]:
     try:
         return list(await asyncio.gather(*tasks))
     finally:
-        await session.close()  # type: ignore[attr-defined]
+        await session.close()
 
 
 async def _expected(mesh: Mesh, prompts: list[str], max_tokens: list[int],
@@ -64,8 +66,8 @@ def _assert_same(results: list[StreamResult], expected: list[str]) -> None:
             f" (got {len(got)} chars, want {len(want)})")
 
 
-def _engine(state: object, engine_id: str) -> object | None:
-    return next((e for e in state.engines if e.engine_id == engine_id), None)  # type: ignore[attr-defined]
+def _engine(state: scheduler_pb2.SchedulerState | None, engine_id: str) -> scheduler_pb2.EngineState | None:
+    return next((e for e in state.engines if e.engine_id == engine_id), None)
 
 
 async def _rejoined(mesh: Mesh, engine_id: str) -> None:

@@ -179,7 +179,7 @@ def _generate_request(mesh: Mesh, resume: inference_pb2.ResumeFrom | None = None
 
 def _read(call: object, events: list[inference_pb2.GenerateEvent], until: int | None = None) -> None:
     """Read a Generate call into `events` (all of it, or `until` deltas)."""
-    for event in call:  # type: ignore[attr-defined]
+    for event in call:  # type: ignore[attr-defined]  # a grpc Generate call, typed object here
         events.append(event)
         if until is not None and sum(e.HasField("delta") for e in events) >= until:
             return

@@ -17,6 +17,7 @@ import openai
 import pytest
 import requests
 from jsonschema import Draft202012Validator
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 from services.launcher.mesh import Mesh
 
@@ -24,10 +25,12 @@ pytestmark = pytest.mark.e2e
 
 MODEL = "tiny-llama"
 GRPCURL = str(Path(sys.prefix) / "bin" / "grpcurl")
-PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "minLength": 2}}, "required": ["city"]}
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city",
-                                            "parameters": PARAMETERS}}
-ASK = {"role": "user", "content": "What is the weather in Paris?"}
+PARAMETERS: dict[str, Any] = {"type": "object", "properties": {"city": {"type": "string", "minLength": 2}},
+                              "required": ["city"]}
+WEATHER: ChatCompletionToolParam = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "The current weather in a city", "parameters": PARAMETERS}}
+ASK: ChatCompletionMessageParam = {"role": "user", "content": "What is the weather in Paris?"}
 
 
 @pytest.fixture(scope="module")
@@ -42,23 +45,23 @@ def _check_call(name: str, arguments: str) -> None:
 
 
 def test_sdk_round_trip_not_streamed(sdk: openai.OpenAI) -> None:
-    out = sdk.chat.completions.create(model=MODEL, messages=[ASK], tools=[WEATHER], tool_choice="required",  # type: ignore[list-item]
+    out = sdk.chat.completions.create(model=MODEL, messages=[ASK], tools=[WEATHER], tool_choice="required",
                                       max_tokens=64)
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     calls = choice.message.tool_calls or []
     assert calls and all(c.id.startswith("call_") for c in calls)
     for call in calls:
-        _check_call(call.function.name, call.function.arguments)  # type: ignore[union-attr]
+        _check_call(call.function.name, call.function.arguments)
     history: list[Any] = [ASK, choice.message.model_dump(exclude_none=True),
                           *({"role": "tool", "tool_call_id": c.id, "content": "sunny"} for c in calls)]
-    answer = sdk.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",  # type: ignore[list-item]
+    answer = sdk.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
                                          max_tokens=8)
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
 
 
 def test_sdk_streamed_named_call(sdk: openai.OpenAI) -> None:
-    stream = sdk.chat.completions.create(model=MODEL, messages=[ASK], tools=[WEATHER], max_tokens=64, stream=True,  # type: ignore[list-item]
+    stream = sdk.chat.completions.create(model=MODEL, messages=[ASK], tools=[WEATHER], max_tokens=64, stream=True,
                                          tool_choice={"type": "function", "function": {"name": "get_weather"}})
     chunks = list(stream)
     pieces = [tc for ch in chunks for tc in ch.choices[0].delta.tool_calls or []]
@@ -89,14 +92,14 @@ def test_grpcurl_through_envoy(e2e_mesh: Mesh) -> None:
 
 def test_browser_bridge_carries_tool_calls(e2e_mesh: Mesh) -> None:
     """POST /v1/chat: Envoy's transcoder turns the gRPC stream into SSE."""
-    body = {"model": MODEL, "messages": [ASK],
-            "tools": [{"name": "get_weather", "parametersJson": json.dumps(PARAMETERS)}],
-            "toolChoice": {"function": "get_weather"}, "sampling": {"maxTokens": 64}}
+    body: dict[str, Any] = {"model": MODEL, "messages": [ASK],
+                            "tools": [{"name": "get_weather", "parametersJson": json.dumps(PARAMETERS)}],
+                            "toolChoice": {"function": "get_weather"}, "sampling": {"maxTokens": 64}}
     resp = requests.post(f"{e2e_mesh.endpoints.public_http}/v1/chat", json=body, timeout=60, stream=True,
                          headers={"Authorization": f"Bearer {e2e_mesh.api_key}", "Accept": "text/event-stream"})
     assert resp.status_code == 200, resp.text
     events = [json.loads(line[len("data: "):]) for line in resp.iter_lines(decode_unicode=True)
-              if line and line.startswith("data: ")]
+              if line and line.startswith("data: ")]  # type: ignore[arg-type]  # types-requests: iter_lines(decode_unicode=True) yields str
     pieces = [e.get("toolCall") or e.get("tool_call") for e in events if "toolCall" in e or "tool_call" in e]
     assert pieces and pieces[0]["name"] == "get_weather"
     _check_call("get_weather", "".join(p.get("arguments", "") for p in pieces))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import aiohttp
 import pytest
 from _streams import StreamResult, all_placed, gateway_counter, run_streams, scheduler_state, wait_until
 from _vllm_mesh import SharedVllmMesh
@@ -35,7 +36,8 @@ def two_vllm(shared_tiny_pair: SharedVllmMesh, tmp_path_factory: pytest.TempPath
     return shared_tiny_pair.get(tmp_path_factory).mesh
 
 
-async def _run(mesh: Mesh, prompts: list[str]) -> tuple[list[StreamResult], list[asyncio.Task[StreamResult]], object]:
+async def _run(mesh: Mesh, prompts: list[str]) -> tuple[list[StreamResult], list[asyncio.Task[StreamResult]],
+                                                      aiohttp.ClientSession]:
     return await run_streams(mesh, prompts, [MAX_TOKENS] * len(prompts))
 
 
@@ -49,7 +51,7 @@ async def test_vllm_engine_sigkill_mid_stream_is_seamless(two_vllm: Mesh) -> Non
     try:
         baseline = list(await asyncio.gather(*tasks))
     finally:
-        await session.close()  # type: ignore[attr-defined]
+        await session.close()
     assert all(r.ok for r in baseline), [r.error for r in baseline if not r.ok]
     migrations = gateway_counter(mesh, "kvmesh_gateway_migrations_total")
 
@@ -70,7 +72,7 @@ async def test_vllm_engine_sigkill_mid_stream_is_seamless(two_vllm: Mesh) -> Non
         results = list(await asyncio.gather(*tasks))
         elapsed = time.monotonic() - killed
     finally:
-        await session.close()  # type: ignore[attr-defined]
+        await session.close()
 
     failed = [(i, r.status, r.finish_reason, r.error) for i, r in enumerate(results) if not r.ok]
     assert not failed, failed

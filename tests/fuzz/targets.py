@@ -323,13 +323,13 @@ def _http_schema(mesh: Mesh, examples: int, seed: int | None) -> FuzzReport:
 # ---------------------------------------------------------------- gRPC helpers
 
 
-def _grpc_outcome(report: FuzzReport, what: str, consume: Callable[[], None]) -> None:
+def _grpc_outcome(report: FuzzReport, what: str, consume: Callable[[], object]) -> None:
     try:
         consume()
     except grpc.RpcError as err:
-        code = err.code()  # type: ignore[attr-defined]
+        code = err.code()
         if code in _SERVER_FAULTS:
-            report.fail(f"{what}: {code.name}: {err.details()}")  # type: ignore[attr-defined]
+            report.fail(f"{what}: {code.name}: {err.details()}")
 
 
 def _sampling() -> st.SearchStrategy[common_pb2.SamplingParams]:
@@ -392,7 +392,7 @@ def _grpc_inference(mesh: Mesh, examples: int, seed: int | None) -> FuzzReport:
         try:
             stub.ListModels(inference_pb2.ListModelsRequest(), timeout=10)
         except grpc.RpcError as err:
-            if err.code() in _SERVER_FAULTS:  # type: ignore[attr-defined]
+            if err.code() in _SERVER_FAULTS:
                 report.fail(f"ListModels without a key: {err}")
     return report
 
@@ -410,7 +410,7 @@ def _drive_bidi(method: Callable[..., Iterator[Any]], messages: list[Any], hold:
         for _ in method(_stream_then_close(messages, hold), timeout=timeout):
             pass
     except grpc.RpcError as err:
-        if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # type: ignore[attr-defined]
+        if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
             raise
     finally:
         hold.set()
@@ -556,7 +556,7 @@ def _grpc_engine(mesh: Mesh, examples: int, seed: int | None) -> FuzzReport:
                                     and event.finished.finish_reason == common_pb2.FINISH_REASON_ERROR):
                                 report.fail(f"Generate {head} -> finished ERROR: {event.finished.message}")
                 except grpc.RpcError as err:
-                    if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # type: ignore[attr-defined]
+                    if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                         raise
                 finally:
                     hold.set()
@@ -608,7 +608,7 @@ def _grpc_raw(mesh: Mesh, examples: int, seed: int | None) -> FuzzReport:
                         for _ in call(iter([data]), timeout=0.5, metadata=md):
                             pass
                 except grpc.RpcError as err:
-                    code = err.code()  # type: ignore[attr-defined]
+                    code = err.code()
                     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                         return
                     raise

@@ -81,7 +81,7 @@ async def test_p2_is_served_under_continuous_p0_load(mesh: Mesh) -> None:
             p0_done += 1
             i += 1
 
-    def p0_queued(state) -> int:  # type: ignore[no-untyped-def]
+    def p0_queued(state) -> int:
         return sum(q.queued for q in state.queues if q.priority == 0)
 
     async with aiohttp.ClientSession() as session:

@@ -158,7 +158,7 @@ def test_services_started_as_pods_probe_serve_drain_and_stop(pods: Pods) -> None
     assert engines == {POD: f"localhost:{p.engine}"}
 
     answer = _chat(pods)
-    assert answer["choices"][0]["message"]["content"]  # type: ignore[index]
+    assert answer["choices"][0]["message"]["content"]
 
     drain = subprocess.run([sys.executable, "-m", "services.cli", "drain", "--port", str(p.engine_metrics)],
                            cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)

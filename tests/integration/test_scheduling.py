@@ -80,7 +80,7 @@ async def _start_blockers(session: aiohttp.ClientSession, mesh: Mesh) -> list[as
     return tasks
 
 
-def _queued(state, priority: int) -> int:  # type: ignore[no-untyped-def]
+def _queued(state, priority: int) -> int:
     return sum(q.queued for q in state.queues if q.priority == priority)
 
 
@@ -143,7 +143,7 @@ async def test_p0_is_placed_before_fifty_queued_p2(mesh: Mesh) -> None:
         blockers = await _start_blockers(session, mesh)
         try:
             batch = [asyncio.create_task(chat(session, mesh, f"batch job {i}", 2, priority=2,
-                                              on_first_token=lambda i=i: order.append(f"p2-{i}")))
+                                              on_first_token=lambda i=i: order.append(f"p2-{i}")))  # type: ignore[misc]  # mypy cannot type a lambda with a default argument
                      for i in range(50)]
             await wait_state(mesh, lambda s: _queued(s, 2) == 50, "50 queued P2 requests")
             urgent = asyncio.create_task(chat(session, mesh, "urgent", 2, priority=0,

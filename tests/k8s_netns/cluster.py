@@ -308,7 +308,7 @@ class Cluster:
         for kind in ("startupProbe", "readinessProbe"):
             probe = r.container.probes.get(kind)
             if probe is not None:
-                self.wait_for(lambda p=probe: self.probe(r, p), max(1.0, timeout - (time.monotonic() - t0)),
+                self.wait_for(lambda p=probe: self.probe(r, p), max(1.0, timeout - (time.monotonic() - t0)),  # type: ignore[misc]  # mypy cannot type a lambda with a default argument
                               f"{r.pod.name}'s {kind}", check=r)
                 r.passed[kind] = time.monotonic() - r.started_at
         return time.monotonic() - t0

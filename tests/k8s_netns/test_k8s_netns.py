@@ -254,7 +254,7 @@ def test_chat_through_envoy_streams_to_done(kube: Cluster) -> None:
     if kube.objects.get("Service", "kvmesh-envoy")["spec"].get("type") == "NodePort":
         urls.append(f"http://{envoy.ip}:{kube.service_port('kvmesh-envoy', node=True)}")
     for url in urls:
-        events = client.call(lambda u=url: _chat(u, model), timeout=90)
+        events = client.call(lambda u=url: _chat(u, model), timeout=90)  # type: ignore[misc]  # mypy cannot type a lambda with a default argument
         assert events and events[-1] == "[DONE]", (url, events[-3:])
         text = "".join((json.loads(e)["choices"][0].get("delta") or {}).get("content") or ""
                        for e in events[:-1] if json.loads(e).get("choices"))

@@ -25,7 +25,7 @@ PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool missing (Debian `prometheus`: make setup)")
 
 
-def _config():  # type: ignore[no-untyped-def]
+def _config():
     return load_config(ROOT / "config" / "kvmesh.yaml")
 
 

@@ -13,6 +13,7 @@ import random
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -91,11 +92,11 @@ def unique_prompt(n: int) -> list[int]:
     return [rng.randrange(100, 49000) for _ in range(n)]
 
 
-def greedy(max_tokens: int, **kw: object) -> Sampling:
-    return Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)  # type: ignore[arg-type]
+def greedy(max_tokens: int, **kw: Any) -> Sampling:
+    return Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
-async def collect(backend, request: GenerationRequest) -> list[GenerationOutput]:  # type: ignore[no-untyped-def]
+async def collect(backend, request: GenerationRequest) -> list[GenerationOutput]:
     return [out async for out in backend.generate(request)]
 
 
@@ -110,7 +111,7 @@ async def until(predicate: Callable[[], bool], what: str, timeout: float = WAIT)
         pytest.fail(f"timed out waiting for {what}")
 
 
-async def test_info_is_read_from_vllm(backend) -> None:  # type: ignore[no-untyped-def]
+async def test_info_is_read_from_vllm(backend) -> None:
     info = backend.info
     assert info.model == "tiny-llama"
     assert info.block_size > 0 and info.block_size % 16 == 0
@@ -122,7 +123,7 @@ async def test_info_is_read_from_vllm(backend) -> None:  # type: ignore[no-untyp
     assert backend._llm.vllm_config.scheduler_config.max_num_seqs == BATCH
 
 
-async def test_streamed_completion(backend) -> None:  # type: ignore[no-untyped-def]
+async def test_streamed_completion(backend) -> None:
     prompt = unique_prompt(20)
     outs = await collect(
         backend, GenerationRequest("stream-1", prompt, greedy(24, logprobs=2), priority=1)
@@ -144,7 +145,7 @@ async def test_streamed_completion(backend) -> None:  # type: ignore[no-untyped-
     assert backend.load().request_ids == []
 
 
-async def test_step_statistics_reach_the_observer(backend) -> None:  # type: ignore[no-untyped-def]
+async def test_step_statistics_reach_the_observer(backend) -> None:
     """vLLM's own per-step figures (its stat logger's IterationStats) reach
     the engine's metrics: steps with their tokens and times, one inter-token
     gap per token after the first, the request's queue/prefill/decode time."""
@@ -176,7 +177,7 @@ async def test_step_statistics_reach_the_observer(backend) -> None:  # type: ign
     assert min(phases[0].queued, phases[0].prefill, phases[0].decode) >= 0 and phases[0].decode > 0
 
 
-async def test_stop_token_ends_with_stop(backend) -> None:  # type: ignore[no-untyped-def]
+async def test_stop_token_ends_with_stop(backend) -> None:
     prompt = unique_prompt(12)
     first = await collect(backend, GenerationRequest("stop-probe", prompt, greedy(6)))
     tokens = [t for o in first for t in o.token_ids]
@@ -188,7 +189,7 @@ async def test_stop_token_ends_with_stop(backend) -> None:  # type: ignore[no-un
     assert outs[-1].completion_tokens <= 3
 
 
-async def test_text_held_for_a_stop_string_is_reported(backend) -> None:  # type: ignore[no-untyped-def]
+async def test_text_held_for_a_stop_string_is_reported(backend) -> None:
     """With a stop string vLLM holds back the tail that may begin one; every
     output says what it holds (a migration carries it to the next engine):
     what was sent plus what is held is always the text so far."""
@@ -218,7 +219,7 @@ async def test_text_held_for_a_stop_string_is_reported(backend) -> None:  # type
         ([5, 6], greedy(4, logprobs=1000), "logprobs"),
     ],
 )
-async def test_invalid_requests_fail_before_output(backend, prompt, sampling, match) -> None:  # type: ignore[no-untyped-def]
+async def test_invalid_requests_fail_before_output(backend, prompt, sampling, match) -> None:
     """As in the engine: the runtime's shared rules (against the limits vLLM
     resolved), then the backend's own checks."""
     request = GenerationRequest("bad", prompt, sampling)
@@ -228,13 +229,13 @@ async def test_invalid_requests_fail_before_output(backend, prompt, sampling, ma
     assert backend.load().request_ids == []
 
 
-async def test_vllms_own_sampling_check_refuses_before_output(backend) -> None:  # type: ignore[no-untyped-def]
+async def test_vllms_own_sampling_check_refuses_before_output(backend) -> None:
     with pytest.raises(InvalidRequest, match="sampling"):
         await collect(backend, GenerationRequest("bad", [5, 6], Sampling(max_tokens=4, temperature=-1.0)))
     assert backend.load().request_ids == []
 
 
-async def test_cancel_mid_stream_aborts_in_vllm(backend) -> None:  # type: ignore[no-untyped-def]
+async def test_cancel_mid_stream_aborts_in_vllm(backend) -> None:
     prompt = unique_prompt(300)
     stream = backend.generate(GenerationRequest("cancel-1", prompt, greedy(1500)))
     got = 0
@@ -256,7 +257,7 @@ async def test_cancel_mid_stream_aborts_in_vllm(backend) -> None:  # type: ignor
     assert (load.running, load.waiting, load.blocks_used) == (0, 0, 0)
 
 
-async def test_task_cancellation_and_explicit_abort(backend) -> None:  # type: ignore[no-untyped-def]
+async def test_task_cancellation_and_explicit_abort(backend) -> None:
     first = asyncio.Event()
 
     async def consume(rid: str) -> list[GenerationOutput]:
@@ -285,7 +286,7 @@ async def test_task_cancellation_and_explicit_abort(backend) -> None:  # type: i
     await until(lambda: backend.unfinished_in_vllm() == 0, "vLLM to drop the aborted request")
 
 
-async def test_second_identical_prompt_hits_prefix_cache(backend) -> None:  # type: ignore[no-untyped-def]
+async def test_second_identical_prompt_hits_prefix_cache(backend) -> None:
     block = backend.info.block_size
     prompt = unique_prompt(2 * block + 44)  # > 2 full blocks
     cold = await collect(backend, GenerationRequest("cache-1", prompt, greedy(4)))
@@ -295,7 +296,7 @@ async def test_second_identical_prompt_hits_prefix_cache(backend) -> None:  # ty
     assert warm[-1].prompt_tokens == len(prompt)
 
 
-async def test_kv_events_translate_to_shared_hashes(backend) -> None:  # type: ignore[no-untyped-def]
+async def test_kv_events_translate_to_shared_hashes(backend) -> None:
     recorder = Recorder()
     backend.set_kv_listener(recorder)
     try:
@@ -316,7 +317,7 @@ async def test_kv_events_translate_to_shared_hashes(backend) -> None:  # type: i
         backend.set_kv_listener(None)
 
 
-async def test_priority_reaches_vllm(backend) -> None:  # type: ignore[no-untyped-def]
+async def test_priority_reaches_vllm(backend) -> None:
     """With every slot busy, a P0 request sent after queued P2 requests is
     scheduled before them (FCFS would run the P2s first)."""
     order: list[str] = []
@@ -351,7 +352,7 @@ async def test_priority_reaches_vllm(backend) -> None:  # type: ignore[no-untype
     assert backend.load().request_ids == []
 
 
-async def test_a_p0_runs_in_the_headroom_while_max_running_p2s_run(backend) -> None:  # type: ignore[no-untyped-def]
+async def test_a_p0_runs_in_the_headroom_while_max_running_p2s_run(backend) -> None:
     """The runtime keeps classes > P0 to max_running (MAX_NUM_SEQS); vLLM's
     batch has P0_HEADROOM more slots, so a P0 runs to its end at once while
     every advertised slot holds a long P2."""

@@ -163,7 +163,9 @@ class SchedulerConfig:
     # A stream whose engine died mid-answer while no other engine serves its
     # model (every one dead or restarting at once) waits, with heartbeats, for
     # one to return this long after the model was last served; then it is
-    # refused NO_ENGINE. Refusing it at once would lose the text it already
+    # refused NO_ENGINE. A replacement that excludes every engine of its model
+    # waits this long after its Replace (a restarted process of an excluded
+    # engine is not excluded), whatever its class TTL. Refusing it at once would lose the text it already
     # streamed; 120 s covers a vLLM engine's restart (~45 s on CPU, 30-120 s
     # with a large model on a GPU). >= 0.
     engine_return_seconds: float = 120.0

@@ -42,7 +42,7 @@ async def base_url() -> AsyncIterator[str]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = site._server.sockets[0].getsockname()[1]
     yield f"http://127.0.0.1:{port}"
     await runner.cleanup()
 

@@ -73,7 +73,7 @@ async def fake() -> AsyncIterator[tuple[FakeServer, str]]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = site._server.sockets[0].getsockname()[1]
     try:
         yield server, f"http://127.0.0.1:{port}"
     finally:

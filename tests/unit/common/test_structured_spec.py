@@ -16,7 +16,7 @@ from services.engine.grpc_api import request_from_proto
 
 @pytest.mark.parametrize("kind", STRUCTURED_KINDS)
 def test_round_trip(kind: str) -> None:
-    spec = StructuredSpec(kind=kind, value='{"type": "object"}' if kind != "json_object" else "",  # type: ignore[arg-type]
+    spec = StructuredSpec(kind=kind, value='{"type": "object"}' if kind != "json_object" else "",  # type: ignore[arg-type]  # kind is each of STRUCTURED_KINDS, a str where a Literal is declared
                           strict=kind == "json_schema")
     params = common_pb2.SamplingParams(max_tokens=5)
     params.structured.CopyFrom(structured_to_proto(spec))

@@ -148,11 +148,12 @@ def _generation(**fields: Any) -> Any:
 def test_parser_choice() -> None:
     assert parser_for(_generation(), "hermes") is None
     assert parser_for(_generation(tools=[TOOL], tool_choice="none"), "hermes") is None
-    assert parser_for(_generation(tools=[TOOL]), "hermes").name == "hermes"  # type: ignore[union-attr]
-    assert parser_for(_generation(tools=[TOOL]), "json").name == "json"  # type: ignore[union-attr]
-    forced = [{"tool_choice": "required"}, {"tool_choice": {"type": "function", "function": {"name": "f"}}}]
+    assert parser_for(_generation(tools=[TOOL]), "hermes").name == "hermes"
+    assert parser_for(_generation(tools=[TOOL]), "json").name == "json"
+    forced: list[dict[str, Any]] = [{"tool_choice": "required"},
+                                    {"tool_choice": {"type": "function", "function": {"name": "f"}}}]
     for fields in forced:  # constrained output: bare JSON whatever the model's parser
-        assert parser_for(_generation(tools=[TOOL], **fields), "hermes").name == "json"  # type: ignore[union-attr]
+        assert parser_for(_generation(tools=[TOOL], **fields), "hermes").name == "json"
 
 
 # ------------------------------------------------------------ OpenAI shapes

@@ -21,7 +21,7 @@ WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather", "strict": False,
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-HISTORY = [
+HISTORY: list[dict[str, Any]] = [
     {"role": "user", "content": "Weather in Paris?"},
     {"role": "assistant", "content": "", "tool_calls": [CALL]},
     {"role": "tool", "content": "sunny, 21C", "tool_call_id": "call_1"},

@@ -15,7 +15,7 @@ from services.common.openai_api.requests import parse_chat_body, parse_completio
 from services.common.tool_calling.request import ToolRequest, parse_tool_choice, parse_tools, tool_call_schema
 
 MSG = [{"role": "user", "content": "weather in Paris?"}]
-WEATHER = {"type": "function", "function": {
+WEATHER: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from services.common.openai_api.requests import parse_chat_body
+from services.common.openai_api.requests import GenerationInput, parse_chat_body
 from services.common.openai_api.responses_events import ResponseBuilder
 from services.common.tool_calling.responses_output import PlainText, ToolSplitter, splitter_for
 from services.gateway.events import Usage
@@ -16,12 +16,12 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
-def generation(**fields: object) -> object:
+def generation(**fields: object) -> GenerationInput:
     return parse_chat_body({"model": "m", "messages": [{"role": "user", "content": "x"}], **fields})
 
 
 def run(text: str, step: int, **fields: object) -> list[dict[str, object]]:
-    splitter = splitter_for(generation(**fields), "hermes")  # type: ignore[arg-type]
+    splitter = splitter_for(generation(**fields), "hermes")
     builder = ResponseBuilder("resp_1", "m", {})
     for i in range(0, len(text), step):
         for piece in splitter.feed(text[i:i + step]):
@@ -40,10 +40,10 @@ def run(text: str, step: int, **fields: object) -> list[dict[str, object]]:
 
 
 def test_no_tools_is_plain_text() -> None:
-    assert isinstance(splitter_for(generation(), "hermes"), PlainText)  # type: ignore[arg-type]
-    assert isinstance(splitter_for(generation(tools=TOOLS, tool_choice="none"), "hermes"),  # type: ignore[arg-type]
+    assert isinstance(splitter_for(generation(), "hermes"), PlainText)
+    assert isinstance(splitter_for(generation(tools=TOOLS, tool_choice="none"), "hermes"),
                       PlainText)
-    assert isinstance(splitter_for(generation(tools=TOOLS), "hermes"), ToolSplitter)  # type: ignore[arg-type]
+    assert isinstance(splitter_for(generation(tools=TOOLS), "hermes"), ToolSplitter)
 
 
 @pytest.mark.parametrize("step", [1, 3, 1000])

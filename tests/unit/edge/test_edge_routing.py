@@ -54,14 +54,14 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
         self.seen = seen
 
     async def Chat(self, request: inference_pb2.ChatRequest, context: grpc.aio.ServicerContext):  # noqa: N802 - the proto's method name
-        self.seen.grpc_metadata.append(dict(context.invocation_metadata()))
+        self.seen.grpc_metadata.append(dict(context.invocation_metadata()))  # type: ignore[arg-type]  # grpc-stubs: Optional; a server call always has metadata
         for i in range(DELTAS):
             yield inference_pb2.GenerateEvent(
                 request_id="r1", delta=inference_pb2.DeltaEvent(text=f"t{i} ", token_ids=[i])
             )
             await asyncio.sleep(0.02)
         yield inference_pb2.GenerateEvent(
-            request_id="r1", finished=inference_pb2.FinishedEvent(finish_reason=1)
+            request_id="r1", finished=inference_pb2.FinishedEvent(finish_reason=1)  # type: ignore[arg-type]  # the proto enum by number, as the wire has it
         )
 
 

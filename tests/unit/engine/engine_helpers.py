@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 
@@ -59,7 +60,7 @@ def make_core(block_size: int = 16, total_blocks: int = 64, max_running: int = 8
 
 
 def request(rid: str, prompt: list[int], max_tokens: int = 8, priority: int = 1,
-            **sampling: object) -> GenerationRequest:
+            **sampling: Any) -> GenerationRequest:
     return GenerationRequest(rid, list(prompt), Sampling(max_tokens=max_tokens, **sampling),
                              priority=priority)
 

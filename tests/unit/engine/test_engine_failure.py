@@ -49,7 +49,9 @@ async def open_stream(stub: Stub, rid: str, max_tokens: int = 1000) -> grpc.aio.
     return call
 
 
-async def ending(call: grpc.aio.StreamStreamCall) -> tuple[grpc.StatusCode, str, int]:
+async def ending(
+    call: grpc.aio.StreamStreamCall[engine_pb2.EngineGenerateMessage, engine_pb2.EngineGenerateEvent],
+) -> tuple[grpc.StatusCode, str, int]:
     """How the stream ends: (status code, details, finish reason) -- OK and
     the reason for a `finished`, the error's code and details otherwise."""
     try:
@@ -57,8 +59,8 @@ async def ending(call: grpc.aio.StreamStreamCall) -> tuple[grpc.StatusCode, str,
             event = await call.read()
             if event is grpc.aio.EOF:
                 return grpc.StatusCode.OK, "EOF without finished", 0
-            if event.HasField("finished"):
-                return grpc.StatusCode.OK, event.finished.message, event.finished.finish_reason
+            if event.HasField("finished"):  # type: ignore[attr-defined]  # grpc-stubs type read() as object (its EOF's type)
+                return grpc.StatusCode.OK, event.finished.message, event.finished.finish_reason  # type: ignore[attr-defined]  # grpc-stubs type read() as object (its EOF's type)
     except grpc.aio.AioRpcError as err:
         return err.code(), err.details() or "", 0
 
@@ -108,7 +110,7 @@ async def test_a_crashed_backend_ends_every_stream_as_engine_loss(scheduler: tup
         calls = [await open_stream(stub, f"r{i}") for i in range(3)]
         assert (await fake.next("load")).load.serving
         assert not svc.runtime.died.is_set()
-        svc.backend.crash("test: the core process was killed")  # type: ignore[attr-defined]
+        svc.backend.crash("test: the core process was killed")  # type: ignore[attr-defined]  # the sim backend's test hook
         ends = await asyncio.wait_for(asyncio.gather(*(ending(call) for call in calls)), 5)
         for code, details, _ in ends:
             assert code == grpc.StatusCode.UNAVAILABLE, details
@@ -121,7 +123,7 @@ async def test_a_backend_that_dies_idle_fails_the_engine_too() -> None:
     engine = sim_engine(hang_floor_seconds=0.2)  # the watch looks every 50 ms
     svc = EngineService(mesh_config(), engine)
     async with started(svc), engine_stub(svc) as stub:
-        svc.backend.crash("test: died with nothing running")  # type: ignore[attr-defined]
+        svc.backend.crash("test: died with nothing running")  # type: ignore[attr-defined]  # the sim backend's test hook
         await asyncio.wait_for(svc.runtime.died.wait(), 2)
         await assert_failed_engine(svc, stub, "died with nothing running")
 
@@ -134,7 +136,7 @@ async def test_a_failed_engine_stops_and_its_main_loop_raises_for_an_exit() -> N
         await asyncio.sleep(0.01)
     async with engine_stub(svc) as stub:
         call = await open_stream(stub, "live")
-        svc.backend.crash("test: crash")  # type: ignore[attr-defined]
+        svc.backend.crash("test: crash")  # type: ignore[attr-defined]  # the sim backend's test hook
         assert (await ending(call))[0] == grpc.StatusCode.UNAVAILABLE
     with pytest.raises(ServiceFailed, match="engine failed: backend dead: test: crash"):
         await asyncio.wait_for(main, 5)
@@ -182,7 +184,7 @@ async def test_a_hung_backend_is_detected_within_its_bound_and_fails_the_engine(
         calls = [await open_stream(stub, f"r{i}") for i in range(2)]
         await asyncio.sleep(0.5)  # some steps for the statistics
         detector = svc.runtime.liveness.detector
-        svc.backend.hang()  # type: ignore[attr-defined]
+        svc.backend.hang()  # type: ignore[attr-defined]  # the sim backend's test hook
         hung_at = time.monotonic()
         bound = detector.bound()
         assert bound > engine.hang_floor_seconds  # derived from the step times, not the floor
@@ -196,7 +198,7 @@ async def test_a_hung_backend_is_detected_within_its_bound_and_fails_the_engine(
         assert bound - 0.1 <= detected <= bound + svc.runtime.liveness.period + 1.0, (detected, bound)
         await asyncio.wait_for(until_not_serving_reported(fake), 5)
         await assert_failed_engine(svc, stub, "backend hung")
-        svc.backend.resume()  # type: ignore[attr-defined]
+        svc.backend.resume()  # type: ignore[attr-defined]  # the sim backend's test hook
 
 
 async def test_an_idle_backend_is_hung_only_when_it_does_not_answer_its_probe() -> None:
@@ -206,7 +208,7 @@ async def test_an_idle_backend_is_hung_only_when_it_does_not_answer_its_probe() 
         assert svc.runtime.dead is None and svc.runtime.serving
         code, _, reason = await ending(await _write(stub.Generate(), "later"))
         assert code == grpc.StatusCode.OK and reason == common_pb2.FINISH_REASON_LENGTH
-        svc.backend.hang()  # type: ignore[attr-defined]  # wedged with nothing in it
+        svc.backend.hang()  # type: ignore[attr-defined]  # the sim backend's test hook
         await asyncio.wait_for(svc.runtime.died.wait(), 30)
         assert "no answer to a liveness probe" in (svc.runtime.dead or "")
 
@@ -229,7 +231,7 @@ def test_the_hang_bound_is_max_of_floor_and_k_times_p99_step() -> None:
 
 def test_the_watch_on_a_fake_clock() -> None:
     clock = FakeClock()
-    in_backend, dead, failures = [0], [None], []
+    in_backend, dead, failures = [0], [None], list[str]()
     watch = LivenessWatch(HangPolicy(floor_seconds=1.0, step_multiple=10.0), clock, lambda: in_backend[0],
                           lambda: dead[0], failures.append)
     assert watch.period == 0.25

@@ -139,7 +139,7 @@ async def test_a_failed_engine_is_not_live(scheduler: tuple[FakeScheduler, int])
     await svc.start()
     try:
         await _until(svc, "ready", 200)
-        svc.backend.crash("test: the core process was killed")  # type: ignore[attr-defined]
+        svc.backend.crash("test: the core process was killed")  # type: ignore[attr-defined]  # svc.backend is the sim backend: its crash() is a test hook
         await asyncio.wait_for(svc.runtime.died.wait(), 10)
         assert await _probe(svc, "live") == (503, "failed")
         assert await _probe(svc, "ready") == (503, "failed")

@@ -45,12 +45,14 @@ async def uninterrupted(stub: engine_pb2_grpc.EngineStub, rid: str, prompt: list
     return await collect(call)
 
 
-async def read_deltas(call: grpc.aio.StreamStreamCall, count: int) -> list[engine_pb2.EngineDelta]:
-    out = []
+async def read_deltas(
+    call: grpc.aio.StreamStreamCall[engine_pb2.EngineGenerateMessage, engine_pb2.EngineGenerateEvent], count: int,
+) -> list[engine_pb2.EngineDelta]:
+    out: list[engine_pb2.EngineDelta] = []
     while len(out) < count:
         event = await call.read()
-        assert event.HasField("delta")
-        out.append(event.delta)
+        assert event.HasField("delta")  # type: ignore[attr-defined]  # grpc-stubs type read() as object (its EOF's type)
+        out.append(event.delta)  # type: ignore[attr-defined]  # grpc-stubs type read() as object (its EOF's type)
     return out
 
 

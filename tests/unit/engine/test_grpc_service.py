@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import pytest
@@ -29,24 +30,26 @@ async def stub(service: EngineService) -> AsyncIterator[engine_pb2_grpc.EngineSt
         yield client
 
 
-def gen_request(rid: str, prompt: list[int], max_tokens: int = 20, **kw: object) -> engine_pb2.EngineGenerateMessage:
+def gen_request(rid: str, prompt: list[int], max_tokens: int = 20, **kw: Any) -> engine_pb2.EngineGenerateMessage:
     return engine_pb2.EngineGenerateMessage(request=engine_pb2.EngineRequest(
         request_id=rid, prompt_token_ids=prompt,
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens), **kw))
 
 
-async def collect(call: grpc.aio.StreamStreamCall) -> tuple[list[int], str, engine_pb2.EngineFinished]:
+async def collect(
+    call: grpc.aio.StreamStreamCall[engine_pb2.EngineGenerateMessage, engine_pb2.EngineGenerateEvent],
+) -> tuple[list[int], str, engine_pb2.EngineFinished]:
     ids: list[int] = []
     text = ""
     while True:
         event = await call.read()
         if event is grpc.aio.EOF:
             raise AssertionError("stream ended without finished")
-        if event.HasField("delta"):
-            ids += event.delta.token_ids
-            text += event.delta.text
+        if event.HasField("delta"):  # type: ignore[attr-defined]  # grpc-stubs type read() as object (its EOF's type)
+            ids += event.delta.token_ids  # type: ignore[attr-defined]  # grpc-stubs type read() as object (its EOF's type)
+            text += event.delta.text  # type: ignore[attr-defined]  # grpc-stubs type read() as object (its EOF's type)
         else:
-            return ids, text, event.finished
+            return ids, text, event.finished  # type: ignore[attr-defined]  # grpc-stubs type read() as object (its EOF's type)
 
 
 async def wait_until(predicate, timeout: float = 5.0) -> None:
@@ -230,7 +233,7 @@ async def test_health_not_serving_until_backend_started() -> None:
         await gate.wait()
         await real_start()
 
-    svc.backend.start = slow_start  # type: ignore[method-assign]
+    svc.backend.start = slow_start  # type: ignore[method-assign]  # a slow start in place of the backend's own
     starting = asyncio.create_task(svc.start())
     try:
         await wait_until(lambda: svc.port != 0)

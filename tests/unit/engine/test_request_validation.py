@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import pytest
@@ -90,12 +91,12 @@ class BareBackend:
 
 BACKENDS: dict[str, Callable[[], EngineBackend | None]] = {
     "sim": lambda: None,  # EngineService builds the configured sim
-    "bare": BareBackend,
+    "bare": BareBackend,  # type: ignore[dict-item]  # a backend without the optional hooks
 }
 
 
 def message(rid: str = "x", prompt: list[int] | None = None, max_tokens: int = 5,
-            priority: int = 1, resumed: int = 0, **sampling: object) -> engine_pb2.EngineGenerateMessage:
+            priority: int = 1, resumed: int = 0, **sampling: Any) -> engine_pb2.EngineGenerateMessage:
     return engine_pb2.EngineGenerateMessage(request=engine_pb2.EngineRequest(
         request_id=rid, prompt_token_ids=[1, 2] if prompt is None else prompt,
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, **sampling),
@@ -187,7 +188,7 @@ async def test_an_id_reused_right_after_a_cancel_is_a_duplicate_until_the_backen
     reusing it meanwhile is the runtime's duplicate (ALREADY_EXISTS), never a
     backend's refusal, and it runs once the backend let go."""
     backend = BareBackend()
-    runtime = EngineRuntime(backend, EngineMetrics("sim", "engine-0", backend.load))
+    runtime = EngineRuntime(backend, EngineMetrics("sim", "engine-0", backend.load))  # type: ignore[arg-type]  # a backend without the optional hooks
     await runtime.start()
     generation = runtime.open(request("r", [1, 2], max_tokens=1000))
     outputs = generation.outputs()
@@ -213,7 +214,7 @@ async def test_an_id_reused_right_after_a_cancel_is_a_duplicate_until_the_backen
     ({"top_p": float("nan")}, "sampling.top_p must be in"),
     ({"repetition_penalty": float("inf")}, "sampling.repetition_penalty must be in"),
 ])
-def test_sampling_values_of_the_wrong_kind_are_invalid(sampling: dict[str, object], match: str) -> None:
+def test_sampling_values_of_the_wrong_kind_are_invalid(sampling: dict[str, Any], match: str) -> None:
     """The engine's HTTP endpoint passes JSON values through unchecked."""
     with pytest.raises(InvalidRequest, match=match):
         validate_request(request("x", [1, 2], **sampling), INFO)

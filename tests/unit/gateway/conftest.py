@@ -25,6 +25,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import pytest
@@ -38,6 +39,9 @@ from services.common.proto.kvmesh.v1 import (
     scheduler_pb2_grpc,
 )
 from services.common.stop_text import StopText
+
+if TYPE_CHECKING:
+    from services.gateway.server import GatewayService
 
 ROOT = Path(__file__).resolve().parents[3]
 REAL_TOKENIZER = ROOT / ".models" / "tiny-llama"
@@ -357,7 +361,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
 async def _serve(add: object, servicer: object) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server()
-    add(servicer, server)  # type: ignore[operator]
+    add(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
@@ -367,7 +371,7 @@ async def _serve(add: object, servicer: object) -> tuple[grpc.aio.Server, str]:
 class Mesh:
     scheduler: FakeScheduler
     engines: dict[str, FakeEngine]
-    gateway: object
+    gateway: GatewayService
     http: str           # base URL, e.g. http://127.0.0.1:PORT
     grpc_address: str
     config: MeshConfig

@@ -14,11 +14,12 @@ from collections.abc import AsyncIterator
 import openai
 import pytest
 from conftest import KEY_FULL, MODEL, Mesh
+from openai.types.chat import ChatCompletionMessageParam
 
 from services.common.config import EngineConfig
 from services.engine.server import EngineService
 
-CHAT = [{"role": "user", "content": "hello world"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello world"}]
 MAX_TOKENS = 60
 
 
@@ -49,7 +50,7 @@ async def test_a_dead_engines_stream_migrates_and_the_client_sees_no_error(
         async for chunk in stream:
             chunks.append(chunk)
             if len(chunks) == 3:
-                dying_engine.backend.crash("test: the engine core was SIGKILLed")  # type: ignore[attr-defined]
+                dying_engine.backend.crash("test: the engine core was SIGKILLed")  # type: ignore[attr-defined]  # the engine's sim backend: its crash() is a test hook
     reasons = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
     assert reasons == ["length"] and chunks[-1].usage.completion_tokens == MAX_TOKENS
     record = mesh.scheduler.admits[0]

@@ -33,7 +33,7 @@ class SlowCall:
 
 async def test_cancel_after_stop_waits_for_the_cancel_message() -> None:
     call = SlowCall()
-    stream = EngineStream(call, "engine-0", CallEnder())  # type: ignore[arg-type]
+    stream = EngineStream(call, "engine-0", CallEnder())  # type: ignore[arg-type]  # fake call and ender: only what EngineStream uses
     stream.stop()  # a preemption: `cancel` goes out in the background
     stream.cancel()  # the driver then ends the call as it moves on
     assert call.events == []
@@ -46,7 +46,7 @@ async def test_cancel_after_stop_waits_for_the_cancel_message() -> None:
 
 async def test_cancel_after_said_cancel_ends_the_call_at_once() -> None:
     call = SlowCall()
-    stream = EngineStream(call, "engine-0", CallEnder())  # type: ignore[arg-type]
+    stream = EngineStream(call, "engine-0", CallEnder())  # type: ignore[arg-type]  # fake call and ender: only what EngineStream uses
     await stream.say_cancel()
     stream.cancel()
     assert call.events == ["write:cancel", "cancel"]

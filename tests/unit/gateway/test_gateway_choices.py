@@ -10,10 +10,11 @@ import grpc
 import openai
 import pytest
 from conftest import KEY_FULL, KEY_OTHER, MODEL, FakeEngine, Mesh, expected_answer
+from openai.types.chat import ChatCompletionMessageParam
 
 from services.common.proto.kvmesh.v1 import inference_pb2, inference_pb2_grpc
 
-CHAT = [{"role": "user", "content": "hello world"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello world"}]
 
 
 def client(mesh: Mesh) -> openai.AsyncOpenAI:

@@ -37,7 +37,7 @@ async def _grpc_health(mesh: Mesh) -> int:
 
 async def _until(predicate: object, what: str, timeout: float = 20.0) -> None:
     async with asyncio.timeout(timeout):
-        while not predicate():  # type: ignore[operator]
+        while not predicate():
             await asyncio.sleep(0.01)
 
 

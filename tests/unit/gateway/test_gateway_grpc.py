@@ -85,7 +85,7 @@ async def test_list_models(mesh: Mesh) -> None:
 
 async def _status(call: object) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        async for _ in call:  # type: ignore[attr-defined]
+        async for _ in call:  # type: ignore[attr-defined]  # a grpc stream call, typed object here
             pass
     return err.value
 

@@ -5,18 +5,21 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 import openai
 import pytest
 from conftest import KEY_FULL, KEY_OTHER, KEY_P1, KEY_SLOW, MODEL, FakeEngine, Mesh, expected_answer, token_text
+from openai.types.chat import ChatCompletionMessageParam
 
 from services.common.proto.kvmesh.v1 import scheduler_pb2
 
-CHAT = [{"role": "user", "content": "hello world"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello world"}]
 
 
-def client(mesh: Mesh, key: str = KEY_FULL, **kw: object) -> openai.AsyncOpenAI:
+def client(mesh: Mesh, key: str = KEY_FULL, **kw: Any) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{mesh.http}/v1", api_key=key, max_retries=0, timeout=20, **kw)
 
 
@@ -94,7 +97,7 @@ async def test_completions_stream_and_not(mesh: Mesh) -> None:
     assert full.object == "text_completion"
     assert full.choices[0].text == expected_answer(list(first.prompt_token_ids), 3)[1]
     assert full.choices[0].finish_reason == "length"
-    assert len(full.choices[0].logprobs.tokens) == 3
+    assert len(full.choices[0].logprobs.tokens) == 3  # type: ignore[arg-type]  # the SDK's Optional, set here
     assert full.choices[0].logprobs.token_logprobs == [-0.5] * 3
     assert list(second.prompt_token_ids) == [11, 12, 13]
     assert "".join(ch.choices[0].text for ch in chunks) == expected_answer([11, 12, 13], 6)[1]
@@ -105,7 +108,7 @@ async def test_chat_logprobs(mesh: Mesh) -> None:
     async with client(mesh) as c:
         out = await c.chat.completions.create(model=MODEL, messages=CHAT, logprobs=True, top_logprobs=2)
     content = out.choices[0].logprobs.content
-    assert len(content) == 6 and content[0].logprob == -0.5 and len(content[0].top_logprobs) == 1
+    assert len(content) == 6 and content[0].logprob == -0.5 and len(content[0].top_logprobs) == 1  # type: ignore[arg-type]  # the SDK's Optional, set here
     assert mesh.engines["engine-a"].requests[0].sampling.logprobs == 2
 
 
@@ -204,7 +207,8 @@ async def test_key_rate_limit_429(mesh: Mesh) -> None:
         (scheduler_pb2.REJECT_CODE_INVALID, openai.BadRequestError, 400),
     ],
 )
-async def test_scheduler_rejections(mesh: Mesh, code: int, exc: type[Exception], status: int) -> None:
+async def test_scheduler_rejections(mesh: Mesh, code: scheduler_pb2.RejectCode, exc: type[openai.APIStatusError],
+                                    status: int) -> None:
     mesh.scheduler.reject = scheduler_pb2.Rejected(code=code, message="fake", retry_after_seconds=2.5)
     async with client(mesh) as c:
         for stream in (False, True):
@@ -217,7 +221,7 @@ async def test_scheduler_rejections(mesh: Mesh, code: int, exc: type[Exception],
                 assert err.value.response.headers["retry-after"] == "3"
 
 
-async def test_scheduler_unreachable_503(model_dir: object) -> None:
+async def test_scheduler_unreachable_503(model_dir: Path) -> None:
     from conftest import make_config
 
     from services.gateway.server import GatewayService
@@ -258,7 +262,7 @@ async def test_heartbeats_while_queued(mesh: Mesh) -> None:
         f"{mesh.http}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_FULL}"},
     ) as r:
         assert r.status == 200
-        lines = []
+        lines: list[str] = []
         while len([ln for ln in lines if ln.startswith(":")]) < 2:
             lines.append((await r.content.readline()).decode().strip())
         assert not any(ln.startswith("data:") and "content\":\" w" in ln for ln in lines)

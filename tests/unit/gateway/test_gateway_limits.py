@@ -9,8 +9,9 @@ import asyncio
 import openai
 import pytest
 from conftest import KEY_SHORT, MODEL, Mesh
+from openai.types.chat import ChatCompletionMessageParam
 
-CHAT = [{"role": "user", "content": "hello"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 
 
 async def test_per_key_generation_limit_times_out_the_stream(mesh: Mesh) -> None:

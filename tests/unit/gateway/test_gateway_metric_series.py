@@ -11,6 +11,7 @@ import asyncio
 import aiohttp
 import pytest
 from conftest import KEY_FULL, MODEL, Mesh
+from openai.types.chat import ChatCompletionMessageParam
 
 from services.common.clock import FakeClock
 from services.common.finish_reason import FinishReason
@@ -23,7 +24,7 @@ from services.gateway.jobs import Job
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.request_meter import RequestMeter
 
-MSG = [{"role": "user", "content": "hello there"}]
+MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]
 
 
 def value(metrics: GatewayMetrics, name: str, **labels: str) -> float:
@@ -42,7 +43,7 @@ async def _chat(mesh: Mesh, priority: str, stream: bool = False, key: str = KEY_
 
 
 async def test_requests_by_class_and_model_under_every_name(mesh: Mesh) -> None:
-    m: GatewayMetrics = mesh.gateway.metrics  # type: ignore[attr-defined]
+    m: GatewayMetrics = mesh.gateway.metrics
     status0, body0 = await _chat(mesh, "0")
     status2, body2 = await _chat(mesh, "2")
     assert status0 == status2 == 200
@@ -76,7 +77,7 @@ async def test_requests_by_class_and_model_under_every_name(mesh: Mesh) -> None:
 
 
 async def test_running_requests_while_one_waits(mesh: Mesh) -> None:
-    m: GatewayMetrics = mesh.gateway.metrics  # type: ignore[attr-defined]
+    m: GatewayMetrics = mesh.gateway.metrics
     mesh.scheduler.queue_hold = asyncio.Event()
     task = asyncio.create_task(_chat(mesh, "1", stream=True))
     while not mesh.scheduler.admits:
@@ -91,7 +92,7 @@ async def test_running_requests_while_one_waits(mesh: Mesh) -> None:
 
 
 async def test_refusals_by_their_openai_code(mesh: Mesh) -> None:
-    m: GatewayMetrics = mesh.gateway.metrics  # type: ignore[attr-defined]
+    m: GatewayMetrics = mesh.gateway.metrics
     status, body = await _chat(mesh, "1", key="sk-wrong")
     assert status == 401
     assert value(m, "kvmesh_gateway_rejections_total", reason=body["error"]["code"]) == 1

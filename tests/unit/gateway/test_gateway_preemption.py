@@ -43,7 +43,7 @@ CHAT = inference_pb2.ChatRequest(
 
 
 def _metrics(mesh: Mesh) -> str:
-    return mesh.gateway.metrics.render().decode()  # type: ignore[attr-defined]
+    return mesh.gateway.metrics.render().decode()
 
 
 async def _chat(mesh: Mesh, preempt_at: list[int], key: str = KEY_FULL) -> list[inference_pb2.GenerateEvent]:
@@ -185,7 +185,7 @@ async def test_stop_string_across_the_preemption_seam_still_stops(mesh: Mesh) ->
     a.answer_tokens = 9
     async with openai.AsyncOpenAI(base_url=f"{mesh.http}/v1", api_key=KEY_FULL, max_retries=0, timeout=20) as c:
         messages = [{"role": "user", "content": "hello world"}]
-        await c.chat.completions.create(model=MODEL, messages=messages, max_tokens=9)  # type: ignore[arg-type, call-overload]
+        await c.chat.completions.create(model=MODEL, messages=messages, max_tokens=9)  # type: ignore[arg-type]  # plain dicts for the SDK's message TypedDicts
         prompt = list(a.requests.pop().prompt_token_ids)
         pieces = [token_text(t) for t in expected_answer(prompt, 9)[0]]
         m = 4                                          # preempted after 4 tokens
@@ -195,7 +195,7 @@ async def test_stop_string_across_the_preemption_seam_still_stops(mesh: Mesh) ->
         assert full.find(stop) == seam_at, "the probe answer repeats the stop string earlier; pick another"
         a.pause_after = m
         preempting = asyncio.create_task(_preempt_when_paused(mesh, a, settle=0.2))
-        stream = await c.chat.completions.create(  # type: ignore[call-overload]
+        stream = await c.chat.completions.create(  # type: ignore[call-overload]  # plain dicts for the SDK's message TypedDicts
             model=MODEL, messages=messages, stream=True, stop=[stop], stream_options={"include_usage": True})
         chunks = [ch async for ch in stream]
         await preempting

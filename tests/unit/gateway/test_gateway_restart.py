@@ -9,10 +9,11 @@ import asyncio
 import grpc
 import openai
 from conftest import KEY_FULL, MODEL, AdmitRecord, FakeScheduler, Mesh
+from openai.types.chat import ChatCompletionMessageParam
 
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-CHAT = [{"role": "user", "content": "hello world"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello world"}]
 
 
 class ReattachingScheduler(FakeScheduler):
@@ -96,7 +97,7 @@ async def test_queued_request_is_admitted_again_after_scheduler_restart(mesh: Me
     assert len(restarted.admits) == 1
     again = restarted.admits[0].request
     assert again.arrival_unix == mesh.scheduler.admits[0].request.arrival_unix and not again.running_on_engine
-    text = mesh.gateway.metrics.render().decode()  # type: ignore[attr-defined]
+    text = mesh.gateway.metrics.render().decode()
     assert 'kvmesh_gateway_scheduler_readmissions_total{state="queued"} 1.0' in text
     for server in mesh.servers[1:]:
         await server.stop(0)

@@ -15,6 +15,7 @@ import grpc
 import openai
 import pytest
 from conftest import KEY_FULL, MODEL, Mesh, open_mesh
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 from services.common.proto.kvmesh.v1 import (
     common_pb2,
@@ -25,10 +26,10 @@ from services.common.proto.kvmesh.v1 import (
 )
 from services.common.tokenizer import HfTokenizer
 
-WEATHER = {"type": "function", "function": {
+WEATHER: ChatCompletionToolParam = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+ASK: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the weather in Paris?"}]
 HERMES = ["Let me check.", "\n<tool_", 'call>\n{"name": "get_weather", ', '"arguments": {"city": ',
           '"Paris"}}\n</tool_call>']
 
@@ -61,7 +62,7 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
 async def tools_mesh(model_dir: Path) -> AsyncIterator[Mesh]:
     async with open_mesh(model_dir) as m:
         engine = ScriptedEngine("engine-s", HERMES)
-        await m.add_engine(engine)  # type: ignore[arg-type]
+        await m.add_engine(engine)  # type: ignore[arg-type]  # a scripted engine in place of a FakeEngine
         m.scheduler.engines.pop("engine-a")
         yield m
 
@@ -82,7 +83,7 @@ def prompt_text(mesh: Mesh, model_dir: Path) -> str:
 
 async def test_auto_non_streamed_call(tools_mesh: Mesh, model_dir: Path) -> None:
     async with client(tools_mesh) as c:
-        out = await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER])  # type: ignore[arg-type,list-item]
+        out = await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER])
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content == "Let me check."
@@ -96,16 +97,16 @@ async def test_auto_non_streamed_call(tools_mesh: Mesh, model_dir: Path) -> None
 
 async def test_auto_streamed_call_deltas(tools_mesh: Mesh) -> None:
     async with client(tools_mesh) as c:
-        stream = await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], stream=True)  # type: ignore[arg-type,list-item]
+        stream = await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], stream=True)
         chunks = [chunk async for chunk in stream]
     deltas = [ch.choices[0].delta for ch in chunks]
     assert deltas[0].role == "assistant"
     assert "".join(d.content or "" for d in deltas) == "Let me check."
     calls = [tc for d in deltas for tc in d.tool_calls or []]
-    assert calls[0].id and calls[0].type == "function" and calls[0].function.name == "get_weather"  # type: ignore[union-attr]
-    assert calls[0].function.arguments == ""  # type: ignore[union-attr]
+    assert calls[0].id and calls[0].type == "function" and calls[0].function.name == "get_weather"
+    assert calls[0].function.arguments == ""
     assert all(tc.id is None and tc.index == 0 for tc in calls[1:])
-    assert json.loads("".join(tc.function.arguments for tc in calls[1:])) == {"city": "Paris"}  # type: ignore[union-attr,misc]
+    assert json.loads("".join(tc.function.arguments for tc in calls[1:])) == {"city": "Paris"}  # type: ignore[misc]  # the SDK types a delta's function as Optional
     assert len(calls) >= 3, "arguments stream in fragments"
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
@@ -134,7 +135,7 @@ async def test_tools_with_several_choices_are_refused(tools_mesh: Mesh) -> None:
 async def test_required_is_constrained_and_parsed_as_json(tools_mesh: Mesh, model_dir: Path) -> None:
     scripted(tools_mesh).script = ['[{"name": "get_weather", ', '"arguments": {"city": "Paris"}}]']
     async with client(tools_mesh) as c:
-        out = await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],  # type: ignore[arg-type,list-item]
+        out = await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
                                               tool_choice="required")
     sampling = scripted(tools_mesh).requests[-1].sampling
     assert sampling.structured.kind == common_pb2.StructuredOutput.KIND_JSON_SCHEMA
@@ -151,19 +152,19 @@ async def test_named_choice_is_one_object(tools_mesh: Mesh) -> None:
     scripted(tools_mesh).script = ['{"name": "get_weather", "arguments": {"city": "Oslo"}}']
     async with client(tools_mesh) as c:
         stream = await c.chat.completions.create(
-            model=MODEL, messages=ASK, tools=[WEATHER], stream=True,  # type: ignore[arg-type,list-item]
+            model=MODEL, messages=ASK, tools=[WEATHER], stream=True,
             tool_choice={"type": "function", "function": {"name": "get_weather"}})
         chunks = [chunk async for chunk in stream]
     schema = json.loads(scripted(tools_mesh).requests[-1].sampling.structured.value)
     assert schema["type"] == "object"
     calls = [tc for ch in chunks for tc in ch.choices[0].delta.tool_calls or []]
-    assert calls[0].function.name == "get_weather"  # type: ignore[union-attr]
-    assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == {"city": "Oslo"}  # type: ignore[union-attr]
+    assert calls[0].function.name == "get_weather"
+    assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == {"city": "Oslo"}
 
 
 async def test_none_offers_no_tools_and_parses_nothing(tools_mesh: Mesh, model_dir: Path) -> None:
     async with client(tools_mesh) as c:
-        out = await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none")  # type: ignore[arg-type,list-item]
+        out = await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none")
     assert out.choices[0].finish_reason == "stop" and not out.choices[0].message.tool_calls
     assert out.choices[0].message.content == "".join(HERMES)
     assert "get_weather" not in prompt_text(tools_mesh, model_dir)
@@ -176,7 +177,7 @@ async def test_history_round_trip_reaches_the_prompt(tools_mesh: Mesh, model_dir
     messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_abc", "content": "sunny, 21C"}]
     async with client(tools_mesh) as c:
-        out = await c.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])  # type: ignore[arg-type,list-item]
+        out = await c.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])  # type: ignore[arg-type]  # plain dicts for the SDK's message and tool TypedDicts
     assert out.choices[0].message.content == "It is sunny in Paris." and out.choices[0].finish_reason == "stop"
     text = prompt_text(tools_mesh, model_dir)
     assert "sunny, 21C" in text and '"city": "Paris"' in text
@@ -186,8 +187,8 @@ async def test_malformed_tools_are_400_before_queueing(tools_mesh: Mesh) -> None
     bad = {"type": "function", "function": {"name": "get weather"}}
     async with client(tools_mesh) as c:
         with pytest.raises(openai.BadRequestError) as err:
-            await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, bad])  # type: ignore[arg-type,list-item]
-    assert err.value.body["param"] == "tools[1].function.name"  # type: ignore[index]
+            await c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, bad])  # type: ignore[list-item]  # plain dicts for the SDK's message and tool TypedDicts
+    assert err.value.body["param"] == "tools[1].function.name"
     assert tools_mesh.scheduler.admits == []
 
 
@@ -196,9 +197,9 @@ async def test_malformed_tools_are_400_before_queueing(tools_mesh: Mesh) -> None
 
 def _grpc_request(**fields: object) -> inference_pb2.ChatRequest:
     tool = inference_pb2.Tool(name="get_weather", description="Current weather",
-                              parameters_json=json.dumps(WEATHER["function"]["parameters"]))  # type: ignore[index]
+                              parameters_json=json.dumps(WEATHER["function"]["parameters"]))
     return inference_pb2.ChatRequest(model=MODEL, messages=[inference_pb2.ChatMessage(role="user", content="hi")],
-                                     tools=[tool], **fields)  # type: ignore[arg-type]
+                                     tools=[tool], **fields)  # type: ignore[arg-type]  # each case's proto fields, typed object
 
 
 async def _chat(mesh: Mesh, request: inference_pb2.ChatRequest) -> list[inference_pb2.GenerateEvent]:
@@ -250,7 +251,7 @@ async def test_grpc_malformed_tools_are_invalid_argument(
     for name, value in change.items():
         if name == "tools":
             del request.tools[:]
-            request.tools.extend(value)  # type: ignore[arg-type]
+            request.tools.extend(value)  # type: ignore[arg-type]  # each case's proto tools, typed object
         else:
             getattr(request, name).CopyFrom(value)
     with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -8,19 +8,20 @@ import asyncio
 
 import openai
 from conftest import KEY_FULL, MODEL, FakeEngine, Mesh
+from openai.types.chat import ChatCompletionMessageParam
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from test_gateway_preemption import _chat
 
 from services.common.config import TracingConfig
 from services.common.tracing_otel import OtelTracing
 
-CHAT = [{"role": "user", "content": "hello world"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello world"}]
 _PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
 def _trace(mesh: Mesh) -> InMemorySpanExporter:
     exporter = InMemorySpanExporter()
-    mesh.gateway.frontdoor.tracing = OtelTracing(  # type: ignore[attr-defined]
+    mesh.gateway.frontdoor.tracing = OtelTracing(
         TracingConfig(otlp_endpoint="http://127.0.0.1:9"), "kvmesh-gateway", exporter=exporter)
     return exporter
 
@@ -29,7 +30,7 @@ async def _span(mesh: Mesh, exporter: InMemorySpanExporter):
     """The request's span, once the gateway ended it (after the client's last byte)."""
     async with asyncio.timeout(10):
         while True:
-            mesh.gateway.frontdoor.tracing.flush()  # type: ignore[attr-defined]
+            mesh.gateway.frontdoor.tracing.flush()
             if exporter.get_finished_spans():
                 break
             await asyncio.sleep(0.01)
@@ -48,7 +49,7 @@ async def test_a_migration_is_an_event_and_every_hop_gets_the_context(mesh: Mesh
     b = await mesh.add_engine(FakeEngine("engine-b", answer_tokens=9))
     async with openai.AsyncOpenAI(base_url=f"{mesh.http}/v1", api_key=KEY_FULL, max_retries=0,
                                   timeout=20, default_headers={"traceparent": _PARENT}) as c:
-        stream = await c.chat.completions.create(model=MODEL, messages=CHAT, stream=True)  # type: ignore[arg-type]
+        stream = await c.chat.completions.create(model=MODEL, messages=CHAT, stream=True)
         [ch async for ch in stream]
     await asyncio.wait_for(mesh.scheduler.admits[0].wait_done(), 10)
     span = await _span(mesh, exporter)
@@ -84,6 +85,6 @@ async def test_a_preemption_is_an_event_then_resumed(mesh: Mesh) -> None:
 async def test_off_sends_no_context(mesh: Mesh) -> None:
     async with openai.AsyncOpenAI(base_url=f"{mesh.http}/v1", api_key=KEY_FULL, max_retries=0, timeout=20,
                                   default_headers={"traceparent": _PARENT}) as c:
-        await c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3)  # type: ignore[arg-type]
+        await c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3)
     assert not mesh.scheduler.admits[0].request.trace_context
     assert not mesh.engines["engine-a"].requests[0].trace_context

@@ -15,7 +15,7 @@ from services.gateway.errors import ErrorKind, GatewayError
 
 
 class _Untouchable(dict):
-    def get(self, *_args: object, **_kw: object) -> None:  # type: ignore[override]
+    def get(self, *_args: object, **_kw: object) -> None:
         raise AssertionError("headers read with tracing off")
 
 

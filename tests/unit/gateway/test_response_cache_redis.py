@@ -11,6 +11,7 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _redis_server import RedisServer
@@ -43,7 +44,7 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
 
 
-def _cache(url: str, clock: FakeClock, **settings: object) -> tuple[ResponseCache, RedisStore, CacheMetrics]:
+def _cache(url: str, clock: FakeClock, **settings: Any) -> tuple[ResponseCache, RedisStore, CacheMetrics]:
     config = dataclasses.replace(ResponseCacheConfig(store="redis", redis_url=url, ttl_seconds=60), **settings)
     metrics = CacheMetrics(CollectorRegistry(), "redis")
     store = RedisStore(config, clock, metrics)
@@ -51,7 +52,7 @@ def _cache(url: str, clock: FakeClock, **settings: object) -> tuple[ResponseCach
 
 
 def _value(metric: object) -> float:
-    return metric._value.get()  # type: ignore[attr-defined]
+    return metric._value.get()  # type: ignore[attr-defined]  # prometheus_client's private value holder
 
 
 async def _lookup(cache: ResponseCache) -> CacheStatus:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -29,14 +30,14 @@ from services.gateway.response_cache.record import Recorder, decode_entry, encod
 REV = "sha256:abc"
 
 
-def _job(**changes: object) -> Job:
+def _job(**changes: Any) -> Job:
     job = Job(request_id="r1", route="chat", model="m", tenant="acme", priority=0, prompt_ids=[1, 2, 3],
               prefix_hashes=[], sampling=SamplingOptions(temperature=0.0), max_tokens=16,
               max_generation_seconds=120.0, arrival_unix=0.0, arrival_monotonic=0.0, hash_block_tokens=16)
     return dataclasses.replace(job, **changes)
 
 
-def _request(**changes: object) -> GenerationInput:
+def _request(**changes: Any) -> GenerationInput:
     return dataclasses.replace(GenerationInput(route="chat", model="m", sampling=SamplingOptions(temperature=0.0)),
                                **changes)
 
@@ -60,7 +61,7 @@ def test_the_same_request_gives_the_same_key_and_a_new_request_id_does_not_matte
     {"stop_token_ids": [5]}, {"logprobs": 2}, {"min_tokens": 2}, {"ignore_eos": True}, {"logit_bias": {5: 1.0}},
     {"max_tokens": 99},
 ])
-def test_any_sampling_change_gives_another_key(change: dict[str, object]) -> None:
+def test_any_sampling_change_gives_another_key(change: dict[str, Any]) -> None:
     sampling = dataclasses.replace(SamplingOptions(temperature=0.0), **change)
     assert _key(_job(sampling=sampling)) != _key()
 
@@ -167,7 +168,7 @@ async def _record(events: list[TextDelta | Finished], max_bytes: int = 1 << 20) 
 
     async def run(emit: object) -> None:
         for e in events:
-            await emit(e)  # type: ignore[operator]
+            await emit(e)
 
     async def sink(event: object) -> None:
         seen.append(event)
@@ -186,8 +187,9 @@ async def test_recorder_stores_only_complete_answers() -> None:
     assert await _record(_events()[:2]) == []                 # no final event: partial
     assert await _record(_events(), max_bytes=20) == []        # over max_entry_bytes
     # n = 2: one choice failing spoils the whole answer.
-    two = [TextDelta("a", [1], choice=0), Finished(FinishReason.ERROR, Usage(3, 1, 0), choice=0, final=False),
-           TextDelta("b", [2], choice=1), Finished(FinishReason.STOP, Usage(3, 2, 0), choice=1)]
+    two: list[TextDelta | Finished] = [
+        TextDelta("a", [1], choice=0), Finished(FinishReason.ERROR, Usage(3, 1, 0), choice=0, final=False),
+        TextDelta("b", [2], choice=1), Finished(FinishReason.STOP, Usage(3, 2, 0), choice=1)]
     assert await _record(two) == []
 
 
@@ -212,7 +214,7 @@ def _store(max_bytes: int = 100, ttl: float = 10.0) -> tuple[EmbeddedStore, Fake
 
 
 def _value(metric: object) -> float:
-    return metric._value.get()  # type: ignore[attr-defined]
+    return metric._value.get()  # type: ignore[attr-defined]  # prometheus_client's private value holder
 
 
 async def test_embedded_store_evicts_least_recently_used_within_max_bytes() -> None:

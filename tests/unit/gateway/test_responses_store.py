@@ -14,7 +14,7 @@ def response(response_id: str, text: str = "hi") -> dict[str, object]:
 
 
 def store(clock: FakeClock, **config: float) -> ResponseStore:
-    return ResponseStore(ResponsesConfig(**config), clock)  # type: ignore[arg-type]
+    return ResponseStore(ResponsesConfig(**config), clock)  # type: ignore[arg-type]  # settings as floats, the fields are int and float
 
 
 def test_an_entry_lives_for_its_ttl() -> None:

@@ -14,12 +14,15 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import yaml
 
+from services.batch.credential import CREDENTIAL_ENV
 from services.common.config import ConfigError, load_config
+from services.launcher.children import RestartPolicy
 from services.launcher.mesh import (
     ChildSpec,
     Mesh,
@@ -52,8 +55,8 @@ HEALTHY_CHILD = textwrap.dedent(
 )
 
 
-def _mesh(tmp_path: Path, **kw: object) -> Mesh:
-    options = MeshOptions(free_ports=True, run_dir=tmp_path, model="tiny-llama", **kw)  # type: ignore[arg-type]
+def _mesh(tmp_path: Path, **kw: Any) -> Mesh:
+    options = MeshOptions(free_ports=True, run_dir=tmp_path, model="tiny-llama", **kw)
     return Mesh(load_config(CONFIG), options)
 
 
@@ -164,7 +167,7 @@ def test_specs_pass_the_resolved_config_and_ports(tmp_path: Path) -> None:
     _needs_tiny_llama()
     mesh = _mesh(tmp_path, engines=2, gateways=2)
     specs = {s.name: s for s in mesh.specs()}
-    assert list(specs) == ["scheduler", "engine-0", "engine-1", "gateway-0", "gateway-1", "envoy"]
+    assert list(specs) == ["scheduler", "engine-0", "engine-1", "batch", "gateway-0", "gateway-1", "envoy"]
     for spec in specs.values():
         if spec.role is not Role.ENVOY:
             assert spec.argv[spec.argv.index("--config") + 1] == str(mesh.config_path)
@@ -194,6 +197,33 @@ def test_several_gateways_on_embedded_responses_stores_warn(tmp_path: Path,
         assert "Responses store" not in caplog.text
         _mesh(tmp_path / "two", gateways=2)
     assert "2 gateways, each with its own Responses store" in caplog.text
+
+
+def test_the_batch_service_gets_its_credential_and_sends_lines_through_envoy(tmp_path: Path) -> None:
+    """One supervised batch process; the run's internal credential reaches
+    it by environment only (the config holds its hash, which the gateways
+    read); its lines go to Envoy's listener; Envoy routes to its port."""
+    _needs_tiny_llama()
+    mesh = _mesh(tmp_path, engines=1)
+    spec = {s.name: s for s in mesh.specs()}["batch"]
+    assert spec.role is Role.BATCH and spec.restart is RestartPolicy.ALWAYS
+    assert spec.argv[-1] == "batch"
+    credential = spec.env[CREDENTIAL_ENV]
+    batch = mesh.config.batch
+    assert batch.internal_key_sha256 == hashlib.sha256(credential.encode()).hexdigest()
+    assert batch.gateway_url == mesh.endpoints.public_http
+    assert mesh.endpoints.batch_http == f"http://127.0.0.1:{batch.port}"
+    mesh._write_files()
+    assert credential not in mesh.config_path.read_text()
+    assert load_config(mesh.config_path).batch.internal_key_sha256 == batch.internal_key_sha256
+    envoy = yaml.safe_load(mesh.envoy_config_path.read_text())
+    cluster = next(c for c in envoy["static_resources"]["clusters"] if c["name"] == "batch_http")
+    address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert address["socket_address"]["port_value"] == batch.port
+    off = load_config(CONFIG)
+    off.batch.enabled = False
+    mesh = Mesh(off, MeshOptions(free_ports=True, run_dir=tmp_path / "off", model="tiny-llama"))
+    assert "batch" not in [s.name for s in mesh.specs()] and not mesh.endpoints.batch_http
 
 
 def test_written_files_load_back(tmp_path: Path) -> None:
@@ -263,7 +293,8 @@ def test_start_kill_restart_and_stop(tmp_path: Path) -> None:
 
 def test_an_engine_that_dies_is_restarted_with_its_name_and_port(tmp_path: Path) -> None:
     """What `kvmesh up` does when an engine exits by itself (its backend died
-    or hung): the supervision passes restart it, healthy on the same port."""
+    or hung): the supervision passes restart it, healthy on the same port;
+    and a gateway killed likewise."""
     mesh = _fake(tmp_path)
     policy = {spec.role: spec.restart for spec in Mesh.specs(mesh)}  # the real specs' policies
     port = free_port()
@@ -292,10 +323,14 @@ def test_an_engine_that_dies_is_restarted_with_its_name_and_port(tmp_path: Path)
             channel.close()
         gateway_pid = mesh.pid("gateway-0")
         assert gateway_pid is not None
-        os.kill(gateway_pid, signal.SIGKILL)
+        os.kill(gateway_pid, signal.SIGKILL)     # a gateway is restarted too (issue 29)
         mesh._children["gateway-0"].process.wait()
-        restarts.check()
-        assert restarts.restarted == ["engine-0"] and not mesh.is_running("gateway-0")  # reported only
+        deadline = time.monotonic() + 60
+        while len(restarts.restarted) < 2 and time.monotonic() < deadline:
+            restarts.check()
+            time.sleep(0.1)
+        assert restarts.restarted == ["engine-0", "gateway-0"]
+        assert mesh.is_running("gateway-0") and mesh.pid("gateway-0") != gateway_pid
     finally:
         mesh.stop_all()
 

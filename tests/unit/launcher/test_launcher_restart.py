@@ -1,5 +1,6 @@
-"""`kvmesh up`'s restarts: the scheduler and the engines are restarted (soft
-state; an engine exits by itself when its backend died or hung), each child
+"""`kvmesh up`'s restarts: the scheduler, the engines and the gateways are
+restarted (soft state; an engine exits by itself when its backend died or
+hung), never twice for one exit (a rolling restart's start counts), each child
 on its own schedule (one slow start holds up no other restart), a failed
 restart is tried again with backoff, and at most `max_attempts` restarts
 of a child happen in any window. Over a fake supervisor and a fake clock."""
@@ -37,6 +38,7 @@ class FakeSupervisor:
     spawn_fails: dict[str, int] = field(default_factory=dict)  # name -> failures left
     respawns: list[tuple[str, float]] = field(default_factory=list)
     starting: set[str] = field(default_factory=set)
+    pids: dict[str, int] = field(default_factory=dict)  # name -> its current process (4242 first)
 
     def monotonic(self) -> float:
         return self.now
@@ -44,9 +46,16 @@ class FakeSupervisor:
     def wall(self) -> float:
         return self.now
 
+    def pid(self, name: str) -> int | None:
+        return self.pids.get(name, 4242)
+
     def die(self, name: str, code: int = 3) -> None:
         self.starting.discard(name)
-        self.pending.append(ChildExit(name, 4242, code, Path(f"/logs/{name}.log")))
+        self.pending.append(ChildExit(name, self.pid(name) or 0, code, Path(f"/logs/{name}.log")))
+
+    def start_elsewhere(self, name: str) -> None:
+        """Another hand (a rolling restart) starts it again and waits until healthy."""
+        self.pids[name] = (self.pid(name) or 0) + 1
 
     def exited(self) -> list[ChildExit]:
         out, self.pending = self.pending, []
@@ -60,6 +69,7 @@ class FakeSupervisor:
         if self.spawn_fails.get(name, 0):
             self.spawn_fails[name] -= 1
             raise MeshError(f"could not start {name}: no such file")
+        self.pids[name] = (self.pid(name) or 0) + 1
         self.starting.add(name)
 
     def started(self, name: str) -> bool:
@@ -77,7 +87,8 @@ class FakeSupervisor:
 
 def _setup(rules: RestartRules | None = None) -> tuple[FakeSupervisor, Restarts]:
     fake = FakeSupervisor({"scheduler": RestartPolicy.ALWAYS, "engine-0": RestartPolicy.ALWAYS,
-                           "engine-1": RestartPolicy.ALWAYS, "gateway-0": RestartPolicy.NEVER})
+                           "engine-1": RestartPolicy.ALWAYS, "gateway-0": RestartPolicy.ALWAYS,
+                           "envoy": RestartPolicy.NEVER})
     return fake, Restarts(fake, rules, clock=fake, out=io.StringIO())
 
 
@@ -195,12 +206,42 @@ def test_at_most_max_attempts_restarts_in_a_window_then_it_waits_never_gives_up(
 
 def test_a_child_without_restart_policy_is_only_reported() -> None:
     fake, restarts = _setup()
-    fake.die("gateway-0", code=-9)
+    fake.die("envoy", code=-9)
     _run(fake, restarts, 1010.0)
-    assert fake.respawns == [] and [(e.name, e.returncode) for e in restarts.exits] == [("gateway-0", -9)]
+    assert fake.respawns == [] and [(e.name, e.returncode) for e in restarts.exits] == [("envoy", -9)]
 
 
-def test_scheduler_and_engines_restart_always_others_never(tmp_path: Path) -> None:
+def test_a_dead_gateway_is_restarted_like_the_others() -> None:
+    fake, restarts = _setup()
+    fake.looks["gateway-0"] = [False, True]
+    fake.die("gateway-0", code=-9)
+    restarts.check()
+    assert fake.respawns == [("gateway-0", 1000.0)]
+    _run(fake, restarts, 1002.0)
+    assert restarts.restarted == ["gateway-0"] and len(fake.respawns) == 1
+
+
+def test_a_child_started_again_by_a_rolling_restart_is_not_started_twice() -> None:
+    """gateway-0 died soon after a restart (its next one backs off 1 s); a
+    rolling restart starts it meanwhile and waits for its health: the due
+    restart is dropped -- respawning would stop the fresh process and cut
+    what it carries. A later exit of that process is restarted again."""
+    fake, restarts = _setup()
+    fake.die("gateway-0")
+    _run(fake, restarts, 1001.0)                 # restarted at once, healthy
+    fake.die("gateway-0")                        # dies again within stable_seconds
+    restarts.check()
+    assert restarts.due("gateway-0") == fake.now + 1.0
+    fake.start_elsewhere("gateway-0")            # SIGUSR1's roll, before the backoff ran out
+    _run(fake, restarts, fake.now + 5.0)
+    assert fake.respawns == [("gateway-0", 1000.0)] and restarts.due("gateway-0") is None
+    fake.now += restarts.rules.stable_seconds
+    fake.die("gateway-0")
+    restarts.check()
+    assert fake.respawns[-1] == ("gateway-0", fake.now)  # the rolled process ran long enough: at once
+
+
+def test_scheduler_engines_and_gateways_restart_always_envoy_never(tmp_path: Path) -> None:
     from services.common.config import load_config
 
     if not (ROOT / ".models" / "tiny-llama").is_dir():
@@ -210,7 +251,7 @@ def test_scheduler_and_engines_restart_always_others_never(tmp_path: Path) -> No
     policies = {spec.role: spec.restart for spec in mesh.specs()}
     assert policies[Role.SCHEDULER] is RestartPolicy.ALWAYS
     assert policies[Role.ENGINE] is RestartPolicy.ALWAYS
-    assert policies[Role.GATEWAY] is RestartPolicy.NEVER
+    assert policies[Role.GATEWAY] is RestartPolicy.ALWAYS
 
 
 class _ChaosMesh(FakeSupervisor):
@@ -229,7 +270,7 @@ def test_the_chaos_loop_restarts_an_engine_that_exits_on_its_own() -> None:
 
     mesh = _ChaosMesh({"scheduler": RestartPolicy.ALWAYS, "engine-0": RestartPolicy.ALWAYS,
                        "engine-1": RestartPolicy.ALWAYS, "gateway-0": RestartPolicy.NEVER})
-    chaos = Chaos(mesh, random.Random(1), ["core-kill", "hang"], 1.0, Tally())  # type: ignore[arg-type]
+    chaos = Chaos(mesh, random.Random(1), ["core-kill", "hang"], 1.0, Tally())  # type: ignore[arg-type]  # a fake mesh: only what Chaos reads
     mesh.die("engine-0")
     chaos.restarts.check()
     assert [e.name for e in chaos.restarts.exits] == ["engine-0"]
@@ -246,10 +287,10 @@ def test_the_chaos_hang_fault_survives_a_stopped_process_that_was_ended() -> Non
     victim = subprocess.Popen(["sleep", "30"])
     mesh = _ChaosMesh({"engine-0": RestartPolicy.ALWAYS, "engine-1": RestartPolicy.ALWAYS})
     mesh.config = SimpleNamespace(engines=SimpleNamespace(backend="sim"))
-    mesh.pid = lambda _name: victim.pid  # type: ignore[attr-defined]
-    chaos = Chaos(mesh, random.Random(1), ["hang"], 0.5, Tally())  # type: ignore[arg-type]
+    mesh.pid = lambda _name: victim.pid  # type: ignore[attr-defined]  # the fake mesh's pid, set per test
+    chaos = Chaos(mesh, random.Random(1), ["hang"], 0.5, Tally())  # type: ignore[arg-type]  # a fake mesh: only what Chaos reads
     # As the engine ends its hung core, and its parent reaps it.
-    ender = threading.Timer(0.1, lambda: (victim.kill(), victim.wait(10)))
+    ender = threading.Timer(0.1, lambda: (victim.kill(), victim.wait(10)))  # type: ignore[func-returns-value]  # a lambda making two calls; the timer drops the tuple
     ender.start()
     try:
         said = chaos.hang()

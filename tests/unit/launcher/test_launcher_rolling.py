@@ -117,7 +117,7 @@ def test_supervise_rolls_the_gateways_when_asked(capsys: pytest.CaptureFixture[s
 
     mesh = FakeMesh()
     roll_event.set()  # what SIGUSR1 to `kvmesh up` does
-    supervise(mesh, stop, roll_event)  # type: ignore[arg-type]
+    supervise(mesh, stop, roll_event)  # type: ignore[arg-type]  # a fake mesh: only what supervise() calls
     assert mesh.rolls == 1 and not roll_event.is_set()
     assert "rolling restart done: gateway-0 in 1.0 s, gateway-1 in 1.5 s" in capsys.readouterr().err
 

@@ -36,7 +36,7 @@ def make_core(clock: FakeClock | None = None, **scheduler: Any) -> tuple[Schedul
 
 
 def opts(request_id: str, tenant: str = "t", priority: int = 1, **kw: Any) -> AdmitOptions:
-    base = dict(model=MODEL, prompt_tokens=32, max_tokens=16)
+    base: dict[str, Any] = dict(model=MODEL, prompt_tokens=32, max_tokens=16)
     base.update(kw)
     return AdmitOptions(request_id=request_id, tenant=tenant, priority=priority, **base)
 
@@ -63,7 +63,7 @@ def add_engine(
 
 
 def report_load(core: SchedulerCore, engine_id: str, token: int, **load: Any):
-    base = dict(serving=True, blocks_total=core.fleet.get(engine_id).info.total_blocks)
+    base: dict[str, Any] = dict(serving=True, blocks_total=core.fleet.get(engine_id).info.total_blocks)
     base.update(load)
     if "request_ids" in base:
         base["request_ids"] = frozenset(base["request_ids"])

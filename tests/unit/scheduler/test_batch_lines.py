@@ -29,7 +29,7 @@ from .helpers import MODEL, add_engine, admit, make_core, opts, report_load
 
 # One engine slot per running request; a third of the default aging (P2 ->
 # P0 after 60 s): the tests move the clock past it.
-TIGHT = dict(engine_queue_slack=0, p0_reserved_leases=0)
+TIGHT: dict[str, Any] = dict(engine_queue_slack=0, p0_reserved_leases=0)
 PAST_AGING = 61.0
 
 

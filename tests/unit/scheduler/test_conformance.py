@@ -90,7 +90,7 @@ def test_picker_contract(name: str) -> None:
 class _Rogue:
     name = "rogue"
 
-    def score(self, request, engines):  # type: ignore[no-untyped-def]
+    def score(self, request, engines):
         values = [5.0, -3.0, float("nan")]
         return {e.engine_id: values[i % 3] for i, e in enumerate(engines)}  # x3 missing below
 
@@ -101,7 +101,7 @@ def test_framework_clamps_scores_and_counts_missing_as_zero() -> None:
     views = varied_views()[:3] + [view("missing")]
 
     class _Partial(_Rogue):
-        def score(self, request, engines):  # type: ignore[no-untyped-def]
+        def score(self, request, engines):
             return {k: v for k, v in super().score(request, engines).items() if k != "missing"}
 
     policy.scorers = [(_Partial(), 1.0)]
@@ -140,7 +140,7 @@ def test_every_builtin_policy_builds_and_places(name: str) -> None:
 
 
 class _NoKv:
-    def prefix_matches(self, prefix, engines):  # type: ignore[no-untyped-def]
+    def prefix_matches(self, prefix, engines):
         return dict.fromkeys(engines, 0)
 
 

@@ -109,8 +109,8 @@ def test_incarnations_of_later_starts_compare_greater() -> None:
 # ---------------------------------------------------------------- on the core (fake clock)
 
 
-def _join(core, address: str, incarnation: int):
-    return core.handle(EngineJoined(info(address, incarnation)))
+def _join(core, address: str, incarnation: int, engine_id: str = "e"):
+    return core.handle(EngineJoined(info(address, incarnation, engine_id)))
 
 
 def test_superseding_ends_the_old_processs_leases_as_if_it_was_lost() -> None:
@@ -171,12 +171,45 @@ def test_a_replace_may_go_to_the_new_process_of_the_engine_it_excludes() -> None
 
 
 def test_an_exclusion_of_the_same_process_still_holds() -> None:
-    core, _ = make_core()
-    report_load(core, "e", _join(core, "a:1", OLD).token)
+    """The excluded process still reports serving: the replacement is not
+    placed on it; it waits (issue 29) and is refused once
+    engine_return_seconds passed since the Replace."""
+    core, clock = make_core(engine_return_seconds=30.0)
+    token = _join(core, "a:1", OLD).token
+    report_load(core, "e", token)
     admit(core, opts("r1"))
-    refused = [n for rid, n in _replace(core, "r1") if rid == "r1"]
+    assert [n for rid, n in _replace(core, "r1") if rid == "r1"] == []
+    clock.advance(20.0)
+    assert [n for rid, n in report_load(core, "e", token) if rid == "r1"] == []   # still serving: not placed
+    assert core.lease_of("r1") is None
+    clock.advance(10.0)
+    refused = [n for rid, n in core.handle(Tick()).notices if rid == "r1"]
     assert len(refused) == 1 and isinstance(refused[0], RejectedInfo)
     assert refused[0].reason.value == "no_engine"
+
+
+def test_a_replace_excluding_a_stalled_engine_that_reports_serving_goes_to_its_restart() -> None:
+    """Issue 29's chaos case: both engines of the model are excluded (one died,
+    one stalled but still reporting serving). The replacement waits in the
+    lane and is placed as soon as a restarted process of an excluded id
+    registers: the exclusion covers only the process it ran on."""
+    core, clock = make_core()
+    old = _join(core, "old:1", OLD)
+    report_load(core, "e", old.token)
+    other = _join(core, "f:1", OLD, engine_id="f")
+    report_load(core, "f", other.token)
+    admit(core, opts("r1"))
+    ran_on = core.lease_of("r1").engine_id
+    core.handle(ReplaceRequested("r1", ("e", "f"), 48, 8, ()))
+    assert core.request_state("r1").value == "replacing"
+    clock.advance(40.0)
+    assert _answers(core.handle(Tick()).notices, "r1") == []
+    assert _answers(report_load(core, "f", other.token), "r1") == []     # f still says serving
+    restarted = _join(core, "new:1", NEW, engine_id=ran_on)
+    placed = (_answers(restarted.notices, "r1")
+              + _answers(report_load(core, ran_on, restarted.token), "r1"))
+    assert len(placed) == 1 and isinstance(placed[0], PlacedInfo), placed
+    assert (placed[0].engine_id, placed[0].engine_address, placed[0].engine_incarnation) == (ran_on, "new:1", NEW)
 
 
 def _answers(notices, request_id: str) -> list:

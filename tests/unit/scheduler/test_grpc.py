@@ -148,7 +148,7 @@ async def test_engine_stream_close_drops_leases(stack) -> None:
         exclude_engines=["eng-2"], prompt_tokens=80, max_tokens=8)))
     # (Either order of the clock and the replace ends so; the wait itself is
     # test_engine_identity.py's.)
-    service.clock.advance(service.config.scheduler.engine_return_seconds + 1)  # type: ignore[attr-defined]
+    service.clock.advance(service.config.scheduler.engine_return_seconds + 1)
     msg = await asyncio.wait_for(call.read(), TIMEOUT)
     assert msg.WhichOneof("msg") == "rejected"
     assert msg.rejected.code == pb.REJECT_CODE_NO_ENGINE

@@ -108,7 +108,7 @@ def test_the_policy_fills_live_blocks_from_its_own_placements() -> None:
 
 
 class _Nothing:
-    def prefix_matches(self, prefix, engines):  # type: ignore[no-untyped-def]
+    def prefix_matches(self, prefix, engines):
         return dict.fromkeys(engines, 0)
 
 

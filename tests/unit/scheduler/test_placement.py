@@ -15,6 +15,7 @@ from services.scheduler.events import (
     RequestArrived,
     RequestDone,
     StreamClosed,
+    Tick,
 )
 from services.scheduler.records import PlacedInfo, QueuedInfo, RejectedInfo, RejectReason
 
@@ -260,13 +261,66 @@ def test_replace_places_elsewhere_ahead_of_the_queue() -> None:
     assert core.request_state("r3").value == "queued"
 
 
-def test_replace_with_every_engine_excluded_is_rejected() -> None:
-    core, _ = make_core()
+def test_replace_with_every_engine_excluded_is_rejected_after_the_return_bound() -> None:
+    """Issue 29: the excluded engine still reports serving (a stopped core not
+    yet declared hung), yet the replacement waits for an engine it does not
+    exclude, engine_return_seconds from its Replace, then is refused."""
+    core, clock = make_core(engine_return_seconds=30.0)
     add_engine(core, "e1")
     assert place(core, "r") == "e1"
-    out = dict(core.handle(ReplaceRequested("r", ("e1",), 40, 10, ())).notices)
+    assert core.handle(ReplaceRequested("r", ("e1",), 40, 10, ())).notices == []
+    assert core.request_state("r").value == "replacing"
+    clock.advance(29.0)
+    assert core.handle(Tick()).notices == []
+    clock.advance(1.0)
+    out = dict(core.handle(Tick()).notices)
     assert isinstance(out["r"], RejectedInfo) and out["r"].reason is RejectReason.NO_ENGINE
     assert core.request_state("r") is None
+
+
+def test_replace_with_every_engine_excluded_waits_past_its_class_ttl() -> None:
+    """The return bound, not the class TTL, bounds that wait (P0's TTL is 60 s)."""
+    core, clock = make_core(engine_return_seconds=120.0)
+    add_engine(core, "e1")
+    assert place(core, "r", priority=0) == "e1"
+    assert core.handle(ReplaceRequested("r", ("e1",), 40, 10, ())).notices == []
+    clock.advance(90.0)
+    assert core.handle(Tick()).notices == []
+    add_engine(core, "e2")                 # an engine it does not exclude: placed at once
+    lease = core.lease_of("r")
+    assert lease is not None and lease.engine_id == "e2"
+
+
+def test_a_replacement_that_comes_to_wait_for_an_engine_later_gets_the_return_bound() -> None:
+    """r waits for room on e2 (its class TTL bounds that: P0, 60 s); then e2
+    leaves, and every engine left is one r excludes: from then on it waits
+    for an engine, engine_return_seconds from its Replace."""
+    core, clock = make_core(engine_queue_slack=0, engine_return_seconds=120.0)
+    add_engine(core, "e1", max_running=1)
+    assert place(core, "r", priority=0) == "e1"
+    e2 = add_engine(core, "e2", max_running=1)
+    assert place(core, "s", priority=0) == "e2"
+    assert core.handle(ReplaceRequested("r", ("e1",), 40, 10, ())).notices == []   # e2 full: waits for room
+    core.handle(EngineLeft("e2", e2))
+    clock.advance(90.0)                                                                # past P0's TTL
+    assert [n for rid, n in core.handle(Tick()).notices if rid == "r"] == []
+    add_engine(core, "e3")
+    lease = core.lease_of("r")
+    assert lease is not None and lease.engine_id == "e3"
+
+
+def test_a_replacement_waiting_for_an_engine_holds_up_no_one() -> None:
+    """Every engine is excluded for r, not for the others: new requests and
+    later replacements are placed on e1 meanwhile (strict order is about
+    room, and r competes for none here)."""
+    core, _ = make_core()
+    add_engine(core, "e1")
+    assert place(core, "r") == "e1" and place(core, "q") == "e1"
+    assert core.handle(ReplaceRequested("r", ("e1",), 40, 10, ())).notices == []
+    assert place(core, "s") == "e1"
+    out = dict(core.handle(ReplaceRequested("q", ("e9",), 40, 10, ())).notices)
+    assert isinstance(out["q"], PlacedInfo) and out["q"].engine_id == "e1"
+    assert core.request_state("r").value == "replacing"
 
 
 def test_replace_while_queued_is_invalid() -> None:

@@ -107,7 +107,7 @@ def test_inflight_overlay_extends_matches_until_reported_or_expired() -> None:
     reported: dict[str, dict[int, bool]] = {"a": {}, "b": {}}
 
     class Kv:
-        def prefix_matches(self, prefix, engines):  # type: ignore[no-untyped-def]
+        def prefix_matches(self, prefix, engines):
             out = {}
             for e in engines:
                 n = 0
@@ -137,7 +137,7 @@ def test_inflight_overlay_extends_matches_until_reported_or_expired() -> None:
 
 
 class _NoKv:
-    def prefix_matches(self, prefix, engines):  # type: ignore[no-untyped-def]
+    def prefix_matches(self, prefix, engines):
         return dict.fromkeys(engines, 0)
 
 

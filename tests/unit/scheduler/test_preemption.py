@@ -34,7 +34,7 @@ from .helpers import add_engine, admit, make_core, opts, report_load
 
 # One lease slot per running request, none kept for P0: every slot can be
 # taken by batch work, so only preemption lets a P0 in.
-TIGHT = dict(engine_queue_slack=0, p0_reserved_leases=0)
+TIGHT: dict[str, Any] = dict(engine_queue_slack=0, p0_reserved_leases=0)
 
 
 def arrive(core: Any, options: Any) -> Outbox:
