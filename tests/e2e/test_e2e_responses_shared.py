@@ -18,6 +18,7 @@ import openai
 import pytest
 from _redis_mesh import redis_mesh
 from _redis_server import RedisServer
+from openai.types.responses import ResponseCompletedEvent
 
 from services.common.config import MeshConfig
 from services.launcher.mesh import Mesh
@@ -54,8 +55,9 @@ def _turn(sdk: openai.OpenAI, turn: int, previous: str | None) -> tuple[str, int
     if turn in (3, 8):
         events = list(sdk.responses.create(model=MODEL, input=question, max_output_tokens=8, store=True,
                                            previous_response_id=previous, stream=True))
-        final = events[-1].response  # type: ignore[union-attr]
-        return final.id, final.usage.input_tokens
+        final = events[-1]
+        assert isinstance(final, ResponseCompletedEvent) and final.response.usage is not None, final
+        return final.response.id, final.response.usage.input_tokens
     out = sdk.responses.create(model=MODEL, input=question, max_output_tokens=8, store=True,
                                previous_response_id=previous)
     assert out.usage is not None

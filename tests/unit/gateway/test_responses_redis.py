@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _redis_server import RedisServer
@@ -45,9 +46,9 @@ async def client(redis_server: RedisServer) -> AsyncIterator[Redis]:
     await plain.aclose()
 
 
-def _store(url: str, clock: FakeClock | None = None, **settings: float) -> RedisResponses:
+def _store(url: str, clock: FakeClock | None = None, **settings: Any) -> RedisResponses:
     redis = ResponseCacheConfig(store="redis", redis_url=url)
-    return RedisResponses(ResponsesConfig(store="redis", **settings), redis, clock or FakeClock())  # type: ignore[arg-type]
+    return RedisResponses(ResponsesConfig(store="redis", **settings), redis, clock or FakeClock())
 
 
 async def test_every_gateway_sees_an_entry_and_only_its_key(redis_server: RedisServer) -> None:
