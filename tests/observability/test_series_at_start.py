@@ -11,11 +11,11 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from services.batch.metrics import BatchMetrics
 from services.common.clock import FakeClock
 from services.common.config import AlertsConfig, load_config
 from services.engine.backend import LoadSnapshot
 from services.engine.metrics import EngineMetrics
-from services.gateway.batch.metrics import BatchMetrics
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.response_cache.metrics import CacheMetrics
 from services.observability.metric_catalogue import exported_metric_names
@@ -51,10 +51,11 @@ def _at_start() -> dict[str, CollectorRegistry]:
     """Each service's registry as the service builds it, before any event."""
     gateway = GatewayMetrics()
     CacheMetrics(gateway.registry, "embedded")
-    BatchMetrics(gateway.registry)
+    batch = BatchMetrics()
     scheduler = SchedulerCore(load_config(ROOT / "config" / "kvmesh.yaml"), FakeClock())
     engine = EngineMetrics("engine-0", "m", lambda: LoadSnapshot(0, 0, 0, 1, 0, 0, []))
-    return {"gateway": gateway.registry, "scheduler": scheduler.metrics.registry, "engine": engine.registry}
+    return {"gateway": gateway.registry, "scheduler": scheduler.metrics.registry, "engine": engine.registry,
+            "batch": batch.registry}
 
 
 def _named() -> set[str]:

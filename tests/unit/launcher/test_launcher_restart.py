@@ -287,7 +287,7 @@ def test_the_chaos_hang_fault_survives_a_stopped_process_that_was_ended() -> Non
     victim = subprocess.Popen(["sleep", "30"])
     mesh = _ChaosMesh({"engine-0": RestartPolicy.ALWAYS, "engine-1": RestartPolicy.ALWAYS})
     mesh.config = SimpleNamespace(engines=SimpleNamespace(backend="sim"))
-    mesh.pid = lambda _name: victim.pid  # type: ignore[attr-defined]  # the fake mesh's pid, set per test
+    mesh.pid = lambda _name: victim.pid  # type: ignore[method-assign, assignment]  # the fake mesh's pid, set per test
     chaos = Chaos(mesh, random.Random(1), ["hang"], 0.5, Tally())  # type: ignore[arg-type]  # a fake mesh: only what Chaos reads
     # As the engine ends its hung core, and its parent reaps it.
     ender = threading.Timer(0.1, lambda: (victim.kill(), victim.wait(10)))  # type: ignore[func-returns-value]  # a lambda making two calls; the timer drops the tuple
