@@ -52,6 +52,7 @@ async def test_two_gateways_continue_each_others_responses(model_dir: Path, redi
                     out = await c.responses.create(model=MODEL, input=f"turn {turn}", store=True,
                                                    previous_response_id=previous)
                     previous = out.id
+        assert previous is not None
         async with client(one) as c:
             got = await c.responses.retrieve(previous)
             assert got.id == previous
