@@ -18,7 +18,7 @@ import openai
 import pytest
 from _redis_mesh import redis_mesh
 from _redis_server import RedisServer
-from openai.types.responses import ResponseCompletedEvent
+from openai.types.responses import ResponseCompletedEvent, ResponseIncompleteEvent
 
 from services.common.config import MeshConfig
 from services.launcher.mesh import Mesh
@@ -56,7 +56,9 @@ def _turn(sdk: openai.OpenAI, turn: int, previous: str | None) -> tuple[str, int
         events = list(sdk.responses.create(model=MODEL, input=question, max_output_tokens=8, store=True,
                                            previous_response_id=previous, stream=True))
         final = events[-1]
-        assert isinstance(final, ResponseCompletedEvent) and final.response.usage is not None, final
+        # max_output_tokens ends it: incomplete, stored all the same.
+        assert isinstance(final, ResponseCompletedEvent | ResponseIncompleteEvent), final
+        assert final.response.usage is not None
         return final.response.id, final.response.usage.input_tokens
     out = sdk.responses.create(model=MODEL, input=question, max_output_tokens=8, store=True,
                                previous_response_id=previous)
