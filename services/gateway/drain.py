@@ -17,7 +17,8 @@ Phases, from SIGTERM:
    health-check interval x unhealthy_threshold + timeout;
    `services/launcher/envoy_config.py` checks the edge against it).
 3. Wait until no request is in flight, at most until `drain_seconds` after
-   SIGTERM.
+   SIGTERM (by default the mesh's generation bound after phase 2's: no
+   generation this gateway may start is cut; `GatewayConfig.drain_bound_seconds`).
 4. At that bound, streams still open are cut by `Drain.cut`: the
    process ends at once, like a crash, after logging and counting them.
    On purpose: no polite cancel reaches their engines and no `done` the
@@ -55,14 +56,16 @@ HEALTH_PATH = "/health"
 
 @dataclass(frozen=True)
 class DrainSettings:
-    # Whole drain, SIGTERM to cut (gateway.drain_seconds).
+    # Whole drain, SIGTERM to cut (gateway.drain_bound_seconds: drain_seconds,
+    # by default the generation bound).
     drain_seconds: float
     # Until the load balancer stops picking this gateway (gateway.drain_unready_seconds).
     unready_seconds: float
 
     @classmethod
     def from_config(cls, gateway: GatewayConfig) -> DrainSettings:
-        return cls(gateway.drain_seconds, min(gateway.drain_unready_seconds, gateway.drain_seconds))
+        bound = gateway.drain_bound_seconds
+        return cls(bound, min(gateway.drain_unready_seconds, bound))
 
 
 class Drain:

@@ -57,7 +57,7 @@ from services.gateway.metrics import error_label
 from services.gateway.openapi import openapi_document
 from services.gateway.pipeline import Generation, ResumePoint, Traced
 from services.gateway.responses_api import ResponsesApi
-from services.gateway.responses_store import ResponseStore
+from services.gateway.responses_store import ResponsesStore, build_responses_store
 from services.gateway.sse_relay import relay_sse
 from services.gateway.transport_parts import TransportParts
 from services.gateway.validation import parse_priority_header
@@ -91,12 +91,15 @@ def _formatter(route: str, generation: GenerationInput, request_id: str, run: Ge
 
 class HttpApi:
     def __init__(self, config: MeshConfig, parts: TransportParts,
-                 responses_store: ResponseStore | None = None) -> None:
+                 responses_store: ResponsesStore | None = None) -> None:
         self._config = config
         self._parts = parts
-        self.responses_store = responses_store or ResponseStore(config.responses, SystemClock())
+        self.responses_store = responses_store or build_responses_store(config, SystemClock())
         # Lines of the batch service (batch_lines.py): only with its internal credential.
         self._batch_lines = BatchLines(config, parts.pipeline.frontdoor.keys)
+
+    async def _close_responses_store(self, _app: web.Application) -> None:
+        await self.responses_store.aclose()
 
     def app(self) -> web.Application:
         """The routes (the Files + Batches API is the batch service's, services/batch/)."""
@@ -107,6 +110,7 @@ class HttpApi:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         ResponsesApi(self._parts.pipeline, self.responses_store, self._read_json, _REQUEST_ID).register(app)
+        app.on_cleanup.append(self._close_responses_store)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_post("/tokenize", self._tokenize_route)

@@ -38,7 +38,7 @@ from services.gateway.events import Event, Finished, TextDelta
 from services.gateway.jobs import request_id_from
 from services.gateway.keys import Principal, api_key_from_headers
 from services.gateway.pipeline import Generation, RequestPipeline, Traced
-from services.gateway.responses_store import ResponseStore
+from services.gateway.responses_store import ResponsesStore, StoredResponse, StoreUnavailable
 from services.gateway.sse_relay import relay_sse
 from services.gateway.validation import parse_priority_header
 
@@ -60,8 +60,14 @@ def _renamed(exc: GatewayError) -> GatewayError:
 def _not_found(response_id: str, param: str | None) -> GatewayError:
     what = "Previous response" if param == "previous_response_id" else "Response"
     return GatewayError(ErrorKind.NOT_FOUND, f"{what} with id {response_id[:80]!r} not found: responses are kept "
-                        "only with store: true, for responses.ttl_seconds, by the gateway that served them, for "
-                        "the API key that created them", param=param, code="response_not_found")
+                        "only with store: true, for responses.ttl_seconds, in responses.store (embedded: by the "
+                        "gateway that served them alone), for the API key that created them", param=param,
+                        code="response_not_found")
+
+
+def _unavailable(exc: StoreUnavailable) -> GatewayError:
+    return GatewayError(ErrorKind.UNAVAILABLE, f"{exc}; retry later", code="responses_store_unavailable",
+                        retry_after=exc.retry_after)
 
 
 def _sse(events: list[dict[str, Any]]) -> bytes:
@@ -80,6 +86,7 @@ class _Run:
         # The pipeline's tool-call decision (the chat path's), or plain text.
         self.splitter: OutputSplitter = PlainText() if tool_parser is None else ToolSplitter(tool_parser)
         self._keep = (api.store, principal.key_id, [*history, *parsed.items]) if parsed.store else None
+        self._completed = False
 
     def text(self, delta: TextDelta) -> list[dict[str, Any]]:
         return self._pieces(self.splitter.feed(delta.text))
@@ -99,15 +106,25 @@ class _Run:
             return self.builder.fail(error.kind.value, error.message)
         events = self._pieces(self.splitter.finish())
         events += self.builder.finish(finished.reason.value, finished.usage)
-        if self._keep is not None:
-            store, owner, history = self._keep
-            if not store.put(owner, self.builder.response(), history):
-                log.warning("response %s is larger than responses.max_bytes: not stored", self.builder.id)
+        self._completed = True
         return events
+
+    async def keep(self) -> None:
+        """Store a completed response (store: true) BEFORE its client sees it
+        end: the client's next turn may reach another gateway at once. A
+        failure to store does not fail the answer (the generation is done)."""
+        if self._keep is None or not self._completed:
+            return
+        store, owner, history = self._keep
+        try:
+            if not await store.put(owner, self.builder.response(), history):
+                log.warning("response %s is larger than responses.max_bytes: not stored", self.builder.id)
+        except StoreUnavailable as exc:
+            log.warning("response %s not stored: %s", self.builder.id, exc)
 
 
 class ResponsesApi:
-    def __init__(self, pipeline: RequestPipeline, store: ResponseStore, read_json: ReadJson,
+    def __init__(self, pipeline: RequestPipeline, store: ResponsesStore, read_json: ReadJson,
                  request_key: web.RequestKey[str]) -> None:
         self.store = store
         self._pipeline = pipeline
@@ -126,26 +143,36 @@ class ResponsesApi:
 
     async def retrieve(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
-        entry = self.store.get(self._owner(request), response_id)
+        entry = await self._get(self._owner(request), response_id)
         if entry is None:
             raise _not_found(response_id, None)
         return web.json_response(entry.response)
 
     async def delete(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
-        if not self.store.delete(self._owner(request), response_id):
+        try:
+            deleted = await self.store.delete(self._owner(request), response_id)
+        except StoreUnavailable as exc:
+            raise _unavailable(exc) from None
+        if not deleted:
             raise _not_found(response_id, None)
         return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
 
     # ---------------------------------------------------------------- create
 
-    def _history(self, parsed: ResponsesRequest, principal: Principal) -> list[dict[str, Any]]:
+    async def _get(self, owner: str, response_id: str) -> StoredResponse | None:
+        try:
+            return await self.store.get(owner, response_id)
+        except StoreUnavailable as exc:
+            raise _unavailable(exc) from None
+
+    async def _history(self, parsed: ResponsesRequest, principal: Principal) -> list[dict[str, Any]]:
         if parsed.store and not self.store.enabled:
             raise GatewayError(ErrorKind.INVALID_REQUEST, "this gateway stores no responses "
                                "(responses.max_entries is 0); send store: false", param="store")
         if parsed.previous_response_id is None:
             return []
-        entry = self.store.get(principal.key_id, parsed.previous_response_id)
+        entry = await self._get(principal.key_id, parsed.previous_response_id)
         if entry is None:
             raise _not_found(parsed.previous_response_id, "previous_response_id")
         return entry.conversation
@@ -164,7 +191,7 @@ class ResponsesApi:
         traced.identify(request_id)
         principal = self._pipeline.authenticate(api_key_from_headers(request.headers))
         parsed = parse_responses_body(await self._read_json(request))
-        history = self._history(parsed, principal)
+        history = await self._history(parsed, principal)
         priority = parse_priority_header(request.headers.get("x-priority"))
         try:
             generation = parse_chat_body(chat_body(parsed, history))
@@ -190,6 +217,7 @@ class ResponsesApi:
         if error is not None:
             raise error
         run.end(finished)
+        await run.keep()
         return web.json_response(run.builder.response(), headers=stream.headers)
 
     @staticmethod
@@ -205,4 +233,5 @@ class ResponsesApi:
             return None
 
         return await relay_sse(request, stream, _sse(run.opening), render,
-                               lambda exc: _sse(run.builder.fail(exc.code or exc.kind.value, exc.message)))
+                               lambda exc: _sse(run.builder.fail(exc.code or exc.kind.value, exc.message)),
+                               before_end=run.keep)

@@ -1,19 +1,22 @@
-"""The Responses API's store: responses created with `store: true`, kept in
-this gateway's memory so a later request can continue one
-(`previous_response_id`) or read it (`GET /v1/responses/{id}`).
+"""The Responses API's store: responses created with `store: true`, kept so
+a later request can continue one (`previous_response_id`) or read it
+(`GET /v1/responses/{id}`). README "Responses API".
 
-Where it lives and what survives: a dict in the gateway process. A gateway
-restart keeps nothing, and replicas do not share it: behind several gateways
-(Envoy balances without stickiness) a continuation may reach one that never
-saw the response and gets the same 404 as for an expired one -- a client
-that needs continuity across replicas resends its items (stateless, the
-default). README "Responses API".
+`ResponsesStore` is what the API uses (async, so a shared store can sit
+behind it); `build_responses_store` picks the one `responses.store` names:
+
+- "embedded" (`EmbeddedResponses` over `ResponseStore`): a dict in this
+  gateway's memory. A restart keeps nothing and replicas do not share it --
+  right for one gateway.
+- "redis" (responses_redis.py): the Redis the response cache uses, seen by
+  every gateway, so a continuation may reach any of them.
 
 Bounds (`responses:` in the config): each entry lives `ttl_seconds` from its
-creation; past `max_entries` or `max_bytes` the oldest go first. Entries are
-scoped to the API key that created them: another key (even of the same
-tenant) is told the id does not exist. Time comes from an injected clock.
-One owner: the gateway's event loop (no awaits inside, no locks needed).
+creation; past `max_entries` or `max_bytes` the oldest go first (Redis:
+`max_entries` per API key, see ResponsesConfig). Entries are scoped to the
+API key that created them: another key (even of the same tenant) is told the
+id does not exist. Time comes from an injected clock. One owner: the
+gateway's event loop (the embedded store has no awaits inside, no locks).
 """
 
 from __future__ import annotations
@@ -21,13 +24,15 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from services.common.clock import Clock
+from services.common.config import MeshConfig
 from services.common.config.responses import ResponsesConfig
 from services.common.openai_api.responses_items import normalize_input
 
-__all__ = ["ResponseStore", "StoredResponse"]
+__all__ = ["EmbeddedResponses", "ResponseStore", "ResponsesStore", "StoreUnavailable", "StoredResponse",
+           "build_responses_store"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,38 @@ class StoredResponse:
         return [*self.history, *normalize_input(self.response["output"])]
 
 
+class StoreUnavailable(Exception):
+    """The shared store cannot be asked (down, timed out, breaker open)."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ResponsesStore(Protocol):
+    """What the Responses API needs of a store. `get`, `put` and `delete`
+    raise StoreUnavailable when the store cannot answer (never a silent
+    "not found": the response may well exist)."""
+
+    @property
+    def enabled(self) -> bool: ...
+
+    async def put(self, owner: str, response: dict[str, Any], history: list[dict[str, Any]]) -> bool:
+        """Keep `response`; False if it alone is larger than the bound."""
+        ...
+
+    async def get(self, owner: str, response_id: str) -> StoredResponse | None:
+        """The entry, or None when unknown, expired or another key's."""
+        ...
+
+    async def delete(self, owner: str, response_id: str) -> bool: ...
+
+    async def aclose(self) -> None: ...
+
+
 class ResponseStore:
+    """The embedded store: one gateway's memory (synchronous)."""
+
     def __init__(self, config: ResponsesConfig, clock: Clock) -> None:
         self._config = config
         self._clock = clock
@@ -105,3 +141,36 @@ class ResponseStore:
             if first.expires_at > now:
                 return
             self._drop(first_id)
+
+
+class EmbeddedResponses:
+    """`ResponsesStore` over this gateway's `ResponseStore`."""
+
+    def __init__(self, store: ResponseStore) -> None:
+        self.store = store
+
+    @property
+    def enabled(self) -> bool:
+        return self.store.enabled
+
+    async def put(self, owner: str, response: dict[str, Any], history: list[dict[str, Any]]) -> bool:
+        return self.store.put(owner, response, history)
+
+    async def get(self, owner: str, response_id: str) -> StoredResponse | None:
+        return self.store.get(owner, response_id)
+
+    async def delete(self, owner: str, response_id: str) -> bool:
+        return self.store.delete(owner, response_id)
+
+    async def aclose(self) -> None:
+        return None
+
+
+def build_responses_store(config: MeshConfig, clock: Clock) -> ResponsesStore:
+    """The store `responses.store` names."""
+    if config.responses.store == "redis":
+        # Imported only when used: redis-py loads OpenTelemetry's API at import,
+        # which a gateway with tracing off must not (tests/unit/common/test_tracing.py).
+        from services.gateway.responses_redis import RedisResponses
+        return RedisResponses(config.responses, config.gateway.response_cache, clock)
+    return EmbeddedResponses(ResponseStore(config.responses, clock))

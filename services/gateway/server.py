@@ -226,7 +226,7 @@ class GatewayService:
                                                  "seconds": round(loop.time() - began, 3)}
         if open_streams:
             return DrainReport(False, f"{open_streams} request(s) still in flight at the drain bound "
-                               f"(gateway.drain_seconds); SIGTERM cuts them and their clients resume "
+                               f"(gateway.drain_bound_seconds); SIGTERM cuts them and their clients resume "
                                f"elsewhere", details)
         return DrainReport(True, "nothing in flight", details)
 

@@ -12,13 +12,13 @@ that went away ends it quietly.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
 
 from services.common.openai_api.completions_output import SSE_HEARTBEAT
 from services.gateway.errors import GatewayError
-from services.gateway.events import Event, Heartbeat, TextDelta
+from services.gateway.events import Event, Finished, Heartbeat, TextDelta
 from services.gateway.pipeline import Generation
 
 __all__ = ["relay_sse"]
@@ -51,14 +51,19 @@ class _LazySse:
 
 
 async def relay_sse(request: web.Request, stream: Generation, opening: bytes, render: Render,
-                    fail: Callable[[GatewayError], bytes]) -> web.StreamResponse:
+                    fail: Callable[[GatewayError], bytes],
+                    before_end: Callable[[], Awaitable[None]] | None = None) -> web.StreamResponse:
     """Write `stream`'s events rendered; `opening` goes first when the
     response starts; a text delta that wrote something marks output (the
-    stream's pacing signal)."""
+    stream's pacing signal). `before_end` is awaited once the Finished event
+    is rendered, before it is written (the Responses store keeps a response
+    before its client sees it end)."""
     out = _LazySse(request, stream.headers, opening)
     try:
         async for event in stream:
             data = SSE_HEARTBEAT if isinstance(event, Heartbeat) else render(event)
+            if before_end is not None and isinstance(event, Finished):
+                await before_end()
             if data is None:
                 continue
             await out.write(data)

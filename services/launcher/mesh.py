@@ -84,6 +84,10 @@ class Mesh(Supervisor):
         self.endpoints = endpoints(self.config, self.options, tls_ca)
         self.options = dataclasses.replace(
             self.options, batch_credential=resolve_batch(self.config, self.options, self.endpoints))
+        if self.options.gateways > 1 and self.config.responses.store == "embedded":
+            log.warning("%d gateways, each with its own Responses store: previous_response_id finds a stored "
+                        "response only on the gateway that created it (set responses.store: redis, with "
+                        "gateway.response_cache.redis_url)", self.options.gateways)
         super().__init__(self.files.log_dir, cancel or threading.Event(), front_cores(self.config))
 
     def specs(self) -> list[ChildSpec]:

@@ -108,8 +108,8 @@ class _Planner:
                     Probe(ProbeKind.HTTP_OK, f"{endpoints.gateway_http[r]}/health", identity=me,
                           server_role="gateway")],
             env=child_env(self.options), start_timeout=self._timeout("gateway"),
-            # SIGTERM drains it for up to drain_seconds; then it exits by itself.
-            stop_grace=self.cfg.gateway.drain_seconds + DEFAULT_STOP_GRACE_SECONDS,
+            # SIGTERM drains it for up to its drain bound; then it exits by itself.
+            stop_grace=self.cfg.gateway.drain_bound_seconds + DEFAULT_STOP_GRACE_SECONDS,
             # Stateless but for its streams (they resume through another
             # gateway): a dead one is restarted like the others. A drain we
             # asked for (rolling restart, stop) is expected, not restarted.

@@ -82,8 +82,9 @@ def test_an_env_var_nothing_reads_fails() -> None:
 def test_a_config_key_the_loader_refuses_fails() -> None:
     def bad_key(objects: list[Obj]) -> None:
         cm = _config_map(objects)
-        cm["data"]["kvmesh.yaml"] = cm["data"]["kvmesh.yaml"].replace("drain_seconds: 30", "drain_second: 30")
-    assert any("drain_second" in p for p in check_config(_broken(bad_key)))
+        cm["data"]["kvmesh.yaml"] = cm["data"]["kvmesh.yaml"].replace(
+            "drain_unready_seconds: 3", "drain_unready_second: 3")
+    assert any("drain_unready_second" in p for p in check_config(_broken(bad_key)))
 
     def bad_scheduler(objects: list[Obj]) -> None:
         cm = _config_map(objects)
@@ -132,7 +133,27 @@ def test_the_probe_paths_are_the_ones_the_services_serve() -> None:
 
 def test_a_grace_period_below_the_drain_bound_fails() -> None:
     objects = _broken(lambda o: pod_of(o, "gateway").spec.__setitem__("terminationGracePeriodSeconds", 30))
-    assert any("not above the drain bound 30 s" in p for p in check_drain(objects))
+    assert any("not above the drain bound 123 s" in p for p in check_drain(objects))
+    # The shipped 130 s covers the default bound (the generation bound,
+    # 120 s, after Envoy's 3 s); a longer generation bound needs more.
+    def longer_generation(objects: list[Obj]) -> None:
+        cm = _config_map(objects)
+        cm["data"]["kvmesh.yaml"] = cm["data"]["kvmesh.yaml"].replace(
+            "drain_unready_seconds: 3", "drain_unready_seconds: 3\n  max_generation_seconds: 300")
+    problems = check_drain(_broken(longer_generation))
+    assert any("kvmesh-gateway: terminationGracePeriodSeconds 130 is not above the drain bound 303 s" in p
+               for p in problems)
+    assert any("kvmesh-envoy: preStop sleeps 125 s, less than the gateways' drain bound 303 s" in p
+               for p in problems)
+
+
+def test_envoy_drain_shorter_than_the_gateways_fails() -> None:
+    objects = _broken(lambda o: pod_of(o, "envoy").container["lifecycle"]["preStop"]["sleep"].__setitem__(
+        "seconds", 5))
+    assert any("preStop sleeps 5 s, less than the gateways' drain bound 123 s" in p for p in check_drain(objects))
+    objects = _broken(lambda o: pod_of(o, "envoy").spec.__setitem__("terminationGracePeriodSeconds", 125))
+    assert any("kvmesh-envoy: terminationGracePeriodSeconds 125 is not above its preStop sleep" in p
+               for p in check_drain(objects))
 
 
 def test_a_wrong_engine_identity_fails() -> None:

@@ -427,13 +427,14 @@ def _check_service(objects: list[Obj], svc: Obj) -> list[str]:
 
 
 def drain_bound(cfg: MeshConfig, component: str) -> float:
-    """Seconds a drain may take: gateway.drain_seconds, engine stop_grace_seconds."""
-    return {"gateway": cfg.gateway.drain_seconds,
+    """Seconds a drain may take: the gateway's drain bound (drain_seconds, by
+    default the generation bound), engine stop_grace_seconds."""
+    return {"gateway": cfg.gateway.drain_bound_seconds,
             "engine": cfg.engines.template.stop_grace_seconds}.get(component, 0.0)
 
 
 def check_drain(objects: list[Obj]) -> list[str]:
-    problems = []
+    problems = _check_envoy_drain(objects)
     for pod in pods(objects):
         if pod.component not in ("gateway", "engine"):
             continue
@@ -450,6 +451,27 @@ def check_drain(objects: list[Obj]) -> list[str]:
         if cfg is not None and grace < drain_bound(cfg, pod.component) + DRAIN_MARGIN:
             problems.append(f"{pod.name}: terminationGracePeriodSeconds {grace} is not above the drain bound "
                             f"{drain_bound(cfg, pod.component):g} s + {DRAIN_MARGIN:g} s")
+    return problems
+
+
+def _check_envoy_drain(objects: list[Obj]) -> list[str]:
+    """Envoy's drain follows the gateways': a terminating Envoy keeps the
+    streams it carries (preStop sleep) as long as a draining gateway keeps
+    them (its drain bound), and kubelet's SIGKILL comes after that."""
+    envoy, gateway = pod_of(objects, "envoy"), pod_of(objects, "gateway")
+    cfg, _ = mesh_config(objects, gateway)
+    if cfg is None:
+        return []
+    bound = drain_bound(cfg, "gateway")
+    sleep = envoy.container.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+    grace = envoy.spec.get("terminationGracePeriodSeconds", 30)
+    problems = []
+    if sleep < bound:
+        problems.append(f"{envoy.name}: preStop sleeps {sleep} s, less than the gateways' drain bound {bound:g} s "
+                        "(an Envoy rollout would cut streams a gateway drain keeps)")
+    if grace < sleep + DRAIN_MARGIN:
+        problems.append(f"{envoy.name}: terminationGracePeriodSeconds {grace} is not above its preStop sleep "
+                        f"{sleep} s + {DRAIN_MARGIN:g} s")
     return problems
 
 

@@ -19,18 +19,17 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from _redis_mesh import redis_mesh
 from _redis_server import RedisServer
 from _streams import engine_counters, gateway_counter, scheduler_state, wait_until
 from redis.asyncio import Redis
 
-from services.common.config import ApiKeyConfig
-from services.common.config.response_cache import ResponseCacheConfig
+from services.common.config import ApiKeyConfig, MeshConfig
 from services.common.model_revision import model_revision
 from services.launcher.mesh import Mesh
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-llama"
 KEY_A = "sk-e2e-cache-alpha"    # tenant alpha, cache on
 KEY_B = "sk-e2e-cache-beta"     # tenant beta, cache on (its own scope)
@@ -50,24 +49,11 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 @pytest.fixture(scope="module")
 def cache_mesh(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    from services.common.config import load_config
-    from services.launcher.mesh import MeshOptions, start_on_free_ports
+    def keys(config: MeshConfig) -> None:
+        config.gateway.api_keys += [_key(KEY_A, "alpha"), _key(KEY_B, "beta")]
 
-    if not (ROOT / ".models" / MODEL).is_dir():
-        pytest.skip(f".models/{MODEL} is missing: run `make setup`")
-    config = load_config(ROOT / "config" / "kvmesh.yaml")
-    config.engines.template.sim.speed_factor = 0.5
-    # A generous op timeout: a loaded 2-core CI must not turn hits into misses.
-    config.gateway.response_cache = ResponseCacheConfig(
-        store="redis", redis_url=redis_server.url, op_timeout_seconds=1.0, connect_timeout_seconds=1.0)
-    config.gateway.api_keys += [_key(KEY_A, "alpha"), _key(KEY_B, "beta")]
-    options = MeshOptions(engines=2, backend="sim", gateways=2, model=MODEL, free_ports=True,
-                          run_dir=tmp_path_factory.mktemp("cache-mesh"))
-    mesh = start_on_free_ports(config, options)
-    try:
+    with redis_mesh(redis_server.url, tmp_path_factory.mktemp("cache-mesh"), keys) as mesh:
         yield mesh
-    finally:
-        mesh.stop_all()
 
 
 def _engine_totals(mesh: Mesh) -> tuple[float, ...]:

@@ -94,14 +94,29 @@ class GatewayConfig:
     # finish; `drain_seconds` after SIGTERM it closes the streams still open
     # WITHOUT cancelling their generations (they detach on their engines and
     # a client resuming with Last-Event-ID continues them through another
-    # gateway), and stops. 30 s lets ordinary chat answers finish (a
-    # 1000-token answer at 40 tokens/s) while a rolling update of N gateways
-    # still takes minutes, not hours. Its supervisor must wait longer before
-    # SIGKILL: `kvmesh up` waits drain_seconds + 10 s; on Kubernetes set
-    # terminationGracePeriodSeconds above it (the default, 30 s, is not).
-    # Bounds: 0 <= drain_unready_seconds <= drain_seconds.
-    drain_seconds: float = 30.0
+    # gateway), and stops.
+    # Unset (the default) = `drain_bound_seconds`: the mesh's generation
+    # bound (`max_generation_seconds`) after the last moment the load
+    # balancer may still send a request (`drain_unready_seconds`), so no
+    # generation this gateway may start is cut -- a rolling update is
+    # invisible to every client, resuming or not (issue 29: a fixed 30 s
+    # broke 6 of 12 long streams of plain clients). Set it lower only where
+    # every client resumes. Every supervisor derives its wait from the same
+    # number: `kvmesh up` waits drain_bound_seconds + 10 s before SIGKILL;
+    # Kubernetes' terminationGracePeriodSeconds and Envoy's drain are
+    # checked against it (tests/deploy/wiring.py).
+    # Bounds: 0 <= drain_unready_seconds <= drain_seconds (when set).
+    drain_seconds: float | None = None
     drain_unready_seconds: float = 3.0
     # Completed deterministic answers replayed without an engine
     # (services/common/config/response_cache.py).
     response_cache: ResponseCacheConfig = field(default_factory=ResponseCacheConfig)
+
+    @property
+    def drain_bound_seconds(self) -> float:
+        """Seconds from SIGTERM to the drain's cut: `drain_seconds`, or when
+        unset the generation bound after the load balancer's (see above).
+        The one place the default is resolved."""
+        if self.drain_seconds is not None:
+            return self.drain_seconds
+        return self.drain_unready_seconds + self.max_generation_seconds

@@ -22,6 +22,7 @@ from .errors import ConfigError
 from .gateway import ApiKeyConfig
 from .mesh import TOOL_PARSERS, MeshConfig
 from .response_cache import check_cache_mode, check_response_cache
+from .responses import check_responses
 from .scheduler import AdminKeyConfig, SchedulerConfig
 
 __all__ = ["api_key_digest", "check_admin_keys", "check_api_keys", "validate_config"]
@@ -109,6 +110,7 @@ def validate_config(config: MeshConfig, where: str = "config") -> None:
     _check_deadlines(mesh.at("deadlines"))
     mesh.at("responses").positive("ttl_seconds", "max_bytes")
     mesh.at("responses").non_negative("max_entries")
+    check_responses(f"{where}.responses", config.responses, config.gateway.response_cache.redis_url)
     _check_batch(mesh.at("batch"))
     _check_tracing(mesh.at("tracing"))
     _check_alerts(mesh.at("alerts"))
@@ -270,9 +272,11 @@ def _check_gateway(gateway: _Section) -> None:
     gateway.ports("http_port", "grpc_port", "metrics_port")
     gateway.positive("heartbeat_seconds", "max_generation_seconds", "max_body_bytes",
                      "default_max_tokens")
-    gateway.non_negative("max_migrations", "drain_seconds", "drain_unready_seconds")
+    gateway.non_negative("max_migrations", "drain_unready_seconds")
     g = gateway.settings
-    if g.drain_unready_seconds > g.drain_seconds:
+    if g.drain_seconds is not None:
+        gateway.non_negative("drain_seconds")
+    if g.drain_seconds is not None and g.drain_unready_seconds > g.drain_seconds:
         gateway.fail("drain_unready_seconds", f"must be <= drain_seconds ({g.drain_seconds}), "
                      f"got {g.drain_unready_seconds}")
     check_response_cache(f"{gateway.path}.response_cache", g.response_cache)

@@ -30,9 +30,18 @@ from services.common.config.response_cache import ResponseCacheConfig
 from services.gateway.response_cache.breaker import Breaker
 from services.gateway.response_cache.metrics import CacheMetrics
 
-__all__ = ["RedisStore", "StoreUnavailable"]
+__all__ = ["RedisStore", "StoreUnavailable", "redis_client"]
 
 T = TypeVar("T")
+
+
+def redis_client(config: ResponseCacheConfig) -> Redis:
+    """A client on `config.redis_url` whose every call is bounded by the
+    configured timeouts and never retried (the caller's breaker decides)."""
+    return Redis.from_url(
+        config.redis_url, socket_connect_timeout=config.connect_timeout_seconds,
+        socket_timeout=config.op_timeout_seconds, retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
+        health_check_interval=0)
 
 
 class StoreUnavailable(Exception):
@@ -49,10 +58,7 @@ class RedisStore:
         self._clock = clock
         self._metrics = metrics
         self.breaker = Breaker(config.breaker_failures, config.breaker_reset_seconds, clock)
-        self._client = Redis.from_url(
-            config.redis_url, socket_connect_timeout=config.connect_timeout_seconds,
-            socket_timeout=config.op_timeout_seconds, retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
-            health_check_interval=0)
+        self._client = redis_client(config)
         self._written: deque[list[float]] = deque()   # [expiry second, bytes], oldest first
         self._bytes = 0
 

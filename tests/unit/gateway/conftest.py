@@ -22,7 +22,7 @@ import contextlib
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -409,14 +409,17 @@ def make_config(model_dir: Path, scheduler_address: str, **gateway: object) -> M
 
 
 @contextlib.asynccontextmanager
-async def open_mesh(model_dir: Path, **gateway: object) -> AsyncIterator[Mesh]:
-    """A gateway (its config's gateway section changed by `gateway`) wired
-    to a fake scheduler and one fake engine, "engine-a"."""
+async def open_mesh(model_dir: Path, tune: Callable[[MeshConfig], None] | None = None,
+                    **gateway: object) -> AsyncIterator[Mesh]:
+    """A gateway (its config's gateway section changed by `gateway`, the
+    rest by `tune`) wired to a fake scheduler and one fake engine, "engine-a"."""
     from services.gateway.server import GatewayService
 
     scheduler = FakeScheduler()
     sched_server, sched_address = await _serve(scheduler_pb2_grpc.add_SchedulerServicer_to_server, scheduler)
     config = make_config(model_dir, sched_address, **gateway)
+    if tune is not None:
+        tune(config)
     service = GatewayService(config)
     http_port, grpc_port = await service.start(http_port=0, grpc_port=0)
     m = Mesh(scheduler, {}, service, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", config,

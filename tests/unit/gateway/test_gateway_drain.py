@@ -13,7 +13,8 @@ import pytest
 from conftest import KEY_FULL, MODEL, Mesh, open_mesh
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.config import ConfigError, MeshConfig, validate_config
+from services.common.config import ConfigError, MeshConfig, load_config, validate_config
+from services.gateway.drain import DrainSettings
 from services.gateway.server import GatewayService
 
 CHAT = [{"role": "user", "content": "hello drain"}]
@@ -100,3 +101,20 @@ def test_drain_bounds_are_validated() -> None:
     config.gateway.drain_seconds = -1.0
     with pytest.raises(ConfigError, match=r"gateway\.drain_seconds"):
         validate_config(config)
+
+
+def test_the_default_drain_bound_is_the_generation_bound() -> None:
+    """Unset drain_seconds = the generation bound after the load balancer's:
+    a request the load balancer sends at the last moment still gets its whole
+    generation before the cut (issue 29: a fixed 30 s cut plain clients)."""
+    config = MeshConfig()
+    assert config.gateway.drain_seconds is None
+    validate_config(config)
+    assert config.gateway.drain_bound_seconds == 123.0
+    assert DrainSettings.from_config(config.gateway) == DrainSettings(123.0, 3.0)
+    config.gateway.max_generation_seconds = 40.0
+    assert DrainSettings.from_config(config.gateway).drain_seconds == 43.0
+    config.gateway.drain_seconds = 10.0  # explicit: every client resumes
+    assert DrainSettings.from_config(config.gateway) == DrainSettings(10.0, 3.0)
+    shipped = load_config(Path(__file__).parents[3] / "config" / "kvmesh.yaml")
+    assert shipped.gateway.drain_seconds is None and shipped.gateway.drain_bound_seconds == 123.0

@@ -5,6 +5,7 @@ waits, a child dying, kill, restart, stop) over tiny fake children."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shlex
 import signal
@@ -174,6 +175,28 @@ def test_specs_pass_the_resolved_config_and_ports(tmp_path: Path) -> None:
     assert gw1[gw1.index("--grpc-port") + 1] == str(mesh.config.gateway.grpc_port + 1)
     assert specs["engine-1"].argv[-2:] == ["--index", "1"]
     assert "--use-dynamic-base-id" in specs["envoy"].argv
+
+
+def test_gateway_stop_grace_follows_the_generation_bound(tmp_path: Path) -> None:
+    """`kvmesh up` waits the gateway's drain bound + 10 s before SIGKILL; with
+    drain_seconds unset that bound is the generation bound after Envoy's."""
+    _needs_tiny_llama()
+    mesh = _mesh(tmp_path)
+    gateway = mesh.config.gateway
+    gateway.drain_seconds, gateway.max_generation_seconds, gateway.drain_unready_seconds = None, 200.0, 3.0
+    assert {s.name: s for s in mesh.specs()}["gateway-0"].stop_grace == 213.0
+    gateway.drain_seconds = 7.0
+    assert {s.name: s for s in mesh.specs()}["gateway-0"].stop_grace == 17.0
+
+
+def test_several_gateways_on_embedded_responses_stores_warn(tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    _needs_tiny_llama()
+    with caplog.at_level(logging.WARNING, logger="kvmesh.launcher"):
+        _mesh(tmp_path / "one")
+        assert "Responses store" not in caplog.text
+        _mesh(tmp_path / "two", gateways=2)
+    assert "2 gateways, each with its own Responses store" in caplog.text
 
 
 def test_the_batch_service_gets_its_credential_and_sends_lines_through_envoy(tmp_path: Path) -> None:
