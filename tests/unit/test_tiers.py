@@ -6,7 +6,8 @@ from __future__ import annotations
 import tomllib
 
 import pytest
-from _tiers import TESTS, TIERS, tier_of
+
+from tests._tiers import TESTS, TIERS, tier_of
 
 ROOT = TESTS.parent
 
