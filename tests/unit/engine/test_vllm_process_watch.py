@@ -2,7 +2,9 @@
 (`VLLM::EngineCore` with a `VLLM::Worker` under it, titled with bash's
 `exec -a`, below this test process), one of them SIGKILLed: the death is
 reported within 2 s and the rest of the tree is killed, orphans included;
-a PID whose start time differs from the recorded one is never signalled."""
+a PID whose start time differs from the recorded one is never signalled;
+the vLLM backend reports the death as its own and leaves no process behind
+when it stops."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from test_vllm_adapter import backend
 
 from services.engine.vllm_backend.process_watch import (
     Death,
@@ -145,3 +148,28 @@ async def test_no_vllm_process_means_nothing_watched() -> None:
     assert watch.start() == []
     assert watch.look() is None
     assert await watch.stop() == []
+
+
+async def test_the_backend_reports_its_core_dead_and_stops_with_no_vllm_process_left(
+        tree: dict[str, VllmProcess]) -> None:
+    b, llm = backend([])
+    b._watch = ProcessWatch(os.getpid())
+    b._watch.start()
+    assert b.dead_reason() is None and not llm.errored
+    core = tree["VLLM::EngineCore"]
+    os.kill(core.pid, signal.SIGKILL)
+    assert await _wait_for(lambda: b.dead_reason() is not None, 2.0), "the backend did not see its core die"
+    assert f"vLLM core died (pid {core.pid}, VLLM::EngineCore)" in (b.dead_reason() or "")
+    assert await _wait_for(lambda: _gone(tree["VLLM::Worker"].pid), 2.0), "the orphaned worker still runs"
+    await b.stop()
+    assert llm.shut_down and vllm_descendants(os.getpid()) == []
+
+
+async def test_a_stopping_backend_kills_what_vllms_shutdown_left(tree: dict[str, VllmProcess]) -> None:
+    b, llm = backend([])
+    b._watch = ProcessWatch(os.getpid())
+    b._watch.start()
+    await b.stop()  # the fake's shutdown ends nothing: the watch must
+    assert llm.shut_down
+    for p in tree.values():
+        assert await _wait_for(lambda p=p: _gone(p.pid), 2.0), p
