@@ -202,11 +202,11 @@ class VllmBackend:
         if self._llm is not None:
             llm, self._llm = self._llm, None
             await asyncio.to_thread(llm.shutdown, SHUTDOWN_TIMEOUT_SECONDS)
-        if self._watch is not None:
-            # Whatever vLLM's shutdown left (an orphaned worker of a dead
-            # core) ends too: no process of this engine outlives it.
-            watch, self._watch = self._watch, None
-            await watch.stop()
+        # Whatever vLLM's shutdown left (an orphaned worker of a dead core,
+        # a core a failed start left behind) ends too: no process of this
+        # engine outlives it.
+        watch, self._watch = self._watch or ProcessWatch(os.getpid()), None
+        await watch.stop()
         if self._subscriber is not None:
             await self._subscriber.stop()
             self._subscriber = None

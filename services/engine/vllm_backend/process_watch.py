@@ -70,19 +70,22 @@ class VllmProcess:
 @dataclass(frozen=True)
 class Death:
     """A watched process ended. `last_alive`: the monotonic time it was
-    last seen running; `seen`: when its end was seen; `killed`: the PIDs of
-    the rest of the tree this engine then SIGKILLed."""
+    last seen running; `seen`: when its end was seen; `woken`: seen through
+    its pidfd (at its exit) rather than by the poll (within `seen -
+    last_alive` of it); `killed`: the PIDs of the rest of the tree this
+    engine then SIGKILLed."""
 
     process: VllmProcess
     last_alive: float
     seen: float
+    woken: bool
     killed: tuple[int, ...]
 
     def describe(self, now: float) -> str:
         kind = "core" if "EngineCore" in self.process.title else "process"
-        return (f"vLLM {kind} died (pid {self.process.pid}, {self.process.title}): seen "
-                f"{now - self.seen:.2f} s ago, at most {self.seen - self.last_alive:.2f} s after the death; "
-                f"the rest of its tree killed (pids {list(self.killed)})")
+        when = "at its exit (pidfd)" if self.woken else f"within {self.seen - self.last_alive:.2f} s of it (poll)"
+        return (f"vLLM {kind} died (pid {self.process.pid}, {self.process.title}): seen {when}, "
+                f"{now - self.seen:.2f} s ago; the rest of its tree killed (pids {list(self.killed)})")
 
 
 def _stat(pid: int) -> tuple[str, int] | None:
@@ -172,7 +175,7 @@ class ProcessWatch:
             fd = _open_pidfd(process)
             if fd is not None:
                 self._pidfds[process.pid] = fd
-                loop.add_reader(fd, self.look)
+                loop.add_reader(fd, self.look, True)
         self._last_alive = time.monotonic()
         if not self.processes:
             log.warning("no %s process under pid %d: vLLM's processes are not watched", VLLM_TITLE, self._root)
@@ -182,8 +185,9 @@ class ProcessWatch:
             self._task = loop.create_task(self._poll(), name="vllm-process-watch")
         return list(self.processes)
 
-    def look(self) -> Death | None:
-        """One look at every watched process; the death (recorded once)."""
+    def look(self, woken: bool = False) -> Death | None:
+        """One look at every watched process; the death (recorded once).
+        `woken`: a pidfd said a process exited."""
         if self.death is not None:
             return self.death
         ended = next((p for p in self.processes if not running(p)), None)
@@ -193,7 +197,7 @@ class ProcessWatch:
             return None
         self._unwatch()
         killed = tuple(self.kill_all())
-        self.death = Death(ended, self._last_alive, now, killed)
+        self.death = Death(ended, self._last_alive, now, woken, killed)
         log.error("%s", self.death.describe(time.monotonic()))
         if self._on_death is not None:
             self._on_death(self.death)

@@ -74,12 +74,13 @@ async def test_a_killed_vllm_process_is_reported_within_2_s_and_the_rest_is_kill
     watch = ProcessWatch(os.getpid(), deaths.append, poll_seconds=10.0)  # the pidfd alone must see it
     assert sorted(p.title for p in watch.start()) == sorted(tree)
     assert watch.look() is None
+    await asyncio.sleep(0.05)  # the poll's first look is done: the next one is 10 s away
     killed_at = time.monotonic()
     os.kill(tree[victim].pid, signal.SIGKILL)
     assert await _wait_for(lambda: watch.death is not None, 2.0), "no death seen within 2 s"
     seen = time.monotonic() - killed_at
     assert deaths == [watch.death] and watch.death is not None
-    assert watch.death.process == tree[victim]
+    assert watch.death.process == tree[victim] and watch.death.woken
     survivor = next(p for title, p in tree.items() if title != victim)
     assert watch.death.killed == (survivor.pid,)
     assert await _wait_for(lambda: _gone(survivor.pid), 2.0), f"{survivor} still runs"
@@ -95,6 +96,8 @@ async def test_the_poll_sees_a_death_without_pidfds(tree: dict[str, VllmProcess]
         asyncio.get_running_loop().remove_reader(fd)
     os.kill(tree["VLLM::Worker"].pid, signal.SIGKILL)
     assert await _wait_for(lambda: watch.death is not None, 2.0)
+    assert watch.death is not None and not watch.death.woken
+    assert "(poll)" in watch.death.describe(time.monotonic())
     assert await _wait_for(lambda: _gone(tree["VLLM::EngineCore"].pid), 2.0)
     await watch.stop()
 
@@ -171,5 +174,13 @@ async def test_a_stopping_backend_kills_what_vllms_shutdown_left(tree: dict[str,
     b._watch.start()
     await b.stop()  # the fake's shutdown ends nothing: the watch must
     assert llm.shut_down
+    for p in tree.values():
+        assert await _wait_for(lambda p=p: _gone(p.pid), 2.0), p
+
+
+async def test_a_backend_whose_start_failed_leaves_no_vllm_process(tree: dict[str, VllmProcess]) -> None:
+    b, _ = backend([])
+    assert b._watch is None  # the start failed before the watch began
+    await b.stop()
     for p in tree.values():
         assert await _wait_for(lambda p=p: _gone(p.pid), 2.0), p
