@@ -163,6 +163,7 @@ class ProcessWatch:
         self.poll_seconds = poll_seconds
         self.processes: list[VllmProcess] = []
         self._pidfds: dict[int, int] = {}
+        self._killed: set[int] = set()  # SIGKILLed already (it cannot be caught): not again
         self._last_alive = time.monotonic()
         self._task: asyncio.Task[None] | None = None
         self.death: Death | None = None
@@ -206,9 +207,12 @@ class ProcessWatch:
     def kill_all(self) -> list[int]:
         """SIGKILL every recorded vLLM process still running and every
         `VLLM::` process now under the root; the PIDs signalled."""
-        killed = [p.pid for p in self.processes if kill_process(p, self._pidfds.get(p.pid))]
         recorded = {p.pid for p in self.processes}
-        killed += [p.pid for p in vllm_descendants(self._root) if p.pid not in recorded and kill_process(p)]
+        killed = [p.pid for p in self.processes
+                  if p.pid not in self._killed and kill_process(p, self._pidfds.get(p.pid))]
+        killed += [p.pid for p in vllm_descendants(self._root)
+                   if p.pid not in recorded | self._killed and kill_process(p)]
+        self._killed.update(killed)
         return killed
 
     async def stop(self) -> list[int]:
