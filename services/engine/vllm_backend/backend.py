@@ -187,6 +187,8 @@ class VllmBackend:
         if self._stopped:
             return
         self._stopped = True
+        if self._watch is not None:  # vLLM's processes now end on our word: no deaths
+            self._watch.pause()
         if self._llm is not None and self._active:
             try:
                 await self._llm.abort(list(self._active))

@@ -19,7 +19,8 @@ processes themselves, whatever vLLM's client notices:
 - On the first death: `death` is set (the backend's `dead_reason()` reports
   it, the liveness watch fails the engine), and every other recorded
   process still running is SIGKILLed, orphans re-parented to 1 included.
-  `kill_all()` does the same at shutdown, after vLLM's own.
+  Once the engine stops vLLM itself (`pause()`), an exit is no death: the
+  watch says nothing, and `stop()` kills what vLLM's shutdown left.
 
 A recorded PID is only ever signalled through its pidfd (which names that
 process, never a later one with the same number), or -- without a pidfd --
@@ -166,6 +167,7 @@ class ProcessWatch:
         self._killed: set[int] = set()  # SIGKILLed already (it cannot be caught): not again
         self._last_alive = time.monotonic()
         self._task: asyncio.Task[None] | None = None
+        self._paused = False
         self.death: Death | None = None
 
     def start(self) -> list[VllmProcess]:
@@ -189,7 +191,7 @@ class ProcessWatch:
     def look(self, woken: bool = False) -> Death | None:
         """One look at every watched process; the death (recorded once).
         `woken`: a pidfd said a process exited."""
-        if self.death is not None:
+        if self.death is not None or self._paused:
             return self.death
         ended = next((p for p in self.processes if not running(p)), None)
         now = time.monotonic()
@@ -215,15 +217,21 @@ class ProcessWatch:
         self._killed.update(killed)
         return killed
 
+    def pause(self) -> None:
+        """vLLM is being shut down: its processes' exits are no deaths."""
+        self._paused = True
+        self._unwatch()
+        if self._task is not None:
+            self._task.cancel()
+
     async def stop(self) -> list[int]:
         """Stop watching and kill what is left of vLLM's tree; the PIDs signalled."""
+        self.pause()  # cancels the poll
         task, self._task = self._task, None
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
+        if task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         killed = self.kill_all()
-        self._unwatch()
         for fd in self._pidfds.values():
             os.close(fd)
         self._pidfds.clear()

@@ -125,6 +125,16 @@ async def test_stop_kills_every_vllm_process_left(tree: dict[str, VllmProcess]) 
     assert watch.death is None
 
 
+async def test_an_exit_while_vllm_is_being_shut_down_is_no_death(tree: dict[str, VllmProcess]) -> None:
+    watch = ProcessWatch(os.getpid(), poll_seconds=0.05)
+    watch.start()
+    watch.pause()  # the engine stops vLLM itself (SIGTERM reaches its core too)
+    os.kill(tree["VLLM::EngineCore"].pid, signal.SIGKILL)
+    await asyncio.sleep(0.3)
+    assert watch.death is None and watch.look() is None
+    assert await watch.stop() == [tree["VLLM::Worker"].pid]  # what vLLM's shutdown left
+
+
 async def test_a_reused_pid_is_never_signalled() -> None:
     other = subprocess.Popen(["sleep", "30"])
     try:
@@ -184,3 +194,17 @@ async def test_a_backend_whose_start_failed_leaves_no_vllm_process(tree: dict[st
     await b.stop()
     for p in tree.values():
         assert await _wait_for(lambda p=p: _gone(p.pid), 2.0), p
+
+
+async def test_a_core_that_exits_in_vllms_shutdown_is_no_death(tree: dict[str, VllmProcess]) -> None:
+    b, llm = backend([])
+    watch = b._watch = ProcessWatch(os.getpid(), poll_seconds=0.01)
+    watch.start()
+
+    def shutdown(timeout: float) -> None:  # vLLM's ends its core, then waits a moment
+        os.kill(tree["VLLM::EngineCore"].pid, signal.SIGKILL)
+        time.sleep(0.2)
+    llm.shutdown = shutdown  # type: ignore[method-assign]
+    await b.stop()
+    assert watch.death is None
+    assert await _wait_for(lambda: _gone(tree["VLLM::Worker"].pid), 2.0)
