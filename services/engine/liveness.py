@@ -54,7 +54,11 @@ log = logging.getLogger(__name__)
 # minutes of a quiet one -- recent enough to follow a load change.
 STEP_WINDOW = 256
 HANG_QUANTILE = 0.99
-MAX_CHECK_SECONDS = 1.0
+# A dead backend is acted on within this: vLLM's backend sees its processes
+# die at once (vllm_backend/process_watch.py), and every further second a
+# dead engine looks alive the scheduler may place work on it. A check is a
+# few attribute reads, so four a second cost nothing.
+MAX_CHECK_SECONDS = 0.25
 # How often an idle backend is asked to prove it runs: cheap (one utility
 # round trip to vLLM's core), and a wedged idle core is found within the
 # hang bound + this.

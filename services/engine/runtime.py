@@ -350,6 +350,10 @@ class EngineRuntime:
         self.dead = reason
         log.error("engine failed: %s; handing over %d live generations, then exiting for a restart",
                   reason, len(self._live))
+        # Not serving first: the scheduler link's report (serving false, sent
+        # without its usual gap) is on its way before any stream ends here,
+        # so the replacements the gateways ask for are not placed here.
+        self._notify()
         for generation in [*self.gate.held, *self._live.values()]:
             generation.hand_over(f"engine failed ({reason}); continue on another engine")
         self._notify()

@@ -210,6 +210,7 @@ class SchedulerLink:
         self._wake = asyncio.Event()
         self._events = KvEventLog(self._wake)
         self._changed = False
+        self._sent_serving: bool | None = None  # `serving` in the last report sent
         self._resync = False
         self._seq = 0
         self._task: asyncio.Task[None] | None = None
@@ -379,7 +380,9 @@ class SchedulerLink:
                 await call.write(scheduler_pb2.EngineMessage(kv_events=events))
             now = loop.time()
             due = last_load + (self.min_report_gap if self._changed else self._interval)
-            if now >= due:
+            # A change of `serving` goes out at once: a failed engine must
+            # stop getting placements before its streams' replacements ask.
+            if now >= due or self._runtime.serving != self._sent_serving:
                 await self._send_load(call)
                 last_load = loop.time()
                 continue
@@ -400,6 +403,7 @@ class SchedulerLink:
             step_seconds=load.step_seconds, step_token_budget=load.step_token_budget,
         )
         report.prefix_cache_queries, report.prefix_cache_hits = self._runtime.metrics.prefix_cache_totals()
+        self._sent_serving = report.serving
         blob = report.SerializeToString(deterministic=True)
         now = asyncio.get_running_loop().time()
         if blob == self._last_report and now - self._last_report_at < self.heartbeat:

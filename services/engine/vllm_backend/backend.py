@@ -21,7 +21,12 @@ Checks: the runtime applies the rules every backend shares before
 validation and the input checks of its processor (a VLLMClientError before
 the first output), both InvalidRequest.
 
-Failures: vLLM's EngineDeadError (its engine core process died, or the
+Failures: the engine watches vLLM's processes itself (process_watch.py):
+the death of its engine core or worker is `dead_reason()` within a fraction
+of a second, and the rest of the tree it started is killed then (and at
+stop, after vLLM's own shutdown) -- vLLM's client took up to a minute to
+notice, while an orphaned worker kept its core and its GPU memory.
+vLLM's EngineDeadError (its engine core process died, or the
 worker process under it that runs the model -- the core's executor watches
 it and fails the core: vLLM raises it for every live request, and `errored`
 turns true even while idle) is EngineDead, the engine's failure; any other error ends only its
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
@@ -60,6 +66,7 @@ from services.engine.vllm_backend.launch import (
     set_vllm_tracing,
     warm_up,
 )
+from services.engine.vllm_backend.process_watch import ProcessWatch
 from services.engine.vllm_backend.stats import EngineStats, make_stat_logger_factory
 from services.engine.vllm_backend.vllm_api import VllmApi, import_vllm
 
@@ -106,6 +113,7 @@ class VllmBackend:
         self._on_change: Callable[[], None] | None = None
         self._last_reported = (0, 0)
         self._stopped = False
+        self._watch: ProcessWatch | None = None
         self.startup_seconds = 0.0
         # vLLM exports its own spans there when tracing is on (launch.py).
         self._traces_url = config.tracing.traces_url if config.tracing.enabled else None
@@ -123,6 +131,9 @@ class VllmBackend:
         began = time.monotonic()
         replay = await self._launch()
         try:
+            # From here a dead core or worker is seen at once, warm-up included.
+            self._watch = ProcessWatch(os.getpid())
+            self._watch.start()
             self.info = resolved_info(self._llm, self._model_name, self._mesh.hash_block_tokens,
                                       self._engine.p0_headroom)
             self._translator = KvTranslator(self.info.block_size, self._mesh.hash_block_tokens)
@@ -176,6 +187,8 @@ class VllmBackend:
         if self._stopped:
             return
         self._stopped = True
+        if self._watch is not None:  # vLLM's processes now end on our word: no deaths
+            self._watch.pause()
         if self._llm is not None and self._active:
             try:
                 await self._llm.abort(list(self._active))
@@ -191,6 +204,11 @@ class VllmBackend:
         if self._llm is not None:
             llm, self._llm = self._llm, None
             await asyncio.to_thread(llm.shutdown, SHUTDOWN_TIMEOUT_SECONDS)
+        # Whatever vLLM's shutdown left (an orphaned worker of a dead core,
+        # a core a failed start left behind) ends too: no process of this
+        # engine outlives it.
+        watch, self._watch = self._watch or ProcessWatch(os.getpid()), None
+        await watch.stop()
         if self._subscriber is not None:
             await self._subscriber.stop()
             self._subscriber = None
@@ -299,7 +317,12 @@ class VllmBackend:
         self._stats.observer = observer  # the stat logger forwards each step (stats.py)
 
     def dead_reason(self) -> str | None:
-        if self._llm is None or self._stopped or not self._llm.errored:
+        if self._llm is None or self._stopped:
+            return None
+        death = self._watch.death if self._watch is not None else None
+        if death is not None:
+            return death.describe(time.monotonic())
+        if not self._llm.errored:
             return None
         return "vLLM's engine core or its worker died (AsyncLLM.errored)"
 

@@ -250,6 +250,32 @@ def test_the_watch_on_a_fake_clock() -> None:
     assert len(failures) == 1 and watch.check() == failures[0]  # reported once
 
 
+def test_a_dead_backend_is_acted_on_within_a_quarter_second_by_default() -> None:
+    # vLLM's backend sees its processes die at once (process_watch.py); the watch must not sit on it.
+    watch = LivenessWatch(HangPolicy(), FakeClock(), lambda: 0, lambda: None, lambda _: None)
+    assert watch.period <= 0.25
+
+
+async def test_a_failed_engine_stops_serving_before_any_stream_is_handed_over() -> None:
+    """The scheduler learns first (runtime listeners: the link's load report),
+    so the streams' replacements are not placed back on the failed engine."""
+    svc = EngineService(mesh_config(), sim_engine())
+    async with started(svc), engine_stub(svc) as stub:
+        calls = [await open_stream(stub, f"r{i}") for i in range(3)]
+        while svc.runtime.live_count < 3:
+            await asyncio.sleep(0.01)
+        generations = [svc.runtime.live(f"r{i}") for i in range(3)]
+        seen: list[tuple[bool, list[bool]]] = []
+        svc.runtime.add_listener(lambda: seen.append(
+            (svc.runtime.serving, [g is not None and g.handed_over for g in generations])))
+        svc.runtime.fail("test: the core died")
+        assert seen[0] == (False, [False, False, False]), seen
+        assert all(g is not None and g.handed_over for g in generations)
+        for call in calls:
+            code, _, _ = await asyncio.wait_for(ending(call), 5)
+            assert code == grpc.StatusCode.UNAVAILABLE
+
+
 def test_a_backend_that_says_it_is_dead_fails_at_the_next_check() -> None:
     dead: list[str | None] = [None]
     failures: list[str] = []

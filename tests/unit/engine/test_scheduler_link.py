@@ -254,3 +254,18 @@ async def test_load_reports_leave_out_the_engines_own_endpoint_requests() -> Non
     finally:
         await svc.stop()
         await server.stop(0)
+
+
+async def test_an_engine_that_stops_serving_says_so_without_waiting_out_the_report_gap(mesh) -> None:
+    """A failed engine must stop getting placements before the gateways ask
+    to replace its streams: `serving` false skips the rate limit."""
+    svc, fake, _ = mesh
+    link = svc.link
+    assert link is not None
+    assert (await fake.next("load")).load.serving
+    link.min_report_gap = link._interval = 30.0  # no load would go out for 30 s
+    await asyncio.sleep(0.1)  # the writer now waits out the long gap
+    svc.runtime.fail("test: the core died")
+    async with asyncio.timeout(2.0):
+        while (await fake.next("load")).load.serving:
+            pass

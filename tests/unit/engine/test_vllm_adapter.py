@@ -40,9 +40,13 @@ class FakeLlm:
         self.script = script
         self.closed = False
         self.errored = False  # AsyncLLM.errored: its engine core is dead
+        self.shut_down = False
 
     def get_num_queued_tokens(self) -> int:
         return 0
+
+    def shutdown(self, timeout: float) -> None:
+        self.shut_down = True
 
     def generate(self, prompt: Any, params: Any, rid: str, priority: int) -> AsyncIterator[Any]:
         async def stream() -> AsyncIterator[Any]:

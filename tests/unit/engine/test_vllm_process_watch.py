@@ -1,0 +1,210 @@
+"""The vLLM process watch on real processes: a tree titled like vLLM's
+(`VLLM::EngineCore` with a `VLLM::Worker` under it, titled with bash's
+`exec -a`, below this test process), one of them SIGKILLed: the death is
+reported within 2 s and the rest of the tree is killed, orphans included;
+a PID whose start time differs from the recorded one is never signalled;
+the vLLM backend reports the death as its own and leaves no process behind
+when it stops."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from test_vllm_adapter import backend
+
+from services.engine.vllm_backend.process_watch import (
+    Death,
+    ProcessWatch,
+    VllmProcess,
+    kill_process,
+    running,
+    vllm_descendants,
+)
+
+# The core's shell starts the worker in the background, then becomes the core.
+_TREE = "(exec -a VLLM::Worker sleep 120) & exec -a VLLM::EngineCore sleep 120"
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def _gone(pid: int) -> bool:
+    return _state(pid) in (None, "Z", "X")
+
+
+async def _wait_for(check: object, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if callable(check) and check():
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+@pytest.fixture
+async def tree() -> AsyncIterator[dict[str, VllmProcess]]:
+    core = subprocess.Popen(["bash", "-c", _TREE])
+    try:
+        assert await _wait_for(lambda: len(vllm_descendants(os.getpid())) == 2, 5.0)
+        found = {p.title: p for p in vllm_descendants(os.getpid())}
+        assert sorted(found) == ["VLLM::EngineCore", "VLLM::Worker"], found
+        yield found
+    finally:
+        for p in vllm_descendants(os.getpid()):
+            kill_process(p)
+        core.kill()
+        core.wait()
+
+
+@pytest.mark.parametrize("victim", ["VLLM::EngineCore", "VLLM::Worker"])
+async def test_a_killed_vllm_process_is_reported_within_2_s_and_the_rest_is_killed(
+        tree: dict[str, VllmProcess], victim: str) -> None:
+    deaths: list[Death] = []
+    watch = ProcessWatch(os.getpid(), deaths.append, poll_seconds=10.0)  # the pidfd alone must see it
+    assert sorted(p.title for p in watch.start()) == sorted(tree)
+    assert watch.look() is None
+    await asyncio.sleep(0.05)  # the poll's first look is done: the next one is 10 s away
+    killed_at = time.monotonic()
+    os.kill(tree[victim].pid, signal.SIGKILL)
+    assert await _wait_for(lambda: watch.death is not None, 2.0), "no death seen within 2 s"
+    seen = time.monotonic() - killed_at
+    assert deaths == [watch.death] and watch.death is not None
+    assert watch.death.process == tree[victim] and watch.death.woken
+    survivor = next(p for title, p in tree.items() if title != victim)
+    assert watch.death.killed == (survivor.pid,)
+    assert await _wait_for(lambda: _gone(survivor.pid), 2.0), f"{survivor} still runs"
+    assert f"pid {tree[victim].pid}, {victim}" in watch.death.describe(time.monotonic())
+    assert seen < 2.0
+    assert await watch.stop() == []  # the survivor was killed once, at the death
+
+
+async def test_the_poll_sees_a_death_without_pidfds(tree: dict[str, VllmProcess]) -> None:
+    watch = ProcessWatch(os.getpid(), poll_seconds=0.1)
+    watch.start()
+    for fd in watch._pidfds.values():  # no pidfd wake-up: the poll alone
+        asyncio.get_running_loop().remove_reader(fd)
+    os.kill(tree["VLLM::Worker"].pid, signal.SIGKILL)
+    assert await _wait_for(lambda: watch.death is not None, 2.0)
+    assert watch.death is not None and not watch.death.woken
+    assert "(poll)" in watch.death.describe(time.monotonic())
+    assert await _wait_for(lambda: _gone(tree["VLLM::EngineCore"].pid), 2.0)
+    await watch.stop()
+
+
+async def test_a_stopped_process_is_alive(tree: dict[str, VllmProcess]) -> None:
+    watch = ProcessWatch(os.getpid(), poll_seconds=0.05)
+    watch.start()
+    core = tree["VLLM::EngineCore"].pid
+    os.kill(core, signal.SIGSTOP)
+    try:
+        await asyncio.sleep(0.3)
+        assert watch.death is None and running(tree["VLLM::EngineCore"])
+    finally:
+        os.kill(core, signal.SIGCONT)
+    await watch.stop()
+
+
+async def test_stop_kills_every_vllm_process_left(tree: dict[str, VllmProcess]) -> None:
+    watch = ProcessWatch(os.getpid())
+    watch.start()
+    killed = await watch.stop()
+    assert sorted(killed) == sorted(p.pid for p in tree.values())
+    for p in tree.values():
+        assert await _wait_for(lambda p=p: _gone(p.pid), 2.0), p
+    assert watch.death is None
+
+
+async def test_an_exit_while_vllm_is_being_shut_down_is_no_death(tree: dict[str, VllmProcess]) -> None:
+    watch = ProcessWatch(os.getpid(), poll_seconds=0.05)
+    watch.start()
+    watch.pause()  # the engine stops vLLM itself (SIGTERM reaches its core too)
+    os.kill(tree["VLLM::EngineCore"].pid, signal.SIGKILL)
+    await asyncio.sleep(0.3)
+    assert watch.death is None and watch.look() is None
+    assert await watch.stop() == [tree["VLLM::Worker"].pid]  # what vLLM's shutdown left
+
+
+async def test_a_reused_pid_is_never_signalled() -> None:
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        ticks = int(Path(f"/proc/{other.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        earlier = VllmProcess(other.pid, "VLLM::Worker", ticks - 1)  # the PID's former owner
+        assert not running(earlier)
+        assert kill_process(earlier) is False
+        fd = os.pidfd_open(other.pid)
+        try:
+            assert kill_process(earlier, fd) is False
+        finally:
+            os.close(fd)
+        await asyncio.sleep(0.1)
+        assert other.poll() is None, "a process that only shares the PID was killed"
+        assert kill_process(VllmProcess(other.pid, "VLLM::Worker", ticks)) is True
+        assert other.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        other.kill()
+        other.wait()
+
+
+async def test_no_vllm_process_means_nothing_watched() -> None:
+    watch = ProcessWatch(os.getpid())
+    assert watch.start() == []
+    assert watch.look() is None
+    assert await watch.stop() == []
+
+
+async def test_the_backend_reports_its_core_dead_and_stops_with_no_vllm_process_left(
+        tree: dict[str, VllmProcess]) -> None:
+    b, llm = backend([])
+    b._watch = ProcessWatch(os.getpid())
+    b._watch.start()
+    assert b.dead_reason() is None and not llm.errored
+    core = tree["VLLM::EngineCore"]
+    os.kill(core.pid, signal.SIGKILL)
+    assert await _wait_for(lambda: b.dead_reason() is not None, 2.0), "the backend did not see its core die"
+    assert f"vLLM core died (pid {core.pid}, VLLM::EngineCore)" in (b.dead_reason() or "")
+    assert await _wait_for(lambda: _gone(tree["VLLM::Worker"].pid), 2.0), "the orphaned worker still runs"
+    await b.stop()
+    assert llm.shut_down and vllm_descendants(os.getpid()) == []
+
+
+async def test_a_stopping_backend_kills_what_vllms_shutdown_left(tree: dict[str, VllmProcess]) -> None:
+    b, llm = backend([])
+    b._watch = ProcessWatch(os.getpid())
+    b._watch.start()
+    await b.stop()  # the fake's shutdown ends nothing: the watch must
+    assert llm.shut_down
+    for p in tree.values():
+        assert await _wait_for(lambda p=p: _gone(p.pid), 2.0), p
+
+
+async def test_a_backend_whose_start_failed_leaves_no_vllm_process(tree: dict[str, VllmProcess]) -> None:
+    b, _ = backend([])
+    assert b._watch is None  # the start failed before the watch began
+    await b.stop()
+    for p in tree.values():
+        assert await _wait_for(lambda p=p: _gone(p.pid), 2.0), p
+
+
+async def test_a_core_that_exits_in_vllms_shutdown_is_no_death(tree: dict[str, VllmProcess]) -> None:
+    b, llm = backend([])
+    watch = b._watch = ProcessWatch(os.getpid(), poll_seconds=0.01)
+    watch.start()
+
+    def shutdown(timeout: float) -> None:  # vLLM's ends its core, then waits a moment
+        os.kill(tree["VLLM::EngineCore"].pid, signal.SIGKILL)
+        time.sleep(0.2)
+    llm.shutdown = shutdown  # type: ignore[method-assign]
+    await b.stop()
+    assert watch.death is None
+    assert await _wait_for(lambda: _gone(tree["VLLM::Worker"].pid), 2.0)
