@@ -204,7 +204,7 @@ async def test_a_core_that_exits_in_vllms_shutdown_is_no_death(tree: dict[str, V
     def shutdown(timeout: float) -> None:  # vLLM's ends its core, then waits a moment
         os.kill(tree["VLLM::EngineCore"].pid, signal.SIGKILL)
         time.sleep(0.2)
-    llm.shutdown = shutdown  # type: ignore[method-assign]
+    llm.shutdown = shutdown  # type: ignore[method-assign]  # the fake client's shutdown, replaced per test
     await b.stop()
     assert watch.death is None
     assert await _wait_for(lambda: _gone(tree["VLLM::Worker"].pid), 2.0)
