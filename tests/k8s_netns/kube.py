@@ -2,7 +2,8 @@
 Deployments and the StatefulSet (names as Kubernetes makes them), each
 container's argv and environment (downward API, Secret/ConfigMap refs,
 Service links, `$(VAR)` expansion as Kubernetes does it), its volumes
-written out as files, its probes and preStop hook; Services and
+written out as files (a StatefulSet's volumeClaimTemplates: one claim per
+pod, `<template>-<pod>`), its probes and preStop hook; Services and
 NetworkPolicies for DNS and firewall rules.
 
 Nothing here starts anything: `cluster.py` runs these pods on namespace
