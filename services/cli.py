@@ -1,7 +1,7 @@
 """The `kvmesh` command: each service alone, or the whole mesh on one machine.
 
     kvmesh up [--engines N] [--backend sim|vllm] [--gateways N]   everything, supervised
-    kvmesh scheduler | gateway | engine                            one service (multi-host)
+    kvmesh scheduler | gateway | engine | batch                    one service (multi-host)
     kvmesh engine --engine-id ID --advertise-address HOST:PORT     an engine with a stable id/name
     kvmesh drain --port METRICS_PORT                               drain a local service (preStop)
     kvmesh envoy render                                            topology YAML -> Envoy config
@@ -96,6 +96,16 @@ def _cmd_gateway(ns: argparse.Namespace) -> None:
     _run(serve(config, replica=ns.replica))
 
 
+def _cmd_batch(ns: argparse.Namespace) -> None:
+    from services.batch.server import serve
+
+    config = _config(ns)
+    for name in ("port", "metrics_port", "gateway_url", "database"):
+        if getattr(ns, name) is not None:
+            setattr(config.batch, name, getattr(ns, name))
+    _run(serve(config))
+
+
 def _cmd_up(ns: argparse.Namespace) -> None:
     from services.launcher.up import run_up
 
@@ -161,13 +171,22 @@ def _add_service_parsers(sub: Any) -> None:
     gw.add_argument("--metrics-port", type=int)
     gw.set_defaults(func=_cmd_gateway)
 
+    batch = sub.add_parser("batch", help="run the batch service (the Files + Batches API; one per mesh)")
+    batch.add_argument("--port", type=int, help="HTTP API port (config batch.port)")
+    batch.add_argument("--metrics-port", type=int, help="metrics and probes port (config batch.metrics_port)")
+    batch.add_argument("--gateway-url", help="where lines go: http(s)://host:port of a gateway or Envoy "
+                                             "(config batch.gateway_url)")
+    batch.add_argument("--database", help="its SQLite file (config batch.database)")
+    batch.set_defaults(func=_cmd_batch)
+
     drain = sub.add_parser("drain", help="drain a service on this host: POST /drain to its metrics port "
                                          "and wait (a Kubernetes preStop hook)")
     drain.add_argument("--port", type=int, required=True, help="the service's metrics port")
     drain.add_argument("--host", default="127.0.0.1", help="a loopback address (default 127.0.0.1)")
     drain.add_argument("--timeout", type=float, default=600.0,
                        help="seconds to wait for the drain's answer (default 600; the service bounds its "
-                            "drain: engines stop_grace_seconds, gateways drain_seconds)")
+                            "drain: engines stop_grace_seconds, gateways drain_seconds, "
+                            "batch drain_seconds)")
     drain.set_defaults(func=_cmd_drain)
 
 

@@ -161,8 +161,16 @@ class _Generation:
         `cancel` on the engine call first. Cancelling the pump while it
         waits in a grpc.aio read ends the call bare, which the engine would
         take for a vanished gateway and keep the generation for a resume."""
-        if self._stream is not None and not self._driver.detaching:
+        if self._stream is not None and not self._detaching:
             await self._stream.say_cancel()
+
+    @property
+    def _detaching(self) -> bool:
+        """Does a generation cut off here stay kept for a resume? Yes when
+        this gateway is being cut (a drain's bound), and for a batch line,
+        whose batch service resumes it when it comes back
+        (services/gateway/batch_lines.py)."""
+        return self._driver.detaching or self._job.batch
 
     async def run(self, emit: Emit) -> None:
         self._emit = emit
@@ -172,7 +180,7 @@ class _Generation:
             placed = await lease.wait_placed(self._emit)
             finished = await self._generate(lease, placed)
         except BaseException:
-            await lease.abandon(resumable=driver.detaching)
+            await lease.abandon(resumable=self._detaching)
             raise
         driver.metrics.finished.labels(finished.reason.value).inc()
         if self._job.trace.recording:
@@ -215,7 +223,7 @@ class _Generation:
                 if ended is None:
                     self._driver.metrics.migrations.inc()
             except BaseException:
-                if self._driver.detaching:
+                if self._detaching:
                     stream.detach()
                 else:
                     stream.cancel()

@@ -42,11 +42,11 @@ from services.common.openai_api.responses import (
 from services.common.proto.kvmesh.v1 import common_pb2
 from services.common.tracing import Span
 from services.gateway import request_trace
-from services.gateway.batch.service import BatchService
+from services.gateway.batch_lines import BATCH_PRIORITY, BatchLines, LineTiming
 from services.gateway.driver import GenerationDriver
 from services.gateway.errors import ErrorKind, GatewayError, http_error
 from services.gateway.event_stream import EventStream
-from services.gateway.events import Finished, Heartbeat, TextDelta
+from services.gateway.events import Event, Finished, Heartbeat, TextDelta
 from services.gateway.frontdoor import Admitted, Frontdoor
 from services.gateway.jobs import parse_last_event_id, request_id_from
 from services.gateway.keys import api_key_from_headers
@@ -107,9 +107,11 @@ class HttpApi:
         self._served = served or ServedModels(functools.partial(scheduler.get_state, 1.0), SystemClock())
         self._tokenize = TokenizeApi(frontdoor)
         self.responses_store = responses_store or ResponseStore(config.responses, SystemClock())
+        # Lines of the batch service (batch_lines.py): only with its internal credential.
+        self._batch_lines = BatchLines(config, frontdoor.keys)
 
-    def app(self, batch: BatchService | None = None) -> web.Application:
-        """The routes; with `batch`, the Files + Batches API too (services/gateway/batch/)."""
+    def app(self) -> web.Application:
+        """The routes (the Files + Batch API is the batch service's, services/batch/)."""
         app = web.Application(
             middlewares=[self._error_middleware],
             client_max_size=self._config.gateway.max_body_bytes,
@@ -118,8 +120,6 @@ class HttpApi:
         app.router.add_post("/v1/completions", self.completions)
         ResponsesApi(self._frontdoor, self._driver, self._metrics, self.responses_store, self._read_json,
                      _REQUEST_ID).register(app)
-        if batch is not None:
-            batch.register(app, self._read_json)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_post("/tokenize", self._tokenize_route)
@@ -199,14 +199,15 @@ class HttpApi:
         self, request: web.Request, route: str, span: Span, tally: _Tally,
     ) -> web.StreamResponse:
         resume = parse_last_event_id(request.headers.get("last-event-id"))
-        request_id = resume[0] if resume else request_id_from(
+        line = self._batch_lines.read(request.headers)   # None unless the batch service sent it
+        request_id = line.request_id if line else resume[0] if resume else request_id_from(
             request.headers.get("x-request-id"), request.headers.get("x-envoy-attempt-count"))
         request[_REQUEST_ID] = request_id
         span.set("kvmesh.request_id", request_id)  # also on a request refused before admission
-        principal = self._frontdoor.authenticate(api_key_from_headers(request.headers))
+        principal = line.principal if line else self._frontdoor.authenticate(api_key_from_headers(request.headers))
         body = await self._read_json(request)
         generation = parse_chat_body(body) if route == "chat" else parse_completion_body(body)
-        priority = parse_priority_header(request.headers.get("x-priority"))
+        priority = BATCH_PRIORITY if line else parse_priority_header(request.headers.get("x-priority"))
         if resume and not generation.stream:
             raise GatewayError(ErrorKind.INVALID_REQUEST, "Last-Event-ID resumes a streamed response; "
                                "set \"stream\": true", param="Last-Event-ID")
@@ -224,6 +225,8 @@ class HttpApi:
         admitted = await self._frontdoor.admit(generation, principal, priority, request_id, span)
         if resume:
             admitted.job.resume_from = resume[1]
+        if line:
+            line.apply(admitted.job)
         formatter: Formatter
         if tool_parser is not None:
             formatter = ToolChatFormatter(request_id, generation.model, generation.include_usage, tool_parser)
@@ -233,7 +236,8 @@ class HttpApi:
         # The response cache (response_cache/): a hit never reaches the driver.
         cache = self._frontdoor.cache
         try:
-            ticket = await cache.lookup(admitted.job, generation, principal, request.headers, resume is not None)
+            ticket = await cache.lookup(admitted.job, generation, principal, request.headers,
+                                        resume is not None or line is not None)
         except BaseException:   # the client left during the lookup: settle its grant all the same
             self._settle(admitted, tally)
             raise
@@ -244,7 +248,11 @@ class HttpApi:
             if generation.stream:
                 return await self._stream(request, stream, formatter, headers, tally, resume is not None,
                                           generation.n)
-            return await self._collect(stream, formatter, headers, tally)
+            timing = LineTiming(self._driver.clock) if line else None
+            response = await self._collect(stream, formatter, headers, tally, timing.see if timing else None)
+            if timing:
+                response.headers.update(timing.headers())
+            return response
         finally:
             await stream.aclose()
             self._metrics.active_streams.dec()
@@ -349,12 +357,15 @@ class HttpApi:
         formatter: Formatter,
         headers: dict[str, str],
         tally: _Tally,
+        watch: Callable[[Event], None] | None = None,
     ) -> web.Response:
         texts: dict[int, list[str]] = defaultdict(list)   # per choice (n > 1)
         logprobs: dict[int, list[common_pb2.TokenLogprob]] = defaultdict(list)
         reasons: dict[int, str] = {}
         finished: Finished | None = None
         async for event in stream:
+            if watch is not None:
+                watch(event)   # a batch line's timing
             if isinstance(event, TextDelta):
                 tally.completion_tokens += len(event.token_ids)
                 texts[event.choice].append(event.text)

@@ -44,7 +44,6 @@ from services.common.mesh_tls import add_port, identity_for
 from services.common.proto.kvmesh.v1 import inference_pb2_grpc
 from services.common.service_main import run_until_signalled
 from services.common.tracing import tracing_for
-from services.gateway.batch.service import BatchService
 from services.gateway.drain import Drain, DrainSettings
 from services.gateway.driver import DriverSettings, GenerationDriver
 from services.gateway.engine_client import EnginePool
@@ -104,7 +103,6 @@ class GatewayService:
         self._drain_once = OnceDrain(self._run_drain)
         self.metrics_port = 0
         self._up = False
-        self._batch: BatchService | None = None
 
     async def start(self, http_port: int | None = None, grpc_port: int | None = None) -> tuple[int, int]:
         """Bind and serve; ports default to the config's (0 = any free port)."""
@@ -137,9 +135,7 @@ class GatewayService:
         await server.start()
         self._grpc = server
 
-        if self.config.batch.enabled:
-            self._batch = BatchService(self.config, self.frontdoor, driver, self.metrics, self.clock, self.replica)
-        app = HttpApi(self.config, self.frontdoor, driver, self._scheduler, self.metrics, served).app(self._batch)
+        app = HttpApi(self.config, self.frontdoor, driver, self._scheduler, self.metrics, served).app()
         # Inside the error middleware, so a draining /health is an OpenAI 503.
         app.middlewares.append(self.drain_state.health_middleware)
         # With mesh TLS the API port is Envoy's upstream: TLS, mesh certificates only.
@@ -152,8 +148,6 @@ class GatewayService:
 
         self._health = health
         self._health_task = asyncio.create_task(self._follow_scheduler(health))
-        if self._batch is not None:
-            self._batch.start()
         self._up = True
         log.info(
             "gateway %d: http %s:%d grpc %s:%d scheduler %s",
@@ -222,8 +216,6 @@ class GatewayService:
     async def _run_drain(self) -> DrainReport:
         loop = asyncio.get_running_loop()
         began = loop.time()
-        if self._batch is not None:
-            await self._batch.pause()  # its batches move to other gateways when it stops
         open_streams = await self.drain_state.run(self._not_ready) if self._health is not None else 0
         details: dict[str, float | int | str] = {"in_flight": open_streams,
                                                  "seconds": round(loop.time() - began, 3)}
@@ -242,9 +234,6 @@ class GatewayService:
 
     async def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
         await self._stop_following()
-        if self._batch is not None:
-            await self._batch.stop()  # first: its lines still need the scheduler and engines
-            self._batch = None
         if self._grpc is not None:
             await self._grpc.stop(grace)
             self._grpc = None

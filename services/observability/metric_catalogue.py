@@ -2,7 +2,7 @@
 metric classes and their registries (never a hand-kept list), so a test can
 fail when a dashboard panel or an alert names a metric no service exports.
 
-Two views, both keyed "gateway" | "scheduler" | "engine":
+Two views, both keyed "gateway" | "scheduler" | "engine" | "batch":
 
 - `exported_metric_families()`: family names as prometheus_client registers
   them (a counter without its `_total`: `kvmesh_gateway_rejections`).
@@ -14,7 +14,7 @@ Two views, both keyed "gateway" | "scheduler" | "engine":
   whether or not a child exists yet (a labelled counter shows up in the
   exposition only after its first event).
 
-It imports the three services' metric modules, so it lives with the
+It imports the four services' metric modules, so it lives with the
 dashboards that read it (services/observability), not in services/common,
 which no service module depends the other way on.
 """
@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 
 __all__ = ["SERVICES", "exported_metric_families", "exported_metric_names", "sample_names"]
 
-SERVICES = ("gateway", "scheduler", "engine")
+SERVICES = ("gateway", "scheduler", "engine", "batch")
 
 _SUFFIXES = {
     "counter": ("_total", "_created"),
@@ -40,9 +40,9 @@ _SUFFIXES = {
 
 
 def _registries() -> dict[str, CollectorRegistry]:
+    from services.batch.metrics import BatchMetrics
     from services.engine.backend import LoadSnapshot
     from services.engine.metrics import EngineMetrics
-    from services.gateway.batch.metrics import BatchMetrics
     from services.gateway.metrics import GatewayMetrics
     from services.gateway.response_cache.metrics import CacheMetrics
     from services.scheduler.metrics import SchedulerMetrics
@@ -52,11 +52,11 @@ def _registries() -> dict[str, CollectorRegistry]:
 
     gateway = GatewayMetrics()
     CacheMetrics(gateway.registry, "embedded")   # the response cache's, on the gateway's registry
-    BatchMetrics(gateway.registry)                # the Batch API's, on the gateway's registry too
     return {
         "gateway": gateway.registry,
         "scheduler": SchedulerMetrics().registry,
         "engine": EngineMetrics("catalogue", "catalogue", idle).registry,
+        "batch": BatchMetrics().registry,
     }
 
 

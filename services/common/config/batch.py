@@ -1,6 +1,7 @@
 """The Batch API (OpenAI's Files + Batches), under top-level `batch` in the
-YAML (services/gateway/batch/; README "Batch API"). Bounds are checked at
-load by `validation.py`."""
+YAML: the batch service (services/batch/, `kvmesh batch`; README "Batch
+API"), and what gateways honour from it (`internal_key_sha256`). Bounds are
+checked at load by `validation.py`."""
 
 from __future__ import annotations
 
@@ -11,24 +12,49 @@ __all__ = ["BatchConfig"]
 
 @dataclass
 class BatchConfig:
-    """Where batches live, how large an input may be, and how hard each
-    gateway drives the batches it owns."""
+    """Where the batch service listens and keeps its batches, how it reaches
+    the gateways, how large an input may be, and how hard it drives them."""
 
-    # Serve /v1/files and /v1/batches and run batches. False: those routes
-    # answer 404 and this gateway owns no batch.
+    # `kvmesh up` runs one batch service (Envoy routes /v1/files and
+    # /v1/batches to it). False: none runs, and those routes answer 503.
     enabled: bool = True
-    # The SQLite file every gateway of the mesh shares (files, batches, their
-    # lines and results, the ownership leases). Empty = <run_dir>/batch.sqlite3,
-    # so all gateways of one `kvmesh up` share it. Gateways on other machines
-    # need a path on a shared disk that supports SQLite's locking (not NFS).
+    # Bind address of both ports (0.0.0.0 or :: in a pod).
+    host: str = "127.0.0.1"
+    # The Files + Batches HTTP API (and GET /health). 0 .. 65535; 0 = any free.
+    port: int = 8090
+    # Plain HTTP: /metrics, /health/{started,ready,live}, loopback POST
+    # /drain. 0 = off. 9190: clear of the gateways' 9102+r and engines' 9200+i.
+    metrics_port: int = 9190
+    # Where lines are sent (POST /v1/chat/completions, /v1/completions): a
+    # gateway or Envoy, http(s)://host:port. Empty = the first gateway of
+    # this config (http://<gateway.host>:<gateway.http_port>).
+    gateway_url: str = ""
+    # The SQLite file only the batch service writes (files, batches, their
+    # lines and results, the ownership leases). Empty = <run_dir>/batch.sqlite3.
+    # On Kubernetes a path on its PersistentVolumeClaim.
     database: str = ""
+    # SHA-256 (`kvmesh key hash KEY`, 64 hex digits) of the internal
+    # credential the batch service sends with each line. Gateways accept a
+    # line's batch headers (creator's key id, batch deadline, resume) only
+    # with that credential: batch lines bypass tenant queue caps, so an
+    # ordinary client must not set them. Empty = gateways refuse batch lines
+    # (`kvmesh up` makes one for its run).
+    internal_key_sha256: str = ""
+    # A file holding the raw internal credential (on Kubernetes a mounted
+    # Secret); the env var KVMESH_BATCH_INTERNAL_KEY wins over it. Only the
+    # batch service reads it; empty = the env var only.
+    internal_key_file: str = ""
+    # SIGTERM / POST /drain: no new lines, those in flight get this long,
+    # seconds. > 0. A line still running then stays resumable (the gateways
+    # keep it `resume.grace_seconds`), so the drain need not be long.
+    drain_seconds: float = 5.0
     # Largest upload to POST /v1/files, in bytes; larger -> 413. Within
     # 1 KiB .. 1 GiB. 64 MiB: ~50,000 chat requests of ~1 KiB (OpenAI allows
     # 200 MB; the file is held in memory once while it is validated).
     max_file_bytes: int = 64 * 1024 * 1024
     # Most requests (lines) in one batch. >= 1. 50,000 as OpenAI.
     max_lines: int = 50_000
-    # Most lines one gateway runs at once across the batches it owns. >= 1.
+    # Most lines the batch service runs at once across its batches. >= 1.
     # The runner starts at 4 and adapts: it doubles (slow start) until lines
     # first wait too long, then grows by a line per window while lines are placed at
     # once (or wait in the scheduler's queue no longer than they then run: a
@@ -41,12 +67,12 @@ class BatchConfig:
     # full queue, no engine -- are waited out (backing off) without using
     # tries, until the batch's completion window ends.
     max_attempts: int = 5
-    # Ownership lease of a batch, seconds: a gateway that stops renewing it
-    # (dead, or cut off from the database) is taken over this long after its
-    # last renewal. > 0. 6 s: well inside `resume.grace_seconds` (15 s), so
-    # the new owner can still resume the lines the dead one had in flight.
+    # Ownership lease of a batch, seconds: a batch process that stops
+    # renewing it (dead, restarted) is taken over this long after its last
+    # renewal. > 0. 6 s: well inside `resume.grace_seconds` (15 s), so the
+    # new owner can still resume the lines the dead one had in flight.
     lease_seconds: float = 6.0
-    # How often a gateway renews its leases and looks for batches to run, and
+    # How often the batch service renews its leases and looks for batches to run, and
     # for cancellation of those it owns, seconds. > 0 and < lease_seconds / 2.
     poll_seconds: float = 1.0
     # The one completion window accepted, as OpenAI ("24h"), in seconds: a

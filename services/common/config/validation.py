@@ -127,9 +127,16 @@ def _check_deadlines(deadlines: _Section) -> None:
 
 
 def _check_batch(batch: _Section) -> None:
+    batch.ports("port", "metrics_port")
     batch.within("max_file_bytes", 1024, 1024**3)
     batch.positive("max_lines", "max_in_flight", "max_attempts", "lease_seconds", "poll_seconds",
-                   "completion_window_seconds")
+                   "completion_window_seconds", "drain_seconds")
+    digest = batch.settings.internal_key_sha256.strip().lower()
+    if digest and not _HEX64.fullmatch(digest):
+        batch.fail("internal_key_sha256", f"expected 64 hex digits (kvmesh key hash KEY), got {digest!r}")
+    url = batch.settings.gateway_url
+    if url and not url.startswith(("http://", "https://")):
+        batch.fail("gateway_url", f"expected http(s)://host:port of a gateway or Envoy, got {url!r}")
     if batch.settings.poll_seconds * 2 >= batch.settings.lease_seconds:
         batch.fail("poll_seconds", f"must be < lease_seconds / 2 ({batch.settings.lease_seconds / 2:g}): "
                    "a lease is renewed at least twice before it expires")

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from services.common.config import BatchConfig, ConfigError, MeshConfig, config_from_dict, load_config, validate_config
-from services.gateway.batch.service import database_path
+from services.batch.server import database_path
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -1,18 +1,18 @@
 """The Batch API's state in SQLite: uploaded files, batches, each batch's
 lines (requests) with their results, and the ownership leases
-(ownership.py). One database file is shared by every gateway of a mesh
-(`batch.database`), so a gateway or scheduler restart loses nothing and any
-gateway answers for any batch.
+(ownership.py). One database file (`batch.database`), written by the
+batch service alone, so a restart of any service loses nothing.
 
-Concurrency: each gateway has ONE connection, used only from the store's
+Concurrency: the process has ONE connection, used only from the store's
 one worker thread (`Database.run`), so blocking SQLite calls never run on
-the event loop and need no lock of ours. Across gateways SQLite's own
+the event loop and need no lock of ours. Across processes (a restart's
+overlap, tests reading the file) SQLite's own
 locking serializes writers: WAL mode (readers never block the writer),
 `BEGIN IMMEDIATE` for read-then-write transactions, every transaction a
 few statements long, a busy timeout for the rare wait.
 
 Writes of an owner (a line started, a result, the final status) carry the
-ownership FENCE: a gateway taken over cannot write any more. Everything is
+ownership FENCE: an owner taken over cannot write any more. Everything is
 scoped by tenant: another tenant's id reads as nonexistent.
 """
 
@@ -26,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from services.gateway.batch import ownership
-from services.gateway.batch.ownership import FENCE, Lease
-from services.gateway.batch.records import ACTIVE, FileRecord, LineRecord, Page, new_id
+from services.batch import ownership
+from services.batch.ownership import FENCE, Lease
+from services.batch.records import ACTIVE, FileRecord, LineRecord, Page, new_id
 
 __all__ = ["BatchStore", "Database"]
 

@@ -1,13 +1,14 @@
-"""The batch runner of one gateway: every `batch.poll_seconds` it renews
-the ownership leases it holds (ownership.py), reacts to cancellation and
-expiry of its batches, claims active batches nobody owns (new ones, and
-those of a gateway that stopped renewing) and runs each in a `BatchRun`
+"""The batch runner of the batch service: every `batch.poll_seconds` it
+renews the ownership leases it holds (ownership.py), reacts to cancellation
+and expiry of its batches, claims active batches nobody owns (new ones, and
+those of a process that stopped renewing: its predecessor before a
+restart) and runs each in a `BatchRun`
 (batch_run.py). Lines of all its batches share one adaptive gate (gate.py,
 pacing.py), at most `batch.max_in_flight`.
 
-One owner of the runner's state: the gateway's event loop (`_owned` is
+One owner of the runner's state: the service's event loop (`_owned` is
 touched only by `_tick` and `stop`); database calls go to the store's
-worker thread. A lost lease (another gateway took the batch over) stops
+worker thread. A lost lease (another process took the batch over) stops
 that batch's run at once, without another write: its writes would be
 refused by the fence anyway.
 """
@@ -19,9 +20,9 @@ import contextlib
 import logging
 from typing import Any
 
-from services.gateway.batch.batch_run import BatchRun, RunDeps
-from services.gateway.batch.records import ACTIVE, FINAL
-from services.gateway.keys import KeyStore
+from services.batch.batch_run import BatchRun, RunDeps
+from services.batch.callers import Callers
+from services.batch.records import ACTIVE, FINAL
 
 __all__ = ["BatchRunner"]
 
@@ -29,10 +30,10 @@ log = logging.getLogger(__name__)
 
 
 class BatchRunner:
-    def __init__(self, deps: RunDeps, keys: KeyStore, owner: str) -> None:
+    def __init__(self, deps: RunDeps, keys: Callers, owner: str) -> None:
         self._deps = deps
         self._keys = keys
-        self.owner = owner   # this gateway's lease holder id (replica, pid, random)
+        self.owner = owner   # this process's lease holder id (host, pid, random)
         self._owned: dict[str, tuple[BatchRun, asyncio.Task[None]]] = {}
         self._task: asyncio.Task[None] | None = None
 
@@ -40,9 +41,9 @@ class BatchRunner:
         self._task = asyncio.create_task(self._loop(), name="batch-runner")
 
     async def stop(self) -> None:
-        """Stop running, and give up the leases so another gateway takes
-        the batches at its next poll (their lines in flight are cancelled
-        here and run again there)."""
+        """Stop running, and give up the leases so the next process takes
+        the batches at its next poll (their lines in flight are cut here:
+        their gateways keep the generations, and the next owner resumes them)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -66,7 +67,7 @@ class BatchRunner:
 
     async def _tick(self) -> None:
         await self._renew()
-        if not self._deps.gate.closed:  # a draining gateway takes no new batches
+        if not self._deps.gate.closed:  # a draining service takes no new batches
             await self._claim()
         deps = self._deps
         counts = await deps.db.run(deps.db.store.status_counts)
@@ -79,12 +80,12 @@ class BatchRunner:
         for batch_id, (run, task) in list(self._owned.items()):
             if task.done():
                 del self._owned[batch_id]
-                if deps.gate.closed:  # drained: the batch's next lines run on another gateway now
+                if deps.gate.closed:  # drained: the batch's next lines run in the next process
                     await deps.db.run(store.release, run.lease)
                 continue
             lease = await deps.db.run(store.renew, run.lease, deps.clock.wall(), deps.config.lease_seconds)
             if lease is None:
-                log.warning("batch %s: lease lost to another gateway; stopping here", batch_id)
+                log.warning("batch %s: lease lost to another batch process; stopping here", batch_id)
                 run.abandon()
                 task.cancel()
                 del self._owned[batch_id]

@@ -1,8 +1,8 @@
-"""One owned batch's run on this gateway: its open lines through the gate
-(gate.py) to the executor (execute.py), each result recorded under the
+"""One owned batch's run: its open lines through the gate (gate.py) to the
+executor (submit.py: a gateway's HTTP API), each result recorded under the
 ownership fence, then the batch finalized (output / error files, final
 status). The runner (runner.py) starts one per batch it owns and stops it
-on cancellation, expiry, a lost lease or the gateway's stop.
+on cancellation, expiry, a lost lease or the batch service's stop.
 
 "Runs no request twice" (README "Batch API"): a line is recorded done at
 most once (`record_result` is fenced and only moves a line that is not
@@ -12,7 +12,8 @@ that attempt was written (fenced) as running; a new owner first RESUMES a
 line the old one left running (same request id: the generation continues
 on its engine, not from the start) and reruns it only when that generation
 is gone (still queued at the crash, past `resume.grace_seconds`, or moved
-to another engine just before).
+to another engine just before). A line whose connection broke after it was
+sent (its gateway died) is resumed the same way.
 """
 
 from __future__ import annotations
@@ -22,16 +23,16 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from services.batch.gate import Gate
+from services.batch.metrics import BatchMetrics
+from services.batch.output import files_of, response_line
+from services.batch.ownership import Lease
+from services.batch.pacing import Pace
+from services.batch.records import LineRecord
+from services.batch.store import Database
+from services.batch.submit import Attempt, LineExecutor, Outcome, Result
 from services.common.clock import Clock
 from services.common.config.batch import BatchConfig
-from services.gateway.batch.execute import Attempt, LineExecutor, Outcome, Result
-from services.gateway.batch.gate import Gate
-from services.gateway.batch.metrics import BatchMetrics
-from services.gateway.batch.output import files_of, response_line
-from services.gateway.batch.ownership import Lease
-from services.gateway.batch.pacing import Pace
-from services.gateway.batch.records import LineRecord
-from services.gateway.batch.store import Database
 from services.gateway.errors import ErrorKind, GatewayError, http_error
 from services.gateway.keys import Principal
 
@@ -43,7 +44,7 @@ _PAGE = 256   # open lines read per query
 
 
 class LostLease(Exception):
-    """Another gateway owns the batch now: stop without writing."""
+    """Another batch process owns the batch now: stop without writing."""
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,9 @@ class BatchRun:
                 task.cancel()
 
     def abandon(self) -> None:
-        """Stop here without finalizing (the lease is lost, or the gateway
-        stops): cancel the lines in flight; they stay open for the next owner."""
+        """Stop here without finalizing (the lease is lost, or the service
+        stops): cancel the lines in flight; they stay open for the next owner
+        (which resumes them: their gateways keep batch lines' generations)."""
         for task in self._lines:
             task.cancel()
 
@@ -139,7 +141,7 @@ class BatchRun:
                     raise LostLease
             result = await deps.executor.run(Attempt(
                 self._batch["endpoint"], line.request(), line.custom_id, request_id,
-                float(self._batch["expires_at"]), resume), self._principal)
+                float(self._batch["expires_at"]), resume), self._principal.key_id)
             deps.gate.observe(result.pace)
             if result.outcome is Outcome.DONE:
                 if resume:
@@ -150,7 +152,8 @@ class BatchRun:
                 deps.metrics.requests.labels("rerun").inc()
                 resume = False
                 continue
-            resume = False
+            # RESUME: the connection broke after the line was sent; its generation may live on.
+            resume = result.outcome is Outcome.RESUME
             deps.metrics.requests.labels("retried").inc()
             # Refusals (a rate limit, a full queue, no engine) wait their turn
             # without using up tries: a busy fleet is what a batch waits out.

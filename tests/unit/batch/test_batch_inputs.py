@@ -1,4 +1,4 @@
-"""A batch's input file, line by line (services/gateway/batch/inputs.py),
+"""A batch's input file, line by line (services/batch/inputs.py),
 the output line shape (output.py) and the runner's pacing window
 (pacing.py, on a fake clock's times)."""
 
@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from services.gateway.batch.execute import pace_of
-from services.gateway.batch.inputs import check_input
-from services.gateway.batch.output import files_of, not_run_line, response_line
-from services.gateway.batch.pacing import Pace, Window
+from services.batch.inputs import check_input
+from services.batch.output import files_of, not_run_line, response_line
+from services.batch.pacing import Pace, Window
+from services.batch.submit import pace_of
 
 CHAT = "/v1/chat/completions"
 

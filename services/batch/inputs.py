@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.batch.output import response_line
 from services.common.openai_api.requests import GenerationInput, parse_chat_body, parse_completion_body
-from services.gateway.batch.output import response_line
 from services.gateway.errors import ErrorKind, GatewayError, http_error
 
 __all__ = ["ENDPOINTS", "MAX_ERRORS", "CheckedInput", "check_input"]

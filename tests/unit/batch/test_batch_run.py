@@ -1,4 +1,4 @@
-"""A batch's run on one gateway (services/gateway/batch/batch_run.py) with
+"""A batch's run on one gateway (services/batch/batch_run.py) with
 a scripted line executor and a real database: a dead owner's running line
 is resumed first and rerun only when its generation is gone, retriable
 failures are retried up to `max_attempts`, cancellation accounts for every
@@ -15,18 +15,19 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from services.batch.batch_run import BatchRun, RunDeps
+from services.batch.callers import Callers
+from services.batch.gate import Gate
+from services.batch.metrics import BatchMetrics
+from services.batch.output import response_line
+from services.batch.pacing import Pace, Window
+from services.batch.runner import BatchRunner
+from services.batch.store import Database
+from services.batch.submit import Attempt, Outcome, Result
 from services.common.clock import FakeClock
-from services.common.config import GatewayConfig
+from services.common.config import GatewayConfig, MeshConfig
 from services.common.config.batch import BatchConfig
-from services.gateway.batch.batch_run import BatchRun, RunDeps
-from services.gateway.batch.execute import Attempt, Outcome, Result
-from services.gateway.batch.gate import Gate
-from services.gateway.batch.metrics import BatchMetrics
-from services.gateway.batch.output import response_line
-from services.gateway.batch.pacing import Pace, Window
-from services.gateway.batch.runner import BatchRunner
-from services.gateway.batch.store import Database
-from services.gateway.keys import ANONYMOUS, KeyStore, Principal
+from services.gateway.keys import ANONYMOUS
 
 TTL = 6.0
 Script = Callable[[Attempt], Result]
@@ -43,7 +44,7 @@ class FakeExecutor:
         self.release = asyncio.Event()
         self.release.set()
 
-    async def run(self, attempt: Attempt, principal: Principal) -> Result:
+    async def run(self, attempt: Attempt, key_id: str) -> Result:
         self.attempts.append(attempt)
         await self.release.wait()
         return self.script(attempt)
@@ -112,14 +113,14 @@ async def test_a_dead_owners_running_line_is_resumed_then_rerun_only_if_gone(db:
     assert sorted(o["custom_id"] for o in _file_lines(db, "output_file_id")) == ["c0", "c1", "c2"]
     assert batch.get("error_file_id") is None
     counted = deps.metrics.registry.get_sample_value
-    assert counted("kvmesh_gateway_batch_requests_total", {"result": "resumed"}) == 1
-    assert counted("kvmesh_gateway_batch_requests_total", {"result": "rerun"}) == 1
+    assert counted("kvmesh_batch_requests_total", {"result": "resumed"}) == 1
+    assert counted("kvmesh_batch_requests_total", {"result": "rerun"}) == 1
 
 
 async def test_retriable_failures_are_retried_then_reported(db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
     async def no_sleep(_seconds: float) -> None:
         return None
-    monkeypatch.setattr("services.gateway.batch.batch_run.asyncio.sleep", no_sleep)
+    monkeypatch.setattr("services.batch.batch_run.asyncio.sleep", no_sleep)
     failures = {"c0": 1, "c1": 99}
     refusals = {"c0": 4, "c1": 0}
 
@@ -173,7 +174,7 @@ async def test_a_run_that_lost_its_lease_writes_nothing(db: Database) -> None:
 
 
 def _runner(deps: RunDeps, owner: str) -> BatchRunner:
-    return BatchRunner(deps, KeyStore(GatewayConfig(auth_enabled=False)), owner)
+    return BatchRunner(deps, Callers(MeshConfig(gateway=GatewayConfig(auth_enabled=False))), owner)
 
 
 async def _settle(runner: BatchRunner) -> None:

@@ -1,4 +1,4 @@
-"""How many lines one gateway runs at once: an additive-increase /
+"""How many lines the batch service runs at once: an additive-increase /
 multiplicative-decrease window, so a batch fills the fleet's idle capacity
 without flooding the scheduler's queue.
 
@@ -8,7 +8,7 @@ Signals, per finished line (`Pace`, decided by execute.py `pace_of`):
   -> in slow start (below `threshold`, until the first QUEUED / REJECTED)
   the window grows by one line per such line, doubling each line's run
   time; after it, by one line per window's worth of such lines. Without the
-  slow start a fresh gateway's window crept from 4 by one line per line run
+  slow start a fresh runner's window crept from 4 by one line per line run
   time (~6 s in BENCHMARKS.md's batch bench): a 40 s P0 window saw ~9 lines
   of 16 slots in flight, 196 of ~285 idle tok/s, every first run alike;
 - QUEUED: it waited in the queue longer than it ran (the fleet has no room

@@ -1,12 +1,12 @@
 """Who runs a batch: one ownership lease row per batch (owner, epoch,
-expires_at) in the shared database, so that with several gateways each
-batch has exactly ONE owner at a time.
+expires_at) in the database, so that each batch has exactly ONE owner at
+a time -- even while a restarted batch process overlaps its predecessor.
 
 - `claim`: in one write transaction, take a batch whose lease is missing,
   expired, or already ours. Taking it from another owner (expired) bumps the
   epoch; renewing our own keeps it.
 - `renew`: push our lease's expiry on, only while (owner, epoch) is still
-  ours -- a gateway that was taken over learns it here and stops.
+  ours -- an owner that was taken over learns it here and stops.
 - `FENCE`: the SQL condition every result write of an owner carries, so a
   stale owner's late write (it was taken over while its line still ran) is
   refused by the database, not by a check before the write.
@@ -74,6 +74,6 @@ def renew(conn: sqlite3.Connection, lease: Lease, now: float, ttl: float) -> Lea
 
 
 def release(conn: sqlite3.Connection, lease: Lease) -> None:
-    """Give the batch up now (a clean stop): another gateway takes it at
+    """Give the batch up now (a clean stop): another process takes it at
     its next poll instead of after the expiry."""
     conn.execute("UPDATE leases SET expires_at = 0 WHERE batch_id = ? AND owner = ? AND epoch = ?", lease.fence)

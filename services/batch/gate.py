@@ -1,6 +1,6 @@
 """The runner's admission gate: at most `Window.size` lines in flight, none
 started while the window is paused after a rejection (pacing.py). One per
-gateway, shared by the batches it owns; event-loop only.
+batch service, shared by the batches it owns; event-loop only.
 
 `release` and `close` are plain calls (no lock to await), so a line's task
 that is cancelled -- even twice -- still gives its slot back in `finally`.
@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from services.batch.pacing import Pace, Window
 from services.common.clock import Clock
-from services.gateway.batch.pacing import Pace, Window
 
 __all__ = ["Gate"]
 
@@ -26,7 +26,7 @@ class Gate:
         self._wake = asyncio.Event()   # set on each release / close: waiters look again
 
     def close(self) -> None:
-        """Admit no more lines (the gateway drains); waiting ones get False."""
+        """Admit no more lines (the service drains); waiting ones get False."""
         self.closed = True
         self._wake.set()
 
@@ -42,6 +42,12 @@ class Gate:
             self._wake.clear()
             with contextlib.suppress(TimeoutError):  # woken by a release, or the pause's end
                 await asyncio.wait_for(self._wake.wait(), pause if pause > 0 else None)
+
+    async def emptied(self) -> None:
+        """Until no line is in flight (a drain waits for it, bounded)."""
+        while self.in_flight:
+            self._wake.clear()
+            await self._wake.wait()
 
     def observe(self, pace: Pace) -> None:
         self.window.observe(pace, self._clock.monotonic())

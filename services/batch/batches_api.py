@@ -1,9 +1,9 @@
-"""OpenAI's Batch API on the gateway: `POST /v1/batches`,
+"""OpenAI's Batch API of the batch service: `POST /v1/batches`,
 `GET /v1/batches/{id}`, `POST /v1/batches/{id}/cancel`, `GET /v1/batches`.
 
 Creating a batch checks its input file whole (inputs.py) while the request
 waits -- the batch is returned `in_progress`, or `failed` with `errors` --
-and stores its lines; a runner (runner.py) of some gateway then owns and
+and stores its lines; the runner (runner.py) then owns and
 runs it. Cancelling marks it `cancelling`; its owner stops its lines and
 ends it `cancelled` with the lines done so far. Batches are scoped by
 tenant like files (files_api.py).
@@ -17,15 +17,15 @@ from typing import Any
 
 from aiohttp import web
 
+from services.batch.callers import Callers
+from services.batch.files_api import int_query, listing, not_found
+from services.batch.inputs import ENDPOINTS, CheckedInput, check_input
+from services.batch.records import Page, new_id
+from services.batch.store import Database
 from services.common.clock import Clock
 from services.common.config.batch import BatchConfig
-from services.gateway.batch.files_api import int_query, listing, not_found
-from services.gateway.batch.inputs import ENDPOINTS, CheckedInput, check_input
-from services.gateway.batch.records import Page, new_id
-from services.gateway.batch.store import Database
 from services.gateway.errors import ErrorKind, GatewayError
-from services.gateway.frontdoor import Frontdoor
-from services.gateway.keys import Principal, api_key_from_headers
+from services.gateway.keys import Principal
 
 __all__ = ["BatchesApi"]
 
@@ -49,9 +49,9 @@ def _metadata(value: Any) -> dict[str, str] | None:
 
 
 class BatchesApi:
-    def __init__(self, frontdoor: Frontdoor, db: Database, config: BatchConfig, clock: Clock,
+    def __init__(self, callers: Callers, db: Database, config: BatchConfig, clock: Clock,
                  read_json: ReadJson) -> None:
-        self._frontdoor = frontdoor
+        self._callers = callers
         self._db = db
         self._config = config
         self._clock = clock
@@ -64,7 +64,7 @@ class BatchesApi:
         app.router.add_post("/v1/batches/{batch_id}/cancel", self.cancel)
 
     def _principal(self, request: web.Request) -> Principal:
-        return self._frontdoor.authenticate(api_key_from_headers(request.headers))
+        return self._callers.authenticate(request.headers)
 
     async def create(self, request: web.Request) -> web.Response:
         principal = self._principal(request)
@@ -88,8 +88,7 @@ class BatchesApi:
             raise _invalid(f"file {file_id} has purpose {record.purpose!r}, not 'batch'", "input_file_id")
         checked = await asyncio.to_thread(check_input, content, endpoint, self._config.max_lines)
         if checked.model is not None and not checked.errors:
-            self._frontdoor.tokenizers.get(checked.model)            # 404: a model this mesh does not serve
-            self._frontdoor.keys.check_model(principal, checked.model)  # 403: one this key may not use
+            self._callers.check_model(principal, checked.model)  # 404 / 403
         batch = self._new_batch(file_id, endpoint, window, metadata, checked)
         lines = [] if checked.errors else checked.lines
         await self._db.run(self._db.store.create_batch, principal.tenant, principal.key_id, batch, lines)

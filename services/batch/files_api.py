@@ -1,12 +1,13 @@
-"""OpenAI's Files API on the gateway, for batch input and output:
+"""OpenAI's Files API of the batch service, for batch input and output:
 `POST /v1/files` (multipart: `purpose=batch`, `file`), `GET /v1/files`,
 `GET /v1/files/{id}`, `GET /v1/files/{id}/content`, `DELETE /v1/files/{id}`.
 
-Files live in the shared batch database (store.py), scoped by tenant:
+Files live in the batch database (store.py), scoped by tenant:
 another tenant's id is answered 404 like one that never existed. An upload
 is counted as it arrives and refused with 413 past `batch.max_file_bytes`
-(Envoy's request body limit is lifted on this route alone; the gateway's
-`max_body_bytes` applies to JSON bodies, not to this multipart stream).
+(Envoy's request body limit is lifted on this route alone; the batch
+service's JSON body limit, `gateway.max_body_bytes`, applies to JSON bodies,
+not to this multipart stream).
 Its lines are checked when a batch is created from it (inputs.py).
 """
 
@@ -16,12 +17,11 @@ from typing import Any
 
 from aiohttp import BodyPartReader, web
 
+from services.batch.callers import Callers
+from services.batch.records import Page
+from services.batch.store import Database
 from services.common.clock import Clock
-from services.gateway.batch.records import Page
-from services.gateway.batch.store import Database
 from services.gateway.errors import ErrorKind, GatewayError
-from services.gateway.frontdoor import Frontdoor
-from services.gateway.keys import api_key_from_headers
 
 __all__ = ["FilesApi", "int_query", "listing", "not_found"]
 
@@ -50,8 +50,8 @@ def listing(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
 
 
 class FilesApi:
-    def __init__(self, frontdoor: Frontdoor, db: Database, max_file_bytes: int, clock: Clock) -> None:
-        self._frontdoor = frontdoor
+    def __init__(self, callers: Callers, db: Database, max_file_bytes: int, clock: Clock) -> None:
+        self._callers = callers
         self._db = db
         self._max_bytes = max_file_bytes
         self._clock = clock
@@ -64,7 +64,7 @@ class FilesApi:
         app.router.add_delete("/v1/files/{file_id}", self.delete)
 
     def _tenant(self, request: web.Request) -> str:
-        return self._frontdoor.authenticate(api_key_from_headers(request.headers)).tenant
+        return self._callers.authenticate(request.headers).tenant
 
     def _too_large(self) -> GatewayError:
         return GatewayError(ErrorKind.BODY_TOO_LARGE, f"the file is larger than {self._max_bytes} bytes "

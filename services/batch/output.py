@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from services.gateway.batch.records import new_id
+from services.batch.records import new_id
 
 __all__ = ["NOT_RUN", "files_of", "not_run_line", "response_line"]
 

@@ -1,4 +1,4 @@
-"""The batch database (services/gateway/batch/store.py, ownership.py):
+"""The batch database (services/batch/store.py, ownership.py):
 tenant scoping, pagination, the ownership lease and its epoch fence, on a
 fake clock (times are passed in)."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from openai.types import Batch, FileObject
 
-from services.gateway.batch.output import files_of, response_line
-from services.gateway.batch.records import Page
-from services.gateway.batch.store import BatchStore
+from services.batch.output import files_of, response_line
+from services.batch.records import Page
+from services.batch.store import BatchStore
 
 TTL = 6.0
 

@@ -1,0 +1,116 @@
+"""Batch lines: requests the batch service (services/batch/submit.py) sends
+through this gateway's own API for a batch's creator.
+
+A batch line is an ordinary `/v1/chat/completions` or `/v1/completions`
+request plus `X-Kvmesh-Batch-*` headers: the creator's key id (the line is
+authorised and charged as that key: its models, its rate limits), the
+batch's completion deadline, the line's request id, and whether it resumes
+a generation its previous sender left. The job becomes P2 with
+`AdmitRequest.batch` and `batch_deadline_unix` set. Batch lines bypass the
+tenant queue caps, so the headers are honoured ONLY from a caller
+presenting the batch service's internal credential, whose SHA-256 is
+`batch.internal_key_sha256` (compared in constant time); any
+`X-Kvmesh-Batch-*` header without it is refused (403 `batch_not_allowed`),
+never ignored.
+
+A batch line's generation outlives its connection: if the batch service
+goes away mid-line, the driver detaches it as for a vanished gateway
+(driver.py), so the next batch process resumes it (`job.resume_from = 0`:
+every delta again, the whole output collected) within `resume.grace_seconds`.
+Batch lines skip the response cache, as they always have.
+
+The answer carries the line's timing (TIMING_HEADERS: queued or not, the
+wait before its first token, its run time after) for the batch service's
+pacing (services/batch/pacing.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from services.common.clock import Clock
+from services.common.config import MeshConfig
+from services.gateway.errors import ErrorKind, GatewayError
+from services.gateway.events import QueuedUpdate, TextDelta
+from services.gateway.jobs import Job, request_id_from
+from services.gateway.keys import KeyStore, Principal, api_key_from_headers
+
+__all__ = ["BATCH_PRIORITY", "BatchLine", "BatchLines", "LineTiming"]
+
+BATCH_PRIORITY = 2
+_PREFIX = "x-kvmesh-batch-"
+_KEY_ID, _DEADLINE = "x-kvmesh-batch-key-id", "x-kvmesh-batch-deadline"
+_REQUEST_ID, _RESUME = "x-kvmesh-batch-request-id", "x-kvmesh-batch-resume"
+# Mirrors services/batch/submit.py TIMING_HEADERS.
+_QUEUED, _WAIT, _RUN = "X-Kvmesh-Batch-Queued", "X-Kvmesh-Batch-Wait-Seconds", "X-Kvmesh-Batch-Run-Seconds"
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    principal: Principal    # the batch creator's key
+    request_id: str
+    deadline_unix: float
+    resume: bool
+
+    def apply(self, job: Job) -> None:
+        job.batch, job.batch_deadline_unix = True, self.deadline_unix
+        if self.resume:
+            job.resume_from = 0   # every delta again: the output is collected whole
+
+
+class BatchLines:
+    """Immutable after construction: shared by every request."""
+
+    def __init__(self, config: MeshConfig, keys: KeyStore) -> None:
+        self._digest = config.batch.internal_key_sha256.strip().lower()
+        self._keys = keys
+
+    def read(self, headers: Mapping[str, str]) -> BatchLine | None:
+        """None for an ordinary request (no batch header); a `BatchLine`
+        for the batch service's; GatewayError for anyone else's."""
+        if not any(name.lower().startswith(_PREFIX) for name in headers):
+            return None
+        raw = api_key_from_headers(headers)
+        if not (self._digest and raw and hmac.compare_digest(hashlib.sha256(raw.encode()).hexdigest(),
+                                                             self._digest)):
+            raise GatewayError(ErrorKind.PERMISSION_DENIED, "X-Kvmesh-Batch-* headers are the batch service's "
+                               "alone; remove them (use the Batch API: POST /v1/batches)", code="batch_not_allowed")
+        principal = self._keys.principal_for(headers.get(_KEY_ID, ""))
+        if principal is None:
+            raise GatewayError(ErrorKind.UNAUTHENTICATED, "the API key that created this batch is no longer "
+                               "configured", code="invalid_api_key")
+        request_id = headers.get(_REQUEST_ID, "")
+        try:
+            deadline = float(headers.get(_DEADLINE, ""))
+        except ValueError:
+            deadline = math.nan
+        if not (math.isfinite(deadline) and deadline > 0) or request_id_from(request_id) != request_id:
+            raise GatewayError(ErrorKind.INVALID_REQUEST, "a batch line needs a deadline (unix seconds) and a "
+                               "request id", param=_DEADLINE)
+        return BatchLine(principal, request_id, deadline, headers.get(_RESUME) == "1")
+
+
+class LineTiming:
+    """What a line's events say of its wait and run, as response headers."""
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._started = clock.monotonic()
+        self._first_token: float | None = None
+        self._queued = False
+
+    def see(self, event: object) -> None:
+        if isinstance(event, QueuedUpdate):
+            self._queued = True
+        elif isinstance(event, TextDelta) and event.token_ids and self._first_token is None:
+            self._first_token = self._clock.monotonic()
+
+    def headers(self) -> dict[str, str]:
+        ended = self._clock.monotonic()
+        first = ended if self._first_token is None else self._first_token
+        return {_QUEUED: "1" if self._queued else "0", _WAIT: f"{first - self._started:.3f}",
+                _RUN: f"{ended - first:.3f}"}
