@@ -39,7 +39,7 @@ from services.batch.metrics import BatchMetrics
 from services.batch.pacing import Window
 from services.batch.runner import BatchRunner
 from services.batch.store import Database
-from services.batch.submit import LineExecutor
+from services.batch.submit import LineExecutor, MeshTls
 from services.common.clock import Clock, SystemClock
 from services.common.config import MeshConfig
 from services.common.config.addresses import join_host_port
@@ -52,6 +52,7 @@ from services.common.health_http import (
     add_health_routes,
     add_metrics_route,
 )
+from services.common.mesh_tls import identity_for, server_name
 from services.common.service_main import run_until_signalled
 
 __all__ = ["BatchService", "database_path", "gateway_url", "serve"]
@@ -71,6 +72,14 @@ def gateway_url(config: MeshConfig) -> str:
     return config.batch.gateway_url or f"{scheme}://{join_host_port(gw.host, gw.http_port)}"
 
 
+def _mesh_tls(config: MeshConfig) -> MeshTls | None:
+    """With mesh TLS, an https gateway URL is a gateway's own port: the
+    batch service presents the mesh's admin identity (an operator's tool
+    of the mesh; there is no batch role) and checks the gateway's name."""
+    identity = identity_for(config, "admin") if gateway_url(config).startswith("https://") else None
+    return MeshTls(identity.client_ssl_context(), server_name("gateway")) if identity else None
+
+
 class BatchService:
     def __init__(self, config: MeshConfig, credential: str, clock: Clock | None = None) -> None:
         self.config = config
@@ -80,7 +89,7 @@ class BatchService:
         self.db = Database(database_path(config))
         self.callers = Callers(config)
         self.gate = Gate(Window(settings.max_in_flight), self.clock)
-        self._executor = LineExecutor(gateway_url(config), credential)
+        self._executor = LineExecutor(gateway_url(config), credential, _mesh_tls(config))
         deps = RunDeps(settings, self.db, self._executor, self.gate, self.metrics, self.clock)
         self.runner = BatchRunner(deps, self.callers,
                                   f"{socket.gethostname()}/pid-{os.getpid()}/{secrets.token_hex(3)}")

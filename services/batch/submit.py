@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import json
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,8 +30,8 @@ import aiohttp
 from services.batch.output import response_line
 from services.batch.pacing import Pace
 
-__all__ = ["LINE_HEADERS", "TIMING_HEADERS", "Attempt", "LineExecutor", "Outcome", "Result", "pace_of",
-           "resumable"]
+__all__ = ["LINE_HEADERS", "TIMING_HEADERS", "Attempt", "LineExecutor", "MeshTls", "Outcome", "Result",
+           "pace_of", "resumable"]
 
 # The headers of a batch line (the gateway's side: services/gateway/batch_lines.py).
 LINE_HEADERS = {"key_id": "X-Kvmesh-Batch-Key-Id", "deadline": "X-Kvmesh-Batch-Deadline",
@@ -93,13 +94,21 @@ def resumable(body: Mapping[str, Any]) -> bool:
     return body.get("n") in (None, 1) and not body.get("echo")
 
 
+@dataclass(frozen=True)
+class MeshTls:
+    context: ssl.SSLContext
+    server_name: str    # the name the gateways' certificates carry
+
+
 class LineExecutor:
     """Sends lines to `gateway_url`; owns one HTTP client session (`close` it)."""
 
-    def __init__(self, gateway_url: str, credential: str) -> None:
+    def __init__(self, gateway_url: str, credential: str, tls: MeshTls | None = None) -> None:
         self._url = gateway_url.rstrip("/")
         self._auth = f"Bearer {credential}"
         self._session: aiohttp.ClientSession | None = None
+        # With mesh TLS, a gateway's port takes mesh certificates only.
+        self._tls: dict[str, Any] = {"ssl": tls.context, "server_hostname": tls.server_name} if tls else {}
 
     async def close(self) -> None:
         if self._session is not None:
@@ -128,7 +137,7 @@ class LineExecutor:
         body = {k: v for k, v in attempt.body.items() if k not in ("stream", "stream_options")}
         try:
             async with self._client().post(self._url + attempt.endpoint, data=json.dumps(body),
-                                           headers=self.headers(attempt, key_id)) as response:
+                                           headers=self.headers(attempt, key_id), **self._tls) as response:
                 status, raw, timing = response.status, await response.read(), response.headers
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
             return _broken(attempt, exc)
@@ -161,6 +170,9 @@ def _refused(attempt: Attempt, status: int, answer: dict[str, Any]) -> Result:
     code, message = (error.get("code"), str(error.get("message"))) if isinstance(error, dict) else (None, "")
     if attempt.resume and code in _GONE:
         return Result(Outcome.RERUN, Pace.NEUTRAL, message=message)
+    if code == "duplicate_request_id" and resumable(attempt.body):
+        # Its id runs already: an earlier send of it (Envoy retried a reset) lives on. Re-attach.
+        return Result(Outcome.RESUME, Pace.NEUTRAL, message=message)
     if status in _RETRIABLE:
         return Result(Outcome.RETRY, Pace.REJECTED if status in _BACK_OFF else Pace.NEUTRAL,
                       message=message or f"HTTP {status}")

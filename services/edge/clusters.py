@@ -1,5 +1,6 @@
-"""The two upstream clusters, both over every gateway replica: gRPC
-(HTTP/2) and HTTP (HTTP/1.1, as aiohttp cannot be an HTTP/2 upstream).
+"""The two upstream clusters over every gateway replica: gRPC (HTTP/2) and
+HTTP (HTTP/1.1, as aiohttp cannot be an HTTP/2 upstream); and the batch
+service's (`batch_cluster`).
 Least-request balancing, active health checks, outlier detection on
 connection-level failures only, circuit breakers far above one machine's
 load, and mutual TLS to the gateways when the mesh runs TLS.
@@ -11,10 +12,10 @@ import ipaddress
 import math
 from typing import Any
 
-from services.edge.fragments import TYPE, seconds, socket_address
+from services.edge.fragments import BATCH_CLUSTER, TYPE, seconds, socket_address
 from services.edge.topology import GatewayEndpoint, Topology
 
-__all__ = ["cluster"]
+__all__ = ["batch_cluster", "cluster"]
 
 
 _HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -71,6 +72,22 @@ def cluster(topology: Topology, name: str, grpc: bool) -> dict[str, Any]:
         "upstream_connection_options": {"tcp_keepalive": _tcp_keepalive(topology)},
         "upstream_bind_config": {"socket_options": [_tcp_user_timeout(topology)]},
         **tls,
+    }
+
+
+def batch_cluster(topology: Topology) -> dict[str, Any]:
+    """The one batch service, HTTP/1.1, health-checked on GET /health (a
+    draining one answers 503). Plain HTTP: it serves the same public Files
+    and Batches API, authenticated by the users' own keys."""
+    batch = topology.batch
+    endpoint = {"endpoint": {"address": socket_address(batch.host, batch.port)}}
+    return {
+        "name": BATCH_CLUSTER,
+        **({"type": "STATIC"} if _is_ip(batch.host) else _dns(topology)),
+        "connect_timeout": seconds(topology.timeouts.connect_seconds),
+        "load_assignment": {"cluster_name": BATCH_CLUSTER, "endpoints": [{"lb_endpoints": [endpoint]}]},
+        "health_checks": [_health_check(topology, grpc=False)],
+        "upstream_connection_options": {"tcp_keepalive": _tcp_keepalive(topology)},
     }
 
 

@@ -1,6 +1,7 @@
 """Small pieces every part of the Envoy rendering uses: the `@type` key,
 Duration and socket-address encodings, and the names of the two gateway
-clusters (the routes point at them, the clusters module defines them).
+clusters and the batch service's (the routes point at them, the clusters
+module defines them).
 
 Every helper returns a fresh object: PyYAML writes an object met twice as an
 anchor and alias, so sharing (or not) a dict changes the rendered bytes.
@@ -10,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ['GRPC_CLUSTER', 'HTTP_CLUSTER', 'TYPE', 'seconds', 'socket_address']
+__all__ = ['BATCH_CLUSTER', 'GRPC_CLUSTER', 'HTTP_CLUSTER', 'TYPE', 'seconds', 'socket_address']
 
 GRPC_CLUSTER = "gateway_grpc"
 HTTP_CLUSTER = "gateway_http"
+BATCH_CLUSTER = "batch_http"
 TYPE = "@type"
 
 

@@ -51,7 +51,7 @@ from typing import Any
 
 import yaml
 
-from services.edge.clusters import cluster
+from services.edge.clusters import batch_cluster, cluster
 from services.edge.fragments import GRPC_CLUSTER, HTTP_CLUSTER, TYPE, socket_address
 from services.edge.listener import listener
 from services.edge.routes import PUBLIC_GRPC_PREFIXES, WEB_FILES
@@ -102,6 +102,7 @@ def render(topology: Topology) -> dict[str, Any]:
             "clusters": [
                 cluster(topology, GRPC_CLUSTER, grpc=True),
                 cluster(topology, HTTP_CLUSTER, grpc=False),
+                *([batch_cluster(topology)] if topology.batch.enabled else []),
                 *([collector_cluster(topology.tracing)] if topology.tracing.enabled else []),
                 *([admin_cluster(topology.admin.host, topology.admin.port)] if topology.stats.enabled else []),
             ],

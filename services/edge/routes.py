@@ -1,5 +1,6 @@
 """The public listener's routes: health, the chat page's files, the public
-gRPC services, the denial of every other gRPC path, and the OpenAI HTTP API.
+gRPC services, the denial of every other gRPC path, the Files + Batches API
+(the batch service's) and the rest of the OpenAI HTTP API (the gateways').
 
 The two stream routes (gRPC, HTTP) are each one dict shared by the routes that
 use them, so the rendered YAML names each once (an anchor) and points at it.
@@ -10,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from services.edge.fragments import GRPC_CLUSTER, HTTP_CLUSTER, TYPE, seconds
+from services.edge.fragments import BATCH_CLUSTER, GRPC_CLUSTER, HTTP_CLUSTER, TYPE, seconds
 from services.edge.topology import Topology
 
 __all__ = ["PUBLIC_GRPC_PREFIXES", "WEB_FILES", "virtual_host"]
@@ -96,24 +97,34 @@ def _routes(topology: Topology) -> list[dict[str, Any]]:
             {"name": "content-type", "string_match": {"prefix": "application/grpc"}}]},
         "direct_response": _NOT_PUBLIC,
     })
-    routes.append(_files_upload(http))
+    if topology.batch.enabled:
+        routes += _batch_routes(topology)
     routes.append({"name": "openai", "match": {"prefix": "/v1/"}, "route": http})
     # Everything else the gateway's HTTP side serves (/health, /v1 without slash...).
     routes.append({"name": "gateway_http", "match": {"prefix": "/"}, "route": http})
     return routes
 
 
-def _files_upload(http: dict[str, Any]) -> dict[str, Any]:
-    """Batch input uploads (POST /v1/files) may be far larger than a request
-    body: Envoy's body limit is lifted on this route alone, and the gateway
-    counts the upload against `batch.max_file_bytes` (413) itself."""
-    return {
-        "name": "files_upload",
-        "match": {"path": "/v1/files", "headers": [{"name": ":method", "string_match": {"exact": "POST"}}]},
-        "route": http,
-        "typed_per_filter_config": {"envoy.filters.http.body_size_limit": {
-            TYPE: "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": True}},
-    }
+def _batch_routes(topology: Topology) -> list[dict[str, Any]]:
+    """/v1/files and /v1/batches (and below) to the batch service. Batch
+    input uploads (POST /v1/files) may be far larger than a request body:
+    Envoy's body limit is lifted on that route alone, and the batch service
+    counts the upload against `batch.max_file_bytes` (413) itself. Retried
+    only when the batch service could not be reached (nothing was sent)."""
+    route = {"cluster": BATCH_CLUSTER, "timeout": "0s",
+             "idle_timeout": seconds(topology.timeouts.stream_idle_seconds),
+             "retry_policy": {"retry_on": "connect-failure,refused-stream", "num_retries": topology.connect_retries}}
+    return [
+        {
+            "name": "files_upload",
+            "match": {"path": "/v1/files", "headers": [{"name": ":method", "string_match": {"exact": "POST"}}]},
+            "route": route,
+            "typed_per_filter_config": {"envoy.filters.http.body_size_limit": {
+                TYPE: "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": True}},
+        },
+        {"name": "files", "match": {"path_separated_prefix": "/v1/files"}, "route": route},
+        {"name": "batches", "match": {"path_separated_prefix": "/v1/batches"}, "route": route},
+    ]
 
 
 def _web_routes(topology: Topology) -> list[dict[str, Any]]:

@@ -26,6 +26,7 @@ from services.edge.tracing import TracingSpec
 
 __all__ = [
     "AdminSpec",
+    "BatchEndpoint",
     "CorsSpec",
     "DnsSpec",
     "GatewayEndpoint",
@@ -73,6 +74,18 @@ class GatewayEndpoint:
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 50061
+
+
+@dataclass
+class BatchEndpoint:
+    """The batch service (`kvmesh batch`, services/batch/): Envoy routes
+    /v1/files and /v1/batches to it, plain HTTP/1.1. On Kubernetes its
+    Service's DNS name. Off: those paths go to the gateways (404)."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    # The mesh config's batch.port.
+    port: int = 8090
 
 
 @dataclass
@@ -244,6 +257,7 @@ class Topology:
     admin: AdminSpec = field(default_factory=AdminSpec)
     # Gateway replicas behind Envoy. At least one.
     gateways: list[GatewayEndpoint] = field(default_factory=lambda: [GatewayEndpoint()])
+    batch: BatchEndpoint = field(default_factory=BatchEndpoint)
     timeouts: TimeoutSpec = field(default_factory=TimeoutSpec)
     dns: DnsSpec = field(default_factory=DnsSpec)
     health_check: HealthCheckSpec = field(default_factory=HealthCheckSpec)
@@ -307,6 +321,7 @@ class Topology:
         for i, gw in enumerate(self.gateways):
             _port(gw.http_port, f"gateways[{i}].http_port")
             _port(gw.grpc_port, f"gateways[{i}].grpc_port")
+        _port(self.batch.port, "batch.port")
 
     def _validate_timeouts(self) -> None:
         for name in ("connect_seconds", "stream_idle_seconds", "connection_idle_seconds",
@@ -350,13 +365,15 @@ class Topology:
         admin: AdminSpec,
         gateways: list[GatewayEndpoint],
         descriptor: str | None = None,
+        batch: BatchEndpoint | None = None,
     ) -> Topology:
         """A copy with run-time addresses (what the launcher actually started)."""
         transcoder = dataclasses.replace(self.transcoder)
         if descriptor is not None:
             transcoder.descriptor = descriptor
         return dataclasses.replace(
-            self, listener=listener, admin=admin, gateways=list(gateways), transcoder=transcoder
+            self, listener=listener, admin=admin, gateways=list(gateways), transcoder=transcoder,
+            batch=batch or self.batch,
         )
 
     def with_files(self, root: Path, cert_chain: str = "", private_key: str = "") -> Topology:

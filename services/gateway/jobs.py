@@ -83,7 +83,7 @@ class Job:
     # off) and that span's W3C context, sent on to the scheduler and engines.
     trace: Span = NO_SPAN
     trace_context: tuple[tuple[str, str], ...] = ()
-    # A Batch API line (services/gateway/batch/runner.py): P2 the scheduler
+    # A Batch API line (services/gateway/batch_lines.py): P2 the scheduler
     # never ages nor lets take a P0-reserved slot, queued until the batch's
     # completion window ends (unix seconds).
     batch: bool = False

@@ -206,7 +206,7 @@ def _paths() -> dict[str, Any]:
 
 
 def _batch_paths() -> dict[str, Any]:
-    """The Files + Batch API (services/gateway/batch/; README "The Batch API")."""
+    """The Files + Batch API: the batch service's (services/batch/), behind Envoy (README "The Batch API")."""
     def path_id(name: str) -> dict[str, Any]:
         return {"parameters": [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}]}
     upload = {"post": {

@@ -46,6 +46,7 @@ class Role(enum.Enum):
     SCHEDULER = "scheduler"
     ENGINE = "engine"
     GATEWAY = "gateway"
+    BATCH = "batch"
     ENVOY = "envoy"
 
 

@@ -13,6 +13,7 @@ from services.common.mesh_tls import identity_for, server_name
 from services.edge.render import render_yaml
 from services.edge.topology import (
     AdminSpec,
+    BatchEndpoint,
     GatewayEndpoint,
     ListenerSpec,
     Topology,
@@ -76,6 +77,8 @@ def render_envoy(cfg: MeshConfig, topology: Topology | None, gateways: int, dev_
         ListenerSpec(host=cfg.envoy.listen_host, port=cfg.envoy.port),
         AdminSpec(host="127.0.0.1", port=cfg.envoy.admin_port),
         endpoints,
+        batch=BatchEndpoint(enabled=cfg.batch.enabled, port=cfg.batch.port,
+                            host="127.0.0.1" if cfg.batch.host in ("0.0.0.0", "::") else cfg.batch.host),
     ).with_files(ROOT, cert, key)
     envoy = identity_for(cfg, "envoy")
     if envoy is not None:

@@ -37,7 +37,7 @@ from services.launcher.children import (
 from services.launcher.envoy_config import envoy_binary, load_run_topology, render_envoy, uses_dev_certs
 from services.launcher.options import Endpoints, MeshOptions, RunFiles
 from services.launcher.port_plan import endpoints, ports_in_use
-from services.launcher.resolve import front_cores, resolve_admin_token, resolve_config
+from services.launcher.resolve import front_cores, resolve_admin_token, resolve_batch, resolve_config
 from services.launcher.rolling import RollStep, envoy_healthy, roll
 from services.launcher.specs import child_env, child_specs
 from services.launcher.supervisor import Supervisor
@@ -82,6 +82,8 @@ class Mesh(Supervisor):
         self.topology = load_run_topology(self.config, self.options.envoy)
         tls_ca = self.files.dev_cert_dir / "ca.pem" if uses_dev_certs(self.topology) else None
         self.endpoints = endpoints(self.config, self.options, tls_ca)
+        self.options = dataclasses.replace(
+            self.options, batch_credential=resolve_batch(self.config, self.options, self.endpoints))
         super().__init__(self.files.log_dir, cancel or threading.Event(), front_cores(self.config))
 
     def specs(self) -> list[ChildSpec]:

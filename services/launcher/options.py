@@ -33,6 +33,10 @@ class MeshOptions:
     env: dict[str, str] = field(default_factory=dict)
     # Turn on mutual TLS between the services (config `mesh_tls.enabled`).
     mesh_tls: bool = False
+    # The batch service's internal credential for this run (set by
+    # `resolve_batch`); "" = none handed over (batch off, or it reads
+    # its own from the environment / batch.internal_key_file).
+    batch_credential: str = ""
 
 
 @dataclass
@@ -47,6 +51,8 @@ class Endpoints:
     gateway_grpc: list[str]
     # The CA clients must trust when Envoy's listener speaks TLS; None = plaintext.
     tls_ca: Path | None = None
+    # The batch service's HTTP API (Envoy routes /v1/files, /v1/batches to it); "" = none.
+    batch_http: str = ""
 
     @property
     def public_http(self) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.common.config import MeshConfig
+from services.common.config.addresses import join_host_port
 from services.launcher.options import Endpoints, MeshOptions
 from services.launcher.ports import PortAllocator, port_is_free
 
@@ -28,6 +29,8 @@ def pick_free_ports(cfg: MeshConfig, gateways: int) -> None:
     cfg.gateway.grpc_port = ports.block(gateways)
     if cfg.gateway.metrics_port:
         cfg.gateway.metrics_port = ports.block(gateways)
+    cfg.batch.port = ports.one()
+    cfg.batch.metrics_port = ports.one() if cfg.batch.metrics_port else 0
     cfg.envoy.port = ports.one()
     cfg.envoy.admin_port = ports.one()
 
@@ -52,6 +55,7 @@ def endpoints(cfg: MeshConfig, options: MeshOptions, tls_ca: Path | None) -> End
         gateway_http=[f"{'https' if cfg.mesh_tls.enabled else 'http'}://{host}:{h}" for h, _, _ in gateways],
         gateway_grpc=[f"{host}:{g}" for _, g, _ in gateways],
         tls_ca=tls_ca,
+        batch_http=f"http://{join_host_port(cfg.batch.host, cfg.batch.port)}" if cfg.batch.enabled else "",
     )
 
 
@@ -67,6 +71,8 @@ def ports_in_use(cfg: MeshConfig, options: MeshOptions) -> list[str]:
         h, g, m = gateway_ports(cfg, r)
         wanted += [(f"gateway.http_port+{r}", h), (f"gateway.grpc_port+{r}", g),
                    (f"gateway.metrics_port+{r}", m)]
+    if cfg.batch.enabled:
+        wanted += [("batch.port", cfg.batch.port), ("batch.metrics_port", cfg.batch.metrics_port)]
     if options.envoy:
         wanted += [("envoy.port", cfg.envoy.port), ("envoy.admin_port", cfg.envoy.admin_port)]
     return [f"{name}={port}" for name, port in wanted if port and not port_is_free(port)]

@@ -15,14 +15,15 @@ import os
 import secrets
 from pathlib import Path
 
+from services.batch.credential import CREDENTIAL_ENV
 from services.common.affinity import omp_cores
 from services.common.config import AdminKeyConfig, ApiKeyConfig, ConfigError, MeshConfig, config_from_dict
 from services.common.mesh_tls import ROLES, MeshIdentity, mesh_cert_dir
-from services.launcher.options import MeshOptions
+from services.launcher.options import Endpoints, MeshOptions
 from services.launcher.port_plan import pick_free_ports
 from services.tools.devcerts import ensure_mesh_certs
 
-__all__ = ["ROOT", "absolute", "front_cores", "resolve_admin_token", "resolve_config"]
+__all__ = ["ROOT", "absolute", "front_cores", "resolve_admin_token", "resolve_batch", "resolve_config"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,6 +68,28 @@ def resolve_admin_token(cfg: MeshConfig, opts: MeshOptions) -> str:
     if not any(k.sha256.strip().lower() == digest for k in cfg.scheduler.admin_keys):
         cfg.scheduler.admin_keys.append(AdminKeyConfig(sha256=digest, name="kvmesh-up"))
     return token
+
+
+def resolve_batch(cfg: MeshConfig, opts: MeshOptions, endpoints: Endpoints) -> str:
+    """The batch service's settings for this run, in `cfg.batch`: where its
+    lines go (unless configured: Envoy's listener when it is plaintext, so a
+    dead gateway is routed around; else gateway 0) and the internal
+    credential's hash. Returns the credential to hand the batch child: the
+    caller's ($KVMESH_BATCH_INTERNAL_KEY), or one made for the run when the
+    config names none; "" when the batch service reads its own
+    (batch.internal_key_file) or is off."""
+    batch = cfg.batch
+    if not batch.enabled:
+        return ""
+    if not batch.gateway_url:
+        plain_envoy = endpoints.envoy_port and endpoints.tls_ca is None
+        batch.gateway_url = endpoints.public_http if plain_envoy else endpoints.gateway_http[0]
+    given = opts.env.get(CREDENTIAL_ENV) or os.environ.get(CREDENTIAL_ENV, "")
+    if batch.internal_key_sha256:
+        return given   # the batch service checks it against the hash itself
+    credential = given or secrets.token_urlsafe(32)
+    batch.internal_key_sha256 = hashlib.sha256(credential.encode()).hexdigest()
+    return credential
 
 
 def _apply_counts_and_model(cfg: MeshConfig, opts: MeshOptions) -> None:

@@ -1,5 +1,6 @@
 """The child specs of one mesh, in start order: the scheduler, one engine per
-configured engine, the gateway replicas, then Envoy. Every kvmesh child runs
+configured engine, the batch service (when `batch.enabled`), the gateway
+replicas, then Envoy. Every kvmesh child runs
 `python -m services.cli --config <resolved config>` with its role, a clean
 offline environment and health probes over mesh TLS when it is on."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
+from services.batch.credential import CREDENTIAL_ENV
 from services.common.config import MeshConfig
 from services.common.mesh_tls import MeshIdentity, identity_for
 from services.launcher.children import DEFAULT_STOP_GRACE_SECONDS, ChildSpec, Probe, ProbeKind, RestartPolicy, Role
@@ -21,7 +23,7 @@ __all__ = ["child_env", "child_specs"]
 # loads a model for ~30 s on two cores, but two engines starting together on a
 # busy machine took 5.5 min here; everything else takes a few seconds,
 # more on a noisy machine.
-_START_TIMEOUT = {"scheduler": 60.0, "gateway": 90.0, "sim": 90.0, "vllm": 900.0, "envoy": 60.0}
+_START_TIMEOUT = {"scheduler": 60.0, "gateway": 90.0, "batch": 60.0, "sim": 90.0, "vllm": 900.0, "envoy": 60.0}
 
 
 def child_env(options: MeshOptions, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -42,6 +44,8 @@ def child_specs(cfg: MeshConfig, options: MeshOptions, files: RunFiles, endpoint
     me = identity_for(cfg, "admin")
     specs = [plan.scheduler(me)]
     specs += [plan.engine(i, me) for i in range(cfg.engines.count)]
+    if cfg.batch.enabled:
+        specs.append(plan.batch(endpoints))
     specs += [plan.gateway(r, me, endpoints) for r in range(options.gateways)]
     if options.envoy:
         specs.append(plan.envoy(endpoints))
@@ -106,6 +110,17 @@ class _Planner:
             env=child_env(self.options), start_timeout=self._timeout("gateway"),
             # SIGTERM drains it for up to drain_seconds; then it exits by itself.
             stop_grace=self.cfg.gateway.drain_seconds + DEFAULT_STOP_GRACE_SECONDS,
+        )
+
+    def batch(self, endpoints: Endpoints) -> ChildSpec:
+        extra = {CREDENTIAL_ENV: self.options.batch_credential} if self.options.batch_credential else {}
+        return ChildSpec(
+            name="batch", role=Role.BATCH, argv=self._kvmesh("batch"),
+            probes=[Probe(ProbeKind.HTTP_OK, f"{endpoints.batch_http}/health")],
+            env=child_env(self.options, extra), start_timeout=self._timeout("batch"),
+            # Its state is its database: a restart resumes every batch (README "Batch API").
+            restart=RestartPolicy.ALWAYS,
+            stop_grace=self.cfg.batch.drain_seconds + DEFAULT_STOP_GRACE_SECONDS,
         )
 
     def envoy(self, endpoints: Endpoints) -> ChildSpec:

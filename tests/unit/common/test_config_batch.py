@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from services.common.config import BatchConfig, ConfigError, MeshConfig, config_from_dict, load_config, validate_config
 from services.batch.server import database_path
+from services.common.config import BatchConfig, ConfigError, MeshConfig, config_from_dict, load_config, validate_config
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -164,7 +164,7 @@ def test_body_limit_streams_instead_of_buffering() -> None:
 
 
 def test_the_body_limit_is_lifted_for_batch_file_uploads_only() -> None:
-    """POST /v1/files (Batch API input, bounded by the gateway's
+    """POST /v1/files (Batch API input, bounded by the batch service's
     batch.max_file_bytes) passes Envoy's request body limit; nothing else."""
     routes = _hcm(render(Topology()))["route_config"]["virtual_hosts"][0]["routes"]
     names = [r["name"] for r in routes]
@@ -172,16 +172,42 @@ def test_the_body_limit_is_lifted_for_batch_file_uploads_only() -> None:
     upload = routes[names.index("files_upload")]
     assert upload["match"]["path"] == "/v1/files"
     assert upload["match"]["headers"] == [{"name": ":method", "string_match": {"exact": "POST"}}]
-    assert upload["route"]["cluster"] == "gateway_http"
+    assert upload["route"]["cluster"] == "batch_http"
     lifted = [r["name"] for r in routes
               if r.get("typed_per_filter_config", {}).get("envoy.filters.http.body_size_limit", {}).get("disabled")]
     assert lifted == ["files_upload"]
+
+
+def test_files_and_batches_go_to_the_batch_service() -> None:
+    """/v1/files and /v1/batches (and below) reach the batch service, never a
+    gateway; with `batch.enabled: false` there is no batch cluster and
+    those paths fall through to the gateways."""
+    config = render(Topology())
+    routes = _hcm(config)["route_config"]["virtual_hosts"][0]["routes"]
+    names = [r["name"] for r in routes]
+    to_batch = {r["name"]: r["match"] for r in routes if r.get("route", {}).get("cluster") == "batch_http"}
+    assert to_batch == {"files_upload": routes[names.index("files_upload")]["match"],
+                        "files": {"path_separated_prefix": "/v1/files"},
+                        "batches": {"path_separated_prefix": "/v1/batches"}}
+    assert max(names.index(n) for n in to_batch) < names.index("openai")
+    batch = next(c for c in config["static_resources"]["clusters"] if c["name"] == "batch_http")
+    assert batch["load_assignment"]["endpoints"][0]["lb_endpoints"] == [
+        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 8090}}}}]
+    assert batch["health_checks"][0]["http_health_check"] == {"path": "/health"}
+    off = Topology()
+    off.batch.enabled = False
+    config = render(off)
+    assert "batch_http" not in [c["name"] for c in config["static_resources"]["clusters"]]
+    routes = _hcm(config)["route_config"]["virtual_hosts"][0]["routes"]
+    assert not {"files_upload", "files", "batches"} & {r["name"] for r in routes}
 
 
 def test_every_replica_is_an_endpoint() -> None:
     topology = load_topology(ENVOY_DIR / "topology-replicas.yaml")
     config = yaml.safe_load(render_yaml(topology))
     for cluster in config["static_resources"]["clusters"]:
+        if cluster["name"] == "batch_http":
+            continue   # the one batch service (test_files_and_batches_go_to_the_batch_service)
         endpoints = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
         assert len(endpoints) == len(topology.gateways) == 3
         assert cluster["outlier_detection"]["enforcing_consecutive_5xx"] == 0

@@ -18,7 +18,9 @@ import grpc
 import pytest
 import yaml
 
+from services.batch.credential import CREDENTIAL_ENV
 from services.common.config import ConfigError, load_config
+from services.launcher.children import RestartPolicy
 from services.launcher.mesh import (
     ChildSpec,
     Mesh,
@@ -163,7 +165,7 @@ def test_specs_pass_the_resolved_config_and_ports(tmp_path: Path) -> None:
     _needs_tiny_llama()
     mesh = _mesh(tmp_path, engines=2, gateways=2)
     specs = {s.name: s for s in mesh.specs()}
-    assert list(specs) == ["scheduler", "engine-0", "engine-1", "gateway-0", "gateway-1", "envoy"]
+    assert list(specs) == ["scheduler", "engine-0", "engine-1", "batch", "gateway-0", "gateway-1", "envoy"]
     for spec in specs.values():
         if spec.role is not Role.ENVOY:
             assert spec.argv[spec.argv.index("--config") + 1] == str(mesh.config_path)
@@ -171,6 +173,33 @@ def test_specs_pass_the_resolved_config_and_ports(tmp_path: Path) -> None:
     assert gw1[gw1.index("--grpc-port") + 1] == str(mesh.config.gateway.grpc_port + 1)
     assert specs["engine-1"].argv[-2:] == ["--index", "1"]
     assert "--use-dynamic-base-id" in specs["envoy"].argv
+
+
+def test_the_batch_service_gets_its_credential_and_sends_lines_through_envoy(tmp_path: Path) -> None:
+    """One supervised batch process; the run's internal credential reaches
+    it by environment only (the config holds its hash, which the gateways
+    read); its lines go to Envoy's listener; Envoy routes to its port."""
+    _needs_tiny_llama()
+    mesh = _mesh(tmp_path, engines=1)
+    spec = {s.name: s for s in mesh.specs()}["batch"]
+    assert spec.role is Role.BATCH and spec.restart is RestartPolicy.ALWAYS
+    assert spec.argv[-1] == "batch"
+    credential = spec.env[CREDENTIAL_ENV]
+    batch = mesh.config.batch
+    assert batch.internal_key_sha256 == hashlib.sha256(credential.encode()).hexdigest()
+    assert batch.gateway_url == mesh.endpoints.public_http
+    assert mesh.endpoints.batch_http == f"http://127.0.0.1:{batch.port}"
+    mesh._write_files()
+    assert credential not in mesh.config_path.read_text()
+    assert load_config(mesh.config_path).batch.internal_key_sha256 == batch.internal_key_sha256
+    envoy = yaml.safe_load(mesh.envoy_config_path.read_text())
+    cluster = next(c for c in envoy["static_resources"]["clusters"] if c["name"] == "batch_http")
+    address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert address["socket_address"]["port_value"] == batch.port
+    off = load_config(CONFIG)
+    off.batch.enabled = False
+    mesh = Mesh(off, MeshOptions(free_ports=True, run_dir=tmp_path / "off", model="tiny-llama"))
+    assert "batch" not in [s.name for s in mesh.specs()] and not mesh.endpoints.batch_http
 
 
 def test_written_files_load_back(tmp_path: Path) -> None:
