@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -38,7 +39,7 @@ def _config(old: str, new: str) -> Callable[[list[Obj]], None]:
     return change
 
 
-def _batch(objects: list[Obj]) -> dict:  # type: ignore[type-arg]
+def _batch(objects: list[Obj]) -> dict[str, Any]:
     return pod_of(objects, "batch").container
 
 
