@@ -296,6 +296,14 @@ def test_network_policies_let_the_client_reach_envoy_only(kube: Cluster) -> None
     for src, dst, port in ((envoy, engine, 50100), (envoy, sched, 50051), (gateway, engine, 9200),
                            (envoy, gateway, 9102), (engine, sched, 9101)):
         assert from_(src, dst, port) in ("refused", "timeout"), f"{src.pod.name} reached {dst.pod.name}:{port}"
+    # The batch service: its API from Envoy only, its lines out through Envoy's listener.
+    batch = kube.running[BATCH_POD]
+    assert from_(envoy, batch, 8090) == "connected"
+    assert from_(batch, envoy, 8080) == "connected"
+    for src, port in ((gateway, 8090), (engine, 8090), (envoy, 9190)):
+        assert from_(src, batch, port) in ("refused", "timeout"), f"{src.pod.name} reached {batch.pod.name}:{port}"
+    for port in (8090, 9190):
+        assert reach(batch, port) in ("refused", "timeout"), f"the client reached {batch.pod.name}:{port}"
 
 
 def _on_pod_loopback(kube: Cluster, r: RunningPod, *args: str) -> subprocess.CompletedProcess[str]:
@@ -426,9 +434,14 @@ def test_batch_survives_a_sigkill_of_its_pod(kube: Cluster) -> None:
     # The state was on the claim: the database file is in its folder on this machine.
     claim = next(v.claim for v in restarted.container.volumes if v.claim)
     assert any(kube.claim_dir(claim).glob("*.sqlite3")), sorted(kube.claim_dir(claim).iterdir())
+    # What the restarted process did with the lines its predecessor had in flight.
+    text = kube.http_get(restarted, {"port": "metrics", "path": "/metrics"})[1]
+    after = {r: metric(text, "kvmesh_batch_requests_total", f'result="{r}"') for r in ("ok", "resumed", "rerun")}
+    assert after["ok"] > 0, f"the restarted batch pod finished no line: {after}"
     print(f"batch of {BATCH_LINES}: pod killed after {mid['request_counts']['completed']} lines "
           f"({killed_at - t0:.1f} s), ready again {ready:.1f} s later, completed "
-          f"{time.monotonic() - killed_at:.1f} s after the kill ({time.monotonic() - t0:.1f} s in all)")
+          f"{time.monotonic() - killed_at:.1f} s after the kill ({time.monotonic() - t0:.1f} s in all); "
+          f"the restarted pod's lines: {after}")
 
 
 def test_rescheduled_engine_serves_again_and_no_stream_is_lost(kube: Cluster) -> None:
