@@ -196,7 +196,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=os.environ.get("KVMESH_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="command", required=True)
 
-    up = sub.add_parser("up", help="run Envoy, scheduler, gateways and engines on this machine")
+    up = sub.add_parser("up", help="run Envoy, scheduler, gateways, engines and the batch service on this machine")
     up.add_argument("--engines", type=int, help="number of engines (default from config: 2)")
     up.add_argument("--backend", choices=["sim", "vllm"], help="engine backend")
     up.add_argument("--gateways", type=int, default=1, help="gateway replicas behind Envoy")

@@ -33,7 +33,7 @@ from services.batch.store import Database
 from services.batch.submit import Attempt, LineExecutor, Outcome, Result
 from services.common.clock import Clock
 from services.common.config.batch import BatchConfig
-from services.gateway.errors import ErrorKind, GatewayError, http_error
+from services.common.openai_api.errors import ApiError, ErrorKind, http_error
 from services.gateway.keys import Principal
 
 __all__ = ["BatchRun", "LostLease", "RunDeps"]
@@ -125,7 +125,7 @@ class BatchRun:
     async def _run_line(self, line: LineRecord) -> None:
         deps, store = self._deps, self._deps.db.store
         if self._principal is None:
-            error = http_error(GatewayError(ErrorKind.UNAUTHENTICATED, "the API key that created this batch is "
+            error = http_error(ApiError(ErrorKind.UNAUTHENTICATED, "the API key that created this batch is "
                                             "no longer configured", code="invalid_api_key"))
             await self._record(line, Result(Outcome.DONE, Pace.NEUTRAL, response_line(
                 line.custom_id, "", error.status, error.body)))
@@ -159,7 +159,7 @@ class BatchRun:
             # without using up tries: a busy fleet is what a batch waits out.
             failures += result.pace is not Pace.REJECTED
             if failures >= deps.config.max_attempts:
-                error = http_error(GatewayError(ErrorKind.UNAVAILABLE, f"gave up after {attempt} tries: "
+                error = http_error(ApiError(ErrorKind.UNAVAILABLE, f"gave up after {attempt} tries: "
                                                 f"{result.message}", code="batch_request_failed"))
                 await self._record(line, Result(Outcome.DONE, result.pace, response_line(
                     line.custom_id, request_id, error.status, error.body)))

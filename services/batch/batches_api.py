@@ -24,7 +24,7 @@ from services.batch.records import Page, new_id
 from services.batch.store import Database
 from services.common.clock import Clock
 from services.common.config.batch import BatchConfig
-from services.gateway.errors import ErrorKind, GatewayError
+from services.common.openai_api.errors import ApiError, ErrorKind
 from services.gateway.keys import Principal
 
 __all__ = ["BatchesApi"]
@@ -34,8 +34,8 @@ _WINDOWS = ("24h",)
 _CANCELLABLE = ("validating", "in_progress", "finalizing")
 
 
-def _invalid(message: str, param: str) -> GatewayError:
-    return GatewayError(ErrorKind.INVALID_REQUEST, message, param=param)
+def _invalid(message: str, param: str) -> ApiError:
+    return ApiError(ErrorKind.INVALID_REQUEST, message, param=param)
 
 
 def _metadata(value: Any) -> dict[str, str] | None:
@@ -128,7 +128,7 @@ class BatchesApi:
         if batch is None:
             raise not_found("batch", batch_id)
         if changed is None and batch["status"] not in ("cancelling", "cancelled"):
-            raise GatewayError(ErrorKind.CONFLICT, f"a batch with status {batch['status']} cannot be cancelled",
+            raise ApiError(ErrorKind.CONFLICT, f"a batch with status {batch['status']} cannot be cancelled",
                                code="batch_not_cancellable")
         return web.json_response(batch)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from services.common.config import MeshConfig
-from services.gateway.errors import ErrorKind, GatewayError
+from services.common.openai_api.errors import ApiError, ErrorKind
 from services.gateway.keys import KeyStore, Principal, api_key_from_headers
 
 __all__ = ["Callers"]
@@ -33,6 +33,6 @@ class Callers:
     def check_model(self, principal: Principal, model: str) -> None:
         """404 for a model this mesh does not serve, 403 for one the key may not use."""
         if model not in self._models:
-            raise GatewayError(ErrorKind.NOT_FOUND, f"the model {model!r} does not exist; available models: "
+            raise ApiError(ErrorKind.NOT_FOUND, f"the model {model!r} does not exist; available models: "
                                f"{', '.join(self._models) or 'none'}", param="model", code="model_not_found")
         self.keys.check_model(principal, model)

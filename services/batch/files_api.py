@@ -21,7 +21,7 @@ from services.batch.callers import Callers
 from services.batch.records import Page
 from services.batch.store import Database
 from services.common.clock import Clock
-from services.gateway.errors import ErrorKind, GatewayError
+from services.common.openai_api.errors import ApiError, ErrorKind
 
 __all__ = ["FilesApi", "int_query", "listing", "not_found"]
 
@@ -29,8 +29,8 @@ _CHUNK = 1 << 16
 _PURPOSES = ("batch",)   # the purposes a client may upload; outputs are `batch_output`
 
 
-def not_found(what: str, object_id: str, param: str | None = None) -> GatewayError:
-    return GatewayError(ErrorKind.NOT_FOUND, f"No such {what}: {object_id[:80]!r}", param=param,
+def not_found(what: str, object_id: str, param: str | None = None) -> ApiError:
+    return ApiError(ErrorKind.NOT_FOUND, f"No such {what}: {object_id[:80]!r}", param=param,
                         code=f"{what}_not_found")
 
 
@@ -39,7 +39,7 @@ def int_query(request: web.Request, name: str, default: int, high: int) -> int:
     if raw is None:
         return default
     if not (raw.isascii() and raw.isdigit() and len(raw) <= 9) or not 1 <= int(raw) <= high:
-        raise GatewayError(ErrorKind.INVALID_REQUEST, f"{name} must be an integer within 1 .. {high}", param=name)
+        raise ApiError(ErrorKind.INVALID_REQUEST, f"{name} must be an integer within 1 .. {high}", param=name)
     return int(raw)
 
 
@@ -66,8 +66,8 @@ class FilesApi:
     def _tenant(self, request: web.Request) -> str:
         return self._callers.authenticate(request.headers).tenant
 
-    def _too_large(self) -> GatewayError:
-        return GatewayError(ErrorKind.BODY_TOO_LARGE, f"the file is larger than {self._max_bytes} bytes "
+    def _too_large(self) -> ApiError:
+        return ApiError(ErrorKind.BODY_TOO_LARGE, f"the file is larger than {self._max_bytes} bytes "
                             "(batch.max_file_bytes); split it into several batches", param="file",
                             code="file_too_large")
 
@@ -76,20 +76,20 @@ class FilesApi:
         if request.content_length is not None and request.content_length > self._max_bytes + _CHUNK:
             raise self._too_large()
         if not request.content_type.startswith("multipart/"):
-            raise GatewayError(ErrorKind.INVALID_REQUEST, "upload a file as multipart/form-data with fields "
+            raise ApiError(ErrorKind.INVALID_REQUEST, "upload a file as multipart/form-data with fields "
                                "`purpose` and `file`", param="file")
         try:
             purpose, filename, content = await self._read_form(request)
-        except GatewayError:
+        except ApiError:
             raise
         except Exception as exc:  # noqa: BLE001 - aiohttp's multipart reader on a malformed body, whatever it raises
-            raise GatewayError(ErrorKind.INVALID_REQUEST, f"the multipart body is malformed: {exc}"[:300],
+            raise ApiError(ErrorKind.INVALID_REQUEST, f"the multipart body is malformed: {exc}"[:300],
                                param="file") from None
         if purpose not in _PURPOSES:
-            raise GatewayError(ErrorKind.INVALID_REQUEST, f"purpose must be one of {', '.join(_PURPOSES)}, "
+            raise ApiError(ErrorKind.INVALID_REQUEST, f"purpose must be one of {', '.join(_PURPOSES)}, "
                                f"got {purpose!r}", param="purpose")
         if content is None:
-            raise GatewayError(ErrorKind.INVALID_REQUEST, "the form has no `file` field", param="file",
+            raise ApiError(ErrorKind.INVALID_REQUEST, "the form has no `file` field", param="file",
                                code="missing_required_parameter")
         record = await self._db.run(self._db.store.put_file, tenant, purpose, filename, content,
                                     int(self._clock.wall()))
@@ -122,7 +122,7 @@ class FilesApi:
         tenant = self._tenant(request)
         order = request.query.get("order", "desc")
         if order not in ("asc", "desc"):
-            raise GatewayError(ErrorKind.INVALID_REQUEST, "order must be asc or desc", param="order")
+            raise ApiError(ErrorKind.INVALID_REQUEST, "order must be asc or desc", param="order")
         page = Page(request.query.get("after"), int_query(request, "limit", 10000, 10000), order == "desc")
         records, more = await self._db.run(self._db.store.list_files, tenant, request.query.get("purpose"), page)
         return web.json_response(listing([r.object() for r in records], more))

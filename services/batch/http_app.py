@@ -48,23 +48,25 @@ def batch_app(config: MeshConfig, callers: Callers, db: Database, clock: Clock,
 
 
 def _errors(max_body_bytes: int) -> Any:
+    def refusal(request: web.Request, exc: web.HTTPException) -> ApiError:
+        """aiohttp's own refusals (no route, wrong method, too large) in OpenAI's shape."""
+        if isinstance(exc, web.HTTPRequestEntityTooLarge):
+            return ApiError(ErrorKind.BODY_TOO_LARGE, f"the request body is larger than {max_body_bytes} bytes; "
+                            "send a smaller one", code="request_too_large")
+        if exc.status == 404:
+            return ApiError(ErrorKind.NOT_FOUND, f"no route {request.path}")
+        return ApiError(ErrorKind.INVALID_REQUEST, f"{request.method} {request.path}: {exc.reason}")
+
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
-        except ApiError as exc:
-            return error_response(exc)
-        except web.HTTPRequestEntityTooLarge:
-            return error_response(ApiError(
-                ErrorKind.BODY_TOO_LARGE, f"the request body is larger than {max_body_bytes} bytes; send a "
-                "smaller one", code="request_too_large"))
-        except web.HTTPException as exc:
-            if exc.status < 400:
+        except (ApiError, web.HTTPException) as exc:
+            if isinstance(exc, ApiError):
+                return error_response(exc)
+            if exc.status < 400:   # a redirect: not a refusal
                 raise
-            kind = ErrorKind.NOT_FOUND if exc.status == 404 else ErrorKind.INVALID_REQUEST
-            message = f"no route {request.path}" if exc.status == 404 else f"{request.method} {request.path}: " \
-                f"{exc.reason}"
-            response = error_response(ApiError(kind, message))
+            response = error_response(refusal(request, exc))
             response.set_status(exc.status)
             return response
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.batch.output import response_line
+from services.common.openai_api.errors import ApiError, ErrorKind, http_error
 from services.common.openai_api.requests import GenerationInput, parse_chat_body, parse_completion_body
-from services.gateway.errors import ErrorKind, GatewayError, http_error
 
 __all__ = ["ENDPOINTS", "MAX_ERRORS", "CheckedInput", "check_input"]
 
@@ -113,10 +113,10 @@ def _body_error(custom_id: str, endpoint: str, body: dict[str, Any]) -> str | No
     """The 400 output line of a body that is no valid request, else None."""
     try:
         if body.get("stream"):
-            raise GatewayError(ErrorKind.INVALID_REQUEST, "a batch request is not streamed: remove \"stream\"",
+            raise ApiError(ErrorKind.INVALID_REQUEST, "a batch request is not streamed: remove \"stream\"",
                                param="stream")
         ENDPOINTS[endpoint](body)
-    except GatewayError as exc:
+    except ApiError as exc:
         error = http_error(exc)
         return response_line(custom_id, "", error.status, error.body)
     return None

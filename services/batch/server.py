@@ -40,18 +40,11 @@ from services.batch.pacing import Window
 from services.batch.runner import BatchRunner
 from services.batch.store import Database
 from services.batch.submit import LineExecutor, MeshTls
+from services.common import health_http
 from services.common.clock import Clock, SystemClock
 from services.common.config import MeshConfig
 from services.common.config.addresses import join_host_port
-from services.common.health_http import (
-    Check,
-    DrainReport,
-    HttpEndpoint,
-    OnceDrain,
-    Probes,
-    add_health_routes,
-    add_metrics_route,
-)
+from services.common.health_http import Check, DrainReport, HttpEndpoint, OnceDrain
 from services.common.mesh_tls import identity_for, server_name
 from services.common.service_main import run_until_signalled
 
@@ -95,10 +88,10 @@ class BatchService:
                                   f"{socket.gethostname()}/pid-{os.getpid()}/{secrets.token_hex(3)}")
         self._api = HttpEndpoint(batch_app(config, self.callers, self.db, self.clock, self._serving))
         self._drain_once = OnceDrain(self._run_drain)
-        probes = Probes(started=self._started, ready=self._ready)
         admin = web.Application()
-        add_metrics_route(admin, lambda: generate_latest(self.metrics.registry))
-        add_health_routes(admin, probes, self._drain_once)
+        health_http.add_metrics_route(admin, lambda: generate_latest(self.metrics.registry))
+        health_http.add_health_routes(admin, health_http.Probes(started=self._started, ready=self._ready),
+                                      self._drain_once)
         self._admin = HttpEndpoint(admin)
         self.port = self.metrics_port = 0
         self._up = False

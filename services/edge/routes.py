@@ -97,8 +97,7 @@ def _routes(topology: Topology) -> list[dict[str, Any]]:
             {"name": "content-type", "string_match": {"prefix": "application/grpc"}}]},
         "direct_response": _NOT_PUBLIC,
     })
-    if topology.batch.enabled:
-        routes += _batch_routes(topology)
+    routes += _batch_routes(topology) if topology.batch.enabled else []
     routes.append({"name": "openai", "match": {"prefix": "/v1/"}, "route": http})
     # Everything else the gateway's HTTP side serves (/health, /v1 without slash...).
     routes.append({"name": "gateway_http", "match": {"prefix": "/"}, "route": http})

@@ -236,8 +236,7 @@ class HttpApi:
         # The response cache (response_cache/): a hit never reaches the driver.
         cache = self._frontdoor.cache
         try:
-            ticket = await cache.lookup(admitted.job, generation, principal, request.headers,
-                                        resume is not None or line is not None)
+            ticket = await cache.lookup(admitted.job, generation, principal, request.headers, bool(resume or line))
         except BaseException:   # the client left during the lookup: settle its grant all the same
             self._settle(admitted, tally)
             raise
@@ -248,11 +247,7 @@ class HttpApi:
             if generation.stream:
                 return await self._stream(request, stream, formatter, headers, tally, resume is not None,
                                           generation.n)
-            timing = LineTiming(self._driver.clock) if line else None
-            response = await self._collect(stream, formatter, headers, tally, timing.see if timing else None)
-            if timing:
-                response.headers.update(timing.headers())
-            return response
+            return await self._collect_timed(stream, formatter, headers, tally, line is not None)
         finally:
             await stream.aclose()
             self._metrics.active_streams.dec()
@@ -350,6 +345,16 @@ class HttpApi:
         if formatter.include_usage:
             out += sse(formatter.usage_chunk(finished.usage))
         return out + SSE_DONE
+
+    async def _collect_timed(
+        self, stream: EventStream, formatter: Formatter, headers: dict[str, str], tally: _Tally, timed: bool,
+    ) -> web.Response:
+        """`_collect`; a batch line's answer also tells its timing (batch_lines.py)."""
+        timing = LineTiming(self._driver.clock) if timed else None
+        response = await self._collect(stream, formatter, headers, tally, timing.see if timing else None)
+        if timing:
+            response.headers.update(timing.headers())
+        return response
 
     async def _collect(
         self,

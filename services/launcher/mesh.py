@@ -111,7 +111,7 @@ class Mesh(Supervisor):
 
     def start(self) -> Endpoints:
         """Start everything and wait until each service is healthy: the
-        scheduler first, then engines and gateways together, then Envoy (so
+        scheduler first, then engines, the batch service and gateways together, then Envoy (so
         its first health-check round finds the gateways up)."""
         if not self.options.free_ports:
             busy = ports_in_use(self.config, self.options)
@@ -122,7 +122,7 @@ class Mesh(Supervisor):
         specs = self.specs()
         phases = [
             [s for s in specs if s.role is Role.SCHEDULER],
-            [s for s in specs if s.role in (Role.ENGINE, Role.GATEWAY)],
+            [s for s in specs if s.role in (Role.ENGINE, Role.BATCH, Role.GATEWAY)],
             [s for s in specs if s.role is Role.ENVOY],
         ]
         try:

@@ -52,8 +52,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # nothing else (a gateway waits out its drain: `ChildSpec.stop_grace`).
 STOP_GRACE_SECONDS = DEFAULT_STOP_GRACE_SECONDS
 _POLL_SECONDS = 0.1
-# Stop order: no new work first (Envoy, gateways), the scheduler last.
-_STOP_RANK = {Role.ENVOY: 0, Role.GATEWAY: 1, Role.ENGINE: 2, Role.SCHEDULER: 3}
+# Stop order: no new work first (the batch service, whose lines go through
+# Envoy and the gateways; then Envoy, gateways), the scheduler last.
+_STOP_RANK = {Role.BATCH: 0, Role.ENVOY: 1, Role.GATEWAY: 2, Role.ENGINE: 3, Role.SCHEDULER: 4}
 
 
 @dataclass

@@ -26,6 +26,7 @@ from aiohttp import web
 from services.batch.credential import CREDENTIAL_ENV, internal_credential
 from services.common.config import ApiKeyConfig, ConfigError, MeshConfig, ModelConfig
 from services.common.config.batch import BatchConfig
+from services.common.health_http import HttpEndpoint
 from services.gateway.keys import KeyStore
 from services.launcher.ports import PortAllocator
 
@@ -60,15 +61,11 @@ async def _fake_gateway() -> AsyncIterator[tuple[FakeGateway, str]]:
     gateway = FakeGateway()
     app = web.Application()
     app.router.add_post("/v1/chat/completions", gateway.handle)
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    endpoint = HttpEndpoint(app)
     try:
-        yield gateway, f"http://127.0.0.1:{port}"
+        yield gateway, f"http://127.0.0.1:{await endpoint.start('127.0.0.1', 0)}"
     finally:
-        await runner.cleanup()
+        await endpoint.stop()
 
 
 def _config(tmp_path: Path, gateway_url: str) -> tuple[Path, MeshConfig]:
@@ -187,3 +184,31 @@ def test_the_credential_must_match_its_hash(tmp_path: Path) -> None:
     assert internal_credential(dataclasses.replace(settings, internal_key_file=str(secret)), {}) == INTERNAL
     with pytest.raises(ConfigError, match="internal_key_sha256"):
         internal_credential(BatchConfig(), {CREDENTIAL_ENV: INTERNAL})
+
+
+async def test_a_drain_takes_it_out_of_rotation_and_reports(tmp_path: Path) -> None:
+    """POST /drain (a preStop hook): not ready, /health 503 for Envoy's
+    checks, the report says what was left; the probes live on the metrics port."""
+    from services.batch.server import BatchService
+
+    _, config = _config(tmp_path, "http://127.0.0.1:9")
+    service = BatchService(config, INTERNAL)
+    await service.start()   # the free ports _config picked
+    api, admin = f"http://127.0.0.1:{service.port}", f"http://127.0.0.1:{service.metrics_port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            for url in (f"{api}/health", f"{admin}/health/ready", f"{admin}/health/started"):
+                async with session.get(url) as r:
+                    assert r.status == 200, url
+            async with session.get(f"{api}/v1/nothing") as r:
+                assert r.status == 404 and (await r.json())["error"]["type"] == "invalid_request_error"
+            async with session.post(f"{admin}/drain") as r:
+                report = await r.json()
+            assert r.status == 200 and report["status"] == "drained" and report["in_flight"] == 0
+            for url in (f"{api}/health", f"{admin}/health/ready"):
+                async with session.get(url) as r:
+                    assert r.status == 503, url
+            async with session.get(f"{admin}/metrics") as r:
+                assert "kvmesh_batch_in_flight_limit" in await r.text()
+    finally:
+        await service.stop()

@@ -12,10 +12,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import conftest
 import pytest
-from conftest import KEY_FULL, KEY_OTHER, MODEL, FakeEngine, FakeScheduler, Mesh, _serve, make_config, sha
+from conftest import KEY_FULL, KEY_OTHER, MODEL, Mesh, make_config, open_mesh, sha
 
-from services.common.proto.kvmesh.v1 import scheduler_pb2_grpc
+from services.common.config import MeshConfig
 from services.gateway.keys import KeyStore
 
 INTERNAL = "batch-internal-credential"
@@ -24,23 +25,16 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello world"}]
 
 @contextlib.asynccontextmanager
 async def _mesh(model_dir: Path, internal_sha256: str = sha(INTERNAL)) -> AsyncIterator[Mesh]:
-    from services.gateway.server import GatewayService
+    """conftest's mesh, its config's `batch.internal_key_sha256` set."""
+    def config_with_credential(*args: object, **kw: object) -> MeshConfig:
+        config = make_config(*args, **kw)  # type: ignore[arg-type]
+        config.batch.internal_key_sha256 = internal_sha256
+        return config
 
-    scheduler = FakeScheduler()
-    sched_server, sched_address = await _serve(scheduler_pb2_grpc.add_SchedulerServicer_to_server, scheduler)
-    config = make_config(model_dir, sched_address)
-    config.batch.internal_key_sha256 = internal_sha256
-    service = GatewayService(config)
-    http_port, grpc_port = await service.start(http_port=0, grpc_port=0)
-    mesh = Mesh(scheduler, {}, service, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", config,
-                [sched_server])
-    await mesh.add_engine(FakeEngine("engine-a"))
-    try:
-        yield mesh
-    finally:
-        await service.stop(grace=0.5)
-        for server in mesh.servers:
-            await server.stop(0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(conftest, "make_config", config_with_credential)
+        async with open_mesh(model_dir) as mesh:
+            yield mesh
 
 
 def _key_id(mesh: Mesh, key: str) -> str:

@@ -25,10 +25,7 @@ from services.gateway.validation import parse_priority_header
 MODULES = [
     "driver", "engine_client", "errors", "event_stream", "events", "frontdoor", "grpc_api", "http_api", "jobs",
     "keys", "lease_link", "limits", "metrics", "openapi", "request_meter", "scheduler_client", "server",
-    "spare_calls", "stop_seam", "tokenization", "validation",
-    "batch.batch_run", "batch.batches_api", "batch.execute", "batch.files_api", "batch.gate", "batch.inputs",
-    "batch.metrics", "batch.output", "batch.ownership", "batch.pacing", "batch.records", "batch.runner",
-    "batch.service", "batch.store",
+    "spare_calls", "stop_seam", "tokenization", "validation", "batch_lines",
 ]
 
 

@@ -1,0 +1,59 @@
+"""The batch service's modules: each states its public surface, and the
+line executor turns each gateway answer into the right outcome."""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import pytest
+
+from services.batch.pacing import Pace
+from services.batch.submit import Attempt, Outcome, _broken, _refused
+
+MODULES = ["batch_run", "batches_api", "callers", "credential", "files_api", "gate", "http_app", "inputs",
+           "metrics", "output", "ownership", "pacing", "records", "runner", "server", "store", "submit"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_public_surface(name: str) -> None:
+    module = importlib.import_module(f"services.batch.{name}")
+    assert module.__all__, name
+    for symbol in module.__all__:
+        assert hasattr(module, symbol), f"{name}.{symbol}"
+
+
+def _attempt(resume: bool = False, n: int = 1) -> Attempt:
+    return Attempt("/v1/chat/completions", {"model": "m", "n": n}, "c1", "b-1-1", 1.0, resume)
+
+
+@pytest.mark.parametrize(("status", "code", "resume", "outcome", "pace"), [
+    (404, "resume_not_found", True, Outcome.RERUN, Pace.NEUTRAL),     # the kept generation is gone
+    (409, "resume_gap", True, Outcome.RERUN, Pace.NEUTRAL),
+    (404, "resume_not_found", False, Outcome.DONE, Pace.NEUTRAL),     # not a resume: the line's own answer
+    (409, "duplicate_request_id", False, Outcome.RESUME, Pace.NEUTRAL),  # an earlier send of it runs: re-attach
+    (429, "rate_limit_exceeded", False, Outcome.RETRY, Pace.REJECTED),  # waited out, window halves
+    (503, "no_engine", False, Outcome.RETRY, Pace.REJECTED),
+    (502, "error", False, Outcome.RETRY, Pace.NEUTRAL),                # a failed generation: tried again
+    (504, "timeout", False, Outcome.DONE, Pace.NEUTRAL),               # its own limit: the next try ends so too
+    (400, None, False, Outcome.DONE, Pace.NEUTRAL),
+    (403, "model_not_allowed", False, Outcome.DONE, Pace.NEUTRAL),
+])
+def test_a_refusal_becomes_its_outcome(status: int, code: str | None, resume: bool, outcome: Outcome,
+                                       pace: Pace) -> None:
+    result = _refused(_attempt(resume), status, {"error": {"message": "m", "code": code}})
+    assert (result.outcome, result.pace) == (outcome, pace)
+    if outcome is Outcome.DONE:
+        assert f'"status_code":{status}' in result.output and '"custom_id":"c1"' in result.output
+
+
+def test_a_broken_connection_resumes_only_what_can_be_resumed() -> None:
+    import aiohttp
+
+    cut = aiohttp.ServerDisconnectedError()
+    assert _broken(_attempt(), cut).outcome is Outcome.RESUME
+    assert _broken(_attempt(n=2), cut).outcome is Outcome.RETRY        # n > 1 is not resumable
+    key = SimpleNamespace(host="127.0.0.1", port=1, ssl=None, is_ssl=False)
+    refused = aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, "refused"))  # type: ignore[arg-type]
+    assert (_broken(_attempt(), refused).outcome, _broken(_attempt(), refused).pace) == (Outcome.RETRY,
+                                                                                         Pace.REJECTED)
