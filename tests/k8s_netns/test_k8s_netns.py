@@ -389,13 +389,14 @@ def _batch_state(kube: Cluster, batch_id: str) -> dict[str, Any] | None:
     return json.loads(out) if status == 200 else None
 
 
-def _wait_batch(kube: Cluster, batch_id: str, done: Any, timeout: float, what: str) -> dict[str, Any]:
+def _wait_batch(kube: Cluster, batch_id: str, done: Any, timeout: float, what: str,
+                poll: float = 0.5) -> dict[str, Any]:
     box: dict[str, Any] = {}
 
     def check() -> bool:
         box["batch"] = _batch_state(kube, batch_id) or box.get("batch")
         return box.get("batch") is not None and bool(done(box["batch"]))
-    kube.wait_for(check, timeout, f"{what} (last seen: {box.get('batch')})", poll=0.5)
+    kube.wait_for(check, timeout, f"{what} (last seen: {box.get('batch')})", poll=poll)
     return dict(box["batch"])
 
 
@@ -412,7 +413,7 @@ def test_batch_survives_a_sigkill_of_its_pod(kube: Cluster) -> None:
     assert status == 200, out[:300]
     batch_id = str(json.loads(out)["id"])
     mid = _wait_batch(kube, batch_id, lambda b: b["request_counts"]["completed"] >= BATCH_KILL_AFTER
-                      or b["status"] in BATCH_DONE, 90, f"{BATCH_KILL_AFTER} lines of the batch done")
+                      or b["status"] in BATCH_DONE, 90, f"{BATCH_KILL_AFTER} lines of the batch done", poll=0.05)
     assert mid["status"] == "in_progress" and mid["request_counts"]["completed"] < BATCH_LINES, (
         f"the batch was no longer running when the pod was to be killed: {mid}")
     killed_at = time.monotonic()
