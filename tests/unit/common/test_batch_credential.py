@@ -46,7 +46,7 @@ def test_a_missing_or_empty_key_file_is_a_config_error(tmp_path: Path, content: 
     if content is not None:
         secret.write_text(content)
     config = dataclasses.replace(BatchConfig(), internal_key_file=str(secret))
-    with pytest.raises(ConfigError, match="batch.internal_key_file"):
+    with pytest.raises(ConfigError, match=r"batch\.internal_key_file"):
         credential_digest(config)
-    with pytest.raises(ConfigError, match="batch.internal_key_file"):
+    with pytest.raises(ConfigError, match=r"batch\.internal_key_file"):
         internal_credential(config, {})
