@@ -14,10 +14,9 @@ so both sides derive the digest from the same Secret.
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 
-from services.common.config import ConfigError
 from services.common.config.batch import BatchConfig
+from services.common.secret_file import read_secret_file
 
 __all__ = ["credential_digest", "read_key_file"]
 
@@ -25,13 +24,7 @@ __all__ = ["credential_digest", "read_key_file"]
 def read_key_file(path: str) -> str:
     """The credential in `path` (surrounding whitespace dropped); ConfigError
     naming `batch.internal_key_file` when it cannot be read or is empty."""
-    try:
-        raw = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"config.batch.internal_key_file: cannot read it: {exc}") from None
-    if not raw:
-        raise ConfigError(f"config.batch.internal_key_file: {path} is empty")
-    return raw
+    return read_secret_file(path, "config.batch.internal_key_file")
 
 
 def credential_digest(config: BatchConfig) -> str:

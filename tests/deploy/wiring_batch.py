@@ -23,8 +23,11 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
 
+from services.common.config import MeshConfig
+
 from .manifests import Obj
 from .wiring import (
+    Pod,
     _secret_files,
     envoy_bootstrap,
     find,
@@ -43,13 +46,19 @@ __all__ = ["BATCH_PATHS", "check_batch_credentials", "check_batch_path", "check_
 BATCH_PATHS = ("/v1/files", "/v1/batches")
 
 
+def _batch_pod(objects: list[Obj]) -> tuple[Pod, MeshConfig | None, list[str]]:
+    """The batch pod, the mesh config it loads (None if it does not), problems."""
+    pod = pod_of(objects, "batch")
+    cfg, problems = mesh_config(objects, pod)
+    return pod, cfg, problems
+
+
 def _under(path: str, folder: str) -> bool:
     return PurePosixPath(folder) in PurePosixPath(path).parents
 
 
 def check_batch_state(objects: list[Obj]) -> list[str]:
-    pod = pod_of(objects, "batch")
-    cfg, problems = mesh_config(objects, pod)
+    pod, cfg, problems = _batch_pod(objects)
     if cfg is None:
         return problems
     if not cfg.batch.enabled:
@@ -73,14 +82,13 @@ def check_batch_state(objects: list[Obj]) -> list[str]:
     return problems
 
 
-def _has_file(pod: Any, path: str) -> bool:
+def _has_file(pod: Pod, path: str) -> bool:
     files = _secret_files(pod, str(Path(path).parent))
     return files is not None and ("*" in files[1] or Path(path).name in files[1])
 
 
 def check_batch_credentials(objects: list[Obj]) -> list[str]:
-    pod = pod_of(objects, "batch")
-    cfg, problems = mesh_config(objects, pod)
+    pod, cfg, problems = _batch_pod(objects)
     if cfg is None:
         return problems
     key_file = cfg.batch.internal_key_file
@@ -145,8 +153,7 @@ def _route_matches(match: dict[str, Any], path: str, method: str) -> bool:
 
 
 def check_batch_path(objects: list[Obj]) -> list[str]:
-    pod = pod_of(objects, "batch")
-    cfg, problems = mesh_config(objects, pod)
+    pod, cfg, problems = _batch_pod(objects)
     if cfg is None:
         return problems
     url = urlsplit(cfg.batch.gateway_url)
