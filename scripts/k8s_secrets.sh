@@ -46,7 +46,7 @@ while [ $# -gt 0 ]; do
     --out) OUT="$2"; shift 2 ;;
     --namespace) NAMESPACE="$2"; shift 2 ;;
     --apply) APPLY=1; shift ;;
-    -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
     *) echo "k8s_secrets.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
