@@ -97,19 +97,29 @@ def _routes(topology: Topology) -> list[dict[str, Any]]:
             {"name": "content-type", "string_match": {"prefix": "application/grpc"}}]},
         "direct_response": _NOT_PUBLIC,
     })
-    routes += _batch_routes(topology) if topology.batch.enabled else []
+    routes += _batch_routes(topology, http) if topology.batch.enabled else []
     routes.append({"name": "openai", "match": {"prefix": "/v1/"}, "route": http})
     # Everything else the gateway's HTTP side serves (/health, /v1 without slash...).
     routes.append({"name": "gateway_http", "match": {"prefix": "/"}, "route": http})
     return routes
 
 
-def _batch_routes(topology: Topology) -> list[dict[str, Any]]:
+# OpenAI's one completion window, "24h" (batch.completion_window_seconds' default).
+_BATCH_LINE_IDLE_SECONDS = 86400.0
+
+
+def _batch_routes(topology: Topology, http: dict[str, Any]) -> list[dict[str, Any]]:
     """/v1/files and /v1/batches (and below) to the batch service. Batch
     input uploads (POST /v1/files) may be far larger than a request body:
     Envoy's body limit is lifted on that route alone, and the batch service
     counts the upload against `batch.max_file_bytes` (413) itself. Retried
-    only when the batch service could not be reached (nothing was sent)."""
+    only when the batch service could not be reached (nothing was sent).
+
+    And the batch service's own lines to the gateways (marked by their
+    `X-Kvmesh-Batch-Key-Id`): non-streamed, silent while they wait in the
+    scheduler's queue (P2, up to the batch's deadline), so their idle
+    timeout is the batch's whole completion window. A client faking the header gains nothing: without the batch
+    service's credential the gateway refuses it at once (403)."""
     route = {"cluster": BATCH_CLUSTER, "timeout": "0s",
              "idle_timeout": seconds(topology.timeouts.stream_idle_seconds),
              "retry_policy": {"retry_on": "connect-failure,refused-stream", "num_retries": topology.connect_retries}}
@@ -123,6 +133,9 @@ def _batch_routes(topology: Topology) -> list[dict[str, Any]]:
         },
         {"name": "files", "match": {"path_separated_prefix": "/v1/files"}, "route": route},
         {"name": "batches", "match": {"path_separated_prefix": "/v1/batches"}, "route": route},
+        {"name": "batch_lines", "match": {"prefix": "/v1/", "headers": [
+            {"name": "x-kvmesh-batch-key-id", "present_match": True}]},
+         "route": {**http, "idle_timeout": seconds(_BATCH_LINE_IDLE_SECONDS)}},
     ]
 
 

@@ -190,6 +190,11 @@ def test_files_and_batches_go_to_the_batch_service() -> None:
                         "files": {"path_separated_prefix": "/v1/files"},
                         "batches": {"path_separated_prefix": "/v1/batches"}}
     assert max(names.index(n) for n in to_batch) < names.index("openai")
+    # The batch service's lines reach the gateways with no idle timeout (they wait silently in the queue).
+    lines = routes[names.index("batch_lines")]
+    assert names.index("batch_lines") < names.index("openai") and lines["route"]["cluster"] == "gateway_http"
+    assert lines["match"]["headers"] == [{"name": "x-kvmesh-batch-key-id", "present_match": True}]
+    assert lines["route"]["idle_timeout"] == "86400s" and lines["route"]["timeout"] == "0s"
     batch = next(c for c in config["static_resources"]["clusters"] if c["name"] == "batch_http")
     assert batch["load_assignment"]["endpoints"][0]["lb_endpoints"] == [
         {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 8090}}}}]
@@ -199,7 +204,7 @@ def test_files_and_batches_go_to_the_batch_service() -> None:
     config = render(off)
     assert "batch_http" not in [c["name"] for c in config["static_resources"]["clusters"]]
     routes = _hcm(config)["route_config"]["virtual_hosts"][0]["routes"]
-    assert not {"files_upload", "files", "batches"} & {r["name"] for r in routes}
+    assert not {"files_upload", "files", "batches", "batch_lines"} & {r["name"] for r in routes}
 
 
 def test_every_replica_is_an_endpoint() -> None:
