@@ -91,6 +91,21 @@ def test_envoy_or_policies_not_reaching_the_batch_pod_fail() -> None:
                                                                     "kvmesh-gateway.kvmesh.svc.cluster.local")
     assert any("no cluster for the batch Service" in p for p in check_batch_path(_broken(elsewhere)))
 
+    def to_batch(objects: list[Obj]) -> None:
+        """Envoy's route for the batch service's lines sent to the batch service itself (a loop)."""
+        cm = next(o for o in objects if o["metadata"]["name"].startswith("kvmesh-envoy") and o["kind"] == "ConfigMap")
+        old = "present_match: true\n                route:\n                  cluster: gateway_http"
+        assert old in cm["data"]["envoy.yaml"]
+        cm["data"]["envoy.yaml"] = cm["data"]["envoy.yaml"].replace(old, old.replace("gateway_http", "batch_http"))
+    assert any("the batch service's lines" in p for p in check_batch_path(_broken(to_batch)))
+
+    def files_to_gateways(objects: list[Obj]) -> None:
+        cm = next(o for o in objects if o["metadata"]["name"].startswith("kvmesh-envoy") and o["kind"] == "ConfigMap")
+        old = "path_separated_prefix: /v1/files"
+        assert old in cm["data"]["envoy.yaml"]
+        cm["data"]["envoy.yaml"] = cm["data"]["envoy.yaml"].replace(old, "path_separated_prefix: /v1/filez")
+    assert any("GET /v1/files to 'gateway_http'" in p for p in check_batch_path(_broken(files_to_gateways)))
+
 
 def test_the_generic_checks_cover_the_batch_pod() -> None:
     """Its command line, ports, probes and drain go through the same checks as the others'."""

@@ -23,7 +23,9 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
 
+from services.batch.submit import LINE_HEADERS
 from services.common.config import MeshConfig
+from services.edge.render import HTTP_CLUSTER
 
 from .manifests import Obj
 from .wiring import (
@@ -44,6 +46,8 @@ __all__ = ["BATCH_PATHS", "check_batch_credentials", "check_batch_path", "check_
 
 # The paths Envoy must send to the batch service (its whole public API).
 BATCH_PATHS = ("/v1/files", "/v1/batches")
+# A header every line the batch service sends carries (Envoy sees names in lower case).
+LINE_KEY_HEADER = LINE_HEADERS["key_id"].lower()
 
 
 def _batch_pod(objects: list[Obj]) -> tuple[Pod, MeshConfig | None, list[str]]:
@@ -118,8 +122,9 @@ def _envoy_batch_clusters(objects: list[Obj], boot: dict[str, Any]) -> tuple[set
     return names, problems
 
 
-def _route_cluster(boot: dict[str, Any], path: str, method: str) -> str | None:
-    """The cluster Envoy's public listener sends `method path` to (first match, as Envoy)."""
+def _route_cluster(boot: dict[str, Any], path: str, headers: dict[str, str]) -> str | None:
+    """The cluster Envoy's public listener sends a request for `path` with
+    `headers` (":method" among them) to: its first matching route, as Envoy."""
     for listener in boot["static_resources"]["listeners"]:
         if listener["name"] != "public":
             continue
@@ -128,28 +133,36 @@ def _route_cluster(boot: dict[str, Any], path: str, method: str) -> str | None:
                 config = f.get("typed_config", {}).get("route_config", {})
                 for vhost in config.get("virtual_hosts", []):
                     for route in vhost.get("routes", []):
-                        if _route_matches(route["match"], path, method):
+                        if _route_matches(route["match"], path, headers):
                             return (route.get("route") or {}).get("cluster")
     return None
 
 
-def _route_matches(match: dict[str, Any], path: str, method: str) -> bool:
-    if "path" in match and match["path"] != path:
+def _path_matches(match: dict[str, Any], path: str) -> bool:
+    if "path" in match:
+        return bool(match["path"] == path)
+    if "prefix" in match:
+        return path.startswith(match["prefix"])
+    if "path_separated_prefix" in match:
+        prefix = match["path_separated_prefix"]
+        return path == prefix or path.startswith(prefix + "/")
+    return False
+
+
+def _header_matches(header: dict[str, Any], headers: dict[str, str]) -> bool:
+    value = headers.get(header["name"])
+    string_match = header.get("string_match", {})
+    if value is None:
         return False
-    if "prefix" in match and not path.startswith(match["prefix"]):
-        return False
-    if "path_separated_prefix" in match and not (
-            path == match["path_separated_prefix"] or path.startswith(match["path_separated_prefix"] + "/")):
-        return False
-    if not any(k in match for k in ("path", "prefix", "path_separated_prefix")):
-        return False
-    for header in match.get("headers", []):
-        exact = header.get("string_match", {}).get("exact")
-        if header["name"] == ":method" and exact is not None and exact != method:
-            return False
-        if header["name"] != ":method":
-            return False  # a header a plain API call does not carry
-    return True
+    if "exact" in string_match:
+        return bool(value == string_match["exact"])
+    if "prefix" in string_match:
+        return value.startswith(string_match["prefix"])
+    return bool(header.get("present_match"))
+
+
+def _route_matches(match: dict[str, Any], path: str, headers: dict[str, str]) -> bool:
+    return _path_matches(match, path) and all(_header_matches(h, headers) for h in match.get("headers", []))
 
 
 def check_batch_path(objects: list[Obj]) -> list[str]:
@@ -173,9 +186,15 @@ def check_batch_path(objects: list[Obj]) -> list[str]:
     problems += found
     for path in BATCH_PATHS:
         for sub, method in (("", "POST"), ("", "GET"), ("/x-1", "GET")):
-            if clusters and _route_cluster(boot, path + sub, method) not in clusters:
-                problems.append(f"Envoy sends {method} {path}{sub} to {_route_cluster(boot, path + sub, method)!r}, "
-                                "not the batch Service")
+            got = _route_cluster(boot, path + sub, {":method": method, "content-type": "application/json"})
+            if clusters and got not in clusters:
+                problems.append(f"Envoy sends {method} {path}{sub} to {got!r}, not the batch Service")
+    if target is not None and target[0] == "envoy":
+        # The lines the batch service sends back through Envoy reach the gateways.
+        line = {":method": "POST", "content-type": "application/json", LINE_KEY_HEADER: "0123456789ab"}
+        for path in ("/v1/chat/completions", "/v1/completions"):
+            if (got := _route_cluster(boot, path, line)) != HTTP_CLUSTER:
+                problems.append(f"Envoy sends the batch service's lines ({path}) to {got!r}, not {HTTP_CLUSTER}")
     port = listening_ports(objects, pod).get("http", -1)
     if not policy_allows(objects, pod_labels(envoy), "kvmesh", "batch", port):
         problems.append(f"the NetworkPolicies keep Envoy from the batch pod's HTTP port {port}")
