@@ -97,7 +97,8 @@ class BatchService:
         self._up = False
 
     async def start(self, port: int | None = None, metrics_port: int | None = None) -> int:
-        """Bind and run; ports default to the config's (0 = any free port)."""
+        """Bind and run; ports default to the config's (API 0 = any free
+        port; metrics 0 = off)."""
         settings = self.config.batch
         self.port = await self._api.start(settings.host, settings.port if port is None else port)
         metrics_port = settings.metrics_port if metrics_port is None else metrics_port

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import enum
 import json
+import socket
 import ssl
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -119,7 +121,8 @@ class LineExecutor:
         if self._session is None:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=_CONNECT_SECONDS)
             # No connection limit of its own: the window (gate.py) bounds the lines in flight.
-            self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+            connector = aiohttp.TCPConnector(limit=0, socket_factory=_resetting_socket)
+            self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         return self._session
 
     def headers(self, attempt: Attempt, key_id: str) -> dict[str, str]:
@@ -153,6 +156,18 @@ class LineExecutor:
                           response_line(attempt.custom_id, attempt.request_id, 200, answer),
                           ok=True, tokens=int(usage.get("completion_tokens") or 0))
         return _refused(attempt, status, answer)
+
+
+def _resetting_socket(addr_info: tuple[Any, ...]) -> socket.socket:
+    """A socket the kernel resets (RST), not closes (FIN), when this process
+    dies: Envoy stops reading an HTTP/1.1 client while its request waits
+    for the answer, so a FIN would go unnoticed until the answer came --
+    the gateway would finish the line for nobody and forget it, where a
+    reset reaches it at once and it keeps the generation for the resume."""
+    family, type_, proto = addr_info[0], addr_info[1], addr_info[2]
+    sock = socket.socket(family=family, type=type_, proto=proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    return sock
 
 
 def _broken(attempt: Attempt, exc: Exception) -> Result:

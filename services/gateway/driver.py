@@ -155,6 +155,7 @@ class _Generation:
         self._resume_pending = job.resume_from is not None
         # The engine's progress (stall_watch.py).
         self._watch = ProgressWatch()
+        self._reported_done = False   # `done` told the scheduler: nothing left to resume
 
     async def before_close(self) -> None:
         """The transport closes before the end (its client left): say
@@ -169,8 +170,9 @@ class _Generation:
         """Does a generation cut off here stay kept for a resume? Yes when
         this gateway is being cut (a drain's bound), and for a batch line,
         whose batch service resumes it when it comes back
-        (services/gateway/batch_lines.py)."""
-        return self._driver.detaching or self._job.batch
+        (services/gateway/batch_lines.py) -- until its end was reported:
+        then the transport closing is just the line's end."""
+        return self._driver.detaching or (self._job.batch and not self._reported_done)
 
     async def run(self, emit: Emit) -> None:
         self._emit = emit
@@ -189,6 +191,7 @@ class _Generation:
         # `done` goes out before the client's last event, so a transport that
         # stops reading right after `Finished` cannot lose it.
         await lease.report_done(finished, self._watch.sample)
+        self._reported_done = True
         try:
             await self._emit(finished)
         finally:

@@ -31,6 +31,11 @@ def test_defaults_and_the_shipped_config() -> None:
     ({"lease_seconds": 0}, "config.batch.lease_seconds: must be > 0"),
     ({"lease_seconds": 2, "poll_seconds": 1}, "config.batch.poll_seconds: must be < lease_seconds / 2"),
     ({"completion_window_seconds": 0}, "config.batch.completion_window_seconds: must be > 0"),
+    ({"port": 70000}, "config.batch.port"),
+    ({"metrics_port": -1}, "config.batch.metrics_port"),
+    ({"drain_seconds": 0}, "config.batch.drain_seconds: must be > 0"),
+    ({"internal_key_sha256": "abc"}, "config.batch.internal_key_sha256: expected 64 hex digits"),
+    ({"gateway_url": "gateway:8000"}, "config.batch.gateway_url: expected http"),
 ])
 def test_out_of_bounds_settings_name_their_path(block: dict[str, Any], message: str) -> None:
     config = config_from_dict(MeshConfig, {"batch": block})
