@@ -16,6 +16,12 @@
 #                    $KVMESH_ADMIN_TOKEN, else a generated one printed once
 #                    and kept in <out>/admin-token; holder name
 #                    $KVMESH_ADMIN_NAME (default operator).
+#   kvmesh-batch-key internal-key: the batch service's internal credential
+#                    (batch.internal_key_file, mounted at /etc/kvmesh/batch-key
+#                    in the batch pod and the gateways, which accept a batch
+#                    line's headers only with it): $KVMESH_BATCH_INTERNAL_KEY,
+#                    else a generated one kept in <out>/batch-internal-key
+#                    (never printed: nothing but the two services uses it).
 # Also <out>/operator.yaml: the config `kvmesh admin` / `kvmesh top` use on
 # the operator's machine through `kubectl port-forward` (scheduler on
 # 127.0.0.1:50051 + 9101, mesh TLS with the `admin` certificate of
@@ -24,7 +30,7 @@
 #   scripts/k8s_secrets.sh [--out DIR] [--namespace NS] [--apply]
 #
 # Writes DIR (default .run/k8s-secrets, git-ignored): the certificate folder,
-# secrets.yaml (Namespace + both Secrets, `kubectl create --dry-run=client`:
+# secrets.yaml (Namespace + the Secrets, `kubectl create --dry-run=client`:
 # no cluster needed) and a kustomization.yaml, so `kubectl apply -k DIR`
 # applies it; --apply does that. Your own CA instead: put its files in
 # DIR/mesh-tls (same names, see services/common/mesh_tls.py) before running.
@@ -40,7 +46,7 @@ while [ $# -gt 0 ]; do
     --out) OUT="$2"; shift 2 ;;
     --namespace) NAMESPACE="$2"; shift 2 ;;
     --apply) APPLY=1; shift ;;
-    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
     *) echo "k8s_secrets.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -103,6 +109,13 @@ admin_keys:
     name: ${KVMESH_ADMIN_NAME:-operator}
 YAML
 )
+BATCH_KEY_FILE="$OUT/batch-internal-key"
+if [ -n "${KVMESH_BATCH_INTERNAL_KEY:-}" ]; then
+  (umask 077 && printf '%s' "$KVMESH_BATCH_INTERNAL_KEY" > "$BATCH_KEY_FILE")
+elif [ ! -s "$BATCH_KEY_FILE" ]; then
+  (umask 077 && printf 'kvmb-%s' "$("$PY" -c 'import secrets; print(secrets.token_urlsafe(32))')" > "$BATCH_KEY_FILE")
+fi
+
 cat > "$OUT/operator.yaml" <<YAML
 # \`kvmesh --config $OUT/operator.yaml admin|top ...\` on this machine, with
 #   kubectl -n $NAMESPACE port-forward deploy/kvmesh-scheduler 50051 9101
@@ -133,10 +146,13 @@ YAML
   echo "---"
   kubectl create secret generic kvmesh-admin-keys --namespace "$NAMESPACE" \
     --from-file="admin-keys.yaml=$ADMIN_KEYS" --dry-run=client -o yaml
+  echo "---"
+  kubectl create secret generic kvmesh-batch-key --namespace "$NAMESPACE" \
+    --from-file="internal-key=$BATCH_KEY_FILE" --dry-run=client -o yaml
 } > "$OUT/secrets.yaml"
 chmod 600 "$OUT/secrets.yaml"
 printf 'resources:\n  - secrets.yaml\n' > "$OUT/kustomization.yaml"
-echo "wrote $OUT/secrets.yaml (kvmesh-mesh-tls, kvmesh-api-keys, kvmesh-admin-keys in namespace $NAMESPACE)"
+echo "wrote $OUT/secrets.yaml (kvmesh-mesh-tls, kvmesh-api-keys, kvmesh-admin-keys, kvmesh-batch-key in namespace $NAMESPACE)"
 echo "wrote $OUT/operator.yaml (kvmesh admin / top through kubectl port-forward)"
 
 if [ "$APPLY" = 1 ]; then

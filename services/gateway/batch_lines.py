@@ -9,7 +9,8 @@ a generation its previous sender left. The job becomes P2 with
 `AdmitRequest.batch` and `batch_deadline_unix` set. Batch lines bypass the
 tenant queue caps, so the headers are honoured ONLY from a caller
 presenting the batch service's internal credential, whose SHA-256 is
-`batch.internal_key_sha256` (compared in constant time); any
+`batch.internal_key_sha256` or that of `batch.internal_key_file`'s content
+(services/common/batch_credential.py; compared in constant time); any
 `X-Kvmesh-Batch-*` header without it is refused (403 `batch_not_allowed`),
 never ignored.
 
@@ -32,6 +33,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from services.common.batch_credential import credential_digest
 from services.common.clock import Clock
 from services.common.config import MeshConfig
 from services.gateway.errors import ErrorKind, GatewayError
@@ -66,7 +68,8 @@ class BatchLines:
     """Immutable after construction: shared by every request."""
 
     def __init__(self, config: MeshConfig, keys: KeyStore) -> None:
-        self._digest = config.batch.internal_key_sha256.strip().lower()
+        # internal_key_sha256, or the digest of the mounted key file (Kubernetes).
+        self._digest = credential_digest(config.batch)
         self._keys = keys
 
     def read(self, headers: Mapping[str, str]) -> BatchLine | None:

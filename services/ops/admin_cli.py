@@ -18,13 +18,13 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
 
 from services.common.config import ConfigError, MeshConfig
 from services.common.proto.kvmesh.v1 import admin_pb2, admin_pb2_grpc
+from services.common.secret_file import read_secret_file
 
 from .connect import scheduler_address, scheduler_channel
 
@@ -43,13 +43,7 @@ def parse_priority(text: str) -> int:
 
 def read_token(token_file: str | None) -> str:
     if token_file:
-        try:
-            token = Path(token_file).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"--token-file: cannot read {token_file}: {exc.strerror}") from exc
-        if not token:
-            raise ConfigError(f"--token-file: {token_file} is empty")
-        return token
+        return read_secret_file(token_file, "--token-file")
     token = os.environ.get("KVMESH_ADMIN_TOKEN", "").strip()
     if not token:
         raise ConfigError("no admin token: pass --token-file FILE (kvmesh up writes RUN_DIR/admin-token) "

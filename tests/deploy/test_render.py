@@ -19,6 +19,7 @@ CONTRACT = [
     ("Deployment", "kvmesh-gateway"), ("Service", "kvmesh-gateway"),
     ("HorizontalPodAutoscaler", "kvmesh-gateway"), ("PodDisruptionBudget", "kvmesh-gateway"),
     ("StatefulSet", "kvmesh-engine"), ("Service", "kvmesh-engine"),
+    ("StatefulSet", "kvmesh-batch"), ("Service", "kvmesh-batch"), ("NetworkPolicy", "kvmesh-batch-from-envoy"),
     ("Deployment", "kvmesh-envoy"), ("Service", "kvmesh-envoy"),
 ]
 

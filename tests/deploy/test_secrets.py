@@ -24,7 +24,7 @@ from services.gateway.keys import load_api_keys_file
 from services.scheduler.admin_api import load_admin_keys_file
 
 from .manifests import OVERLAYS, ROOT, render
-from .wiring import pods
+from .wiring import NO_MESH_TLS, pods
 
 SCRIPT = ROOT / "scripts" / "k8s_secrets.sh"
 
@@ -40,7 +40,7 @@ def _run(out: Path, key: str, admin_token: str = "kvma-test") -> dict[str, Any]:
 def test_the_secrets_hold_what_the_pods_mount(tmp_path: Path) -> None:
     objects = _run(tmp_path / "s", "sk-test")
     assert set(objects) == {"Namespace/kvmesh", "Secret/kvmesh-mesh-tls", "Secret/kvmesh-api-keys",
-                            "Secret/kvmesh-admin-keys"}
+                            "Secret/kvmesh-admin-keys", "Secret/kvmesh-batch-key"}
     tls = {k: base64.b64decode(v) for k, v in objects["Secret/kvmesh-mesh-tls"]["data"].items()}
     pod_roles = [r for r in ROLES if r != "admin"]
     assert set(tls) == {"ca.pem", *(f"{r}.pem" for r in pod_roles), *(f"{r}-key.pem" for r in pod_roles)}
@@ -49,6 +49,9 @@ def test_the_secrets_hold_what_the_pods_mount(tmp_path: Path) -> None:
         if overlay.endswith("cert-manager"):
             continue  # its pods mount cert-manager's Secrets instead
         for pod in pods(render(overlay)):
+            if pod.component in NO_MESH_TLS:
+                assert not any(v["name"] == "mesh-tls" for v in pod.spec["volumes"]), (overlay, pod.name)
+                continue
             vol = next(v for v in pod.spec["volumes"] if v["name"] == "mesh-tls")
             assert vol["secret"]["secretName"] == "kvmesh-mesh-tls"
             folder = tmp_path / overlay.replace("/", "-") / pod.component
@@ -63,15 +66,18 @@ def test_the_secrets_hold_what_the_pods_mount(tmp_path: Path) -> None:
     keys = load_api_keys_file(dataclasses.replace(GatewayConfig(), api_keys_file=str(keys_file)))
     assert [k.sha256 for k in keys] == [hashlib.sha256(b"sk-test").hexdigest()]
     _check_admin(tmp_path, objects)
+    _check_batch_key(tmp_path, objects)
     rendered = subprocess.run(["kubectl", "kustomize", str(tmp_path / "s")], check=True, capture_output=True,
                               text=True, timeout=60).stdout
     assert "kvmesh-mesh-tls" in rendered
 
 
 def test_a_second_run_keeps_the_ca(tmp_path: Path) -> None:
-    first = _run(tmp_path, "a")["Secret/kvmesh-mesh-tls"]["data"]["ca.pem"]
+    first = _run(tmp_path, "a")
     again = _run(tmp_path, "b")
-    assert again["Secret/kvmesh-mesh-tls"]["data"]["ca.pem"] == first
+    assert again["Secret/kvmesh-mesh-tls"]["data"]["ca.pem"] == first["Secret/kvmesh-mesh-tls"]["data"]["ca.pem"]
+    # The batch credential too: gateways and the batch pod keep agreeing across runs.
+    assert again["Secret/kvmesh-batch-key"]["data"] == first["Secret/kvmesh-batch-key"]["data"]
     assert (tmp_path / "secrets.yaml").stat().st_mode & 0o077 == 0
 
 
@@ -89,3 +95,22 @@ def _check_admin(tmp_path: Path, objects: dict[str, Any]) -> None:
     assert (operator.scheduler.host, operator.scheduler.port) == ("127.0.0.1", 50051)
     identity = identity_for(operator, "admin")   # loads: ca.pem, admin.pem, admin-key.pem all there
     assert identity is not None and identity.cert_file == (tmp_path / "s" / "mesh-tls" / "admin.pem").resolve()
+
+
+def _check_batch_key(tmp_path: Path, objects: dict[str, Any]) -> None:
+    """The batch credential: random, long, the same in the Secret and the
+    folder's copy, and exactly the key the batch pod and gateways mount."""
+    data = objects["Secret/kvmesh-batch-key"]["data"]
+    assert set(data) == {"internal-key"}
+    key = base64.b64decode(data["internal-key"]).decode()
+    assert key.startswith("kvmb-") and len(key) >= 40 and key.strip() == key
+    assert (tmp_path / "s" / "batch-internal-key").read_text() == key
+    assert (tmp_path / "s" / "batch-internal-key").stat().st_mode & 0o077 == 0
+    for overlay in OVERLAYS:
+        for pod in pods(render(overlay)):
+            vol = next((v for v in pod.spec["volumes"] if v["name"] == "batch-key"), None)
+            if pod.component in ("batch", "gateway"):
+                assert vol is not None and vol["secret"]["secretName"] == "kvmesh-batch-key", (overlay, pod.name)
+                assert {i["key"] for i in vol["secret"]["items"]} <= set(data), (overlay, pod.name)
+            else:
+                assert vol is None, f"{overlay}: {pod.name} holds the batch credential"

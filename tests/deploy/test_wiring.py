@@ -186,22 +186,25 @@ def test_a_manifest_file_with_a_wrong_flag_fails(tmp_path: Path) -> None:
 
 
 def test_network_policies_hold_their_intent() -> None:
-    """Only Envoy from outside; gateways from Envoy; the scheduler from
-    gateways and engines; engines from gateways and the scheduler; metrics
-    (and probes' port) and Envoy's stats port from the namespace `monitoring` only."""
+    """Only Envoy from outside; gateways from Envoy; the batch service's API
+    from Envoy (its lines go back through Envoy's listener); the scheduler
+    from gateways and engines; engines from gateways and the scheduler;
+    metrics (and probes' port) and Envoy's stats port from the namespace
+    `monitoring` only."""
     for overlay in OVERLAYS:
         objects = render(overlay)
         ns = "kvmesh"
         labels = {c: pod_of(objects, c).workload["spec"]["template"]["metadata"]["labels"]
-                  for c in ("scheduler", "gateway", "engine", "envoy")}
+                  for c in ("scheduler", "gateway", "engine", "batch", "envoy")}
         outside = {"name": "client"}
         expect = {
-            ("envoy", 8080): {"outside", "other", "monitoring", "scheduler", "gateway", "engine", "envoy"},
+            ("envoy", 8080): {"outside", "other", "monitoring", "scheduler", "gateway", "engine", "batch", "envoy"},
             ("gateway", 8000): {"envoy"}, ("gateway", 50061): {"envoy"},
+            ("batch", 8090): {"envoy"},
             ("scheduler", 50051): {"gateway", "engine"},
             ("engine", 50100): {"gateway", "scheduler"},
             ("scheduler", 9101): {"monitoring"}, ("gateway", 9102): {"monitoring"}, ("engine", 9200): {"monitoring"},
-            ("envoy", 9902): {"monitoring"},
+            ("batch", 9190): {"monitoring"}, ("envoy", 9902): {"monitoring"},
         }
         for (dest, port), allowed in expect.items():
             sources: dict[str, tuple[dict[str, str] | None, str]] = {

@@ -28,7 +28,11 @@ from .manifests import ROOT, Obj, ident
 PROBE_PATH = {"startupProbe": "/health/started", "readinessProbe": "/health/ready",
               "livenessProbe": "/health/live"}
 CONFIG_PATH = "/etc/kvmesh/kvmesh.yaml"
-COMPONENTS = ("scheduler", "gateway", "engine", "envoy")
+COMPONENTS = ("scheduler", "gateway", "engine", "batch", "envoy")
+# Components that hold no mesh identity: the batch service serves plain HTTP
+# to Envoy alone (NetworkPolicy) and sends its lines through Envoy's
+# listener, like any client (BATCH_INTERFACE: batch.port has no mesh TLS).
+NO_MESH_TLS = ("batch",)
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet")
 # Seconds between a drain's bound and kubelet's SIGKILL, at least.
 DRAIN_MARGIN = 5.0
@@ -86,6 +90,11 @@ def pods(objects: list[Obj]) -> list[Pod]:
         spec = template["spec"]
         out.append(Pod(obj, component, spec, spec["containers"][0]))
     return out
+
+
+def pod_labels(pod: Pod) -> dict[str, str]:
+    """The labels of the pod's template (what selectors and policies match)."""
+    return dict(pod.workload["spec"]["template"]["metadata"]["labels"])
 
 
 def pod_of(objects: list[Obj], component: str) -> Pod:
@@ -251,6 +260,8 @@ def _secret_files(pod: Pod, folder: str) -> tuple[str, set[str]] | None:
 
 
 def _check_tls_files(pod: Pod, cfg: MeshConfig) -> list[str]:
+    if pod.component in NO_MESH_TLS:
+        return []
     if not cfg.mesh_tls.enabled:
         return [f"{pod.name}: mesh_tls is off: every service would accept plaintext from the network"]
     files = _secret_files(pod, cfg.mesh_tls.cert_dir)
@@ -263,7 +274,7 @@ def _check_tls_files(pod: Pod, cfg: MeshConfig) -> list[str]:
 
 def _check_api_keys_file(pod: Pod, cfg: MeshConfig) -> list[str]:
     path = getattr(cfg.gateway, "api_keys_file", "")
-    if pod.component != "gateway" or not path:
+    if pod.component not in ("gateway", "batch") or not path:
         return []
     files = _secret_files(pod, str(Path(path).parent))
     if files is None or ("*" not in files[1] and Path(path).name not in files[1]):
@@ -275,7 +286,7 @@ def _check_bind_and_peers(objects: list[Obj], pod: Pod, cfg: MeshConfig) -> list
     """Services bind every address and dial the scheduler by its Service name."""
     problems = []
     hosts = {"scheduler": cfg.scheduler.host, "gateway": cfg.gateway.host,
-             "engine": cfg.engines.template.host}
+             "engine": cfg.engines.template.host, "batch": cfg.batch.host}
     if pod.component in hosts and hosts[pod.component] not in ("0.0.0.0", "::"):
         problems.append(f"{pod.name}: binds {hosts[pod.component]}, unreachable from other pods "
                         "(use 0.0.0.0 or ::)")
@@ -331,6 +342,8 @@ def listening_ports(objects: list[Obj], pod: Pod) -> dict[str, int]:
         gw = cfg.gateway
         return {"http": ns.http_port or gw.http_port, "grpc": ns.grpc_port or gw.grpc_port,
                 "metrics": ns.metrics_port or gw.metrics_port}
+    if pod.component == "batch":
+        return {"http": ns.port or cfg.batch.port, "metrics": ns.metrics_port or cfg.batch.metrics_port}
     engine = cfg.engine_config(ns.index)
     engine_ports = {"grpc": engine.port, "metrics": engine.metrics_port, "http": engine.http_port}
     return {k: v for k, v in engine_ports.items() if v}
@@ -418,7 +431,7 @@ def _check_service(objects: list[Obj], svc: Obj) -> list[str]:
         admin = envoy_admin_port(objects, pod)
         if any(sp["port"] == admin or sp.get("targetPort") == admin for sp in svc["spec"]["ports"]):
             problems.append(f"{name}: exposes Envoy's admin port")
-    if pod.component in ("gateway", "engine") and svc["spec"].get("clusterIP") != "None":
+    if pod.component in ("gateway", "engine", "batch") and svc["spec"].get("clusterIP") != "None":
         problems.append(f"{name}: not headless (clusterIP: None)")
     return problems
 
@@ -428,15 +441,16 @@ def _check_service(objects: list[Obj], svc: Obj) -> list[str]:
 
 def drain_bound(cfg: MeshConfig, component: str) -> float:
     """Seconds a drain may take: the gateway's drain bound (drain_seconds, by
-    default the generation bound), engine stop_grace_seconds."""
+    default the generation bound), engine stop_grace_seconds, batch.drain_seconds."""
     return {"gateway": cfg.gateway.drain_bound_seconds,
-            "engine": cfg.engines.template.stop_grace_seconds}.get(component, 0.0)
+            "engine": cfg.engines.template.stop_grace_seconds,
+            "batch": cfg.batch.drain_seconds}.get(component, 0.0)
 
 
 def check_drain(objects: list[Obj]) -> list[str]:
     problems = _check_envoy_drain(objects)
     for pod in pods(objects):
-        if pod.component not in ("gateway", "engine"):
+        if pod.component not in ("gateway", "engine", "batch"):
             continue
         exec_ = pod.container.get("lifecycle", {}).get("preStop", {}).get("exec")
         metrics = listening_ports(objects, pod).get("metrics")

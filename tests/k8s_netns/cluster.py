@@ -252,6 +252,8 @@ class Cluster:
         return f"setpriv --reuid {c.user} --regid {group}{extra} --"
 
     def _volume_source(self, vol: Volume, folder: Path, fs_group: int | None) -> Path:
+        if vol.claim:
+            return self.claim_dir(vol.claim, fs_group)
         if vol.host_dir is not None:
             return vol.host_dir / vol.sub_path if vol.sub_path else vol.host_dir
         folder.mkdir(parents=True, exist_ok=True)
@@ -268,6 +270,20 @@ class Cluster:
                 raise RuntimeError(f"subPath {vol.sub_path} not in the volume for {vol.path}")
             return folder / vol.sub_path
         return folder
+
+    def claim_dir(self, claim: str, fs_group: int | None = None) -> Path:
+        """The folder standing in for PersistentVolumeClaim `claim` (a
+        StatefulSet's volumeClaimTemplates): one per claim, not per pod start,
+        so what a pod wrote is there when it restarts or is rescheduled (the
+        claim follows the pod, as a network volume would). Owned by the
+        fsGroup, group-writable and setgid, as kubelet prepares a volume."""
+        path = self.vol_root / "claims" / claim
+        if not path.is_dir():
+            path.mkdir(parents=True)
+            if fs_group is not None:
+                os.chown(path, 0, fs_group)
+            path.chmod(0o2775 if fs_group is not None else 0o777)
+        return path
 
     def _mount_point(self, path: Path, is_file: bool) -> None:
         """Make a missing mount point on this machine (removed on close)."""
@@ -376,6 +392,17 @@ class Cluster:
         self.write_dns()
         self.wait_for(lambda: self.resolve(fqdn) == [r.ip], 10, f"{fqdn} at {r.ip} in DNS")
         self.apply_policies()
+        self.spawn(r)
+        return r
+
+    def restart(self, pod_name: str, sig: int = 9) -> RunningPod:
+        """The pod's container killed (`sig`, SIGKILL by default: a crash, an
+        OOM kill) and started again by kubelet (restartPolicy Always): the same
+        pod, host, address and volumes -- its claims' folders keep what it
+        wrote. Returns at once; `wait_started` waits for its probes."""
+        old = self.running[pod_name]
+        self.kill(old, sig)
+        r = self._prepare_pod(old.pod)
         self.spawn(r)
         return r
 

@@ -2,7 +2,8 @@
 Deployments and the StatefulSet (names as Kubernetes makes them), each
 container's argv and environment (downward API, Secret/ConfigMap refs,
 Service links, `$(VAR)` expansion as Kubernetes does it), its volumes
-written out as files, its probes and preStop hook; Services and
+written out as files (a StatefulSet's volumeClaimTemplates: one claim per
+pod, `<template>-<pod>`), its probes and preStop hook; Services and
 NetworkPolicies for DNS and firewall rules.
 
 Nothing here starts anything: `cluster.py` runs these pods on namespace
@@ -128,6 +129,7 @@ class Volume:
     path: str
     files: dict[str, bytes] | None = None  # ConfigMap/Secret items; None = a host folder
     host_dir: Path | None = None  # hostPath/PVC: this machine's folder
+    claim: str = ""  # a StatefulSet's volumeClaimTemplates claim (<template>-<pod>): its own folder
     memory: bool = False  # emptyDir medium Memory -> tmpfs
     sub_path: str = ""
     mode: int = 0o644
@@ -160,6 +162,8 @@ class Pod:
     labels: dict[str, str]
     spec: dict[str, Any]
     grace_seconds: float
+    # volume name -> PersistentVolumeClaim name, from a StatefulSet's volumeClaimTemplates.
+    claims: dict[str, str] = field(default_factory=dict)
 
     def container(self, objects: Objects, ip: str, service_env: Mapping[str, str]) -> Container:
         """The (first) container as kubelet would start it on a pod with address `ip`."""
@@ -205,8 +209,12 @@ class Pod:
         defs = {v["name"]: v for v in self.spec.get("volumes") or ()}
         out = []
         for m in c.get("volumeMounts") or ():
-            v = defs[m["name"]]
             vol = Volume(m["mountPath"], sub_path=m.get("subPath", ""), read_only=bool(m.get("readOnly")))
+            if m["name"] not in defs and m["name"] in self.claims:
+                vol.claim = self.claims[m["name"]]
+                out.append(vol)
+                continue
+            v = defs[m["name"]]
             if "configMap" in v or "secret" in v:
                 src = v.get("configMap") or v["secret"]
                 data = (objects.config_map(src["name"]) if "configMap" in v
@@ -242,11 +250,13 @@ def pods(objects: Objects) -> list[Pod]:
             tmpl = spec["template"]
             labels = dict(tmpl["metadata"].get("labels") or {})
             grace = float(tmpl["spec"].get("terminationGracePeriodSeconds", 30))
+            templates = [t["metadata"]["name"] for t in spec.get("volumeClaimTemplates") or ()]
             for i in range(int(spec.get("replicas", 1))):
                 h = _fake_hash(name)
                 pod = f"{name}-{i}" if kind == "StatefulSet" else f"{name}-{h[:9]}-{h[i % 5:][:4]}{i}"
+                # The StatefulSet controller's claim names: <template>-<pod>, kept across the pod's restarts.
                 out.append(Pod(pod, name, labels.get("app.kubernetes.io/component", name), labels,
-                               tmpl["spec"], grace))
+                               tmpl["spec"], grace, {t: f"{t}-{pod}" for t in templates}))
     return out
 
 

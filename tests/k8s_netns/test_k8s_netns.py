@@ -18,7 +18,11 @@ each host. Shown:
 - the operator's tools as `kubectl port-forward` reaches them (from the
   pod's own loopback): `kvmesh admin` with the admin token and certificate
   the secrets script made, `kvmesh top --once`; Envoy's stats port answers
-  only GET /stats/prometheus, and the client outside cannot reach it.
+  only GET /stats/prometheus, and the client outside cannot reach it;
+- the Batch API (the StatefulSet kvmesh-batch, its SQLite file on its
+  PersistentVolumeClaim): a batch of 200 lines through Envoy, the batch pod
+  SIGKILLed mid-batch and restarted by "kubelet" on the same claim, ends
+  `completed` with 200 results, each custom_id once, no error line.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -290,6 +296,14 @@ def test_network_policies_let_the_client_reach_envoy_only(kube: Cluster) -> None
     for src, dst, port in ((envoy, engine, 50100), (envoy, sched, 50051), (gateway, engine, 9200),
                            (envoy, gateway, 9102), (engine, sched, 9101)):
         assert from_(src, dst, port) in ("refused", "timeout"), f"{src.pod.name} reached {dst.pod.name}:{port}"
+    # The batch service: its API from Envoy only, its lines out through Envoy's listener.
+    batch = kube.running[BATCH_POD]
+    assert from_(envoy, batch, 8090) == "connected"
+    assert from_(batch, envoy, 8080) == "connected"
+    for src, port in ((gateway, 8090), (engine, 8090), (envoy, 9190)):
+        assert from_(src, batch, port) in ("refused", "timeout"), f"{src.pod.name} reached {batch.pod.name}:{port}"
+    for port in (8090, 9190):
+        assert reach(batch, port) in ("refused", "timeout"), f"the client reached {batch.pod.name}:{port}"
 
 
 def _on_pod_loopback(kube: Cluster, r: RunningPod, *args: str) -> subprocess.CompletedProcess[str]:
@@ -331,6 +345,104 @@ def test_envoy_stats_port_serves_only_prometheus_stats(kube: Cluster) -> None:
         assert kube.http_get(envoy, {"port": "metrics", "path": path})[0] == 404, path
     port = resolve_port("metrics", envoy.container.ports)
     assert kube.net.hosts["client"].call(lambda: connect(envoy.ip, port, 1.5), timeout=10) in ("refused", "timeout")
+
+
+BATCH_LINES = 200
+BATCH_TOKENS = 8
+# Lines done before the batch pod is killed: well into the batch, far from its end.
+BATCH_KILL_AFTER = 30
+BATCH_POD = "kvmesh-batch-0"
+BATCH_DONE = ("completed", "failed", "expired", "cancelled")
+
+
+def _api(kube: Cluster, method: str, path: str, body: bytes | None = None,
+         content_type: str = "application/json") -> tuple[int, bytes]:
+    """One call to the public API through Envoy's Service from the client host;
+    (status, body), or (0, the error) when the connection fails."""
+    def call() -> tuple[int, bytes]:
+        headers = {"Authorization": f"Bearer {API_KEY}", **({"Content-Type": content_type} if body else {})}
+        req = urllib.request.Request(_envoy_url(kube) + path, data=body, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=20) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+        except OSError as exc:
+            return 0, str(exc).encode()
+    return kube.net.hosts["client"].call(call, timeout=30)
+
+
+def _upload(kube: Cluster, data: bytes) -> str:
+    boundary = "kvmesh-k8s-netns-batch"
+    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="lines.jsonl"\r\n'
+            f"Content-Type: application/jsonl\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
+    status, out = _api(kube, "POST", "/v1/files", body, f"multipart/form-data; boundary={boundary}")
+    assert status == 200, out[:300]
+    return str(json.loads(out)["id"])
+
+
+def _batch_state(kube: Cluster, batch_id: str) -> dict[str, Any] | None:
+    """The batch as GET /v1/batches/{id} answers; None while the API is
+    unreachable (the batch pod restarting: Envoy answers 503)."""
+    status, out = _api(kube, "GET", f"/v1/batches/{batch_id}")
+    return json.loads(out) if status == 200 else None
+
+
+def _wait_batch(kube: Cluster, batch_id: str, done: Any, timeout: float, what: str,
+                poll: float = 0.5) -> dict[str, Any]:
+    box: dict[str, Any] = {}
+
+    def check() -> bool:
+        box["batch"] = _batch_state(kube, batch_id) or box.get("batch")
+        return box.get("batch") is not None and bool(done(box["batch"]))
+    kube.wait_for(check, timeout, f"{what} (last seen: {box.get('batch')})", poll=poll)
+    return dict(box["batch"])
+
+
+def test_batch_survives_a_sigkill_of_its_pod(kube: Cluster) -> None:
+    model = _model(kube)
+    lines = [json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": model, "max_tokens": BATCH_TOKENS, "temperature": 0,
+                                  "messages": [{"role": "user", "content": f"batch line {i}: what is a pod?"}]}})
+             for i in range(BATCH_LINES)]
+    t0 = time.monotonic()
+    file_id = _upload(kube, ("\n".join(lines) + "\n").encode())
+    status, out = _api(kube, "POST", "/v1/batches", json.dumps(
+        {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}).encode())
+    assert status == 200, out[:300]
+    batch_id = str(json.loads(out)["id"])
+    mid = _wait_batch(kube, batch_id, lambda b: b["request_counts"]["completed"] >= BATCH_KILL_AFTER
+                      or b["status"] in BATCH_DONE, 90, f"{BATCH_KILL_AFTER} lines of the batch done", poll=0.05)
+    assert mid["status"] == "in_progress" and mid["request_counts"]["completed"] < BATCH_LINES, (
+        f"the batch was no longer running when the pod was to be killed: {mid}")
+    killed_at = time.monotonic()
+    restarted = kube.restart(BATCH_POD)  # SIGKILL, then kubelet starts the container again on the same claim
+    ready = kube.wait_started(restarted, 60)
+    end = _wait_batch(kube, batch_id, lambda b: b["status"] in BATCH_DONE, 150, "the batch to end")
+    assert end["status"] == "completed", end
+    assert end["request_counts"] == {"total": BATCH_LINES, "completed": BATCH_LINES, "failed": 0}, end
+    assert not end.get("error_file_id"), f"error lines: {end}"
+    status, out = _api(kube, "GET", f"/v1/files/{end['output_file_id']}/content")
+    assert status == 200, out[:300]
+    results = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
+    counts = Counter(r["custom_id"] for r in results)
+    assert len(results) == BATCH_LINES and set(counts) == {f"line-{i}" for i in range(BATCH_LINES)}, (
+        len(results), sorted(set(counts) ^ {f"line-{i}" for i in range(BATCH_LINES)})[:5])
+    assert max(counts.values()) == 1, [c for c, n in counts.items() if n > 1][:5]
+    bad = [r for r in results if r.get("error") or r["response"]["status_code"] != 200]
+    assert not bad, bad[:2]
+    # The state was on the claim: the database file is in its folder on this machine.
+    claim = next(v.claim for v in restarted.container.volumes if v.claim)
+    assert any(kube.claim_dir(claim).glob("*.sqlite3")), sorted(kube.claim_dir(claim).iterdir())
+    # What the restarted process did with the lines its predecessor had in flight.
+    text = kube.http_get(restarted, {"port": "metrics", "path": "/metrics"})[1]
+    after = {r: metric(text, "kvmesh_batch_requests_total", f'result="{r}"') for r in ("ok", "resumed", "rerun")}
+    assert after["ok"] > 0, f"the restarted batch pod finished no line: {after}"
+    print(f"batch of {BATCH_LINES}: pod killed after {mid['request_counts']['completed']} lines "
+          f"({killed_at - t0:.1f} s), ready again {ready:.1f} s later, completed "
+          f"{time.monotonic() - killed_at:.1f} s after the kill ({time.monotonic() - t0:.1f} s in all); "
+          f"the restarted pod's lines: {after}")
 
 
 def test_rescheduled_engine_serves_again_and_no_stream_is_lost(kube: Cluster) -> None:

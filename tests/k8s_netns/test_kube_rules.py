@@ -65,3 +65,16 @@ def test_service_links_for_cluster_ip_services_only() -> None:
     assert env["KVMESH_SCHEDULER_PORT"] == "tcp://198.18.1.5:50051"
     assert env["KVMESH_SCHEDULER_PORT_9101_TCP_ADDR"] == "198.18.1.5"
     assert not any(k.startswith("KVMESH_ENGINE_") for k in env)  # headless: none
+
+
+def test_volume_claim_templates_give_each_pod_its_own_claim() -> None:
+    """A StatefulSet's volumeClaimTemplates: claim `<template>-<pod>`, mounted
+    where the container says, the same for every start of that pod."""
+    sts = _workload("StatefulSet", "kvmesh-batch", 2)
+    sts["spec"]["volumeClaimTemplates"] = [{"metadata": {"name": "state"}, "spec": {"accessModes": ["ReadWriteOnce"]}}]
+    sts["spec"]["template"]["spec"]["containers"][0]["volumeMounts"] = [{"name": "state", "mountPath": "/var/lib/x"}]
+    objects = Objects([sts])
+    found = pods(objects)
+    assert [p.claims for p in found] == [{"state": "state-kvmesh-batch-0"}, {"state": "state-kvmesh-batch-1"}]
+    volumes = found[1].container(objects, "198.18.1.9", {}).volumes
+    assert [(v.path, v.claim, v.read_only) for v in volumes] == [("/var/lib/x", "state-kvmesh-batch-1", False)]

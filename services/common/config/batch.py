@@ -37,12 +37,16 @@ class BatchConfig:
     # credential the batch service sends with each line. Gateways accept a
     # line's batch headers (creator's key id, batch deadline, resume) only
     # with that credential: batch lines bypass tenant queue caps, so an
-    # ordinary client must not set them. Empty = gateways refuse batch lines
+    # ordinary client must not set them. Empty = the digest of
+    # `internal_key_file`'s content; both empty = gateways refuse batch lines
     # (`kvmesh up` makes one for its run).
     internal_key_sha256: str = ""
-    # A file holding the raw internal credential (on Kubernetes a mounted
-    # Secret); the env var KVMESH_BATCH_INTERNAL_KEY wins over it. Only the
-    # batch service reads it; empty = the env var only.
+    # A file holding the raw internal credential (on Kubernetes the Secret
+    # kvmesh-batch-key, mounted in the batch pod and every gateway pod); the
+    # env var KVMESH_BATCH_INTERNAL_KEY wins over it in the batch service.
+    # With `internal_key_sha256` empty, gateways take the credential's
+    # digest from this file (services/common/batch_credential.py), so no
+    # per-install hash has to be in a config shared through git.
     internal_key_file: str = ""
     # SIGTERM / POST /drain: no new lines, those in flight get this long,
     # seconds. > 0. A line still running then stays resumable (the gateways
