@@ -81,7 +81,7 @@ def test_lines_sent_where_nothing_answers_fail() -> None:
 
 def test_envoy_or_policies_not_reaching_the_batch_pod_fail() -> None:
     def drop_policy(objects: list[Obj]) -> None:
-        objects.remove(find(objects, "NetworkPolicy", "kvmesh-batch-from-envoy"))  # type: ignore[arg-type]
+        objects.remove(find(objects, "NetworkPolicy", "kvmesh-batch-from-envoy"))  # type: ignore[arg-type]  # find returns the object it found, typed loosely
     assert any("keep Envoy from the batch pod" in p for p in check_batch_path(_broken(drop_policy)))
 
     def elsewhere(objects: list[Obj]) -> None:
