@@ -52,7 +52,12 @@ async def test_drain_fails_health_serves_new_requests_and_waits_for_streams(mode
         streams = service.metrics.active_streams
         mesh.scheduler.queue_hold = asyncio.Event()  # requests stay in flight until released
         async with aiohttp.ClientSession() as session:
-            assert await _grpc_health(mesh) == health_pb2.HealthCheckResponse.SERVING
+            # Health follows the scheduler channel, which a background task
+            # sees READY a moment after the mesh opens (a fresh-clone CI run
+            # asked before): SERVING before the drain, within a bound.
+            async with asyncio.timeout(20):
+                while await _grpc_health(mesh) != health_pb2.HealthCheckResponse.SERVING:
+                    await asyncio.sleep(0.05)
             first = asyncio.create_task(_stream(session, mesh))
             await _until(lambda: streams.count == 1, "the first request in flight")
             drain = asyncio.create_task(service.drain())
