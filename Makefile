@@ -12,8 +12,11 @@ STAMP  := $(VENV)/.kvmesh-setup-done
 up: setup
 	$(BIN)/kvmesh up $(ARGS)
 
+# Two pytest runs (scripts/run_tests.py): the tiers that start no process
+# (unit, deploy, observability) on two workers, then the rest one at a time.
+# PYTEST_ARGS go to both; a `-m` in them narrows each.
 test: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python scripts/run_tests.py $(PYTEST_ARGS)
 
 # The `unit` tier (pyproject.toml's markers; tests/conftest.py gives each test
 # its tier by folder): ruff, mypy and the shape check (tests/unit/test_code_*.py)

@@ -128,6 +128,9 @@ class SharedVllmMesh:
         self.name, self.engines, self.tune, self.model = name, engines, tune, model
         self._stack: ExitStack | None = None
         self._current: Supervised | None = None
+        self._boot_thread: threading.Thread | None = None
+        self._booted = threading.Event()  # the background boot ended (a mesh, or an error)
+        self._release = threading.Event()  # the mesh is stopped: its boot thread may end
         # The value of every scheduler field some user set, before any did.
         self._scheduler_defaults: dict[str, Any] = {}
 
@@ -135,24 +138,65 @@ class SharedVllmMesh:
     def running(self) -> bool:
         return self._current is not None
 
+    @property
+    def booting(self) -> bool:
+        return self._boot_thread is not None and not self._booted.is_set()
+
+    def prestart(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        """Start the mesh in a background thread, with the default scheduler
+        settings, so that its first user finds it serving: the boot (a
+        minute of importing vLLM) runs beside tests that mostly wait on the
+        clock instead of before the first user. A boot that fails here is
+        left to that user's `get`, which starts the mesh itself (and skips
+        or fails with the reason).
+
+        The thread lives until the mesh is stopped: Envoy ends itself when
+        the thread that started it ends (its parent-death signal follows
+        the thread, not the process), seen here as a mesh whose Envoy got
+        SIGTERM the moment its boot thread returned."""
+        if self._current is not None or self._boot_thread is not None:
+            return
+        self._booted.clear()
+        self._release.clear()
+
+        def boot() -> None:
+            try:
+                self._boot(tmp_path_factory, {})
+            except BaseException:  # noqa: BLE001 - `get` boots again, in the test, where the error shows
+                return
+            finally:
+                self._booted.set()
+            self._release.wait()
+        self._boot_thread = threading.Thread(target=boot, name=f"prestart-{self.name}", daemon=True)
+        self._boot_thread.start()
+
     def get(self, tmp_path_factory: pytest.TempPathFactory, scheduler: dict[str, Any] | None = None,
             any_scheduler: bool = False) -> Supervised:
         scheduler = scheduler or {}
+        self._wait_boot()
         if self._current is not None and not self._heal(self._current):
             self.close()
         if self._current is None:
-            def tune(config: MeshConfig) -> None:
-                self.tune(config)
-                self._scheduler_defaults = {}
-                self._set_scheduler(config, scheduler)
-
-            stack = ExitStack()
-            self._current = stack.enter_context(supervised_vllm_mesh(
-                tmp_path_factory.mktemp(self.name), self.engines, tune, self.model))
-            self._stack = stack
-        elif not any_scheduler and self._set_scheduler(self._current.mesh.config, scheduler):
+            return self._boot(tmp_path_factory, scheduler)
+        if not any_scheduler and self._set_scheduler(self._current.mesh.config, scheduler):
             self._restart_scheduler(self._current)
         return self._current
+
+    def _boot(self, tmp_path_factory: pytest.TempPathFactory, scheduler: dict[str, Any]) -> Supervised:
+        def tune(config: MeshConfig) -> None:
+            self.tune(config)
+            self._scheduler_defaults = {}
+            self._set_scheduler(config, scheduler)
+
+        stack = ExitStack()
+        self._current = stack.enter_context(supervised_vllm_mesh(
+            tmp_path_factory.mktemp(self.name), self.engines, tune, self.model))
+        self._stack = stack
+        return self._current
+
+    def _wait_boot(self) -> None:
+        if self._boot_thread is not None:
+            self._booted.wait()
 
     def _set_scheduler(self, config: MeshConfig, values: dict[str, Any]) -> bool:
         """The user's scheduler values, every other field a user set back
@@ -176,9 +220,14 @@ class SharedVllmMesh:
             raise AssertionError(f"{self.name}: the engines did not serve again after the scheduler's restart")
 
     def close(self) -> None:
+        self._wait_boot()  # a mesh still starting in the background is stopped too
         stack, self._stack, self._current = self._stack, None, None
         if stack is not None:
             stack.close()
+        thread, self._boot_thread = self._boot_thread, None
+        if thread is not None:
+            self._release.set()
+            thread.join()
 
     def _heal(self, supervised: Supervised) -> bool:
         """Restart engines a test killed, wait until every engine serves;

@@ -151,35 +151,90 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         LONG_STREAM.start()
 
 
+def _mesh_of(item: pytest.Item) -> str | None:
+    return next((name for name in SHARED if name in item.fixturenames), None)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The modules of one shared mesh run one after another, where the first
-    of them stands: between two of its users the mesh would be stopped and
-    booted again. Every other module keeps its place."""
+    """The modules of one shared mesh run one after another (between two of
+    its users the mesh would be stopped and booted again), and the shared
+    meshes' groups run after every other e2e module, in the order their
+    first modules stand: so each boots in the background while those other
+    modules run (PrestartPlan). Every other module keeps its place."""
     modules: dict[Path, list[pytest.Item]] = {}
     for item in items:
         modules.setdefault(item.path, []).append(item)
-    users = {path: next((name for name in SHARED for item in its if name in item.fixturenames), None)
+    users = {path: next((name for item in its if (name := _mesh_of(item)) is not None), None)
              for path, its in modules.items()}
-    ordered: list[pytest.Item] = []
-    placed: set[str] = set()
-    for path, its in modules.items():
-        name = users[path]
-        if name is None:
-            ordered += its
-        elif name not in placed:
-            placed.add(name)
-            ordered += [item for other, group in modules.items() if users[other] == name for item in group]
+    ordered = [item for path, its in modules.items() if users[path] is None for item in its]
+    for name in dict.fromkeys(name for name in users.values() if name is not None):
+        ordered += [item for path, its in modules.items() if users[path] == name for item in its]
     items[:] = ordered
+    PLAN.plan(ordered)
+
+
+class PrestartPlan:
+    """When each shared mesh is needed (its first and last user in the
+    run's order), so that (a) one is stopped after its last user, and (b)
+    the next ones boot in the background ahead of their first user, one at
+    a time, during tests that use no shared mesh -- once the mesh before
+    them is stopped, so no two vLLM meshes serve tests at once. The
+    sim-mesh modules between the groups mostly wait on the clock (streams,
+    drains, deadlines), so a boot there costs them little and saves the
+    boot's minute before the group."""
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}  # item nodeid -> position
+        self.first: dict[str, int] = {}  # shared mesh -> its first user's position
+        self.last: dict[str, int] = {}
+
+    def plan(self, items: list[pytest.Item]) -> None:
+        for position, item in enumerate(items):
+            self.index[item.nodeid] = position
+            name = _mesh_of(item)
+            if name is not None:
+                self.first.setdefault(name, position)
+                self.last[name] = position
+
+    def done_with(self, position: int) -> list[str]:
+        """The shared meshes no test from `position + 1` on uses."""
+        return [name for name in SHARED if self.last.get(name, -1) <= position]
+
+    def to_boot(self, position: int) -> str | None:
+        """The shared mesh to boot now, before the test at `position`, if any."""
+        if any(shared.booting for shared in SHARED.values()):
+            return None
+        if any(SHARED[name].running and self.first[name] <= position for name in self.first):
+            return None  # a group is being served (or is between its users)
+        ahead = sorted((first, name) for name, first in self.first.items()
+                       if first > position and not SHARED[name].running)
+        return ahead[0][1] if ahead else None
+
+
+PLAN = PrestartPlan()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Boot the next shared mesh in the background (PrestartPlan)."""
+    position = PLAN.index.get(item.nodeid)
+    if position is None or _mesh_of(item) is not None or item.config.option.collectonly:
+        return
+    name = PLAN.to_boot(position)
+    if name is not None:
+        factory: pytest.TempPathFactory = item.config._tmp_path_factory  # type: ignore[attr-defined]  # pytest's own, as its tmp_path_factory fixture returns it
+        SHARED[name].prestart(factory)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    """After a test's own teardown: a shared mesh the next test does not
-    use is stopped now, not at the end of the session."""
+    """After a test's own teardown: a shared mesh no later test uses is
+    stopped now, not at the end of the session."""
     yield
-    for name, shared in SHARED.items():
-        if shared.running and (nextitem is None or name not in nextitem.fixturenames):
-            shared.close()
+    position = PLAN.index.get(item.nodeid)
+    done = list(SHARED) if nextitem is None or position is None else PLAN.done_with(position)
+    for name in done:
+        if SHARED[name].running or SHARED[name].booting:
+            SHARED[name].close()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -76,7 +76,7 @@ async def test_chat_page_queues_streams_and_stop_frees_blocks(e2e_mesh: Mesh) ->
                 await page.fill("#key", e2e_mesh.api_key)
                 await page.dispatch_event("#key", "change")
                 await page.wait_for_selector(f"#model option[value='{MODEL}']", state="attached",
-                                             timeout=30_000)
+                                             timeout=120_000)
                 await page.select_option("#model", MODEL)
                 await page.fill("#max-tokens", "1500")
                 await page.fill("#question", "Tell me a very long story about a mesh of engines.")
@@ -84,7 +84,7 @@ async def test_chat_page_queues_streams_and_stop_frees_blocks(e2e_mesh: Mesh) ->
 
                 # The mesh is full: the page shows where its request waits.
                 await page.wait_for_selector("#status[data-state='queued'][data-queue-position='1']",
-                                             timeout=30_000)
+                                             timeout=120_000)
                 assert "position 1" in (await page.text_content("#status") or "")
                 await page.screenshot(path=str(ARTIFACTS / "chat-page-queued.png"), full_page=True)
 
@@ -103,7 +103,7 @@ async def test_chat_page_queues_streams_and_stop_frees_blocks(e2e_mesh: Mesh) ->
                 assert await page.get_attribute("#status", "data-state") == "generating"
 
                 await page.click("#stop")
-                await page.wait_for_selector("#status[data-state='stopped']", timeout=10_000)
+                await page.wait_for_selector("#status[data-state='stopped']", timeout=60_000)
                 await page.screenshot(path=str(ARTIFACTS / "chat-page.png"), full_page=True)
                 stopped_at = len(await answer.text_content() or "")
                 assert stopped_at > 0

@@ -134,7 +134,7 @@ async def test_chat_page_offers_only_served_models(e2e_mesh: Mesh) -> None:
             await page.goto(f"{e2e_mesh.endpoints.public_http}/")
             await page.fill("#key", e2e_mesh.api_key)
             await page.dispatch_event("#key", "change")
-            await page.wait_for_selector(f"#model option[value='{MODEL}']", state="attached", timeout=30_000)
+            await page.wait_for_selector(f"#model option[value='{MODEL}']", state="attached", timeout=120_000)
             values = await page.eval_on_selector_all("#model option", "els => els.map(e => e.value)")
         finally:
             await browser.close()

@@ -246,7 +246,7 @@ async def test_chat_page_resumes_a_dropped_stream_by_itself(e2e_mesh: Mesh) -> N
             await page.fill("#key", e2e_mesh.api_key)
             await page.dispatch_event("#key", "change")
             model = e2e_mesh.config.engines.template.model
-            await page.wait_for_selector(f"#model option[value='{model}']", state="attached", timeout=30_000)
+            await page.wait_for_selector(f"#model option[value='{model}']", state="attached", timeout=120_000)
             await page.select_option("#model", model)
             await page.fill("#max-tokens", "1500")
             answer = page.locator(".turn.assistant .text").last

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import tomllib
+from types import ModuleType
 
 import pytest
 
@@ -43,3 +45,37 @@ def test_every_tier_folder_exists_and_every_tier_is_a_declared_marker() -> None:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     declared = {m.split(":")[0] for m in config["tool"]["pytest"]["ini_options"]["markers"]}
     assert set(TIERS.values()) <= declared
+
+
+def _run_tests() -> ModuleType:
+    """scripts/run_tests.py, `make test`'s two runs (loaded by path: scripts/ is no package)."""
+    spec = importlib.util.spec_from_file_location("run_tests", ROOT / "scripts" / "run_tests.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_make_test_runs_every_test_once_in_two_runs() -> None:
+    """Run 1 takes the fast tiers on two workers, run 2 everything else:
+    together every tier, no tier twice, and a user's -m narrows both."""
+    runs = _run_tests()
+    fast, slow = runs.tier_runs(["-x", "tests/e2e"])
+    assert fast[:2] == ["-m", "(unit or deploy or observability)"] and "-n" in fast and fast[-2:] == ["-x", "tests/e2e"]
+    assert slow == ["-m", "not (unit or deploy or observability)", "-x", "tests/e2e"]
+    declared = {line.split(":", 1)[0].strip().strip('"') for line in
+                tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]}
+    in_fast = {tier for tier in set(TIERS.values()) if tier in runs.FAST_TIERS.split(" or ")}
+    assert in_fast == {"unit", "deploy", "observability"} and in_fast < declared
+    fast, slow = runs.tier_runs(["-m", "netns", "--junitxml=out/r.xml"])
+    assert fast[:2] == ["-m", "(netns) and (unit or deploy or observability)"] and "--junitxml=out/r.fast.xml" in fast
+    assert slow == ["-m", "(netns) and not (unit or deploy or observability)", "--junitxml=out/r.xml"]
+    assert runs.split_args(["-mnot e2e", "-q"]) == ("not e2e", ["-q"])
+
+
+@pytest.mark.parametrize(("first", "second", "want"), [
+    (0, 0, 0), (0, 5, 0), (5, 0, 0), (5, 5, 5), (1, 0, 1), (0, 1, 1), (5, 2, 2), (1, 2, 1),
+])
+def test_make_tests_exit_status(first: int, second: int, want: int) -> None:
+    """'No tests' in one run is no failure when the other ran some."""
+    assert _run_tests().combined_exit(first, second) == want
