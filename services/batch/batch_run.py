@@ -12,7 +12,9 @@ that attempt was written (fenced) as running; a new owner first RESUMES a
 line the old one left running (same request id: the generation continues
 on its engine, not from the start) and reruns it only when that generation
 is gone (still queued at the crash, past `resume.grace_seconds`, or moved
-to another engine just before). A line whose connection broke after it was
+to another engine just before). Every send, resumes included, is claimed
+under the lease first and carries an admit-by time (ownership.py), so an
+owner that was taken over gets no line admitted. A line whose connection broke after it was
 sent (its gateway died) is resumed the same way.
 """
 
@@ -137,11 +139,12 @@ class BatchRun:
             if not resume:
                 attempt += 1
                 request_id = f"{line.batch_id}-{line.line}-{attempt}"
-                if not await deps.db.run(store.mark_running, self.lease, line.line, attempt, request_id):
-                    raise LostLease
+            admit_by = await self._claim(line, attempt, request_id)
             result = await deps.executor.run(Attempt(
                 self._batch["endpoint"], line.request(), line.custom_id, request_id,
-                float(self._batch["expires_at"]), resume), self._principal.key_id)
+                float(self._batch["expires_at"]), resume, admit_by), self._principal.key_id)
+            if result.outcome is Outcome.FENCED:
+                raise LostLease   # the gateway saw our lease run out first: nothing was admitted
             deps.gate.observe(result.pace)
             if result.outcome is Outcome.DONE:
                 if resume:
@@ -166,6 +169,20 @@ class BatchRun:
                 return
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 30.0)
+
+    async def _claim(self, line: LineRecord, attempt: int, request_id: str) -> float:
+        """Claim the line for one send (resumes too; ownership.py): its
+        admit-by time. LostLease when the lease is gone -- or too close to
+        its end for a gateway to admit the send (a renewal running late: the
+        line stays open and the runner's next poll picks the batch up again)."""
+        deps = self._deps
+        expires = await deps.db.run(deps.db.store.claim_line, self.lease, line.line, attempt, request_id)
+        if expires is None:
+            raise LostLease
+        admit_by = expires - deps.config.admit_margin_seconds
+        if deps.clock.wall() >= admit_by:
+            raise LostLease
+        return admit_by
 
     async def _record(self, line: LineRecord, result: Result) -> None:
         deps = self._deps

@@ -10,6 +10,22 @@ a time -- even while a restarted batch process overlaps its predecessor.
 - `FENCE`: the SQL condition every result write of an owner carries, so a
   stale owner's late write (it was taken over while its line still ran) is
   refused by the database, not by a check before the write.
+- Sends are fenced too, in two halves, so a stale-but-alive owner (taken
+  over while it still runs: a pod replacement's overlap, a partition, a
+  stall past its lease) can never get a line admitted. Right before EVERY
+  send of a line -- a new attempt or a resume -- the owner claims the line
+  under (owner, epoch) and reads the lease's expiry in the same transaction
+  (`BatchStore.claim_line`); no claim, no send. That alone leaves the time
+  between the claim and the gateway's admission (a stall, a slow connect),
+  so the send carries an admit-by time, the claimed expiry less
+  `batch.admit_margin_seconds`, and the gateway refuses the line after it
+  (services/gateway/batch_lines.py, 409 `batch_lease_expired`). A new owner
+  takes over only once the expiry has passed, so every send of the old
+  owner that a gateway admitted was admitted before the takeover, under a
+  request id the database already shows as running: the new owner resumes
+  it rather than running the line again. This holds while the clocks of
+  the batch processes and gateways agree to within the margin (NTP: a few
+  ms).
 
 Time is passed in (`now`, wall seconds): the functions are pure over the
 connection, and tests drive them with a fake clock. Callers run them in the
