@@ -83,9 +83,11 @@ class BatchConfig:
     # this, and a gateway admits it only before then (services/batch/
     # ownership.py): a line sent by an owner that was since taken over is
     # refused, not run twice. Must exceed how far the clocks of the batch
-    # processes and the gateways may differ (NTP keeps them within ms).
-    # >= 0 and < lease_seconds / 2 (a lease renewed on time keeps room for sends).
-    admit_margin_seconds: float = 1.0
+    # processes and the gateways may differ (NTP keeps them within ms) plus
+    # a gateway's time from its check to the scheduler's Admit (ms). >= 0
+    # and < lease_seconds - poll_seconds (a lease about to be renewed still
+    # leaves time to send).
+    admit_margin_seconds: float = 0.5
     # The one completion window accepted, as OpenAI ("24h"), in seconds: a
     # batch not finished by then expires (the lines done are kept). > 0.
     completion_window_seconds: float = 86400.0

@@ -139,13 +139,14 @@ def _check_batch(batch: _Section) -> None:
     url = batch.settings.gateway_url
     if url and not url.startswith(("http://", "https://")):
         batch.fail("gateway_url", f"expected http(s)://host:port of a gateway or Envoy, got {url!r}")
-    batch.non_negative("admit_margin_seconds")
-    if batch.settings.admit_margin_seconds * 2 >= batch.settings.lease_seconds:
-        batch.fail("admit_margin_seconds", f"must be < lease_seconds / 2 ({batch.settings.lease_seconds / 2:g}): "
-                   "a lease renewed on time must leave room to send lines")
     if batch.settings.poll_seconds * 2 >= batch.settings.lease_seconds:
         batch.fail("poll_seconds", f"must be < lease_seconds / 2 ({batch.settings.lease_seconds / 2:g}): "
                    "a lease is renewed at least twice before it expires")
+    batch.non_negative("admit_margin_seconds")
+    room = batch.settings.lease_seconds - batch.settings.poll_seconds
+    if batch.settings.admit_margin_seconds >= room:
+        batch.fail("admit_margin_seconds", f"must be < lease_seconds - poll_seconds ({room:g}): a lease "
+                   "about to be renewed must still leave time to send lines")
 
 
 def _check_alerts(alerts: _Section) -> None:
