@@ -125,7 +125,7 @@ class BatchRun:
             self._deps.gate.release()
 
     async def _run_line(self, line: LineRecord) -> None:
-        deps, store = self._deps, self._deps.db.store
+        deps = self._deps
         if self._principal is None:
             error = http_error(ApiError(ErrorKind.UNAUTHENTICATED, "the API key that created this batch is "
                                             "no longer configured", code="invalid_api_key"))

@@ -212,3 +212,11 @@ class SchedulerConfig:
     # above), read when the scheduler starts: on Kubernetes a mounted
     # Secret. Relative paths are relative to the repository root. "" = none.
     admin_keys_file: str = ""
+    # The greatest engine incarnation seen per engine id, kept in this file
+    # so the fence against a stale engine process (an old process of a
+    # rescheduled engine, back after a partition) survives a scheduler
+    # restart; every scheduler naming the same file shares it
+    # (services/scheduler/incarnation_store.py). "" = <run_dir>/
+    # scheduler-incarnations.json. On Kubernetes the default run_dir is the
+    # pod's emptyDir: it outlives a container restart, not the pod.
+    incarnations_file: str = ""
