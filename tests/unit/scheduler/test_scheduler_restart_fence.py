@@ -27,7 +27,7 @@ from services.common.proto.kvmesh.v1 import scheduler_pb2_grpc
 from services.engine.scheduler_link import new_incarnation, superseded_by
 from services.launcher.ports import PortAllocator
 
-from .test_engine_identity import _hello, _refusal
+from .test_engine_identity import _hello
 from .test_grpc import TIMEOUT, wait_state
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -56,6 +56,30 @@ def _start(path: Path) -> subprocess.Popen[bytes]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+async def _ended(call) -> grpc.aio.AioRpcError:
+    while True:
+        try:
+            await call.read()
+        except grpc.aio.AioRpcError as ended:
+            return ended
+
+
+async def _ending(call, stub: scheduler_pb2_grpc.SchedulerStub, address: str) -> grpc.aio.AioRpcError | str:
+    """How the stream of the process at `address` ended -- or that the
+    scheduler registered it."""
+    ending = asyncio.create_task(_ended(call))
+    async with asyncio.timeout(TIMEOUT):
+        while not ending.done():
+            state = await stub.GetState(pb.GetStateRequest(), timeout=TIMEOUT)
+            taken = [f"{e.engine_id} at {e.address} (incarnation {e.incarnation})" for e in state.engines
+                     if e.address == address]
+            if taken:
+                ending.cancel()
+                return f"registered: {taken[0]}"
+            await asyncio.sleep(0.02)
+    return ending.result()
+
+
 @contextlib.asynccontextmanager
 async def _channel(port: int) -> AsyncIterator[scheduler_pb2_grpc.SchedulerStub]:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=client_options()) as channel:
@@ -77,7 +101,10 @@ async def test_the_scheduler_process_keeps_the_fence_across_a_sigkill(tmp_path: 
         async with _channel(port) as stub:
             stale = stub.Connect(timeout=TIMEOUT * 3)
             await stale.write(_hello("old:1", old))
-            refused = await _refusal(stale)
+            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):   # refused at once: fine
+                await stale.write(pb.EngineMessage(load=pb.LoadReport(serving=True, blocks_total=1000)))
+            refused = await _ending(stale, stub, "old:1")
+            assert isinstance(refused, grpc.aio.AioRpcError), f"the stale process was taken: {refused}"
             assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION and superseded_by(refused) == "new:1"
             call = await _registered(stub, "new:1", new)
             call.cancel()
