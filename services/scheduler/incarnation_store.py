@@ -23,9 +23,9 @@ hello is refused as superseded before the core sees it.
   by default in the run directory), read-merged-written under an
   exclusive `flock`, replaced atomically: shared by every scheduler that
   names the same file (`kvmesh up`'s restarts, replicas on one host, a
-  pod's container restarts on its volume). A networked store (the Redis
-  the mesh already uses) fits the same protocol for replicas on several
-  hosts.
+  pod's container restarts on its volume). For schedulers on several
+  hosts, the same record in a Redis (`scheduler.incarnations_redis_url`;
+  incarnation_redis.py).
 - The current engine is never refused: it is the newest process of its
   id, so nothing greater is recorded. An incarnation from a clock far in
   the future (`FUTURE_TOLERANCE_SECONDS`) is not recorded, so one

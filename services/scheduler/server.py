@@ -42,7 +42,7 @@ from .grpc_api import SchedulerServicer
 from .incarnation_store import FileIncarnations, IncarnationStore
 from .metrics import SchedulerMetrics
 
-__all__ = ["SchedulerService", "incarnations_path", "serve"]
+__all__ = ["SchedulerService", "incarnation_store_for", "incarnations_path", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,18 @@ _STOP_GRACE_SECONDS = 2.0
 def incarnations_path(config: MeshConfig) -> str:
     """`scheduler.incarnations_file`, or <run_dir>/scheduler-incarnations.json."""
     return config.scheduler.incarnations_file or str(Path(config.run_dir) / "scheduler-incarnations.json")
+
+
+def incarnation_store_for(config: MeshConfig) -> IncarnationStore:
+    """Where the scheduler process records engine incarnations: the Redis
+    `scheduler.incarnations_redis_url` names, else the file."""
+    url = config.scheduler.incarnations_redis_url
+    if not url:
+        return FileIncarnations(incarnations_path(config))
+    # redis is imported only where it is used.
+    from .incarnation_redis import RedisIncarnations
+
+    return RedisIncarnations(url)
 
 
 class SchedulerService:
@@ -154,7 +166,7 @@ async def serve(config: MeshConfig) -> None:
     """Run the scheduler on its configured port until cancelled or sent
     SIGTERM/SIGINT; either way it stops gracefully (waiting requests get
     DRAINING, streams close)."""
-    service = SchedulerService(config, incarnations=FileIncarnations(incarnations_path(config)))
+    service = SchedulerService(config, incarnations=incarnation_store_for(config))
     await run_until_signalled(
         "scheduler", lambda: service.start(config.scheduler.port), service.stop, freeze_heap=True
     )

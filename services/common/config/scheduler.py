@@ -220,3 +220,8 @@ class SchedulerConfig:
     # scheduler-incarnations.json. On Kubernetes the default run_dir is the
     # pod's emptyDir: it outlives a container restart, not the pod.
     incarnations_file: str = ""
+    # Keep that record in this Redis instead (redis://host:port/db,
+    # rediss:// for TLS, unix:///path.sock), shared by schedulers on several
+    # hosts (e.g. the gateways' response-cache Redis; one hash,
+    # kvmesh:scheduler:incarnations). "" = the file above.
+    incarnations_redis_url: str = ""

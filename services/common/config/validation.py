@@ -240,6 +240,9 @@ def _check_classes(section: _Section, name: str, classes: Sequence[int]) -> None
 
 def _check_scheduler_timing(scheduler: _Section) -> None:
     scheduler.ports("port", "metrics_port")
+    url = scheduler.settings.incarnations_redis_url
+    if url and not url.startswith(("redis://", "rediss://", "unix://")):
+        scheduler.fail("incarnations_redis_url", f"expected redis://host:port/db, got {url!r}")
     scheduler.at("aging").positive("p1_seconds", "p2_seconds")
     scheduler.positive(
         "stale_report_seconds", "queued_update_seconds", "tick_seconds",
