@@ -31,7 +31,8 @@ from services.scheduler.server import SchedulerService, incarnations_path
 
 from .helpers import make_config
 from .test_engine_identity import NEW, OLD, _hello, _refusal
-from .test_grpc import TIMEOUT, wait_state
+from .test_grpc import TIMEOUT
+from .test_scheduler_restart_fence import _registered
 
 FUTURE = int((time.time() + 2 * FUTURE_TOLERANCE_SECONDS) * 1000) << 22
 
@@ -90,19 +91,11 @@ async def _stop(scheduler: _Scheduler) -> None:
     await scheduler.service.stop(grace=0.1)
 
 
-async def registered(stub: scheduler_pb2_grpc.SchedulerStub, address: str, incarnation: int):
-    call = stub.Connect(timeout=TIMEOUT * 3)
-    await call.write(_hello(address, incarnation))
-    await call.write(pb.EngineMessage(load=pb.LoadReport(serving=True, blocks_total=1000)))
-    await wait_state(stub, lambda s: [(e.address, e.incarnation) for e in s.engines] == [(address, incarnation)])
-    return call
-
-
 async def test_a_restarted_scheduler_refuses_a_stale_engine_that_comes_back_first(tmp_path: Path) -> None:
     path = str(tmp_path / "incarnations.json")
     first = await _scheduler(path)
     try:
-        new = await registered(first.stub, "new:1", NEW)
+        new = await _registered(first.stub, "new:1", NEW)
         new.cancel()
     finally:
         await _stop(first)
@@ -114,7 +107,7 @@ async def test_a_restarted_scheduler_refuses_a_stale_engine_that_comes_back_firs
         assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION and superseded_by(refused) == "new:1"
         state = await restarted.stub.GetState(pb.GetStateRequest(), timeout=TIMEOUT)
         assert list(state.engines) == []
-        current = await registered(restarted.stub, "new:1", NEW)   # the current one is never refused
+        current = await _registered(restarted.stub, "new:1", NEW)   # the current one is never refused
         current.cancel()
     finally:
         await _stop(restarted)
