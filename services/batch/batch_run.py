@@ -21,6 +21,7 @@ sent (its gateway died) is resumed the same way.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,9 @@ class BatchRun:
         self._principal = principal
         self._lines: set[asyncio.Task[None]] = set()
         self.stop_as: str | None = None   # "cancelled" | "expired": stop and finalize so
+        # The latest lease expiry a send cut off mid-way was claimed under
+        # (_send): the lease is released no earlier (0: none cut).
+        self.sends_cut_until = 0.0
 
     def stop(self, final_status: str) -> None:
         """Start no more lines, cancel those in flight, end as `final_status`."""
@@ -139,12 +143,9 @@ class BatchRun:
             if not resume:
                 attempt += 1
                 request_id = f"{line.batch_id}-{line.line}-{attempt}"
-            admit_by = await self._claim(line, attempt, request_id)
-            result = await deps.executor.run(Attempt(
+            result = await self._send(line, Attempt(
                 self._batch["endpoint"], line.request(), line.custom_id, request_id,
-                float(self._batch["expires_at"]), resume, admit_by), self._principal.key_id)
-            if result.outcome is Outcome.FENCED:
-                raise LostLease   # the gateway saw our lease run out first: nothing was admitted
+                float(self._batch["expires_at"]), resume), attempt, self._principal.key_id)
             deps.gate.observe(result.pace)
             if result.outcome is Outcome.DONE:
                 if resume:
@@ -169,6 +170,21 @@ class BatchRun:
                 return
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 30.0)
+
+    async def _send(self, line: LineRecord, attempt: Attempt, number: int, key_id: str) -> Result:
+        """One send of the line (attempt `number`), claimed first. A send cut
+        off here (the run stopped mid-send) may still reach a gateway and be
+        admitted until its admit-by time, so the lease is not given up
+        before then (`sends_cut_until`, read by the runner's release)."""
+        admit_by = await self._claim(line, number, attempt.request_id)
+        try:
+            result = await self._deps.executor.run(dataclasses.replace(attempt, admit_by_unix=admit_by), key_id)
+        except asyncio.CancelledError:
+            self.sends_cut_until = max(self.sends_cut_until, admit_by + self._deps.config.admit_margin_seconds)
+            raise
+        if result.outcome is Outcome.FENCED:
+            raise LostLease   # the gateway saw our lease run out first: nothing was admitted
+        return result
 
     async def _claim(self, line: LineRecord, attempt: int, request_id: str) -> float:
         """Claim the line for one send (resumes too; ownership.py): its

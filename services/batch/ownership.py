@@ -23,7 +23,9 @@ a time -- even while a restarted batch process overlaps its predecessor.
   takes over only once the expiry has passed, so every send of the old
   owner that a gateway admitted was admitted before the takeover, under a
   request id the database already shows as running: the new owner resumes
-  it rather than running the line again. This holds while the clocks of
+  it rather than running the line again. A clean `release` shortens the
+  lease, so an owner that stops with a send cut off mid-way keeps it until
+  that send's claimed expiry. This holds while the clocks of
   the batch processes and gateways agree to within the margin (NTP: a few
   ms).
 
@@ -89,7 +91,10 @@ def renew(conn: sqlite3.Connection, lease: Lease, now: float, ttl: float) -> Lea
     return Lease(lease.batch_id, lease.owner, lease.epoch, now + ttl) if cur.rowcount == 1 else None
 
 
-def release(conn: sqlite3.Connection, lease: Lease) -> None:
-    """Give the batch up now (a clean stop): another process takes it at
-    its next poll instead of after the expiry."""
-    conn.execute("UPDATE leases SET expires_at = 0 WHERE batch_id = ? AND owner = ? AND epoch = ?", lease.fence)
+def release(conn: sqlite3.Connection, lease: Lease, not_before: float = 0.0) -> None:
+    """Give the batch up (a clean stop): another process takes it at its
+    next poll instead of after the expiry -- but not before `not_before`,
+    the expiry a send cut off mid-way was claimed under (it may still be
+    admitted until then; batch_run.py `sends_cut_until`)."""
+    conn.execute("UPDATE leases SET expires_at = MIN(expires_at, ?) WHERE batch_id = ? AND owner = ? AND epoch = ?",
+                 (not_before, *lease.fence))

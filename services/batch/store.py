@@ -216,8 +216,8 @@ class BatchStore:
     def renew(self, lease: Lease, now: float, ttl: float) -> Lease | None:
         return ownership.renew(self.conn, lease, now, ttl)
 
-    def release(self, lease: Lease) -> None:
-        ownership.release(self.conn, lease)
+    def release(self, lease: Lease, not_before: float = 0.0) -> None:
+        ownership.release(self.conn, lease, not_before)
 
     # ------------------------------------------------------------ lines
 

@@ -323,3 +323,19 @@ async def test_a_lease_too_close_to_its_end_sends_nothing(db: Database) -> None:
     await run.run()
     assert executor.attempts == []
     assert [ln.state for ln in db.store.open_lines("batch_t", 0, 10)] == ["running"]
+
+
+async def test_a_stop_that_cuts_a_send_keeps_the_lease_while_that_send_could_be_admitted(db: Database) -> None:
+    """A clean stop hands the batch over at once -- unless it cut a send
+    off mid-way: that send may still reach a gateway and be admitted until
+    its admit-by time, so the next owner takes over only after it (and then
+    resumes the line rather than running it a second time)."""
+    deps, executor = _setup(db, 2, ok)
+    executor.release.clear()
+    clock = deps.clock
+    runner = _runner(deps, "gw-a")
+    await runner._tick()
+    await _attempts(executor, 2)          # two sends out, unanswered
+    await runner.stop()
+    assert await db.run(db.store.claim, "batch_t", "gw-b", clock.wall(), TTL) is None
+    assert await db.run(db.store.claim, "batch_t", "gw-b", clock.wall() + TTL, TTL) is not None
