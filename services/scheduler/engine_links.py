@@ -11,9 +11,9 @@ newer process's address), the same answer an older process's hello gets, so
 the engine recognises it and stops (services/engine/scheduler_link.py)
 instead of reconnecting. Every hello is first checked against the
 incarnations recorded beyond this process (incarnation_store.py), so the
-fence holds across a scheduler restart and across replicas. Each load report is checked against the lease table
-and what an engine runs without a lease there is sent back in a `Fence`
-command (fencing.py).
+fence holds across a scheduler restart and across replicas. Each load
+report is checked against the lease table and what an engine runs without
+a lease there is sent back in a `Fence` command (fencing.py).
 
 Concurrency: everything runs on the servicer's one event loop, and the core
 is called only synchronously from it (see core.py).
