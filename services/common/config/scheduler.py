@@ -216,7 +216,8 @@ class SchedulerConfig:
     # so the fence against a stale engine process (an old process of a
     # rescheduled engine, back after a partition) survives a scheduler
     # restart; every scheduler naming the same file shares it
-    # (services/scheduler/incarnation_store.py). "" = <run_dir>/
+    # (services/scheduler/incarnation_store.py), so give each mesh its own:
+    # two meshes' engines of one id would fence each other. "" = <run_dir>/
     # scheduler-incarnations.json. On Kubernetes the default run_dir is the
     # pod's emptyDir: it outlives a container restart, not the pod.
     incarnations_file: str = ""
