@@ -224,5 +224,6 @@ class SchedulerConfig:
     # Keep that record in this Redis instead (redis://host:port/db,
     # rediss:// for TLS, unix:///path.sock), shared by schedulers on several
     # hosts (e.g. the gateways' response-cache Redis; one hash,
-    # kvmesh:scheduler:incarnations). "" = the file above.
+    # kvmesh:scheduler:incarnations: meshes sharing a Redis take a database
+    # each, the /db of the URL). "" = the file above.
     incarnations_redis_url: str = ""
