@@ -113,6 +113,22 @@ async def test_a_restarted_scheduler_refuses_a_stale_engine_that_comes_back_firs
         await _stop(restarted)
 
 
+async def test_two_schedulers_naming_one_file_fence_for_each_other(tmp_path: Path) -> None:
+    """Replicas (issue 27): the newer process registered at one, the older
+    one is refused at the other, which never saw the newer."""
+    path = str(tmp_path / "incarnations.json")
+    one, two = await _scheduler(path), await _scheduler(path)
+    try:
+        new = await _registered(one.stub, "new:1", NEW)
+        stale = two.stub.Connect(timeout=TIMEOUT * 3)
+        await stale.write(_hello("old:1", OLD))
+        assert superseded_by(await _refusal(stale)) == "new:1"
+        new.cancel()
+    finally:
+        await _stop(one)
+        await _stop(two)
+
+
 def test_the_file_defaults_to_the_run_directory() -> None:
     config = MeshConfig(run_dir="/srv/run")
     assert incarnations_path(config) == "/srv/run/scheduler-incarnations.json"
