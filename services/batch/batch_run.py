@@ -12,13 +12,16 @@ that attempt was written (fenced) as running; a new owner first RESUMES a
 line the old one left running (same request id: the generation continues
 on its engine, not from the start) and reruns it only when that generation
 is gone (still queued at the crash, past `resume.grace_seconds`, or moved
-to another engine just before). A line whose connection broke after it was
+to another engine just before). Every send, resumes included, is claimed
+under the lease first and carries an admit-by time (ownership.py), so an
+owner that was taken over gets no line admitted. A line whose connection broke after it was
 sent (its gateway died) is resumed the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +70,9 @@ class BatchRun:
         self._principal = principal
         self._lines: set[asyncio.Task[None]] = set()
         self.stop_as: str | None = None   # "cancelled" | "expired": stop and finalize so
+        # The latest lease expiry a send cut off mid-way was claimed under
+        # (_send): the lease is released no earlier (0: none cut).
+        self.sends_cut_until = 0.0
 
     def stop(self, final_status: str) -> None:
         """Start no more lines, cancel those in flight, end as `final_status`."""
@@ -123,7 +129,7 @@ class BatchRun:
             self._deps.gate.release()
 
     async def _run_line(self, line: LineRecord) -> None:
-        deps, store = self._deps, self._deps.db.store
+        deps = self._deps
         if self._principal is None:
             error = http_error(ApiError(ErrorKind.UNAUTHENTICATED, "the API key that created this batch is "
                                             "no longer configured", code="invalid_api_key"))
@@ -137,11 +143,9 @@ class BatchRun:
             if not resume:
                 attempt += 1
                 request_id = f"{line.batch_id}-{line.line}-{attempt}"
-                if not await deps.db.run(store.mark_running, self.lease, line.line, attempt, request_id):
-                    raise LostLease
-            result = await deps.executor.run(Attempt(
+            result = await self._send(line, Attempt(
                 self._batch["endpoint"], line.request(), line.custom_id, request_id,
-                float(self._batch["expires_at"]), resume), self._principal.key_id)
+                float(self._batch["expires_at"]), resume), attempt, self._principal.key_id)
             deps.gate.observe(result.pace)
             if result.outcome is Outcome.DONE:
                 if resume:
@@ -166,6 +170,35 @@ class BatchRun:
                 return
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 30.0)
+
+    async def _send(self, line: LineRecord, attempt: Attempt, number: int, key_id: str) -> Result:
+        """One send of the line (attempt `number`), claimed first. A send cut
+        off here (the run stopped mid-send) may still reach a gateway and be
+        admitted until its admit-by time, so the lease is not given up
+        before then (`sends_cut_until`, read by the runner's release)."""
+        admit_by = await self._claim(line, number, attempt.request_id)
+        try:
+            result = await self._deps.executor.run(dataclasses.replace(attempt, admit_by_unix=admit_by), key_id)
+        except asyncio.CancelledError:
+            self.sends_cut_until = max(self.sends_cut_until, admit_by + self._deps.config.admit_margin_seconds)
+            raise
+        if result.outcome is Outcome.FENCED:
+            raise LostLease   # the gateway saw our lease run out first: nothing was admitted
+        return result
+
+    async def _claim(self, line: LineRecord, attempt: int, request_id: str) -> float:
+        """Claim the line for one send (resumes too; ownership.py): its
+        admit-by time. LostLease when the lease is gone -- or too close to
+        its end for a gateway to admit the send (a renewal running late: the
+        line stays open and the runner's next poll picks the batch up again)."""
+        deps = self._deps
+        expires = await deps.db.run(deps.db.store.claim_line, self.lease, line.line, attempt, request_id)
+        if expires is None:
+            raise LostLease
+        admit_by = expires - deps.config.admit_margin_seconds
+        if deps.clock.wall() >= admit_by:
+            raise LostLease
+        return admit_by
 
     async def _record(self, line: LineRecord, result: Result) -> None:
         deps = self._deps

@@ -10,6 +10,24 @@ a time -- even while a restarted batch process overlaps its predecessor.
 - `FENCE`: the SQL condition every result write of an owner carries, so a
   stale owner's late write (it was taken over while its line still ran) is
   refused by the database, not by a check before the write.
+- Sends are fenced too, in two halves, so a stale-but-alive owner (taken
+  over while it still runs: a pod replacement's overlap, a partition, a
+  stall past its lease) can never get a line admitted. Right before EVERY
+  send of a line -- a new attempt or a resume -- the owner claims the line
+  under (owner, epoch) and reads the lease's expiry in the same transaction
+  (`BatchStore.claim_line`); no claim, no send. That alone leaves the time
+  between the claim and the gateway's admission (a stall, a slow connect),
+  so the send carries an admit-by time, the claimed expiry less
+  `batch.admit_margin_seconds`, and the gateway refuses the line after it
+  (services/gateway/batch_lines.py, 409 `batch_lease_expired`). A new owner
+  takes over only once the expiry has passed, so every send of the old
+  owner that a gateway admitted was admitted before the takeover, under a
+  request id the database already shows as running: the new owner resumes
+  it rather than running the line again. A clean `release` shortens the
+  lease, so an owner that stops with a send cut off mid-way keeps it until
+  that send's claimed expiry. This holds while the clocks of
+  the batch processes and gateways agree to within the margin (NTP: a few
+  ms).
 
 Time is passed in (`now`, wall seconds): the functions are pure over the
 connection, and tests drive them with a fake clock. Callers run them in the
@@ -73,7 +91,10 @@ def renew(conn: sqlite3.Connection, lease: Lease, now: float, ttl: float) -> Lea
     return Lease(lease.batch_id, lease.owner, lease.epoch, now + ttl) if cur.rowcount == 1 else None
 
 
-def release(conn: sqlite3.Connection, lease: Lease) -> None:
-    """Give the batch up now (a clean stop): another process takes it at
-    its next poll instead of after the expiry."""
-    conn.execute("UPDATE leases SET expires_at = 0 WHERE batch_id = ? AND owner = ? AND epoch = ?", lease.fence)
+def release(conn: sqlite3.Connection, lease: Lease, not_before: float = 0.0) -> None:
+    """Give the batch up (a clean stop): another process takes it at its
+    next poll instead of after the expiry -- but not before `not_before`,
+    the expiry a send cut off mid-way was claimed under (it may still be
+    admitted until then; batch_run.py `sends_cut_until`)."""
+    conn.execute("UPDATE leases SET expires_at = MIN(expires_at, ?) WHERE batch_id = ? AND owner = ? AND epoch = ?",
+                 (not_before, *lease.fence))

@@ -43,7 +43,9 @@ class BatchRunner:
     async def stop(self) -> None:
         """Stop running, and give up the leases so the next process takes
         the batches at its next poll (their lines in flight are cut here:
-        their gateways keep the generations, and the next owner resumes them)."""
+        their gateways keep the generations, and the next owner resumes them)
+        -- or, where a send was cut mid-way, once that send's admit-by time
+        has passed (ownership.py): it might still be admitted until then."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -54,7 +56,7 @@ class BatchRunner:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             with contextlib.suppress(Exception):
-                await self._deps.db.run(self._deps.db.store.release, run.lease)
+                await self._deps.db.run(self._deps.db.store.release, run.lease, run.sends_cut_until)
         self._owned.clear()
 
     async def _loop(self) -> None:
@@ -81,7 +83,7 @@ class BatchRunner:
             if task.done():
                 del self._owned[batch_id]
                 if deps.gate.closed:  # drained: the batch's next lines run in the next process
-                    await deps.db.run(store.release, run.lease)
+                    await deps.db.run(store.release, run.lease, run.sends_cut_until)
                 continue
             lease = await deps.db.run(store.renew, run.lease, deps.clock.wall(), deps.config.lease_seconds)
             if lease is None:

@@ -216,8 +216,8 @@ class BatchStore:
     def renew(self, lease: Lease, now: float, ttl: float) -> Lease | None:
         return ownership.renew(self.conn, lease, now, ttl)
 
-    def release(self, lease: Lease) -> None:
-        ownership.release(self.conn, lease)
+    def release(self, lease: Lease, not_before: float = 0.0) -> None:
+        ownership.release(self.conn, lease, not_before)
 
     # ------------------------------------------------------------ lines
 
@@ -230,11 +230,25 @@ class BatchStore:
 
     def mark_running(self, lease: Lease, line: int, attempt: int, request_id: str) -> bool:
         """Line `line` is admitted now as `request_id` (fenced)."""
-        cur = self.conn.execute(
-            f"UPDATE lines SET state = 'running', attempt = ?, request_id = ?, epoch = ? "
-            f"WHERE batch_id = ? AND line = ? AND state != 'done' AND {FENCE}",
-            (attempt, request_id, lease.epoch, lease.batch_id, line, *lease.fence))
-        return cur.rowcount == 1
+        return self.claim_line(lease, line, attempt, request_id) is not None
+
+    def claim_line(self, lease: Lease, line: int, attempt: int, request_id: str) -> float | None:
+        """Claim line `line` for one send as `request_id` under the lease
+        (fenced, resumes too): the lease's expiry as the database has it, or
+        None when the lease is no longer ours (then nothing may be sent).
+        One transaction: the expiry read is the one the claim was made under
+        (ownership.py: a gateway admits the send only before it)."""
+        def write() -> float | None:
+            cur = self.conn.execute(
+                f"UPDATE lines SET state = 'running', attempt = ?, request_id = ?, epoch = ? "
+                f"WHERE batch_id = ? AND line = ? AND state != 'done' AND {FENCE}",
+                (attempt, request_id, lease.epoch, lease.batch_id, line, *lease.fence))
+            if cur.rowcount != 1:
+                return None
+            row = self.conn.execute("SELECT expires_at FROM leases WHERE batch_id = ? AND owner = ? AND epoch = ?",
+                                    lease.fence).fetchone()
+            return float(row[0]) if row else None
+        return self._transaction(write)
 
     def record_result(self, lease: Lease, line: int, output: str, ok: bool, tokens: int) -> bool:
         """The line's output line, once (fenced; a line done stays done)."""

@@ -11,7 +11,8 @@ only with that credential, and makes the job a batch line). A line whose
 previous owner died mid-generation is RESUMED under its recorded request
 id: the gateway re-attaches to the generation its engine kept
 (`resume.grace_seconds`) and answers with the whole output;
-`Outcome.RERUN` says it was gone. A connection that breaks after the line
+`Outcome.RERUN` says it was gone. Each send carries an admit-by time
+(ownership.py); a gateway's refusal past it is `Outcome.FENCED`. A connection that breaks after the line
 was sent (its gateway died) is `Outcome.RESUME`: the same request id again,
 on whichever gateway answers next.
 """
@@ -37,7 +38,8 @@ __all__ = ["LINE_HEADERS", "TIMING_HEADERS", "Attempt", "LineExecutor", "MeshTls
 
 # The headers of a batch line (the gateway's side: services/gateway/batch_lines.py).
 LINE_HEADERS = {"key_id": "X-Kvmesh-Batch-Key-Id", "deadline": "X-Kvmesh-Batch-Deadline",
-                "request_id": "X-Kvmesh-Batch-Request-Id", "resume": "X-Kvmesh-Batch-Resume"}
+                "request_id": "X-Kvmesh-Batch-Request-Id", "resume": "X-Kvmesh-Batch-Resume",
+                "admit_by": "X-Kvmesh-Batch-Admit-By"}
 # What the gateway says of a line's timing (its answer's headers).
 TIMING_HEADERS = {"queued": "X-Kvmesh-Batch-Queued", "wait": "X-Kvmesh-Batch-Wait-Seconds",
                   "run": "X-Kvmesh-Batch-Run-Seconds"}
@@ -50,6 +52,8 @@ _MIN_QUEUE_SIGNAL_SECONDS = 0.25
 _BACK_OFF = (429, 503)
 _RETRIABLE = (500, 502, *_BACK_OFF)
 _GONE = ("resume_not_found", "resume_gap")
+# A gateway's answer to a send past its admit-by time (services/gateway/batch_lines.py).
+_FENCED = "batch_lease_expired"
 # Connecting to a gateway; the answer itself may take as long as the line
 # waits in the scheduler's queue (P2, until the batch's deadline).
 _CONNECT_SECONDS = 10.0
@@ -60,6 +64,7 @@ class Outcome(enum.Enum):
     RETRY = "retry"      # a retriable failure: try again (a new attempt)
     RERUN = "rerun"      # a resume found no generation: run it afresh
     RESUME = "resume"    # the connection broke mid-line: the same request id again, resuming
+    FENCED = "fenced"    # the gateway refused it past its admit-by time: the sender's lease ran out
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,9 @@ class Attempt:
     request_id: str
     deadline_unix: float
     resume: bool
+    # Unix seconds after which no gateway may admit this send (its owner's
+    # lease expiry less batch.admit_margin_seconds; ownership.py). 0 = none.
+    admit_by_unix: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,8 @@ class LineExecutor:
                    LINE_HEADERS["request_id"]: attempt.request_id}
         if attempt.resume:
             headers[LINE_HEADERS["resume"]] = "1"
+        if attempt.admit_by_unix:
+            headers[LINE_HEADERS["admit_by"]] = f"{attempt.admit_by_unix:.3f}"
         return headers
 
     async def run(self, attempt: Attempt, key_id: str) -> Result:
@@ -183,6 +193,8 @@ def _broken(attempt: Attempt, exc: Exception) -> Result:
 def _refused(attempt: Attempt, status: int, answer: dict[str, Any]) -> Result:
     error = answer.get("error")
     code, message = (error.get("code"), str(error.get("message"))) if isinstance(error, dict) else (None, "")
+    if code == _FENCED:
+        return Result(Outcome.FENCED, Pace.NEUTRAL, message=message)
     if attempt.resume and code in _GONE:
         return Result(Outcome.RERUN, Pace.NEUTRAL, message=message)
     if code == "duplicate_request_id" and resumable(attempt.body):

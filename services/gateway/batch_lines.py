@@ -47,6 +47,7 @@ BATCH_PRIORITY = 2
 _PREFIX = "x-kvmesh-batch-"
 _KEY_ID, _DEADLINE = "x-kvmesh-batch-key-id", "x-kvmesh-batch-deadline"
 _REQUEST_ID, _RESUME = "x-kvmesh-batch-request-id", "x-kvmesh-batch-resume"
+_ADMIT_BY = "x-kvmesh-batch-admit-by"
 # Mirrors services/batch/submit.py TIMING_HEADERS.
 _QUEUED, _WAIT, _RUN = "X-Kvmesh-Batch-Queued", "X-Kvmesh-Batch-Wait-Seconds", "X-Kvmesh-Batch-Run-Seconds"
 
@@ -57,6 +58,16 @@ class BatchLine:
     request_id: str
     deadline_unix: float
     resume: bool
+    admit_by_unix: float = 0.0   # 0 = not sent (a batch service older than the send fence)
+
+    def check_admissible(self, now_unix: float) -> None:
+        """Refuse a send past its admit-by time: its batch owner's lease has
+        run out (services/batch/ownership.py), so another owner may have
+        taken the batch over and resumed or rerun this line."""
+        if self.admit_by_unix and now_unix > self.admit_by_unix:
+            raise GatewayError(ErrorKind.CONFLICT, f"this batch line's sender lost its lease at "
+                               f"{self.admit_by_unix:.3f} (now {now_unix:.3f}); the batch's new owner runs it",
+                               code="batch_lease_expired")
 
     def apply(self, job: Job) -> None:
         job.batch, job.batch_deadline_unix = True, self.deadline_unix
@@ -87,14 +98,21 @@ class BatchLines:
             raise GatewayError(ErrorKind.UNAUTHENTICATED, "the API key that created this batch is no longer "
                                "configured", code="invalid_api_key")
         request_id = headers.get(_REQUEST_ID, "")
-        try:
-            deadline = float(headers.get(_DEADLINE, ""))
-        except ValueError:
-            deadline = math.nan
+        deadline, admit_by = _seconds(headers.get(_DEADLINE, "")), _seconds(headers.get(_ADMIT_BY, "0"))
         if not (math.isfinite(deadline) and deadline > 0) or request_id_from(request_id) != request_id:
             raise GatewayError(ErrorKind.INVALID_REQUEST, "a batch line needs a deadline (unix seconds) and a "
                                "request id", param=_DEADLINE)
-        return BatchLine(principal, request_id, deadline, headers.get(_RESUME) == "1")
+        if not (math.isfinite(admit_by) and admit_by >= 0):
+            raise GatewayError(ErrorKind.INVALID_REQUEST, "a batch line's admit-by time is unix seconds",
+                               param=_ADMIT_BY)
+        return BatchLine(principal, request_id, deadline, headers.get(_RESUME) == "1", admit_by)
+
+
+def _seconds(raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        return math.nan
 
 
 class LineTiming:

@@ -239,9 +239,15 @@ class RequestPipeline:
         job = admitted.job
         if request.resume is not None:
             job.resume_from = request.resume.last_index
-        if request.batch is not None:
-            request.batch.apply(job)
         settle = _Settlement(self.frontdoor, admitted, request.count)
+        if request.batch is not None:
+            try:
+                # As late as can be: nothing awaits between this and the job's start.
+                request.batch.check_admissible(self.clock.wall())
+            except BaseException:
+                settle()
+                raise
+            request.batch.apply(job)
         cache = self.frontdoor.cache
         try:
             ticket = (None if request.cache_headers is None else

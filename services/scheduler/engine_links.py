@@ -9,9 +9,11 @@ or at once when a newer process of the same engine id says hello
 FAILED_PRECONDITION with trailing metadata `kvmesh-superseded-by` (the
 newer process's address), the same answer an older process's hello gets, so
 the engine recognises it and stops (services/engine/scheduler_link.py)
-instead of reconnecting. Each load report is checked against the lease table
-and what an engine runs without a lease there is sent back in a `Fence`
-command (fencing.py).
+instead of reconnecting. Every hello is first checked against the
+incarnations recorded beyond this process (incarnation_store.py), so the
+fence holds across a scheduler restart and across replicas. Each load
+report is checked against the lease table and what an engine runs without
+a lease there is sent back in a `Fence` command (fencing.py).
 
 Concurrency: everything runs on the servicer's one event loop, and the core
 is called only synchronously from it (see core.py).
@@ -33,8 +35,9 @@ from services.common.proto.kvmesh.v1 import scheduler_pb2
 
 from . import events as ev
 from .core import SchedulerCore
-from .engine_registry import DuplicateEngineError, EngineInfo, EngineLoad, SupersededEngineError
+from .engine_registry import DuplicateEngineError, EngineInfo, EngineLoad, SupersededEngineError, superseded_error
 from .fencing import FenceBook
+from .incarnation_store import IncarnationStore, MemoryIncarnations
 
 __all__ = ["SUPERSEDED_METADATA_KEY", "EngineLinks", "ProtocolError", "hello_info"]
 
@@ -124,9 +127,11 @@ class _EngineChannel:
 class EngineLinks:
     def __init__(
         self, core: SchedulerCore, config: MeshConfig, clock: Clock,
-        deliver: Callable[[ev.Outbox], None],
+        deliver: Callable[[ev.Outbox], None], incarnations: IncarnationStore | None = None,
     ) -> None:
         self._core = core
+        # The greatest incarnation per id beyond this process (incarnation_store.py).
+        self._incarnations: IncarnationStore = incarnations or MemoryIncarnations()
         self._clock = clock
         self._deliver = deliver
         self._hash_block_tokens = config.hash_block_tokens
@@ -180,8 +185,13 @@ class EngineLinks:
             log.info("engine %s disconnected (%s)", info.engine_id, info.address)
 
     async def _join(self, info: EngineInfo, context: _ConnectContext) -> ev.Outbox:
-        """The core's answer to the hello; a refused hello ends the stream."""
+        """The core's answer to the hello; a refused hello ends the stream.
+        The shared record of incarnations is asked first: it remembers what
+        this scheduler forgot in a restart, or never saw (another replica)."""
         try:
+            newest = await self._incarnations.remember(info.engine_id, info.incarnation, info.address)
+            if info.incarnation and newest.incarnation > info.incarnation:
+                raise superseded_error(info, newest.incarnation, newest.address)
             return self._core.handle(ev.EngineJoined(info))
         except SupersededEngineError as err:
             log.error("refused a Connect: %s", err)

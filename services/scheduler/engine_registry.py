@@ -20,9 +20,11 @@ duration, which NTP gives):
     (`Registration.superseded`; the core orphans their requests and the
     gateways migrate them) and its stream is ended;
   - same id, SMALLER incarnation than the greatest seen for the id (kept
-    after the newer one's stream ends too): the old process is fenced out,
-    `SupersededEngineError` (gRPC FAILED_PRECONDITION); the engine then
-    ends its generations and exits instead of retrying.
+    after the newer one's stream ends too, and across scheduler restarts
+    and replicas: before the hello reaches the registry it is checked
+    against the shared record of incarnation_store.py): the old process
+    is fenced out, `SupersededEngineError` (gRPC FAILED_PRECONDITION); the
+    engine then ends its generations and exits instead of retrying.
 Two DIFFERENT live engines configured with one id cannot be told apart
 from a restart by the scheduler (both are live processes with an address):
 the newer wins and the older exits, logged as an error on both sides with
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "DuplicateEngineError", "EngineInfo", "EngineLoad", "EngineRecord", "EngineRegistry", "Registration",
-    "SupersededEngineError",
+    "SupersededEngineError", "superseded_error",
 ]
 
 # EWMA weight of one new lease duration in an engine's service-time estimate.
@@ -126,6 +128,15 @@ class SupersededEngineError(Exception):
         self.newer_address = newer_address
 
 
+def superseded_error(info: EngineInfo, newest: int, newest_address: str) -> SupersededEngineError:
+    """The refusal of a hello older than incarnation `newest` of its id."""
+    return SupersededEngineError(
+        f"engine id {info.engine_id!r}: this process ({info.address}, incarnation {info.incarnation}) was "
+        f"superseded by a newer process of that id ({newest_address}, incarnation {newest}); "
+        "it must stop. If that is not a restart of this engine, two engines share the id: give "
+        "each its own (engines[].id / --engine-id)", newest_address)
+
+
 @dataclass(frozen=True)
 class Registration:
     """What a hello did: the new record; the one it `replaced` (the same
@@ -171,11 +182,7 @@ class EngineRegistry:
         engine_id, incarnation = info.engine_id, info.incarnation
         newest, newest_address = self._newest.get(engine_id, (0, ""))
         if incarnation and incarnation < newest:
-            raise SupersededEngineError(
-                f"engine id {engine_id!r}: this process ({info.address}, incarnation {incarnation}) was "
-                f"superseded by a newer process of that id ({newest_address}, incarnation {newest}); "
-                "it must stop. If that is not a restart of this engine, two engines share the id: give "
-                "each its own (engines[].id / --engine-id)", newest_address)
+            raise superseded_error(info, newest, newest_address)
         old = self._engines.get(engine_id)
         supersedes = old is not None and 0 < old.info.incarnation < incarnation
         if old is not None and not supersedes and not _same_process(old.info, info):

@@ -37,6 +37,7 @@ from .aging import AgingRule
 from .classes import admitted_priority, wire_batch
 from .core import SchedulerCore
 from .engine_links import EngineLinks
+from .incarnation_store import IncarnationStore
 from .records import (
     AdmitOptions,
     Notice,
@@ -180,14 +181,14 @@ def _state_proto(view: StateView) -> scheduler_pb2.SchedulerState:
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, core: SchedulerCore, config: MeshConfig, clock: Clock | None = None,
-                 tracing: Tracing = NO_TRACING) -> None:
+                 tracing: Tracing = NO_TRACING, incarnations: IncarnationStore | None = None) -> None:
         self.core = core
         self._clock = clock or SystemClock()
         # `scheduler.admit` spans (admit_trace.py); the core explains its
         # placements only for them.
         self.traces = AdmitTraces(tracing, AgingRule.from_config(config.scheduler.aging), self._clock)
         core.explain = tracing.enabled
-        self.engine_links = EngineLinks(core, config, self._clock, self.deliver)
+        self.engine_links = EngineLinks(core, config, self._clock, self.deliver, incarnations)
         # Generations engines run without a lease here (fencing.py).
         self.fences = self.engine_links.fences
         self._mailboxes: dict[str, asyncio.Queue[object]] = {}

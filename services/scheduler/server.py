@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -38,9 +39,10 @@ from services.common.tracing import tracing_for
 from .admin_api import AdminKeys, AdminServicer
 from .core import SchedulerCore
 from .grpc_api import SchedulerServicer
+from .incarnation_store import FileIncarnations, IncarnationStore
 from .metrics import SchedulerMetrics
 
-__all__ = ["SchedulerService", "serve"]
+__all__ = ["SchedulerService", "incarnation_store_for", "incarnations_path", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -50,15 +52,35 @@ ADMIN_SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 _STOP_GRACE_SECONDS = 2.0
 
 
+def incarnations_path(config: MeshConfig) -> str:
+    """`scheduler.incarnations_file`, or <run_dir>/scheduler-incarnations.json."""
+    return config.scheduler.incarnations_file or str(Path(config.run_dir) / "scheduler-incarnations.json")
+
+
+def incarnation_store_for(config: MeshConfig) -> IncarnationStore:
+    """Where the scheduler process records engine incarnations: the Redis
+    `scheduler.incarnations_redis_url` names, else the file."""
+    url = config.scheduler.incarnations_redis_url
+    if not url:
+        return FileIncarnations(incarnations_path(config))
+    # redis is imported only where it is used.
+    from .incarnation_redis import RedisIncarnations
+
+    return RedisIncarnations(url)
+
+
 class SchedulerService:
-    def __init__(self, config: MeshConfig, clock: Clock | None = None) -> None:
+    def __init__(self, config: MeshConfig, clock: Clock | None = None,
+                 incarnations: IncarnationStore | None = None) -> None:
+        """`incarnations`: where engine incarnations are recorded beyond this
+        process (`serve` gives the file; None = this process's memory)."""
         self.config = config
         self.clock: Clock = clock or SystemClock()
         self.metrics = SchedulerMetrics()
         self.core = SchedulerCore(config, self.clock, self.metrics)
         # NO_TRACING unless `tracing.otlp_endpoint` is set (services/common/tracing.py).
         self.tracing = tracing_for(config.tracing, "scheduler")
-        self.servicer = SchedulerServicer(self.core, config, self.clock, self.tracing)
+        self.servicer = SchedulerServicer(self.core, config, self.clock, self.tracing, incarnations)
         self.admin_keys = AdminKeys(config.scheduler)
         self.admin = AdminServicer(self.core, self.servicer.deliver, self.admin_keys)
         self._server: Any = None
@@ -144,7 +166,7 @@ async def serve(config: MeshConfig) -> None:
     """Run the scheduler on its configured port until cancelled or sent
     SIGTERM/SIGINT; either way it stops gracefully (waiting requests get
     DRAINING, streams close)."""
-    service = SchedulerService(config)
+    service = SchedulerService(config, incarnations=incarnation_store_for(config))
     await run_until_signalled(
         "scheduler", lambda: service.start(config.scheduler.port), service.stop, freeze_heap=True
     )

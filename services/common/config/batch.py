@@ -79,6 +79,15 @@ class BatchConfig:
     # How often the batch service renews its leases and looks for batches to run, and
     # for cancellation of those it owns, seconds. > 0 and < lease_seconds / 2.
     poll_seconds: float = 1.0
+    # Each line sent carries an admit-by time, its owner's lease expiry less
+    # this, and a gateway admits it only before then (services/batch/
+    # ownership.py): a line sent by an owner that was since taken over is
+    # refused, not run twice. Must exceed how far the clocks of the batch
+    # processes and the gateways may differ (NTP keeps them within ms) plus
+    # a gateway's time from its check to the scheduler's Admit (ms). >= 0
+    # and < lease_seconds - poll_seconds (a lease about to be renewed still
+    # leaves time to send).
+    admit_margin_seconds: float = 0.5
     # The one completion window accepted, as OpenAI ("24h"), in seconds: a
     # batch not finished by then expires (the lines done are kept). > 0.
     completion_window_seconds: float = 86400.0

@@ -212,3 +212,18 @@ class SchedulerConfig:
     # above), read when the scheduler starts: on Kubernetes a mounted
     # Secret. Relative paths are relative to the repository root. "" = none.
     admin_keys_file: str = ""
+    # The greatest engine incarnation seen per engine id, kept in this file
+    # so the fence against a stale engine process (an old process of a
+    # rescheduled engine, back after a partition) survives a scheduler
+    # restart; every scheduler naming the same file shares it
+    # (services/scheduler/incarnation_store.py), so give each mesh its own:
+    # two meshes' engines of one id would fence each other. "" = <run_dir>/
+    # scheduler-incarnations.json. On Kubernetes the default run_dir is the
+    # pod's emptyDir: it outlives a container restart, not the pod.
+    incarnations_file: str = ""
+    # Keep that record in this Redis instead (redis://host:port/db,
+    # rediss:// for TLS, unix:///path.sock), shared by schedulers on several
+    # hosts (e.g. the gateways' response-cache Redis; one hash,
+    # kvmesh:scheduler:incarnations: meshes sharing a Redis take a database
+    # each, the /db of the URL). "" = the file above.
+    incarnations_redis_url: str = ""

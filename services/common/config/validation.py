@@ -142,6 +142,11 @@ def _check_batch(batch: _Section) -> None:
     if batch.settings.poll_seconds * 2 >= batch.settings.lease_seconds:
         batch.fail("poll_seconds", f"must be < lease_seconds / 2 ({batch.settings.lease_seconds / 2:g}): "
                    "a lease is renewed at least twice before it expires")
+    batch.non_negative("admit_margin_seconds")
+    room = batch.settings.lease_seconds - batch.settings.poll_seconds
+    if batch.settings.admit_margin_seconds >= room:
+        batch.fail("admit_margin_seconds", f"must be < lease_seconds - poll_seconds ({room:g}): a lease "
+                   "about to be renewed must still leave time to send lines")
 
 
 def _check_alerts(alerts: _Section) -> None:
@@ -235,6 +240,9 @@ def _check_classes(section: _Section, name: str, classes: Sequence[int]) -> None
 
 def _check_scheduler_timing(scheduler: _Section) -> None:
     scheduler.ports("port", "metrics_port")
+    url = scheduler.settings.incarnations_redis_url
+    if url and not url.startswith(("redis://", "rediss://", "unix://")):
+        scheduler.fail("incarnations_redis_url", f"expected redis://host:port/db, got {url!r}")
     scheduler.at("aging").positive("p1_seconds", "p2_seconds")
     scheduler.positive(
         "stale_report_seconds", "queued_update_seconds", "tick_seconds",

@@ -274,3 +274,68 @@ async def test_the_gate_bounds_lines_and_close_wakes_its_waiters() -> None:
     await asyncio.sleep(0.01)
     gate.close()
     assert await asyncio.wait_for(third, 5) is False and gate.in_flight == 2
+
+
+async def test_a_taken_over_owner_sends_no_line_again(db: Database) -> None:
+    """A stale-but-alive owner (taken over while a send of its was out)
+    sends nothing more: its next send -- here the resume after a broken
+    connection, which used to go out without any write -- is claimed under
+    its lease first, and that claim fails (ownership.py)."""
+    calls = 0
+
+    def script(attempt: Attempt) -> Result:
+        nonlocal calls
+        calls += 1
+        return Result(Outcome.RESUME, Pace.NEUTRAL, message="cut") if calls == 1 else ok(attempt)
+    deps, executor = _setup(db, 1, script)
+    executor.release.clear()
+    run = _run(deps, "gw-old", deps.clock.wall())
+    task = asyncio.create_task(run.run())
+    await _attempts(executor, 1)
+    assert await db.run(db.store.claim, "batch_t", "gw-new", deps.clock.wall() + TTL + 1, TTL) is not None
+    executor.release.set()
+    await asyncio.wait_for(task, 10)
+    assert [(a.request_id, a.resume) for a in executor.attempts] == [("batch_t-1-1", False)]
+    [line] = db.store.open_lines("batch_t", 0, 10)
+    assert (line.state, line.request_id, line.epoch) == ("running", "batch_t-1-1", 1)   # the new owner resumes it
+
+
+async def test_every_send_carries_its_claims_admit_by_time(db: Database) -> None:
+    """What a gateway admits only before (the lease's expiry as claimed, less
+    batch.admit_margin_seconds), on new attempts and resumes alike."""
+    deps, executor = _setup(db, 2, ok)
+    dead = db.store.claim("batch_t", "gw-dead", deps.clock.wall(), TTL)
+    assert dead is not None and db.store.mark_running(dead, 1, 1, "batch_t-1-1")
+    run = _run(deps, "gw-new", deps.clock.wall() + TTL + 1)
+    await run.run()
+    expected = run.lease.expires_at - deps.config.admit_margin_seconds
+    assert sorted((a.resume, a.admit_by_unix) for a in executor.attempts) == [(False, expected), (True, expected)]
+
+
+async def test_a_lease_too_close_to_its_end_sends_nothing(db: Database) -> None:
+    """A renewal running late: no gateway would admit the send in time, so
+    it is not sent; the line stays open for the runner's next poll."""
+    deps, executor = _setup(db, 1, ok)
+    run = _run(deps, "gw", deps.clock.wall())
+    clock = deps.clock
+    assert isinstance(clock, FakeClock)
+    clock.advance(TTL - deps.config.admit_margin_seconds)
+    await run.run()
+    assert executor.attempts == []
+    assert [ln.state for ln in db.store.open_lines("batch_t", 0, 10)] == ["running"]
+
+
+async def test_a_stop_that_cuts_a_send_keeps_the_lease_while_that_send_could_be_admitted(db: Database) -> None:
+    """A clean stop hands the batch over at once -- unless it cut a send
+    off mid-way: that send may still reach a gateway and be admitted until
+    its admit-by time, so the next owner takes over only after it (and then
+    resumes the line rather than running it a second time)."""
+    deps, executor = _setup(db, 2, ok)
+    executor.release.clear()
+    clock = deps.clock
+    runner = _runner(deps, "gw-a")
+    await runner._tick()
+    await _attempts(executor, 2)          # two sends out, unanswered
+    await runner.stop()
+    assert await db.run(db.store.claim, "batch_t", "gw-b", clock.wall(), TTL) is None
+    assert await db.run(db.store.claim, "batch_t", "gw-b", clock.wall() + TTL, TTL) is not None

@@ -3,6 +3,7 @@ line executor turns each gateway answer into the right outcome."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
 from types import SimpleNamespace
@@ -11,7 +12,7 @@ import pytest
 
 import services.batch
 from services.batch.pacing import Pace
-from services.batch.submit import Attempt, Outcome, _broken, _refused
+from services.batch.submit import LINE_HEADERS, Attempt, LineExecutor, Outcome, _broken, _refused
 
 
 def test_every_module_states_its_public_surface() -> None:
@@ -38,6 +39,8 @@ def _attempt(resume: bool = False, n: int = 1) -> Attempt:
     (504, "timeout", False, Outcome.DONE, Pace.NEUTRAL),               # its own limit: the next try ends so too
     (400, None, False, Outcome.DONE, Pace.NEUTRAL),
     (403, "model_not_allowed", False, Outcome.DONE, Pace.NEUTRAL),
+    (409, "batch_lease_expired", False, Outcome.FENCED, Pace.NEUTRAL),  # sent after our lease ran out
+    (409, "batch_lease_expired", True, Outcome.FENCED, Pace.NEUTRAL),
 ])
 def test_a_refusal_becomes_its_outcome(status: int, code: str | None, resume: bool, outcome: Outcome,
                                        pace: Pace) -> None:
@@ -57,3 +60,11 @@ def test_a_broken_connection_resumes_only_what_can_be_resumed() -> None:
     refused = aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, "refused"))  # type: ignore[arg-type]  # a stand-in ConnectionKey: only host/port/ssl are read
     assert (_broken(_attempt(), refused).outcome, _broken(_attempt(), refused).pace) == (Outcome.RETRY,
                                                                                          Pace.REJECTED)
+
+
+def test_a_send_carries_its_admit_by_time() -> None:
+    """The gateway's half of the ownership fence reads it (ownership.py)."""
+    executor = LineExecutor("http://gw", "secret")
+    fenced = dataclasses.replace(_attempt(), admit_by_unix=1234.5)
+    assert executor.headers(fenced, "k")[LINE_HEADERS["admit_by"]] == "1234.500"
+    assert LINE_HEADERS["admit_by"] not in executor.headers(_attempt(), "k")

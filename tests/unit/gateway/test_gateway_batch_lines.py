@@ -126,3 +126,22 @@ async def test_a_batch_line_whose_client_left_is_kept_for_a_resume(model_dir: Pa
         assert engine.polite_cancels == 0
         record = mesh.scheduler.admits[0]
         assert record.done is None and "done" not in record.messages   # no withdrawal: the lease is kept
+
+
+async def test_a_line_past_its_admit_by_time_is_refused_before_it_is_admitted(model_dir: Path) -> None:
+    """The gateway's half of the batch ownership fence (services/batch/
+    ownership.py): a line sent by an owner whose lease has run out since --
+    another batch process may own the batch now -- is refused, never run;
+    one within its time, or from a batch service that sends none, runs."""
+    async with _mesh(model_dir) as mesh:
+        key_id = _key_id(mesh, KEY_FULL)
+        for admit_by in ("1000.000", "soon", "-1"):
+            status, body, _ = await _post(mesh, _line(INTERNAL, key_id, **{"X-Kvmesh-Batch-Admit-By": admit_by}))
+            assert (status, body["error"]["code"]) == ((409, "batch_lease_expired") if admit_by == "1000.000"
+                                                       else (400, "invalid_request")), body
+        assert mesh.scheduler.admits == []   # nothing reached the scheduler
+        status, body, _ = await _post(mesh, _line(INTERNAL, key_id, **{"X-Kvmesh-Batch-Admit-By": "4102444800.000"}))
+        assert status == 200, body
+        status, body, _ = await _post(mesh, _line(INTERNAL, key_id, **{"X-Kvmesh-Batch-Request-Id": "batch_x-1-2"}))
+        assert status == 200, body
+        assert len(mesh.scheduler.admits) == 2
