@@ -4,21 +4,27 @@
 reported within 2 s and the rest of the tree is killed, orphans included;
 a PID whose start time differs from the recorded one is never signalled;
 the vLLM backend reports the death as its own and leaves no process behind
-when it stops."""
+when it stops. A process is dead from its kill, not its exit (SIGKILL
+pending or exiting in /proc, faked here: a real one's window is too short
+to catch), and a held event loop does not delay the death."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 from test_vllm_adapter import backend
 
+from services.engine.vllm_backend import process_watch
+from services.engine.vllm_backend.proc_state import PF_EXITING, ProcState
 from services.engine.vllm_backend.process_watch import (
     Death,
     ProcessWatch,
@@ -100,6 +106,60 @@ async def test_the_poll_sees_a_death_without_pidfds(tree: dict[str, VllmProcess]
     assert "(poll)" in watch.death.describe(time.monotonic())
     assert await _wait_for(lambda: _gone(tree["VLLM::EngineCore"].pid), 2.0)
     await watch.stop()
+
+
+async def test_a_held_event_loop_does_not_delay_the_death(tree: dict[str, VllmProcess]) -> None:
+    """The watch looks from a thread: the death is seen and the rest of the
+    tree killed while the event loop is held (a blocking call, a burst of
+    work); `on_death` runs on the loop once it is free."""
+    calls: list[tuple[Death, int]] = []
+    watch = ProcessWatch(os.getpid(), lambda d: calls.append((d, threading.get_ident())), poll_seconds=0.05)
+    watch.start()
+    killed_at = time.monotonic()
+    os.kill(tree["VLLM::Worker"].pid, signal.SIGKILL)
+    time.sleep(1.0)  # the event loop held: the case under test
+    death = watch.death
+    assert death is not None and not death.woken, "the death waited for the event loop"
+    assert death.seen - killed_at < 0.5
+    assert _gone(tree["VLLM::EngineCore"].pid), "the rest of the tree waited for the event loop"
+    assert calls == []
+    await asyncio.sleep(0.05)
+    assert calls == [(death, threading.get_ident())]
+    await watch.stop()
+
+
+_SIGKILL = 1 << (signal.SIGKILL - 1)
+
+
+@pytest.mark.parametrize(("how", "dying"), [
+    ("SIGKILL pending", lambda s: dataclasses.replace(s, pending=s.pending | _SIGKILL)),
+    ("exiting", lambda s: dataclasses.replace(s, flags=s.flags | PF_EXITING)),
+])
+async def test_a_process_is_dead_from_its_kill_not_from_its_exit(
+        tree: dict[str, VllmProcess], monkeypatch: pytest.MonkeyPatch, how: str,
+        dying: Callable[[ProcState], ProcState]) -> None:
+    """A SIGKILLed process is gone (a zombie, its pidfd readable) only once
+    the kernel has torn it down -- seconds for a large one on a loaded
+    machine. /proc shows it ending before: here the worker's state says so
+    while it still runs."""
+    worker, killed = tree["VLLM::Worker"], False
+    real = process_watch.read_state
+
+    def read_state(pid: int) -> ProcState | None:
+        state = real(pid)
+        return dying(state) if killed and pid == worker.pid and state is not None else state
+    monkeypatch.setattr(process_watch, "read_state", read_state)
+    watch = ProcessWatch(os.getpid(), poll_seconds=0.05)
+    watch.start()
+    await asyncio.sleep(0.2)
+    assert watch.death is None
+    killed = True
+    assert await _wait_for(lambda: watch.death is not None, 1.0), f"a process {how} was not taken for dead"
+    assert watch.death is not None and watch.death.process == worker and not watch.death.woken
+    assert watch.death.how == how and f"{worker.title}): {how}, seen within" in watch.death.describe(0.0)
+    assert watch.death.killed == (tree["VLLM::EngineCore"].pid,)  # not the dying one again
+    assert not _gone(worker.pid)  # seen before its exit
+    assert await watch.stop() == []
 
 
 async def test_a_stopped_process_is_alive(tree: dict[str, VllmProcess]) -> None:
