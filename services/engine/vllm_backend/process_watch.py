@@ -56,7 +56,7 @@ from pathlib import Path
 from services.common.affinity import descendants
 from services.engine.vllm_backend.proc_state import read_state
 
-__all__ = ["POLL_SECONDS", "VLLM_TITLE", "Death", "ProcessWatch", "VllmProcess",
+__all__ = ["EXIT_WAIT_SECONDS", "POLL_SECONDS", "VLLM_TITLE", "Death", "ProcessWatch", "VllmProcess",
            "kill_process", "running", "vllm_descendants"]
 
 log = logging.getLogger("kvmesh.engine.vllm")
@@ -65,6 +65,12 @@ VLLM_TITLE = "VLLM::"
 # How often the thread looks: a kill is seen within this. A look is one
 # /proc read per process (two here), so ten a second cost nothing.
 POLL_SECONDS = 0.1
+# How long stop() waits for vLLM's processes to be gone once it killed
+# them: the kernel frees a killed process's memory (on a GPU node its GPU
+# memory too) as it tears it down, which took seconds on a loaded machine,
+# and the engine's restart must find it free. Past this it goes on without.
+EXIT_WAIT_SECONDS = 30.0
+_GONE = frozenset({"exited", "gone"})
 
 
 @dataclass(frozen=True)
@@ -164,11 +170,13 @@ class ProcessWatch:
     processes run, `death` once one ended, `await stop()` (kills what is left)."""
 
     def __init__(self, root: int, on_death: Callable[[Death], None] | None = None,
-                 poll_seconds: float = POLL_SECONDS) -> None:
+                 poll_seconds: float = POLL_SECONDS, exit_wait_seconds: float = EXIT_WAIT_SECONDS) -> None:
         self._root = root
         self._on_death = on_death
         self.poll_seconds = poll_seconds
+        self.exit_wait_seconds = exit_wait_seconds
         self.processes: list[VllmProcess] = []
+        self._found: list[VllmProcess] = []  # killed though not recorded at start
         self._pidfds: dict[int, int] = {}
         self._killed: set[int] = set()  # SIGKILLed already (it cannot be caught): not again
         self._last_alive = time.monotonic()
@@ -229,25 +237,40 @@ class ProcessWatch:
         self._unwatch()
 
     async def stop(self) -> list[int]:
-        """Stop watching and kill what is left of vLLM's tree; the PIDs signalled."""
+        """Stop watching, kill what is left of vLLM's tree and wait (up to
+        `exit_wait_seconds`) until all of it is gone; the PIDs signalled."""
         self.pause()  # ends the poll thread
         thread, self._thread = self._thread, None
         if thread is not None:
             await asyncio.to_thread(thread.join)
         killed = self.kill_all()
+        if killed:
+            log.warning("killed vLLM processes left after its shutdown: pids %s", killed)
+        await self._wait_gone()
         for fd in self._pidfds.values():
             os.close(fd)
         self._pidfds.clear()
-        if killed:
-            log.warning("killed vLLM processes left after its shutdown: pids %s", killed)
         return killed
+
+    async def _wait_gone(self) -> None:
+        began = time.monotonic()
+        left = self.processes + self._found
+        while left := [p for p in left if ending(p) not in _GONE]:
+            if time.monotonic() - began > self.exit_wait_seconds:
+                log.warning("vLLM processes still not gone %.1f s after their kill: %s", time.monotonic() - began,
+                            ", ".join(f"{p.title} pid {p.pid}" for p in left))
+                return
+            await asyncio.sleep(0.05)
+        if time.monotonic() - began > 1.0:
+            log.info("vLLM's processes gone %.1f s after their kill", time.monotonic() - began)
 
     def _kill_all(self) -> list[int]:
         recorded = {p.pid for p in self.processes}
         killed = [p.pid for p in self.processes
                   if p.pid not in self._killed and kill_process(p, self._pidfds.get(p.pid))]
-        killed += [p.pid for p in vllm_descendants(self._root)
-                   if p.pid not in recorded | self._killed and kill_process(p)]
+        found = [p for p in vllm_descendants(self._root) if p.pid not in recorded | self._killed and kill_process(p)]
+        self._found += found
+        killed += [p.pid for p in found]
         self._killed.update(killed)
         return killed
 

@@ -159,7 +159,49 @@ async def test_a_process_is_dead_from_its_kill_not_from_its_exit(
     assert watch.death.how == how and f"{worker.title}): {how}, seen within" in watch.death.describe(0.0)
     assert watch.death.killed == (tree["VLLM::EngineCore"].pid,)  # not the dying one again
     assert not _gone(worker.pid)  # seen before its exit
+    os.kill(worker.pid, signal.SIGKILL)  # its real end, which stop() waits for
     assert await watch.stop() == []
+
+
+def _exiting_until(monkeypatch: pytest.MonkeyPatch, pid: int, until: Callable[[], bool]) -> None:
+    """/proc shows `pid` in the kernel's exit (its teardown) until `until()`."""
+    real = process_watch.read_state
+
+    def read_state(other: int) -> ProcState | None:
+        state = real(other)
+        if other != pid or state is None or until():
+            return state
+        return dataclasses.replace(state, state="R", flags=state.flags | PF_EXITING)
+    monkeypatch.setattr(process_watch, "read_state", read_state)
+
+
+async def test_stop_returns_once_the_killed_processes_are_gone(
+        tree: dict[str, VllmProcess], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A killed process's memory (a GPU's too) is freed as the kernel tears
+    it down: the engine exits -- and is restarted -- only after that."""
+    watch = ProcessWatch(os.getpid(), poll_seconds=0.05)
+    watch.start()
+    worker = tree["VLLM::Worker"]
+    os.kill(worker.pid, signal.SIGKILL)
+    torn_down = time.monotonic() + 0.6
+    _exiting_until(monkeypatch, worker.pid, lambda: time.monotonic() >= torn_down)
+    assert await _wait_for(lambda: watch.death is not None, 1.0)
+    assert watch.death is not None and watch.death.how == "exiting"
+    assert await watch.stop() == []
+    assert time.monotonic() >= torn_down, "stop() returned while a killed process was still being torn down"
+
+
+async def test_stop_waits_for_the_teardown_no_longer_than_its_bound(
+        tree: dict[str, VllmProcess], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    worker = tree["VLLM::Worker"]
+    watch = ProcessWatch(os.getpid(), poll_seconds=0.05, exit_wait_seconds=0.3)
+    watch.start()
+    os.kill(worker.pid, signal.SIGKILL)
+    _exiting_until(monkeypatch, worker.pid, lambda: False)
+    began = time.monotonic()
+    await watch.stop()
+    assert 0.3 <= time.monotonic() - began < 2.0
+    assert "still not gone" in caplog.text and f"VLLM::Worker pid {worker.pid}" in caplog.text
 
 
 async def test_a_stopped_process_is_alive(tree: dict[str, VllmProcess]) -> None:
