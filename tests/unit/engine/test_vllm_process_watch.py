@@ -310,3 +310,33 @@ async def test_a_core_that_exits_in_vllms_shutdown_is_no_death(tree: dict[str, V
     await b.stop()
     assert watch.death is None
     assert await _wait_for(lambda: _gone(tree["VLLM::Worker"].pid), 2.0)
+
+
+async def test_a_dying_tree_is_let_off_its_pinned_cores(
+        tree: dict[str, VllmProcess], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel frees a killed process's memory on that process's own
+    threads: vLLM's are pinned to the busy OpenMP cores, so the victim and
+    the rest of its tree get the engine's cores too."""
+    released: list[list[int]] = []
+    monkeypatch.setattr(process_watch, "release_cores", released.append)
+    watch = ProcessWatch(os.getpid(), poll_seconds=0.05)
+    watch.start()
+    os.kill(tree["VLLM::Worker"].pid, signal.SIGKILL)
+    assert await _wait_for(lambda: watch.death is not None, 2.0)
+    assert sorted(released) == sorted([[tree["VLLM::EngineCore"].pid], [tree["VLLM::Worker"].pid]])
+    await watch.stop()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: nothing to release onto")
+def test_release_cores_moves_every_thread_onto_the_engines_cores() -> None:
+    ours = os.sched_getaffinity(0)
+    pinned = {min(ours)}
+    other = subprocess.Popen(["sleep", "30"], preexec_fn=lambda: os.sched_setaffinity(0, pinned))  # noqa: PLW1509 - a plain child
+    try:
+        assert os.sched_getaffinity(other.pid) == pinned
+        assert process_watch.release_cores([other.pid]) == 1
+        assert os.sched_getaffinity(other.pid) == ours
+        assert process_watch.release_cores([2**22 + 1]) == 0  # no such process: nothing, no error
+    finally:
+        other.kill()
+        other.wait()
