@@ -63,9 +63,10 @@ RESTART_SECONDS = 900.0
 # pending or exiting in /proc, looked at every 0.1 s from a thread:
 # vllm_backend/process_watch.py). Waiting for the exit (its pidfd) logged
 # the death 0.07-0.30 s after the kill, but once 9.8 s in a fresh-clone
-# run: a killed core or worker spent 8.6-11.6 s in the kernel freeing its
-# memory (exit_mmap) on the loaded 2-core machine. Seen 0.09 s after
-# either kill now, whatever the teardown takes.
+# run: on the loaded 2-core machine a killed worker was seen 10.7 s in the
+# kernel freeing its memory (exit_mmap), pinned to the OpenMP core the
+# other engine keeps busy. Seen 0.07-0.09 s after either kill now (two
+# runs), whatever the teardown takes.
 DEATH_SEEN_SECONDS = 2.0
 FENCED_TRIES = 3  # direct_generate
 # vLLM 0.32 on CPU, one engine, tensor/pipeline/data parallel 1: the CPU
