@@ -33,12 +33,15 @@ import argparse
 import asyncio
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -394,6 +397,60 @@ def write_section(text: str) -> None:
     path.write_text(new)
 
 
+@contextmanager
+def run_directory(parent: Path | None) -> Iterator[Path]:
+    """A new directory for the run (every server's logs: the mesh's
+    services, vLLM's), removed once the run completed. A failed run's is
+    kept and named: its logs hold the cause."""
+    path = Path(tempfile.mkdtemp(prefix="bench-vllm-", dir=parent))
+    try:
+        yield path
+    except BaseException:
+        print(f"bench: the run failed; its directory, every log included, is kept: {path}", file=sys.stderr,
+              flush=True)
+        raise
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def run_servers(ns: argparse.Namespace, s: Settings, scratch: Path) -> tuple[list[Result], str]:
+    """Start every server in `scratch`, load them round by round, stop
+    them; their results and the pinning note."""
+    results: list[Result] = []
+    pin_note = ""
+    servers: list[KvmeshServer | VllmServe] = []
+    if ns.only != "vllm":
+        servers += [KvmeshServer(s, scratch, ms) for ms in ns.coalesce_ms or [None]]
+    if ns.only != "kvmesh":
+        servers.append(VllmServe(s, scratch))
+    started = []
+    try:
+        # Started one after the other; an idle server uses ~2% of a core.
+        for server in servers:
+            print(f"bench: starting {server.name} ...", flush=True)
+            began = time.perf_counter()
+            server.start()
+            started.append(server)
+            results.append(Result(server.name, time.perf_counter() - began, Phase(), Phase()))
+        pin_note = pin(s.omp_bind, vllm=not ns.float_vllm, front=ns.pin_front)
+        print(f"bench: {pin_note}", flush=True)
+        # Load one server at a time, alternating round by round, so a
+        # change in the machine's background load hits both alike.
+        for round_no in range(ns.rounds):
+            # Reverse the order every other round: whoever runs first
+            # after the other's load gets no systematic edge.
+            pairs = list(zip(servers, results))
+            for server, result in pairs if round_no % 2 == 0 else reversed(pairs):
+                asyncio.run(run_round(server.base_url, server.api_key, s, round_no, result))
+                busy = ", ".join(f"core {c} {100 * b:.0f}%" for c, b in
+                                 sorted(result.concurrent.core_busy[-1].items()))
+                print(f"bench: round {round_no}: {server.name}: {result.concurrent.per_round[-1]:.0f} tok/s "
+                      f"({busy} busy)", flush=True)
+    finally:
+        for server in reversed(started):
+            server.stop()
+    return results, pin_note
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-llama")
@@ -429,41 +486,8 @@ def main() -> int:
     s = Settings(ns.model, model_path if model_path.is_absolute() else ROOT / model_path, ns.kv_cache_gib,
                  ns.max_num_seqs, omp_bind, not ns.float_vllm, ns.requests, ns.concurrency, ns.prompt_words,
                  ns.max_tokens, ns.sequential, ns.sequential_max_tokens)
-    results: list[Result] = []
-    pin_note = ""
-    scratch_parent = ROOT / ".run" if (ROOT / ".run").is_dir() else None
-    with tempfile.TemporaryDirectory(prefix="bench-vllm-", dir=scratch_parent) as tmp:
-        servers: list[KvmeshServer | VllmServe] = []
-        if ns.only != "vllm":
-            servers += [KvmeshServer(s, Path(tmp), ms) for ms in ns.coalesce_ms or [None]]
-        if ns.only != "kvmesh":
-            servers.append(VllmServe(s, Path(tmp)))
-        started = []
-        try:
-            # Started one after the other; an idle server uses ~2% of a core.
-            for server in servers:
-                print(f"bench: starting {server.name} ...", flush=True)
-                began = time.perf_counter()
-                server.start()
-                started.append(server)
-                results.append(Result(server.name, time.perf_counter() - began, Phase(), Phase()))
-            pin_note = pin(s.omp_bind, vllm=not ns.float_vllm, front=ns.pin_front)
-            print(f"bench: {pin_note}", flush=True)
-            # Load one server at a time, alternating round by round, so a
-            # change in the machine's background load hits both alike.
-            for round_no in range(ns.rounds):
-                # Reverse the order every other round: whoever runs first
-                # after the other's load gets no systematic edge.
-                pairs = list(zip(servers, results))
-                for server, result in pairs if round_no % 2 == 0 else reversed(pairs):
-                    asyncio.run(run_round(server.base_url, server.api_key, s, round_no, result))
-                    busy = ", ".join(f"core {c} {100 * b:.0f}%" for c, b in
-                                     sorted(result.concurrent.core_busy[-1].items()))
-                    print(f"bench: round {round_no}: {server.name}: {result.concurrent.per_round[-1]:.0f} tok/s "
-                          f"({busy} busy)", flush=True)
-        finally:
-            for server in reversed(started):
-                server.stop()
+    with run_directory(ROOT / ".run" if (ROOT / ".run").is_dir() else None) as scratch:
+        results, pin_note = run_servers(ns, s, scratch)
     for r in results:
         print(f"bench: {r.name}: start-up {r.startup_seconds:.0f} s, sequential TTFT p50 "
               f"{r.sequential.ttft_ms(0.5):.1f} ms p99 {r.sequential.ttft_ms(0.99):.1f} ms; concurrent "

@@ -59,12 +59,15 @@ STREAMS = 8
 MAX_TOKENS = 600  # ~4-6 s of decode here; the fault comes within a second of every stream's third chunk
 RESTART_SECONDS = 900.0
 # The engine watches its vLLM processes (issue 29: vLLM's client took ~60 s
-# to notice). Seen here 0.07-0.30 s after the kill, but once 9.8 s in a
-# fresh-clone run: the watch logs at the process's exit (pidfd), and the
-# SIGKILLed core's exit itself took that long (cause not yet found: the
-# kernel tearing down the core's memory, or the engine's loop held). The
-# bound stays far below the old minute; issue 29's 2 s is not yet shown.
-DEATH_SEEN_SECONDS = 15.0
+# to notice) and takes one for dead from its kill, not its exit (SIGKILL
+# pending or exiting in /proc, looked at every 0.1 s from a thread:
+# vllm_backend/process_watch.py). Waiting for the exit (its pidfd) logged
+# the death 0.07-0.30 s after the kill, but once 9.8 s in a fresh-clone
+# run: on the loaded 2-core machine a killed worker was seen 10.7 s in the
+# kernel freeing its memory (exit_mmap), pinned to the OpenMP core the
+# other engine keeps busy. Seen 0.07-0.09 s after either kill now (two
+# runs), whatever the teardown takes.
+DEATH_SEEN_SECONDS = 2.0
 FENCED_TRIES = 3  # direct_generate
 # vLLM 0.32 on CPU, one engine, tensor/pipeline/data parallel 1: the CPU
 # platform turns the "uni" executor into the multiprocess one (OpenMP needs

@@ -4,21 +4,27 @@
 reported within 2 s and the rest of the tree is killed, orphans included;
 a PID whose start time differs from the recorded one is never signalled;
 the vLLM backend reports the death as its own and leaves no process behind
-when it stops."""
+when it stops. A process is dead from its kill, not its exit (SIGKILL
+pending or exiting in /proc, faked here: a real one's window is too short
+to catch), and a held event loop does not delay the death."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 from test_vllm_adapter import backend
 
+from services.engine.vllm_backend import process_watch
+from services.engine.vllm_backend.proc_state import PF_EXITING, ProcState
 from services.engine.vllm_backend.process_watch import (
     Death,
     ProcessWatch,
@@ -100,6 +106,102 @@ async def test_the_poll_sees_a_death_without_pidfds(tree: dict[str, VllmProcess]
     assert "(poll)" in watch.death.describe(time.monotonic())
     assert await _wait_for(lambda: _gone(tree["VLLM::EngineCore"].pid), 2.0)
     await watch.stop()
+
+
+async def test_a_held_event_loop_does_not_delay_the_death(tree: dict[str, VllmProcess]) -> None:
+    """The watch looks from a thread: the death is seen and the rest of the
+    tree killed while the event loop is held (a blocking call, a burst of
+    work); `on_death` runs on the loop once it is free."""
+    calls: list[tuple[Death, int]] = []
+    watch = ProcessWatch(os.getpid(), lambda d: calls.append((d, threading.get_ident())), poll_seconds=0.05)
+    watch.start()
+    killed_at = time.monotonic()
+    os.kill(tree["VLLM::Worker"].pid, signal.SIGKILL)
+    time.sleep(1.0)  # the event loop held: the case under test
+    death = watch.death
+    assert death is not None and not death.woken, "the death waited for the event loop"
+    assert death.seen - killed_at < 0.5
+    assert _gone(tree["VLLM::EngineCore"].pid), "the rest of the tree waited for the event loop"
+    assert calls == []
+    await asyncio.sleep(0.05)
+    assert calls == [(death, threading.get_ident())]
+    await watch.stop()
+
+
+_SIGKILL = 1 << (signal.SIGKILL - 1)
+
+
+@pytest.mark.parametrize(("how", "dying"), [
+    ("SIGKILL pending", lambda s: dataclasses.replace(s, pending=s.pending | _SIGKILL)),
+    ("exiting", lambda s: dataclasses.replace(s, flags=s.flags | PF_EXITING)),
+])
+async def test_a_process_is_dead_from_its_kill_not_from_its_exit(
+        tree: dict[str, VllmProcess], monkeypatch: pytest.MonkeyPatch, how: str,
+        dying: Callable[[ProcState], ProcState]) -> None:
+    """A SIGKILLed process is gone (a zombie, its pidfd readable) only once
+    the kernel has torn it down -- seconds for a large one on a loaded
+    machine. /proc shows it ending before: here the worker's state says so
+    while it still runs."""
+    worker, killed = tree["VLLM::Worker"], False
+    real = process_watch.read_state
+
+    def read_state(pid: int) -> ProcState | None:
+        state = real(pid)
+        return dying(state) if killed and pid == worker.pid and state is not None else state
+    monkeypatch.setattr(process_watch, "read_state", read_state)
+    watch = ProcessWatch(os.getpid(), poll_seconds=0.05)
+    watch.start()
+    await asyncio.sleep(0.2)
+    assert watch.death is None
+    killed = True
+    assert await _wait_for(lambda: watch.death is not None, 1.0), f"a process {how} was not taken for dead"
+    assert watch.death is not None and watch.death.process == worker and not watch.death.woken
+    assert watch.death.how == how and f"{worker.title}): {how}, seen within" in watch.death.describe(0.0)
+    assert watch.death.killed == (tree["VLLM::EngineCore"].pid,)  # not the dying one again
+    assert not _gone(worker.pid)  # seen before its exit
+    os.kill(worker.pid, signal.SIGKILL)  # its real end, which stop() waits for
+    assert await watch.stop() == []
+
+
+def _exiting_until(monkeypatch: pytest.MonkeyPatch, pid: int, until: Callable[[], bool]) -> None:
+    """/proc shows `pid` in the kernel's exit (its teardown) until `until()`."""
+    real = process_watch.read_state
+
+    def read_state(other: int) -> ProcState | None:
+        state = real(other)
+        if other != pid or state is None or until():
+            return state
+        return dataclasses.replace(state, state="R", flags=state.flags | PF_EXITING)
+    monkeypatch.setattr(process_watch, "read_state", read_state)
+
+
+async def test_stop_returns_once_the_killed_processes_are_gone(
+        tree: dict[str, VllmProcess], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A killed process's memory (a GPU's too) is freed as the kernel tears
+    it down: the engine exits -- and is restarted -- only after that."""
+    watch = ProcessWatch(os.getpid(), poll_seconds=0.05)
+    watch.start()
+    worker = tree["VLLM::Worker"]
+    os.kill(worker.pid, signal.SIGKILL)
+    torn_down = time.monotonic() + 0.6
+    _exiting_until(monkeypatch, worker.pid, lambda: time.monotonic() >= torn_down)
+    assert await _wait_for(lambda: watch.death is not None, 1.0)
+    assert watch.death is not None and watch.death.how == "exiting"
+    assert await watch.stop() == []
+    assert time.monotonic() >= torn_down, "stop() returned while a killed process was still being torn down"
+
+
+async def test_stop_waits_for_the_teardown_no_longer_than_its_bound(
+        tree: dict[str, VllmProcess], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    worker = tree["VLLM::Worker"]
+    watch = ProcessWatch(os.getpid(), poll_seconds=0.05, exit_wait_seconds=0.3)
+    watch.start()
+    os.kill(worker.pid, signal.SIGKILL)
+    _exiting_until(monkeypatch, worker.pid, lambda: False)
+    began = time.monotonic()
+    await watch.stop()
+    assert 0.3 <= time.monotonic() - began < 2.0
+    assert "still not gone" in caplog.text and f"VLLM::Worker pid {worker.pid}" in caplog.text
 
 
 async def test_a_stopped_process_is_alive(tree: dict[str, VllmProcess]) -> None:
@@ -208,3 +310,33 @@ async def test_a_core_that_exits_in_vllms_shutdown_is_no_death(tree: dict[str, V
     await b.stop()
     assert watch.death is None
     assert await _wait_for(lambda: _gone(tree["VLLM::Worker"].pid), 2.0)
+
+
+async def test_a_dying_tree_is_let_off_its_pinned_cores(
+        tree: dict[str, VllmProcess], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel frees a killed process's memory on that process's own
+    threads: vLLM's are pinned to the busy OpenMP cores, so the victim and
+    the rest of its tree get the engine's cores too."""
+    released: list[list[int]] = []
+    monkeypatch.setattr(process_watch, "release_cores", released.append)
+    watch = ProcessWatch(os.getpid(), poll_seconds=0.05)
+    watch.start()
+    os.kill(tree["VLLM::Worker"].pid, signal.SIGKILL)
+    assert await _wait_for(lambda: watch.death is not None, 2.0)
+    assert sorted(released) == sorted([[tree["VLLM::EngineCore"].pid], [tree["VLLM::Worker"].pid]])
+    await watch.stop()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: nothing to release onto")
+def test_release_cores_moves_every_thread_onto_the_engines_cores() -> None:
+    ours = os.sched_getaffinity(0)
+    pinned = {min(ours)}
+    other = subprocess.Popen(["sleep", "30"], preexec_fn=lambda: os.sched_setaffinity(0, pinned))  # noqa: PLW1509 - a plain child
+    try:
+        assert os.sched_getaffinity(other.pid) == pinned
+        assert process_watch.release_cores([other.pid]) == 1
+        assert os.sched_getaffinity(other.pid) == ours
+        assert process_watch.release_cores([2**22 + 1]) == 0  # no such process: nothing, no error
+    finally:
+        other.kill()
+        other.wait()
