@@ -28,6 +28,7 @@ Redis that keeps failing, so a dead one costs no timeout per request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 from collections.abc import Awaitable, Callable
@@ -63,11 +64,13 @@ class RedisResponses:
     def __init__(self, config: ResponsesConfig, redis: ResponseCacheConfig, clock: Clock) -> None:
         self._config = config
         self._ttl = max(1, math.ceil(config.ttl_seconds))
-        self._timeout = redis.op_timeout_seconds
+        self._timeout = config.op_timeout_seconds
         self._retry_after = redis.breaker_reset_seconds
         self._clock = clock
         self.breaker = Breaker(redis.breaker_failures, redis.breaker_reset_seconds, clock)
-        self._client = redis_client(redis)
+        self._client = redis_client(dataclasses.replace(
+            redis, op_timeout_seconds=config.op_timeout_seconds,
+            connect_timeout_seconds=max(redis.connect_timeout_seconds, config.op_timeout_seconds)))
         self._put = self._client.register_script(_PUT)
 
     @property

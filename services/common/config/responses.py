@@ -20,8 +20,8 @@ class ResponsesConfig:
 
     # "embedded": this gateway's own memory (one gateway; a restart keeps
     # nothing, replicas do not share it). "redis": the Redis the response
-    # cache names (gateway.response_cache.redis_url, its timeouts and
-    # breaker), seen by every gateway: behind several gateways a
+    # cache names (gateway.response_cache.redis_url and its breaker; its
+    # own op_timeout_seconds below), seen by every gateway: behind several gateways a
     # continuation may reach any of them (issue 29: 4 of 10 turns got 404
     # with the embedded store behind two gateways). One of RESPONSES_STORES.
     store: str = "embedded"
@@ -30,6 +30,13 @@ class ResponsesConfig:
     # follow each other within seconds to minutes; a longer-lived
     # conversation resends its items.
     ttl_seconds: float = 3600.0
+    # Store "redis": the bound on one call to Redis (and on connecting), in
+    # seconds. > 0. Longer than the response cache's 0.1 s: a cache that
+    # does not answer in time is a miss, a store that does not is a 503 to
+    # a client continuing its conversation -- a second covers a loaded
+    # Redis or gateway, and the breaker still spares later requests a dead
+    # one's wait.
+    op_timeout_seconds: float = 1.0
     # Most responses kept at once; the oldest goes first. >= 0 (0 = store
     # nothing: `store: true` is then refused with a 400). Embedded: for the
     # gateway. Redis: PER API KEY (each key's own list, trimmed oldest
@@ -54,5 +61,7 @@ def check_responses(path: str, config: ResponsesConfig, redis_url: str) -> None:
     if config.store == "redis" and not redis_url:
         raise ConfigError(f"{path}.store: redis needs gateway.response_cache.redis_url (the Redis it shares "
                           "with the response cache), which is empty")
+    if not config.op_timeout_seconds > 0:
+        raise ConfigError(f"{path}.op_timeout_seconds: must be > 0, got {config.op_timeout_seconds}")
     if not config.key_prefix:
         raise ConfigError(f"{path}.key_prefix: must not be empty")

@@ -45,7 +45,11 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 def _cache(url: str, clock: FakeClock, **settings: Any) -> tuple[ResponseCache, RedisStore, CacheMetrics]:
-    config = dataclasses.replace(ResponseCacheConfig(store="redis", redis_url=url, ttl_seconds=60), **settings)
+    # Generous timeouts unless a test sets its own: a live Redis on a loaded
+    # machine is still a live Redis (the 0.1 s defaults are the request path's).
+    config = dataclasses.replace(ResponseCacheConfig(store="redis", redis_url=url, ttl_seconds=60,
+                                                     op_timeout_seconds=5.0, connect_timeout_seconds=5.0),
+                                 **settings)
     metrics = CacheMetrics(CollectorRegistry(), "redis")
     store = RedisStore(config, clock, metrics)
     return ResponseCache(config, store, metrics, {"m": (Path("/nonexistent"), "rev-1")}, clock), store, metrics

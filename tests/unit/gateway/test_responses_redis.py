@@ -47,7 +47,9 @@ async def client(redis_server: RedisServer) -> AsyncIterator[Redis]:
 
 
 def _store(url: str, clock: FakeClock | None = None, **settings: Any) -> RedisResponses:
-    redis = ResponseCacheConfig(store="redis", redis_url=url)
+    # A live Redis answers within its timeouts on a loaded machine too (the
+    # 0.1 s defaults are for the request path; these tests assert results).
+    redis = ResponseCacheConfig(store="redis", redis_url=url, op_timeout_seconds=5.0, connect_timeout_seconds=5.0)
     return RedisResponses(ResponsesConfig(store="redis", **settings), redis, clock or FakeClock())
 
 
