@@ -221,7 +221,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         return
     name = PLAN.to_boot(position)
     if name is not None:
-        factory: pytest.TempPathFactory = item.config._tmp_path_factory  # pytest's own, as its tmp_path_factory fixture returns it
+        # pytest's own factory, as its tmp_path_factory fixture returns it.
+        factory: pytest.TempPathFactory = item.config._tmp_path_factory
         SHARED[name].prestart(factory)
 
 
