@@ -75,8 +75,8 @@ def main() -> None:
         ns.min_span_minutes = ns.warmup_minutes
     try:
         sys.exit(asyncio.run(run.run(ns)))
-    except KeyboardInterrupt:
-        print("soak: interrupted; the mesh is torn down", file=sys.stderr)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("soak: interrupted (Ctrl-C or SIGTERM); the mesh and Redis are torn down", file=sys.stderr)
         sys.exit(130)
 
 

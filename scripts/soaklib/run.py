@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import random
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Coroutine
@@ -139,6 +140,10 @@ def _clients(target: Target, c: _Clients, rng: random.Random, until: float,
 async def run(ns: argparse.Namespace) -> int:
     """The soak; its exit status (1 if anything was lost or a slope is over its bound)."""
     rng = random.Random(ns.seed)
+    # SIGTERM ends the run like Ctrl-C: the mesh and Redis are torn down (no verdict).
+    main = asyncio.current_task()
+    if main is not None:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
     run_dir = Path(ns.run_dir or tempfile.mkdtemp(prefix="kvmesh-soak-"))
     ns.run_dir, ns.backend = str(run_dir), "sim"
     duration = ns.minutes * 60.0
