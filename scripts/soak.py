@@ -9,7 +9,7 @@ Not part of `make test` (an hour). The mesh is the chaos run's loopback one
 (scripts/chaoslib/loopback.py: scheduler, 2 sim engines, the batch service,
 2 gateways, Envoy on free ports, restarted as `kvmesh up` restarts them)
 with its response cache and Responses store on a real redis-server
-(tests/_redis_server.py). Its results: RELIABILITY.md "Soak".
+(scripts/soaklib/redis_store.py). Its results: RELIABILITY.md "Soak".
 
 Traffic, all the time (scripts/soaklib/traffic.py; the streamed kinds are
 the chaos clients, resuming a cut stream with Last-Event-ID): streamed

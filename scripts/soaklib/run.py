@@ -25,10 +25,10 @@ from scripts.chaoslib.outcomes import Job, Tally, Target, baseline, load, make_j
 from services.common.config import ApiKeyConfig, MeshConfig
 from services.common.config.response_cache import ResponseCacheConfig
 from services.launcher.mesh import Mesh
-from tests._redis_server import RedisServer
 
 from .batches import BatchTally, run_batches
 from .faults import FaultPlan, SoakFaults
+from .redis_store import RedisProcess, redis_server
 from .report import Result, report
 from .series import Sampler
 from .traffic import (
@@ -89,13 +89,13 @@ def _stream_jobs(rng: random.Random, distinct: int) -> dict[str, list[Job]]:
     return out
 
 
-def _pids(mesh: Mesh, redis: RedisServer) -> dict[str, int]:
+def _pids(mesh: Mesh, redis: RedisProcess) -> dict[str, int]:
     pids = {name: pid for name in mesh.names if (pid := mesh.pid(name)) is not None}
     pids["redis"] = redis.process.pid
     return pids
 
 
-async def _sample(sampler: Sampler, mesh: Mesh, redis: RedisServer, every: float, stop: asyncio.Event) -> None:
+async def _sample(sampler: Sampler, mesh: Mesh, redis: RedisProcess, every: float, stop: asyncio.Event) -> None:
     while not stop.is_set():
         sampler.sample(_pids(mesh, redis))
         with contextlib.suppress(TimeoutError):
@@ -147,7 +147,7 @@ async def run(ns: argparse.Namespace) -> int:
     run_dir = Path(ns.run_dir or tempfile.mkdtemp(prefix="kvmesh-soak-"))
     ns.run_dir, ns.backend = str(run_dir), "sim"
     duration = ns.minutes * 60.0
-    with RedisServer.start(run_dir / "redis") as redis:
+    with redis_server(run_dir / "redis") as redis:
         mesh, model = make_mesh(ns, tune(redis.url))
         print(f"soak: seed {ns.seed}, {ns.minutes:g} min, a fault every {ns.fault_min:g}-{ns.fault_max:g} s; "
               f"logs in {mesh.log_dir}", flush=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -164,3 +165,19 @@ def test_a_baseline_that_is_not_what_was_asked_for_stops_the_soak() -> None:
         check_shapes([], [json.dumps([None, [["get_weather", '{"city": "s"}']], "tool_calls"])])
     with pytest.raises(SystemExit, match="tool-call"):
         check_shapes([], [json.dumps(["Paris", [], "stop"])])
+
+
+def test_the_soaks_redis_starts_answers_and_is_ended(tmp_path: Path) -> None:
+    import shutil
+
+    import redis
+
+    from scripts.soaklib.redis_store import redis_server
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (scripts/install/system-packages.sh, test profile)")
+    with redis_server(tmp_path) as server:
+        client = redis.Redis.from_url(server.url)
+        assert client.set("soak", "1") and client.get("soak") == b"1"
+        client.close()
+    assert server.process.returncode is not None
