@@ -15,7 +15,7 @@ from typing import Any
 from scripts.chaoslib.outcomes import Tally
 
 from .batches import BatchTally
-from .series import Verdict
+from .series import Series, Verdict
 
 __all__ = ["Result", "failures", "report", "totals"]
 
@@ -30,6 +30,8 @@ class Result:
     made: list[str]
     fault_loop_failed: str
     verdicts: list[Verdict]
+    # The raw samples behind the verdicts (in the JSON, for a second look).
+    series: list[Series] = dataclasses.field(default_factory=list)
 
 
 def totals(tallies: dict[str, Tally]) -> dict[str, int]:
@@ -100,6 +102,8 @@ def report(result: Result, out: Path) -> int:
         "faults": {"made": dict(collections.Counter(result.made)), "actions": result.faults.actions,
                    "gateway_counters": dict(result.faults.counters)},
         "resources": [{**dataclasses.asdict(v), "over": v.over} for v in result.verdicts],
+        "samples": {f"{s.name} {s.pid}": [[round(x.t, 1), round(x.rss_mib, 2), x.fds] for x in s.samples]
+                    for s in result.series},
         "failures": why, "passed": not why,
     }
     out.write_text(json.dumps(data, indent=2) + "\n")

@@ -180,5 +180,6 @@ async def run(ns: argparse.Namespace) -> int:
             mesh.stop_all()
     result = Result(ns=vars(ns), took=took, tallies=tallies, batch=batch, faults=faults_tally,
                     made=faults.made, fault_loop_failed=faults.failed,
-                    verdicts=sampler.verdicts(ns.warmup_minutes * 60.0, ns.min_span_minutes * 60.0))
+                    verdicts=sampler.verdicts(ns.warmup_minutes * 60.0, ns.min_span_minutes * 60.0),
+                    series=list(sampler.series.values()))
     return report(result, Path(ns.out) if ns.out else run_dir / "soak-result.json")

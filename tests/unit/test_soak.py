@@ -181,3 +181,19 @@ def test_the_soaks_redis_starts_answers_and_is_ended(tmp_path: Path) -> None:
         assert client.set("soak", "1") and client.get("soak") == b"1"
         client.close()
     assert server.process.returncode is not None
+
+
+def test_the_json_result_holds_the_verdict_and_the_raw_samples(tmp_path: Path) -> None:
+    from scripts.chaoslib.outcomes import Tally
+    from scripts.soaklib.batches import BatchTally
+    from scripts.soaklib.report import report
+
+    series = _series("scheduler", 0, 30, 60, 2)
+    result = Result(ns={"minutes": 30}, took=1800, tallies={"chat": Tally(sent=2, completed=2)}, batch=BatchTally(),
+                    faults=Tally(), made=["hang"], fault_loop_failed="",
+                    verdicts=[judge(series, FLAT, 600, 600)], series=[series])
+    assert report(result, tmp_path / "soak.json") == 0
+    data = json.loads((tmp_path / "soak.json").read_text())
+    assert data["passed"] and data["totals"]["completed"] == 2 and data["faults"]["made"] == {"hang": 1}
+    assert data["resources"][0]["judged"] and data["resources"][0]["over"] == []
+    assert len(data["samples"]["scheduler 1234"]) == len(series.samples)
