@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from services.common.affinity import descendants
-from services.common.config import load_config
+from services.common.config import MeshConfig, load_config
 from services.launcher.mesh import Mesh, MeshOptions
 from services.launcher.up import Restarts
 
@@ -50,6 +50,12 @@ def gateway_counters(mesh: Mesh, replicas: list[int]) -> dict[str, float]:
                 series, value = line.rsplit(" ", 1)
                 out[series] += float(value)
     return out
+
+
+def add_gateway_counters(mesh: Mesh, tally: Tally) -> None:
+    """Add every running gateway's counters to the tally's (at the end of a run)."""
+    for series, value in gateway_counters(mesh, list(range(len(mesh.endpoints.gateway_http)))).items():
+        tally.counters[series] += value
 
 
 def _engine_core(mesh: Mesh, engine: str) -> int | None:
@@ -114,8 +120,8 @@ class Chaos:
         for series, value in gateway_counters(self.mesh, [self.gateways.index(n) for n in names]).items():
             self.tally.counters[series] += value
 
-    def engine_kill(self) -> str:
-        name = self.rng.choice(self.engines)
+    def engine_kill(self, name: str | None = None) -> str:
+        name = name or self.rng.choice(self.engines)
         self.mesh.kill(name)
         time.sleep(self.rng.uniform(0.5, 2.0))
         self.mesh.restart(name)
@@ -135,8 +141,8 @@ class Chaos:
         os.kill(core, signal.SIGKILL)
         return f"SIGKILL {name}'s EngineCore (pid {core})"
 
-    def hang(self) -> str:
-        name = self.rng.choice(self.engines)
+    def hang(self, name: str | None = None) -> str:
+        name = name or self.rng.choice(self.engines)
         pid = _engine_core(self.mesh, name) if self.vllm else self.mesh.pid(name)
         if pid is None:
             return f"{name}: no process to stop; nothing done"
@@ -156,22 +162,33 @@ class Chaos:
         steps = self.mesh.rolling_restart()
         return "rolled " + ", ".join(f"{s.name} (exit {s.exit_code}, {s.seconds:.1f}s)" for s in steps)
 
-    def gateway_kill(self) -> str:
-        name = self.rng.choice(self.gateways)
+    def gateway_kill(self, name: str | None = None) -> str:
+        name = name or self.rng.choice(self.gateways)
         self._keep_counters([name])
         self.mesh.kill(name)
         time.sleep(self.rng.uniform(0.5, 2.0))
         self.mesh.restart(name)
         return f"SIGKILL {name}, restarted"
 
+    def batch_kill(self) -> str:
+        """The batch service (only in meshes that run one; the soak's): its
+        restart takes its batches over and resumes their lines in flight."""
+        self.mesh.kill("batch")
+        time.sleep(self.rng.uniform(0.5, 2.0))
+        self.mesh.restart("batch")
+        return "SIGKILL batch, restarted"
+
 
 # ------------------------------------------------------------------ the run
 
 
-def _mesh(ns: argparse.Namespace) -> tuple[Mesh, str]:
+def make_mesh(ns: argparse.Namespace, tune: Callable[[MeshConfig], None] | None = None) -> tuple[Mesh, str]:
+    """The mesh (not started) and its model; `tune` changes the config last."""
     config = load_config(ROOT / "config" / "kvmesh.yaml")
     config.engines.template.sim.speed_factor = ns.speed_factor
     config.engines.template.max_running = ns.max_running
+    if tune is not None:
+        tune(config)
     model = SIM_MODEL if ns.backend == "sim" else ""
     run_dir = Path(ns.run_dir) if ns.run_dir else Path(tempfile.mkdtemp(prefix="kvmesh-chaos-"))
     mesh = Mesh(config, MeshOptions(engines=2, backend=ns.backend, gateways=2, model=model or None,
@@ -192,7 +209,7 @@ def _drain_cuts(mesh: Mesh) -> int:
 async def run(ns: argparse.Namespace) -> int:
     """The loopback run; its exit status (1 if anything was lost)."""
     rng = random.Random(ns.seed)
-    mesh, model = _mesh(ns)
+    mesh, model = make_mesh(ns)
     faults = ns.faults.split(",")
     print(f"chaos: seed {ns.seed}, {ns.seconds:.0f}s, {ns.concurrency} concurrent clients, faults "
           f"{', '.join(faults)}; logs in {mesh.log_dir}", flush=True)
@@ -212,8 +229,7 @@ async def run(ns: argparse.Namespace) -> int:
         await load(target, jobs, expected, random.Random(rng.random()), until, ns.concurrency, tally)
         await chaos_thread
         took = time.monotonic() - began
-        for series, value in gateway_counters(mesh, list(range(len(mesh.endpoints.gateway_http)))).items():
-            tally.counters[series] += value
+        add_gateway_counters(mesh, tally)
     finally:
         mesh.stop_all()
     return report(tally, took, lambda: [f"streams cut at a gateway's drain bound (gateway logs): {_drain_cuts(mesh)}"])

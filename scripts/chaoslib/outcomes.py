@@ -27,6 +27,12 @@ MAX_RESUMES = 5
 class Job:
     prompt: str
     max_tokens: int
+    # X-Priority to send (None: the key's default class); a chat request
+    # instead of a completion; more body fields as JSON text (hashable: a Job
+    # keys its expected answer).
+    priority: int | None = None
+    chat: bool = False
+    extra_json: str = ""
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,9 @@ def make_jobs(rng: random.Random, distinct: int, max_tokens: int) -> list[Job]:
 
 
 async def _send(session: aiohttp.ClientSession, target: Target, job: Job) -> Stream:
-    s = Stream(job.prompt, job.max_tokens, model=target.model)
+    s = Stream(job.prompt, job.max_tokens, model=target.model, chat=job.chat,
+               headers={} if job.priority is None else {"X-Priority": str(job.priority)},
+               extra=json.loads(job.extra_json) if job.extra_json else {})
     return await stream_completion(session, target.base_url, s, stall_seconds=target.stall_seconds, resume=True,
                                    attempts=MAX_RESUMES + 1, timeout=REQUEST_TIMEOUT_SECONDS,
                                    api_key=target.api_key)

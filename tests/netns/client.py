@@ -1,5 +1,5 @@
-"""A streaming OpenAI client for the client host: /v1/completions over SSE
-through Envoy, recording when each chunk arrived (to measure how long a
+"""A streaming OpenAI client for the client host: /v1/completions (or
+/v1/chat/completions: `Stream.chat`) over SSE through Envoy, recording when each chunk arrived (to measure how long a
 partition stalls a stream) and the SSE event ids. With `resume`, a stream
 that stalls (no byte, not even a heartbeat, for `stall_seconds`) or breaks is
 sent again with `Last-Event-ID` and continues where it stopped (one cut
@@ -50,6 +50,11 @@ class Stream:
     model: str = MODEL
     # The `code` of an SSE error event, if one came (the error is in `error`).
     error_code: str | None = None
+    # Sent as one user message to /v1/chat/completions instead of a prompt.
+    chat: bool = False
+    # More request headers (X-Priority) and body fields (response_format).
+    headers: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def chunks(self) -> int:
@@ -82,7 +87,12 @@ class _Cut(Exception):
 
 
 def _body(s: Stream) -> dict[str, Any]:
-    return {"model": s.model, "prompt": s.prompt, "max_tokens": s.max_tokens, "stream": True, "temperature": 0}
+    body: dict[str, Any] = {"model": s.model, "max_tokens": s.max_tokens, "stream": True, "temperature": 0, **s.extra}
+    if s.chat:
+        body["messages"] = [{"role": "user", "content": s.prompt}]
+    else:
+        body["prompt"] = s.prompt
+    return body
 
 
 async def _read(resp: aiohttp.ClientResponse, s: Stream, stall_seconds: float | None) -> None:
@@ -113,7 +123,7 @@ async def _read(resp: aiohttp.ClientResponse, s: Stream, stall_seconds: float | 
             s.error_code = str((error.get("code") if isinstance(error, dict) else None) or "error")
             return
         for choice in event.get("choices", ()):
-            s.text += choice.get("text") or ""
+            s.text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
             if choice.get("finish_reason"):
                 s.finish_reason = choice["finish_reason"]
         s.chunk_times.append(time.monotonic())
@@ -126,14 +136,15 @@ async def stream_completion(session: aiohttp.ClientSession, base_url: str, s: St
     `resume`, a stalled or broken stream is sent again (up to `attempts`
     times in all): with Last-Event-ID if it got an event id, from the start
     if it got nothing yet; one cut after text without an id is given up."""
-    headers = {"Authorization": f"Bearer {api_key}"}
+    headers = {"Authorization": f"Bearer {api_key}", **s.headers}
+    path = "chat/completions" if s.chat else "completions"
     try:
         async with asyncio.timeout(timeout):
             for attempt in range(attempts):
                 if s.last_event_id is not None:
                     headers["Last-Event-ID"] = s.last_event_id
                 try:
-                    async with session.post(f"{base_url}/v1/completions", json=_body(s), headers=headers) as resp:
+                    async with session.post(f"{base_url}/v1/{path}", json=_body(s), headers=headers) as resp:
                         s.status = resp.status
                         if resp.status != 200:
                             s.error = (await resp.text())[:2000]

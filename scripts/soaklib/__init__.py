@@ -1,0 +1,1 @@
+"""The soak (scripts/soak.py): mixed traffic, faults, resource series."""
