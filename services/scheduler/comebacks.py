@@ -6,6 +6,8 @@ they are queued again:
            avoiding the engines it names, until its class TTL (or, while
            no engine it does not exclude serves, engine_return_seconds
            after the Replace, when longer: fleet.py `check_servable`);
+           one that crosses our Preempted is queued as a Requeue, unless
+           it excludes every engine of its model: then it waits in the lane;
   Requeue  its lease went to a higher class (core.py preempted it): it goes
            back into its class queue with its ORIGINAL arrival, so aging
            continues where it was, with the tokens it generated in its
@@ -60,14 +62,23 @@ class Comebacks:
         rec = self._book.get(event.request_id)
         if rec is None:
             return
-        if rec.state is RequestState.PREEMPTED:
-            # Crossed our Preempted: its lease is gone already; queue it as a
-            # Requeue would, still avoiding the engines it names.
-            self._requeue(rec, event.prompt_tokens, event.max_tokens, event.prefix_hashes,
-                          self._fleet.exclusions(event.exclude, rec.ran_on), out, now)
-            return
+        crossed = rec.state is RequestState.PREEMPTED
+        exclude = self._fleet.exclusions(event.exclude, rec.ran_on)
         try:
-            if rec.state not in (RequestState.PLACED, RequestState.ORPHANED):
+            if crossed:
+                # Crossed our Preempted: its lease is gone already. It goes
+                # back into its class queue as a Requeue would (behind the
+                # request that preempted it), still avoiding the engines it
+                # names -- unless those are every engine of its model: then
+                # it waits in the Replace lane for one to come back, as any
+                # replacement does, instead of being refused at once.
+                opts = dataclasses.replace(rec.options, prompt_tokens=event.prompt_tokens,
+                                           max_tokens=event.max_tokens, prefix_hashes=event.prefix_hashes)
+                if event.prompt_tokens <= 0 or not self._fleet.check_servable(opts, exclude, now, replaced_at=now):
+                    self._requeue(rec, event.prompt_tokens, event.max_tokens, event.prefix_hashes, exclude,
+                                  out, now)
+                    return
+            elif rec.state not in (RequestState.PLACED, RequestState.ORPHANED):
                 raise AdmissionError(RejectReason.INVALID, (
                     "replace is only valid after placed" if rec.state is RequestState.QUEUED
                     else "a replace is already pending"))
@@ -76,7 +87,7 @@ class Comebacks:
                 rec.options, prompt_tokens=event.prompt_tokens, max_tokens=event.max_tokens,
                 prefix_hashes=event.prefix_hashes,
             )
-            rec.exclude = self._fleet.exclusions(event.exclude, rec.ran_on)
+            rec.exclude = exclude
             if event.prompt_tokens <= 0:
                 raise AdmissionError(RejectReason.INVALID, "replace: prompt_tokens must be > 0")
             waits_for_engine = self._fleet.check_servable(rec.options, rec.exclude, now, replaced_at=now)

@@ -221,6 +221,26 @@ def test_a_replace_crossing_a_preempted_queues_it_like_a_requeue() -> None:
     assert core.request_state("b") is RequestState.QUEUED
 
 
+def test_a_replace_crossing_a_preempted_that_excludes_every_engine_waits_for_one_to_come_back() -> None:
+    """Issue 29: the crossing Replace names the model's only engine. It is not
+    refused at once (it has streamed text): it waits in the Replace lane,
+    holding up no one, and is refused no_engine only once
+    engine_return_seconds passed since the Replace."""
+    core, clock, token = _preempted(engine_return_seconds=30.0)
+    out = core.handle(ReplaceRequested("b", ("e1",), 40, 8, ()))
+    assert out.notices == [] and core.request_state("b") is RequestState.REPLACING
+    core.handle(RequestDone("chat"))
+    clock.advance(20.0)
+    out = report_load(core, "e1", token)          # e1 has room again, but it is excluded
+    assert [rid for rid, _ in out] == [] and core.lease_of("b") is None
+    admit(core, opts("after", tenant="web", priority=1))
+    assert core.lease_of("after") is not None     # the waiting replacement holds no one up
+    clock.advance(10.5)
+    refused = [n for rid, n in core.handle(Tick()).notices if rid == "b"]
+    assert len(refused) == 1 and isinstance(refused[0], RejectedInfo), refused
+    assert refused[0].reason is RejectReason.NO_ENGINE
+
+
 # ---------------------------------------------------------------- the victim rule (pure)
 
 def view(engine_id: str, *, prefix: int = 0, leases: int = 2, limit: int = 2, free: int = 100,
