@@ -34,6 +34,7 @@ from services.common.finish_reason import FinishReason
 from services.common.openai_api.structured_outputs import StructuredSpec
 
 __all__ = [
+    "BackendActivity",
     "BackendInfo",
     "EngineBackend",
     "EngineDead",
@@ -151,6 +152,18 @@ class RequestPhases:
     decode: float
 
 
+@dataclass(frozen=True)
+class BackendActivity:
+    """Evidence that a backend without output is slow rather than hung
+    (services/engine/slow_or_hung.py): `runnable_seconds`, the seconds its
+    processes' threads have spent on a CPU or waiting in a run queue for
+    one, ever (only differences count); `stopped`, why one of them is
+    stopped (SIGSTOP) and so cannot progress, or None."""
+
+    runnable_seconds: float
+    stopped: str | None = None
+
+
 class StepObserver(Protocol):
     """Receives a backend's step statistics (services/engine/metrics.py):
     figures only the backend knows -- vLLM's from its stat logger, the sim's
@@ -211,6 +224,11 @@ class EngineBackend(Protocol):
     def dead_reason(self) -> str | None:
         """None while the backend can serve; once it never can again (its
         core process died...), why. Cheap: polled about once a second."""
+
+    def activity(self) -> BackendActivity | None:
+        """How much its processes ran or waited to run (`BackendActivity`),
+        asked only once it has been silent past its hang bound; None when
+        the backend cannot tell (then silence past the bound is a hang)."""
 
     async def probe(self) -> None:
         """Return once the backend has shown that its loop still runs (vLLM:

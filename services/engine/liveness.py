@@ -24,6 +24,10 @@ its streams were moved away -- the gateways' stall deadlines move them within
 seconds, long before the hang bound -- would look idle and healthy forever,
 and every request placed on it would stall in turn.
 
+Past the bound, the backend's own processes are asked whether it is slow
+rather than hung (slow_or_hung.py): still running or waiting to run, it is
+given up to `busy_multiple` x the bound; stopped or blocked, it is hung.
+
 `HangDetector` is pure -- fed times, it answers -- so the bound is tested on
 a fake clock. `LivenessWatch` runs it: every check period (a quarter of the
 floor, at most MAX_CHECK_SECONDS) it asks the backend and the detector, and
@@ -45,6 +49,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from services.common.clock import Clock
+from services.engine.backend import BackendActivity
+from services.engine.slow_or_hung import SlowOrHung
 
 __all__ = ["HangDetector", "HangPolicy", "LivenessWatch", "MAX_CHECK_SECONDS", "PROBE_EVERY_SECONDS", "STEP_WINDOW"]
 
@@ -67,11 +73,12 @@ PROBE_EVERY_SECONDS = 5.0
 
 @dataclass(frozen=True)
 class HangPolicy:
-    """engines.template.hang_floor_seconds / hang_step_multiple (their
+    """engines.template.hang_floor_seconds / hang_step_multiple / hang_busy_multiple (their
     defaults, documented in services/common/config/engines.py)."""
 
     floor_seconds: float = 30.0
     step_multiple: float = 20.0
+    busy_multiple: float = 4.0
 
 
 class HangDetector:
@@ -91,6 +98,11 @@ class HangDetector:
         """The backend holds no request (or has just received its first):
         no progress is owed until now."""
         self._last_progress = now
+
+    @property
+    def last_progress(self) -> float:
+        """When the backend last showed progress (or went idle)."""
+        return self._last_progress
 
     def step_p99(self) -> float:
         if not self._intervals:
@@ -123,8 +135,11 @@ class LivenessWatch:
         dead_reason: Callable[[], str | None],
         on_failure: Callable[[str], None],
         probe: Callable[[], Awaitable[None]] | None = None,
+        activity: Callable[[], BackendActivity | None] | None = None,
     ) -> None:
         self.detector = HangDetector(policy, clock.monotonic())
+        self._slow = SlowOrHung(policy.busy_multiple)
+        self._activity = activity or (lambda: None)
         self._probe = probe
         self._probe_task: asyncio.Future[None] | None = None
         self._probe_sent = -math.inf   # when the probe in flight (or the last one) was sent
@@ -175,7 +190,9 @@ class LivenessWatch:
             self.detector.idle(now)
             self.failure = self._probe_check(now)
         else:
-            self.failure = self.detector.hung(now)
+            hang = self.detector.hung(now)
+            self.failure = None if hang is None else self._slow.judge(
+                hang, self.detector.last_progress, self.detector.bound(), now, self._activity())
         if self.failure is not None:
             self._on_failure(self.failure)
         return self.failure
@@ -188,8 +205,8 @@ class LivenessWatch:
         if task is not None and not task.done():
             waited, bound = now - self._probe_sent, self.detector.bound()
             if waited > bound:
-                return (f"backend hung: no answer to a liveness probe for {waited:.1f} s while idle "
-                        f"(bound {bound:.1f} s)")
+                return self._slow.judge(f"backend hung: no answer to a liveness probe for {waited:.1f} s while idle "
+                                        f"(bound {bound:.1f} s)", self._probe_sent, bound, now, self._activity())
             return None
         if task is not None and not task.cancelled() and task.exception() is not None:
             log.warning("liveness probe failed: %r", task.exception())

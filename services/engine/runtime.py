@@ -262,7 +262,7 @@ class EngineRuntime:
         self._listeners: list[Callable[[], None]] = []
         self._start_attempted = False
         self.liveness = LivenessWatch(hang or HangPolicy(), self.clock, lambda: self.gate.in_backend,
-                                      backend.dead_reason, self.fail, backend.probe)
+                                      backend.dead_reason, self.fail, backend.probe, backend.activity)
 
     # ---------------------------------------------------------------- state
 

@@ -119,7 +119,7 @@ class EngineService:
         self.tracing = tracing_for(config.tracing, "engine", engine.engine_id)
         pacing = StreamPacing(engine.coalesce_interval_ms / 1000.0, engine.coalesce_min_running,
                               frozenset(engine.coalesce_unpaced_priorities))
-        hang = HangPolicy(engine.hang_floor_seconds, engine.hang_step_multiple)
+        hang = HangPolicy(engine.hang_floor_seconds, engine.hang_step_multiple, engine.hang_busy_multiple)
         self.runtime = EngineRuntime(self.backend, self.metrics, self.clock, pacing, hang,
                                      config.resume.grace_seconds)
         self.port = 0

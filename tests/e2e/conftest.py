@@ -68,7 +68,9 @@ def _smol_pair(config: MeshConfig) -> None:
     config.engines.template.vllm.kv_cache_gib = 0.5  # the 8192-token context needs 0.35 GiB
     # A test SIGKILLs one engine; on a loaded shared 2-core machine (every
     # vLLM pinned to one core) a 30 s stall of the OTHER one was taken for a
-    # hang and restarted it too, leaving no engine. No test of this mesh
+    # hang and restarted it too, leaving no engine. The engine now tells
+    # such a stall from a hang (services/engine/slow_or_hung.py: its threads
+    # wait for a core); the floor stays as a margin -- no test of this mesh
     # tests the hang bound.
     config.engines.template.hang_floor_seconds = 180.0
 

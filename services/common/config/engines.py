@@ -184,6 +184,13 @@ class EngineConfig:
     # every recent one is no step but a hang; an engine under a heavy batch
     # (steps of 2 s) is then given 40 s. Bounds: >= 1.
     hang_step_multiple: float = 20.0
+    # Past the bound, a backend whose processes still run or wait to run (on
+    # a CPU or in its run queue: a saturated machine, a neighbour's restart)
+    # is slow, not hung, for up to this multiple of the bound; a stopped or
+    # blocked one is hung at the bound (services/engine/slow_or_hung.py). A
+    # hang whose threads spin (a wedged GPU kernel polled by its worker) is
+    # found at this multiple. 1 = the bound alone. Bounds: >= 1.
+    hang_busy_multiple: float = 4.0
     # Coalescing under load (DESIGN: backpressure by coalescing): while at
     # least `coalesce_min_running` generations run here, a stream's deltas go
     # out at most every `coalesce_interval_ms`; tokens in between travel in

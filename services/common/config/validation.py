@@ -206,6 +206,7 @@ def _check_engine(engine: _Section, config: MeshConfig) -> None:
     engine.non_negative("stop_grace_seconds", "coalesce_interval_ms", "coalesce_min_running")
     engine.within("hang_floor_seconds", MIN_HANG_FLOOR_SECONDS, float("inf"))
     engine.within("hang_step_multiple", 1.0, float("inf"))
+    engine.within("hang_busy_multiple", 1.0, float("inf"))
     _check_classes(engine, "coalesce_unpaced_priorities", e.coalesce_unpaced_priorities)
     sim = engine.at("sim")
     sim.non_negative("prefill_seconds_per_token", "decode_seconds_per_step",

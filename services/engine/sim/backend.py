@@ -21,6 +21,7 @@ from collections.abc import AsyncGenerator, Callable
 
 from services.common.config import EngineConfig, MeshConfig
 from services.engine.backend import (
+    BackendActivity,
     BackendInfo,
     EngineDead,
     GenerationOutput,
@@ -162,6 +163,9 @@ class SimBackend:
 
     def dead_reason(self) -> str | None:
         return self._dead
+
+    def activity(self) -> BackendActivity | None:
+        return None  # the simulator runs in the engine's own loop: a silent one is wedged, never slow
 
     async def probe(self) -> None:
         await self._unwedged.wait()

@@ -45,6 +45,7 @@ from typing import Any
 from services.common.config import EngineConfig, MeshConfig
 from services.common.finish_reason import FinishReason
 from services.engine.backend import (
+    BackendActivity,
     BackendInfo,
     EngineDead,
     GenerationOutput,
@@ -325,6 +326,11 @@ class VllmBackend:
         if not self._llm.errored:
             return None
         return "vLLM's engine core or its worker died (AsyncLLM.errored)"
+
+    def activity(self) -> BackendActivity | None:
+        if self._watch is None or self._stopped:
+            return None
+        return self._watch.activity()
 
     async def probe(self) -> None:
         if self._llm is not None and not self._stopped:

@@ -59,6 +59,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.affinity import descendants, pin_threads
+from services.engine.backend import BackendActivity
+from services.engine.vllm_backend.proc_activity import tree_activity
 from services.engine.vllm_backend.proc_state import read_state
 
 __all__ = ["EXIT_WAIT_SECONDS", "POLL_SECONDS", "VLLM_TITLE", "Death", "ProcessWatch", "VllmProcess",
@@ -242,6 +244,14 @@ class ProcessWatch:
         log.error("%s", death.describe(time.monotonic()))
         self._hand_over(death)
         return death
+
+    def activity(self) -> BackendActivity:
+        """How much the recorded processes ran or waited to run, and whether
+        one is stopped (proc_activity.py): read only once the engine has
+        been silent past its hang bound."""
+        with self._lock:
+            processes = [(p.pid, p.title) for p in self.processes]
+        return tree_activity(processes)
 
     def kill_all(self) -> list[int]:
         """SIGKILL every recorded vLLM process still running and every

@@ -20,6 +20,7 @@ from engine_helpers import engine_config, engine_stub, mesh_config, prompt_of, r
 from services.common.finish_reason import FinishReason
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine.backend import (
+    BackendActivity,
     BackendInfo,
     EngineBackend,
     GenerationOutput,
@@ -83,6 +84,9 @@ class BareBackend:
         pass
 
     def dead_reason(self) -> str | None:
+        return None
+
+    def activity(self) -> BackendActivity | None:
         return None
 
     async def probe(self) -> None:
