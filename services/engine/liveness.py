@@ -69,6 +69,9 @@ MAX_CHECK_SECONDS = 0.25
 # round trip to vLLM's core), and a wedged idle core is found within the
 # hang bound + this.
 PROBE_EVERY_SECONDS = 5.0
+# A probe answered later than this is logged: a healthy idle core answers in
+# milliseconds.
+SLOW_PROBE_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -212,8 +215,19 @@ class LivenessWatch:
             log.warning("liveness probe failed: %r", task.exception())
         if now - self._probe_sent >= self.probe_every:
             self._probe_sent = now
-            self._probe_task = asyncio.ensure_future(self._probe())
+            self._probe_task = asyncio.ensure_future(self._timed_probe())
         return None
+
+    async def _timed_probe(self) -> None:
+        # A slow answer is the first sign of a core starved by its neighbours
+        # (slow_or_hung.py): worth a line in the log before it nears the bound.
+        if self._probe is None:
+            return
+        began = self._clock.monotonic()
+        await self._probe()
+        took = self._clock.monotonic() - began
+        if took > SLOW_PROBE_SECONDS:
+            log.warning("liveness probe answered after %.1f s (hang bound %.1f s)", took, self.detector.bound())
 
     async def _run(self) -> None:
         # Polled: the bound runs on the injected clock, and no event says "nothing happened".
