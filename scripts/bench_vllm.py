@@ -398,10 +398,10 @@ def write_section(text: str) -> None:
 
 
 @contextmanager
-def run_directory(parent: Path | None) -> Iterator[Path]:
+def run_directory(parent: Path | None, keep: bool = False) -> Iterator[Path]:
     """A new directory for the run (every server's logs: the mesh's
-    services, vLLM's), removed once the run completed. A failed run's is
-    kept and named: its logs hold the cause."""
+    services, vLLM's), removed once the run completed unless `keep`. A
+    failed run's is kept and named: its logs hold the cause."""
     path = Path(tempfile.mkdtemp(prefix="bench-vllm-", dir=parent))
     try:
         yield path
@@ -409,6 +409,9 @@ def run_directory(parent: Path | None) -> Iterator[Path]:
         print(f"bench: the run failed; its directory, every log included, is kept: {path}", file=sys.stderr,
               flush=True)
         raise
+    if keep:
+        print(f"bench: the run's directory, every log included, is kept: {path}", flush=True)
+        return
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -477,6 +480,7 @@ def main() -> int:
                         help="also pin everything else (servers' front processes, this client) to the other cores")
     parser.add_argument("--note", default="", help="a paragraph to put under the table")
     parser.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
+    parser.add_argument("--keep", action="store_true", help="keep the run's directory (every log) after a success too")
     ns = parser.parse_args()
     config = load_config(ROOT / "config" / "kvmesh.yaml")
     model_path = Path(config.model(ns.model).path)
@@ -486,7 +490,7 @@ def main() -> int:
     s = Settings(ns.model, model_path if model_path.is_absolute() else ROOT / model_path, ns.kv_cache_gib,
                  ns.max_num_seqs, omp_bind, not ns.float_vllm, ns.requests, ns.concurrency, ns.prompt_words,
                  ns.max_tokens, ns.sequential, ns.sequential_max_tokens)
-    with run_directory(ROOT / ".run" if (ROOT / ".run").is_dir() else None) as scratch:
+    with run_directory(ROOT / ".run" if (ROOT / ".run").is_dir() else None, ns.keep) as scratch:
         results, pin_note = run_servers(ns, s, scratch)
     for r in results:
         print(f"bench: {r.name}: start-up {r.startup_seconds:.0f} s, sequential TTFT p50 "
