@@ -6,12 +6,13 @@ letting requests reach the batch pod."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+from .breaking import broken as _broken
+from .breaking import config_edit as _config
 from .manifests import OVERLAYS, Obj, render
 from .wiring import check_commands, check_drain, check_ports, find, pod_of
 from .wiring_batch import check_batch_credentials, check_batch_path, check_batch_state
@@ -23,20 +24,6 @@ CHECKS: list[Callable[[list[Obj]], list[str]]] = [check_batch_state, check_batch
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
 def test_batch_manifests_match_the_code(overlay: str, check: Callable[[list[Obj]], list[str]]) -> None:
     assert check(render(overlay)) == []
-
-
-def _broken(change: Callable[[list[Obj]], None]) -> list[Obj]:
-    objects = copy.deepcopy(render("overlays/dev-cpu"))
-    change(objects)
-    return objects
-
-
-def _config(old: str, new: str) -> Callable[[list[Obj]], None]:
-    def change(objects: list[Obj]) -> None:
-        cm = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("kvmesh-config"))
-        assert old in cm["data"]["kvmesh.yaml"]
-        cm["data"]["kvmesh.yaml"] = cm["data"]["kvmesh.yaml"].replace(old, new)
-    return change
 
 
 def _batch(objects: list[Obj]) -> dict[str, Any]:

@@ -31,8 +31,10 @@ CONFIG_PATH = "/etc/kvmesh/kvmesh.yaml"
 COMPONENTS = ("scheduler", "gateway", "engine", "batch", "envoy")
 # Components that hold no mesh identity: the batch service serves plain HTTP
 # to Envoy alone (NetworkPolicy) and sends its lines through Envoy's
-# listener, like any client (BATCH_INTERFACE: batch.port has no mesh TLS).
-NO_MESH_TLS = ("batch",)
+# listener, like any client (BATCH_INTERFACE: batch.port has no mesh TLS);
+# Redis (the official image) serves gateways and the scheduler alone
+# (wiring_redis.py).
+NO_MESH_TLS = ("batch", "redis")
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet")
 # Seconds between a drain's bound and kubelet's SIGKILL, at least.
 DRAIN_MARGIN = 5.0
@@ -325,6 +327,8 @@ def service_target(objects: list[Obj], address: str) -> tuple[str, int] | None:
 def listening_ports(objects: list[Obj], pod: Pod) -> dict[str, int]:
     """What the pod's process listens on, by role (grpc/http/metrics), as
     its config and command line make it (not as the manifest says)."""
+    if pod.component == "redis":
+        return redis_ports(pod)
     if pod.component == "envoy":
         boot = envoy_bootstrap(objects, pod)
         if boot is None:
@@ -347,6 +351,15 @@ def listening_ports(objects: list[Obj], pod: Pod) -> dict[str, int]:
     engine = cfg.engine_config(ns.index)
     engine_ports = {"grpc": engine.port, "metrics": engine.metrics_port, "http": engine.http_port}
     return {k: v for k, v in engine_ports.items() if v}
+
+
+def redis_ports(pod: Pod) -> dict[str, int]:
+    """What `redis-server --port N` listens on (6379 without the flag)."""
+    argv = pod.argv()
+    if not argv or argv[0] != "redis-server":
+        return {}
+    port = argv[argv.index("--port") + 1] if "--port" in argv[:-1] else "6379"
+    return {"redis": int(port)} if port.isdigit() else {}
 
 
 def envoy_admin_port(objects: list[Obj], pod: Pod) -> int | None:
@@ -408,6 +421,11 @@ def _check_probes(pod: Pod, listening: dict[str, int]) -> list[str]:
         elif "tcpSocket" in probe:
             if resolve_port(pod, probe["tcpSocket"]["port"]) not in listening.values():
                 problems.append(f"{pod.name}: {kind} checks a port nothing listens on")
+        elif "exec" in probe and "redis" in listening:
+            # Redis answers PING on its own port (it has no HTTP port to ask).
+            if probe["exec"]["command"] != ["redis-cli", "-p", str(listening["redis"]), "ping"]:
+                problems.append(f"{pod.name}: {kind} {probe['exec']['command']} is not "
+                                f"`redis-cli -p {listening['redis']} ping`")
         else:
             problems.append(f"{pod.name}: {kind} is neither httpGet nor tcpSocket")
     return problems

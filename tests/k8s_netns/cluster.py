@@ -25,6 +25,7 @@ import shlex
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -35,7 +36,7 @@ from typing import Any
 
 from tests.netns.harness import Host, NetnsHarness
 
-from .host_paths import RUN_BASE, bind_back, needed_by_pods, under_mount
+from .host_paths import RUN_BASE, bind_back, needed_by_pods, reach_interpreter, under_mount
 from .kube import ROOT, Container, Objects, Pod, Volume, base_env, pods, resolve_port, selects, service_env
 from .policy import nft_ruleset
 
@@ -228,6 +229,10 @@ class Cluster:
         # The code and venv under a mount path (a clone under /tmp) stay reachable.
         keep, bind_back_after = bind_back(needed_by_pods(ROOT), [v.path for v in c.volumes], folder, c.read_only_root)
         lines += keep
+        # A non-root pod runs the venv's own interpreter (pyenv's, under a 0700
+        # home), not the system's libpython and standard library it would fall back to.
+        if c.user not in (None, 0):
+            lines += reach_interpreter(Path(sys.base_prefix), folder, needed_by_pods(ROOT))
         for i, vol in enumerate(sorted(c.volumes, key=lambda v: v.path.count("/"))):
             src = self._volume_source(vol, folder / f"vol{i}", c.fs_group)
             dst = shlex.quote(vol.path)

@@ -11,7 +11,13 @@ the pod. Two consequences, so that a clone anywhere (/tmp included) runs:
   clone (whose place is the user's choice);
 - the code and the venv the pods run from (`needed_by_pods`) may lie under
   a mount path: the pod's mount script binds each one back at its own path
-  right after the volume that hid it (`hidden`).
+  right after the volume that hid it (`hidden`);
+- the venv's base interpreter may lie under a folder a pod's non-root user
+  cannot enter (pyenv's under a 0700 /root): the process would then start
+  the interpreter binary but miss its own library and standard library and
+  fall back to the system's (another Python patch release, without the
+  venv's dependency choices). `reach_interpreter` makes it reachable in the
+  pod's own mount namespace, as the image's interpreter is.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["RUN_BASE", "bind_back", "hidden", "needed_by_pods", "under_mount"]
+__all__ = ["RUN_BASE", "bind_back", "hidden", "needed_by_pods", "reach_interpreter", "under_mount"]
 
 # The harness's volume folders, one per run (pid): /var/lib is the machine's
 # own state, no pod's volume (tests/k8s_netns/test_kube_rules.py checks the
@@ -70,3 +76,21 @@ def bind_back(paths: Iterable[Path], mount_paths: Iterable[str], folder: Path,
         if read_only:
             after[mount].append(f"mount -o remount,bind,ro {back}")
     return before, after
+
+
+def reach_interpreter(base_prefix: Path, folder: Path, visible: Iterable[Path]) -> list[str]:
+    """sh lines for a non-root pod's mount script (run as root, in the pod's
+    mount namespace, before its volumes): if a folder above `base_prefix`
+    is closed to other users, a world-readable tmpfs over that folder with
+    `base_prefix` alone bound back into it, read-only (the rest of the
+    folder -- root's home -- stays out of the pod's sight). [] if every
+    folder above it is open, or if the tmpfs would hide one of `visible`
+    (the paths the pod runs from)."""
+    locked = next((p for p in reversed(base_prefix.parents) if not p.stat().st_mode & 0o001), None)
+    if locked is None or any(p == locked or locked in p.parents for p in visible):
+        return []
+    keep, base = shlex.quote(str(folder / "interpreter")), shlex.quote(str(base_prefix))
+    return [f"mkdir -p {keep} && mount --bind {base} {keep}",
+            f"mount -t tmpfs -o mode=0755 tmpfs {shlex.quote(str(locked))}",
+            f"mkdir -p {base} && mount --bind {keep} {base}",
+            f"mount -o remount,bind,ro {base}"]

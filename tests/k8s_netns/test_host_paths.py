@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from .cluster import Cluster
-from .host_paths import RUN_BASE, bind_back, hidden, needed_by_pods, under_mount
+from .host_paths import RUN_BASE, bind_back, hidden, needed_by_pods, reach_interpreter, under_mount
 from .kube import ROOT, Objects, pods, render
 
 pytestmark = pytest.mark.unit
@@ -64,3 +65,26 @@ def test_the_pods_need_the_checkout_and_the_venv() -> None:
     needed = needed_by_pods(ROOT)
     assert needed[0] == ROOT
     assert any(p == Path(sys.prefix) or p in Path(sys.prefix).parents for p in needed)
+
+
+def test_an_interpreter_under_a_closed_folder_is_made_reachable() -> None:
+    """pyenv's interpreter under a 0700 home: a non-root pod reaches it
+    through a tmpfs over the home with the interpreter alone bound back."""
+    top = Path(tempfile.mkdtemp(dir="/var/tmp"))   # every folder above it open (pytest's tmp_path is not)
+    try:
+        top.chmod(0o755)
+        closed = top / "home"
+        base = closed / ".pyenv" / "versions" / "3.11.7"
+        base.mkdir(parents=True)
+        closed.chmod(0o700)
+        keep = Path("/var/lib/k/pod")
+        lines = reach_interpreter(base, keep, [Path("/work/main")])
+        assert lines == [f"mkdir -p {keep}/interpreter && mount --bind {base} {keep}/interpreter",
+                         f"mount -t tmpfs -o mode=0755 tmpfs {closed}",
+                         f"mkdir -p {base} && mount --bind {keep}/interpreter {base}",
+                         f"mount -o remount,bind,ro {base}"]
+        assert reach_interpreter(base, keep, [closed / "checkout"]) == []   # the tmpfs would hide the code
+        closed.chmod(0o755)
+        assert reach_interpreter(base, keep, [Path("/work/main")]) == []
+    finally:
+        shutil.rmtree(top)

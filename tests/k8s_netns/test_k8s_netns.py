@@ -1,5 +1,5 @@
 """The rendered `dev-cpu` overlay run across namespace hosts: scheduler, 2
-gateways, 3 sim engines and Envoy, each pod its own host with exactly the
+gateways, 3 sim engines, the batch service, Redis and Envoy, each pod its own host with exactly the
 container's argv, env and volumes (cluster.py), Service names answered by a
 real DNS server (dnsmasq) like cluster DNS, NetworkPolicies as nftables in
 each host. Shown:
@@ -22,7 +22,13 @@ each host. Shown:
 - the Batch API (the StatefulSet kvmesh-batch, its SQLite file on its
   PersistentVolumeClaim): a batch of 200 lines through Envoy, the batch pod
   SIGKILLed mid-batch and restarted by "kubelet" on the same claim, ends
-  `completed` with 200 results, each custom_id once, no error line.
+  `completed` with 200 results, each custom_id once, no error line;
+- the shared Redis (the Deployment kvmesh-redis, redis-server as the
+  manifest runs it): a 10-turn Responses conversation through Envoy with
+  previous_response_id is 200 on every turn, also after the gateway pod
+  that stored the previous turn was SIGKILLed (the other one continues
+  it); only gateways and the scheduler reach Redis, and the scheduler's
+  incarnation record is there.
 """
 
 from __future__ import annotations
@@ -550,3 +556,103 @@ def test_prestop_drains_then_sigterm_ends_the_engine_fast(kube: Cluster) -> None
     assert not hook["ready"], "still ready after preStop's drain"
     assert hook["exit_seconds"] < 5, f"SIGTERM after the drain took {hook['exit_seconds']:.1f} s"
     _assert_ok(streams, expected)
+
+
+# ---------------------------------------------------------------- the shared Redis
+
+REDIS_TURNS = 10
+# The conversation's turn after which the gateway that served the last turn
+# is SIGKILLed: the next turns must continue, on the other pod, a response
+# the dead one stored. They start once Envoy's health checks took the dead
+# pod out: in the second before that, Envoy's retries of a refused
+# connection went back to the dead pod (3 connection failures, 2 retries,
+# the same host each time) and answered 503 -- Envoy's balancing, not the
+# store, and not what this test is about.
+REDIS_KILL_AFTER = 5
+
+
+def _responses_served(kube: Cluster, r: RunningPod) -> float:
+    """/v1/responses requests gateway pod `r` has finished (0 while it is down)."""
+    try:
+        text = kube.http_get(r, {"port": "metrics", "path": "/metrics"})[1]
+    except Exception:  # noqa: BLE001 - a killed or restarting pod: nothing served yet
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("kvmesh_gateway_requests_total{") and "responses" in line)
+
+
+def _envoy_sees_gateways(kube: Cluster, healthy: int) -> bool:
+    """Envoy's health checks pass for exactly `healthy` gateway pods in each
+    gateway cluster."""
+    body = kube.http_get(kube.by_component("envoy")[0], {"port": "metrics", "path": "/stats/prometheus"})[1]
+    counts = [float(line.split()[-1]) for line in body.splitlines()
+              if line.startswith("envoy_cluster_membership_healthy{") and "gateway_" in line]
+    return len(counts) == 2 and all(n == healthy for n in counts)
+
+
+def _turn(kube: Cluster, turn: int, previous: str | None) -> dict[str, Any]:
+    body = {"model": _model(kube), "input": f"Turn {turn}: and what happened next?", "max_output_tokens": 8,
+            "store": True, **({"previous_response_id": previous} if previous else {})}
+    status, out = _api(kube, "POST", "/v1/responses", json.dumps(body).encode())
+    assert status == 200, f"turn {turn} (previous {previous}): {status} {out[:300]!r}"
+    return dict(json.loads(out))
+
+
+def test_a_conversation_continues_across_gateway_pods(kube: Cluster) -> None:
+    """Issue 29: behind Envoy's Service, each turn of a Responses
+    conversation may land on either gateway pod; with the store in the
+    manifests' Redis every turn is 200 -- also the turns after the pod that
+    stored their predecessor was SIGKILLed."""
+    gateways = sorted(r.pod.name for r in kube.by_component("gateway"))
+    assert len(gateways) == 2, gateways
+    kube.wait_for(lambda: _envoy_sees_gateways(kube, 2), 30, "Envoy's health checks to pass for both gateways")
+    previous: str | None = None
+    inputs: list[int] = []
+    served_by: list[str] = []
+    killed = ""
+    for turn in range(REDIS_TURNS):
+        if turn == REDIS_KILL_AFTER:
+            killed = served_by[-1]
+            assert killed in gateways, f"no gateway's count rose for turn {turn - 1}: {served_by}"
+            kube.kill(kube.running[killed])
+            kube.wait_for(lambda: _envoy_sees_gateways(kube, 1), 30, f"Envoy to take {killed} out")
+        before = {n: _responses_served(kube, kube.running[n]) for n in gateways}
+        out = _turn(kube, turn, previous)
+        after = {n: _responses_served(kube, kube.running[n]) for n in gateways}
+        served_by.append(next((n for n in gateways if after[n] > before[n]), "?"))
+        previous = str(out["id"])
+        inputs.append(int(out["usage"]["input_tokens"]))
+    # Every turn carried the whole conversation before it.
+    assert inputs == sorted(inputs) and len(set(inputs)) == REDIS_TURNS, inputs
+    assert served_by[REDIS_KILL_AFTER] not in (killed, "?"), (killed, served_by)
+    status, body = _api(kube, "GET", f"/v1/responses/{previous}")
+    assert status == 200 and json.loads(body)["id"] == previous, (status, body[:300])
+    # The conversation is in Redis, under the API key's prefix.
+    redis = kube.by_component("redis")[0]
+    keys = kube.exec(redis, ["redis-cli", "-p", "6379", "--scan", "--pattern", "kvmesh:resp:*"], timeout=10)
+    assert keys.returncode == 0 and any(previous in k for k in keys.stdout.split()), keys.stdout[-300:]
+    # The cluster whole again for the tests after this one: kubelet starts the container again.
+    ready = kube.wait_started(kube.restart(killed), 60)
+    kube.wait_for(lambda: _envoy_sees_gateways(kube, 2), 30, "Envoy to see the restarted gateway healthy")
+    print(f"{REDIS_TURNS} turns, each 200, served by {served_by}; {killed} SIGKILLed after turn "
+          f"{REDIS_KILL_AFTER - 1}, restarted and ready {ready:.1f} s after the last turn")
+
+
+def test_only_gateways_and_the_scheduler_reach_redis(kube: Cluster) -> None:
+    """The NetworkPolicy kvmesh-redis-from-mesh as nftables: Redis has no
+    password, so the policy is its access control. The scheduler keeps its
+    incarnation record there (one entry per engine id)."""
+    redis = kube.by_component("redis")[0]
+    port = resolve_port("redis", redis.container.ports)
+
+    def from_(src: RunningPod) -> str:
+        return src.host.call(lambda: connect(redis.ip, port, 1.5), timeout=10)
+
+    for component in ("gateway", "scheduler"):
+        assert from_(kube.by_component(component)[0]) == "connected", component
+    for component in ("envoy", "engine", "batch"):
+        assert from_(kube.by_component(component)[0]) in ("refused", "timeout"), f"{component} reached Redis"
+    assert kube.net.hosts["client"].call(lambda: connect(redis.ip, port, 1.5), timeout=10) in ("refused", "timeout")
+    ids = kube.exec(redis, ["redis-cli", "-p", "6379", "hkeys", "kvmesh:scheduler:incarnations"], timeout=10)
+    engines = {r.pod.name for r in kube.by_component("engine")}
+    assert ids.returncode == 0 and set(ids.stdout.split()) == engines, ids.stdout
