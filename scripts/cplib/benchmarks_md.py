@@ -1,0 +1,67 @@
+"""The "Control plane capacity" section of BENCHMARKS.md: rendered from a
+run's tables and written in place of the old one (or appended)."""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .figures import P99_LIMIT_MS, Baseline, StepFigures, capacity, render_table
+
+__all__ = ["SECTION", "FleetResult", "machine", "render_section", "replace_section", "summary_line"]
+
+SECTION = "## Control plane capacity"
+
+
+@dataclass(frozen=True)
+class FleetResult:
+    baseline: Baseline
+    steps: list[StepFigures]
+
+
+def machine() -> str:
+    """CPU model and core count of this machine."""
+    model = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores ({model}), {platform.system()} {platform.release()}"
+
+
+def summary_line(result: FleetResult) -> str:
+    """Capacity, its CPU per admission, and memory per engine, for one run."""
+    best = capacity(result.steps)
+    b = result.baseline
+    memory = (f"scheduler RSS {b.rss_empty_kib / 1024:.0f} MiB empty, {b.rss_fleet_kib / 1024:.0f} MiB with "
+              f"the fleet: {b.kib_per_engine:.0f} KiB per engine")
+    if best is None:
+        return f"{b.engines} engines: no step carried with p99 <= {P99_LIMIT_MS:g} ms; {memory}"
+    return (f"{b.engines} engines: capacity **{best.offered:g} admissions/s** (sustained {best.sustained:.0f}/s, "
+            f"p99 {best.p99_ms:.2f} ms, scheduler {best.cpu_ms_per_admission:.2f} ms CPU per admission); {memory}")
+
+
+def render_section(command: str, when: str, load: str, results: Sequence[FleetResult], notes: str = "") -> str:
+    lines = [SECTION, "", "```", command, "```", "",
+             f"Measured {when} on {machine()}; {load}.", ""]
+    lines += [f"- {summary_line(r)}" for r in results]
+    lines += ["", render_table([s for r in results for s in r.steps])]
+    if notes:
+        lines += ["", notes.strip()]
+    return "\n".join(lines) + "\n"
+
+
+def replace_section(document: str, text: str) -> str:
+    """`document` with its control-plane section replaced by `text` (appended
+    when there is none)."""
+    start = document.find(SECTION + "\n")
+    if start < 0:
+        return document.rstrip("\n") + "\n\n" + text
+    end = document.find("\n## ", start + len(SECTION))
+    return document[:start] + text + (document[end:] if end >= 0 else "")
