@@ -44,7 +44,7 @@ from scripts.cplib.workload import Workload
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engines", type=int, nargs="+", default=[64, 256, 1024], help="fleet sizes")
-    p.add_argument("--start-rate", type=float, default=100.0, help="first step, admissions/s")
+    p.add_argument("--start-rate", type=float, default=25.0, help="first step, admissions/s")
     p.add_argument("--max-rate", type=float, default=12800.0, help="last step at most (x2 per step)")
     p.add_argument("--seconds", type=float, default=5.0, help="seconds of arrivals per step")
     p.add_argument("--gateways", type=int, default=2, help="synthetic gateway processes")
@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=str(ROOT / "config" / "kvmesh.yaml"), help="mesh config the scheduler gets")
     p.add_argument("--log-level", default=os.environ.get("KVMESH_LOG_LEVEL", "INFO"),
                    help="the scheduler's (the launcher's default: INFO)")
+    p.add_argument("--scheduler-cpu", type=int, default=None,
+                   help="pin the scheduler to this CPU and the synthetic processes to the others")
     p.add_argument("--write", action="store_true", help="write the results into BENCHMARKS.md")
     p.add_argument("--note", default="", help="text added under the table with --write")
     return p
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                 engines=engines, rates=rates, seconds=args.seconds, gateways=args.gateways,
                 engines_per_host=args.engines_per_host, hold_min=args.hold_ms[0] / 1000,
                 hold_max=args.hold_ms[1] / 1000, first_token=args.first_token_ms / 1000, workload=workload,
-                config=args.config, log_level=args.log_level)
+                config=args.config, log_level=args.log_level, scheduler_cpu=args.scheduler_cpu)
             print(f"\n{engines} engines, run {run + 1} of {args.repeat}\n{TABLE_HEADER}", flush=True)
             baseline, steps = run_fleet(opts, lambda s: print(render_row(s), flush=True))
             results.append(FleetResult(baseline, steps))

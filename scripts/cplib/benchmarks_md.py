@@ -37,14 +37,19 @@ def machine() -> str:
 
 def summary_line(result: FleetResult) -> str:
     """Capacity, its CPU per admission, and memory per engine, for one run."""
-    best = capacity(result.steps)
+    best, top = capacity(result.steps), capacity(result.steps, None)
     b = result.baseline
     memory = (f"scheduler RSS {b.rss_empty_kib / 1024:.0f} MiB empty, {b.rss_fleet_kib / 1024:.0f} MiB with "
               f"the fleet: {b.kib_per_engine:.0f} KiB per engine")
+    carried = ("no step carried" if top is None else
+               f"highest step carried {top.offered:g}/s (p99 {top.p99_ms:.1f} ms, "
+               f"{top.cpu_ms_per_admission:.2f} ms scheduler CPU per admission)")
     if best is None:
-        return f"{b.engines} engines: no step carried with p99 <= {P99_LIMIT_MS:g} ms; {memory}"
+        return f"{b.engines} engines: capacity **none** (no step carried with p99 <= {P99_LIMIT_MS:g} ms); " \
+               f"{carried}; {memory}"
     return (f"{b.engines} engines: capacity **{best.offered:g} admissions/s** (sustained {best.sustained:.0f}/s, "
-            f"p99 {best.p99_ms:.2f} ms, scheduler {best.cpu_ms_per_admission:.2f} ms CPU per admission); {memory}")
+            f"p99 {best.p99_ms:.2f} ms, scheduler {best.cpu_ms_per_admission:.2f} ms CPU per admission); "
+            f"{carried}; {memory}")
 
 
 def render_section(command: str, when: str, load: str, results: Sequence[FleetResult], notes: str = "") -> str:

@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import cast
+from typing import Any, cast
 
 import grpc
 
@@ -34,7 +34,7 @@ from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from .workload import Workload, context_hashes
 
-__all__ = ["EngineHostSpec", "SynthEngine", "host_main"]
+__all__ = ["EngineHostSpec", "HostCounters", "SynthEngine", "host_main"]
 
 # Most unique tails an engine keeps cached before evicting the oldest.
 _MAX_TAILS = 256
@@ -58,7 +58,9 @@ class EngineHostSpec:
 
 
 @dataclass
-class _Counters:
+class HostCounters:
+    """Messages a host's engines sent to the scheduler, and commands obeyed (all engines summed)."""
+
     loads: int = 0
     skipped: int = 0
     kv_events: int = 0
@@ -81,7 +83,7 @@ class SynthEngine:
     engine_id: str
     spec: EngineHostSpec
     contexts: list[tuple[int, ...]]
-    counters: _Counters
+    counters: HostCounters
     groups: OrderedDict[int, None] = field(default_factory=OrderedDict)
     tails: deque[tuple[int, ...]] = field(default_factory=deque)
     running: dict[str, tuple[int, int]] = field(default_factory=dict)   # request -> (group, blocks)
@@ -224,7 +226,7 @@ class _Datagrams(asyncio.DatagramProtocol):
     def __init__(self, engines: dict[str, SynthEngine]) -> None:
         self._engines = engines
 
-    def datagram_received(self, data: bytes, addr: tuple[str | object, int]) -> None:
+    def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:
         parts = data.decode().split()
         engine = self._engines.get(parts[1]) if len(parts) >= 3 else None
         if engine is None:
@@ -262,7 +264,7 @@ async def _sweep(engines: list[SynthEngine], interval: float) -> None:
 async def _host(spec: EngineHostSpec, conn: Connection) -> None:
     loop = asyncio.get_running_loop()
     contexts = context_hashes(spec.workload)
-    counters = _Counters()
+    counters = HostCounters()
     engines = [SynthEngine(f"synth-{i}", spec, contexts, counters) for i in range(spec.first, spec.first + spec.count)]
     for i, engine in zip(range(spec.first, spec.first + spec.count), engines, strict=True):
         for g in (2 * i % spec.workload.groups, (2 * i + 1) % spec.workload.groups):

@@ -70,7 +70,7 @@ class StepTally:
     rejected: dict[str, int] = field(default_factory=dict)
     unplaced: int = 0
     preempted: int = 0
-    late: list[float] = field(default_factory=list)        # behind the arrival schedule
+    late: list[float] = field(default_factory=list)        # per arrival: behind its schedule (0 = on time)
 
 
 class _Gateway:
@@ -153,8 +153,7 @@ class _Gateway:
             delay = start + offset - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            else:
-                tally.late.append(-delay)
+            tally.late.append(max(0.0, -delay))
             rid = f"cp{self.spec.index}-{order.number}-{n}"
             tasks.append(loop.create_task(self.admit(rid, tally, window_end)))
             tally.sent += 1

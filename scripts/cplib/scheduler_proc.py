@@ -8,7 +8,6 @@ in the run directory; ready when its gRPC health check says SERVING."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
 import subprocess
 import time
@@ -73,14 +72,14 @@ def _resolved(config_path: str, run_dir: Path) -> tuple[MeshConfig, RunFiles]:
 def start_scheduler(config_path: str, run_dir: Path, log_level: str = "INFO") -> SchedulerProcess:
     """Start the scheduler and wait until it serves."""
     cfg, files = _resolved(config_path, run_dir)
-    level = log_level
     endpoints = Endpoints(0, 0, cfg.gateway.scheduler_address, [], [], [])
-    options = MeshOptions(gateways=0, envoy=False, run_dir=run_dir, env={"KVMESH_LOG_LEVEL": level})
-    os.environ["KVMESH_LOG_LEVEL"] = level   # the launcher reads it for the child's --log-level
+    options = MeshOptions(gateways=0, envoy=False, run_dir=run_dir)
     spec = next(s for s in child_specs(cfg, options, files, endpoints) if s.role is Role.SCHEDULER)
+    argv = list(spec.argv)
+    argv[argv.index("--log-level") + 1] = log_level   # the launcher's is $KVMESH_LOG_LEVEL, else INFO
     log_path = files.log_dir / "scheduler.log"
     with log_path.open("wb") as log:
-        process = subprocess.Popen(spec.argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT,
+        process = subprocess.Popen(argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT,
                                    cwd=str(Path(__file__).resolve().parents[2]))
     started = SchedulerProcess(process, cfg.gateway.scheduler_address,
                                f"http://127.0.0.1:{cfg.scheduler.metrics_port}/metrics", log_path)

@@ -13,13 +13,12 @@ import random
 import pytest
 
 from scripts.cplib.benchmarks_md import SECTION, FleetResult, render_section, replace_section
-from scripts.cplib.engines import EngineHostSpec, SynthEngine, _Counters
+from scripts.cplib.engines import EngineHostSpec, HostCounters, SynthEngine
 from scripts.cplib.figures import Baseline, StepFigures, capacity, latency_percentile
 from scripts.cplib.plan import arrival_offsets, split_rate, step_rates
 from scripts.cplib.procstat import cpu_seconds, rss_kib, sample
 from scripts.cplib.promhist import bucket_delta, bucket_quantile, histogram_buckets
 from scripts.cplib.workload import Workload, context_hashes
-
 
 # ---------------------------------------------------------------- plan
 
@@ -77,7 +76,7 @@ def test_unplaced_requests_are_the_tail() -> None:
 
 def _step(offered: float, p99: float, placed_share: float = 1.0, rejected: int = 0, cpu: float = 1.0) -> StepFigures:
     placed = int(offered * 5 * placed_share)
-    return StepFigures(engines=64, offered=offered, seconds=5.0, sent=int(offered * 5), placed=placed,
+    return StepFigures(engines=64, offered=offered, seconds=5.0, sent=int(offered * 5) - 7, placed=placed,
                        placed_in_window=placed, rejected=rejected, unplaced=0, p50_ms=p99 / 3, p99_ms=p99,
                        hist_p50_ms=0.1, hist_p99_ms=0.5, sched_cpu_s=cpu, driver_cpu_s=2.0, wall_s=8.0,
                        rss_kib=100 * 1024, late_p99_ms=0.0, engine_messages=800)
@@ -90,8 +89,12 @@ def test_capacity_is_the_highest_carried_step_within_the_p99_limit() -> None:
     assert capacity([_step(100, 5.0)]) is not None                     # the limit itself is within
     assert capacity([_step(100, 5.01)]) is None
     assert capacity([_step(100, 1.0, rejected=1)]) is None             # a refusal is not carried
-    assert capacity([_step(100, 1.0, placed_share=0.94)]) is None
+    # 95% of the 493 sent (Poisson), not of 100/s x 5 s: 470 placed is carried, 465 is not.
+    assert capacity([_step(100, 1.0, placed_share=0.94)]) is not None
+    assert capacity([_step(100, 1.0, placed_share=0.93)]) is None
     assert capacity([_step(100, math.inf)]) is None and capacity([]) is None
+    saturation = capacity(steps, None)                                 # carried, whatever its p99
+    assert saturation is not None and saturation.offered == 400
 
 
 def test_cpu_per_admission_and_core_shares() -> None:
@@ -155,7 +158,7 @@ def test_histogram_buckets_and_quantiles() -> None:
 def _engine(total_blocks: int = 400) -> SynthEngine:
     w = Workload(groups=4, context_tokens=160)     # 10 blocks per context
     spec = EngineHostSpec(0, 1, ("127.0.0.1:1",), w, total_blocks=total_blocks, max_running=2)
-    return SynthEngine("synth-0", spec, context_hashes(w), _Counters())
+    return SynthEngine("synth-0", spec, context_hashes(w), HostCounters())
 
 
 def test_a_start_stores_its_prefix_once_and_counts_its_load() -> None:
@@ -201,6 +204,9 @@ def test_section_replaced_in_place_or_appended() -> None:
     text = render_section("cmd --x", "2026-12-04 04:40 UTC", "load 1 before", [result], "a note")
     assert text.startswith(SECTION + "\n") and "cmd --x" in text and "a note" in text
     assert "capacity **100 admissions/s**" in text and "160 KiB per engine" in text
+    assert "highest step carried 200/s (p99 9.0 ms" in text
+    none = render_section("cmd", "now", "load", [FleetResult(Baseline(8, 1, 2), [_step(100, 7.0)])])
+    assert "capacity **none**" in none and "highest step carried 100/s" in none
     doc = "# B\n\n## A\n\nx\n"
     once = replace_section(doc, text)
     assert once == doc + "\n" + text
