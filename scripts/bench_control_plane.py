@@ -44,7 +44,7 @@ from scripts.cplib.workload import Workload
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engines", type=int, nargs="+", default=[64, 256, 1024], help="fleet sizes")
-    p.add_argument("--start-rate", type=float, default=25.0, help="first step, admissions/s")
+    p.add_argument("--start-rate", type=float, default=10.0, help="first step, admissions/s")
     p.add_argument("--max-rate", type=float, default=12800.0, help="last step at most (x2 per step)")
     p.add_argument("--seconds", type=float, default=5.0, help="seconds of arrivals per step")
     p.add_argument("--gateways", type=int, default=2, help="synthetic gateway processes")

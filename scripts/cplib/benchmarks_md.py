@@ -40,7 +40,8 @@ def summary_line(result: FleetResult) -> str:
     best, top = capacity(result.steps), capacity(result.steps, None)
     b = result.baseline
     memory = (f"scheduler RSS {b.rss_empty_kib / 1024:.0f} MiB empty, {b.rss_fleet_kib / 1024:.0f} MiB with "
-              f"the fleet: {b.kib_per_engine:.0f} KiB per engine")
+              f"the fleet: {b.kib_per_engine:.0f} KiB per engine; the fleet's reports alone (no admissions) "
+              f"{b.idle_core_share:.0%} of a core")
     carried = ("no step carried" if top is None else
                f"highest step carried {top.offered:g}/s (p99 {top.p99_ms:.1f} ms, "
                f"{top.cpu_ms_per_admission:.2f} ms scheduler CPU per admission)")

@@ -44,11 +44,13 @@ def latency_percentile(latencies: Sequence[float], missing: int, p: float) -> fl
 
 @dataclass(frozen=True)
 class Baseline:
-    """The scheduler before the steps: RSS with no engine, then with all."""
+    """The scheduler before the steps: RSS with no engine, then with all,
+    and the share of a core the fleet's reports alone take (no admissions)."""
 
     engines: int
     rss_empty_kib: int
     rss_fleet_kib: int
+    idle_core_share: float = 0.0
 
     @property
     def kib_per_engine(self) -> float:

@@ -188,10 +188,14 @@ def run_fleet(opts: FleetOptions, report: Callable[[StepFigures], Any] = print) 
             time.sleep(opts.settle_seconds)
             rss_empty = sample(sched.pid).rss_kib
             _start_engines(opts, sched, children)
-            time.sleep(opts.settle_seconds)
-            baseline = Baseline(opts.engines, rss_empty, sample(sched.pid).rss_kib)
             _start_gateways(opts, sched, children)
             _pin(opts, sched, children)
+            time.sleep(opts.settle_seconds)
+            before, began = sample(sched.pid), time.monotonic()
+            time.sleep(max(1.0, opts.settle_seconds))
+            after = sample(sched.pid)
+            baseline = Baseline(opts.engines, rss_empty, after.rss_kib,
+                                (after.cpu_s - before.cpu_s) / (time.monotonic() - began))
             steps: list[StepFigures] = []
             for number, rate in enumerate(opts.rates):
                 figures = _step(number, rate, opts, sched, children)

@@ -200,10 +200,10 @@ def test_context_hashes_are_the_gateway_hash_space() -> None:
 # ---------------------------------------------------------------- BENCHMARKS.md
 
 def test_section_replaced_in_place_or_appended() -> None:
-    result = FleetResult(Baseline(64, 100 * 1024, 110 * 1024), [_step(100, 1.0), _step(200, 9.0)])
+    result = FleetResult(Baseline(64, 100 * 1024, 110 * 1024, 0.05), [_step(100, 1.0), _step(200, 9.0)])
     text = render_section("cmd --x", "2026-12-04 04:40 UTC", "load 1 before", [result], "a note")
     assert text.startswith(SECTION + "\n") and "cmd --x" in text and "a note" in text
-    assert "capacity **100 admissions/s**" in text and "160 KiB per engine" in text
+    assert "capacity **100 admissions/s**" in text and "160 KiB per engine" in text and "5% of a core" in text
     assert "highest step carried 200/s (p99 9.0 ms" in text
     none = render_section("cmd", "now", "load", [FleetResult(Baseline(8, 1, 2), [_step(100, 7.0)])])
     assert "capacity **none**" in none and "highest step carried 100/s" in none
