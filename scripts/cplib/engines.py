@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, cast
@@ -57,16 +57,10 @@ class EngineHostSpec:
     heartbeat: float = 0.5            # scheduler.stale_report_seconds / 4 (scheduler_link.py)
 
 
-@dataclass
-class HostCounters:
-    """Messages a host's engines sent to the scheduler, and commands obeyed (all engines summed)."""
-
-    loads: int = 0
-    skipped: int = 0
-    kv_events: int = 0
-    snapshots: int = 0
-    fenced: int = 0
-    resyncs: int = 0
+# What a host's engines sent and obeyed, all engines summed: "loads",
+# "skipped" (equal reports left out), "kv_events", "snapshots", "fenced"
+# (request ids), "resyncs".
+HostCounters = Counter[str]
 
 
 @dataclass
@@ -158,11 +152,11 @@ class SynthEngine:
     def on_command(self, link: _Link, command: scheduler_pb2.SchedulerCommand) -> None:
         kind = command.WhichOneof("cmd")
         if kind == "resync":
-            self.counters.resyncs += 1
+            self.counters["resyncs"] += 1
             link.resync = True
             self.wake.set()
         elif kind == "fence":
-            self.counters.fenced += len(command.fence.request_ids)
+            self.counters["fenced"] += len(command.fence.request_ids)
             for request_id in command.fence.request_ids:
                 self.end(request_id)
 
@@ -177,7 +171,7 @@ class SynthEngine:
                     await self.send_snapshot(link)
             events, self.events = self.events, []
             for kv in events:
-                self.counters.kv_events += 1
+                self.counters["kv_events"] += 1
                 for link in self.links:
                     link.seq += 1
                     kv.seq = link.seq
@@ -194,7 +188,7 @@ class SynthEngine:
 
     async def send_snapshot(self, link: _Link) -> None:
         link.resync = False
-        self.counters.snapshots += 1
+        self.counters["snapshots"] += 1
         await link.call.write(scheduler_pb2.EngineMessage(kv_snapshot=scheduler_pb2.KvSnapshot(
             seq=link.seq, hashes=self.held())))
 
@@ -204,10 +198,10 @@ class SynthEngine:
         report = self.load()
         blob = report.SerializeToString(deterministic=True)
         if blob == self.last_blob and now - self.last_sent_at < self.spec.heartbeat:
-            self.counters.skipped += 1
+            self.counters["skipped"] += 1
             return
         self.last_blob, self.last_sent_at = blob, now
-        self.counters.loads += 1
+        self.counters["loads"] += 1
         for link in self.links:
             await link.call.write(scheduler_pb2.EngineMessage(load=report))
 
@@ -284,7 +278,7 @@ async def _host(spec: EngineHostSpec, conn: Connection) -> None:
     conn.send(("ready", address))
     while True:
         command = await loop.run_in_executor(None, conn.recv)
-        conn.send(("stats", dict(vars(counters)), sum(len(e.running) for e in engines)))
+        conn.send(("stats", dict(counters), sum(len(e.running) for e in engines)))
         if command == "stop":
             break
     for task in tasks:

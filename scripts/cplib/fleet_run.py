@@ -28,7 +28,7 @@ from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from .engines import EngineHostSpec, host_main
 from .figures import Baseline, StepFigures, latency_percentile
-from .gateways import GatewaySpec, StepOrder, StepTally, gateway_main
+from .gateways import GatewaySpec, StepOrder, gateway_main, merge_tallies
 from .procstat import sample
 from .promhist import bucket_delta, bucket_quantile, histogram_buckets
 from .scheduler_proc import SchedulerProcess, start_scheduler
@@ -130,28 +130,13 @@ def _host_messages(children: _Children) -> int:
     return total
 
 
-def _merge(tallies: list[StepTally]) -> StepTally:
-    out = StepTally()
-    for t in tallies:
-        out.sent += t.sent
-        out.latencies += t.latencies
-        out.placed_in_window += t.placed_in_window
-        out.queued_messages += t.queued_messages
-        out.unplaced += t.unplaced
-        out.preempted += t.preempted
-        out.late += t.late
-        for kind, n in t.rejected.items():
-            out.rejected[kind] = out.rejected.get(kind, 0) + n
-    return out
-
-
 def _step(number: int, rate: float, opts: FleetOptions, sched: SchedulerProcess, children: _Children) -> StepFigures:
     pids = children.pids()
     s0, d0 = sample(sched.pid), sum(sample(pid).cpu_s for pid in pids)
     h0, m0, t0 = histogram_buckets(sched.metrics(), DECISION_HISTOGRAM), _host_messages(children), time.monotonic()
     for conn in children.gateways:
         conn.send(StepOrder(number, rate / opts.gateways, opts.seconds))
-    tally = _merge([conn.recv()[1] for conn in children.gateways])
+    tally = merge_tallies([conn.recv()[1] for conn in children.gateways])
     s1, d1 = sample(sched.pid), sum(sample(pid).cpu_s for pid in pids)
     h1, m1, t1 = histogram_buckets(sched.metrics(), DECISION_HISTOGRAM), _host_messages(children), time.monotonic()
     hist = bucket_delta(h1, h0)

@@ -25,7 +25,7 @@ import contextlib
 import random
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from multiprocessing.connection import Connection
 
 from services.common.proto.kvmesh.v1 import scheduler_pb2
@@ -35,7 +35,7 @@ from services.gateway.scheduler_client import AdmitSession, SchedulerClient
 from .plan import arrival_offsets
 from .workload import Workload, context_hashes
 
-__all__ = ["GatewaySpec", "StepOrder", "StepTally", "gateway_main"]
+__all__ = ["GatewaySpec", "StepOrder", "StepTally", "gateway_main", "merge_tallies"]
 
 # After the step's arrivals: how long a request may still wait for its
 # placement before it counts as unplaced.
@@ -71,6 +71,20 @@ class StepTally:
     unplaced: int = 0
     preempted: int = 0
     late: list[float] = field(default_factory=list)        # per arrival: behind its schedule (0 = on time)
+
+
+def merge_tallies(tallies: list[StepTally]) -> StepTally:
+    """The gateways' tallies as one: counts added, lists joined, counters merged."""
+    out = StepTally()
+    for t in tallies:
+        for f in fields(StepTally):
+            mine, theirs = getattr(out, f.name), getattr(t, f.name)
+            if isinstance(mine, dict):
+                for key, n in theirs.items():
+                    mine[key] = mine.get(key, 0) + n
+            else:
+                setattr(out, f.name, mine + theirs)
+    return out
 
 
 class _Gateway:

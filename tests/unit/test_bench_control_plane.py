@@ -15,6 +15,7 @@ import pytest
 from scripts.cplib.benchmarks_md import SECTION, FleetResult, render_section, replace_section
 from scripts.cplib.engines import EngineHostSpec, HostCounters, SynthEngine
 from scripts.cplib.figures import Baseline, StepFigures, capacity, latency_percentile
+from scripts.cplib.gateways import StepTally, merge_tallies
 from scripts.cplib.plan import arrival_offsets, split_rate, step_rates
 from scripts.cplib.procstat import cpu_seconds, rss_kib, sample
 from scripts.cplib.promhist import bucket_delta, bucket_quantile, histogram_buckets
@@ -104,6 +105,16 @@ def test_cpu_per_admission_and_core_shares() -> None:
     assert s.driver_core_share == pytest.approx(0.25)
     assert s.sustained == pytest.approx(200)
     assert Baseline(4, 1000, 1400).kib_per_engine == pytest.approx(100)
+
+
+def test_gateway_tallies_merge() -> None:
+    a = StepTally(sent=3, latencies=[0.1, 0.2], placed_in_window=2, rejected={"queue_full": 1}, late=[0.0] * 3)
+    b = StepTally(sent=2, latencies=[0.3], placed_in_window=1, rejected={"queue_full": 1, "no_engine": 2},
+                  unplaced=1, preempted=1, queued_messages=4, late=[0.5, 0.0])
+    m = merge_tallies([a, b])
+    assert (m.sent, m.placed_in_window, m.unplaced, m.preempted, m.queued_messages) == (5, 3, 1, 1, 4)
+    assert m.latencies == [0.1, 0.2, 0.3] and m.late == [0.0, 0.0, 0.0, 0.5, 0.0]
+    assert m.rejected == {"queue_full": 2, "no_engine": 2} and a.rejected == {"queue_full": 1}
 
 
 # ---------------------------------------------------------------- /proc
