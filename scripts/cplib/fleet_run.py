@@ -126,7 +126,7 @@ def _host_messages(children: _Children) -> int:
     for conn in children.hosts:
         conn.send("stats")
         _, counters, _ = conn.recv()
-        total += counters["loads"] + counters["kv_events"] + counters["snapshots"]
+        total += sum(counters.get(kind, 0) for kind in ("loads", "kv_events", "snapshots"))
     return total
 
 
