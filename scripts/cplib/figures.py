@@ -72,6 +72,7 @@ class StepFigures:
     hist_p50_ms: float               # the scheduler's decision_seconds histogram
     hist_p99_ms: float
     sched_cpu_s: float
+    sched_waited_s: float            # runnable but waiting for a CPU (the machine's other work)
     driver_cpu_s: float              # synthetic gateways + engines, summed
     wall_s: float                    # from the first sample to the last
     rss_kib: int
@@ -91,6 +92,10 @@ class StepFigures:
         return self.sched_cpu_s / self.wall_s if self.wall_s > 0 else math.nan
 
     @property
+    def sched_wait_share(self) -> float:
+        return self.sched_waited_s / self.wall_s if self.wall_s > 0 else math.nan
+
+    @property
     def driver_core_share(self) -> float:
         return self.driver_cpu_s / self.wall_s if self.wall_s > 0 else math.nan
 
@@ -107,9 +112,9 @@ def capacity(steps: Sequence[StepFigures], limit_ms: float | None = P99_LIMIT_MS
 
 
 TABLE_HEADER = ("| engines | offered /s | sustained /s | p50 ms | p99 ms | sched hist p50 / p99 ms "
-                "| sched CPU ms / adm | sched core | driver cores | engine msgs /s | sched RSS MiB "
+                "| sched CPU ms / adm | sched core | sched CPU wait | driver cores | engine msgs /s | sched RSS MiB "
                 "| unplaced / rejected |\n"
-                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def _ms(value: float) -> str:
@@ -121,8 +126,8 @@ def _ms(value: float) -> str:
 def render_row(s: StepFigures) -> str:
     return (f"| {s.engines} | {s.offered:g} | {s.sustained:.0f} | {_ms(s.p50_ms)} | {_ms(s.p99_ms)} | "
             f"{_ms(s.hist_p50_ms)} / {_ms(s.hist_p99_ms)} | {_ms(s.cpu_ms_per_admission)} | "
-            f"{s.sched_core_share:.0%} | {s.driver_core_share:.2f} | {s.engine_messages / s.wall_s:.0f} | "
-            f"{s.rss_kib / 1024:.0f} | "
+            f"{s.sched_core_share:.0%} | {s.sched_wait_share:.0%} | {s.driver_core_share:.2f} | "
+            f"{s.engine_messages / s.wall_s:.0f} | {s.rss_kib / 1024:.0f} | "
             f"{s.unplaced} / {s.rejected} |")
 
 

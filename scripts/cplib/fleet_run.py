@@ -148,7 +148,8 @@ def _step(number: int, rate: float, opts: FleetOptions, sched: SchedulerProcess,
         p50_ms=latency_percentile(tally.latencies, tally.unplaced, 50) * 1000,
         p99_ms=latency_percentile(tally.latencies, tally.unplaced, 99) * 1000,
         hist_p50_ms=bucket_quantile(hist, 0.5) * 1000, hist_p99_ms=bucket_quantile(hist, 0.99) * 1000,
-        sched_cpu_s=s1.cpu_s - s0.cpu_s, driver_cpu_s=d1 - d0, wall_s=t1 - t0, rss_kib=s1.rss_kib,
+        sched_cpu_s=s1.cpu_s - s0.cpu_s, sched_waited_s=s1.waited_s - s0.waited_s, driver_cpu_s=d1 - d0,
+        wall_s=t1 - t0, rss_kib=s1.rss_kib,
         late_p99_ms=(late[int(0.99 * (len(late) - 1))] * 1000 if late else 0.0),
         engine_messages=m1 - m0)
 

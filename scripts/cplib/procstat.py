@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ProcSample", "cpu_seconds", "rss_kib", "sample"]
+__all__ = ["ProcSample", "cpu_seconds", "run_delay_seconds", "rss_kib", "sample"]
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -31,13 +31,32 @@ def rss_kib(status_text: str) -> int:
     return 0
 
 
+def run_delay_seconds(schedstat_texts: list[str]) -> float:
+    """Time the threads spent runnable but waiting for a CPU (the second
+    field of each /proc/PID/task/TID/schedstat, in ns): how much the
+    machine's other work held the process back."""
+    return sum(int(text.split()[1]) for text in schedstat_texts if text.strip()) / 1e9
+
+
 @dataclass(frozen=True)
 class ProcSample:
     cpu_s: float
     rss_kib: int
+    waited_s: float = 0.0     # runnable, waiting for a CPU (all threads)
+
+
+def _schedstats(base: Path) -> list[str]:
+    out = []
+    for task in base.glob("task/*/schedstat"):
+        try:
+            out.append(task.read_text())
+        except OSError:   # the thread ended meanwhile
+            continue
+    return out
 
 
 def sample(pid: int) -> ProcSample:
-    """CPU seconds and RSS of `pid` now (its threads included)."""
+    """CPU seconds, RSS and CPU wait of `pid` now (its threads included)."""
     base = Path(f"/proc/{pid}")
-    return ProcSample(cpu_seconds((base / "stat").read_text()), rss_kib((base / "status").read_text()))
+    return ProcSample(cpu_seconds((base / "stat").read_text()), rss_kib((base / "status").read_text()),
+                      run_delay_seconds(_schedstats(base)))

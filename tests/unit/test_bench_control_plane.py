@@ -17,7 +17,7 @@ from scripts.cplib.engines import EngineHostSpec, HostCounters, SynthEngine
 from scripts.cplib.figures import Baseline, StepFigures, capacity, latency_percentile
 from scripts.cplib.gateways import StepTally, merge_tallies
 from scripts.cplib.plan import arrival_offsets, split_rate, step_rates
-from scripts.cplib.procstat import cpu_seconds, rss_kib, sample
+from scripts.cplib.procstat import cpu_seconds, rss_kib, run_delay_seconds, sample
 from scripts.cplib.promhist import bucket_delta, bucket_quantile, histogram_buckets
 from scripts.cplib.workload import Workload, context_hashes
 
@@ -79,8 +79,8 @@ def _step(offered: float, p99: float, placed_share: float = 1.0, rejected: int =
     placed = int(offered * 5 * placed_share)
     return StepFigures(engines=64, offered=offered, seconds=5.0, sent=int(offered * 5) - 7, placed=placed,
                        placed_in_window=placed, rejected=rejected, unplaced=0, p50_ms=p99 / 3, p99_ms=p99,
-                       hist_p50_ms=0.1, hist_p99_ms=0.5, sched_cpu_s=cpu, driver_cpu_s=2.0, wall_s=8.0,
-                       rss_kib=100 * 1024, late_p99_ms=0.0, engine_messages=800)
+                       hist_p50_ms=0.1, hist_p99_ms=0.5, sched_cpu_s=cpu, sched_waited_s=0.8, driver_cpu_s=2.0,
+                       wall_s=8.0, rss_kib=100 * 1024, late_p99_ms=0.0, engine_messages=800)
 
 
 def test_capacity_is_the_highest_carried_step_within_the_p99_limit() -> None:
@@ -103,6 +103,7 @@ def test_cpu_per_admission_and_core_shares() -> None:
     assert s.cpu_ms_per_admission == pytest.approx(2.0)
     assert s.sched_core_share == pytest.approx(0.25)
     assert s.driver_core_share == pytest.approx(0.25)
+    assert s.sched_wait_share == pytest.approx(0.1)
     assert s.sustained == pytest.approx(200)
     assert Baseline(4, 1000, 1400).kib_per_engine == pytest.approx(100)
 
@@ -133,9 +134,13 @@ def test_rss_from_status() -> None:
     assert rss_kib("Name:\tzombie\n") == 0
 
 
+def test_run_delay_sums_the_threads_waits() -> None:
+    assert run_delay_seconds(["1000 2500000000 7\n", "5 500000000 1\n", ""]) == pytest.approx(3.0)
+
+
 def test_sample_of_this_process() -> None:
     s = sample(os.getpid())
-    assert s.cpu_s > 0 and s.rss_kib > 1000
+    assert s.cpu_s > 0 and s.rss_kib > 1000 and s.waited_s >= 0
 
 
 # ---------------------------------------------------------------- /metrics
