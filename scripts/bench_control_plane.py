@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                 hold_max=args.hold_ms[1] / 1000, first_token=args.first_token_ms / 1000, workload=workload,
                 config=args.config, log_level=args.log_level, scheduler_cpu=args.scheduler_cpu)
             print(f"\n{engines} engines, run {run + 1} of {args.repeat}\n{TABLE_HEADER}", flush=True)
-            baseline, steps = run_fleet(opts, lambda s: print(render_row(s), flush=True))
+            baseline, steps = run_fleet(opts, lambda s, n=run + 1: print(render_row(s, n), flush=True))
             results.append(FleetResult(baseline, steps))
             print(summary_line(results[-1]), flush=True)
     load_after = _load()

@@ -54,29 +54,33 @@ def summary_line(result: FleetResult) -> str:
 
 
 _ABOUT = """\
-Defaults shown (the command above names any change). One scheduler process started as `kvmesh up`
-starts it (default config: `predicted_ttft`, INFO logging),
-over gRPC on loopback. Synthetic engines (scripts/cplib/engines.py; up to 512 per process, one
-connection each) send hello, a KV snapshot, load reports every 100 ms when changed and at least every
-0.5 s, promptly (<= 25 ms) after a request starts or ends, and KV events, as
-services/engine/scheduler_link.py does. Synthetic gateways (2 processes) admit through the gateway's
-own `SchedulerClient` / `AdmitSession` (spare call included): AdmitRequest with 125 + 2 prefix hashes
-(64 shared 2,000-token contexts), Placed, FirstToken 20 ms later, RequestDone after a hold of 50-200 ms;
-Poisson arrivals, open loop, each step twice the last, until a step is not carried (< 95% of its
-arrivals placed within it). Columns: latency p50 / p99 at the gateway (Admit sent -> Placed received;
-unplaced requests count as the slowest); the scheduler's own `kvmesh_scheduler_decision_seconds`
-(policy time only, from /metrics); its CPU (utime + stime from /proc, arrivals and their leases'
-ends) per admission; its share of a core; its CPU wait (schedstat run delay, all threads summed:
-time it was runnable but another process had the CPU); the synthetic processes' CPU in cores; load
-reports + KV messages the engines sent per second; the scheduler's RSS. Capacity: the highest step
-carried with p99 <= 5 ms."""
+Defaults shown (the command above names any change). One scheduler process started as `kvmesh up` starts
+it (default config: `predicted_ttft`, INFO logging), over gRPC on loopback. Synthetic engines
+(scripts/cplib/engines.py; up to 512 per process, one connection each) send hello, a KV snapshot, load
+reports every 100 ms when changed and at least every 0.5 s, promptly (<= 25 ms) after a request starts
+or ends, and KV events, as services/engine/scheduler_link.py does. Synthetic gateways (2 processes)
+admit through the gateway's own `SchedulerClient` / `AdmitSession` (spare call included): AdmitRequest
+with 125 + 2 prefix hashes (64 shared 2,000-token contexts), Placed, FirstToken 20 ms later, RequestDone
+after a hold of 50-200 ms; Poisson arrivals, open loop, each step twice the last, until a step is not
+carried (< 95% of its arrivals placed within it). Columns: latency p50 / p99 at the gateway (Admit sent
+-> Placed received; unplaced requests count as the slowest); the scheduler's own
+`kvmesh_scheduler_decision_seconds` (policy time only, from /metrics; inf = past its last bucket, 100
+ms); its CPU (utime + stime from /proc, arrivals and their leases' ends) per admission; its share of a
+core; its CPU wait (schedstat run delay, all threads summed: time it was runnable but another process
+had the CPU); the synthetic processes' CPU in cores; load reports + KV messages the engines sent per
+second; the scheduler's RSS. Capacity: the highest step carried with p99 <= 5 ms."""
 
 
 def render_section(command: str, when: str, load: str, results: Sequence[FleetResult], notes: str = "") -> str:
     lines = [SECTION, "", "```", command, "```", "",
              f"Measured {when} on {machine()}; {load}.", "", _ABOUT, ""]
     lines += [f"- {summary_line(r)}" for r in results]
-    lines += ["", render_table([s for r in results for s in r.steps])]
+    runs: dict[int, int] = {}
+    numbered = []
+    for r in results:
+        runs[r.baseline.engines] = runs.get(r.baseline.engines, 0) + 1
+        numbered.append((runs[r.baseline.engines], r.steps))
+    lines += ["", render_table(numbered)]
     if notes:
         lines += ["", notes.strip()]
     return "\n".join(lines) + "\n"

@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Baseline", "StepFigures", "capacity", "latency_percentile", "render_table", "TABLE_HEADER"]
+__all__ = ["TABLE_HEADER", "Baseline", "StepFigures", "capacity", "latency_percentile", "render_row", "render_table"]
 
 # A step is carried when it placed at least this share of what it sent
 # within its window (below it, arrivals pile up: the rate is not carried).
@@ -111,10 +111,10 @@ def capacity(steps: Sequence[StepFigures], limit_ms: float | None = P99_LIMIT_MS
     return max(good, key=lambda s: s.offered, default=None)
 
 
-TABLE_HEADER = ("| engines | offered /s | sustained /s | p50 ms | p99 ms | sched hist p50 / p99 ms "
+TABLE_HEADER = ("| engines | run | offered /s | sustained /s | p50 ms | p99 ms | sched hist p50 / p99 ms "
                 "| sched CPU ms / adm | sched core | sched CPU wait | driver cores | engine msgs /s | sched RSS MiB "
                 "| unplaced / rejected |\n"
-                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def _ms(value: float) -> str:
@@ -123,13 +123,14 @@ def _ms(value: float) -> str:
     return "inf" if math.isinf(value) else f"{value:.2f}"
 
 
-def render_row(s: StepFigures) -> str:
-    return (f"| {s.engines} | {s.offered:g} | {s.sustained:.0f} | {_ms(s.p50_ms)} | {_ms(s.p99_ms)} | "
+def render_row(s: StepFigures, run: int = 1) -> str:
+    return (f"| {s.engines} | {run} | {s.offered:g} | {s.sustained:.0f} | {_ms(s.p50_ms)} | {_ms(s.p99_ms)} | "
             f"{_ms(s.hist_p50_ms)} / {_ms(s.hist_p99_ms)} | {_ms(s.cpu_ms_per_admission)} | "
             f"{s.sched_core_share:.0%} | {s.sched_wait_share:.0%} | {s.driver_core_share:.2f} | "
             f"{s.engine_messages / s.wall_s:.0f} | {s.rss_kib / 1024:.0f} | "
             f"{s.unplaced} / {s.rejected} |")
 
 
-def render_table(steps: Sequence[StepFigures]) -> str:
-    return "\n".join([TABLE_HEADER, *(render_row(s) for s in steps)])
+def render_table(runs: Sequence[tuple[int, Sequence[StepFigures]]]) -> str:
+    """One table of (run number, its steps) pairs."""
+    return "\n".join([TABLE_HEADER, *(render_row(s, run) for run, steps in runs for s in steps)])

@@ -35,7 +35,7 @@ def bucket_delta(after: dict[float, float], before: dict[float, float]) -> dict[
 
 def bucket_quantile(buckets: dict[float, float], q: float) -> float:
     """The q-quantile (0..1) of cumulative `buckets`; NaN without
-    observations; the highest finite bound when it falls in +Inf."""
+    observations; infinite when it falls past the last finite bound."""
     if not 0 <= q <= 1:
         raise ValueError(f"q must be in [0, 1], got {q}")
     bounds = sorted(buckets)
@@ -48,7 +48,7 @@ def bucket_quantile(buckets: dict[float, float], q: float) -> float:
         count = buckets[bound]
         if count >= rank:
             if math.isinf(bound):
-                return lower
+                return math.inf
             if count == below:
                 return bound
             return lower + (bound - lower) * (rank - below) / (count - below)

@@ -166,7 +166,7 @@ def test_histogram_buckets_and_quantiles() -> None:
     delta = bucket_delta(buckets, {0.0001: 10.0, 0.001: 10.0, 0.01: 10.0, math.inf: 10.0})
     assert delta == {0.0001: 0.0, 0.001: 80.0, 0.01: 90.0, math.inf: 90.0}
     assert math.isnan(bucket_quantile({}, 0.5))
-    assert bucket_quantile({0.001: 0.0, math.inf: 5.0}, 0.99) == 0.001   # past the last bound
+    assert math.isinf(bucket_quantile({0.001: 0.0, math.inf: 5.0}, 0.99))   # past the last bound
 
 
 # ---------------------------------------------------------------- synthetic engine
@@ -221,6 +221,9 @@ def test_section_replaced_in_place_or_appended() -> None:
     assert text.startswith(SECTION + "\n") and "cmd --x" in text and "a note" in text
     assert "capacity **100 admissions/s**" in text and "160 KiB per engine" in text and "5% of a core" in text
     assert "highest step carried 200/s (p99 9.0 ms" in text
+    assert "| 64 | 1 | 100 | " in text and "| 64 | 1 | 200 | " in text
+    twice = render_section("cmd", "now", "load", [result, result])
+    assert "| 64 | 2 | 200 | " in twice and twice.count("| 64 | 1 | ") == 2
     none = render_section("cmd", "now", "load", [FleetResult(Baseline(8, 1, 2), [_step(100, 7.0)])])
     assert "capacity **none**" in none and "highest step carried 100/s" in none
     doc = "# B\n\n## A\n\nx\n"
