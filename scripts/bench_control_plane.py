@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import shlex
 import sys
@@ -35,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scripts.cplib.benchmarks_md import FleetResult, render_section, replace_section, summary_line
-from scripts.cplib.figures import TABLE_HEADER, render_row
+from scripts.cplib.figures import TABLE_HEADER, StepFigures, render_row
 from scripts.cplib.fleet_run import FleetOptions, run_fleet
 from scripts.cplib.plan import step_rates
 from scripts.cplib.workload import Workload
@@ -70,6 +71,10 @@ def _load() -> str:
     return f"{one:.2f} {five:.2f} {fifteen:.2f}"
 
 
+def _print_row(figures: StepFigures, run: int) -> None:
+    print(render_row(figures, run), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     rates = tuple(step_rates(args.start_rate, args.max_rate))
@@ -86,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                 hold_max=args.hold_ms[1] / 1000, first_token=args.first_token_ms / 1000, workload=workload,
                 config=args.config, log_level=args.log_level, scheduler_cpu=args.scheduler_cpu)
             print(f"\n{engines} engines, run {run + 1} of {args.repeat}\n{TABLE_HEADER}", flush=True)
-            baseline, steps = run_fleet(opts, lambda s, n=run + 1: print(render_row(s, n), flush=True))
+            baseline, steps = run_fleet(opts, functools.partial(_print_row, run=run + 1))
             results.append(FleetResult(baseline, steps))
             print(summary_line(results[-1]), flush=True)
     load_after = _load()
