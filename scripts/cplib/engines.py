@@ -1,0 +1,296 @@
+"""Synthetic engines: many engines' Connect streams from one process, each
+sending what services/engine/scheduler_link.py sends -- `hello`, a
+`kv_snapshot`, then a `load` report every report interval (left out when
+equal to the last one, but at least every heartbeat) and promptly after a
+change (at most one per interval / 4), and `kv_events` as its prefix cache
+changes -- and obeying `resync` (a fresh snapshot) and `fence`.
+
+A synthetic gateway tells the engine it was placed on that a request starts
+or ends with one UDP datagram to the engine's announced address (where a
+real gateway would open its Generate stream): "S <engine> <request> <group>
+<tail hashes...>" and "E <engine> <request>". A start stores the request's
+context (evicting the least recently used ones past the cache's size) and
+tail in the engine's cache and changes its load, as on a real engine.
+
+Ownership: one event loop per host process; each engine's writer task is
+the only writer of its streams; the datagram handler and the periodic sweep
+only change the engine's state and wake its writer, synchronously.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, cast
+
+import grpc
+
+from services.common.grpc_server import client_options
+from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+from .workload import Workload, context_hashes
+
+__all__ = ["EngineHostSpec", "HostCounters", "SynthEngine", "host_main"]
+
+# Most unique tails an engine keeps cached before evicting the oldest.
+_MAX_TAILS = 256
+# The periodic sweep visits a tenth of the engines per turn: reports are
+# spread over the interval as real engines' unaligned timers spread them.
+_SLICES = 10
+
+
+@dataclass(frozen=True)
+class EngineHostSpec:
+    """The engines one host process runs (first index, count)."""
+
+    first: int
+    count: int
+    schedulers: tuple[str, ...]
+    workload: Workload
+    total_blocks: int = 4096
+    max_running: int = 64
+    report_interval: float = 0.1      # engines.template.report_interval_seconds
+    heartbeat: float = 0.5            # scheduler.stale_report_seconds / 4 (scheduler_link.py)
+
+
+# What a host's engines sent and obeyed, all engines summed: "loads",
+# "skipped" (equal reports left out), "kv_events", "snapshots", "fenced"
+# (request ids), "resyncs".
+HostCounters = Counter[str]
+
+
+@dataclass
+class _Link:
+    call: grpc.aio.StreamStreamCall
+    seq: int = 0
+    resync: bool = False
+
+
+@dataclass
+class SynthEngine:
+    """One engine's state (its cache, its running requests) and streams."""
+
+    engine_id: str
+    spec: EngineHostSpec
+    contexts: list[tuple[int, ...]]
+    counters: HostCounters
+    groups: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    tails: deque[tuple[int, ...]] = field(default_factory=deque)
+    running: dict[str, tuple[int, int]] = field(default_factory=dict)   # request -> (group, blocks)
+    events: list[scheduler_pb2.KvEvents] = field(default_factory=list)
+    links: list[_Link] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    changed: bool = False
+    tick_due: bool = False
+    later: asyncio.TimerHandle | None = None
+    last_load_at: float = -1e9
+    last_blob: bytes = b""
+    last_sent_at: float = -1e9
+    queries: int = 0
+    hits: int = 0
+
+    def held(self) -> list[int]:
+        return [h for g in self.groups for h in self.contexts[g]] + [h for t in self.tails for h in t]
+
+    def _cached(self) -> int:
+        return sum(len(self.contexts[g]) for g in self.groups) + sum(len(t) for t in self.tails)
+
+    def start(self, request_id: str, group: int, tail: tuple[int, ...]) -> None:
+        """A request starts here: its prefix enters the cache, its load counts."""
+        w = self.spec.workload
+        self.queries += w.prompt_tokens
+        stored: list[int] = []
+        removed: list[int] = []
+        if group in self.groups:
+            self.groups.move_to_end(group)
+            self.hits += w.context_tokens // w.hash_block_tokens * w.hash_block_tokens
+        else:
+            while self.groups and self._cached() + len(self.contexts[group]) > self.spec.total_blocks:
+                removed.extend(self.contexts[self.groups.popitem(last=False)[0]])
+            self.groups[group] = None
+            stored.extend(self.contexts[group])
+        self.tails.append(tail)
+        stored.extend(tail)
+        if len(self.tails) > _MAX_TAILS:
+            removed.extend(self.tails.popleft())
+        self.events.append(scheduler_pb2.KvEvents(stored=stored, removed=removed))
+        blocks = len(tail) + -(-w.max_tokens // w.hash_block_tokens)
+        self.running[request_id] = (group, blocks)
+        self.note_change()
+
+    def end(self, request_id: str) -> None:
+        if self.running.pop(request_id, None) is not None:
+            self.note_change()
+
+    def note_change(self) -> None:
+        self.changed = True
+        self.wake.set()
+
+    def load(self, serving: bool = True) -> scheduler_pb2.LoadReport:
+        n = len(self.running)
+        groups = {g for g, _ in self.running.values()}
+        used = sum(b for _, b in self.running.values()) + sum(len(self.contexts[g]) for g in groups)
+        return scheduler_pb2.LoadReport(
+            running=min(n, self.spec.max_running), waiting=max(0, n - self.spec.max_running),
+            blocks_used=min(used, self.spec.total_blocks), blocks_total=self.spec.total_blocks,
+            cached_blocks=self._cached(), serving=serving, queued_tokens=0, request_ids=list(self.running),
+            prefix_cache_queries=self.queries, prefix_cache_hits=self.hits,
+            prefill_tokens_per_second=20000.0, step_seconds=0.01 + 0.0005 * n, step_token_budget=2048)
+
+    def hello(self, address: str, incarnation: int) -> scheduler_pb2.EngineHello:
+        w = self.spec.workload
+        return scheduler_pb2.EngineHello(
+            engine_id=self.engine_id, address=address, model=w.model, block_size=w.hash_block_tokens,
+            total_blocks=self.spec.total_blocks, max_running=self.spec.max_running, weight=1.0,
+            max_model_len=32768, hash_block_tokens=w.hash_block_tokens, backend="synthetic",
+            incarnation=incarnation)
+
+    def on_command(self, link: _Link, command: scheduler_pb2.SchedulerCommand) -> None:
+        kind = command.WhichOneof("cmd")
+        if kind == "resync":
+            self.counters["resyncs"] += 1
+            link.resync = True
+            self.wake.set()
+        elif kind == "fence":
+            self.counters["fenced"] += len(command.fence.request_ids)
+            for request_id in command.fence.request_ids:
+                self.end(request_id)
+
+    async def write_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Like scheduler_link's writer: KV events at once, load when due."""
+        gap = max(0.005, self.spec.report_interval / 4)
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            for link in self.links:
+                if link.resync:
+                    await self.send_snapshot(link)
+            events, self.events = self.events, []
+            for kv in events:
+                self.counters["kv_events"] += 1
+                for link in self.links:
+                    link.seq += 1
+                    kv.seq = link.seq
+                    await link.call.write(scheduler_pb2.EngineMessage(kv_events=kv))
+            now = loop.time()
+            if self.tick_due or (self.changed and now >= self.last_load_at + gap):
+                await self._send_load(loop.time())
+            elif self.changed and self.later is None:
+                self.later = loop.call_at(self.last_load_at + gap, self._later)
+
+    def _later(self) -> None:
+        self.later = None
+        self.wake.set()
+
+    async def send_snapshot(self, link: _Link) -> None:
+        link.resync = False
+        self.counters["snapshots"] += 1
+        await link.call.write(scheduler_pb2.EngineMessage(kv_snapshot=scheduler_pb2.KvSnapshot(
+            seq=link.seq, hashes=self.held())))
+
+    async def _send_load(self, now: float) -> None:
+        self.changed = self.tick_due = False
+        self.last_load_at = now
+        report = self.load()
+        blob = report.SerializeToString(deterministic=True)
+        if blob == self.last_blob and now - self.last_sent_at < self.spec.heartbeat:
+            self.counters["skipped"] += 1
+            return
+        self.last_blob, self.last_sent_at = blob, now
+        self.counters["loads"] += 1
+        for link in self.links:
+            await link.call.write(scheduler_pb2.EngineMessage(load=report))
+
+
+async def _read_commands(engine: SynthEngine, link: _Link) -> None:
+    while True:
+        message = await link.call.read()
+        if message is grpc.aio.EOF:
+            return
+        engine.on_command(link, cast(scheduler_pb2.SchedulerCommand, message))
+
+
+class _Datagrams(asyncio.DatagramProtocol):
+    """Starts and ends of requests, from the synthetic gateways."""
+
+    def __init__(self, engines: dict[str, SynthEngine]) -> None:
+        self._engines = engines
+
+    def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:
+        parts = data.decode().split()
+        engine = self._engines.get(parts[1]) if len(parts) >= 3 else None
+        if engine is None:
+            return
+        if parts[0] == "S":
+            engine.start(parts[2], int(parts[3]), tuple(int(h) for h in parts[4:]))
+        elif parts[0] == "E":
+            engine.end(parts[2])
+
+
+async def _connect(engine: SynthEngine, address: str, incarnation: int, channels: list[grpc.aio.Channel],
+                   tasks: list[asyncio.Task[None]]) -> None:
+    """One Connect stream per scheduler, on the engine's own connection."""
+    for target in engine.spec.schedulers:
+        channel = grpc.aio.insecure_channel(target, options=client_options())
+        channels.append(channel)
+        link = _Link(scheduler_pb2_grpc.SchedulerStub(channel).Connect())
+        await link.call.write(scheduler_pb2.EngineMessage(hello=engine.hello(address, incarnation)))
+        await engine.send_snapshot(link)
+        engine.links.append(link)
+        tasks.append(asyncio.create_task(_read_commands(engine, link)))
+
+
+async def _sweep(engines: list[SynthEngine], interval: float) -> None:
+    """Every interval each engine is due a report, a slice at a time."""
+    turn = 0
+    while True:
+        await asyncio.sleep(interval / _SLICES)
+        for engine in engines[turn % _SLICES::_SLICES]:
+            engine.tick_due = True
+            engine.wake.set()
+        turn += 1
+
+
+async def _host(spec: EngineHostSpec, conn: Connection) -> None:
+    loop = asyncio.get_running_loop()
+    contexts = context_hashes(spec.workload)
+    counters = HostCounters()
+    engines = [SynthEngine(f"synth-{i}", spec, contexts, counters) for i in range(spec.first, spec.first + spec.count)]
+    for i, engine in zip(range(spec.first, spec.first + spec.count), engines, strict=True):
+        for g in (2 * i % spec.workload.groups, (2 * i + 1) % spec.workload.groups):
+            engine.groups[g] = None
+    by_id = {e.engine_id: e for e in engines}
+    transport, _ = await loop.create_datagram_endpoint(lambda: _Datagrams(by_id), local_addr=("127.0.0.1", 0))
+    address = f"127.0.0.1:{transport.get_extra_info('sockname')[1]}"
+    channels: list[grpc.aio.Channel] = []
+    tasks: list[asyncio.Task[None]] = []
+    # EngineHello.incarnation as scheduler_link.new_incarnation makes it.
+    base = (time.time_ns() // 1_000_000) << 22
+    for chunk in range(0, len(engines), 64):
+        await asyncio.gather(*(_connect(e, address, base + spec.first + chunk + n, channels, tasks)
+                               for n, e in enumerate(engines[chunk:chunk + 64])))
+    tasks += [asyncio.create_task(e.write_loop(loop)) for e in engines]
+    tasks.append(asyncio.create_task(_sweep(engines, spec.report_interval)))
+    conn.send(("ready", address))
+    while True:
+        command = await loop.run_in_executor(None, conn.recv)
+        conn.send(("stats", dict(counters), sum(len(e.running) for e in engines)))
+        if command == "stop":
+            break
+    for task in tasks:
+        task.cancel()
+    for channel in channels:
+        with contextlib.suppress(Exception):
+            await channel.close()
+    transport.close()
+
+
+def host_main(spec: EngineHostSpec, conn: Connection) -> None:
+    """A host process's entry point (multiprocessing, spawn)."""
+    import uvloop
+
+    uvloop.run(_host(spec, conn))
