@@ -27,7 +27,8 @@ class Tree:
     """A fake backend's processes: `rate` runnable seconds per second."""
 
     def __init__(self, clock: FakeClock, rate: float) -> None:
-        self.clock, self.rate, self.stopped = clock, rate, None
+        self.clock, self.rate = clock, rate
+        self.stopped: str | None = None
         self._at, self._total = clock.monotonic(), 0.0
 
     def activity(self) -> BackendActivity:
