@@ -20,6 +20,8 @@ from types import ModuleType
 
 import pytest
 
+from tests._scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 # What ruff lints and mypy checks (mypy's runs: scripts/typecheck.py, pyproject.toml).
 LINTED = ("services", "tests", "scripts")
@@ -92,11 +94,7 @@ def test_the_ignore_gate_tells_a_reason_from_none() -> None:
 
 
 def _typecheck() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("typecheck", ROOT / "scripts" / "typecheck.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("typecheck")
 
 
 def test_every_mypy_override_names_a_checked_module() -> None:

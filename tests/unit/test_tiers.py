@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import tomllib
 from types import ModuleType
 
 import pytest
 
+from tests._scripts import load_script
 from tests._tiers import TESTS, TIERS, tier_of
 
 ROOT = TESTS.parent
@@ -49,11 +49,7 @@ def test_every_tier_folder_exists_and_every_tier_is_a_declared_marker() -> None:
 
 def _run_tests() -> ModuleType:
     """scripts/run_tests.py, `make test`'s two runs (loaded by path: scripts/ is no package)."""
-    spec = importlib.util.spec_from_file_location("run_tests", ROOT / "scripts" / "run_tests.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("run_tests")
 
 
 def test_make_test_runs_every_test_once_in_two_runs() -> None:
