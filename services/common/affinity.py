@@ -20,6 +20,7 @@ from pathlib import Path
 
 __all__ = [
     "PinResult",
+    "children",
     "descendants",
     "omp_bind_spec",
     "omp_cores",
@@ -89,7 +90,8 @@ def omp_cores(setting: str) -> set[int]:
     return parse_cpus(omp_bind_spec(setting))
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (every thread's children)."""
     out: list[int] = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
@@ -109,11 +111,11 @@ def _cmdline(pid: int) -> str:
 def descendants(root: int) -> list[int]:
     """Every process below `root` (children, their children, ...)."""
     found: list[int] = []
-    stack = _children(root)
+    stack = children(root)
     while stack:
         pid = stack.pop()
         found.append(pid)
-        stack += _children(pid)
+        stack += children(pid)
     return sorted(found)
 
 

@@ -67,7 +67,7 @@ from services.engine.vllm_backend.launch import (
     set_vllm_tracing,
     warm_up,
 )
-from services.engine.vllm_backend.process_watch import ProcessWatch
+from services.engine.vllm_backend.process_watch import ProcessWatch, vllm_descendants
 from services.engine.vllm_backend.stats import EngineStats, make_stat_logger_factory
 from services.engine.vllm_backend.vllm_api import VllmApi, import_vllm
 
@@ -115,6 +115,7 @@ class VllmBackend:
         self._last_reported = (0, 0)
         self._stopped = False
         self._watch: ProcessWatch | None = None
+        self._foreign: frozenset[tuple[int, int]] = frozenset()
         self.startup_seconds = 0.0
         # vLLM exports its own spans there when tracing is on (launch.py).
         self._traces_url = config.tracing.traces_url if config.tracing.enabled else None
@@ -130,11 +131,14 @@ class VllmBackend:
                 "run `make setup` (python -m services.models.build)"
             )
         began = time.monotonic()
+        # vLLM processes already under this process are not this backend's
+        # (another in-process backend's): never watched, pinned or killed.
+        self._foreign = frozenset((p.pid, p.start_ticks) for p in vllm_descendants(os.getpid()))
         replay = await self._launch()
         try:
             # From here a dead core or worker is seen at once, warm-up included.
-            self._watch = ProcessWatch(os.getpid())
-            self._watch.start()
+            watch = self._watch = ProcessWatch(os.getpid(), foreign=self._foreign)
+            watch.start()
             self.info = resolved_info(self._llm, self._model_name, self._mesh.hash_block_tokens,
                                       self._engine.p0_headroom)
             self._translator = KvTranslator(self.info.block_size, self._mesh.hash_block_tokens)
@@ -145,7 +149,7 @@ class VllmBackend:
             await self._teardown()
             raise
         if self._vcfg.pin_vllm_processes:
-            pin_processes(self._vcfg.omp_threads_bind)
+            pin_processes(self._vcfg.omp_threads_bind, [p.pid for p in watch.processes])
         self.startup_seconds = time.monotonic() - began
         log.info(
             "vLLM ready in %.1f s: %s, block %d x %d, max_model_len %d",
@@ -208,7 +212,7 @@ class VllmBackend:
         # Whatever vLLM's shutdown left (an orphaned worker of a dead core,
         # a core a failed start left behind) ends too: no process of this
         # engine outlives it.
-        watch, self._watch = self._watch or ProcessWatch(os.getpid()), None
+        watch, self._watch = self._watch or ProcessWatch(os.getpid(), foreign=self._foreign), None
         await watch.stop()
         if self._subscriber is not None:
             await self._subscriber.stop()

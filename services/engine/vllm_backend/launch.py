@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from services.common.affinity import omp_cores, pin_vllm_processes
+from services.common.affinity import omp_cores, pin_threads
 from services.common.config import EngineConfig
 from services.common.openai_api.structured_outputs import StructuredSpec
 from services.engine.backend import BackendInfo, GenerationOutput, GenerationRequest, Sampling
@@ -157,14 +157,14 @@ async def warm_up(generate: Callable[[GenerationRequest], AsyncIterator[Generati
     await asyncio.gather(*(one(s) for s in variants))
 
 
-def pin_processes(omp_threads_bind: str) -> None:
-    """Pin vLLM's engine core and worker (children of this process) to the
-    OpenMP cores, when the binding is a core list."""
+def pin_processes(omp_threads_bind: str, pids: list[int]) -> None:
+    """Pin this engine's vLLM engine core and worker (`pids`, its process
+    watch's) to the OpenMP cores, when the binding is a core list."""
     try:
         cpus = omp_cores(omp_threads_bind)
     except ValueError:
         log.info("vLLM's processes not pinned: OpenMP binding %r is not a core list", omp_threads_bind)
         return
-    pinned = pin_vllm_processes(os.getpid(), cpus)
+    threads = pin_threads(pids, cpus)
     log.info("vLLM's engine core and worker (%d processes, %d threads) pinned to cores %s",
-             len(pinned.pids), pinned.threads, ",".join(map(str, sorted(cpus))))
+             len(pids), threads, ",".join(map(str, sorted(cpus))))

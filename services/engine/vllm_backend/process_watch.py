@@ -58,7 +58,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.affinity import descendants, pin_threads
+from services.common.affinity import children, pin_threads
 from services.engine.backend import BackendActivity
 from services.engine.vllm_backend.proc_activity import tree_activity
 from services.engine.vllm_backend.proc_state import read_state
@@ -129,14 +129,25 @@ def ending(process: VllmProcess) -> str | None:
     return state.ending()
 
 
-def vllm_descendants(root: int) -> list[VllmProcess]:
-    """The running `VLLM::`-titled processes below `root`."""
+def vllm_descendants(root: int, foreign: frozenset[tuple[int, int]] = frozenset()) -> list[VllmProcess]:
+    """The running `VLLM::`-titled processes `root` started: its
+    `VLLM::` children and theirs, down through `VLLM::` processes only,
+    leaving out the `foreign` ones (PID, start ticks) and what is under
+    them. A `VLLM::` process below another kind (another engine's, under
+    that engine's own process) is not `root`'s: a test process hosting an
+    in-process backend beside whole meshes took every mesh's vLLM for its
+    own, and its stop SIGKILLed them all."""
     found: list[VllmProcess] = []
-    for pid in descendants(root):
+    stack = children(root)
+    while stack:
+        pid = stack.pop()
         title, state = _title(pid), read_state(pid)
-        if title.startswith(VLLM_TITLE) and state is not None and state.ending() is None:
-            found.append(VllmProcess(pid, title, state.start_ticks))
-    return found
+        if (not title.startswith(VLLM_TITLE) or state is None or state.ending() is not None
+                or (pid, state.start_ticks) in foreign):
+            continue
+        found.append(VllmProcess(pid, title, state.start_ticks))
+        stack += children(pid)
+    return sorted(found, key=lambda p: p.pid)
 
 
 def running(process: VllmProcess) -> bool:
@@ -190,8 +201,10 @@ class ProcessWatch:
     processes run, `death` once one ended, `await stop()` (kills what is left)."""
 
     def __init__(self, root: int, on_death: Callable[[Death], None] | None = None,
-                 poll_seconds: float = POLL_SECONDS, exit_wait_seconds: float = EXIT_WAIT_SECONDS) -> None:
+                 poll_seconds: float = POLL_SECONDS, exit_wait_seconds: float = EXIT_WAIT_SECONDS,
+                 foreign: frozenset[tuple[int, int]] = frozenset()) -> None:
         self._root = root
+        self._foreign = foreign  # vLLM processes under the root that are not this engine's (vllm_descendants)
         self._on_death = on_death
         self.poll_seconds = poll_seconds
         self.exit_wait_seconds = exit_wait_seconds
@@ -209,7 +222,7 @@ class ProcessWatch:
 
     def start(self) -> list[VllmProcess]:
         """Record vLLM's processes under the root and watch them; returns them."""
-        self.processes = vllm_descendants(self._root)
+        self.processes = vllm_descendants(self._root, self._foreign)
         self._loop = loop = asyncio.get_running_loop()
         for process in self.processes:
             fd = _open_pidfd(process)
@@ -304,7 +317,8 @@ class ProcessWatch:
         recorded = {p.pid for p in self.processes}
         killed = [p.pid for p in self.processes
                   if p.pid not in self._killed and kill_process(p, self._pidfds.get(p.pid))]
-        found = [p for p in vllm_descendants(self._root) if p.pid not in recorded | self._killed and kill_process(p)]
+        found = [p for p in vllm_descendants(self._root, self._foreign)
+                 if p.pid not in recorded | self._killed and kill_process(p)]
         self._found += found
         killed += [p.pid for p in found]
         self._killed.update(killed)

@@ -11,6 +11,7 @@ to catch), and a held event loop does not delay the death."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 from test_vllm_adapter import backend
 
+from services.common.affinity import descendants
 from services.engine.vllm_backend import process_watch
 from services.engine.vllm_backend.proc_state import PF_EXITING, ProcState
 from services.engine.vllm_backend.process_watch import (
@@ -43,6 +45,13 @@ def _state(pid: int) -> str | None:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return None
+
+
+def _title(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+    except OSError:
+        return ""
 
 
 def _gone(pid: int) -> bool:
@@ -340,3 +349,51 @@ def test_release_cores_moves_every_thread_onto_the_engines_cores() -> None:
     finally:
         other.kill()
         other.wait()
+
+
+# Another engine service's vLLM, as a test process hosting an in-process
+# backend beside whole meshes has it: a non-vLLM process with the tree below.
+_OTHER_ENGINE = f"bash -c '{_TREE}' & wait"
+
+
+@pytest.fixture
+async def other_engine() -> AsyncIterator[list[int]]:
+    """A process titled like an engine service, with a vLLM tree below it."""
+    engine = subprocess.Popen(["bash", "-c", _OTHER_ENGINE])
+    try:
+        def tree_up() -> bool:
+            return sum(1 for pid in descendants(engine.pid) if _title(pid).startswith("VLLM::")) == 2
+        assert await _wait_for(tree_up, 5.0)
+        yield [pid for pid in descendants(engine.pid) if _title(pid).startswith("VLLM::")]
+    finally:
+        engine.kill()
+        for pid in descendants(engine.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        engine.wait()
+
+
+async def test_another_engines_vllm_is_not_watched_nor_killed(
+        tree: dict[str, VllmProcess], other_engine: list[int]) -> None:
+    """Regression: the in-process vLLM tests' backend stop SIGKILLed every
+    shared mesh's engine core (all below the pytest process); a fresh
+    clone's run then waited 2 minutes for their restart."""
+    watch = ProcessWatch(os.getpid(), poll_seconds=0.05)
+    assert sorted(p.pid for p in watch.start()) == sorted(p.pid for p in tree.values())
+    os.kill(other_engine[0], signal.SIGKILL)  # the other engine's core dies: no death of ours
+    assert await _wait_for(lambda: _gone(other_engine[0]), 2.0)
+    await asyncio.sleep(0.3)
+    assert watch.death is None
+    await watch.stop()
+    assert all(_gone(p.pid) for p in tree.values())
+    assert not _gone(other_engine[1]), "stop killed another engine's vLLM process"
+
+
+async def test_a_backend_leaves_vllm_that_ran_before_its_start_alone(tree: dict[str, VllmProcess]) -> None:
+    """What ran under this process before the backend launched vLLM is
+    another backend's, also on a failed start's clean-up."""
+    b, _ = backend([])
+    b._foreign = frozenset((p.pid, p.start_ticks) for p in tree.values())
+    await b.stop()
+    await asyncio.sleep(0.3)
+    assert not any(_gone(p.pid) for p in tree.values())
