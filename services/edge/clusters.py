@@ -53,6 +53,14 @@ def cluster(topology: Topology, name: str, grpc: bool) -> dict[str, Any]:
         "connect_timeout": seconds(topology.timeouts.connect_seconds),
         # Streams are long and uneven: send each new one to the least busy replica.
         "lb_policy": "LEAST_REQUEST",
+        # A health change reaches the workers' load balancers at once, not
+        # merged over Envoy's default 1 s window: with it, a gateway that had
+        # just turned healthy got no request for that second, so when the
+        # other was SIGKILLed then (a rolling update's new pod ready, the old
+        # one gone), every retry went back to the dead one (503 "connection
+        # refused"; the k8s_netns conversation test). A few gateways change
+        # rarely: nothing to merge.
+        "common_lb_config": {"update_merge_window": "0s"},
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]},
         "typed_extension_protocol_options": {
             _HTTP_OPTIONS: {

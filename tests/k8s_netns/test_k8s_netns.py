@@ -602,7 +602,8 @@ def test_a_conversation_continues_across_gateway_pods(kube: Cluster) -> None:
     """Issue 29: behind Envoy's Service, each turn of a Responses
     conversation may land on either gateway pod; with the store in the
     manifests' Redis every turn is 200 -- also the turns after the pod that
-    stored their predecessor was SIGKILLed."""
+    stored their predecessor was SIGKILLed, the first of them sent at once
+    (Envoy's retry, not its health check, finds the live gateway)."""
     gateways = sorted(r.pod.name for r in kube.by_component("gateway"))
     assert len(gateways) == 2, gateways
     kube.wait_for(lambda: _envoy_sees_gateways(kube, 2), 30, "Envoy's health checks to pass for both gateways")
@@ -614,8 +615,9 @@ def test_a_conversation_continues_across_gateway_pods(kube: Cluster) -> None:
         if turn == REDIS_KILL_AFTER:
             killed = served_by[-1]
             assert killed in gateways, f"no gateway's count rose for turn {turn - 1}: {served_by}"
+            # The next turn at once, before Envoy's health checks see the
+            # death: its retry must find the other gateway by itself.
             kube.kill(kube.running[killed])
-            kube.wait_for(lambda: _envoy_sees_gateways(kube, 1), 30, f"Envoy to take {killed} out")
         before = {n: _responses_served(kube, kube.running[n]) for n in gateways}
         out = _turn(kube, turn, previous)
         after = {n: _responses_served(kube, kube.running[n]) for n in gateways}
@@ -625,6 +627,7 @@ def test_a_conversation_continues_across_gateway_pods(kube: Cluster) -> None:
     # Every turn carried the whole conversation before it.
     assert inputs == sorted(inputs) and len(set(inputs)) == REDIS_TURNS, inputs
     assert served_by[REDIS_KILL_AFTER] not in (killed, "?"), (killed, served_by)
+    kube.wait_for(lambda: _envoy_sees_gateways(kube, 1), 30, f"Envoy to take {killed} out")
     status, body = _api(kube, "GET", f"/v1/responses/{previous}")
     assert status == 200 and json.loads(body)["id"] == previous, (status, body[:300])
     # The conversation is in Redis, under the API key's prefix.

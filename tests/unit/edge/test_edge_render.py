@@ -216,6 +216,10 @@ def test_every_replica_is_an_endpoint() -> None:
         endpoints = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
         assert len(endpoints) == len(topology.gateways) == 3
         assert cluster["outlier_detection"]["enforcing_consecutive_5xx"] == 0
+        # A gateway's health change is used at once (the k8s_netns conversation
+        # test: within Envoy's default 1 s merge window a retry went back to a
+        # SIGKILLed gateway, the live one not yet in the workers' balancers).
+        assert cluster["common_lb_config"] == {"update_merge_window": "0s"}
     names = [f["name"] for f in _hcm(config)["http_filters"]]
     assert names[0] == "envoy.filters.http.cors"
     assert "envoy.filters.http.local_ratelimit" in names
