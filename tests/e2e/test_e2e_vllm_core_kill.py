@@ -85,6 +85,9 @@ RESTART_SECONDS = 900.0
 # runs), whatever the teardown takes.
 DEATH_SEEN_SECONDS = 2.0
 FENCED_TRIES = 3  # direct_generate
+# Short enough that SmolLM2 on a loaded 2-core machine ends it well inside
+# the fence's two reports (64 tokens took longer, and every try was fenced).
+DIRECT_TOKENS = 16
 # vLLM 0.32 on CPU, one engine, tensor/pipeline/data parallel 1: the CPU
 # platform turns the "uni" executor into the multiprocess one (OpenMP needs
 # its own process), so the model runs in one worker process under the core.
@@ -361,9 +364,9 @@ async def back_and_serving(mesh: Mesh, restarts: Restarts, fault: Faulted, resta
     addresses = {e.engine_id: e.address for e in state.engines} if state is not None else {}
     prompt_ids = [100 + (i * 37) % 5000 for i in range(48)]
     tag = f"{victim}-{restarts_before}"
-    again = await direct_generate(addresses[victim], f"after-restart-{tag}", prompt_ids, 64)
-    assert len(again) == 64
-    assert again == await direct_generate(addresses[fault.survivor], f"survivor-{tag}", prompt_ids, 64)
+    again = await direct_generate(addresses[victim], f"after-restart-{tag}", prompt_ids, DIRECT_TOKENS)
+    assert len(again) == DIRECT_TOKENS
+    assert again == await direct_generate(addresses[fault.survivor], f"survivor-{tag}", prompt_ids, DIRECT_TOKENS)
     vllm_tree(mesh, victim)  # the restarted engine has its core and worker again
     await placed_on(mesh, victim, tag)
     return back_after

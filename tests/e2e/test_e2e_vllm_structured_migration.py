@@ -56,7 +56,7 @@ async def _stream(session: aiohttp.ClientSession, mesh: Mesh, i: int, seen: Seen
     body = {"model": MODEL, "stream": True, "max_tokens": 4000, "temperature": 0,
             "messages": [{"role": "user", "content": f"List 20 words about topic {i} as JSON."}],
             "response_format": {"type": "json_schema", "json_schema": {"name": "words", "schema": SCHEMA}}}
-    async with asyncio.timeout(300), session.post(
+    async with asyncio.timeout(420), session.post(
             f"{mesh.endpoints.public_http}/v1/chat/completions", json=body,
             headers={"Authorization": f"Bearer {mesh.api_key}"}) as resp:
         seen.status = resp.status
