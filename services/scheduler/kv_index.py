@@ -10,7 +10,7 @@ for a snapshot (the caller sends Resync). Owned by `EngineFleet` (fleet.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 
 __all__ = ["KvIndex", "SeqCheck"]
@@ -96,6 +96,10 @@ class KvIndex:
         self._remove(engine_id, removed)
         self._add(engine_id, stored)
         return False
+
+    def holders(self, block_hash: int) -> Set[str]:
+        """The engines holding `block_hash` (read-only; empty if none)."""
+        return self._holders.get(block_hash, frozenset())
 
     def resync_pending(self, engine_id: str) -> bool:
         check = self._seq.get(engine_id)
