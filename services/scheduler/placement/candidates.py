@@ -40,11 +40,13 @@ What is exact and what is bounded (tests/unit/scheduler/test_candidates.py):
     alike) the best cold engine is therefore the first of that figure, and the
     choice is the full scan's whenever the near-ties it breaks by score number
     at most K. Otherwise (mixed speeds) its prediction exceeds the full
-    scan's choice by at most the margin + the tie window + the gap between
-    the best candidate and the least any other engine could cost.
+    scan's choice's by at most 2 x the margin + the tie window + the gap
+    between the best cold candidate and the least any other engine could
+    cost (the K-th "ready" figure + the prompt at the fastest speed).
 Not covered by a figure: the eviction charge (live blocks) of a cold
-engine, and an unmeasured engine's speed borrowed from its peers (the
-median among the candidates, not the fleet).
+engine, a P0's queueing without the batch lines it runs ahead of (the
+figures use everyone's), and an unmeasured engine's speed borrowed from
+its peers (the median among the candidates, not the fleet).
 
 If the candidates yield no placement while other engines remain, the whole
 model is scanned (the answer "nothing has room now" stays exact).
