@@ -106,16 +106,24 @@ class KvIndex:
         return bool(check and check.resync_pending)
 
     def prefix_matches(self, prefix: Sequence[int], engines: Iterable[str]) -> dict[str, int]:
-        """Per engine, how many leading hashes of `prefix` it holds (0 if none)."""
+        """Per engine, how many leading hashes of `prefix` it holds (0 if none).
+        Each engine is written once, when it drops out (not once per block it
+        holds): O(prefix length) set operations plus O(engines)."""
         alive = dict.fromkeys(engines, 0)
         candidates = set(alive)
-        for i, h in enumerate(prefix):
+        depth = 0
+        for h in prefix:
             holders = self._holders.get(h)
             if not holders:
                 break
-            candidates &= holders
-            if not candidates:
-                break
-            for e in candidates:
-                alive[e] = i + 1
+            kept = candidates & holders
+            if len(kept) != len(candidates):
+                for e in candidates - kept:
+                    alive[e] = depth
+                candidates = kept
+                if not candidates:
+                    break
+            depth += 1
+        for e in candidates:
+            alive[e] = depth
         return alive

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from services.common.config import ConfigError, MeshConfig, validate_config
 from services.scheduler.core import SchedulerCore
 from services.scheduler.events import EngineLeft, KvSnapshotReported, RequestArrived
+from services.scheduler.kv_index import KvIndex
 from services.scheduler.placement import EngineView, PlacementRequest
 from services.scheduler.placement.candidates import ORDER_KEYS, plan_for
 from services.scheduler.placement.predicted import _TIE_SECONDS, predicted_ttft
@@ -256,3 +257,24 @@ def test_index_follows_reports_leases_and_departures() -> None:
     for engine_id in ("e1", "e8"):
         report_load(core, engine_id, tokens[engine_id], serving=False)
     assert _candidates(core, request).isdisjoint({"e1", "e8", "e11"})
+
+
+@settings(max_examples=200, deadline=None)
+@given(held=st.lists(st.lists(st.integers(0, 11), max_size=12), max_size=6),
+       asked=st.lists(st.integers(0, 7), max_size=8), prefix=st.lists(st.integers(0, 12), max_size=12))
+def test_prefix_matches_counts_each_engines_leading_hashes(
+    held: list[list[int]], asked: list[int], prefix: list[int],
+) -> None:
+    """The KV index's match (each engine written once, when it drops out)
+    against the definition: the leading hashes of the prefix it holds."""
+    index = KvIndex()
+    for i, hashes in enumerate(held):
+        index.apply_snapshot(f"e{i}", 1, hashes)
+    engines = [f"e{i}" for i in asked]
+    expected = {}
+    for e in engines:
+        n = 0
+        while n < len(prefix) and index.holds(e, prefix[n]):
+            n += 1
+        expected[e] = n
+    assert index.prefix_matches(prefix, engines) == expected
