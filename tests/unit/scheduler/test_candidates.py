@@ -18,6 +18,7 @@ from services.scheduler.events import EngineLeft, KvSnapshotReported, RequestArr
 from services.scheduler.kv_index import KvIndex
 from services.scheduler.placement import EngineView, PlacementRequest
 from services.scheduler.placement.candidates import ORDER_KEYS, plan_for
+from services.scheduler.placement.live import LiveWorkingSet
 from services.scheduler.placement.predicted import _TIE_SECONDS, predicted_ttft
 
 from .helpers import MODEL, add_engine, make_core, opts, placed_engine, report_load
@@ -278,3 +279,27 @@ def test_prefix_matches_counts_each_engines_leading_hashes(
             n += 1
         expected[e] = n
     assert index.prefix_matches(prefix, engines) == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from([0.0, 0.5, 1.5, 4.5]), st.integers(0, 3),
+                                st.lists(st.integers(0, 20), max_size=8), st.booleans()), max_size=30))
+def test_live_set_ages_out_without_scanning_the_engines(steps: list[tuple[float, int, list[int], bool]]) -> None:
+    """The live working set (ageing from its placement log) against its
+    definition: per engine, the distinct hashes placed there within the
+    window since it was last forgotten."""
+    now = [0.0]
+    live = LiveWorkingSet(4.0, capacity=10**6, clock=lambda: now[0])
+    log: list[tuple[float, str, list[int]]] = []
+    for advance, engine, hashes, forget in steps:
+        now[0] += advance
+        engine_id = f"e{engine}"
+        if forget:
+            live.forget_engine(engine_id)
+            log = [entry for entry in log if entry[1] != engine_id]
+        else:
+            live.add(tuple(hashes), engine_id)
+            log.append((now[0], engine_id, hashes))
+        expected = {f"e{i}": len({h for t, e, hs in log if e == f"e{i}" and t >= now[0] - 4.0 for h in hs})
+                    for i in range(4)}
+        assert live.live_hashes(list(expected)) == expected
