@@ -98,17 +98,20 @@ class BatchYield:
 
     def _place_indexed(self, request: PlacementRequest, now: float) -> Placement | None:
         """The policy's placement over the candidates the fleet's indexes
-        give (placement/candidates.py), or over every engine of the model when
-        they give none that takes it (the answer "no room now" stays exact)."""
-        policy = self._room.policy
-        views = self._fleet.candidate_views(request, policy.plan, policy.prefix_holders(self._fleet.kv), now)
-        if views is not None:
-            if not views:
-                return None     # no engine of the model passes the policy's checks
-            placement = self._place(request, views)
-            if placement is not None:
-                return placement
-        return self._place(request, self._fleet.views(request.model, now))
+        give (placement/candidates.py); when none of them takes it, over the
+        other engines that might (the full scan's answer, "no room now" included)."""
+        policy, plan = self._room.policy, self._room.policy.plan
+        holders = policy.prefix_holders(self._fleet.kv)
+        views = self._fleet.candidate_views(request, plan, holders, now)
+        if views is None or plan is None:
+            return self._place(request, self._fleet.views(request.model, now))
+        if not views:
+            return None     # no engine of the model passes the policy's checks
+        placement = self._place(request, views)
+        if placement is not None:
+            return placement
+        rest = self._fleet.other_views(request, plan, holders, {v.engine_id for v in views}, now)
+        return self._place(request, rest) if rest else None
 
     def _place(self, request: PlacementRequest, views: list[EngineView], remember: bool = True,
                ) -> Placement | None:

@@ -252,6 +252,29 @@ class EngineFleet:
             return None
         return [self._view(self._registry[e], now) for e in ids]
 
+    def other_views(
+        self, request: PlacementRequest, plan: CandidatePlan, holders: Callable[[int], Set[str]],
+        skip: Set[str], now: float,
+    ) -> list[EngineView]:
+        """The views of the engines outside `skip` (the candidates, which
+        all failed) that might pass the policy's filters: screened on the
+        index's views, so a fleet where none has room costs a cheap pass."""
+        warm = holders(request.prefix_hashes[0]) if request.prefix_hashes else frozenset()
+        need = request.prompt_tokens + request.max_tokens
+        headroom = self._config.decode_headroom_tokens
+
+        def may_pass(engine_id: str) -> bool:
+            if not self._eligible(engine_id, request, plan, now):
+                return False
+            view = self._index.view(engine_id)
+            if "fits_context" in plan.checks and 0 < view.max_model_len < need:
+                return False
+            cached = request.prompt_tokens if engine_id in warm else 0   # at most all of it
+            return "has_room" not in plan.checks or blocks_needed(
+                request.prompt_tokens, request.max_tokens, cached, view.block_size, headroom) <= view.free_blocks
+
+        return [self._view(self._registry[e], now) for e in self._index.rest(request.model, skip, may_pass)]
+
     def _eligible(self, engine_id: str, request: PlacementRequest, plan: CandidatePlan, now: float) -> bool:
         """Passes the request-independent filters the policy lists (and, as
         placement always applies it, the P0-reserved slots rule), read live."""

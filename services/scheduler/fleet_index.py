@@ -117,6 +117,13 @@ class FleetIndex:
             entries = model.orders[name] = sorted((k, model.seq[e], e) for e, k in model.keys[name].items())
         return entries
 
+    def rest(self, model_name: str, skip: Set[str], keep: Callable[[str], bool]) -> list[str]:
+        """The model's engines not in `skip` that `keep`, in registration order."""
+        model = self._models.get(model_name)
+        if model is None:
+            return []
+        return sorted((e for e in model.seq if e not in skip and keep(e)), key=model.seq.__getitem__)
+
     def members(self, model: str) -> Collection[str]:
         """The ids of the engines registered for `model`."""
         found = self._models.get(model)

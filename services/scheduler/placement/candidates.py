@@ -48,8 +48,12 @@ engine, a P0's queueing without the batch lines it runs ahead of (the
 figures use everyone's), and an unmeasured engine's speed borrowed from
 its peers (the median among the candidates, not the fleet).
 
-If the candidates yield no placement while other engines remain, the whole
-model is scanned (the answer "nothing has room now" stays exact).
+If the candidates yield no placement, the other engines are screened
+cheaply (the checks above, plus fits_context and has_room for a cold
+placement -- or, on an engine holding the prefix, for none of the prompt
+cached) and the policy runs over those that might pass: the answer,
+including "nothing has room now", is the full scan's, and a saturated fleet
+costs a cheap pass over its engines per attempt, not a full scan.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from .predicted import predicted_ttft
 
 __all__ = [
     "ELIGIBILITY_FILTERS",
+    "FIT_FILTERS",
     "ORDER_KEYS",
     "ORDER_OF_PICKER",
     "ORDER_OF_SCORER",
@@ -73,6 +78,8 @@ __all__ = [
 # Filters whose answer does not depend on the request's size or prefix: the
 # index walks apply them (those the policy lists) while taking the K best.
 ELIGIBILITY_FILTERS = frozenset({"serving", "fresh", "not_draining", "not_excluded", "lease_slots"})
+# Filters the screening of the other engines applies too (request-dependent, cheap to bound).
+FIT_FILTERS = frozenset({"fits_context", "has_room"})
 
 _EMPTY = PlacementRequest(request_id="", model="", prompt_tokens=0, max_tokens=0)
 
@@ -132,7 +139,7 @@ class CandidatePlan:
     """How one policy takes its candidates."""
 
     orders: tuple[str, ...]        # figures, each giving its K best engines
-    checks: frozenset[str]         # request-independent filters the policy lists
+    checks: frozenset[str]         # filters of ELIGIBILITY_FILTERS | FIT_FILTERS the policy lists
     k: int                         # engines per figure (> 0)
 
     @property
@@ -156,4 +163,4 @@ def plan_for(scorers: Sequence[str], picker: str, filters: Sequence[str], k: int
             orders.append(name)
     if not orders:
         orders.append("load")
-    return CandidatePlan(tuple(orders), ELIGIBILITY_FILTERS & frozenset(filters), k)
+    return CandidatePlan(tuple(orders), (ELIGIBILITY_FILTERS | FIT_FILTERS) & frozenset(filters), k)

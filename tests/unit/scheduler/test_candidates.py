@@ -153,7 +153,7 @@ def test_a_small_model_an_unknown_figure_and_round_robin_scan_every_engine() -> 
     assert plan_for(["load"], "max_score", ["model"], 0) is None
     plan = plan_for(["load", "kv_usage", "cache_spread"], "predicted_ttft", ["model", "fresh", "has_room"], 8)
     assert plan is not None and plan.orders == ("load", "kv_fill", "cache_fill", "ready")
-    assert plan.checks == frozenset({"fresh"})
+    assert plan.checks == frozenset({"fresh", "has_room"})
 
 
 def test_placement_candidates_must_not_be_negative() -> None:
@@ -303,3 +303,31 @@ def test_live_set_ages_out_without_scanning_the_engines(steps: list[tuple[float,
         expected = {f"e{i}": len({h for t, e, hs in log if e == f"e{i}" and t >= now[0] - 4.0 for h in hs})
                     for i in range(4)}
         assert live.live_hashes(list(expected)) == expected
+
+
+def _full_and_small(total_big: int) -> tuple[SchedulerCore, dict[str, int]]:
+    """40 idle small engines short of room for a 2,400-token prompt (140
+    free blocks, 150 needed) and one busy big one, last in every figure."""
+    core, _ = make_core(policy="least_load", placement_candidates=2)
+    tokens = {f"s{i:02d}": add_engine(core, f"s{i:02d}", total_blocks=200, blocks_used=60) for i in range(40)}
+    tokens["big"] = add_engine(core, "big", total_blocks=total_big, blocks_used=total_big // 2, running=6)
+    return core, tokens
+
+
+def test_when_no_candidate_has_room_the_others_that_might_are_placed_on() -> None:
+    core, _ = _full_and_small(total_big=10000)
+    request = PlacementRequest("r", MODEL, 2400, 16)
+    assert "big" not in _candidates(core, request)
+    assert _place(core, request) == "big"     # as the full scan: the only engine with room
+
+
+def test_a_fleet_without_room_is_screened_not_scanned(monkeypatch: pytest.MonkeyPatch) -> None:
+    core, _ = _full_and_small(total_big=200)
+    _candidates(core, PlacementRequest("probe", MODEL, 32, 16))     # figures built
+    built = []
+    view_of = core.fleet._view
+    monkeypatch.setattr(core.fleet, "_view", lambda record, now: built.append(record.engine_id) or view_of(
+        record, now))
+    assert _place(core, PlacementRequest("r", MODEL, 2400, 16)) is None    # queued: no engine has room
+    assert len(built) <= 4, "only the candidates' views are built"
+    assert core.fleet.views(MODEL, 0.0)  # (the full scan would have built all 41)
