@@ -324,10 +324,14 @@ def test_when_no_candidate_has_room_the_others_that_might_are_placed_on() -> Non
 def test_a_fleet_without_room_is_screened_not_scanned(monkeypatch: pytest.MonkeyPatch) -> None:
     core, _ = _full_and_small(total_big=200)
     _candidates(core, PlacementRequest("probe", MODEL, 32, 16))     # figures built
-    built = []
+    built: list[str] = []
     view_of = core.fleet._view
-    monkeypatch.setattr(core.fleet, "_view", lambda record, now: built.append(record.engine_id) or view_of(
-        record, now))
+
+    def counted(record: Any, now: float) -> EngineView:
+        built.append(record.engine_id)
+        return view_of(record, now)
+
+    monkeypatch.setattr(core.fleet, "_view", counted)
     assert _place(core, PlacementRequest("r", MODEL, 2400, 16)) is None    # queued: no engine has room
     assert len(built) <= 4, "only the candidates' views are built"
     assert core.fleet.views(MODEL, 0.0)  # (the full scan would have built all 41)
