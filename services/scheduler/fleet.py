@@ -105,7 +105,7 @@ class EngineFleet:
         come back in `Joined.lost`. Raises `DuplicateEngineError` /
         `SupersededEngineError` (nothing changes then)."""
         registration = self._registry.register(info, now)
-        self._index.join(info.engine_id, info.model)
+        self._index.join(info.engine_id, info.model)   # re-keyed: a superseded one's leases go below
         if registration.replaced is not None:
             self.kv.drop_engine(info.engine_id)      # the new snapshot replaces it
         lost: list[Lease] = []
@@ -151,7 +151,6 @@ class EngineFleet:
     def _forget(self, record: EngineRecord) -> list[Lease]:
         """Drop what `record`'s process held: KV, reservations, leases."""
         engine_id = record.engine_id
-        self._index.touch(engine_id)   # a superseded one's id lives on, its leases gone
         self.kv.drop_engine(engine_id)
         self.reservations.drop_engine(engine_id)
         self._freed.pop(engine_id, None)

@@ -14,7 +14,16 @@ from hypothesis import strategies as st
 
 from services.common.config import ConfigError, MeshConfig, validate_config
 from services.scheduler.core import SchedulerCore
-from services.scheduler.events import EngineLeft, KvSnapshotReported, RequestArrived
+from services.scheduler.engine_registry import EngineInfo
+from services.scheduler.events import (
+    DrainRequested,
+    EngineJoined,
+    EngineLeft,
+    KvSnapshotReported,
+    RequestArrived,
+    RequestDone,
+    Tick,
+)
 from services.scheduler.kv_index import KvIndex
 from services.scheduler.placement import EngineView, PlacementRequest
 from services.scheduler.placement.candidates import ORDER_KEYS, plan_for
@@ -335,3 +344,73 @@ def test_a_fleet_without_room_is_screened_not_scanned(monkeypatch: pytest.Monkey
     assert _place(core, PlacementRequest("r", MODEL, 2400, 16)) is None    # queued: no engine has room
     assert len(built) <= 4, "only the candidates' views are built"
     assert core.fleet.views(MODEL, 0.0)  # (the full scan would have built all 41)
+
+
+_OPS = st.lists(st.tuples(st.sampled_from(["join", "rejoin", "report", "admit", "done", "leave", "drain", "tick"]),
+                          st.integers(0, 7), st.integers(0, 2**20)), max_size=40)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=_OPS)
+def test_every_figure_matches_the_engines_views_after_any_events(ops: list[tuple[str, int, int]]) -> None:
+    """Joins, new incarnations, reports, leases opened and ended, departures,
+    drains: after each, the index's key of every engine for every figure is
+    the one its view now gives (no change of an engine goes unmarked)."""
+    core, clock = make_core(policy="predicted_ttft", placement_candidates=1)
+    tokens: dict[str, int] = {}
+    incarnation: dict[str, int] = {}
+    admitted: list[str] = []
+    for i in range(3):
+        tokens[f"e{i}"] = add_engine(core, f"e{i}")
+    for step, (op, n, value) in enumerate(ops):
+        engine_id, rng = f"e{n}", random.Random(value)
+        if op in ("join", "rejoin") and (op == "join") != (engine_id in tokens):
+            incarnation[engine_id] = incarnation.get(engine_id, 0) + 1
+            info = EngineInfo(engine_id, f"{engine_id}:1", MODEL, 16, rng.choice((500, 1000, 4000)),
+                              rng.randint(1, 8), 1.0, 0, incarnation=incarnation[engine_id])
+            tokens[engine_id] = core.handle(EngineJoined(info)).token
+        elif op == "report" and engine_id in tokens:
+            fields = _engine(rng, mixed=True)
+            for hello in _HELLO:
+                fields.pop(hello)
+            fields["blocks_used"] = fields["cached_blocks"] = rng.randint(0, 300)
+            report_load(core, engine_id, tokens[engine_id], **fields)
+        elif op == "admit":
+            request_id = f"r{step}"
+            core.handle(RequestArrived(opts(request_id, priority=n % 3, prompt_tokens=rng.randint(16, 3000),
+                                            prefix_hashes=rng.choice(PREFIXES)[:8])))
+            admitted.append(request_id)
+        elif op == "done" and admitted:
+            core.handle(RequestDone(admitted.pop(value % len(admitted))))
+        elif op == "leave" and engine_id in tokens:
+            core.handle(EngineLeft(engine_id, tokens.pop(engine_id)))
+        elif op == "drain":
+            core.handle(DrainRequested(engine_id))
+        elif op == "tick":
+            clock.advance(0.5)
+            core.handle(Tick())
+        _candidates_or_none(core)
+        _assert_keys_current(core)
+
+
+def _candidates_or_none(core: SchedulerCore) -> None:
+    """Any decision re-keys what changed (this one only asks for candidates)."""
+    policy = core.policy
+    core.fleet.candidate_views(PlacementRequest("probe", MODEL, 32, 16), policy.plan,
+                               policy.prefix_holders(core.fleet.kv), core._clock.monotonic())
+
+
+def _assert_keys_current(core: SchedulerCore) -> None:
+    index, now = core.fleet._index, core._clock.monotonic()
+    members = set(index.members(MODEL))
+    assert members == {e.engine_id for e in core.fleet if e.info.model == MODEL}
+    model = index._models.get(MODEL)
+    if model is None:
+        return
+    for name, keys in model.keys.items():
+        assert set(keys) == members
+        entries = model.orders[name]
+        assert entries == sorted(entries) and len(entries) == len(members)
+        for engine_id in members:
+            view = core.fleet._view(core.fleet._registry[engine_id], now)
+            assert keys[engine_id] == ORDER_KEYS[name](view, FALLBACK), (name, engine_id)
