@@ -44,9 +44,9 @@ What is exact and what is bounded (tests/unit/scheduler/test_candidates.py):
     between the best cold candidate and the least any other engine could
     cost (the K-th "ready" figure + the prompt at the fastest speed).
 Not covered by a figure: the eviction charge (live blocks) of a cold
-engine, a P0's queueing without the batch lines it runs ahead of (the
-figures use everyone's), and an unmeasured engine's speed borrowed from
-its peers (the median among the candidates, not the fleet).
+engine, and an unmeasured engine's speed borrowed from its peers (the
+median among the candidates, not the fleet). Queueing figures take the
+lower of a P0's and anyone's, so they bound both.
 
 If the candidates yield no placement, the other engines are screened
 cheaply (the checks above, plus fits_context and has_room for a cold
@@ -113,8 +113,15 @@ def _weight(view: EngineView, fallback: float) -> float:
 
 def _ready(view: EngineView, fallback: float) -> float:
     """predicted_ttft of an empty prompt: slot wait, the tokens ahead and a
-    step (placement/predicted.py); a cold request adds its prefill."""
-    return predicted_ttft(_EMPTY, view, fallback)
+    step (placement/predicted.py); a cold request adds its prefill. With a
+    P0's slot wait when shorter (batch lines it runs ahead of), so that the
+    figure is a lower bound of what any class's request is predicted."""
+    ready = predicted_ttft(_EMPTY, view, fallback)
+    p0 = view.p0_queue_seconds
+    if p0 is None or p0 >= view.queue_seconds:
+        return ready
+    ahead = view.queued_tokens / (fallback * max(view.weight, 1e-9))
+    return ready - max(0.0, view.queue_seconds - ahead) + max(0.0, p0 - ahead)
 
 
 # Figure name -> key (lower is better) of a fleet view, given the fallback prefill speed.

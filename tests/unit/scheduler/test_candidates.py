@@ -5,6 +5,7 @@ indexes kept right as reports and leases change."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -30,7 +31,7 @@ from services.scheduler.placement.candidates import ORDER_KEYS, plan_for
 from services.scheduler.placement.live import LiveWorkingSet
 from services.scheduler.placement.predicted import _TIE_SECONDS, predicted_ttft
 
-from .helpers import MODEL, add_engine, make_core, opts, placed_engine, report_load
+from .helpers import MODEL, add_engine, engine_view, make_core, opts, placed_engine, report_load
 
 K = 3
 PROMPT = 2032
@@ -414,3 +415,15 @@ def _assert_keys_current(core: SchedulerCore) -> None:
         for engine_id in members:
             view = core.fleet._view(core.fleet._registry[engine_id], now)
             assert keys[engine_id] == ORDER_KEYS[name](view, FALLBACK), (name, engine_id)
+
+
+def test_the_ready_figure_is_a_p0s_prediction_when_batch_lines_make_it_shorter() -> None:
+    """A P0 runs ahead of batch lines (fleet.py: p0_queue_seconds): the
+    figure is what an empty P0 prompt is predicted there -- a lower bound for
+    every class -- so an engine full of batch lines is not ranked out for it."""
+    busy = engine_view("b", queued_tokens=4000, queue_seconds=4000 / FALLBACK + 3.0,
+                       p0_queue_seconds=4000 / FALLBACK + 0.5, prefill_tokens_per_second=4700.0, step_seconds=0.04)
+    empty = PlacementRequest("r", MODEL, 0, 16, priority=0)
+    as_p0 = predicted_ttft(empty, dataclasses.replace(busy, queue_seconds=busy.p0_queue_seconds), FALLBACK)
+    assert ORDER_KEYS["ready"](busy, FALLBACK) == pytest.approx(as_p0)
+    assert ORDER_KEYS["ready"](busy, FALLBACK) < predicted_ttft(empty, busy, FALLBACK)
