@@ -424,6 +424,6 @@ def test_the_ready_figure_is_a_p0s_prediction_when_batch_lines_make_it_shorter()
     busy = engine_view("b", queued_tokens=4000, queue_seconds=4000 / FALLBACK + 3.0,
                        p0_queue_seconds=4000 / FALLBACK + 0.5, prefill_tokens_per_second=4700.0, step_seconds=0.04)
     empty = PlacementRequest("r", MODEL, 0, 16, priority=0)
-    as_p0 = predicted_ttft(empty, dataclasses.replace(busy, queue_seconds=busy.p0_queue_seconds), FALLBACK)
+    as_p0 = predicted_ttft(empty, dataclasses.replace(busy, queue_seconds=4000 / FALLBACK + 0.5), FALLBACK)
     assert ORDER_KEYS["ready"](busy, FALLBACK) == pytest.approx(as_p0)
     assert ORDER_KEYS["ready"](busy, FALLBACK) < predicted_ttft(empty, busy, FALLBACK)
