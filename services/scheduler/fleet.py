@@ -12,6 +12,7 @@ reservations, service-time estimates) and answers what placement needs.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence, Set
 from dataclasses import dataclass, field
@@ -249,7 +250,19 @@ class EngineFleet:
         ids = self._index.candidates(request, plan, holders, lambda e: self._eligible(e, request, plan, now))
         if ids is None:
             return None
-        return [self._view(self._registry[e], now) for e in ids]
+        return [self._current(e, now) for e in ids]
+
+    def _current(self, engine_id: str, now: float) -> EngineView:
+        """`_view` of the engine now, from the index: its view as of the last
+        change of its report, leases or reservations (re-keyed at this
+        decision if one came since), with what changes unannounced -- the
+        report's freshness, a drain -- read live."""
+        view, record = self._index.view(engine_id), self._registry[engine_id]
+        fresh = record.fresh(now, self._config.stale_report_seconds)
+        draining = record.draining or engine_id in self.admin_drained
+        if view.fresh == fresh and view.draining == draining:
+            return view
+        return dataclasses.replace(view, fresh=fresh, draining=draining)
 
     def other_views(
         self, request: PlacementRequest, plan: CandidatePlan, holders: Callable[[int], Set[str]],
@@ -272,7 +285,7 @@ class EngineFleet:
             return "has_room" not in plan.checks or blocks_needed(
                 request.prompt_tokens, request.max_tokens, cached, view.block_size, headroom) <= view.free_blocks
 
-        return [self._view(self._registry[e], now) for e in self._index.rest(request.model, skip, may_pass)]
+        return [self._current(e, now) for e in self._index.rest(request.model, skip, may_pass)]
 
     def _eligible(self, engine_id: str, request: PlacementRequest, plan: CandidatePlan, now: float) -> bool:
         """Passes the request-independent filters the policy lists (and, as

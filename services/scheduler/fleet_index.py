@@ -3,12 +3,13 @@ a policy ranks on (placement/candidates.py says which and why), and the
 candidate engines of one request taken from them.
 
 Kept up to date, not rebuilt: the fleet marks an engine whenever its report,
-leases or reservations change (`touch`); the next decision re-keys only the
-marked engines (a few per report interval, whatever the fleet's size) with
-a bisect per figure. A figure is built from every engine of the model the
-first time a policy asks for it (a policy swap), then kept like the rest.
-Freshness and draining are read live by the caller's eligibility test, so a
-silent engine needs no mark. Sorted lists of (key, registration order,
+leases or reservations change (`touch`); the next decision rebuilds the
+view of the marked engines only (a few per report interval, whatever the
+fleet's size) and re-keys them with a bisect per figure. Decisions read
+those views (fleet.py `_current`), so a candidate's view is not rebuilt
+either. A figure is built from every engine of the model the first time a
+policy asks for it (a policy swap), then kept like the rest. Freshness and
+draining are read live by the fleet, so a silent engine needs no mark. Sorted lists of (key, registration order,
 engine id): insertion and removal are a C-level memmove, cheap at 1,000s of
 engines, and a walk from the front yields the best engines first.
 
@@ -49,7 +50,7 @@ class FleetIndex:
         self._fallback = fallback_tokens_per_second
         self._models: dict[str, _Model] = {}
         self._model_of: dict[str, str] = {}
-        self._views: dict[str, EngineView] = {}      # as of the last re-key: static fields, keys
+        self._views: dict[str, EngineView] = {}      # as of the last re-key (fleet.py `_current`)
         self._dirty: set[str] = set()
         self._seq = itertools.count()
 
@@ -130,7 +131,8 @@ class FleetIndex:
         return found.seq.keys() if found is not None else ()
 
     def view(self, engine_id: str) -> EngineView:
-        """The engine's view as of its last re-key (static fields hold)."""
+        """The engine's view as of its last re-key: current but for what
+        changes without a mark (freshness, drains: the fleet reads those live)."""
         return self._views[engine_id]
 
     # ------------------------------------------------------------ candidates

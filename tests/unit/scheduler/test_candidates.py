@@ -18,6 +18,7 @@ from services.scheduler.core import SchedulerCore
 from services.scheduler.engine_registry import EngineInfo
 from services.scheduler.events import (
     DrainRequested,
+    EngineDrainSet,
     EngineJoined,
     EngineLeft,
     KvSnapshotReported,
@@ -347,7 +348,8 @@ def test_a_fleet_without_room_is_screened_not_scanned(monkeypatch: pytest.Monkey
     assert core.fleet.views(MODEL, 0.0)  # (the full scan would have built all 41)
 
 
-_OPS = st.lists(st.tuples(st.sampled_from(["join", "rejoin", "report", "admit", "done", "leave", "drain", "tick"]),
+_OPS = st.lists(st.tuples(st.sampled_from(["join", "rejoin", "report", "admit", "done", "leave", "drain", "admin",
+                                           "tick"]),
                           st.integers(0, 7), st.integers(0, 2**20)), max_size=40)
 
 
@@ -356,7 +358,8 @@ _OPS = st.lists(st.tuples(st.sampled_from(["join", "rejoin", "report", "admit", 
 def test_every_figure_matches_the_engines_views_after_any_events(ops: list[tuple[str, int, int]]) -> None:
     """Joins, new incarnations, reports, leases opened and ended, departures,
     drains: after each, the index's key of every engine for every figure is
-    the one its view now gives (no change of an engine goes unmarked)."""
+    the one its view now gives, and so is the view decisions read (no
+    change of an engine goes unmarked)."""
     core, clock = make_core(policy="predicted_ttft", placement_candidates=1)
     tokens: dict[str, int] = {}
     incarnation: dict[str, int] = {}
@@ -387,8 +390,10 @@ def test_every_figure_matches_the_engines_views_after_any_events(ops: list[tuple
             core.handle(EngineLeft(engine_id, tokens.pop(engine_id)))
         elif op == "drain":
             core.handle(DrainRequested(engine_id))
+        elif op == "admin":
+            core.handle(EngineDrainSet(engine_id, drained=value % 2 == 0, move=value % 3 == 0))
         elif op == "tick":
-            clock.advance(0.5)
+            clock.advance(1.5)    # two ticks without a report: stale
             core.handle(Tick())
         _candidates_or_none(core)
         _assert_keys_current(core)
@@ -415,6 +420,8 @@ def _assert_keys_current(core: SchedulerCore) -> None:
         for engine_id in members:
             view = core.fleet._view(core.fleet._registry[engine_id], now)
             assert keys[engine_id] == ORDER_KEYS[name](view, FALLBACK), (name, engine_id)
+    for engine_id in members:   # and the views decisions read are the ones a full scan builds
+        assert core.fleet._current(engine_id, now) == core.fleet._view(core.fleet._registry[engine_id], now)
 
 
 def test_the_ready_figure_is_a_p0s_prediction_when_batch_lines_make_it_shorter() -> None:
