@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections.abc import Callable, Collection, Iterable, Set
 from dataclasses import dataclass, field
 
@@ -96,7 +97,7 @@ class FleetIndex:
             model = self._models[model_name]
             seq = model.seq[engine_id]
             for name, entries in model.orders.items():
-                self._rekey(model, name, entries, engine_id, seq, ORDER_KEYS[name](view, self._fallback))
+                self._rekey(model, name, entries, engine_id, seq, self._key(name, view))
         self._dirty.clear()
 
     @staticmethod
@@ -110,11 +111,16 @@ class FleetIndex:
         keys[engine_id] = key
         bisect.insort(entries, (key, seq, engine_id))
 
+    def _key(self, name: str, view: EngineView) -> float:
+        """The figure's key; a NaN (a report's NaN speed) sorts last, so the
+        lists stay ordered and every entry can be found again."""
+        key = ORDER_KEYS[name](view, self._fallback)
+        return key if key == key else math.inf
+
     def _order(self, model: _Model, name: str) -> list[_Entry]:
         entries = model.orders.get(name)
         if entries is None:  # first use of this figure: build it once from every engine
-            key = ORDER_KEYS[name]
-            model.keys[name] = {e: key(self._views[e], self._fallback) for e in model.seq}
+            model.keys[name] = {e: self._key(name, self._views[e]) for e in model.seq}
             entries = model.orders[name] = sorted((k, model.seq[e], e) for e, k in model.keys[name].items())
         return entries
 

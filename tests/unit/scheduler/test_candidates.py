@@ -434,3 +434,18 @@ def test_the_ready_figure_is_a_p0s_prediction_when_batch_lines_make_it_shorter()
     as_p0 = predicted_ttft(empty, dataclasses.replace(busy, queue_seconds=4000 / FALLBACK + 0.5), FALLBACK)
     assert ORDER_KEYS["ready"](busy, FALLBACK) == pytest.approx(as_p0)
     assert ORDER_KEYS["ready"](busy, FALLBACK) < predicted_ttft(empty, busy, FALLBACK)
+
+
+def test_a_nan_in_a_report_sorts_last_and_keeps_the_figures_ordered() -> None:
+    core, _ = make_core(policy="predicted_ttft", placement_candidates=1)
+    tokens = {f"e{i}": add_engine(core, f"e{i}", queued_tokens=1000 * i, prefill_tokens_per_second=4700.0,
+                                  step_seconds=0.04) for i in range(4)}
+    _candidates_or_none(core)
+    report_load(core, "e0", tokens["e0"], prefill_tokens_per_second=float("nan"), step_seconds=0.04)
+    _candidates_or_none(core)
+    model = core.fleet._index._models[MODEL]
+    assert model.orders["ready"][-1][2] == "e0"
+    assert all(key == key for keys in model.keys.values() for key in keys.values()), "no NaN key: it breaks bisect"
+    report_load(core, "e0", tokens["e0"], queued_tokens=5, prefill_tokens_per_second=4700.0, step_seconds=0.04)
+    _candidates_or_none(core)
+    _assert_keys_current(core)
