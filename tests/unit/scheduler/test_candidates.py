@@ -449,3 +449,32 @@ def test_a_nan_in_a_report_sorts_last_and_keeps_the_figures_ordered() -> None:
     report_load(core, "e0", tokens["e0"], queued_tokens=5, prefill_tokens_per_second=4700.0, step_seconds=0.04)
     _candidates_or_none(core)
     _assert_keys_current(core)
+
+
+@pytest.mark.parametrize("engines", [100, 400])
+def test_a_decision_looks_at_a_bounded_number_of_engines(engines: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What one placement builds and checks does not grow with the fleet:
+    no view is rebuilt (none changed since the last decision), and the
+    index walks stop after K eligible engines per figure."""
+    core, _ = make_core(policy="predicted_ttft")   # the default K, 8
+    for i in range(engines):
+        add_engine(core, f"e{i:03d}", running=i % 5, blocks_used=i % 97, cached_blocks=i % 89,
+                   queued_tokens=37 * (i % 101), prefill_tokens_per_second=4700.0, step_seconds=0.04)
+    _candidates_or_none(core)
+    built: list[str] = []
+    checked: list[str] = []
+    view_of, eligible = core.fleet._view, core.fleet._eligible
+
+    def counted_view(record: Any, now: float) -> EngineView:
+        built.append(record.engine_id)
+        return view_of(record, now)
+
+    def counted_check(engine_id: str, *args: Any) -> bool:
+        checked.append(engine_id)
+        return eligible(engine_id, *args)
+
+    monkeypatch.setattr(core.fleet, "_view", counted_view)
+    monkeypatch.setattr(core.fleet, "_eligible", counted_check)
+    assert _place(core, PlacementRequest("r", MODEL, 2032, 16, PREFIXES[0])) is not None
+    assert built == []
+    assert len(checked) <= 4 * 8 + 4 * 8     # four figures' K best, plus the warm ones (none here)
