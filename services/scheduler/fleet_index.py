@@ -3,9 +3,10 @@ a policy ranks on (placement/candidates.py says which and why), and the
 candidate engines of one request taken from them.
 
 Kept up to date, not rebuilt: the fleet marks an engine whenever its report,
-leases or reservations change (`touch`); the next decision rebuilds the
-view of the marked engines only (a few per report interval, whatever the
-fleet's size) and re-keys them with a bisect per figure. Decisions read
+leases or reservations change (`touch`); the view of a marked engine is
+rebuilt and re-keyed with a bisect per figure when its report is applied
+(leases: at the next decision), one engine at a time, whatever the fleet's
+size. Decisions read
 those views (fleet.py `_current`), so a candidate's view is not rebuilt
 either. A figure is built from every engine of the model the first time a
 policy asks for it (a policy swap), then kept like the rest. Freshness and
