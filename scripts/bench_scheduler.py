@@ -18,6 +18,7 @@ requests hold their lease for an exponential 0.5 s (about 500 in flight).
 
     .venv/bin/python scripts/bench_scheduler.py                # every policy, ~1 min
     .venv/bin/python scripts/bench_scheduler.py --policies sticky_until_saturated --seconds 20
+    .venv/bin/python scripts/bench_scheduler.py --policies predicted_ttft --engines 1024 --candidates 0
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ from services.scheduler.events import (
 from services.scheduler.records import AdmitOptions
 
 POLICIES = ["round_robin", "least_load", "prefix_approx", "kv_precise", "sticky_until_saturated"]
+# Also measurable by name (--policies): the default policy and its plain variant.
+CHOICES = [*POLICIES, "predicted_ttft", "predicted_ttft_plain"]
 MODEL = "m"
 
 
@@ -56,6 +59,8 @@ def run(policy: str, args: argparse.Namespace) -> dict[str, float]:
     rng = random.Random(args.seed)
     config = MeshConfig()
     config.scheduler.policy = policy
+    if args.candidates is not None:
+        config.scheduler.placement_candidates = args.candidates
     config.scheduler.metrics_port = 0
     clock = FakeClock()
     core = SchedulerCore(config, clock)
@@ -147,16 +152,19 @@ def run(policy: str, args: argparse.Namespace) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES)
+    p.add_argument("--policies", nargs="+", default=POLICIES, choices=CHOICES)
     p.add_argument("--engines", type=int, default=32)
     p.add_argument("--rate", type=float, default=1000.0, help="admissions per second")
     p.add_argument("--seconds", type=float, default=10.0, help="simulated seconds per policy")
     p.add_argument("--context-tokens", type=int, default=2000)
     p.add_argument("--hold-seconds", type=float, default=0.5, help="mean lease duration")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--candidates", type=int, default=None,
+                   help="scheduler.placement_candidates (0 = score every engine; default: the config's)")
     args = p.parse_args(argv)
     print(f"{args.engines} engines, {args.rate:g} admissions/s for {args.seconds:g} s (fake clock), "
-          f"prefix {args.context_tokens} tokens; decision = admit + dispatch, wall time per call")
+          f"prefix {args.context_tokens} tokens; decision = admit + dispatch, wall time per call"
+          + ("" if args.candidates is None else f"; placement_candidates {args.candidates}"))
     print("| policy | decisions | p50 ms | p99 ms | max ms | CPU p50 / p99 ms | done+dispatch p99 ms "
           "| share of one core |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

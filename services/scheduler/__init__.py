@@ -21,7 +21,9 @@ A request's phases and the file that owns each:
             class is displaced), aging.py, waiting.py + queue.py +
             queue_policies.py;
   place     placement/ (filters, scorers, pickers, named policies) over the
-            engine views of fleet.py;
+            engine views of fleet.py: only the candidates its indexes give
+            (placement/candidates.py which and why, fleet_index.py the
+            per-model figures kept sorted as reports arrive);
   preempt   making_room.py `RoomMaker.preempt_for` (a preempt-class queue
             head with no room: one lower-class lease ends), the victim rule
             in preemption.py (pure), `RequestBook.preempt`;

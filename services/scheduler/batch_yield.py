@@ -76,12 +76,12 @@ class BatchYield:
         """The policy's placement for `request` (of class `rules`, waiting in
         rank request.priority); a batch line it preempted to make room goes
         into `out`."""
-        views = self._fleet.views(request.model, now)
         # No yielding lease anywhere (the usual case): no scan of the fleet's leases.
         yields = self._fleet.yielding_leases and self._classes.preempts(rules.klass, request.priority)
         lines = self._candidates(request) if yields else {}
         if not lines:
-            return self._place(request, views)
+            return self._place_indexed(request, now)
+        views = self._fleet.views(request.model, now)
         # a trial: the approximate prefix memory learns only the placement taken
         wanted = self._place(request, [_without(v, lines.get(v.engine_id, [])) for v in views], False)
         if wanted is None:
@@ -95,6 +95,23 @@ class BatchYield:
         if engine is not None and self._preempt_on(request, engine, lines.get(engine.engine_id, []), now, out):
             return self._taken(request, wanted)
         return None if plain is None else self._taken(request, plain)
+
+    def _place_indexed(self, request: PlacementRequest, now: float) -> Placement | None:
+        """The policy's placement over the candidates the fleet's indexes
+        give (placement/candidates.py); when none of them takes it, over the
+        other engines that might (the full scan's answer, "no room now" included)."""
+        policy, plan = self._room.policy, self._room.policy.plan
+        holders = policy.prefix_holders(self._fleet.kv)
+        views = self._fleet.candidate_views(request, plan, holders, now)
+        if views is None or plan is None:
+            return self._place(request, self._fleet.views(request.model, now))
+        if not views:
+            return None     # no engine of the model passes the policy's checks
+        placement = self._place(request, views)
+        if placement is not None:
+            return placement
+        rest = self._fleet.other_views(request, plan, holders, {v.engine_id for v in views}, now)
+        return self._place(request, rest) if rest else None
 
     def _place(self, request: PlacementRequest, views: list[EngineView], remember: bool = True,
                ) -> Placement | None:

@@ -174,6 +174,9 @@ class EngineRegistry:
     def get(self, engine_id: str) -> EngineRecord | None:
         return self._engines.get(engine_id)
 
+    def __getitem__(self, engine_id: str) -> EngineRecord:
+        return self._engines[engine_id]
+
     def register(self, info: EngineInfo, now: float) -> Registration:
         """Register (or re-register) an engine by the rules in the module
         docstring. Raises `SupersededEngineError` for an older incarnation

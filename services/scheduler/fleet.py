@@ -12,16 +12,19 @@ reservations, service-time estimates) and answers what placement needs.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Set
 from dataclasses import dataclass, field
 
 from services.common.config import SchedulerConfig
 
 from .classes import ClassTable
 from .engine_registry import EngineInfo, EngineLoad, EngineRecord, EngineRegistry
+from .fleet_index import FleetIndex
 from .kv_index import KvIndex
-from .placement import EngineView
+from .placement import EngineView, PlacementRequest
+from .placement.candidates import CandidatePlan
 from .records import AdmissionError, AdmitOptions, Lease, RejectReason
 from .reservations import ReservationBook, blocks_needed
 
@@ -60,6 +63,9 @@ class EngineFleet:
         self._registry = EngineRegistry(config.initial_service_seconds)
         self.kv = KvIndex()
         self.reservations = ReservationBook()
+        # Engines sorted by the figures placement ranks on (fleet_index.py):
+        # every change below to a report, a lease or a reservation touches it.
+        self._index = FleetIndex(config.prefill_tokens_per_second)
         self._leases: dict[str, Lease] = {}
         # Leases of yielding classes (ClassRules.yields_room: Batch API lines)
         # now: placement skips the batch-yield scan while there are none.
@@ -100,6 +106,7 @@ class EngineFleet:
         come back in `Joined.lost`. Raises `DuplicateEngineError` /
         `SupersededEngineError` (nothing changes then)."""
         registration = self._registry.register(info, now)
+        self._index.join(info.engine_id, info.model)   # re-keyed: a superseded one's leases go below
         if registration.replaced is not None:
             self.kv.drop_engine(info.engine_id)      # the new snapshot replaces it
         lost: list[Lease] = []
@@ -114,8 +121,13 @@ class EngineFleet:
             return
         record.load = load
         record.last_report_at = now
+        self._index.touch(engine_id)
         self._freed.pop(engine_id, None)
         self.reservations.settle(engine_id, set(load.request_ids))
+        # Re-keyed now, not at the next decision: at 1,024 engines and 10
+        # admissions/s a decision otherwise re-keyed ~180 reports (~10 ms of
+        # its histogram, measured); now it re-keys its own leases' engines.
+        self._refresh(now)
 
     def kv_events(
         self, engine_id: str, token: int, seq: int,
@@ -138,6 +150,7 @@ class EngineFleet:
         if record is None:
             return None
         self._model_seen[record.info.model] = now  # its model was served until now
+        self._index.leave(engine_id)
         return self._forget(record)
 
     def _forget(self, record: EngineRecord) -> list[Lease]:
@@ -194,6 +207,7 @@ class EngineFleet:
             self.reservations.reserve(engine.engine_id, request_id, reserved)
         engine.leases.add(lease.lease_id)
         self._leases[lease.lease_id] = lease
+        self._index.touch(engine.engine_id)
         return lease
 
     def close_lease(self, lease: Lease, now: float, preempted: bool = False) -> None:
@@ -204,6 +218,7 @@ class EngineFleet:
         if self._leases.pop(lease.lease_id, None) is None:
             return
         self.yielding_leases -= self._classes[lease.klass].yields_room
+        self._index.touch(lease.engine_id)
         released = self.reservations.release(lease.engine_id, lease.request_id)
         if preempted and not released and lease.reserved_blocks:
             self._freed[lease.engine_id] = self._freed.get(lease.engine_id, 0) + lease.reserved_blocks
@@ -226,6 +241,73 @@ class EngineFleet:
     def views(self, model: str, now: float) -> list[EngineView]:
         return [self._view(e, now) for e in self._registry
                 if e.info.model == model and e.engine_id not in self.admin_drained]
+
+    def candidate_views(
+        self, request: PlacementRequest, plan: CandidatePlan | None, holders: Callable[[int], Set[str]], now: float,
+    ) -> list[EngineView] | None:
+        """The views of the engines placement should score for `request`
+        (placement/candidates.py), built now, in `views` order; [] = none
+        passes the plan's checks; None = score them all (`views`)."""
+        if plan is None:
+            return None
+        self._refresh(now)
+        ids = self._index.candidates(request, plan, holders, lambda e: self._eligible(e, request, plan, now))
+        if ids is None:
+            return None
+        return [self._current(e, now) for e in ids]
+
+    def _refresh(self, now: float) -> None:
+        self._index.refresh(lambda engine_id: self._view(self._registry[engine_id], now))
+
+    def _current(self, engine_id: str, now: float) -> EngineView:
+        """`_view` of the engine now, from the index: its view as of the last
+        change of its report, leases or reservations (re-keyed at this
+        decision if one came since), with what changes unannounced -- the
+        report's freshness, a drain -- read live."""
+        view, record = self._index.view(engine_id), self._registry[engine_id]
+        fresh = record.fresh(now, self._config.stale_report_seconds)
+        draining = record.draining or engine_id in self.admin_drained
+        if view.fresh == fresh and view.draining == draining:
+            return view
+        return dataclasses.replace(view, fresh=fresh, draining=draining)
+
+    def other_views(
+        self, request: PlacementRequest, plan: CandidatePlan, holders: Callable[[int], Set[str]],
+        skip: Set[str], now: float,
+    ) -> list[EngineView]:
+        """The views of the engines outside `skip` (the candidates, which
+        all failed) that might pass the policy's filters: screened on the
+        index's views, so a fleet where none has room costs a cheap pass."""
+        warm = holders(request.prefix_hashes[0]) if request.prefix_hashes else frozenset()
+        need = request.prompt_tokens + request.max_tokens
+        headroom = self._config.decode_headroom_tokens
+
+        def may_pass(engine_id: str) -> bool:
+            if not self._eligible(engine_id, request, plan, now):
+                return False
+            view = self._index.view(engine_id)
+            if "fits_context" in plan.checks and 0 < view.max_model_len < need:
+                return False
+            cached = request.prompt_tokens if engine_id in warm else 0   # at most all of it
+            return "has_room" not in plan.checks or blocks_needed(
+                request.prompt_tokens, request.max_tokens, cached, view.block_size, headroom) <= view.free_blocks
+
+        return [self._current(e, now) for e in self._index.rest(request.model, skip, may_pass)]
+
+    def _eligible(self, engine_id: str, request: PlacementRequest, plan: CandidatePlan, now: float) -> bool:
+        """Passes the request-independent filters the policy lists (and, as
+        placement always applies it, the P0-reserved slots rule), read live."""
+        record, checks = self._registry[engine_id], plan.checks
+        if engine_id in self.admin_drained or ("not_excluded" in checks and engine_id in request.exclude):
+            return False
+        if ("serving" in checks and not record.load.serving) or ("not_draining" in checks and record.draining):
+            return False
+        if "fresh" in checks and not record.fresh(now, self._config.stale_report_seconds):
+            return False
+        leases, view = len(record.leases), self._index.view(engine_id)
+        if "lease_slots" in checks and leases >= view.lease_limit_for(request.slot_priority):
+            return False
+        return request.reserved_slots or leases < view.lease_limit_for(1)
 
     def stats(self, now: float) -> list[EngineStat]:
         return [
@@ -283,7 +365,9 @@ class EngineFleet:
         request's Replace came (None: not a replacement). True = no engine
         may take it now but one may come back in time: it waits for that
         (a replacement only; see `return_deadline`)."""
-        engines = [e for e in self._registry if e.info.model == options.model]
+        # Lazily, in O(1) for the usual answer (an engine, not excluded, that fits):
+        # it runs for every admission, and at 1,024 engines a list of them cost more than placing.
+        engines = self._index.members(options.model)
         if engines:
             self._model_seen[options.model] = now
         else:
@@ -299,9 +383,9 @@ class EngineFleet:
                     self._retry_min,
                 )
             return replaced_at is not None
-        if not any(e.engine_id not in exclude for e in engines):
+        if all(e in exclude for e in engines):
             return self._wait_for_unexcluded(options.model, now, replaced_at)
-        self._check_fits(options, [e for e in engines if e.engine_id not in exclude])
+        self._check_fits(options, (self._registry[e] for e in engines if e not in exclude))
         return False
 
     def _wait_for_unexcluded(self, model: str, now: float, replaced_at: float | None) -> bool:
@@ -326,7 +410,7 @@ class EngineFleet:
         to come back (scheduler.engine_return_seconds, whatever its class TTL)."""
         return replaced_at + self._config.engine_return_seconds
 
-    def _check_fits(self, options: AdmitOptions, usable: list[EngineRecord]) -> None:
+    def _check_fits(self, options: AdmitOptions, usable: Iterable[EngineRecord]) -> None:
         """Raise TOO_LARGE when the request fits on none of `usable`."""
         need_len = options.prompt_tokens + options.max_tokens
         for e in usable:

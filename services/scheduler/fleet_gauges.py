@@ -18,8 +18,12 @@ core's housekeeping tick (the core's one owner, never the metrics thread):
   once `kvmesh_scheduler_aging_bound_seconds`; `kvmesh_scheduler_batch_queued`
   (the classes shown apart).
 
-Cost: O(engines) per tick; the queue scan (O(queued)) at most once per
-`queue_interval` seconds.
+Cost: O(engines) per tick, but a labelled series is written only when its
+value changed since the last tick (`_written`): three label look-ups per
+engine per tick were ~6% of a core at 1,024 engines and 10 ticks/s, and an
+engine's join (which refreshes too) made registering a fleet O(engines^2)
+in them. The queue scan (O(queued)) runs at most once per `queue_interval`
+seconds.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ class FleetGauges:
         self._next_queue_scan = float("-inf")
         # engine -> (model, serving); serving None until its first load report
         self._serving: dict[str, tuple[str, bool | None]] = {}
+        # engine -> (model, serving, hit rate) as last written to its series
+        self._written: dict[str, tuple[str, bool, float]] = {}
         for cls in range(NUM_CLASSES):
             metrics.aging_bound.labels(priority_label(cls)).set(aging.thresholds[cls])
             metrics.oldest_wait.labels(priority_label(cls)).set(0)
@@ -76,13 +82,12 @@ class FleetGauges:
             serving = e.load.serving and not e.draining and e.fresh(now, self._stale)
             seen[e.engine_id] = (model, serving if e.last_report_at is not None else None)
             before = self._serving.get(e.engine_id, (model, None))[1]
-            flaps = m.engine_flaps.labels(e.engine_id)  # the series exists at 0, so increase() sees the first flap
             if before is not None and before != serving:
-                flaps.inc()
-            m.engine_serving.labels(e.engine_id, model).set(1 if serving else 0)
+                m.engine_flaps.labels(e.engine_id).inc()
             queries = e.load.prefix_cache_queries
-            m.reported_prefix_hit_rate.labels(e.engine_id).set(
-                e.load.prefix_cache_hits / queries if queries else 0.0)
+            values = (model, serving, e.load.prefix_cache_hits / queries if queries else 0.0)
+            if self._written.get(e.engine_id) != values:
+                self._write(e.engine_id, values)
             serving_by_model.setdefault(model, [])
             if serving:
                 serving_by_model[model].append(e)
@@ -92,9 +97,18 @@ class FleetGauges:
                     m.engine_flaps.labels(engine_id).inc()
                 m.engine_serving.remove(engine_id, model)
                 m.reported_prefix_hit_rate.remove(engine_id)
+                self._written.pop(engine_id, None)
         self._serving = seen
         for model, serving_engines in serving_by_model.items():
             self._set_pool(model, serving_engines)
+
+    def _write(self, engine_id: str, values: tuple[str, bool, float]) -> None:
+        m, (model, serving, hit_rate) = self._metrics, values
+        if engine_id not in self._written:
+            m.engine_flaps.labels(engine_id)  # the series exists at 0, so increase() sees the first flap
+        m.engine_serving.labels(engine_id, model).set(1 if serving else 0)
+        m.reported_prefix_hit_rate.labels(engine_id).set(hit_rate)
+        self._written[engine_id] = values
 
     def _set_pool(self, model: str, serving: list[EngineRecord]) -> None:
         m, n = self._metrics, len(serving)

@@ -10,7 +10,7 @@ for a snapshot (the caller sends Resync). Owned by `EngineFleet` (fleet.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 
 __all__ = ["KvIndex", "SeqCheck"]
@@ -97,21 +97,33 @@ class KvIndex:
         self._add(engine_id, stored)
         return False
 
+    def holders(self, block_hash: int) -> Set[str]:
+        """The engines holding `block_hash` (read-only; empty if none)."""
+        return self._holders.get(block_hash, frozenset())
+
     def resync_pending(self, engine_id: str) -> bool:
         check = self._seq.get(engine_id)
         return bool(check and check.resync_pending)
 
     def prefix_matches(self, prefix: Sequence[int], engines: Iterable[str]) -> dict[str, int]:
-        """Per engine, how many leading hashes of `prefix` it holds (0 if none)."""
+        """Per engine, how many leading hashes of `prefix` it holds (0 if none).
+        Each engine is written once, when it drops out (not once per block it
+        holds): O(prefix length) set operations plus O(engines)."""
         alive = dict.fromkeys(engines, 0)
         candidates = set(alive)
-        for i, h in enumerate(prefix):
+        depth = 0
+        for h in prefix:
             holders = self._holders.get(h)
             if not holders:
                 break
-            candidates &= holders
-            if not candidates:
-                break
-            for e in candidates:
-                alive[e] = i + 1
+            kept = candidates & holders
+            if len(kept) != len(candidates):
+                for e in candidates - kept:
+                    alive[e] = depth
+                candidates = kept
+                if not candidates:
+                    break
+            depth += 1
+        for e in candidates:
+            alive[e] = depth
         return alive

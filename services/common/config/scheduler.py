@@ -197,6 +197,17 @@ class SchedulerConfig:
     # when it cannot see engines' evictions. 1M hashes ~ 100 MB worst case.
     # > 0.
     approx_prefix_capacity: int = 200_000
+    # Placement scores candidates from indexes instead of every engine of the
+    # model (services/scheduler/placement/candidates.py): the engines holding
+    # the request's prefix plus, for each figure the policy ranks on (load,
+    # KV headroom, cache spread, queueing, predicted start), this many best
+    # engines by it. A decision then costs O(this) instead of O(engines):
+    # measured 52 ms at 1,024 engines with a full scan (BENCHMARKS.md,
+    # "Control plane capacity"). 8 covers the near-ties the pickers break by
+    # score with room to spare, while four figures x 8 stays under ~40 views.
+    # A model with at most 2 x this many engines is scanned whole (exact,
+    # as cheap). 0 = always scan every engine. >= 0.
+    placement_candidates: int = 8
     # Seed for the random tie-break among equally scored engines (shuffle,
     # then stable sort), so runs are reproducible.
     placement_seed: int = 0

@@ -270,6 +270,7 @@ def _check_scheduler_limits(scheduler: _Section) -> None:
                        f"need 0 < retry_after_min_seconds <= retry_after_max_seconds, got "
                        f"{s.retry_after_min_seconds} and {s.retry_after_max_seconds}")
     scheduler.positive("approx_prefix_capacity")
+    scheduler.non_negative("placement_candidates")
     for name, profile in s.policy_profiles.items():
         scorers = _Section(f"{scheduler.path}.policy_profiles.{name}.scorers", profile.scorers)
         for scorer, weight in profile.scorers.items():

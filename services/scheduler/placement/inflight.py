@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Set
 from typing import Protocol
 
 __all__ = ["InflightPrefixes", "OverlaidPrefixes"]
@@ -75,6 +75,14 @@ class InflightPrefixes:
         engines = self._entries.get(block_hash)
         expires = engines.get(engine_id) if engines is not None else None
         return expires is not None and expires >= now
+
+    def holders(self, block_hash: int) -> Set[str]:
+        """The engines `block_hash` was placed on within the TTL."""
+        engines = self._entries.get(block_hash)
+        if not engines:
+            return frozenset()
+        now = self._clock()
+        return {e for e, expires in engines.items() if expires >= now}
 
     def extend(self, prefix: Sequence[int], reported: dict[str, int]) -> dict[str, int]:
         """Per engine, its reported match extended by the hashes placed there

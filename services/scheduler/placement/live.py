@@ -19,8 +19,9 @@ dropped first. Owned by one PlacementPolicy; core thread only.
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 __all__ = ["LIVE_WINDOW_SECONDS", "LiveWorkingSet"]
@@ -37,32 +38,55 @@ class LiveWorkingSet:
         self._window = window_seconds
         self._capacity = capacity
         self._clock = clock
-        # engine id -> hash -> last placement time, oldest first
-        self._engines: dict[str, OrderedDict[int, float]] = {}
+        # engine id -> hash -> stamp of the placement that last added it, oldest first
+        self._engines: dict[str, OrderedDict[int, int]] = {}
         self._size = 0
+        # Every placement, oldest first: (time, stamp, engine, its hashes). Ageing
+        # out and the capacity bound pop from its front, so neither scans the
+        # engines (that was O(engines) twice per decision); an entry a later
+        # placement refreshed carries that one's stamp and is left alone.
+        self._placed: deque[tuple[float, int, str, Sequence[int]]] = deque()
+        self._stamps = itertools.count()
 
     def add(self, prefix: Sequence[int], engine_id: str) -> None:
         """A request with `prefix` was placed on `engine_id` now."""
-        now = self._clock()
+        now, stamp = self._clock(), next(self._stamps)
         entries = self._engines.setdefault(engine_id, OrderedDict())
         for h in prefix:
             if h in entries:
                 entries.move_to_end(h)
             else:
                 self._size += 1
-            entries[h] = now
+            entries[h] = stamp
+        self._placed.append((now, stamp, engine_id, prefix))
         self._expire(now)
-        while self._size > self._capacity:  # drop the globally oldest entry
-            oldest = min((e for e in self._engines.values() if e), key=lambda e: next(iter(e.values())))
-            oldest.popitem(last=False)
-            self._size -= 1
+        self._bound()
+
+    def _bound(self) -> None:
+        """Drop the oldest entries (placement order) while over capacity."""
+        while self._size > self._capacity and self._placed:
+            _, stamp, engine_id, hashes = self._placed[0]
+            entries = self._engines.get(engine_id)
+            for h in hashes:
+                if self._size <= self._capacity:
+                    return
+                if entries is not None and entries.get(h) == stamp:
+                    del entries[h]
+                    self._size -= 1
+            self._placed.popleft()
 
     def _expire(self, now: float) -> None:
         horizon = now - self._window
-        for entries in self._engines.values():
-            while entries and next(iter(entries.values())) < horizon:
-                entries.popitem(last=False)
-                self._size -= 1
+        placed = self._placed
+        while placed and placed[0][0] < horizon:
+            _, stamp, engine_id, hashes = placed.popleft()
+            entries = self._engines.get(engine_id)
+            if not entries:
+                continue
+            for h in hashes:
+                if entries.get(h) == stamp:
+                    del entries[h]
+                    self._size -= 1
 
     def live_hashes(self, engine_ids: Sequence[str]) -> dict[str, int]:
         """Per engine, the distinct prefix hashes placed there within the window."""

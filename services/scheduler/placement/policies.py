@@ -38,13 +38,14 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, cast
 
 from services.common.config import ConfigError, PolicyProfileConfig, SchedulerConfig
 
 from ..reservations import blocks_needed
+from .candidates import CandidatePlan, plan_for
 from .inflight import InflightPrefixes, OverlaidPrefixes
 from .interfaces import (
     EngineView,
@@ -60,6 +61,7 @@ from .registry import PluginRegistry
 
 __all__ = [
     "ApproxPrefixMemory",
+    "BlockHolders",
     "Placement",
     "PlacementPolicy",
     "PrefixSource",
@@ -110,9 +112,18 @@ class PrefixSource(Protocol):
         """Per engine, how many leading hashes of `prefix` it holds."""
 
 
+class BlockHolders(Protocol):
+    def holders(self, block_hash: int) -> Set[str]:
+        """The engines holding `block_hash` (the warm candidates, placement/candidates.py)."""
+
+
 class _NoPrefix:
     def prefix_matches(self, prefix: Sequence[int], engines: Iterable[str]) -> dict[str, int]:
         return dict.fromkeys(engines, 0)
+
+
+def _no_holders(block_hash: int) -> Set[str]:
+    return frozenset()
 
 
 class ApproxPrefixMemory:
@@ -137,6 +148,9 @@ class ApproxPrefixMemory:
     def forget_engine(self, engine_id: str) -> None:
         for engines in self._sent.values():
             engines.discard(engine_id)
+
+    def holders(self, block_hash: int) -> Set[str]:
+        return self._sent.get(block_hash, frozenset())
 
     def prefix_matches(self, prefix: Sequence[int], engines: Iterable[str]) -> dict[str, int]:
         result = dict.fromkeys(engines, 0)
@@ -206,6 +220,15 @@ class PlacementPolicy:
         # Only for a picker that reads EngineView.live_blocks (placement/live.py).
         self.live = (LiveWorkingSet(LIVE_WINDOW_SECONDS, memory.capacity)
                      if getattr(picker, "uses_live_set", False) else None)
+        # Which engines a decision scores (placement/candidates.py); None = all.
+        self.plan: CandidatePlan | None = None
+
+    def use_candidates(self, k: int) -> PlacementPolicy:
+        """Score the candidates of `k` per figure (scheduler.placement_candidates;
+        0 = every engine) when the fleet places through its indexes."""
+        self.plan = plan_for([s.name for s, _ in self.scorers], self.picker.name,
+                             [f.name for f in self.filters], k)
+        return self
 
     def _prefix_source(self, kv_index: PrefixSource) -> PrefixSource:
         if self.prefix_source_name == "kv_index":
@@ -215,6 +238,21 @@ class PlacementPolicy:
         if self.approx is not None:
             return self.approx
         return _NoPrefix()
+
+    def prefix_holders(self, kv_index: BlockHolders) -> Callable[[int], Set[str]]:
+        """Who holds a block, by this policy's prefix source (`_prefix_source`):
+        the warm candidates (placement/candidates.py)."""
+        inflight = self.inflight
+        if self.prefix_source_name == "kv_index":
+            return kv_index.holders
+        if inflight is not None:
+            def overlaid(block_hash: int) -> Set[str]:
+                placed, reported = inflight.holders(block_hash), kv_index.holders(block_hash)
+                return reported | placed if placed else reported
+            return overlaid
+        if self.approx is not None:
+            return self.approx.holders
+        return _no_holders
 
     def complete_views(
         self,
@@ -335,7 +373,7 @@ def build_policy(name: str, config: SchedulerConfig, registry: PluginRegistry) -
     if profile is None:
         raise ConfigError(f"scheduler.policy: unknown policy {name!r}; known: {sorted(profiles)}")
     where = f"scheduler.policy_profiles.{name}"
-    return PlacementPolicy(
+    policy = PlacementPolicy(
         name=name,
         filters=[registry.make_filter(f, f"{where}.filters") for f in profile.filters],
         scorers=[(registry.make_scorer(s, f"{where}.scorers"), w) for s, w in profile.scorers.items()],
@@ -344,3 +382,4 @@ def build_policy(name: str, config: SchedulerConfig, registry: PluginRegistry) -
         seed=config.placement_seed,
         memory=PrefixMemoryLimits(config.approx_prefix_capacity, config.inflight_prefix_seconds),
     )
+    return policy.use_candidates(config.placement_candidates)
