@@ -25,6 +25,7 @@ keep up and its queue grows without bound.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -65,11 +66,19 @@ class Workload:
     rate: float              # requests per second, the whole fleet
     prompt_tokens: float     # mean prompt length
     output_tokens: float     # mean output length
-    cached_fraction: float   # of prompt tokens found in the prefix cache
+    cached_fraction: float   # of a prompt's tokens found in the prefix cache when it hits
+    hit_rate: float = 1.0    # of requests that find their prefix cached
 
     @property
     def prefill_tokens(self) -> float:
-        return self.prompt_tokens * (1.0 - self.cached_fraction)
+        """Mean uncached prompt tokens per request."""
+        return self.prompt_tokens * (1.0 - self.cached_fraction * self.hit_rate)
+
+    def prefill_tokens_at(self, quantile: float) -> float:
+        """Uncached prompt tokens of the request at `quantile`: the whole
+        prompt once misses are more than 1 - quantile of the requests."""
+        missed = 1.0 - self.hit_rate if self.cached_fraction > 0 else 0.0
+        return self.prompt_tokens if missed > 1.0 - quantile else self.prompt_tokens * (1.0 - self.cached_fraction)
 
     @property
     def mean_context(self) -> float:
@@ -86,7 +95,10 @@ class EngineLoad:
     batch: float             # c, mean decoding sequences
     step_seconds: float      # s, seconds per output token
     decode_seconds: float    # output x s
-    prefill_seconds: float   # one prompt's prefill, in chunks alongside the batch
+    prefill_seconds: float   # one mean prompt's prefill, in chunks alongside the batch
+    decode_step_seconds: float  # a step of the batch without prefill (fixed + c x a)
+    chunk_room: float        # prompt tokens one step takes beside the batch
+    per_prefill_token_seconds: float
     kv_tokens: float         # KV held by the batch
     stable: bool             # finite batch within the cap and the KV
 
@@ -94,6 +106,11 @@ class EngineLoad:
     def service_seconds(self) -> float:
         """A request's time on the engine, first step to last token."""
         return self.prefill_seconds + self.decode_seconds
+
+    def prefill_seconds_for(self, tokens: float) -> float:
+        """Prefilling `tokens` in chunks, each step also decoding the batch."""
+        chunks = math.ceil(tokens / self.chunk_room) if tokens > 0 else 1
+        return chunks * self.decode_step_seconds + tokens * self.per_prefill_token_seconds
 
 
 def steady_state(profile: EngineProfile, workload: Workload, rate: float) -> EngineLoad:
@@ -110,7 +127,7 @@ def steady_state(profile: EngineProfile, workload: Workload, rate: float) -> Eng
     kv = batch * workload.mean_context
     ok = ok and (profile.kv_tokens <= 0 or kv <= profile.kv_tokens)
     chunk_room = max(1.0, profile.chunk_tokens - (batch if math.isfinite(batch) else 0.0))
-    chunks = math.ceil(workload.prefill_tokens / chunk_room) if workload.prefill_tokens > 0 else 1
     decode_step = profile.fixed_seconds + (batch if math.isfinite(batch) else profile.max_running) * a
-    prefill = chunks * decode_step + workload.prefill_tokens * profile.per_prefill_token_seconds
-    return EngineLoad(rate, rho_p, batch, step, workload.output_tokens * step, prefill, kv, ok)
+    load = EngineLoad(rate, rho_p, batch, step, workload.output_tokens * step, 0.0, decode_step, chunk_room,
+                      profile.per_prefill_token_seconds, kv, ok)
+    return dataclasses.replace(load, prefill_seconds=load.prefill_seconds_for(workload.prefill_tokens))

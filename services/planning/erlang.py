@@ -7,8 +7,19 @@ slot of the fleet is taken, which is when the scheduler queues it."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-__all__ = ["class_wait_quantile", "erlang_c"]
+__all__ = ["Pool", "class_wait_quantile", "erlang_c"]
+
+
+@dataclass(frozen=True)
+class Pool:
+    servers: int              # batch slots of the whole fleet
+    offered: float            # Erlangs: arrival rate x service time
+    service_seconds: float
+    # Allen-Cunneen's (Ca^2 + Cs^2) / 2 for Poisson arrivals: 1 for
+    # exponential service times, 0.5 for fixed ones.
+    variability: float = 1.0
 
 
 def erlang_c(servers: int, offered: float) -> float:
@@ -26,21 +37,26 @@ def erlang_c(servers: int, offered: float) -> float:
     return b / (1.0 - rho + rho * b)
 
 
-def class_wait_quantile(servers: int, offered: float, service_seconds: float, shares: list[float],
-                        index: int, quantile: float) -> float:
+def class_wait_quantile(pool: Pool, shares: list[float], index: int, quantile: float,
+                        preemptive: bool = False) -> float:
     """The `quantile` of the queue wait of class `index` (classes in priority
-    order, `shares` of the arrivals each), non-preemptive priority: the mean
-    wait of class i is W0 / ((1 - s_{i-1})(1 - s_i)) with s_i the load of
-    classes 0..i over the pool and W0 = P_wait x service / servers; the wait,
-    given that one waits, is taken as exponential with that mean (exact for
-    one class of M/M/k). inf when the pool is overloaded."""
+    order, `shares` of the arrivals each), by Cobham's formula: the mean wait
+    of class i is W0 / ((1 - s_{i-1})(1 - s_i)), s_i the load of classes
+    0..i over the pool and W0 = P_wait x service / servers. A `preemptive`
+    class takes its slot from lower classes' running work, so only classes
+    0..i make it wait (P_wait from their load alone); the mean is scaled by
+    the pool's `variability`. The wait, given that one
+    waits, is taken as exponential with that mean (exact for one class of
+    M/M/k). inf when the pool is overloaded."""
+    servers, offered = pool.servers, pool.offered
     if offered >= servers:
         return math.inf
-    p_wait = erlang_c(servers, offered)
+    seen = offered * sum(shares[:index + 1]) if preemptive else offered
+    p_wait = erlang_c(servers, seen)
     rho = offered / servers
     above = rho * sum(shares[:index])
     through = rho * sum(shares[:index + 1])
-    mean_wait = p_wait * service_seconds / servers / ((1.0 - above) * (1.0 - through))
+    mean_wait = pool.variability * p_wait * pool.service_seconds / servers / ((1.0 - above) * (1.0 - through))
     if p_wait <= 1.0 - quantile or mean_wait <= 0:
         return 0.0
     return mean_wait / p_wait * math.log(p_wait / (1.0 - quantile))

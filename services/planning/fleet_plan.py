@@ -9,11 +9,12 @@ queue on top of it (erlang.py). The arithmetic is kept for printing
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from services.planning.engine_model import EngineLoad, EngineProfile, Workload, steady_state
-from services.planning.erlang import class_wait_quantile, erlang_c
+from services.planning.erlang import Pool, class_wait_quantile, erlang_c
 
 __all__ = ["ClassTarget", "FleetOption", "Plan", "Targets", "evaluate", "plan_fleet"]
 
@@ -25,6 +26,7 @@ class ClassTarget:
     name: str               # P0, P1, P2, batch: in priority order
     share: float            # of arrivals
     ttft_seconds: float     # first-token target at `quantile`
+    preempts: bool = False  # may take a slot from lower classes' running work (scheduler.preempt_classes)
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class Targets:
     tpot_seconds: float = 0.0     # time per output token target (0 = none)
     burst: float = 1.25           # rate the spares must carry: burst x rate
     min_spares: int = 1           # spares whatever the burst (an engine's loss)
+    service_cv: float = 1.0       # coefficient of variation of service times (output lengths)
 
 
 @dataclass(frozen=True)
@@ -86,12 +89,16 @@ def evaluate(profile: EngineProfile, workload: Workload, targets: Targets, engin
     offered = workload.rate * service
     p_wait = erlang_c(slots, offered) if math.isfinite(offered) else 1.0
     shares = [c.share for c in targets.classes]
+    variability = (1.0 + targets.service_cv ** 2) / 2.0
+    # Unqueued, the first token at the quantile: the running step ends (up
+    # to one step), then the prompt at the quantile is prefilled.
+    base = load.step_seconds + load.prefill_seconds_for(workload.prefill_tokens_at(targets.quantile)) \
+        if load.stable else math.inf
     outcomes = []
     for i, c in enumerate(targets.classes):
-        wait = class_wait_quantile(slots, offered, service, shares, i, targets.quantile) \
-            if math.isfinite(offered) else math.inf
-        ttft = wait + load.prefill_seconds + load.step_seconds / 2.0
-        outcomes.append(ClassOutcome(c.name, wait, ttft, c.ttft_seconds))
+        wait = class_wait_quantile(Pool(slots, offered, service, variability), shares, i, targets.quantile,
+                                   c.preempts) if math.isfinite(offered) else math.inf
+        outcomes.append(ClassOutcome(c.name, wait, wait + base, c.ttft_seconds))
     return FleetOption(engines, load, slots, offered, p_wait, outcomes, tpot_met)
 
 
@@ -116,8 +123,7 @@ def _smallest(profile: EngineProfile, workload: Workload, targets: Targets) -> F
 def plan_fleet(profile: EngineProfile, workload: Workload, targets: Targets) -> Plan:
     chosen = _smallest(profile, workload, targets)
     below = evaluate(profile, workload, targets, chosen.engines - 1) if chosen and chosen.engines > 1 else None
-    surge = Workload(workload.rate * targets.burst, workload.prompt_tokens, workload.output_tokens,
-                     workload.cached_fraction)
+    surge = dataclasses.replace(workload, rate=workload.rate * targets.burst)
     burst = _smallest(profile, surge, targets)
     spares = max(targets.min_spares, burst.engines - chosen.engines) if chosen and burst else targets.min_spares
     return Plan(profile, workload, targets, chosen, below, burst, spares)

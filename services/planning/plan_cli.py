@@ -37,7 +37,14 @@ def add_parser(sub: Any, run_with_config: Callable[[argparse.Namespace], None]) 
     p.add_argument("--rate", type=float, required=True, help="requests per second, the whole fleet")
     p.add_argument("--prompt", type=float, required=True, help="mean prompt tokens")
     p.add_argument("--output", type=float, required=True, help="mean output tokens")
-    p.add_argument("--cached", type=float, default=0.0, help="share of prompt tokens found cached (0-1)")
+    p.add_argument("--cached", type=float, default=0.0,
+                   help="share of a prompt's tokens found in the prefix cache when it hits (0-1)")
+    p.add_argument("--hit-rate", type=float, default=1.0,
+                   help="share of requests that find their prefix cached (0-1; `kvmesh bench` prints it)")
+    p.add_argument("--service-cv", type=float, default=1.0,
+                   help="coefficient of variation of output lengths: 1 exponential (default), 0 fixed")
+    p.add_argument("--preempting", default="P0",
+                   help="classes that preempt lower ones' running work (scheduler.preempt_classes; '' = none)")
     p.add_argument("--profile", metavar="YAML", help="a sim profile (default: the config's sim engine)")
     p.add_argument("--speed-factor", type=float, help="scale the profile's costs (as the sim's speed_factor)")
     p.add_argument("--mix", default="P0=0.2,P1=0.5,P2=0.3", help="share of arrivals per class")
@@ -74,10 +81,16 @@ def _targets(ns: argparse.Namespace) -> Targets:
     missing = set(mix) - set(ttft)
     if missing:
         raise ConfigError(f"--ttft: no target for {', '.join(sorted(missing))}")
-    classes = [ClassTarget(n, mix[n] / total, ttft[n]) for n in CLASS_ORDER if mix.get(n, 0) > 0]
+    preempting = {x.strip() for x in ns.preempting.split(",") if x.strip()}
+    unknown = preempting - set(CLASS_ORDER)
+    if unknown:
+        raise ConfigError(f"--preempting: unknown class {', '.join(sorted(unknown))}")
+    classes = [ClassTarget(n, mix[n] / total, ttft[n], n in preempting) for n in CLASS_ORDER if mix.get(n, 0) > 0]
     if not 0.5 <= ns.quantile < 1:
         raise ConfigError("--quantile must be in [0.5, 1)")
-    return Targets(classes, ns.quantile, ns.tpot_ms / 1e3, max(1.0, ns.burst), max(0, ns.min_spares))
+    if ns.service_cv < 0:
+        raise ConfigError("--service-cv must be >= 0")
+    return Targets(classes, ns.quantile, ns.tpot_ms / 1e3, max(1.0, ns.burst), max(0, ns.min_spares), ns.service_cv)
 
 
 def _profile(config: MeshConfig, ns: argparse.Namespace) -> EngineProfile:
@@ -99,9 +112,9 @@ def _profile(config: MeshConfig, ns: argparse.Namespace) -> EngineProfile:
 
 
 def _workload(ns: argparse.Namespace) -> Workload:
-    if ns.rate <= 0 or ns.prompt < 0 or ns.output < 1 or not 0 <= ns.cached <= 1:
-        raise ConfigError("--rate > 0, --prompt >= 0, --output >= 1 and 0 <= --cached <= 1")
-    return Workload(ns.rate, ns.prompt, ns.output, ns.cached)
+    if ns.rate <= 0 or ns.prompt < 0 or ns.output < 1 or not 0 <= ns.cached <= 1 or not 0 <= ns.hit_rate <= 1:
+        raise ConfigError("--rate > 0, --prompt >= 0, --output >= 1, 0 <= --cached <= 1 and 0 <= --hit-rate <= 1")
+    return Workload(ns.rate, ns.prompt, ns.output, ns.cached, ns.hit_rate)
 
 
 def _as_json(plan: Plan) -> str:

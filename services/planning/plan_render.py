@@ -22,15 +22,16 @@ def _s(seconds: float) -> str:
 
 def _header(plan: Plan) -> list[str]:
     p, w, t = plan.profile, plan.workload, plan.targets
-    classes = ", ".join(f"{c.name} {100 * c.share:.0f}% (TTFT p{100 * t.quantile:g} <= {c.ttft_seconds:g} s)"
-                        for c in t.classes)
+    classes = ", ".join(f"{c.name} {100 * c.share:.0f}% (TTFT p{100 * t.quantile:g} <= {c.ttft_seconds:g} s"
+                        f"{', preempts' if c.preempts else ''})" for c in t.classes)
     return [
         f"engine profile: {p.name}",
         f"  step = {_ms(p.fixed_seconds)} + c x ({_ms(p.per_sequence_seconds)} + {_ms(p.per_kilotoken_seconds)}"
         f" x context/1k) + {_ms(p.per_prefill_token_seconds)} x prefill tokens; batch cap "
         f"{p.max_running}, chunk {p.chunk_tokens} tokens, KV {p.kv_tokens:,} tokens",
-        f"load: {w.rate:g} req/s, prompt {w.prompt_tokens:g} tokens ({100 * w.cached_fraction:.0f}% cached: "
-        f"{w.prefill_tokens:g} prefilled), output {w.output_tokens:g} tokens; {classes}"
+        f"load: {w.rate:g} req/s, prompt {w.prompt_tokens:.0f} tokens ({100 * w.cached_fraction:.0f}% cached "
+        f"for the {100 * w.hit_rate:.0f}% that hit: {w.prefill_tokens:.0f} prefilled on average), output "
+        f"{w.output_tokens:g} tokens (CV {t.service_cv:g}); {classes}"
         + (f"; TPOT <= {_ms(t.tpot_seconds)}" if t.tpot_seconds > 0 else ""),
     ]
 
@@ -54,6 +55,11 @@ def _option(plan: Plan, o: FleetOption, title: str) -> list[str]:
         f"  queue          k = {o.engines} x {p.max_running} = {o.slots} slots, A = {w.rate:g} x "
         f"{_s(ld.service_seconds)} = {o.offered:.1f} Erlangs, P(wait) = ErlangC(k, A) = {o.p_wait:.2e}",
     ]
+    q = plan.targets.quantile
+    lines.append(f"  first token    unqueued at p{100 * q:g}: a step {_ms(ld.step_seconds)} + prefill of "
+                 f"{w.prefill_tokens_at(q):.0f} tokens {_s(ld.prefill_seconds_for(w.prefill_tokens_at(q)))};"
+                 f" waits: Cobham's priority split of Erlang C x (1 + CV^2)/2 = "
+                 f"{(1 + plan.targets.service_cv ** 2) / 2:g}")
     for c in o.classes:
         mark = "met" if c.met else "MISSED"
         lines.append(f"  {c.name:<6} wait p{100 * plan.targets.quantile:g} {_s(c.wait_seconds)} -> TTFT "

@@ -12,7 +12,7 @@ import pytest
 
 from services.common.config import ConfigError, MeshConfig
 from services.planning.engine_model import EngineProfile, Workload, steady_state
-from services.planning.erlang import class_wait_quantile, erlang_c
+from services.planning.erlang import Pool, class_wait_quantile, erlang_c
 from services.planning.fleet_plan import ClassTarget, Targets, evaluate, plan_fleet
 from services.planning.plan_cli import parse_pairs, run
 from services.planning.plan_render import render_plan
@@ -35,16 +35,38 @@ def test_one_class_wait_quantile_is_m_m_1_exactly() -> None:
     lam, mu = 0.8, 1.0
     # M/M/1: P(W > t) = rho exp(-(mu - lam) t)
     expected = math.log(0.8 / 0.01) / (mu - lam)
-    assert class_wait_quantile(1, lam / mu, 1 / mu, [1.0], 0, 0.99) == pytest.approx(expected)
-    assert class_wait_quantile(1, 0.8, 1.0, [1.0], 0, 0.1) == 0.0   # 80% wait: p10 waits nothing
-    assert class_wait_quantile(1, 1.2, 1.0, [1.0], 0, 0.99) == math.inf
+    assert class_wait_quantile(Pool(1, lam / mu, 1 / mu), [1.0], 0, 0.99) == pytest.approx(expected)
+    assert class_wait_quantile(Pool(1, 0.8, 1.0), [1.0], 0, 0.1) == 0.0   # 80% wait: p10 waits nothing
+    assert class_wait_quantile(Pool(1, 1.2, 1.0), [1.0], 0, 0.99) == math.inf
 
 
 def test_priority_splits_the_wait_high_class_first() -> None:
-    waits = [class_wait_quantile(8, 7.0, 1.0, [0.2, 0.5, 0.3], i, 0.99) for i in range(3)]
+    waits = [class_wait_quantile(Pool(8, 7.0, 1.0), [0.2, 0.5, 0.3], i, 0.99) for i in range(3)]
     assert waits[0] < waits[1] < waits[2]
-    one = class_wait_quantile(8, 7.0, 1.0, [1.0], 0, 0.99)
+    one = class_wait_quantile(Pool(8, 7.0, 1.0), [1.0], 0, 0.99)
     assert waits[0] < one < waits[2]
+
+
+def test_a_preempting_class_waits_only_for_its_own_load() -> None:
+    shares = [0.2, 0.5, 0.3]
+    plain = class_wait_quantile(Pool(8, 7.0, 1.0), shares, 0, 0.99)
+    preempting = class_wait_quantile(Pool(8, 7.0, 1.0), shares, 0, 0.99, preemptive=True)
+    assert preempting < plain
+    assert preempting == 0.0  # 1.4 Erlangs on 8 slots: P(wait) < 1%
+
+
+def test_fixed_service_times_halve_the_wait() -> None:
+    exponential = class_wait_quantile(Pool(8, 7.0, 1.0), [1.0], 0, 0.99)
+    fixed = class_wait_quantile(Pool(8, 7.0, 1.0, variability=0.5), [1.0], 0, 0.99)
+    assert fixed == pytest.approx(exponential / 2)
+
+
+def test_the_first_token_at_the_quantile_counts_a_whole_prompt_once_misses_pass_it() -> None:
+    always = Workload(1, 1000, 100, 0.9, hit_rate=1.0)
+    mostly = Workload(1, 1000, 100, 0.9, hit_rate=0.95)
+    assert always.prefill_tokens_at(0.99) == pytest.approx(100)
+    assert mostly.prefill_tokens_at(0.99) == 1000 and mostly.prefill_tokens_at(0.9) == pytest.approx(100)
+    assert mostly.prefill_tokens == pytest.approx(1000 * (1 - 0.9 * 0.95))
 
 
 def _run_engine(profile: EngineProfile, workload: Workload, rate: float, seconds: float) -> tuple[float, float]:
@@ -134,7 +156,8 @@ def test_bad_class_pairs_are_clear_errors() -> None:
 
 
 def test_the_command_answers_and_refuses(capsys: pytest.CaptureFixture[str]) -> None:
-    ns = argparse.Namespace(rate=20.0, prompt=1000.0, output=200.0, cached=0.5, profile=None, speed_factor=None,
+    ns = argparse.Namespace(rate=20.0, prompt=1000.0, output=200.0, cached=0.5, hit_rate=1.0, service_cv=1.0,
+                            preempting="P0", profile=None, speed_factor=None,
                             mix="P0=0.2,P1=0.8", ttft="P0=0.5,P1=2", quantile=0.99, tpot_ms=0.0, burst=1.25,
                             min_spares=1, json=False)
     assert run(MeshConfig(), ns) == 0
