@@ -29,7 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_priorities import MODEL, measure, mesh_config, sim_mesh, spec_of
+from bench_priorities import MODEL, add_run_args, measure, mesh_config, sim_mesh, spec_of
 from scenario_preemption import write_json
 
 from services.bench.cli import token_counter
@@ -104,10 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--priority-mix", default="0.2,0.3,0.5", help="P0,P1,P2 fractions")
     p.add_argument("--ttft", default="P0=0.6,P1=1.5,P2=6", help="TTFT p99 target per class, seconds")
     p.add_argument("--tpot-ms", type=float, default=0.0)
-    p.add_argument("--request-timeout", type=float, default=600.0)
-    p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="config override (repeat)")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--json", help="write every figure here")
+    add_run_args(p, request_timeout=600.0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     profile, workload, targets = _profile(args), _workload(args), _targets(args)
