@@ -77,6 +77,14 @@ def sim_mesh(config: MeshConfig, engines: int, prefix: str) -> Iterator[Mesh]:
             mesh.stop_all()
 
 
+def add_run_args(p: argparse.ArgumentParser, request_timeout: float) -> None:
+    """The options of a run on `sim_mesh` this script shares with check_plan.py."""
+    p.add_argument("--request-timeout", type=float, default=request_timeout)
+    p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="config override (repeat)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", help="write every figure here")
+
+
 def mesh_config(args: argparse.Namespace) -> MeshConfig:
     config = load_config(ROOT / "config" / "kvmesh.yaml")
     apply_profile(config, load_profile(args.profile), speed_factor=args.speed_factor)
@@ -171,10 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity-requests", type=int, default=160)
     p.add_argument("--overloads", type=float, nargs="+", default=[2.0, 4.0])
     p.add_argument("--seconds", type=float, default=30.0, help="seconds of arrivals per overload run")
-    p.add_argument("--request-timeout", type=float, default=900.0)
-    p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="config override (repeat)")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--json", help="write every summary here")
+    add_run_args(p, request_timeout=900.0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     count = token_counter(str(ROOT / ".models" / MODEL))

@@ -148,6 +148,12 @@ def _cmd_top(ns: argparse.Namespace) -> None:
     sys.exit(run(_config(ns), ns))
 
 
+def _cmd_plan(ns: argparse.Namespace) -> None:
+    from services.planning.plan_cli import run
+
+    sys.exit(run(_config(ns), ns))
+
+
 def _add_service_parsers(sub: Any) -> None:
     """One service per process (multi-host, Kubernetes), and `drain`."""
     sch = sub.add_parser("scheduler", help="run the scheduler")
@@ -232,6 +238,10 @@ def _parser() -> argparse.ArgumentParser:
 
     admin_cli.add_parser(sub, _cmd_admin)
     top_cli.add_parser(sub, _cmd_top)
+
+    from services.planning import plan_cli  # light imports only
+
+    plan_cli.add_parser(sub, _cmd_plan)
 
     key = sub.add_parser("key", help="API key tooling")
     key_sub = key.add_subparsers(dest="key_command", required=True)
