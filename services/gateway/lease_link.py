@@ -25,6 +25,11 @@ one for the request over its whole life:
 - moving (`replace`): the request leaves a failed engine;
 - ending (`report_done` + `close`, or `abandon`).
 
+Several scheduler replicas (scheduler_replicas.py): the request's lease is
+on one of them; when that one's stream breaks and another replica is healthy
+(`SchedulerReplicas.fail_over`), the re-admission or re-attachment above goes
+to it at once, without the restart backoff.
+
 Ownership: the request's pump task alone calls a `LeaseLink`. The re-attach
 child task is one other writer: it only swaps in the re-attached stream, and
 the pump ends it before the lease moves or ends (`replace`, `requeue`,
@@ -51,7 +56,8 @@ from services.gateway.events import Emit, Finished, QueuedUpdate
 from services.gateway.jobs import Job
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.request_now import RequestNow
-from services.gateway.scheduler_client import AdmitSession, SchedulerClient
+from services.gateway.scheduler_client import AdmitSession
+from services.gateway.scheduler_replicas import SchedulerReplicas
 from services.gateway.stall_watch import GapSample
 
 __all__ = ["LeaseLink"]
@@ -80,7 +86,7 @@ class _Backoff:
 
 
 async def _open(
-    scheduler: SchedulerClient, clock: Clock, request: scheduler_pb2.AdmitRequest
+    scheduler: SchedulerReplicas, clock: Clock, request: scheduler_pb2.AdmitRequest
 ) -> AdmitSession:
     """Open an Admit stream, retrying with backoff for up to
     `_READMIT_SECONDS` while the scheduler restarts."""
@@ -108,7 +114,7 @@ class LeaseLink:
         session: AdmitSession,
         job: Job,
         generated: list[int],
-        scheduler: SchedulerClient,
+        scheduler: SchedulerReplicas,
         metrics: GatewayMetrics,
         clock: Clock,
     ) -> None:
@@ -139,7 +145,7 @@ class LeaseLink:
 
     @classmethod
     async def admit(
-        cls, job: Job, generated: list[int], scheduler: SchedulerClient, metrics: GatewayMetrics, clock: Clock
+        cls, job: Job, generated: list[int], scheduler: SchedulerReplicas, metrics: GatewayMetrics, clock: Clock
     ) -> LeaseLink:
         """Ask the scheduler for a lease (waiting out a restart)."""
         session = await _open(scheduler, clock, job.admit_request())
@@ -162,7 +168,8 @@ class LeaseLink:
                     readmit_until = now + _READMIT_SECONDS
                 if now >= readmit_until:
                     raise
-                await backoff.wait()
+                if not self._scheduler.fail_over(self._session):  # else another replica takes it now
+                    await backoff.wait()
                 self._session = await _open(self._scheduler, self._clock, self._now.admit_request())
                 self._metrics.readmissions.labels("queued").inc()
                 log.info("request %s: re-admitted after a scheduler restart", self._job.request_id)
@@ -326,8 +333,12 @@ class LeaseLink:
         with backoff until it is answered `placed` on that very engine. Ends
         when attached or when the pump cancels it (the request ended/moved)."""
         backoff = _Backoff()
+        # Another scheduler replica is up: re-attach there at once.
+        moving = self._scheduler.fail_over(self._session)
         while True:
-            await backoff.wait()
+            if not moving:
+                await backoff.wait()
+            moving = False
             session = await self._attach_once()
             if session is None:
                 continue

@@ -32,6 +32,7 @@ import grpc
 from services.common.clock import Clock
 from services.common.config import MeshConfig
 from services.common.proto.kvmesh.v1 import scheduler_pb2
+from services.common.scheduler_replica import REPLICA_METADATA_KEY
 
 from . import events as ev
 from .core import SchedulerCore
@@ -99,7 +100,7 @@ def _load(report: scheduler_pb2.LoadReport) -> EngineLoad:
         request_ids=frozenset(report.request_ids),
         prefix_cache_queries=report.prefix_cache_queries, prefix_cache_hits=report.prefix_cache_hits,
         prefill_tokens_per_second=report.prefill_tokens_per_second, step_seconds=report.step_seconds,
-        step_token_budget=report.step_token_budget,
+        step_token_budget=report.step_token_budget, other_leases=report.other_replica_generations,
     )
 
 
@@ -128,8 +129,12 @@ class EngineLinks:
     def __init__(
         self, core: SchedulerCore, config: MeshConfig, clock: Clock,
         deliver: Callable[[ev.Outbox], None], incarnations: IncarnationStore | None = None,
+        replica: str = "",
     ) -> None:
         self._core = core
+        # Sent to each engine at registration: it takes this replica's fences
+        # only for generations this replica leased (scheduler_replica.py).
+        self._replica = replica
         # The greatest incarnation per id beyond this process (incarnation_store.py).
         self._incarnations: IncarnationStore = incarnations or MemoryIncarnations()
         self._clock = clock
@@ -157,6 +162,8 @@ class EngineLinks:
         except ProtocolError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         joined = await self._join(info, context)
+        if self._replica:
+            await context.send_initial_metadata(((REPLICA_METADATA_KEY, self._replica),))
         channel = _EngineChannel(joined.token, asyncio.Queue())
         self._take_over(info, channel, joined.superseded)
         writer = asyncio.create_task(self._write_commands(context, channel))

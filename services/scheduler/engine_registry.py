@@ -88,6 +88,9 @@ class EngineLoad:
     prefill_tokens_per_second: float = 0.0
     step_seconds: float = 0.0
     step_token_budget: int = 0
+    # Generations it runs for other scheduler replicas (LoadReport.
+    # other_replica_generations): they take lease slots here too.
+    other_leases: int = 0
 
 
 @dataclass
@@ -104,6 +107,12 @@ class EngineRecord:
     @property
     def engine_id(self) -> str:
         return self.info.engine_id
+
+    @property
+    def slots_taken(self) -> int:
+        """Lease slots in use: this replica's leases plus the generations the
+        engine last reported running for other scheduler replicas."""
+        return len(self.leases) + self.load.other_leases
 
     def fresh(self, now: float, stale_after: float) -> bool:
         return self.last_report_at is not None and now - self.last_report_at <= stale_after
