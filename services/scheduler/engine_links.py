@@ -92,7 +92,7 @@ def hello_info(hello: scheduler_pb2.EngineHello, hash_block_tokens: int) -> Engi
     )
 
 
-def _load(report: scheduler_pb2.LoadReport) -> EngineLoad:
+def _load(report: scheduler_pb2.LoadReport, unleased: int = 0) -> EngineLoad:
     return EngineLoad(
         running=report.running, waiting=report.waiting, blocks_used=report.blocks_used,
         blocks_total=report.blocks_total, cached_blocks=report.cached_blocks,
@@ -101,6 +101,7 @@ def _load(report: scheduler_pb2.LoadReport) -> EngineLoad:
         prefix_cache_queries=report.prefix_cache_queries, prefix_cache_hits=report.prefix_cache_hits,
         prefill_tokens_per_second=report.prefill_tokens_per_second, step_seconds=report.step_seconds,
         step_token_budget=report.step_token_budget, other_leases=report.other_replica_generations,
+        unleased=unleased,
     )
 
 
@@ -237,7 +238,12 @@ class EngineLinks:
     def _on_message(self, engine_id: str, channel: _EngineChannel, msg: scheduler_pb2.EngineMessage) -> None:
         kind = msg.WhichOneof("msg")
         if kind == "load":
-            self._deliver(self._core.handle(ev.LoadReported(engine_id, channel.token, _load(msg.load))))
+            # Generations it runs without a lease from us take slots too
+            # (several replicas: one that died, until its leases re-attach here).
+            holder = self._core.lease_holder
+            unleased = sum(1 for r in msg.load.request_ids if holder(r) != engine_id)
+            load = _load(msg.load, unleased)
+            self._deliver(self._core.handle(ev.LoadReported(engine_id, channel.token, load)))
             if self.channels.get(engine_id) is channel:
                 self._fence(engine_id, channel, msg.load.request_ids)
         elif kind == "kv_events":

@@ -89,8 +89,11 @@ class EngineLoad:
     step_seconds: float = 0.0
     step_token_budget: int = 0
     # Generations it runs for other scheduler replicas (LoadReport.
-    # other_replica_generations): they take lease slots here too.
+    # other_replica_generations), and those it listed that this replica
+    # does not lease there (a gone replica's, until re-attached here; an
+    # orphan until fenced): they take lease slots here too.
     other_leases: int = 0
+    unleased: int = 0
 
 
 @dataclass
@@ -111,8 +114,8 @@ class EngineRecord:
     @property
     def slots_taken(self) -> int:
         """Lease slots in use: this replica's leases plus the generations the
-        engine last reported running for other scheduler replicas."""
-        return len(self.leases) + self.load.other_leases
+        engine last reported running without a lease from this replica."""
+        return len(self.leases) + self.load.other_leases + self.load.unleased
 
     def fresh(self, now: float, stale_after: float) -> bool:
         return self.last_report_at is not None and now - self.last_report_at <= stale_after
