@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 from _mesh_stop import stop_test_mesh
 from _streams import StreamResult, gateway_counter, run_streams, stream_completion, wait_until
+from test_e2e_reliability import _assert_same, _finish, _prompts
 
 from services.bench.scheduler_classes import scheduler_state
 from services.launcher.mesh import Mesh
@@ -82,17 +83,6 @@ class _Sampler:
             self.stop.wait(0.05)
 
 
-def _prompts(tag: str, n: int) -> list[str]:
-    return [f"{tag} request {i}: tell me a long story about schedulers and engines." for i in range(n)]
-
-
-async def _finish(tasks: list[asyncio.Task[StreamResult]], session: aiohttp.ClientSession) -> list[StreamResult]:
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        await session.close()
-
-
 async def _staggered(mesh: Mesh, session: aiohttp.ClientSession, prompts: list[str], tokens: int,
                      gap: float) -> tuple[list[StreamResult], list[asyncio.Task[StreamResult]]]:
     """Streams started `gap` s apart: clients arrive, they do not all press
@@ -103,13 +93,6 @@ async def _staggered(mesh: Mesh, session: aiohttp.ClientSession, prompts: list[s
         tasks.append(asyncio.create_task(stream_completion(session, mesh, prompt, tokens, result)))
         await asyncio.sleep(gap)
     return results, tasks
-
-
-def _assert_same(results: list[StreamResult], expected: list[str]) -> None:
-    failed = [(i, r.status, r.finish_reason, r.error) for i, r in enumerate(results) if not r.ok]
-    assert not failed, f"{len(failed)} streams did not complete: {failed[:5]}"
-    for i, (got, want) in enumerate(zip((r.text for r in results), expected, strict=True)):
-        assert got == want, f"stream {i} differs from the uninterrupted run ({len(got)} vs {len(want)} chars)"
 
 
 async def test_two_schedulers_spread_and_survive_a_sigkill(two_schedulers: Mesh) -> None:
