@@ -26,6 +26,8 @@ import functools
 import hashlib
 from dataclasses import dataclass
 
+import grpc
+
 from services.common.clock import Clock, SystemClock
 from services.common.mesh_tls import MeshIdentity
 from services.common.proto.kvmesh.v1 import scheduler_pb2
@@ -66,8 +68,8 @@ class SchedulerReplicas:
         if not addresses:
             raise ValueError("no scheduler address")
         self._clock = clock or SystemClock()
-        reachability = Reachability()
-        self._replicas = {a: _Replica(SchedulerClient(a, identity, reachability)) for a in addresses}
+        self._reachability = Reachability()
+        self._replicas = {a: _Replica(SchedulerClient(a, identity, self._reachability)) for a in addresses}
         self.addresses = list(addresses)
 
     @property
@@ -105,10 +107,18 @@ class SchedulerReplicas:
         """At least one replica's channel is READY (the gateway can admit)."""
         return any(r.client.is_ready() for r in self._replicas.values())
 
-    async def wait_ready_change(self) -> bool:
-        """Wait until any replica's channel changes state; then `is_ready()`."""
-        waits = [asyncio.ensure_future(r.client.wait_ready_change(r.client.channel.get_state()))
-                 for r in self._replicas.values()]
+    async def wait_ready_change(self, ready: bool) -> bool:
+        """`is_ready()` once it may differ from `ready`: at once if it does
+        now, else after any replica's channel changed state."""
+        clients = [r.client for r in self._replicas.values()]
+        states = [c.channel.get_state(try_to_connect=True) for c in clients]
+        if any(s == grpc.ChannelConnectivity.READY for s in states):
+            self._reachability.answered = True
+            if not ready:
+                return True
+        elif ready:
+            return False
+        waits = [asyncio.ensure_future(c.wait_ready_change(s)) for c, s in zip(clients, states, strict=True)]
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:

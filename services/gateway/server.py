@@ -195,7 +195,7 @@ class GatewayService:
         ready = scheduler.is_ready()
         while True:
             await health.set_serving(ready)
-            ready = await scheduler.wait_ready_change()
+            ready = await scheduler.wait_ready_change(ready)
 
     async def _stop_following(self) -> None:
         if self._health_task is not None:
