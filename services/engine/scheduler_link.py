@@ -290,6 +290,7 @@ class SchedulerLink:
             max_model_len=info.max_model_len, hash_block_tokens=self._config.hash_block_tokens,
             backend=self._backend_name, http_address=self._http_address,
             incarnation=self.incarnation, model_revision=self._model_revision(),
+            scheduler_replicas=len(self._engine.schedulers()),
         )
 
     def _model_revision(self) -> str:

@@ -89,6 +89,7 @@ def hello_info(hello: scheduler_pb2.EngineHello, hash_block_tokens: int) -> Engi
         max_running=hello.max_running, weight=hello.weight or 1.0,
         max_model_len=hello.max_model_len, backend=hello.backend, http_address=hello.http_address,
         incarnation=hello.incarnation, model_revision=hello.model_revision,
+        scheduler_replicas=max(1, hello.scheduler_replicas),
     )
 
 
@@ -238,11 +239,7 @@ class EngineLinks:
     def _on_message(self, engine_id: str, channel: _EngineChannel, msg: scheduler_pb2.EngineMessage) -> None:
         kind = msg.WhichOneof("msg")
         if kind == "load":
-            # Generations it runs without a lease from us take slots too
-            # (several replicas: one that died, until its leases re-attach here).
-            holder = self._core.lease_holder
-            unleased = sum(1 for r in msg.load.request_ids if holder(r) != engine_id)
-            load = _load(msg.load, unleased)
+            load = _load(msg.load, self._unleased(engine_id, msg.load))
             self._deliver(self._core.handle(ev.LoadReported(engine_id, channel.token, load)))
             if self.channels.get(engine_id) is channel:
                 self._fence(engine_id, channel, msg.load.request_ids)
@@ -256,6 +253,17 @@ class EngineLinks:
                 engine_id, channel.token, snap.seq, snap.hashes)))
         elif kind == "hello":
             log.warning("engine %s sent a second hello on one stream; ignored", engine_id)
+
+    def _unleased(self, engine_id: str, report: scheduler_pb2.LoadReport) -> int:
+        """Of an engine reporting to several replicas, the generations it
+        lists that this replica does not lease there: a dead replica's until
+        their leases re-attach here take its slots too. One scheduler: 0
+        (its reports are read as they always were)."""
+        record = self._core.fleet.get(engine_id)
+        if record is None or record.info.scheduler_replicas <= 1:
+            return 0
+        holder = self._core.lease_holder
+        return sum(1 for r in report.request_ids if holder(r) != engine_id)
 
     def _fence(self, engine_id: str, channel: _EngineChannel, reported: Sequence[str]) -> None:
         """Tell the engine to end what it runs without a lease here."""

@@ -67,6 +67,7 @@ class EngineInfo:
     http_address: str = ""
     incarnation: int = 0        # 0 = not sent (an engine older than incarnations)
     model_revision: str = ""    # EngineHello.model_revision ("" = not sent)
+    scheduler_replicas: int = 1  # EngineHello.scheduler_replicas (0 = not sent: one)
 
 
 @dataclass
