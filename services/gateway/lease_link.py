@@ -71,6 +71,8 @@ _READMIT_SECONDS = 30.0
 # Backoff between re-admission / re-attach attempts while the scheduler (and
 # the engines' registrations) come back: first wait, cap.
 _BACKOFF_FIRST_SECONDS = 0.1
+# GatewayError.code of the scheduler's `Rejected` DRAINING (errors.from_rejection).
+_DRAINING_CODE = scheduler_pb2.RejectCode.Name(scheduler_pb2.REJECT_CODE_DRAINING).lower()
 _BACKOFF_MAX_SECONDS = 1.0
 
 
@@ -170,9 +172,15 @@ class LeaseLink:
                     raise
                 if not self._scheduler.fail_over(self._session):  # else another replica takes it now
                     await backoff.wait()
-                self._session = await _open(self._scheduler, self._clock, self._now.admit_request())
-                self._metrics.readmissions.labels("queued").inc()
-                log.info("request %s: re-admitted after a scheduler restart", self._job.request_id)
+                await self._readmit()
+                continue
+            except GatewayError as exc:
+                # A replica shutting down (a rolling restart) while another is
+                # up: that one takes the request, nothing is refused.
+                if exc.code != _DRAINING_CODE or not self._scheduler.fail_over(self._session):
+                    raise
+                self._session.cancel()
+                await self._readmit()
                 continue
             readmit_until, backoff = None, _Backoff()
             if isinstance(outcome, scheduler_pb2.Placed):
@@ -180,6 +188,12 @@ class LeaseLink:
                 return outcome
             if not self._generated:  # after the first token: heartbeats only
                 await emit(QueuedUpdate(outcome.position, outcome.estimated_wait_seconds, outcome.priority))
+
+    async def _readmit(self) -> None:
+        """Admit the request again (the same arrival time, the prompt it has now)."""
+        self._session = await _open(self._scheduler, self._clock, self._now.admit_request())
+        self._metrics.readmissions.labels("queued").inc()
+        log.info("request %s: re-admitted after a scheduler restart", self._job.request_id)
 
     def running_on(self, engine_id: str, stop: Callable[[], None]) -> None:
         """The request starts generating on `engine_id`. From now on a

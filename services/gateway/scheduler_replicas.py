@@ -154,9 +154,10 @@ class SchedulerReplicas:
         raise failed
 
     def replenish(self) -> None:
-        """Open the next request's Admit stream ahead on every healthy replica."""
+        """Open the next request's Admit stream ahead on every healthy replica
+        (the one scheduler: always, as it always was)."""
         for address in self.addresses:
-            if self.healthy(address):
+            if len(self.addresses) == 1 or self.healthy(address):
                 self._replicas[address].client.replenish()
 
     async def get_state(self, timeout: float) -> scheduler_pb2.SchedulerState | None:

@@ -157,6 +157,34 @@ async def test_running_request_reattaches_on_the_other_replica(model_dir: Path) 
     assert again.messages == ["first_token", "done"]
 
 
+async def test_a_replica_shutting_down_hands_its_queued_request_to_the_other(model_dir: Path) -> None:
+    """A rolling restart: the stopping replica answers DRAINING; with another
+    replica up the request moves there instead of failing (alone: 503)."""
+    other = FakeScheduler()
+    async with _two_replicas(model_dir, other) as (mesh, address):
+        mesh.scheduler.reject = scheduler_pb2.Rejected(code=scheduler_pb2.REJECT_CODE_DRAINING,
+                                                       message="shutting down", retry_after_seconds=1)
+        request_id = _owned_by_first(mesh, address)
+        async with openai.AsyncOpenAI(base_url=f"{mesh.http}/v1", api_key=KEY_FULL, max_retries=0,
+                                      timeout=30) as c:
+            out = await c.chat.completions.create(model=MODEL, messages=CHAT,
+                                                  extra_headers={"x-request-id": request_id})
+    assert out.usage.completion_tokens == 6
+    assert [a.request.request_id for a in mesh.scheduler.admits] == [request_id]
+    assert [a.request.request_id for a in other.admits] == [request_id]
+
+
+async def test_one_replica_shutting_down_still_answers_503(model_dir: Path) -> None:
+    async with open_mesh(model_dir) as mesh:
+        mesh.scheduler.reject = scheduler_pb2.Rejected(code=scheduler_pb2.REJECT_CODE_DRAINING,
+                                                       message="shutting down", retry_after_seconds=1)
+        async with openai.AsyncOpenAI(base_url=f"{mesh.http}/v1", api_key=KEY_FULL, max_retries=0,
+                                      timeout=30) as c:
+            with pytest.raises(openai.APIStatusError) as refused:
+                await c.chat.completions.create(model=MODEL, messages=CHAT)
+    assert refused.value.status_code == 503
+
+
 @pytest.mark.parametrize("addresses", [["a:1"], ["a:1", "b:2", "c:3"]])
 def test_one_request_always_ranks_the_same(addresses: list[str]) -> None:
     assert len({tuple(rendezvous_order("same-id", addresses)) for _ in range(5)}) == 1
