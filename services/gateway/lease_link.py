@@ -28,7 +28,9 @@ one for the request over its whole life:
 Several scheduler replicas (scheduler_replicas.py): the request's lease is
 on one of them; when that one's stream breaks and another replica is healthy
 (`SchedulerReplicas.fail_over`), the re-admission or re-attachment above goes
-to it at once, without the restart backoff.
+to it at once, without the restart backoff. A queued request answered
+DRAINING by a replica shutting down (a rolling restart) is re-admitted the
+same way (alone, the one scheduler's DRAINING is the client's 503, as always).
 
 Ownership: the request's pump task alone calls a `LeaseLink`. The re-attach
 child task is one other writer: it only swaps in the re-attached stream, and
@@ -71,9 +73,9 @@ _READMIT_SECONDS = 30.0
 # Backoff between re-admission / re-attach attempts while the scheduler (and
 # the engines' registrations) come back: first wait, cap.
 _BACKOFF_FIRST_SECONDS = 0.1
+_BACKOFF_MAX_SECONDS = 1.0
 # GatewayError.code of the scheduler's `Rejected` DRAINING (errors.from_rejection).
 _DRAINING_CODE = scheduler_pb2.RejectCode.Name(scheduler_pb2.REJECT_CODE_DRAINING).lower()
-_BACKOFF_MAX_SECONDS = 1.0
 
 
 @dataclass
@@ -163,7 +165,12 @@ class LeaseLink:
         while True:
             try:
                 outcome = await self._session.next_outcome()
-            except SchedulerRestarting:
+            except GatewayError as exc:
+                # A replica shutting down (a rolling restart) is a restart too
+                # when there are others: one of them takes the request.
+                draining = exc.code == _DRAINING_CODE and len(self._scheduler.addresses) > 1
+                if not (isinstance(exc, SchedulerRestarting) or draining):
+                    raise
                 self._session.cancel()
                 now = self._clock.monotonic()
                 if readmit_until is None:
@@ -172,15 +179,9 @@ class LeaseLink:
                     raise
                 if not self._scheduler.fail_over(self._session):  # else another replica takes it now
                     await backoff.wait()
-                await self._readmit()
-                continue
-            except GatewayError as exc:
-                # A replica shutting down (a rolling restart) while another is
-                # up: that one takes the request, nothing is refused.
-                if exc.code != _DRAINING_CODE or not self._scheduler.fail_over(self._session):
-                    raise
-                self._session.cancel()
-                await self._readmit()
+                self._session = await _open(self._scheduler, self._clock, self._now.admit_request())
+                self._metrics.readmissions.labels("queued").inc()
+                log.info("request %s: re-admitted after a scheduler restart", self._job.request_id)
                 continue
             readmit_until, backoff = None, _Backoff()
             if isinstance(outcome, scheduler_pb2.Placed):
@@ -188,12 +189,6 @@ class LeaseLink:
                 return outcome
             if not self._generated:  # after the first token: heartbeats only
                 await emit(QueuedUpdate(outcome.position, outcome.estimated_wait_seconds, outcome.priority))
-
-    async def _readmit(self) -> None:
-        """Admit the request again (the same arrival time, the prompt it has now)."""
-        self._session = await _open(self._scheduler, self._clock, self._now.admit_request())
-        self._metrics.readmissions.labels("queued").inc()
-        log.info("request %s: re-admitted after a scheduler restart", self._job.request_id)
 
     def running_on(self, engine_id: str, stop: Callable[[], None]) -> None:
         """The request starts generating on `engine_id`. From now on a
