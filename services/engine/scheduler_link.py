@@ -25,7 +25,7 @@ so what starts in one loop turn goes out in one report), not after
 a millisecond after the engine does, and do not fill its slots twice.
 
 Identity: the hello carries the engine id and this process's incarnation
-(`new_incarnation`, chosen once per link, i.e. per engine process: unix ms
+(`new_incarnation`, chosen once per engine process, shared by its links: unix ms
 << 22 | 22 random bits, so a later start compares greater). A restarted or
 rescheduled engine -- same id, maybe a new address -- supersedes its old
 registration at once (services/scheduler/engine_registry.py). The process it
