@@ -58,7 +58,12 @@ def _config(ns: argparse.Namespace) -> MeshConfig:
 def _cmd_scheduler(ns: argparse.Namespace) -> None:
     from services.scheduler.server import serve
 
-    _run(serve(_config(ns)))
+    config = _config(ns)
+    if ns.port is not None:
+        config.scheduler.port = ns.port
+    if ns.metrics_port is not None:
+        config.scheduler.metrics_port = ns.metrics_port
+    _run(serve(config))
 
 
 def _cmd_engine(ns: argparse.Namespace) -> None:
@@ -156,7 +161,10 @@ def _cmd_plan(ns: argparse.Namespace) -> None:
 
 def _add_service_parsers(sub: Any) -> None:
     """One service per process (multi-host, Kubernetes), and `drain`."""
-    sch = sub.add_parser("scheduler", help="run the scheduler")
+    sch = sub.add_parser("scheduler", help="run the scheduler (one replica)")
+    sch.add_argument("--port", type=int,
+                     help="gRPC port (default scheduler.port; kvmesh up gives each replica its own)")
+    sch.add_argument("--metrics-port", type=int, help="metrics port (default scheduler.metrics_port; 0 = off)")
     sch.set_defaults(func=_cmd_scheduler)
 
     eng = sub.add_parser("engine", help="run one engine")
@@ -206,6 +214,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--engines", type=int, help="number of engines (default from config: 2)")
     up.add_argument("--backend", choices=["sim", "vllm"], help="engine backend")
     up.add_argument("--gateways", type=int, default=1, help="gateway replicas behind Envoy")
+    up.add_argument("--schedulers", type=int, default=1,
+                    help="active scheduler replicas (1-10; each sees every engine, requests spread over them)")
     up.add_argument("--model", help="model name to serve (default: the first in config)")
     up.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY"),
                     help="API key to accept (default: $KVMESH_API_KEY, else a generated dev key)")

@@ -106,6 +106,9 @@ class GenerationRequest:
     # W3C trace headers of the engine's span (tracing on): the backend passes
     # them on (vLLM's AsyncLLM.generate `trace_headers`); None when off.
     trace_headers: dict[str, str] | None = None
+    # The scheduler replica holding its lease (EngineRequest.scheduler_replica;
+    # "" = any): whose fences may end it (services/engine/fencing.py).
+    scheduler_replica: str = ""
 
 
 @dataclass

@@ -72,7 +72,7 @@ def request_from_proto(msg: engine_pb2.EngineRequest) -> GenerationRequest:
     )
     return GenerationRequest(
         request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids), sampling=sampling,
-        priority=msg.priority, resumed_tokens=msg.resumed_tokens,
+        priority=msg.priority, resumed_tokens=msg.resumed_tokens, scheduler_replica=msg.scheduler_replica,
     )
 
 

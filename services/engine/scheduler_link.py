@@ -13,8 +13,19 @@ healed partition the engine re-registers and its orphans are fenced. When the
 stream breaks (scheduler restart, network), the link reconnects with
 exponential backoff capped at 2 s and sends hello + snapshot again.
 
+Several scheduler replicas (README "Several schedulers"): one link per
+replica, all fed the same events by `scheduler_links.SchedulerLinks`, and
+sharing the process's incarnation and its `Fencer`. Each learns its
+replica's name from the stream's initial metadata (scheduler_replica.py),
+lists in its reports only that replica's generations (fencing.py) and takes
+fences from it for those only. With several replicas a generation that
+starts or ends is reported at once (`notify_now`: at the writer's next turn,
+so what starts in one loop turn goes out in one report), not after
+`min_report_gap`: the other replicas learn of each other's placements about
+a millisecond after the engine does, and do not fill its slots twice.
+
 Identity: the hello carries the engine id and this process's incarnation
-(`new_incarnation`, chosen once per link, i.e. per engine process: unix ms
+(`new_incarnation`, chosen once per engine process, shared by its links: unix ms
 << 22 | 22 random bits, so a later start compares greater). A restarted or
 rescheduled engine -- same id, maybe a new address -- supersedes its old
 registration at once (services/scheduler/engine_registry.py). The process it
@@ -44,9 +55,7 @@ import logging
 import secrets
 import socket
 import time
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeAlias, cast
 
 import grpc
@@ -56,18 +65,19 @@ from services.common.grpc_server import client_options
 from services.common.mesh_tls import aio_channel, identity_for
 from services.common.model_revision import model_revision
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.scheduler_replica import REPLICA_METADATA_KEY
 from services.engine.fencing import Fencer, fenceable
+from services.engine.kv_event_log import KvEventLog
 from services.engine.model import resolve_model
 from services.engine.runtime import EngineRuntime
 
-__all__ = ["SUPERSEDED_METADATA_KEY", "KvEventLog", "SchedulerLink", "advertised_host", "new_incarnation"]
+__all__ = ["SUPERSEDED_METADATA_KEY", "KvEventLog", "LinkOptions", "SchedulerLink", "advertised_host",
+           "new_incarnation"]
 
 log = logging.getLogger(__name__)
 
 BACKOFF_INITIAL_SECONDS = 0.05
 BACKOFF_MAX_SECONDS = 2.0
-# Pending KV hashes beyond this are replaced by a snapshot (bounded memory).
-MAX_PENDING_HASHES = 200_000
 
 # Trailing metadata of a Connect the scheduler ended because a newer process
 # of this engine id registered (services/scheduler/engine_links.py).
@@ -111,66 +121,13 @@ def advertised_host(host: str) -> str:
 
 
 @dataclass
-class _Batch:
-    cleared: bool = False
-    stored: list[int] = field(default_factory=list)
-    removed: list[int] = field(default_factory=list)
-    stored_set: set[int] = field(default_factory=set)
-    removed_set: set[int] = field(default_factory=set)
+class LinkOptions:
+    """What one link of several shares or differs in (scheduler_links.py)."""
 
-
-class KvEventLog:
-    """A KvListener collecting events into order-safe batches."""
-
-    def __init__(self, wake: asyncio.Event) -> None:
-        self._wake = wake
-        self._batches: deque[_Batch] = deque()
-        self._pending = 0
-        self.overflowed = False
-
-    def stored(self, hashes: list[int]) -> None:
-        batch = self._open(lambda b: b.removed_set.isdisjoint(hashes))
-        batch.stored.extend(hashes)
-        batch.stored_set.update(hashes)
-        self._added(len(hashes))
-
-    def removed(self, hashes: list[int]) -> None:
-        batch = self._open(lambda b: b.stored_set.isdisjoint(hashes))
-        batch.removed.extend(hashes)
-        batch.removed_set.update(hashes)
-        self._added(len(hashes))
-
-    def cleared(self) -> None:
-        self._batches.clear()  # a clear supersedes everything before it
-        self._batches.append(_Batch(cleared=True))
-        self._added(0)
-
-    def take(self) -> list[scheduler_pb2.KvEvents]:
-        out = [scheduler_pb2.KvEvents(stored=b.stored, removed=b.removed, cleared=b.cleared)
-               for b in self._batches]
-        self.reset()
-        return out
-
-    def reset(self) -> None:
-        self._batches.clear()
-        self._pending = 0
-        self.overflowed = False
-
-    def __bool__(self) -> bool:
-        return bool(self._batches)
-
-    def _open(self, fits: Callable[[_Batch], bool]) -> _Batch:
-        if not self._batches or not fits(self._batches[-1]):
-            self._batches.append(_Batch())
-        return self._batches[-1]
-
-    def _added(self, count: int) -> None:
-        self._pending += count
-        if self._pending > MAX_PENDING_HASHES:
-            self._batches.clear()
-            self._pending = 0
-            self.overflowed = True
-        self._wake.set()
+    scheduler_address: str = ""    # "" = engine.scheduler_address
+    incarnation: int = 0           # the process's (0 = choose one)
+    fencer: Fencer | None = None   # the process's (None = its own)
+    prompt: bool = False           # report starts and ends at once (several replicas)
 
 
 class SchedulerLink:
@@ -182,18 +139,24 @@ class SchedulerLink:
         address: str,
         http_address: str = "",
         backend_name: str = "",
+        options: LinkOptions | None = None,
     ) -> None:
+        options = options or LinkOptions()
         self._config = config
         self._engine = engine
         self._runtime = runtime
         self._address = address  # the server's `address`: advertise_address when set
-        self.incarnation = new_incarnation()
+        # The replica this link dials, and its name once it answered ("" before).
+        self.scheduler_address = options.scheduler_address or engine.scheduler_address
+        self.replica = ""
+        self._prompt = options.prompt
+        self.incarnation = options.incarnation or new_incarnation()
         self._revision: str | None = None   # EngineHello.model_revision, on first hello
         self.superseded_by: str | None = None  # set once a newer process took the id over
         self._http_address = http_address
         self._backend_name = backend_name or engine.backend
         self._identity = identity_for(config, "engine")
-        self.fencer = Fencer(runtime, engine.engine_id)
+        self.fencer = options.fencer or Fencer(runtime, engine.engine_id, config.fencing)
         self._interval = engine.report_interval_seconds
         self.min_report_gap = max(0.005, self._interval / 4)
         # A report equal to the last one sent is news to nobody: it is left
@@ -208,8 +171,9 @@ class SchedulerLink:
         self._last_report_at = 0.0
         self.reports_skipped = 0
         self._wake = asyncio.Event()
-        self._events = KvEventLog(self._wake)
+        self.events = KvEventLog(self._wake)
         self._changed = False
+        self._urgent = False  # a generation started or ended: report at once (`_prompt`)
         self._sent_serving: bool | None = None  # `serving` in the last report sent
         self._resync = False
         self._seq = 0
@@ -220,10 +184,8 @@ class SchedulerLink:
     # ---------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
+        """Run the link (`SchedulerLinks` feeds it the engine's events)."""
         if self._task is None:
-            self._runtime.backend.set_kv_listener(self._events)
-            self._runtime.backend.on_change(self.notify)
-            self._runtime.add_listener(self.notify)
             self._task = asyncio.create_task(self._run(), name="scheduler-link")
 
     async def stop(self) -> None:
@@ -232,13 +194,17 @@ class SchedulerLink:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        self._runtime.backend.set_kv_listener(None)
-        self._runtime.backend.on_change(None)
 
     def notify(self) -> None:
         """Load changed: report promptly (rate-limited)."""
         self._changed = True
         self._wake.set()
+
+    def notify_now(self) -> None:
+        """A generation started or ended: with several replicas, report at
+        the writer's next turn; else as `notify`."""
+        self._urgent = self._prompt
+        self.notify()
 
     # ---------------------------------------------------------------- sessions
 
@@ -267,7 +233,7 @@ class SchedulerLink:
             # stay visible without a line every retry.
             level = logging.WARNING if failures % 15 == 1 else logging.DEBUG
             log.log(level, "scheduler link to %s down (%s); retrying in %.2fs",
-                    self._engine.scheduler_address, reason, backoff)
+                    self.scheduler_address, reason, backoff)
             await asyncio.sleep(backoff)
             backoff = min(BACKOFF_MAX_SECONDS, backoff * 2)
 
@@ -288,14 +254,14 @@ class SchedulerLink:
                    ("grpc.initial_reconnect_backoff_ms", 100),
                    ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", int(BACKOFF_MAX_SECONDS * 1000))]
-        async with aio_channel(self._engine.scheduler_address, self._identity, "scheduler", options) as channel:
+        async with aio_channel(self.scheduler_address, self._identity, "scheduler", options) as channel:
             call = scheduler_pb2_grpc.SchedulerStub(channel).Connect()
             try:
                 await call.write(scheduler_pb2.EngineMessage(hello=self._hello()))
                 await self._send_snapshot(call)
                 self.sessions += 1
                 self.connected.set()
-                log.info("registered with the scheduler at %s", self._engine.scheduler_address)
+                log.info("registered with the scheduler at %s", self.scheduler_address)
                 reader = asyncio.create_task(self._read(call))
                 writer = asyncio.create_task(self._write(call))
                 try:
@@ -312,6 +278,8 @@ class SchedulerLink:
                     raise errors[0]  # the error that ended the session
             finally:
                 call.cancel()
+                self.fencer.replica_down(self.replica)
+                self.replica = ""
 
     def _hello(self) -> scheduler_pb2.EngineHello:
         info = self._runtime.backend.info
@@ -322,6 +290,7 @@ class SchedulerLink:
             max_model_len=info.max_model_len, hash_block_tokens=self._config.hash_block_tokens,
             backend=self._backend_name, http_address=self._http_address,
             incarnation=self.incarnation, model_revision=self._model_revision(),
+            scheduler_replicas=len(self._engine.schedulers()),
         )
 
     def _model_revision(self) -> str:
@@ -340,12 +309,17 @@ class SchedulerLink:
         # Synchronous from here to the message's creation: no event can slip
         # between the snapshot and the log reset.
         hashes = self._runtime.kv_snapshot()
-        self._events.reset()
+        self.events.reset()
         self._resync = False
         snapshot = scheduler_pb2.KvSnapshot(seq=self._seq, hashes=hashes)
         await call.write(scheduler_pb2.EngineMessage(kv_snapshot=snapshot))
 
     async def _read(self, call: _ConnectCall) -> None:
+        for key, value in await call.initial_metadata() or ():
+            if key == REPLICA_METADATA_KEY:
+                self.replica = value if isinstance(value, str) else value.decode(errors="replace")
+                self.fencer.replica_up(self.replica)
+                self._wake.set()  # its next report lists only its own generations
         while True:
             message = await call.read()
             if message is grpc.aio.EOF:
@@ -361,7 +335,7 @@ class SchedulerLink:
                 self._resync = True
                 self._wake.set()
             elif kind == "fence":
-                self.fencer.apply(command.fence.request_ids)
+                self.fencer.apply(command.fence.request_ids, self.replica)
 
     async def _write(self, call: _ConnectCall) -> None:
         loop = asyncio.get_running_loop()
@@ -372,14 +346,14 @@ class SchedulerLink:
             # Clear first: anything that happens during the writes below sets
             # the event again and is seen on the next turn.
             self._wake.clear()
-            if self._resync or self._events.overflowed:
+            if self._resync or self.events.overflowed:
                 await self._send_snapshot(call)
-            for events in self._events.take():
+            for events in self.events.take():
                 self._seq += 1
                 events.seq = self._seq
                 await call.write(scheduler_pb2.EngineMessage(kv_events=events))
             now = loop.time()
-            due = last_load + (self.min_report_gap if self._changed else self._interval)
+            due = last_load + (0.0 if self._urgent else self.min_report_gap if self._changed else self._interval)
             # A change of `serving` goes out at once: a failed engine must
             # stop getting placements before its streams' replacements ask.
             if now >= due or self._runtime.serving != self._sent_serving:
@@ -392,13 +366,15 @@ class SchedulerLink:
                 await asyncio.wait_for(self._wake.wait(), timeout=due - now)
 
     async def _send_load(self, call: _ConnectCall) -> None:
-        self._changed = False
+        self._changed = self._urgent = False
         load = self._runtime.load()
+        # Not the engine's own endpoint's (fencing.py); only this replica's.
+        listed, others = self.fencer.listed_to(fenceable(load.request_ids), self.replica)
         report = scheduler_pb2.LoadReport(
             running=load.running, waiting=load.waiting, blocks_used=load.blocks_used,
             blocks_total=load.blocks_total, cached_blocks=load.cached_blocks,
             serving=self._runtime.serving, queued_tokens=load.queued_tokens,
-            request_ids=fenceable(load.request_ids),  # not the engine's own endpoint's (fencing.py)
+            request_ids=listed, other_replica_generations=others,
             prefill_tokens_per_second=load.prefill_tokens_per_second,
             step_seconds=load.step_seconds, step_token_budget=load.step_token_budget,
         )

@@ -62,6 +62,7 @@ from services.engine.metrics import EngineMetrics
 from services.engine.model import TextCodec, load_codec, resolve_model
 from services.engine.runtime import EngineRuntime
 from services.engine.scheduler_link import SchedulerLink, advertised_host
+from services.engine.scheduler_links import SchedulerLinks
 
 __all__ = ["EngineService", "make_backend", "serve"]
 
@@ -123,6 +124,9 @@ class EngineService:
         self.runtime = EngineRuntime(self.backend, self.metrics, self.clock, pacing, hang,
                                      config.resume.grace_seconds)
         self.port = 0
+        # The Connect links to every scheduler replica; `link` is the first
+        # (the one scheduler of most meshes).
+        self.links: SchedulerLinks | None = None
         self.link: SchedulerLink | None = None
         self._server: grpc.aio.Server | None = None
         self._servicer: EngineServicer | None = None
@@ -183,10 +187,11 @@ class EngineService:
             if not self.drain.started:  # a preStop drain may come while the model loads
                 await health.set_serving(True)
             self.runtime.add_listener(self._sync_health)
-            if engine.scheduler_address:
-                self.link = SchedulerLink(self.config, engine, self.runtime, self.address,
-                                          http_address, engine.backend)
-                self.link.start()
+            if engine.schedulers():
+                self.links = SchedulerLinks(self.config, engine, self.runtime, self.address,
+                                            http_address, engine.backend)
+                self.link = self.links.links[0]
+                self.links.start()
         except BaseException:
             await self.stop()
             raise
@@ -229,9 +234,9 @@ class EngineService:
             return Check(False, "draining", "draining: new generations go to other engines")
         if runtime.draining:
             return Check(False, "draining", "drained by the scheduler: new generations go elsewhere")
-        if self.link is not None and not self.link.connected.is_set():
+        if self.links is not None and not self.links.connected():
             return Check(False, "not_registered",
-                         f"not registered with the scheduler at {self.engine.scheduler_address}")
+                         f"not registered with any scheduler ({', '.join(self.engine.schedulers())})")
         return Check(True, "ok", "serving")
 
     def _codec(self) -> TextCodec:
@@ -276,9 +281,9 @@ class EngineService:
     async def stop(self) -> None:
         await self.drain()
         await self.runtime.stop(0.0)
-        if self.link is not None:
-            await self.link.stop()
-            self.link = None
+        if self.links is not None:
+            await self.links.stop()
+            self.links = self.link = None
         if self._server is not None:
             await self._server.stop(grace=0.5)
             self._server = None

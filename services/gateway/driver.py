@@ -66,7 +66,7 @@ from services.gateway.lease_link import LeaseLink
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.request_meter import RequestMeter
 from services.gateway.request_now import RequestNow
-from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.scheduler_replicas import SchedulerReplicas
 from services.gateway.stall_watch import GenerationLimit, ProgressWatch, StallLimits, StallTimer
 from services.gateway.stop_seam import StopSeam
 
@@ -93,7 +93,7 @@ class GenerationDriver:
 
     def __init__(
         self,
-        scheduler: SchedulerClient,
+        scheduler: SchedulerReplicas,
         engines: EnginePool,
         settings: DriverSettings,
         metrics: GatewayMetrics,
@@ -329,7 +329,7 @@ class _Generation:
             self._resume_pending = False
             await stream.resume(self._job.request_id, self._job.prompt_ids, self._job.trace_context)
         else:
-            await stream.start(self._now.engine_request(placed.lease_id, self._deltas))
+            await stream.start(self._now.engine_request(placed.lease_id, self._deltas, placed.scheduler_replica))
         async for event in self._watched(stream):
             if event.HasField("delta"):
                 delta = event.delta

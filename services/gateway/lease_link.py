@@ -25,6 +25,13 @@ one for the request over its whole life:
 - moving (`replace`): the request leaves a failed engine;
 - ending (`report_done` + `close`, or `abandon`).
 
+Several scheduler replicas (scheduler_replicas.py): the request's lease is
+on one of them; when that one's stream breaks and another replica is healthy
+(`SchedulerReplicas.fail_over`), the re-admission or re-attachment above goes
+to it at once, without the restart backoff. A queued request answered
+DRAINING by a replica shutting down (a rolling restart) is re-admitted the
+same way (alone, the one scheduler's DRAINING is the client's 503, as always).
+
 Ownership: the request's pump task alone calls a `LeaseLink`. The re-attach
 child task is one other writer: it only swaps in the re-attached stream, and
 the pump ends it before the lease moves or ends (`replace`, `requeue`,
@@ -51,7 +58,8 @@ from services.gateway.events import Emit, Finished, QueuedUpdate
 from services.gateway.jobs import Job
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.request_now import RequestNow
-from services.gateway.scheduler_client import AdmitSession, SchedulerClient
+from services.gateway.scheduler_client import AdmitSession
+from services.gateway.scheduler_replicas import SchedulerReplicas
 from services.gateway.stall_watch import GapSample
 
 __all__ = ["LeaseLink"]
@@ -66,6 +74,8 @@ _READMIT_SECONDS = 30.0
 # the engines' registrations) come back: first wait, cap.
 _BACKOFF_FIRST_SECONDS = 0.1
 _BACKOFF_MAX_SECONDS = 1.0
+# GatewayError.code of the scheduler's `Rejected` DRAINING (errors.from_rejection).
+_DRAINING_CODE = scheduler_pb2.RejectCode.Name(scheduler_pb2.REJECT_CODE_DRAINING).lower()
 
 
 @dataclass
@@ -80,7 +90,7 @@ class _Backoff:
 
 
 async def _open(
-    scheduler: SchedulerClient, clock: Clock, request: scheduler_pb2.AdmitRequest
+    scheduler: SchedulerReplicas, clock: Clock, request: scheduler_pb2.AdmitRequest
 ) -> AdmitSession:
     """Open an Admit stream, retrying with backoff for up to
     `_READMIT_SECONDS` while the scheduler restarts."""
@@ -108,7 +118,7 @@ class LeaseLink:
         session: AdmitSession,
         job: Job,
         generated: list[int],
-        scheduler: SchedulerClient,
+        scheduler: SchedulerReplicas,
         metrics: GatewayMetrics,
         clock: Clock,
     ) -> None:
@@ -139,7 +149,7 @@ class LeaseLink:
 
     @classmethod
     async def admit(
-        cls, job: Job, generated: list[int], scheduler: SchedulerClient, metrics: GatewayMetrics, clock: Clock
+        cls, job: Job, generated: list[int], scheduler: SchedulerReplicas, metrics: GatewayMetrics, clock: Clock
     ) -> LeaseLink:
         """Ask the scheduler for a lease (waiting out a restart)."""
         session = await _open(scheduler, clock, job.admit_request())
@@ -155,14 +165,20 @@ class LeaseLink:
         while True:
             try:
                 outcome = await self._session.next_outcome()
-            except SchedulerRestarting:
+            except GatewayError as exc:
+                # A replica shutting down (a rolling restart) is a restart too
+                # when there are others: one of them takes the request.
+                draining = exc.code == _DRAINING_CODE and len(self._scheduler.addresses) > 1
+                if not (isinstance(exc, SchedulerRestarting) or draining):
+                    raise
                 self._session.cancel()
                 now = self._clock.monotonic()
                 if readmit_until is None:
                     readmit_until = now + _READMIT_SECONDS
                 if now >= readmit_until:
                     raise
-                await backoff.wait()
+                if not self._scheduler.fail_over(self._session):  # else another replica takes it now
+                    await backoff.wait()
                 self._session = await _open(self._scheduler, self._clock, self._now.admit_request())
                 self._metrics.readmissions.labels("queued").inc()
                 log.info("request %s: re-admitted after a scheduler restart", self._job.request_id)
@@ -326,8 +342,12 @@ class LeaseLink:
         with backoff until it is answered `placed` on that very engine. Ends
         when attached or when the pump cancels it (the request ended/moved)."""
         backoff = _Backoff()
+        # Another scheduler replica is up: re-attach there at once.
+        moving = self._scheduler.fail_over(self._session)
         while True:
-            await backoff.wait()
+            if not moving:
+                await backoff.wait()
+            moving = False
             session = await self._attach_once()
             if session is None:
                 continue

@@ -59,9 +59,10 @@ class RequestNow:
             request.resume = False  # re-attaching after a scheduler restart, not a client's resume
         return request
 
-    def engine_request(self, lease_id: str, delta_offset: int) -> engine_pb2.EngineRequest:
+    def engine_request(self, lease_id: str, delta_offset: int, scheduler_replica: str = "") -> engine_pb2.EngineRequest:
         """The request for the placed engine: prompt + generated, the token
-        budgets left, and how many of its prompt tokens were generated."""
+        budgets left, how many of its prompt tokens were generated, and the
+        scheduler replica holding its lease (Placed.scheduler_replica)."""
         job, generated = self.job, self.generated
         sampling = job.sampling.to_proto(self.max_tokens_left)
         if job.sampling.min_tokens:
@@ -78,4 +79,5 @@ class RequestNow:
             delta_offset=delta_offset,
             ack_final=True,
             trace_context=dict(job.trace_context) if job.trace_context else None,
+            scheduler_replica=scheduler_replica,
         )

@@ -22,7 +22,7 @@ and a pending grpc.aio read must never be cancelled (that cancels the call)
 
 Ownership: the `SchedulerClient` belongs to the gateway service and, with it,
 the one fact shared by all requests: whether the scheduler has ever answered
-(`_Reachability`, set when the channel is READY or a stream gets an answer).
+(`Reachability`, set when the channel is READY or a stream gets an answer).
 Each `AdmitSession` is used by one task only (its request's pump), plus the
 session's own reader task after `listen()`, which only reads.
 """
@@ -45,7 +45,7 @@ from services.gateway.call_ending import CallEnder
 from services.gateway.errors import GatewayError, SchedulerRestarting, from_rejection, from_scheduler_rpc_error
 from services.gateway.spare_calls import SpareCall
 
-__all__ = ["AdmitSession", "SchedulerClient"]
+__all__ = ["AdmitSession", "Reachability", "SchedulerClient"]
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ _WITHDRAWN = scheduler_pb2.AdmitClientMessage(done=scheduler_pb2.RequestDone(fin
 
 
 @dataclass
-class _Reachability:
+class Reachability:
     """Whether the scheduler has answered this gateway since it started (its
     channel was READY, or an Admit stream got a message). From then on an
     unreachable scheduler is a restart to wait out (re-admit with backoff),
@@ -76,7 +76,7 @@ class _Reachability:
 class AdmitSession:
     """One request's Admit stream. Used by one task only (the driver's)."""
 
-    def __init__(self, call: grpc.aio.StreamStreamCall, reachability: _Reachability, ender: CallEnder) -> None:
+    def __init__(self, call: grpc.aio.StreamStreamCall, reachability: Reachability, ender: CallEnder) -> None:
         self._call = call
         self._ender = ender
         self._finished = False
@@ -87,6 +87,8 @@ class AdmitSession:
         self._reader: asyncio.Task[None] | None = None
         self._inbox: asyncio.Queue[_Inbound | None] = asyncio.Queue()
         self._on_preempted: Callable[[scheduler_pb2.Preempted], None] | None = None
+        # The scheduler replica it is open on (scheduler_replicas.py; "" = the one).
+        self.replica = ""
 
     @property
     def broken(self) -> bool:
@@ -254,7 +256,11 @@ class AdmitSession:
 class SchedulerClient:
     """Owns the gateway's channel to the scheduler."""
 
-    def __init__(self, address: str, identity: MeshIdentity | None = None) -> None:
+    def __init__(self, address: str, identity: MeshIdentity | None = None,
+                 reachability: Reachability | None = None) -> None:
+        """`reachability`: shared by the replicas of one gateway
+        (scheduler_replicas.py): once any answered, an unreachable one is a
+        restart to wait out (or to move away from)."""
         self.address = address
         self.channel = aio_channel(
             address, identity, "scheduler",
@@ -269,7 +275,7 @@ class SchedulerClient:
         self._stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self._ender = CallEnder()
         self._spare = SpareCall(self._stub.Admit)
-        self._reachability = _Reachability()
+        self._reachability = reachability or Reachability()
 
     def is_ready(self) -> bool:
         return self.channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY

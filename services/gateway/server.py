@@ -55,7 +55,7 @@ from services.gateway.limits import RateLimiter
 from services.gateway.metrics import GatewayMetrics, metrics_app
 from services.gateway.pipeline import RequestPipeline
 from services.gateway.response_cache import build_response_cache
-from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.scheduler_replicas import SchedulerReplicas
 from services.gateway.served_models import ServedModels
 from services.gateway.tokenization import TokenizerRegistry
 from services.gateway.transport_parts import TransportParts
@@ -95,7 +95,7 @@ class GatewayService:
                                                    self.tokenizers.model_dirs)
         self.frontdoor = Frontdoor(config, KeyStore(gw), RateLimiter(self.clock), self.tokenizers, self.clock,
                                    self.tracing, self.response_cache)
-        self._scheduler: SchedulerClient | None = None
+        self._scheduler: SchedulerReplicas | None = None
         self._engines: EnginePool | None = None
         self._grpc: grpc.aio.Server | None = None
         self._runners: list[web.AppRunner] = []
@@ -112,7 +112,7 @@ class GatewayService:
         http_port = gw.http_port if http_port is None else http_port
         grpc_port = gw.grpc_port if grpc_port is None else grpc_port
         identity = identity_for(self.config, "gateway")
-        self._scheduler = SchedulerClient(gw.scheduler_address, identity)
+        self._scheduler = SchedulerReplicas(gw.schedulers(), identity, self.clock)
         self._engines = EnginePool(identity)
         driver = GenerationDriver(
             self._scheduler,
@@ -156,7 +156,7 @@ class GatewayService:
         self._up = True
         log.info(
             "gateway %d: http %s:%d grpc %s:%d scheduler %s",
-            self.replica, gw.host, bound_http, gw.host, bound_grpc, gw.scheduler_address,
+            self.replica, gw.host, bound_http, gw.host, bound_grpc, ", ".join(gw.schedulers()),
         )
         return bound_http, bound_grpc
 
@@ -184,18 +184,18 @@ class GatewayService:
             return Check(False, "draining", "draining: the load balancer takes this gateway out")
         if self._health is None or not self._health.serving:
             return Check(False, "no_scheduler",
-                         f"the scheduler channel ({self.config.gateway.scheduler_address}) is not ready")
+                         f"no scheduler channel ({', '.join(self.config.gateway.schedulers())}) is ready")
         return Check(True, "ok", "serving")
 
     async def _follow_scheduler(self, health: HealthReporter) -> None:
-        """SERVING exactly while the scheduler channel is READY."""
+        """SERVING exactly while a scheduler replica's channel is READY."""
         scheduler = self._scheduler
         if scheduler is None:
             return
-        state = scheduler.channel.get_state(try_to_connect=True)
+        ready = scheduler.is_ready()
         while True:
-            await health.set_serving(state == grpc.ChannelConnectivity.READY)
-            state = await scheduler.wait_ready_change(state)
+            await health.set_serving(ready)
+            ready = await scheduler.wait_ready_change(ready)
 
     async def _stop_following(self) -> None:
         if self._health_task is not None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from services.gateway.frontdoor import Frontdoor
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import RequestPipeline
-from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.scheduler_replicas import SchedulerReplicas
 from services.gateway.served_models import ServedModels
 from services.gateway.tokenize_api import TokenizeApi
 
@@ -20,7 +20,7 @@ __all__ = ["TransportParts"]
 @dataclass
 class TransportParts:
     pipeline: RequestPipeline
-    scheduler: SchedulerClient
+    scheduler: SchedulerReplicas
     metrics: GatewayMetrics
     served: ServedModels   # one cached view of the served models for every transport
     tokenize: TokenizeApi = field(init=False)

@@ -17,6 +17,9 @@ class MeshOptions:
     engines: int | None = None
     backend: str | None = None
     gateways: int = 1
+    # Active scheduler replicas (README "Several schedulers"); replica r
+    # listens where services/launcher/port_plan.py `scheduler_ports` says.
+    schedulers: int = 1
     model: str | None = None
     # Key clients use; None = generate a dev key.
     api_key: str | None = None
@@ -53,6 +56,8 @@ class Endpoints:
     tls_ca: Path | None = None
     # The batch service's HTTP API (Envoy routes /v1/files, /v1/batches to it); "" = none.
     batch_http: str = ""
+    # Every scheduler replica's gRPC address (`scheduler` is the first).
+    schedulers: list[str] = field(default_factory=list)
 
     @property
     def public_http(self) -> str:

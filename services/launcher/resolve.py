@@ -20,12 +20,14 @@ from services.common.affinity import omp_cores
 from services.common.config import AdminKeyConfig, ApiKeyConfig, ConfigError, MeshConfig, config_from_dict
 from services.common.mesh_tls import ROLES, MeshIdentity, mesh_cert_dir
 from services.launcher.options import Endpoints, MeshOptions
-from services.launcher.port_plan import pick_free_ports
+from services.launcher.port_plan import pick_free_ports, scheduler_addresses
 from services.tools.devcerts import ensure_mesh_certs
 
 __all__ = ["ROOT", "absolute", "front_cores", "resolve_admin_token", "resolve_batch", "resolve_config"]
 
 ROOT = Path(__file__).resolve().parents[2]
+# Scheduler replicas `kvmesh up` starts at most (port_plan.scheduler_ports).
+_MAX_SCHEDULERS = 10
 
 
 def absolute(path: str) -> Path:
@@ -45,10 +47,13 @@ def resolve_config(config: MeshConfig, opts: MeshOptions) -> tuple[MeshConfig, s
         model.path = str(absolute(model.path))
     _apply_counts_and_model(cfg, opts)
     if opts.free_ports:
-        pick_free_ports(cfg, opts.gateways)
-    # Gateways and engines both dial the scheduler this mesh starts.
+        pick_free_ports(cfg, opts.gateways, opts.schedulers)
+    # Gateways and engines both dial the scheduler replicas this mesh starts.
     cfg.gateway.scheduler_address = f"{cfg.scheduler.host}:{cfg.scheduler.port}"
     cfg.engines.template.scheduler_address = cfg.gateway.scheduler_address
+    replicas = scheduler_addresses(cfg, opts.schedulers) if opts.schedulers > 1 else []
+    cfg.gateway.scheduler_addresses = list(replicas)
+    cfg.engines.template.scheduler_addresses = list(replicas)
     if opts.mesh_tls:
         cfg.mesh_tls.enabled = True
     if cfg.mesh_tls.enabled:
@@ -100,6 +105,9 @@ def _apply_counts_and_model(cfg: MeshConfig, opts: MeshOptions) -> None:
         cfg.engines.count = opts.engines
     if opts.gateways < 1:
         raise ConfigError("--gateways: must be >= 1")
+    if not 1 <= opts.schedulers <= _MAX_SCHEDULERS:
+        # Replica r listens on scheduler.port + r: 50051 .. 50060 below the gateway's 50061.
+        raise ConfigError(f"--schedulers: must be within 1 .. {_MAX_SCHEDULERS}, got {opts.schedulers}")
     if opts.backend:
         if opts.backend not in ("sim", "vllm"):
             raise ConfigError(f"--backend: {opts.backend!r} is not one of ['sim', 'vllm']")

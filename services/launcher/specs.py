@@ -11,11 +11,12 @@ import sys
 
 from services.batch.credential import CREDENTIAL_ENV
 from services.common.config import MeshConfig
+from services.common.config.addresses import join_host_port
 from services.common.mesh_tls import MeshIdentity, identity_for
 from services.launcher.children import DEFAULT_STOP_GRACE_SECONDS, ChildSpec, Probe, ProbeKind, RestartPolicy, Role
 from services.launcher.envoy_config import envoy_binary
 from services.launcher.options import Endpoints, MeshOptions, RunFiles
-from services.launcher.port_plan import gateway_ports
+from services.launcher.port_plan import gateway_ports, scheduler_ports
 
 __all__ = ["child_env", "child_specs"]
 
@@ -42,7 +43,7 @@ def child_specs(cfg: MeshConfig, options: MeshOptions, files: RunFiles, endpoint
     """Every child in start order."""
     plan = _Planner(cfg, options, files)
     me = identity_for(cfg, "admin")
-    specs = [plan.scheduler(me)]
+    specs = [plan.scheduler(r, me) for r in range(options.schedulers)]
     specs += [plan.engine(i, me) for i in range(cfg.engines.count)]
     if cfg.batch.enabled:
         specs.append(plan.batch(endpoints))
@@ -68,10 +69,13 @@ class _Planner:
     def _timeout(self, key: str) -> float:
         return self.options.start_timeout or _START_TIMEOUT[key]
 
-    def scheduler(self, me: MeshIdentity | None) -> ChildSpec:
+    def scheduler(self, r: int, me: MeshIdentity | None) -> ChildSpec:
+        """Scheduler replica `r` ("scheduler", then "scheduler-1", ...)."""
+        grpc_port, metrics = scheduler_ports(self.cfg, r)
         return ChildSpec(
-            name="scheduler", role=Role.SCHEDULER, argv=self._kvmesh("scheduler"),
-            probes=[Probe(ProbeKind.GRPC_HEALTH, self.cfg.gateway.scheduler_address, identity=me,
+            name=f"scheduler-{r}" if r else "scheduler", role=Role.SCHEDULER,
+            argv=self._kvmesh("scheduler", "--port", str(grpc_port), "--metrics-port", str(metrics)),
+            probes=[Probe(ProbeKind.GRPC_HEALTH, join_host_port(self.cfg.scheduler.host, grpc_port), identity=me,
                           server_role="scheduler")],
             env=child_env(self.options), start_timeout=self._timeout("scheduler"),
             # Soft state: engines re-register, gateways re-admit and re-attach.

@@ -102,6 +102,7 @@ def _options(ns: argparse.Namespace) -> MeshOptions:
         engines=getattr(ns, "engines", None),
         backend=getattr(ns, "backend", None),
         gateways=getattr(ns, "gateways", None) or 1,
+        schedulers=getattr(ns, "schedulers", None) or 1,
         model=getattr(ns, "model", None),
         api_key=getattr(ns, "api_key", None),
         admin_token=getattr(ns, "admin_token", None),
@@ -149,6 +150,8 @@ def _print_operator(mesh: Mesh) -> None:
     note = "yours" if mesh.options.admin_token else "generated for this run"
     print(f"  Admin token ({note}; also in {token_file}): {mesh.admin_token}")
     print(f"  Watch the fleet:\n    {cli} top --gateways {mesh.options.gateways}")
+    for address in mesh.endpoints.schedulers[1:]:
+        print(f"    {cli} top --scheduler {address}   (scheduler replica)")
     print(f"  Runtime knobs (pause P2, drain an engine, change the policy):\n"
           f"    {cli} admin --token-file {token_file} pause P2")
 

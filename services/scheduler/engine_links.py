@@ -32,6 +32,7 @@ import grpc
 from services.common.clock import Clock
 from services.common.config import MeshConfig
 from services.common.proto.kvmesh.v1 import scheduler_pb2
+from services.common.scheduler_replica import REPLICA_METADATA_KEY
 
 from . import events as ev
 from .core import SchedulerCore
@@ -88,10 +89,11 @@ def hello_info(hello: scheduler_pb2.EngineHello, hash_block_tokens: int) -> Engi
         max_running=hello.max_running, weight=hello.weight or 1.0,
         max_model_len=hello.max_model_len, backend=hello.backend, http_address=hello.http_address,
         incarnation=hello.incarnation, model_revision=hello.model_revision,
+        scheduler_replicas=max(1, hello.scheduler_replicas),
     )
 
 
-def _load(report: scheduler_pb2.LoadReport) -> EngineLoad:
+def _load(report: scheduler_pb2.LoadReport, unleased: int = 0) -> EngineLoad:
     return EngineLoad(
         running=report.running, waiting=report.waiting, blocks_used=report.blocks_used,
         blocks_total=report.blocks_total, cached_blocks=report.cached_blocks,
@@ -99,7 +101,8 @@ def _load(report: scheduler_pb2.LoadReport) -> EngineLoad:
         request_ids=frozenset(report.request_ids),
         prefix_cache_queries=report.prefix_cache_queries, prefix_cache_hits=report.prefix_cache_hits,
         prefill_tokens_per_second=report.prefill_tokens_per_second, step_seconds=report.step_seconds,
-        step_token_budget=report.step_token_budget,
+        step_token_budget=report.step_token_budget, other_leases=report.other_replica_generations,
+        unleased=unleased,
     )
 
 
@@ -128,8 +131,12 @@ class EngineLinks:
     def __init__(
         self, core: SchedulerCore, config: MeshConfig, clock: Clock,
         deliver: Callable[[ev.Outbox], None], incarnations: IncarnationStore | None = None,
+        replica: str = "",
     ) -> None:
         self._core = core
+        # Sent to each engine at registration: it takes this replica's fences
+        # only for generations this replica leased (scheduler_replica.py).
+        self._replica = replica
         # The greatest incarnation per id beyond this process (incarnation_store.py).
         self._incarnations: IncarnationStore = incarnations or MemoryIncarnations()
         self._clock = clock
@@ -157,6 +164,8 @@ class EngineLinks:
         except ProtocolError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         joined = await self._join(info, context)
+        if self._replica:
+            await context.send_initial_metadata(((REPLICA_METADATA_KEY, self._replica),))
         channel = _EngineChannel(joined.token, asyncio.Queue())
         self._take_over(info, channel, joined.superseded)
         writer = asyncio.create_task(self._write_commands(context, channel))
@@ -230,7 +239,8 @@ class EngineLinks:
     def _on_message(self, engine_id: str, channel: _EngineChannel, msg: scheduler_pb2.EngineMessage) -> None:
         kind = msg.WhichOneof("msg")
         if kind == "load":
-            self._deliver(self._core.handle(ev.LoadReported(engine_id, channel.token, _load(msg.load))))
+            load = _load(msg.load, self._unleased(engine_id, msg.load))
+            self._deliver(self._core.handle(ev.LoadReported(engine_id, channel.token, load)))
             if self.channels.get(engine_id) is channel:
                 self._fence(engine_id, channel, msg.load.request_ids)
         elif kind == "kv_events":
@@ -243,6 +253,17 @@ class EngineLinks:
                 engine_id, channel.token, snap.seq, snap.hashes)))
         elif kind == "hello":
             log.warning("engine %s sent a second hello on one stream; ignored", engine_id)
+
+    def _unleased(self, engine_id: str, report: scheduler_pb2.LoadReport) -> int:
+        """Of an engine reporting to several replicas, the generations it
+        lists that this replica does not lease there: a dead replica's until
+        their leases re-attach here take its slots too. One scheduler: 0
+        (its reports are read as they always were)."""
+        record = self._core.fleet.get(engine_id)
+        if record is None or record.info.scheduler_replicas <= 1:
+            return 0
+        holder = self._core.lease_holder
+        return sum(1 for r in report.request_ids if holder(r) != engine_id)
 
     def _fence(self, engine_id: str, channel: _EngineChannel, reported: Sequence[str]) -> None:
         """Tell the engine to end what it runs without a lease here."""

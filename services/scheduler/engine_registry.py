@@ -67,6 +67,7 @@ class EngineInfo:
     http_address: str = ""
     incarnation: int = 0        # 0 = not sent (an engine older than incarnations)
     model_revision: str = ""    # EngineHello.model_revision ("" = not sent)
+    scheduler_replicas: int = 1  # EngineHello.scheduler_replicas (0 = not sent: one)
 
 
 @dataclass
@@ -88,6 +89,12 @@ class EngineLoad:
     prefill_tokens_per_second: float = 0.0
     step_seconds: float = 0.0
     step_token_budget: int = 0
+    # Generations it runs for other scheduler replicas (LoadReport.
+    # other_replica_generations), and those it listed that this replica
+    # does not lease there (a gone replica's, until re-attached here; an
+    # orphan until fenced): they take lease slots here too.
+    other_leases: int = 0
+    unleased: int = 0
 
 
 @dataclass
@@ -104,6 +111,12 @@ class EngineRecord:
     @property
     def engine_id(self) -> str:
         return self.info.engine_id
+
+    @property
+    def slots_taken(self) -> int:
+        """Lease slots in use: this replica's leases plus the generations the
+        engine last reported running without a lease from this replica."""
+        return len(self.leases) + self.load.other_leases + self.load.unleased
 
     def fresh(self, now: float, stale_after: float) -> bool:
         return self.last_report_at is not None and now - self.last_report_at <= stale_after

@@ -304,7 +304,7 @@ class EngineFleet:
             return False
         if "fresh" in checks and not record.fresh(now, self._config.stale_report_seconds):
             return False
-        leases, view = len(record.leases), self._index.view(engine_id)
+        leases, view = record.slots_taken, self._index.view(engine_id)
         if "lease_slots" in checks and leases >= view.lease_limit_for(request.slot_priority):
             return False
         return request.reserved_slots or leases < view.lease_limit_for(1)
@@ -318,7 +318,7 @@ class EngineFleet:
 
     def _view(self, e: EngineRecord, now: float) -> EngineView:
         weight = e.info.weight if e.info.weight > 0 else 1.0
-        occupancy = max(len(e.leases), e.load.running + e.load.waiting)
+        occupancy = max(e.slots_taken, e.load.running + e.load.waiting)
         prefill = e.load.queued_tokens / (self._config.prefill_tokens_per_second * weight)
         per_slot = e.service_seconds / max(1, e.info.max_running)
         excess = max(0, occupancy + 1 - e.info.max_running)
@@ -338,7 +338,7 @@ class EngineFleet:
             block_size=e.info.block_size, blocks_total=e.blocks_total(),
             blocks_used=max(0, e.load.blocks_used - self._freed.get(e.engine_id, 0)),
             blocks_reserved=self.reservations.reserved(e.engine_id),
-            leases=len(e.leases), lease_limit=e.info.max_running + self._config.engine_queue_slack,
+            leases=e.slots_taken, lease_limit=e.info.max_running + self._config.engine_queue_slack,
             max_running=e.info.max_running, running=e.load.running, waiting=e.load.waiting,
             queued_tokens=e.load.queued_tokens, weight=weight,
             max_model_len=e.info.max_model_len, queue_seconds=queue_seconds, p0_queue_seconds=p0_queue_seconds,

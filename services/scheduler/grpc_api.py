@@ -29,6 +29,7 @@ from services.common.clock import Clock, SystemClock
 from services.common.config import MeshConfig
 from services.common.idle_calls import IdleCalls
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.scheduler_replica import new_replica_id
 from services.common.tracing import NO_TRACING, Tracing
 
 from . import events as ev
@@ -97,7 +98,7 @@ async def _read(context: grpc.aio.ServicerContext[_In, Any]) -> _In | None:
     return None if msg is grpc.aio.EOF else cast(_In, msg)
 
 
-def _to_proto(notice: Notice) -> scheduler_pb2.AdmitServerMessage:
+def _to_proto(notice: Notice, replica: str) -> scheduler_pb2.AdmitServerMessage:
     if isinstance(notice, QueuedInfo):
         return scheduler_pb2.AdmitServerMessage(queued=scheduler_pb2.Queued(
             # The core counts from 0; the wire promises 1 = next to be placed.
@@ -107,7 +108,8 @@ def _to_proto(notice: Notice) -> scheduler_pb2.AdmitServerMessage:
         return scheduler_pb2.AdmitServerMessage(placed=scheduler_pb2.Placed(
             engine_id=notice.engine_id, engine_address=notice.engine_address,
             lease_id=notice.lease_id, cached_tokens=notice.cached_tokens,
-            engine_incarnation=notice.engine_incarnation, **_deadline_fields(notice)))
+            engine_incarnation=notice.engine_incarnation, scheduler_replica=replica,
+            **_deadline_fields(notice)))
     if isinstance(notice, PreemptedInfo):
         return scheduler_pb2.AdmitServerMessage(preempted=scheduler_pb2.Preempted(
             engine_id=notice.engine_id, preemptions=notice.preemptions,
@@ -184,11 +186,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                  tracing: Tracing = NO_TRACING, incarnations: IncarnationStore | None = None) -> None:
         self.core = core
         self._clock = clock or SystemClock()
+        # This process's name among the replicas (scheduler_replica.py).
+        self.replica = new_replica_id()
         # `scheduler.admit` spans (admit_trace.py); the core explains its
         # placements only for them.
         self.traces = AdmitTraces(tracing, AgingRule.from_config(config.scheduler.aging), self._clock)
         core.explain = tracing.enabled
-        self.engine_links = EngineLinks(core, config, self._clock, self.deliver, incarnations)
+        self.engine_links = EngineLinks(core, config, self._clock, self.deliver, incarnations, self.replica)
         # Generations engines run without a lease here (fencing.py).
         self.fences = self.engine_links.fences
         self._mailboxes: dict[str, asyncio.Queue[object]] = {}
@@ -269,7 +273,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if isinstance(notice, RejectedInfo):
             # No mailbox: a duplicate id must not take the first stream's.
             self.deliver(outbox)
-            await context.write(_to_proto(notice))
+            await context.write(_to_proto(notice, self.replica))
             return
         # Unbounded but small by protocol: Queued updates go only into an
         # empty box, and each admission or replace yields one Placed/Rejected.
@@ -285,13 +289,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             # message, which would cost the gateway one more round trip
             # before its first token.
             if box.empty():
-                await context.write(_to_proto(notice))
+                await context.write(_to_proto(notice, self.replica))
             while True:
                 item = box.get_nowait() if not box.empty() else await box.get()
                 if item is _CLIENT_GONE:
                     return
                 # Mailboxes hold notices and the _CLIENT_GONE sentinel only.
-                await context.write(_to_proto(cast(Notice, item)))
+                await context.write(_to_proto(cast(Notice, item), self.replica))
                 if isinstance(item, RejectedInfo):
                     return
         finally:
@@ -361,5 +365,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         request: scheduler_pb2.GetStateRequest,
         context: grpc.aio.ServicerContext[scheduler_pb2.GetStateRequest, scheduler_pb2.SchedulerState],
     ) -> scheduler_pb2.SchedulerState:
-        return _state_proto(self.core.state())
+        state = _state_proto(self.core.state())
+        state.replica = self.replica
+        return state
 

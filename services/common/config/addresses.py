@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import re
 
-__all__ = ["join_host_port", "split_host_port"]
+__all__ = ["join_host_port", "scheduler_addresses", "split_host_port"]
 
 # RFC 1123 host names (Kubernetes' DNS names are such): labels of letters,
 # digits and hyphens, not starting or ending with a hyphen.
@@ -49,6 +49,15 @@ def join_host_port(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         return f"[{host}]:{port}"
     return f"{host}:{port}"
+
+
+def scheduler_addresses(single: str, many: list[str]) -> list[str]:
+    """The scheduler replicas a gateway or engine dials: `scheduler_addresses`
+    when set, else the one `scheduler_address` (empty: none, a standalone
+    engine). The one place both settings are read together."""
+    if many:
+        return list(many)
+    return [single] if single else []
 
 
 def _is_hostname(host: str) -> bool:

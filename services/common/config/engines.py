@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .addresses import scheduler_addresses
+
 __all__ = ["EngineConfig", "EnginesConfig", "SimCostConfig", "VllmConfig"]
 
 
@@ -160,6 +162,13 @@ class EngineConfig:
     # Empty = standalone engine that registers nowhere (tests, or measuring
     # other routers over the same engines).
     scheduler_address: str = "127.0.0.1:50051"
+    # Several active scheduler replicas (README "Several schedulers"): the
+    # engine holds one Connect stream to EVERY one of them and tells each
+    # the same (hello, load reports, KV events), so each replica sees the
+    # whole fleet. Non-empty overrides `scheduler_address` (which is the
+    # one-element case); each `host:port`, no duplicates. Read both through
+    # `EngineConfig.schedulers()`.
+    scheduler_addresses: list[str] = field(default_factory=list)
     # The drain timeout: on SIGTERM the engine turns NOT_SERVING (the
     # scheduler stops placing there), lets running generations finish for
     # this long, then hands the rest over (their streams end UNAVAILABLE and
@@ -208,6 +217,11 @@ class EngineConfig:
     coalesce_unpaced_priorities: list[int] = field(default_factory=lambda: [0])
     sim: SimCostConfig = field(default_factory=SimCostConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
+
+    def schedulers(self) -> list[str]:
+        """The scheduler replicas to connect to (`scheduler_addresses`, else
+        the one `scheduler_address`; none: a standalone engine)."""
+        return scheduler_addresses(self.scheduler_address, self.scheduler_addresses)
 
 
 @dataclass

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .addresses import scheduler_addresses
 from .response_cache import ResponseCacheConfig
 
 __all__ = ["ApiKeyConfig", "ApiKeysFile", "GatewayConfig"]
@@ -57,6 +58,13 @@ class GatewayConfig:
     metrics_port: int = 9102
     # Where the scheduler's gRPC service is.
     scheduler_address: str = "127.0.0.1:50051"
+    # Several active scheduler replicas: each request is admitted on one of
+    # them (rendezvous hash of its id over the replicas reachable now) and
+    # moves to another when that one goes away (services/gateway/
+    # scheduler_replicas.py). Non-empty overrides `scheduler_address` (the
+    # one-element case); each `host:port`, no duplicates. Read both through
+    # `GatewayConfig.schedulers()`.
+    scheduler_addresses: list[str] = field(default_factory=list)
     # Off only for local experiments: then every request is tenant "anonymous".
     auth_enabled: bool = True
     api_keys: list[ApiKeyConfig] = field(default_factory=list)
@@ -120,3 +128,8 @@ class GatewayConfig:
         if self.drain_seconds is not None:
             return self.drain_seconds
         return self.drain_unready_seconds + self.max_generation_seconds
+
+    def schedulers(self) -> list[str]:
+        """The scheduler replicas to dial (`scheduler_addresses`, else the one
+        `scheduler_address`)."""
+        return scheduler_addresses(self.scheduler_address, self.scheduler_addresses)

@@ -192,6 +192,7 @@ def _check_engine(engine: _Section, config: MeshConfig) -> None:
             split_host_port(e.advertise_address)
         except ValueError as exc:
             engine.fail("advertise_address", str(exc))
+    _check_scheduler_addresses(engine, e.scheduler_addresses)
     engine.positive("block_size", "total_blocks", "max_running", "weight")
     engine.non_negative("p0_headroom")
     engine.multiple_of("block_size", config.hash_block_tokens, "hash_block_tokens")
@@ -278,8 +279,20 @@ def _check_scheduler_limits(scheduler: _Section) -> None:
                 scorers.fail(scorer, f"weight must be >= 0, got {weight}")
 
 
+def _check_scheduler_addresses(section: _Section, addresses: Sequence[str]) -> None:
+    """`scheduler_addresses`: each host:port, none twice."""
+    for i, address in enumerate(addresses):
+        try:
+            split_host_port(address)
+        except ValueError as exc:
+            section.fail(f"scheduler_addresses[{i}]", str(exc))
+        if address in addresses[:i]:
+            section.fail(f"scheduler_addresses[{i}]", f"{address!r} is listed twice")
+
+
 def _check_gateway(gateway: _Section) -> None:
     gateway.ports("http_port", "grpc_port", "metrics_port")
+    _check_scheduler_addresses(gateway, gateway.settings.scheduler_addresses)
     gateway.positive("heartbeat_seconds", "max_generation_seconds", "max_body_bytes",
                      "default_max_tokens")
     gateway.non_negative("max_migrations", "drain_unready_seconds")

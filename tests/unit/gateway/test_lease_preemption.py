@@ -14,7 +14,8 @@ from services.gateway.events import Finished, FinishReason, QueuedUpdate, TextDe
 from services.gateway.jobs import Job
 from services.gateway.lease_link import LeaseLink
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.scheduler_client import AdmitSession, SchedulerClient
+from services.gateway.scheduler_client import AdmitSession
+from services.gateway.scheduler_replicas import SchedulerReplicas
 
 PROMPT = list(range(100, 140))
 PLACED = scheduler_pb2.Placed(engine_id="engine-b", engine_address="b:1", lease_id="l2")
@@ -67,7 +68,7 @@ def _lease(session: ScriptedSession, generated: list[int]) -> tuple[LeaseLink, G
         hash_block_tokens=16,
     )
     metrics = GatewayMetrics()
-    lease = LeaseLink(cast(AdmitSession, session), job, generated, cast(SchedulerClient, None), metrics, clock)
+    lease = LeaseLink(cast(AdmitSession, session), job, generated, cast(SchedulerReplicas, None), metrics, clock)
     return lease, metrics
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.proto.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/engine.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xc9\x02\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12\x16\n\x0eresumed_tokens\x18\x06 \x01(\r\x12\x14\n\x0c\x64\x65lta_offset\x18x \x01(\r\x12\x12\n\tack_final\x18\x96\x01 \x01(\x08\x12\x42\n\rtrace_context\x18\xc0\x02 \x03(\x0b\x32*.kvmesh.v1.EngineRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x12\n\x10\x43\x61ncelGeneration\"\xa9\x01\n\x15\x45ngineGenerateMessage\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x18.kvmesh.v1.EngineRequestH\x00\x12-\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1b.kvmesh.v1.CancelGenerationH\x00\x12-\n\x06resume\x18x \x01(\x0b\x32\x1b.kvmesh.v1.ResumeGenerationH\x00\x42\x05\n\x03msg\"\xbc\x01\n\x10ResumeGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x45\n\rtrace_context\x18\xc0\x02 \x03(\x0b\x32-.kvmesh.v1.ResumeGeneration.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa3\x01\n\x13\x45ngineGenerateEvent\x12\'\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x16.kvmesh.v1.EngineDeltaH\x00\x12-\n\x08\x66inished\x18\x02 \x01(\x0b\x32\x19.kvmesh.v1.EngineFinishedH\x00\x12+\n\x07resumed\x18x \x01(\x0b\x32\x18.kvmesh.v1.EngineResumedH\x00\x42\x07\n\x05\x65vent\">\n\rEngineResumed\x12\x17\n\x0fprior_token_ids\x18\x01 \x03(\r\x12\x14\n\x0c\x64\x65lta_offset\x18\x02 \x01(\r\"l\n\x0b\x45ngineDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\x11\n\theld_text\x18\x04 \x01(\t\"r\n\x0e\x45ngineFinished\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x0f\n\x07message\x18\x03 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\xf4\x01\n\nEngineInfo\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x13\n\x0bmax_running\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x0f\n\x07running\x18\x08 \x01(\r\x12\x0f\n\x07waiting\x18\t \x01(\r\x12\x13\n\x0b\x62locks_used\x18\n \x01(\r\x12\x15\n\rcached_blocks\x18\x0b \x01(\r\x12\x0f\n\x07serving\x18\x0c \x01(\x08\x32\xd3\x01\n\x06\x45ngine\x12P\n\x08Generate\x12 .kvmesh.v1.EngineGenerateMessage\x1a\x1e.kvmesh.v1.EngineGenerateEvent(\x01\x30\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12;\n\x07GetInfo\x12\x19.kvmesh.v1.GetInfoRequest\x1a\x15.kvmesh.v1.EngineInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/engine.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xe5\x02\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12\x16\n\x0eresumed_tokens\x18\x06 \x01(\r\x12\x14\n\x0c\x64\x65lta_offset\x18x \x01(\r\x12\x12\n\tack_final\x18\x96\x01 \x01(\x08\x12\x42\n\rtrace_context\x18\xc0\x02 \x03(\x0b\x32*.kvmesh.v1.EngineRequest.TraceContextEntry\x12\x1a\n\x11scheduler_replica\x18\x90\x03 \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x12\n\x10\x43\x61ncelGeneration\"\xa9\x01\n\x15\x45ngineGenerateMessage\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x18.kvmesh.v1.EngineRequestH\x00\x12-\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1b.kvmesh.v1.CancelGenerationH\x00\x12-\n\x06resume\x18x \x01(\x0b\x32\x1b.kvmesh.v1.ResumeGenerationH\x00\x42\x05\n\x03msg\"\xbc\x01\n\x10ResumeGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x45\n\rtrace_context\x18\xc0\x02 \x03(\x0b\x32-.kvmesh.v1.ResumeGeneration.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa3\x01\n\x13\x45ngineGenerateEvent\x12\'\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x16.kvmesh.v1.EngineDeltaH\x00\x12-\n\x08\x66inished\x18\x02 \x01(\x0b\x32\x19.kvmesh.v1.EngineFinishedH\x00\x12+\n\x07resumed\x18x \x01(\x0b\x32\x18.kvmesh.v1.EngineResumedH\x00\x42\x07\n\x05\x65vent\">\n\rEngineResumed\x12\x17\n\x0fprior_token_ids\x18\x01 \x03(\r\x12\x14\n\x0c\x64\x65lta_offset\x18\x02 \x01(\r\"l\n\x0b\x45ngineDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\x11\n\theld_text\x18\x04 \x01(\t\"r\n\x0e\x45ngineFinished\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x0f\n\x07message\x18\x03 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\xf4\x01\n\nEngineInfo\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x13\n\x0bmax_running\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x0f\n\x07running\x18\x08 \x01(\r\x12\x0f\n\x07waiting\x18\t \x01(\r\x12\x13\n\x0b\x62locks_used\x18\n \x01(\r\x12\x15\n\rcached_blocks\x18\x0b \x01(\r\x12\x0f\n\x07serving\x18\x0c \x01(\x08\x32\xd3\x01\n\x06\x45ngine\x12P\n\x08Generate\x12 .kvmesh.v1.EngineGenerateMessage\x1a\x1e.kvmesh.v1.EngineGenerateEvent(\x01\x30\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12;\n\x07GetInfo\x12\x19.kvmesh.v1.GetInfoRequest\x1a\x15.kvmesh.v1.EngineInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,33 +37,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESUMEGENERATION_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_RESUMEGENERATION_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_ENGINEREQUEST']._serialized_start=62
-  _globals['_ENGINEREQUEST']._serialized_end=391
-  _globals['_ENGINEREQUEST_TRACECONTEXTENTRY']._serialized_start=340
-  _globals['_ENGINEREQUEST_TRACECONTEXTENTRY']._serialized_end=391
-  _globals['_CANCELGENERATION']._serialized_start=393
-  _globals['_CANCELGENERATION']._serialized_end=411
-  _globals['_ENGINEGENERATEMESSAGE']._serialized_start=414
-  _globals['_ENGINEGENERATEMESSAGE']._serialized_end=583
-  _globals['_RESUMEGENERATION']._serialized_start=586
-  _globals['_RESUMEGENERATION']._serialized_end=774
-  _globals['_RESUMEGENERATION_TRACECONTEXTENTRY']._serialized_start=340
-  _globals['_RESUMEGENERATION_TRACECONTEXTENTRY']._serialized_end=391
-  _globals['_ENGINEGENERATEEVENT']._serialized_start=777
-  _globals['_ENGINEGENERATEEVENT']._serialized_end=940
-  _globals['_ENGINERESUMED']._serialized_start=942
-  _globals['_ENGINERESUMED']._serialized_end=1004
-  _globals['_ENGINEDELTA']._serialized_start=1006
-  _globals['_ENGINEDELTA']._serialized_end=1114
-  _globals['_ENGINEFINISHED']._serialized_start=1116
-  _globals['_ENGINEFINISHED']._serialized_end=1230
-  _globals['_ABORTREQUEST']._serialized_start=1232
-  _globals['_ABORTREQUEST']._serialized_end=1266
-  _globals['_ABORTRESPONSE']._serialized_start=1268
-  _globals['_ABORTRESPONSE']._serialized_end=1298
-  _globals['_GETINFOREQUEST']._serialized_start=1300
-  _globals['_GETINFOREQUEST']._serialized_end=1316
-  _globals['_ENGINEINFO']._serialized_start=1319
-  _globals['_ENGINEINFO']._serialized_end=1563
-  _globals['_ENGINE']._serialized_start=1566
-  _globals['_ENGINE']._serialized_end=1777
+  _globals['_ENGINEREQUEST']._serialized_end=419
+  _globals['_ENGINEREQUEST_TRACECONTEXTENTRY']._serialized_start=368
+  _globals['_ENGINEREQUEST_TRACECONTEXTENTRY']._serialized_end=419
+  _globals['_CANCELGENERATION']._serialized_start=421
+  _globals['_CANCELGENERATION']._serialized_end=439
+  _globals['_ENGINEGENERATEMESSAGE']._serialized_start=442
+  _globals['_ENGINEGENERATEMESSAGE']._serialized_end=611
+  _globals['_RESUMEGENERATION']._serialized_start=614
+  _globals['_RESUMEGENERATION']._serialized_end=802
+  _globals['_RESUMEGENERATION_TRACECONTEXTENTRY']._serialized_start=368
+  _globals['_RESUMEGENERATION_TRACECONTEXTENTRY']._serialized_end=419
+  _globals['_ENGINEGENERATEEVENT']._serialized_start=805
+  _globals['_ENGINEGENERATEEVENT']._serialized_end=968
+  _globals['_ENGINERESUMED']._serialized_start=970
+  _globals['_ENGINERESUMED']._serialized_end=1032
+  _globals['_ENGINEDELTA']._serialized_start=1034
+  _globals['_ENGINEDELTA']._serialized_end=1142
+  _globals['_ENGINEFINISHED']._serialized_start=1144
+  _globals['_ENGINEFINISHED']._serialized_end=1258
+  _globals['_ABORTREQUEST']._serialized_start=1260
+  _globals['_ABORTREQUEST']._serialized_end=1294
+  _globals['_ABORTRESPONSE']._serialized_start=1296
+  _globals['_ABORTRESPONSE']._serialized_end=1326
+  _globals['_GETINFOREQUEST']._serialized_start=1328
+  _globals['_GETINFOREQUEST']._serialized_end=1344
+  _globals['_ENGINEINFO']._serialized_start=1347
+  _globals['_ENGINEINFO']._serialized_end=1591
+  _globals['_ENGINE']._serialized_start=1594
+  _globals['_ENGINE']._serialized_end=1805
 # @@protoc_insertion_point(module_scope)

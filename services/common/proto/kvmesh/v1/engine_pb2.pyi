@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "lease_id", "resumed_tokens", "delta_offset", "ack_final", "trace_context")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "lease_id", "resumed_tokens", "delta_offset", "ack_final", "trace_context", "scheduler_replica")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class EngineRequest(_message.Message):
     DELTA_OFFSET_FIELD_NUMBER: _ClassVar[int]
     ACK_FINAL_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_REPLICA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -34,7 +35,8 @@ class EngineRequest(_message.Message):
     delta_offset: int
     ack_final: bool
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., lease_id: _Optional[str] = ..., resumed_tokens: _Optional[int] = ..., delta_offset: _Optional[int] = ..., ack_final: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    scheduler_replica: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., lease_id: _Optional[str] = ..., resumed_tokens: _Optional[int] = ..., delta_offset: _Optional[int] = ..., ack_final: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., scheduler_replica: _Optional[str] = ...) -> None: ...
 
 class CancelGeneration(_message.Message):
     __slots__ = ()

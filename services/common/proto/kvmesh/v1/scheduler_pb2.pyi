@@ -136,7 +136,7 @@ class Queued(_message.Message):
     def __init__(self, position: _Optional[int] = ..., estimated_wait_seconds: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class Placed(_message.Message):
-    __slots__ = ("engine_id", "engine_address", "lease_id", "cached_tokens", "engine_incarnation", "first_token_seconds", "token_stall_seconds", "generation_seconds", "token_stall_p95_seconds")
+    __slots__ = ("engine_id", "engine_address", "lease_id", "cached_tokens", "engine_incarnation", "first_token_seconds", "token_stall_seconds", "generation_seconds", "token_stall_p95_seconds", "scheduler_replica")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class Placed(_message.Message):
     TOKEN_STALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_STALL_P95_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_REPLICA_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     engine_address: str
     lease_id: str
@@ -155,7 +156,8 @@ class Placed(_message.Message):
     token_stall_seconds: float
     generation_seconds: float
     token_stall_p95_seconds: float
-    def __init__(self, engine_id: _Optional[str] = ..., engine_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., engine_incarnation: _Optional[int] = ..., first_token_seconds: _Optional[float] = ..., token_stall_seconds: _Optional[float] = ..., generation_seconds: _Optional[float] = ..., token_stall_p95_seconds: _Optional[float] = ...) -> None: ...
+    scheduler_replica: str
+    def __init__(self, engine_id: _Optional[str] = ..., engine_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., engine_incarnation: _Optional[int] = ..., first_token_seconds: _Optional[float] = ..., token_stall_seconds: _Optional[float] = ..., generation_seconds: _Optional[float] = ..., token_stall_p95_seconds: _Optional[float] = ..., scheduler_replica: _Optional[str] = ...) -> None: ...
 
 class Rejected(_message.Message):
     __slots__ = ("code", "message", "retry_after_seconds")
@@ -190,7 +192,7 @@ class AdmitServerMessage(_message.Message):
     def __init__(self, queued: _Optional[_Union[Queued, _Mapping]] = ..., placed: _Optional[_Union[Placed, _Mapping]] = ..., rejected: _Optional[_Union[Rejected, _Mapping]] = ..., preempted: _Optional[_Union[Preempted, _Mapping]] = ...) -> None: ...
 
 class EngineHello(_message.Message):
-    __slots__ = ("engine_id", "address", "model", "block_size", "total_blocks", "max_running", "weight", "max_model_len", "hash_block_tokens", "backend", "http_address", "incarnation", "model_revision")
+    __slots__ = ("engine_id", "address", "model", "block_size", "total_blocks", "max_running", "weight", "max_model_len", "hash_block_tokens", "backend", "http_address", "incarnation", "model_revision", "scheduler_replicas")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +206,7 @@ class EngineHello(_message.Message):
     HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     MODEL_REVISION_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     address: str
     model: str
@@ -217,10 +220,11 @@ class EngineHello(_message.Message):
     http_address: str
     incarnation: int
     model_revision: str
-    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., max_running: _Optional[int] = ..., weight: _Optional[float] = ..., max_model_len: _Optional[int] = ..., hash_block_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., http_address: _Optional[str] = ..., incarnation: _Optional[int] = ..., model_revision: _Optional[str] = ...) -> None: ...
+    scheduler_replicas: int
+    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., max_running: _Optional[int] = ..., weight: _Optional[float] = ..., max_model_len: _Optional[int] = ..., hash_block_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., http_address: _Optional[str] = ..., incarnation: _Optional[int] = ..., model_revision: _Optional[str] = ..., scheduler_replicas: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("running", "waiting", "blocks_used", "blocks_total", "cached_blocks", "serving", "queued_tokens", "request_ids", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens_per_second", "step_seconds", "step_token_budget")
+    __slots__ = ("running", "waiting", "blocks_used", "blocks_total", "cached_blocks", "serving", "queued_tokens", "request_ids", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens_per_second", "step_seconds", "step_token_budget", "other_replica_generations")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +238,7 @@ class LoadReport(_message.Message):
     PREFILL_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    OTHER_REPLICA_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     blocks_used: int
@@ -247,7 +252,8 @@ class LoadReport(_message.Message):
     prefill_tokens_per_second: float
     step_seconds: float
     step_token_budget: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., serving: _Optional[bool] = ..., queued_tokens: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens_per_second: _Optional[float] = ..., step_seconds: _Optional[float] = ..., step_token_budget: _Optional[int] = ...) -> None: ...
+    other_replica_generations: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., serving: _Optional[bool] = ..., queued_tokens: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens_per_second: _Optional[float] = ..., step_seconds: _Optional[float] = ..., step_token_budget: _Optional[int] = ..., other_replica_generations: _Optional[int] = ...) -> None: ...
 
 class KvEvents(_message.Message):
     __slots__ = ("seq", "stored", "removed", "cleared")
@@ -390,7 +396,7 @@ class ClassState(_message.Message):
     def __init__(self, priority: _Optional[int] = ..., preemptions: _Optional[int] = ..., requeued: _Optional[int] = ..., preempted_now: _Optional[int] = ..., seconds_lost: _Optional[float] = ..., displaced: _Optional[int] = ..., protected: _Optional[int] = ..., batch_queued: _Optional[int] = ..., batch_preemptions: _Optional[int] = ...) -> None: ...
 
 class SchedulerState(_message.Message):
-    __slots__ = ("policy", "queues", "engines", "queued_total", "leases_total", "classes", "paused_priorities", "drained_engines", "deadlines")
+    __slots__ = ("policy", "queues", "engines", "queued_total", "leases_total", "classes", "paused_priorities", "drained_engines", "deadlines", "replica")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     QUEUES_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
@@ -400,6 +406,7 @@ class SchedulerState(_message.Message):
     PAUSED_PRIORITIES_FIELD_NUMBER: _ClassVar[int]
     DRAINED_ENGINES_FIELD_NUMBER: _ClassVar[int]
     DEADLINES_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     policy: str
     queues: _containers.RepeatedCompositeFieldContainer[QueueState]
     engines: _containers.RepeatedCompositeFieldContainer[EngineState]
@@ -409,7 +416,8 @@ class SchedulerState(_message.Message):
     paused_priorities: _containers.RepeatedScalarFieldContainer[int]
     drained_engines: _containers.RepeatedScalarFieldContainer[str]
     deadlines: _containers.RepeatedCompositeFieldContainer[DeadlineState]
-    def __init__(self, policy: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[QueueState, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineState, _Mapping]]] = ..., queued_total: _Optional[int] = ..., leases_total: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassState, _Mapping]]] = ..., paused_priorities: _Optional[_Iterable[int]] = ..., drained_engines: _Optional[_Iterable[str]] = ..., deadlines: _Optional[_Iterable[_Union[DeadlineState, _Mapping]]] = ...) -> None: ...
+    replica: str
+    def __init__(self, policy: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[QueueState, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineState, _Mapping]]] = ..., queued_total: _Optional[int] = ..., leases_total: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassState, _Mapping]]] = ..., paused_priorities: _Optional[_Iterable[int]] = ..., drained_engines: _Optional[_Iterable[str]] = ..., deadlines: _Optional[_Iterable[_Union[DeadlineState, _Mapping]]] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class Fence(_message.Message):
     __slots__ = ("request_ids",)

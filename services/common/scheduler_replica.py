@@ -1,0 +1,26 @@
+"""Who a scheduler replica is (README "Several schedulers").
+
+Every scheduler process names itself once at start (`new_replica_id`:
+host/pid/random, new for every start, so a restarted replica is a new one
+and cannot claim the generations its predecessor leased). It sends the name
+to each engine as the Connect stream's initial metadata
+(`REPLICA_METADATA_KEY`), puts it into every `Placed`
+(`Placed.scheduler_replica`; the gateway copies it into the engine request)
+and shows it in `SchedulerState.replica`. The engine then takes a fence for
+a generation only from the replica that leased it (services/engine/fencing.py).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+
+__all__ = ["REPLICA_METADATA_KEY", "new_replica_id"]
+
+REPLICA_METADATA_KEY = "kvmesh-scheduler-replica"
+
+
+def new_replica_id() -> str:
+    """This process's replica name: host/pid/6 random hex digits."""
+    return f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(3)}"

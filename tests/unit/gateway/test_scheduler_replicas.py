@@ -1,0 +1,190 @@
+"""Several scheduler replicas seen from the gateway (services/gateway/
+scheduler_replicas.py): each request is admitted on the replica its id
+ranks first (rendezvous hashing) among the reachable ones, and moves to
+another when its replica goes away -- queued: admitted again with its
+arrival time; running: its lease re-attached (`running_on_engine`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+from conftest import KEY_FULL, MODEL, FakeScheduler, Mesh, _serve, open_mesh
+from openai.types.chat import ChatCompletionMessageParam
+from test_gateway_restart import ReattachingScheduler
+
+from services.common.config import MeshConfig
+from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.gateway.scheduler_replicas import SchedulerReplicas, rendezvous_order
+
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello world"}]
+
+
+def test_rendezvous_is_stable_spread_and_moves_only_the_lost_replicas_ids() -> None:
+    addresses = ["10.0.0.1:50051", "10.0.0.2:50051", "10.0.0.3:50051"]
+    ids = [f"req-{i}" for i in range(600)]
+    first = {i: rendezvous_order(i, addresses)[0] for i in ids}
+    assert first == {i: rendezvous_order(i, list(reversed(addresses)))[0] for i in ids}  # order-free
+    counts = {a: sum(1 for f in first.values() if f == a) for a in addresses}
+    assert all(150 <= n <= 250 for n in counts.values()), counts
+    # Without replica 1, only its requests move (to their second choice).
+    survivors = [addresses[0], addresses[2]]
+    for i in ids:
+        now = rendezvous_order(i, survivors)[0]
+        assert now == (first[i] if first[i] != addresses[1] else rendezvous_order(i, addresses)[1])
+
+
+async def _scheduler(servicer: FakeScheduler) -> tuple[grpc.aio.Server, str]:
+    return await _serve(scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer)
+
+
+def _request(request_id: str) -> scheduler_pb2.AdmitRequest:
+    return scheduler_pb2.AdmitRequest(request_id=request_id, model=MODEL, tenant="t", prompt_tokens=4,
+                                      max_tokens=4)
+
+
+async def test_admits_spread_by_rendezvous_and_skip_an_unreachable_replica() -> None:
+    fakes = [FakeScheduler(), FakeScheduler()]
+    for fake in fakes:
+        fake.engines = {"engine-a": "127.0.0.1:1"}
+    served = [await _scheduler(f) for f in fakes]
+    addresses = [address for _, address in served]
+    replicas = SchedulerReplicas(addresses)
+    try:
+        while not all(replicas.healthy(a) for a in addresses):
+            await asyncio.sleep(0.01)
+        ids = [f"r{i}" for i in range(40)]
+        for request_id in ids:
+            session = await replicas.open(_request(request_id))
+            assert isinstance(await session.next_outcome(), scheduler_pb2.Queued)
+            session.cancel()
+        for fake, address in zip(fakes, addresses, strict=True):
+            mine = [i for i in ids if rendezvous_order(i, addresses)[0] == address]
+            assert [a.request.request_id for a in fake.admits] == mine and mine  # each got its share
+        # Replica 0 goes away: once its channel says so, its requests open on
+        # replica 1 (no backoff, no error). A request opened in between finds
+        # out on its first read: LeaseLink moves it (the tests below).
+        await served[0][0].stop(0)
+        async with asyncio.timeout(2):
+            while replicas.healthy(addresses[0]):
+                await asyncio.sleep(0.005)
+        moved = [i for i in ids if rendezvous_order(i, addresses)[0] == addresses[0]]
+        before = len(fakes[1].admits)
+        async with asyncio.timeout(5):
+            for request_id in moved[:5]:
+                session = await replicas.open(_request(request_id))
+                assert isinstance(await session.next_outcome(), scheduler_pb2.Queued)
+                session.cancel()
+        assert [a.request.request_id for a in fakes[1].admits[before:]] == moved[:5]
+        assert not replicas.healthy(addresses[0]) and replicas.is_ready()
+    finally:
+        await replicas.close()
+        for server, _ in served:
+            await server.stop(0)
+
+
+@contextlib.asynccontextmanager
+async def _two_replicas(model_dir: Path, second: FakeScheduler) -> AsyncIterator[tuple[Mesh, str]]:
+    """The gateway mesh of conftest with a second scheduler replica."""
+    server, address = await _scheduler(second)
+
+    def tune(config: MeshConfig) -> None:
+        config.gateway.scheduler_addresses = [config.gateway.scheduler_address, address]
+
+    try:
+        async with open_mesh(model_dir, tune) as mesh:
+            second.engines = mesh.scheduler.engines     # the same fleet
+            yield mesh, address
+    finally:
+        await server.stop(0)
+
+
+def _owned_by_first(mesh: Mesh, second: str) -> str:
+    """A chat request id whose rendezvous owner is the conftest scheduler."""
+    first = mesh.config.gateway.scheduler_address
+    return next(f"own-{i}" for i in range(100) if rendezvous_order(f"own-{i}", [first, second])[0] == first)
+
+
+async def test_queued_request_moves_to_the_other_replica_keeping_its_arrival(model_dir: Path) -> None:
+    other = FakeScheduler()
+    async with _two_replicas(model_dir, other) as (mesh, address):
+        mesh.scheduler.queue_hold = asyncio.Event()       # never placed by its first replica
+        request_id = _owned_by_first(mesh, address)
+        async with openai.AsyncOpenAI(base_url=f"{mesh.http}/v1", api_key=KEY_FULL, max_retries=0,
+                                      timeout=30) as c:
+            request = asyncio.create_task(c.chat.completions.create(
+                model=MODEL, messages=CHAT, extra_headers={"x-request-id": request_id}))
+            async with asyncio.timeout(10):
+                while not mesh.scheduler.admits:
+                    await asyncio.sleep(0.02)
+            await asyncio.sleep(0.1)                       # the gateway has read its queue place
+            await mesh.servers[0].stop(0)                  # its replica dies; the other is up
+            out = await asyncio.wait_for(request, 10)
+    assert out.usage.completion_tokens == 6
+    assert [a.request.request_id for a in other.admits] == [request_id]
+    again = other.admits[0].request
+    assert again.arrival_unix == mesh.scheduler.admits[0].request.arrival_unix and not again.running_on_engine
+
+
+async def test_running_request_reattaches_on_the_other_replica(model_dir: Path) -> None:
+    other = ReattachingScheduler()
+    async with _two_replicas(model_dir, other) as (mesh, address):
+        engine = mesh.engines["engine-a"]
+        engine.answer_tokens, engine.token_delay = 40, 0.03
+        request_id = _owned_by_first(mesh, address)
+        async with openai.AsyncOpenAI(base_url=f"{mesh.http}/v1", api_key=KEY_FULL, max_retries=0,
+                                      timeout=30) as c:
+            stream = await c.chat.completions.create(model=MODEL, messages=CHAT, stream=True, max_tokens=40,
+                                                     extra_headers={"x-request-id": request_id})
+            text, killed = "", False
+            async for chunk in stream:
+                if chunk.choices:
+                    text += chunk.choices[0].delta.content or ""
+                if not killed and text:
+                    killed = True
+                    await mesh.servers[0].stop(0)         # its replica dies mid-stream
+        async with asyncio.timeout(10):
+            while not (other.admits and other.admits[-1].done is not None):
+                await asyncio.sleep(0.02)
+    assert len(engine.requests) == 1                       # never interrupted
+    again = other.admits[-1]
+    assert again.request.request_id == request_id and again.request.running_on_engine == "engine-a"
+    assert again.messages == ["first_token", "done"]
+
+
+async def test_a_replica_shutting_down_hands_its_queued_request_to_the_other(model_dir: Path) -> None:
+    """A rolling restart: the stopping replica answers DRAINING; with another
+    replica up the request moves there instead of failing (alone: 503)."""
+    other = FakeScheduler()
+    async with _two_replicas(model_dir, other) as (mesh, address):
+        mesh.scheduler.reject = scheduler_pb2.Rejected(code=scheduler_pb2.REJECT_CODE_DRAINING,
+                                                       message="shutting down", retry_after_seconds=1)
+        request_id = _owned_by_first(mesh, address)
+        async with openai.AsyncOpenAI(base_url=f"{mesh.http}/v1", api_key=KEY_FULL, max_retries=0,
+                                      timeout=30) as c:
+            out = await c.chat.completions.create(model=MODEL, messages=CHAT,
+                                                  extra_headers={"x-request-id": request_id})
+    assert out.usage.completion_tokens == 6
+    assert [a.request.request_id for a in mesh.scheduler.admits] == [request_id]
+    assert [a.request.request_id for a in other.admits] == [request_id]
+
+
+async def test_one_replica_shutting_down_still_answers_503(model_dir: Path) -> None:
+    async with open_mesh(model_dir) as mesh:
+        mesh.scheduler.reject = scheduler_pb2.Rejected(code=scheduler_pb2.REJECT_CODE_DRAINING,
+                                                       message="shutting down", retry_after_seconds=1)
+        async with openai.AsyncOpenAI(base_url=f"{mesh.http}/v1", api_key=KEY_FULL, max_retries=0,
+                                      timeout=30) as c:
+            with pytest.raises(openai.APIStatusError) as refused:
+                await c.chat.completions.create(model=MODEL, messages=CHAT)
+    assert refused.value.status_code == 503
+
+
+@pytest.mark.parametrize("addresses", [["a:1"], ["a:1", "b:2", "c:3"]])
+def test_one_request_always_ranks_the_same(addresses: list[str]) -> None:
+    assert len({tuple(rendezvous_order("same-id", addresses)) for _ in range(5)}) == 1
