@@ -149,11 +149,19 @@ async def test_two_schedulers_spread_and_survive_a_sigkill(two_schedulers: Mesh)
           f"requests sent at the kill all had their first token {first_late:.2f}s after it, last token "
           f"{elapsed:.1f}s after it")
     assert reattached >= 1
-    assert all(n <= limit for n in sampler.most_leases.values()), sampler.most_leases
+    # The stated bound: each replica learns another's placement on an engine
+    # from that engine's report (sent at the generation's start, ~3 ms after
+    # it), so within that window each OTHER replica may place one more; and
+    # the sampler reads the replicas' states a moment apart.
+    bound = limit + len(addresses) - 1
+    assert all(n <= bound for n in sampler.most_leases.values()), sampler.most_leases
     # Nor while the dead replica's leases re-attach on the survivor: it counts
     # the generations it does not lease yet (services/scheduler/engine_registry.py).
-    assert all(n <= limit for n in sampler.most_after_kill.values()), sampler.most_after_kill
-    assert first_late < 2.0, f"placement waited {first_late:.2f}s for the killed replica"
+    assert all(n <= bound for n in sampler.most_after_kill.values()), sampler.most_after_kill
+    # The killed replica never returns, so these were placed by the other;
+    # the bound (generous for a loaded machine) says it did not wait out a
+    # reconnect backoff or a restart first.
+    assert first_late < 10.0, f"placement waited {first_late:.2f}s for the killed replica"
     assert not mesh.is_running("scheduler")         # all of it without the killed replica
     # Everything settles on the survivor: no lease or queue entry outlives its request.
     await wait_until(lambda: (s := scheduler_state(addresses[1])) is not None and s.leases_total == 0
