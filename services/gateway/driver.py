@@ -331,6 +331,12 @@ class _Generation:
         else:
             await stream.start(self._now.engine_request(placed.lease_id, self._deltas))
         async for event in self._watched(stream):
+            if lease.first_pending:
+                # The first token's next event: FirstToken now, or in `done`
+                # if this ends the request (lease_link.py).
+                await lease.first_token_next(final=event.HasField("finished"))
+                # The next request's engine stream opens now, off its TTFT path.
+                self._driver.engines.replenish(placed.engine_address)
             if event.HasField("delta"):
                 delta = event.delta
                 self._deltas += 1
@@ -346,9 +352,8 @@ class _Generation:
                     # A stop string across the seam: neither engine saw it whole.
                     await stream.abort()
                     return self._end(FinishReason.STOP, "", ErrorKind.GENERATION_FAILED)
-                if not lease.told_first and await lease.first_token():
-                    # The next request's engine stream opens now, off its TTFT path.
-                    self._driver.engines.replenish(placed.engine_address)
+                if not lease.told_first:
+                    lease.first_token_seen()
                 continue
             if event.HasField("resumed"):
                 self._on_resumed(event.resumed)

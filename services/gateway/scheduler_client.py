@@ -177,8 +177,9 @@ class AdmitSession:
             # `preempted` here is stale: the request was not running.
             log.warning("ignoring Admit message %r", kind)
 
-    async def first_token(self) -> None:
-        await self._send(scheduler_pb2.AdmitClientMessage(first_token=scheduler_pb2.FirstToken()))
+    async def first_token(self, seconds_ago: float = 0.0) -> None:
+        await self._send(scheduler_pb2.AdmitClientMessage(
+            first_token=scheduler_pb2.FirstToken(seconds_ago=seconds_ago)))
 
     async def replace(
         self, exclude: list[str], prompt_tokens: int, max_tokens: int, prefix_hashes: list[int]
@@ -226,16 +227,21 @@ class AdmitSession:
         finally:
             self._call.cancel()
 
-    def withdraw(self) -> None:
+    def withdraw(self, first_token_ago: float | None = None) -> None:
         """End the stream on purpose (the request failed or its client left):
         `done` first, in the background, so the scheduler releases the lease
-        at once instead of keeping it for a resume (a stream that just breaks)."""
+        at once instead of keeping it for a resume (a stream that just breaks).
+        `first_token_ago`: a first token not told yet goes with it."""
         if self._finished or self._call.done():
             self.cancel()
             return
         self._finished = True
         self._on_preempted = None
-        self._ender.end_after(self._call, _WITHDRAWN)
+        last = _WITHDRAWN
+        if first_token_ago is not None:
+            last = scheduler_pb2.AdmitClientMessage(done=scheduler_pb2.RequestDone(
+                finish_reason="abort", first_token=scheduler_pb2.FirstToken(seconds_ago=first_token_ago)))
+        self._ender.end_after(self._call, last)
 
     def cancel(self) -> None:
         """End the stream now: the scheduler drops the queue entry, and keeps

@@ -82,24 +82,28 @@ class Replace(_message.Message):
     def __init__(self, exclude_engines: _Optional[_Iterable[str]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prefix_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("seconds_ago",)
+    SECONDS_AGO_FIELD_NUMBER: _ClassVar[int]
+    seconds_ago: float
+    def __init__(self, seconds_ago: _Optional[float] = ...) -> None: ...
 
 class RequestDone(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "delta_gaps_seconds", "max_delta_gap_seconds")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "delta_gaps_seconds", "max_delta_gap_seconds", "first_token")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     DELTA_GAPS_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_DELTA_GAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     finish_reason: str
     delta_gaps_seconds: _containers.RepeatedScalarFieldContainer[float]
     max_delta_gap_seconds: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., delta_gaps_seconds: _Optional[_Iterable[float]] = ..., max_delta_gap_seconds: _Optional[float] = ...) -> None: ...
+    first_token: FirstToken
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., delta_gaps_seconds: _Optional[_Iterable[float]] = ..., max_delta_gap_seconds: _Optional[float] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ...) -> None: ...
 
 class Requeue(_message.Message):
     __slots__ = ("prompt_tokens", "max_tokens", "prefix_hashes")
