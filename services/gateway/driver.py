@@ -186,7 +186,7 @@ class _Generation:
         except BaseException:
             await lease.abandon(resumable=self._detaching)
             raise
-        driver.metrics.finished.labels(finished.reason.value).inc()
+        driver.metrics.child(driver.metrics.finished, finished.reason.value).inc()
         if self._job.trace.recording:
             self._job.trace.set_many({"gen_ai.response.finish_reasons": [finished.reason.value],
                                       "kvmesh.cached_tokens": finished.usage.cached_tokens})
@@ -395,9 +395,9 @@ class _Generation:
         if self._first_token_at is None:
             self._first_token_at = now
             self._job.trace.event("first_token")
-            metrics.ttft.labels(*labels).observe(now - self._job.arrival_monotonic)
+            metrics.child(metrics.ttft, *labels).observe(now - self._job.arrival_monotonic)
         elif n_tokens:
-            metrics.inter_token.labels(*labels).observe((now - self._last_delta_at) / n_tokens)
+            metrics.child(metrics.inter_token, *labels).observe((now - self._last_delta_at) / n_tokens)
         self._last_delta_at = now
 
     def _end(self, reason: FinishReason, message: str, kind: ErrorKind) -> Finished:

@@ -87,6 +87,8 @@ class AdmitSession:
         self._reader: asyncio.Task[None] | None = None
         self._inbox: asyncio.Queue[_Inbound | None] = asyncio.Queue()
         self._on_preempted: Callable[[scheduler_pb2.Preempted], None] | None = None
+        # The scheduler said it ends the stream at `done` (Placed.ends_at_done).
+        self._ends_at_done = False
 
     @property
     def broken(self) -> bool:
@@ -171,6 +173,7 @@ class AdmitSession:
             if kind == "queued":
                 return message.queued
             if kind == "placed":
+                self._ends_at_done = message.placed.ends_at_done
                 return message.placed
             if kind == "rejected":
                 raise from_rejection(message.rejected)
@@ -211,7 +214,8 @@ class AdmitSession:
         self._on_preempted = None  # a `preempted` crossing `done` is moot
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
             await self._call.write(scheduler_pb2.AdmitClientMessage(done=done))
-            await self._call.done_writing()
+            if not self._ends_at_done:   # a scheduler that waits for the half-close
+                await self._call.done_writing()
 
     async def close(self) -> None:
         """Let the scheduler end the stream (bounded wait), then make sure it is over."""

@@ -107,7 +107,7 @@ def _to_proto(notice: Notice) -> scheduler_pb2.AdmitServerMessage:
         return scheduler_pb2.AdmitServerMessage(placed=scheduler_pb2.Placed(
             engine_id=notice.engine_id, engine_address=notice.engine_address,
             lease_id=notice.lease_id, cached_tokens=notice.cached_tokens,
-            engine_incarnation=notice.engine_incarnation, **_deadline_fields(notice)))
+            engine_incarnation=notice.engine_incarnation, ends_at_done=True, **_deadline_fields(notice)))
     if isinstance(notice, PreemptedInfo):
         return scheduler_pb2.AdmitServerMessage(preempted=scheduler_pb2.Preempted(
             engine_id=notice.engine_id, preemptions=notice.preemptions,

@@ -57,7 +57,7 @@ def test_the_first_token_sample_is_the_same_however_it_is_told(how: str) -> None
 
 
 def test_a_first_token_told_on_its_own_is_not_counted_again_from_done() -> None:
-    core, clock, token = _core()
+    core, clock, _ = _core()
     notices = [n for r, n in core.handle(RequestArrived(opts("r"))).notices if r == "r"]
     assert isinstance(notices[-1], PlacedInfo)
     clock.advance(1.0)

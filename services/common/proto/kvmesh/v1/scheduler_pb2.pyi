@@ -140,7 +140,7 @@ class Queued(_message.Message):
     def __init__(self, position: _Optional[int] = ..., estimated_wait_seconds: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class Placed(_message.Message):
-    __slots__ = ("engine_id", "engine_address", "lease_id", "cached_tokens", "engine_incarnation", "first_token_seconds", "token_stall_seconds", "generation_seconds", "token_stall_p95_seconds")
+    __slots__ = ("engine_id", "engine_address", "lease_id", "cached_tokens", "engine_incarnation", "first_token_seconds", "token_stall_seconds", "generation_seconds", "token_stall_p95_seconds", "ends_at_done")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class Placed(_message.Message):
     TOKEN_STALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_STALL_P95_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENDS_AT_DONE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     engine_address: str
     lease_id: str
@@ -159,7 +160,8 @@ class Placed(_message.Message):
     token_stall_seconds: float
     generation_seconds: float
     token_stall_p95_seconds: float
-    def __init__(self, engine_id: _Optional[str] = ..., engine_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., engine_incarnation: _Optional[int] = ..., first_token_seconds: _Optional[float] = ..., token_stall_seconds: _Optional[float] = ..., generation_seconds: _Optional[float] = ..., token_stall_p95_seconds: _Optional[float] = ...) -> None: ...
+    ends_at_done: bool
+    def __init__(self, engine_id: _Optional[str] = ..., engine_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., engine_incarnation: _Optional[int] = ..., first_token_seconds: _Optional[float] = ..., token_stall_seconds: _Optional[float] = ..., generation_seconds: _Optional[float] = ..., token_stall_p95_seconds: _Optional[float] = ..., ends_at_done: _Optional[bool] = ...) -> None: ...
 
 class Rejected(_message.Message):
     __slots__ = ("code", "message", "retry_after_seconds")
