@@ -198,7 +198,7 @@ class _Generation:
             await self._emit(finished)
         finally:
             if self._stream is not None:
-                await self._stream.close(self._job.ack_final)  # the engine may forget the generation now
+                await self._stream.close()  # the engine may forget the generation now
         await lease.close()
 
     async def _generate(self, lease: LeaseLink, placed: scheduler_pb2.Placed) -> Finished:

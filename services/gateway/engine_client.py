@@ -167,7 +167,7 @@ class EngineStream:
         self._stopped = True
         self.cancel()
 
-    async def close(self, ack: bool = True) -> None:
+    async def close(self) -> None:
         """After `finished` reached the client: acknowledge it (a `cancel`,
         a no-op for a finished generation; until then the engine keeps it
         for a resume: EngineRequest.ack_final) and let the call end: the
@@ -177,16 +177,13 @@ class EngineStream:
         must not write on the ending call -- such a write never returned,
         and the request's in-flight count with it (a draining gateway waited
         its whole bound). A call already ended (aborted, failed, migrated
-        away from) has nothing to acknowledge; nor has one whose request
-        asked for no acknowledgement (`ack` False: the engine ends it with
-        `finished`), which is only waited for."""
+        away from) has nothing to acknowledge."""
         if self._call.done():
             return
         self._said_cancel = True
         try:
             async with asyncio.timeout(_ACK_SECONDS):
-                if ack:
-                    await self._call.write(_CANCEL)
+                await self._call.write(_CANCEL)
                 await self._call.code()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
             pass

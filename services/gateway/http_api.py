@@ -200,10 +200,9 @@ class HttpApi:
                                "set \"stream\": true", param="Last-Event-ID")
         point = ResumePoint(resume[1], "Last-Event-ID") if resume else None
         # Batch lines skip the response cache (cache headers None), as they always have.
-        piped = traced.request(request_id, generation, principal, priority, point,
-                               None if line else request.headers, batch=line)
-        piped.resumable = generation.stream   # a non-streamed answer cannot be resumed
-        async with await self._parts.pipeline.open(piped) as run:
+        async with await self._parts.pipeline.open(traced.request(
+                request_id, generation, principal, priority, point, None if line else request.headers,
+                batch=line)) as run:
             formatter = _formatter(route, generation, request_id, run)
             if generation.stream:
                 return await self._stream(request, run, formatter, resume is not None, generation.n)

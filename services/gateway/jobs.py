@@ -88,12 +88,6 @@ class Job:
     # completion window ends (unix seconds).
     batch: bool = False
     batch_deadline_unix: float = 0.0
-    # The engine keeps the finished generation for a resume until the gateway
-    # acknowledges its end (engine.proto `ack_final`). False for an answer no
-    # client can resume -- a non-streamed HTTP response that is no batch
-    # line: the engine ends the call with `finished`, and the gateway writes
-    # no acknowledgement (one gRPC message less each way).
-    ack_final: bool = True
 
     @property
     def metric_labels(self) -> tuple[str, str, str]:

@@ -85,9 +85,6 @@ class PipelineRequest:
     # A line of the batch service (batch_lines.py): P2 with the batch marker
     # and deadline, replayed whole on a resume.
     batch: BatchLine | None = None
-    # False: the transport's answer cannot be resumed (a non-streamed HTTP
-    # response), so the engine need not keep it until acknowledged (Job.ack_final).
-    resumable: bool = True
 
 
 @dataclass
@@ -251,7 +248,6 @@ class RequestPipeline:
                 settle()
                 raise
             request.batch.apply(job)
-        job.ack_final = request.resumable or job.batch   # a batch line is resumed by its batch service
         cache = self.frontdoor.cache
         try:
             ticket = (None if request.cache_headers is None else

@@ -76,6 +76,6 @@ class RequestNow:
             lease_id=lease_id,
             resumed_tokens=len(generated),
             delta_offset=delta_offset,
-            ack_final=job.ack_final,
+            ack_final=True,
             trace_context=dict(job.trace_context) if job.trace_context else None,
         )
