@@ -35,9 +35,7 @@ class SchedulerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        # `child(metric, *labels)`: metric.labels(*labels), kept for the next
-        # request (services/common/label_cache.py: the per-request ones).
-        self.child = LabelCache()
+        self.child = LabelCache()   # child(metric, *labels): kept labels() (label_cache.py)
         self.queue_length = Gauge(
             "kvmesh_scheduler_queue_length", "Requests queued, by class waited in now",
             ["priority"], registry=r,
