@@ -186,7 +186,7 @@ class _Generation:
         except BaseException:
             await lease.abandon(resumable=self._detaching)
             raise
-        driver.metrics.finished.labels(finished.reason.value).inc()
+        driver.metrics.child(driver.metrics.finished, finished.reason.value).inc()
         if self._job.trace.recording:
             self._job.trace.set_many({"gen_ai.response.finish_reasons": [finished.reason.value],
                                       "kvmesh.cached_tokens": finished.usage.cached_tokens})
@@ -331,6 +331,12 @@ class _Generation:
         else:
             await stream.start(self._now.engine_request(placed.lease_id, self._deltas, placed.scheduler_replica))
         async for event in self._watched(stream):
+            if lease.first_pending:
+                # The first token's next event: FirstToken now, or in `done`
+                # if this ends the request (lease_link.py).
+                await lease.first_token_next(final=event.HasField("finished"))
+                # The next request's engine stream opens now, off its TTFT path.
+                self._driver.engines.replenish(placed.engine_address)
             if event.HasField("delta"):
                 delta = event.delta
                 self._deltas += 1
@@ -346,9 +352,8 @@ class _Generation:
                     # A stop string across the seam: neither engine saw it whole.
                     await stream.abort()
                     return self._end(FinishReason.STOP, "", ErrorKind.GENERATION_FAILED)
-                if not lease.told_first and await lease.first_token():
-                    # The next request's engine stream opens now, off its TTFT path.
-                    self._driver.engines.replenish(placed.engine_address)
+                if not lease.told_first:
+                    lease.first_token_seen()
                 continue
             if event.HasField("resumed"):
                 self._on_resumed(event.resumed)
@@ -390,9 +395,9 @@ class _Generation:
         if self._first_token_at is None:
             self._first_token_at = now
             self._job.trace.event("first_token")
-            metrics.ttft.labels(*labels).observe(now - self._job.arrival_monotonic)
+            metrics.child(metrics.ttft, *labels).observe(now - self._job.arrival_monotonic)
         elif n_tokens:
-            metrics.inter_token.labels(*labels).observe((now - self._last_delta_at) / n_tokens)
+            metrics.child(metrics.inter_token, *labels).observe((now - self._last_delta_at) / n_tokens)
         self._last_delta_at = now
 
     def _end(self, reason: FinishReason, message: str, kind: ErrorKind) -> Finished:

@@ -170,10 +170,11 @@ class EngineStream:
     async def close(self) -> None:
         """After `finished` reached the client: acknowledge it (a `cancel`,
         a no-op for a finished generation; until then the engine keeps it
-        for a resume: EngineRequest.ack_final), half-close, and let the call
-        end (the engine ends it once it has read the acknowledgement).
+        for a resume: EngineRequest.ack_final) and let the call end: the
+        engine ends it once it has read the acknowledgement, so no
+        half-close is sent (one gRPC operation less per request).
         Marks `cancel` said: a transport closing meanwhile (`say_cancel`)
-        must not write on the half-closed call -- that write never returned,
+        must not write on the ending call -- such a write never returned,
         and the request's in-flight count with it (a draining gateway waited
         its whole bound). A call already ended (aborted, failed, migrated
         away from) has nothing to acknowledge."""
@@ -183,7 +184,6 @@ class EngineStream:
         try:
             async with asyncio.timeout(_ACK_SECONDS):
                 await self._call.write(_CANCEL)
-                await self._call.done_writing()
                 await self._call.code()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
             pass

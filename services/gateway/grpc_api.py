@@ -93,7 +93,7 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
 
     async def _abort(self, context: grpc.aio.ServicerContext, route: str, exc: GatewayError) -> NoReturn:
         code, message, trailers = grpc_status(exc)
-        self._parts.metrics.requests.labels(route, code.name).inc()
+        self._parts.metrics.child(self._parts.metrics.requests, route, code.name).inc()
         self._parts.metrics.rejected(error_label(exc.code, exc.kind.value))
         await context.abort(code, message, trailing_metadata=trailers)
         raise AssertionError("unreachable")  # context.abort always raises
@@ -117,7 +117,7 @@ class InferenceApi(inference_pb2_grpc.InferenceServicer):
                 await self._serve_traced(parse, request, context, metadata, traced)
         except GatewayError as exc:
             await self._abort(context, route, exc)
-        self._parts.metrics.requests.labels(route, "OK").inc()
+        self._parts.metrics.child(self._parts.metrics.requests, route, "OK").inc()
 
     async def _serve_traced(
         self, parse: Callable[[Any], GenerationInput], request: Any,

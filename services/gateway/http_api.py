@@ -159,7 +159,8 @@ class HttpApi:
             status = exc.status
             return response
         finally:
-            self._parts.metrics.requests.labels(route, str(status)).inc()
+            metrics = self._parts.metrics
+            metrics.child(metrics.requests, route, str(status)).inc()
 
     async def _read_json(self, request: web.Request) -> Any:
         limit = self._config.gateway.max_body_bytes

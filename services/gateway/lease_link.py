@@ -130,10 +130,12 @@ class LeaseLink:
         self._scheduler = scheduler
         self._metrics = metrics
         self._clock = clock
-        # The engine generating now, and whether the current lease was told
-        # `first_token` (told again on a re-attached stream).
+        # The engine generating now, and whether the current lease saw its
+        # first token (told again on a re-attached stream); while not told
+        # yet, when it came (monotonic): see `first_token_seen`.
         self._engine_id = ""
         self._told_first = False
+        self._first_at: float | None = None
         # Generating on that engine (a preemption or a broken stream acts
         # only then), how to stop its stream, and when it was preempted.
         self._running = False
@@ -197,6 +199,7 @@ class LeaseLink:
         lease is re-attached in a child task."""
         self._engine_id = engine_id
         self._told_first = False
+        self._first_at = None
         self._running = True
         self._stop_engine = stop
         self._placed_not_started = False
@@ -225,23 +228,43 @@ class LeaseLink:
 
     @property
     def told_first(self) -> bool:
-        """The current lease was told `first_token` (checked per delta by the
-        driver, so the coroutine below runs once per engine, not per token)."""
+        """The current lease saw its first token (checked per delta by the
+        driver, so `first_token_seen` runs once per engine, not per token)."""
         return self._told_first
 
-    async def first_token(self) -> bool:
-        """Tell the scheduler about the current engine's first token; False
-        (and nothing sent) if it was told already."""
-        if self._told_first:
-            return False
-        self._told_first = True
-        # Let the transport write the first token before we spend a gRPC
-        # write on the advisory `first_token` (TTFT path).
-        await asyncio.sleep(0)
-        await self._session.first_token()
-        # The next request's Admit stream opens now, off its TTFT path.
+    @property
+    def first_pending(self) -> bool:
+        """The first token came and the scheduler was not told yet."""
+        return self._first_at is not None
+
+    def first_token_seen(self) -> None:
+        """The current engine's first token reached the transport. Nothing
+        is sent yet (the transport writes the token first): the driver calls
+        `first_token_next` with the engine's next event, and a request that
+        ends there folds `FirstToken` into its `done` -- one message to the
+        scheduler instead of two for a short answer."""
+        if not self._told_first:
+            self._told_first = True
+            self._first_at = self._clock.monotonic()
+
+    async def first_token_next(self, final: bool) -> None:
+        """The engine's next event after the first token: tell `FirstToken`
+        now, dated back to when the token came -- unless that event ends the
+        request (`final`): then `report_done` carries it. Either way the next
+        request's Admit stream opens now, off its TTFT path."""
         self._scheduler.replenish()
-        return True
+        if not final:
+            await self._tell_first()
+
+    async def _tell_first(self) -> None:
+        at, self._first_at = self._first_at, None
+        if at is not None:
+            await self._session.first_token(self._clock.monotonic() - at)
+
+    def _first_ago(self) -> float | None:
+        """How long ago the untold first token came (None: told, or none)."""
+        at, self._first_at = self._first_at, None
+        return None if at is None else self._clock.monotonic() - at
 
     async def replace(self, excluded: list[str], emit: Emit) -> scheduler_pb2.Placed:
         """Move the request off failed engines: a placement that excludes
@@ -253,6 +276,8 @@ class LeaseLink:
         # A re-attach in progress is superseded: the request moves anyway.
         self._running = False
         await self._stop_reattach()
+        with contextlib.suppress(SchedulerRestarting):
+            await self._tell_first()   # the lease it leaves had its first token
         now = self._now
         # A scheduler gone too: `wait_placed` reads the broken stream and
         # admits the request again with prompt + generated.
@@ -271,6 +296,7 @@ class LeaseLink:
         left, then wait for the next placement like a queued request."""
         self._running = False
         await self._stop_reattach()
+        self._first_at = None   # that lease was taken back: its sample is moot
         preempted_at, self._preempted_at = self._preempted_at, None
         priority = priority_label(self._job.priority)
         self._metrics.preemptions.labels(priority).inc()
@@ -297,16 +323,16 @@ class LeaseLink:
         # A re-attach still under way holds no lease yet: nothing to report.
         self._running = False
         await self._stop_reattach()
-        await self._session.report_done(
-            scheduler_pb2.RequestDone(
-                prompt_tokens=finished.usage.prompt_tokens,
-                completion_tokens=finished.usage.completion_tokens,
-                cached_tokens=finished.usage.cached_tokens,
-                finish_reason=finished.reason.value,
-                delta_gaps_seconds=gaps.gaps if gaps is not None else (),
-                max_delta_gap_seconds=gaps.max_gap if gaps is not None else 0.0,
-            )
-        )
+        first_ago = self._first_ago()   # not told yet: folded, one message for both
+        await self._session.report_done(scheduler_pb2.RequestDone(
+            prompt_tokens=finished.usage.prompt_tokens,
+            completion_tokens=finished.usage.completion_tokens,
+            cached_tokens=finished.usage.cached_tokens,
+            finish_reason=finished.reason.value,
+            delta_gaps_seconds=gaps.gaps if gaps is not None else (),
+            max_delta_gap_seconds=gaps.max_gap if gaps is not None else 0.0,
+            first_token=None if first_ago is None else scheduler_pb2.FirstToken(seconds_ago=first_ago),
+        ))
 
     async def close(self) -> None:
         """After `report_done`: let the scheduler end the stream."""
@@ -320,7 +346,7 @@ class LeaseLink:
         if resumable:
             self._session.cancel()
         else:
-            self._session.withdraw()
+            self._session.withdraw(self._first_ago())
         await self._stop_reattach()
 
     # ---------------------------------------------------------------- re-attach

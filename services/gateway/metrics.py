@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from services.common.finish_reason import FinishReason
 from services.common.health_http import OnceDrain, Probes, add_health_routes, add_metrics_route
+from services.common.label_cache import LabelCache
 from services.common.metric_labels import PRIORITY_LABELS
 from services.gateway.field_metrics import FieldMetrics
 
@@ -88,6 +89,8 @@ class StreamSignals:
 class GatewayMetrics:
     def __init__(self, replica: int = 0) -> None:
         self.registry = CollectorRegistry()
+        # `child(metric, *labels)`: metric.labels(*labels), kept for the next request.
+        self.child = LabelCache()
         labels = {"replica": str(replica)}
         self.requests = Counter(
             "kvmesh_gateway_requests_total", "Requests by route and final status",

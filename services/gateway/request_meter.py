@@ -84,39 +84,40 @@ class RequestMeter:
 
     def _started(self) -> None:
         job, m = self._job, self._metrics
-        m.prompt_tokens.labels(job.model, job.metric_labels[1]).inc(len(job.prompt_ids))
-        m.field.gie_requests.labels(job.model, job.model).inc()
-        m.field.gie_running.labels(job.model).inc()
+        child, model = m.child, job.model
+        child(m.prompt_tokens, model, job.metric_labels[1]).inc(len(job.prompt_ids))
+        child(m.field.gie_requests, model, model).inc()
+        child(m.field.gie_running, model).inc()
 
     def _ended(self, error: str) -> None:
         """`error`: "" when the run finished (well or not: the `Finished`
         says), else the error code or "cancelled"."""
-        job, m, f = self._job, self._metrics, self._metrics.field
+        job, m, f, child = self._job, self._metrics, self._metrics.field, self._metrics.child
         now = self._clock.monotonic()
         seconds = max(0.0, now - job.arrival_monotonic)
         route, priority, model = job.metric_labels
         output = self._usage_output if self._usage_output is not None else self._tokens
-        f.gie_running.labels(model).dec()
-        m.e2e.labels(route, priority, model).observe(seconds)
-        m.generation_tokens.labels(model, priority).inc(output)
+        child(f.gie_running, model).dec()
+        child(m.e2e, route, priority, model).observe(seconds)
+        child(m.generation_tokens, model, priority).inc(output)
         if self._resume_result != "":
-            m.resumes.labels(self._resume_result or error or "ended").inc()
+            child(m.resumes, self._resume_result or error or "ended").inc()
         if self._finished is not None:
             error = self._finished
         if error == "cancelled":
             return  # the client left: no outcome to report in the field's series
         gen_ai = f.gen_ai_labels(route, model)
-        f.gen_ai_request.labels(*gen_ai, error).observe(seconds)
-        f.gen_ai_operation.labels(*gen_ai, error).observe(seconds)
+        child(f.gen_ai_request, *gen_ai, error).observe(seconds)
+        child(f.gen_ai_operation, *gen_ai, error).observe(seconds)
         if error:
-            f.gie_errors.labels(model, model, error).inc()
+            child(f.gie_errors, model, model, error).inc()
             return
-        f.gen_ai_tokens.labels(*gen_ai, "input").observe(len(job.prompt_ids))
-        f.gen_ai_tokens.labels(*gen_ai, "output").observe(output)
+        child(f.gen_ai_tokens, *gen_ai, "input").observe(len(job.prompt_ids))
+        child(f.gen_ai_tokens, *gen_ai, "output").observe(output)
         if self._first_token_at is not None:
-            f.gen_ai_ttft.labels(*gen_ai).observe(max(0.0, self._first_token_at - job.arrival_monotonic))
+            child(f.gen_ai_ttft, *gen_ai).observe(max(0.0, self._first_token_at - job.arrival_monotonic))
             if output > 1:
-                f.gen_ai_tpot.labels(*gen_ai).observe((now - self._first_token_at) / (output - 1))
-        f.gie_duration.labels(model, model).observe(seconds)
-        f.gie_input.labels(model, model).observe(len(job.prompt_ids))
-        f.gie_output.labels(model, model).observe(output)
+                child(f.gen_ai_tpot, *gen_ai).observe((now - self._first_token_at) / (output - 1))
+        child(f.gie_duration, model, model).observe(seconds)
+        child(f.gie_input, model, model).observe(len(job.prompt_ids))
+        child(f.gie_output, model, model).observe(output)

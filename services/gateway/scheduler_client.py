@@ -89,6 +89,8 @@ class AdmitSession:
         self._on_preempted: Callable[[scheduler_pb2.Preempted], None] | None = None
         # The scheduler replica it is open on (scheduler_replicas.py; "" = the one).
         self.replica = ""
+        # The scheduler said it ends the stream at `done` (Placed.ends_at_done).
+        self._ends_at_done = False
 
     @property
     def broken(self) -> bool:
@@ -173,14 +175,16 @@ class AdmitSession:
             if kind == "queued":
                 return message.queued
             if kind == "placed":
+                self._ends_at_done = message.placed.ends_at_done
                 return message.placed
             if kind == "rejected":
                 raise from_rejection(message.rejected)
             # `preempted` here is stale: the request was not running.
             log.warning("ignoring Admit message %r", kind)
 
-    async def first_token(self) -> None:
-        await self._send(scheduler_pb2.AdmitClientMessage(first_token=scheduler_pb2.FirstToken()))
+    async def first_token(self, seconds_ago: float = 0.0) -> None:
+        await self._send(scheduler_pb2.AdmitClientMessage(
+            first_token=scheduler_pb2.FirstToken(seconds_ago=seconds_ago)))
 
     async def replace(
         self, exclude: list[str], prompt_tokens: int, max_tokens: int, prefix_hashes: list[int]
@@ -212,7 +216,8 @@ class AdmitSession:
         self._on_preempted = None  # a `preempted` crossing `done` is moot
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
             await self._call.write(scheduler_pb2.AdmitClientMessage(done=done))
-            await self._call.done_writing()
+            if not self._ends_at_done:   # a scheduler that waits for the half-close
+                await self._call.done_writing()
 
     async def close(self) -> None:
         """Let the scheduler end the stream (bounded wait), then make sure it is over."""
@@ -228,16 +233,21 @@ class AdmitSession:
         finally:
             self._call.cancel()
 
-    def withdraw(self) -> None:
+    def withdraw(self, first_token_ago: float | None = None) -> None:
         """End the stream on purpose (the request failed or its client left):
         `done` first, in the background, so the scheduler releases the lease
-        at once instead of keeping it for a resume (a stream that just breaks)."""
+        at once instead of keeping it for a resume (a stream that just breaks).
+        `first_token_ago`: a first token not told yet goes with it."""
         if self._finished or self._call.done():
             self.cancel()
             return
         self._finished = True
         self._on_preempted = None
-        self._ender.end_after(self._call, _WITHDRAWN)
+        last = _WITHDRAWN
+        if first_token_ago is not None:
+            last = scheduler_pb2.AdmitClientMessage(done=scheduler_pb2.RequestDone(
+                finish_reason="abort", first_token=scheduler_pb2.FirstToken(seconds_ago=first_token_ago)))
+        self._ender.end_after(self._call, last)
 
     def cancel(self) -> None:
         """End the stream now: the scheduler drops the queue entry, and keeps

@@ -91,7 +91,7 @@ class Admission:
         queue = p.waiting.queue(options.model)
         p.metrics.count_promotions(queue.push(entry, now))
         p.requests.add(RequestRecord(options, RequestState.QUEUED, entry=entry, arrival=arrival))
-        p.metrics.admissions.labels(p.classes[options.klass].label).inc()
+        p.metrics.child(p.metrics.admissions, p.classes[options.klass].label).inc()
         return queued_info(queue.position_of(entry), entry.cls, rate)
 
     def _arrival(self, options: AdmitOptions, now: float) -> float:

@@ -86,6 +86,7 @@ from .records import (
     Outcome,
     QueuedInfo,
     RejectReason,
+    RequestRecord,
     RequestState,
 )
 from .request_book import RequestBook
@@ -190,15 +191,20 @@ class SchedulerCore:
             self._requests.finish(rec, Outcome.WITHDRAWN, now)
 
     def _on_first_token(self, event: ev.FirstToken, out: Outbox, now: float) -> None:
-        rec = self._requests.get(event.request_id)
+        self._first_token(self._requests.get(event.request_id), now - max(0.0, event.seconds_ago))
+
+    def _first_token(self, rec: RequestRecord | None, at: float) -> None:
         if rec is not None and rec.lease is not None and rec.lease.first_token_at is None:
-            rec.lease.first_token_at = now
-            self.deadlines.first_token(rec, now)
+            rec.lease.first_token_at = at
+            self.deadlines.first_token(rec, at)
 
     def _on_done(self, event: ev.RequestDone, out: Outbox, now: float) -> None:
-        """The lease ends now (the stream's close later finds nothing to do)."""
+        """The lease ends now (the stream's close later finds nothing to do);
+        a first token folded into it is taken first, dated back."""
         rec = self._requests.get(event.request_id)
         if rec is not None:
+            if event.first_token_ago is not None:
+                self._first_token(rec, now - max(0.0, event.first_token_ago))
             self.deadlines.observe_gaps(rec.options.model, rec.options.priority, event.delta_gaps, now)
             self._requests.finish(rec, Outcome.WITHDRAWN if event.withdrawn else Outcome.DONE, now)
 

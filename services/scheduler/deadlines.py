@@ -132,7 +132,9 @@ class DeadlineBook:
         self.observe(DeadlineKind.FIRST_TOKEN, *key, now - rec.lease.placed_at, now)
         sizes = self._prompts.get(key)
         if sizes is None:
-            sizes = self._prompts[key] = LatencyWindow(self._config.window_samples, self._config.window_seconds)
+            # As stale as the latency windows may be: it is read at every placement.
+            sizes = self._prompts[key] = LatencyWindow(self._config.window_samples, self._config.window_seconds,
+                                                       _P95_STALENESS_SECONDS)
         sizes.add(float(rec.options.prompt_tokens), now)
 
     def queued(self, options: AdmitOptions, base_class: int, waited: float, now: float) -> None:

@@ -116,7 +116,7 @@ class Dispatcher:
         rules, policy = p.classes[rec.klass], p.room.policy
         request, began = placement_request(rec, cls, rules), time.perf_counter()  # decision time: real CPU time
         placement = self._yield.place(request, rules, now, out)
-        p.metrics.decision_seconds.labels(policy.name).observe(time.perf_counter() - began)
+        p.metrics.child(p.metrics.decision_seconds, policy.name).observe(time.perf_counter() - began)
         if placement is None:
             try:
                 waits = p.fleet.check_servable(opts, rec.exclude, now, None if entry else rec.replaced_at)
@@ -133,7 +133,7 @@ class Dispatcher:
             queue.pop(entry)
             waited = max(0.0, now - entry.arrival)
             if not entry.resumed:   # a requeued request's wait is kvmesh_scheduler_preempted_seconds
-                p.metrics.queue_wait.labels(priority_label(entry.base_class)).observe(waited)
+                p.metrics.child(p.metrics.queue_wait, priority_label(entry.base_class)).observe(waited)
                 p.deadlines.queued(opts, entry.base_class, waited, now)
         engine = p.fleet.get(placement.view.engine_id)
         if engine is None:  # pragma: no cover - views come from the registry

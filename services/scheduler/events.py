@@ -70,6 +70,8 @@ class StreamClosed:
 @dataclass(frozen=True)
 class FirstToken:
     request_id: str
+    # How long before it was told the token came (a gateway that tells it late).
+    seconds_ago: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,9 @@ class RequestDone:
     withdrawn: bool = False
     # Gaps between the stream's deltas, sampled by the gateway (deadlines.py).
     delta_gaps: tuple[float, ...] = ()
+    # The first token folded into the report, how long before it (None: told
+    # on its own, or never came).
+    first_token_ago: float | None = None
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,7 @@ def _to_proto(notice: Notice, replica: str) -> scheduler_pb2.AdmitServerMessage:
         return scheduler_pb2.AdmitServerMessage(placed=scheduler_pb2.Placed(
             engine_id=notice.engine_id, engine_address=notice.engine_address,
             lease_id=notice.lease_id, cached_tokens=notice.cached_tokens,
-            engine_incarnation=notice.engine_incarnation, scheduler_replica=replica,
+            engine_incarnation=notice.engine_incarnation, scheduler_replica=replica, ends_at_done=True,
             **_deadline_fields(notice)))
     if isinstance(notice, PreemptedInfo):
         return scheduler_pb2.AdmitServerMessage(preempted=scheduler_pb2.Preempted(
@@ -303,20 +303,26 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if self._mailboxes.get(request_id) is box:  # else a resume owns the request now
                 self.traces.closed(request_id)
                 del self._mailboxes[request_id]
-                self.deliver(self.core.handle(ev.StreamClosed(request_id)))
+                # After `done` the core has forgotten the request: nothing to close.
+                if self.core.request_state(request_id) is not None:
+                    self.deliver(self.core.handle(ev.StreamClosed(request_id)))
 
     async def _read_admit(
         self, request_id: str, context: _AdmitContext, box: asyncio.Queue[object]
     ) -> None:
         """Client messages after the request. EOF is treated as the client
         leaving: a cancelled call looks like a half-close to the reader, and
-        the protocol half-closes only after `done`, when nothing is left."""
+        the protocol half-closes only after `done`, when nothing is left --
+        so `done` itself ends the stream (no read of the half-close: the
+        request's last wake-up here)."""
         try:
             while True:
                 msg = await _read(context)
                 if msg is None:
                     return
                 self._on_admit_message(request_id, msg, box)
+                if msg.HasField("done"):
+                    return
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a broken read is the client leaving
@@ -331,11 +337,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if self._mailboxes.get(request_id) is not box:
             return  # a stream superseded by a resume: the request is not its own any more
         if kind == "first_token":
-            self.deliver(self.core.handle(ev.FirstToken(request_id)))
+            self.deliver(self.core.handle(ev.FirstToken(request_id, msg.first_token.seconds_ago)))
         elif kind == "done":
             done = msg.done
+            first_ago = done.first_token.seconds_ago if done.HasField("first_token") else None
             self.deliver(self.core.handle(ev.RequestDone(
-                request_id, done.finish_reason == "abort", tuple(done.delta_gaps_seconds[:_MAX_GAPS]))))
+                request_id, done.finish_reason == "abort", tuple(done.delta_gaps_seconds[:_MAX_GAPS]),
+                first_ago)))
         elif kind == "requeue":
             q = msg.requeue
             self.traces.again(request_id, "requeue", q.prompt_tokens)

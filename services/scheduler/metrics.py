@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.common.label_cache import LabelCache
 from services.common.metric_labels import PRIORITY_LABELS, priority_label
 
 from .queue import Promotion
@@ -34,6 +35,7 @@ class SchedulerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        self.child = LabelCache()   # child(metric, *labels): kept labels() (label_cache.py)
         self.queue_length = Gauge(
             "kvmesh_scheduler_queue_length", "Requests queued, by class waited in now",
             ["priority"], registry=r,
@@ -235,9 +237,10 @@ class SchedulerMetrics:
         )
 
     def placed(self, policy: str, kind: str, prompt_tokens: int, cached_tokens: int) -> None:
-        self.placements.labels(policy, kind).inc()
-        self.prompt_tokens.labels(policy).inc(prompt_tokens)
-        self.expected_cached_tokens.labels(policy).inc(cached_tokens)
+        child = self.child
+        child(self.placements, policy, kind).inc()
+        child(self.prompt_tokens, policy).inc(prompt_tokens)
+        child(self.expected_cached_tokens, policy).inc(cached_tokens)
         self._prompt_total += prompt_tokens
         self._cached_total += cached_tokens
         if self._prompt_total:

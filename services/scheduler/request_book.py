@@ -116,7 +116,7 @@ class RequestBook:
         rec.state = RequestState.FINISHED
         rec.entry = None
         self._records.pop(rec.options.request_id, None)
-        self._metrics.finished.labels(outcome.value).inc()
+        self._metrics.child(self._metrics.finished, outcome.value).inc()
 
     def rejected(self, reason: RejectReason, message: str, retry_after: float = 0.0) -> RejectedInfo:
         """The Rejected notice (counted); for a request never admitted."""

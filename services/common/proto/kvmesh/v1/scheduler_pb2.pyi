@@ -82,24 +82,28 @@ class Replace(_message.Message):
     def __init__(self, exclude_engines: _Optional[_Iterable[str]] = ..., prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., prefix_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("seconds_ago",)
+    SECONDS_AGO_FIELD_NUMBER: _ClassVar[int]
+    seconds_ago: float
+    def __init__(self, seconds_ago: _Optional[float] = ...) -> None: ...
 
 class RequestDone(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "delta_gaps_seconds", "max_delta_gap_seconds")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "delta_gaps_seconds", "max_delta_gap_seconds", "first_token")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     DELTA_GAPS_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_DELTA_GAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     finish_reason: str
     delta_gaps_seconds: _containers.RepeatedScalarFieldContainer[float]
     max_delta_gap_seconds: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., delta_gaps_seconds: _Optional[_Iterable[float]] = ..., max_delta_gap_seconds: _Optional[float] = ...) -> None: ...
+    first_token: FirstToken
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., delta_gaps_seconds: _Optional[_Iterable[float]] = ..., max_delta_gap_seconds: _Optional[float] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ...) -> None: ...
 
 class Requeue(_message.Message):
     __slots__ = ("prompt_tokens", "max_tokens", "prefix_hashes")
@@ -136,7 +140,7 @@ class Queued(_message.Message):
     def __init__(self, position: _Optional[int] = ..., estimated_wait_seconds: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class Placed(_message.Message):
-    __slots__ = ("engine_id", "engine_address", "lease_id", "cached_tokens", "engine_incarnation", "first_token_seconds", "token_stall_seconds", "generation_seconds", "token_stall_p95_seconds", "scheduler_replica")
+    __slots__ = ("engine_id", "engine_address", "lease_id", "cached_tokens", "engine_incarnation", "first_token_seconds", "token_stall_seconds", "generation_seconds", "token_stall_p95_seconds", "scheduler_replica", "ends_at_done")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +151,7 @@ class Placed(_message.Message):
     GENERATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_STALL_P95_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    ENDS_AT_DONE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     engine_address: str
     lease_id: str
@@ -157,7 +162,8 @@ class Placed(_message.Message):
     generation_seconds: float
     token_stall_p95_seconds: float
     scheduler_replica: str
-    def __init__(self, engine_id: _Optional[str] = ..., engine_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., engine_incarnation: _Optional[int] = ..., first_token_seconds: _Optional[float] = ..., token_stall_seconds: _Optional[float] = ..., generation_seconds: _Optional[float] = ..., token_stall_p95_seconds: _Optional[float] = ..., scheduler_replica: _Optional[str] = ...) -> None: ...
+    ends_at_done: bool
+    def __init__(self, engine_id: _Optional[str] = ..., engine_address: _Optional[str] = ..., lease_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., engine_incarnation: _Optional[int] = ..., first_token_seconds: _Optional[float] = ..., token_stall_seconds: _Optional[float] = ..., generation_seconds: _Optional[float] = ..., token_stall_p95_seconds: _Optional[float] = ..., scheduler_replica: _Optional[str] = ..., ends_at_done: _Optional[bool] = ...) -> None: ...
 
 class Rejected(_message.Message):
     __slots__ = ("code", "message", "retry_after_seconds")
