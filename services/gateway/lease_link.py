@@ -378,7 +378,9 @@ class LeaseLink:
             if session is None:
                 continue
             try:
-                if self._told_first:
+                # Told to the old stream already: tell the new one. Still
+                # pending: `first_token_next` tells it, on the new stream.
+                if self._told_first and self._first_at is None:
                     await session.first_token()
             except BaseException:
                 session.cancel()
