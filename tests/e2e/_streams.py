@@ -5,10 +5,11 @@ scheduler's state. Event-driven waits only (no sleeps standing in for them)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -26,6 +27,8 @@ __all__ = [
     "gateway_counter",
     "run_streams",
     "scheduler_state",
+    "set_sim_speed",
+    "sim_unthrottled",
     "stream_completion",
     "wait_until",
 ]
@@ -170,3 +173,28 @@ def scheduler_state(mesh: Mesh) -> scheduler_pb2.SchedulerState | None:
     """The scheduler's GetState, None while it is unreachable."""
     state: scheduler_pb2.SchedulerState | None = get_scheduler_state(mesh.endpoints.scheduler)
     return state
+
+
+def set_sim_speed(mesh: Mesh, factor: float | None) -> None:
+    """Every sim engine's run-time speed (POST /sim/speed; None: DELETE,
+    back to its schedule): services/engine/sim/speed.py."""
+    for i in range(len(mesh.endpoints.engines)):
+        port = mesh.config.engine_config(i).metrics_port
+        url = f"http://127.0.0.1:{port}/sim/speed" + ("" if factor is None else f"?factor={factor}")
+        request = urllib.request.Request(url, method="DELETE" if factor is None else "POST")
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            assert resp.status == 200
+
+
+@contextlib.contextmanager
+def sim_unthrottled(mesh: Mesh) -> Iterator[None]:
+    """The sim engines' steps free (speed factor 0) while the block runs,
+    then back to their schedule: for a test's uninterrupted reference run,
+    of which it takes only the text -- a pure function of the tokens before
+    it, whatever the speed -- and whose seconds of simulated decoding
+    showed nothing (they were a fifth of the reliability tests' time)."""
+    set_sim_speed(mesh, 0.0)
+    try:
+        yield
+    finally:
+        set_sim_speed(mesh, None)

@@ -23,7 +23,7 @@ import time
 import urllib.request
 
 import pytest
-from _streams import StreamResult, eventually, gateway_counter, run_streams, scheduler_state
+from _streams import StreamResult, eventually, gateway_counter, run_streams, scheduler_state, set_sim_speed
 from prometheus_client.parser import text_string_to_metric_families
 from test_e2e_reliability import _assert_same, _finish, _prompts
 
@@ -61,16 +61,6 @@ def MESH_TUNE(config: MeshConfig) -> None:  # noqa: N802 - the fixture's hook na
     config.network.keepalive_time_seconds = 10.0
     config.network.keepalive_timeout_seconds = 10.0
     config.engines.template.hang_floor_seconds = 60.0
-
-
-def _speed(mesh: Mesh, factor: float | None) -> None:
-    """Every engine's run-time speed (None: back to its schedule)."""
-    for i in range(len(mesh.endpoints.engines)):
-        port = mesh.config.engine_config(i).metrics_port
-        url = f"http://127.0.0.1:{port}/sim/speed" + ("" if factor is None else f"?factor={factor}")
-        request = urllib.request.Request(url, method="DELETE" if factor is None else "POST")
-        with urllib.request.urlopen(request, timeout=10) as resp:
-            assert resp.status == 200
 
 
 def _deadline(mesh: Mesh, kind: str) -> scheduler_pb2.DeadlineState:
@@ -124,13 +114,13 @@ def _gap_after(result: StreamResult, stopped_at: float) -> float:
 async def test_stall_deadline_follows_the_p95_and_a_stalled_stream_migrates(e2e_mesh: Mesh) -> None:
     mesh = e2e_mesh
     prompts = _prompts("deadline", STREAMS)
-    _speed(mesh, 1.0)
+    set_sim_speed(mesh, 1.0)
     baseline = await _run(mesh, prompts)
     _assert_same(baseline, [r.text for r in baseline])
     expected = [r.text for r in baseline]
     fast = await _derived_stall(mesh, "factor 1")
 
-    _speed(mesh, SLOW)
+    set_sim_speed(mesh, SLOW)
     try:
         _assert_same(await _run(mesh, prompts), expected)
         slow = await _derived_stall(mesh, f"factor {SLOW:g}")
@@ -165,7 +155,7 @@ async def test_stall_deadline_follows_the_p95_and_a_stalled_stream_migrates(e2e_
         # It moved after about the deadline: not at once, and well before any fixed bound.
         assert 0.8 * deadline <= gaps[-1] < min(8.0, detect / 2), gaps
     finally:
-        _speed(mesh, None)
+        set_sim_speed(mesh, None)
 
 
 async def test_queued_past_the_derived_bound_is_rejected_with_bound_and_p95(e2e_mesh: Mesh) -> None:
@@ -173,12 +163,12 @@ async def test_queued_past_the_derived_bound_is_rejected_with_bound_and_p95(e2e_
     # Each stream holds its slot for seconds: 16 slots. 12 requests first, so
     # the windows hold slow gaps and waits of ~0 (the queue-wait bound is the
     # floor); then 24 at once.
-    _speed(mesh, SLOW)
+    set_sim_speed(mesh, SLOW)
     try:
         assert all(r.ok for r in await _run(mesh, _prompts("warm", 12), 8))
         results = await _run(mesh, _prompts("queue", 24), 8)   # ~3 s each
     finally:
-        _speed(mesh, None)
+        set_sim_speed(mesh, None)
     rejected = [r for r in results if r.status == 503]
     assert rejected, ([(r.status, r.error) for r in results], _deadline(mesh, "queue_wait"))
     failed = [(r.status, r.finish_reason, r.error) for r in results if r.status != 503 and not r.ok]

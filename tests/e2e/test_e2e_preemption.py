@@ -25,7 +25,7 @@ import time
 
 import aiohttp
 import pytest
-from _streams import scheduler_state, wait_until
+from _streams import scheduler_state, sim_unthrottled, wait_until
 
 from services.bench.scheduler_classes import class_figures
 from services.bench.timed_stream import ChatCall, TimedStream, chat_stream
@@ -80,8 +80,10 @@ async def test_p0_is_not_held_behind_running_p2_and_p2_loses_nothing(e2e_mesh: M
     leases = mesh.config.engines.count * (mesh.config.engines.template.max_running
                                           + mesh.config.scheduler.engine_queue_slack)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        # The uninterrupted texts: the same requests with no P0 around.
-        reference = await asyncio.gather(*(chat_stream(session, c) for c in _p2_calls(mesh)))
+        # The uninterrupted texts: the same requests with no P0 around (the
+        # sim unthrottled: only their text counts).
+        with sim_unthrottled(mesh):
+            reference = await asyncio.gather(*(chat_stream(session, c) for c in _p2_calls(mesh)))
         assert not _failed(list(reference)), f"reference run failed: {_failed(list(reference))}"
         before = class_figures(await asyncio.to_thread(scheduler_state, mesh)).get(2, {})
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from _streams import StreamResult, gateway_counter, run_streams, scheduler_state, wait_until
+from _streams import StreamResult, gateway_counter, run_streams, scheduler_state, sim_unthrottled, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.config import MeshConfig
@@ -77,11 +77,13 @@ def _engine_state(mesh: Mesh, engine_id: str) -> scheduler_pb2.EngineState | Non
 
 
 async def _expected(mesh: Mesh, prompts: list[str], lengths: list[int]) -> list[str]:
-    _, tasks, session = await run_streams(mesh, prompts, lengths)
-    try:
-        results = await asyncio.gather(*tasks)
-    finally:
-        await session.close()
+    """The uninterrupted answers (the sim unthrottled: only their text counts)."""
+    with sim_unthrottled(mesh):
+        _, tasks, session = await run_streams(mesh, prompts, lengths)
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:
+            await session.close()
     assert all(r.ok for r in results), "baseline run failed"
     return [r.text for r in results]
 

@@ -7,12 +7,13 @@ uninterrupted run of the same request: no token repeated, none missing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 
 import aiohttp
 import pytest
-from _streams import StreamResult, gateway_counter, run_streams, scheduler_state, wait_until
+from _streams import StreamResult, gateway_counter, run_streams, scheduler_state, sim_unthrottled, wait_until
 
 from services.common.config import MeshConfig
 from services.common.proto.kvmesh.v1 import scheduler_pb2
@@ -47,10 +48,12 @@ async def _finish(tasks: list[asyncio.Task[StreamResult]], session: aiohttp.Clie
 
 
 async def _expected(mesh: Mesh, prompts: list[str], max_tokens: list[int],
-                    stops: list[list[str] | None] | None = None) -> list[str]:
-    """The uninterrupted answers (same mesh, nothing killed)."""
-    _, tasks, session = await run_streams(mesh, prompts, max_tokens, stops)
-    results = await _finish(tasks, session)
+                    stops: list[list[str] | None] | None = None, unthrottled: bool = True) -> list[str]:
+    """The uninterrupted answers (same mesh, nothing killed; the sim
+    unthrottled unless `unthrottled` is False: every engine must answer)."""
+    with sim_unthrottled(mesh) if unthrottled else contextlib.nullcontext():
+        _, tasks, session = await run_streams(mesh, prompts, max_tokens, stops)
+        results = await _finish(tasks, session)
     bad = [r for r in results if not r.ok]
     assert not bad, f"baseline run failed: {bad[0]}"
     return [r.text for r in results]

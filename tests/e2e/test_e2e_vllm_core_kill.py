@@ -18,12 +18,12 @@ one `kvmesh up` runs -- restarts it with the same id and port, and it
 serves again (the same greedy tokens as the surviving engine; requests
 through the gateway are placed on it and complete). SIGSTOP: no
 output while the engine holds streams, declared hung past its bound (the
-floor: 20 s on the shared pair), then the same as a kill; the core continued (SIGCONT)
+floor: 10 s on the shared pair), then the same as a kill; the core continued (SIGCONT)
 after the hang was declared delivers nothing (no text twice), the engine
 still exits and comes back.
 
 Three tests on the tiny-llama pair the run shares with
-test_e2e_vllm_migration.py (tests/e2e/conftest.py; the hang floor 20 s):
+test_e2e_vllm_migration.py (tests/e2e/conftest.py; the hang floor 10 s):
 two vLLM engines start in ~1-2 minutes on 2 cores, each faulted one again.
 The core is killed on the engine holding the most streams, the worker on
 the other one (whatever it holds; a kill of an idle engine still must lose
@@ -105,7 +105,7 @@ else:
     @pytest.fixture(scope="module")
     def supervised(shared_tiny_pair: SharedVllmMesh, tmp_path_factory: pytest.TempPathFactory) -> Supervised:
         """The shared tiny-llama pair (tests/e2e/conftest.py: 8 sequences per
-        engine, the hang floor 20 s), supervised like `kvmesh up`."""
+        engine, the hang floor 10 s), supervised like `kvmesh up`."""
         return shared_tiny_pair.get(tmp_path_factory)
 
 
@@ -353,7 +353,7 @@ async def back_and_serving(mesh: Mesh, restarts: Restarts, fault: Faulted, resta
         view = engine_state(scheduler_state(mesh), victim)
         return restarts.restarted.count(victim) > restarts_before and view is not None and view.serving \
             and view.fresh
-    await wait_until(back, RESTART_SECONDS, f"{victim} to be restarted and serving", poll=1.0)
+    await wait_until(back, RESTART_SECONDS, f"{victim} to be restarted and serving", poll=0.1)
     await asyncio.sleep(0.3)  # a sample or two of the view serving again
     fault.stop_views.set()
     await fault.watcher
@@ -511,7 +511,7 @@ async def test_vllm_idle_engine_core_sigstop_is_found_by_the_liveness_probe(supe
     def back() -> bool:
         view = engine_state(scheduler_state(mesh), victim)
         return restarts.restarted.count(victim) > restarted and view is not None and view.serving and view.fresh
-    await wait_until(back, RESTART_SECONDS, f"{victim} to be restarted and serving", poll=1.0)
+    await wait_until(back, RESTART_SECONDS, f"{victim} to be restarted and serving", poll=0.1)
     stat = Path(f"/proc/{target}/stat")
     assert not stat.exists() or b" Z " in stat.read_bytes(), "the stopped core outlived its engine"
     print(f"vLLM EngineCore SIGSTOP while idle on {victim}: engine failed {elapsed:.1f} s later "

@@ -270,6 +270,19 @@ class NetnsMesh:
         text = self.engine_metrics(index)
         return int(metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting"))
 
+    def set_sim_speed(self, factor: float | None) -> None:
+        """Every engine's run-time speed (POST /sim/speed?factor=F; None:
+        DELETE, back to its schedule), set on its own host."""
+        for index, host in enumerate(ENGINES):
+            url = f"http://{self.addr[host]}:{ENGINE_METRICS + index}/sim/speed"
+            request = urllib.request.Request(url + ("" if factor is None else f"?factor={factor}"),
+                                             method="DELETE" if factor is None else "POST")
+
+            def send(request: urllib.request.Request = request) -> int:
+                with urllib.request.urlopen(request, timeout=10) as resp:
+                    return int(resp.status)
+            assert self.net.hosts[host].call(send, timeout=15) == 200, f"{url}: speed not set"
+
     def scheduler_metrics(self) -> str:
         return self.get("sched", f"http://{self.addr['sched']}:{SCHEDULER_METRICS}/metrics")[1]
 
