@@ -1,25 +1,30 @@
-"""Control-plane capacity (issue 27): one real scheduler process over real
-gRPC on loopback, driven by synthetic gateways and synthetic engines in
-other processes, at fleets of 64, 256 and 1,024 engines, with offered
-admissions/s stepped up (open loop) until saturation.
+"""Control-plane capacity (issue 27): one or several real scheduler processes
+over real gRPC on loopback, driven by synthetic gateways and synthetic
+engines in other processes, at fleets of 64, 256 and 1,024 engines, with
+offered admissions/s stepped up (open loop) until saturation.
 
     .venv/bin/python scripts/bench_control_plane.py                      # 64, 256, 1024 engines
     .venv/bin/python scripts/bench_control_plane.py --engines 64 --seconds 3 --max-rate 800
+    .venv/bin/python scripts/bench_control_plane.py --schedulers 1 2 3   # each fleet with 1, 2, 3 replicas
     .venv/bin/python scripts/bench_control_plane.py --repeat 2 --write   # into BENCHMARKS.md
 
-The scheduler is started as `kvmesh up` starts it (scripts/cplib/scheduler_proc.py);
-synthetic engines (scripts/cplib/engines.py) send hello, KV snapshot, load
-reports at their interval and on change, KV events, as services/engine/
-scheduler_link.py does; synthetic gateways (scripts/cplib/gateways.py) admit
-through the gateway's own scheduler client with the real message sequence
-(AdmitRequest -> Queued/Placed -> FirstToken -> RequestDone) and hold each
-lease for a configurable time. Per step: offered vs sustained admissions/s,
-decision latency p50/p99 at the gateway (Admit sent -> Placed received) and
-from the scheduler's own decision histogram, the scheduler's CPU per admission
-(its /proc utime + stime alone), its RSS; capacity = the highest step carried
-(>= 95% placed in the window, none rejected) with p99 <= 5 ms. The drivers
-share the machine with the scheduler: their CPU (the "driver cores" column)
-says how much of the machine they took.
+The schedulers are started as `kvmesh up --schedulers N` starts them
+(scripts/cplib/scheduler_proc.py); synthetic engines (scripts/cplib/engines.py)
+connect to every replica and send each hello, KV snapshot, load reports at
+their interval and on change (with several replicas: at once on a start or
+end, each listing only that replica's generations), KV events, as
+services/engine/scheduler_link(s).py do; synthetic gateways
+(scripts/cplib/gateways.py) admit through the gateway's own replica set and
+scheduler client (each request on its rendezvous owner) with the real
+message sequence (AdmitRequest -> Queued/Placed -> FirstToken -> RequestDone)
+and hold each lease for a configurable time. Per step: offered vs sustained
+admissions/s, decision latency p50/p99 at the gateway (Admit sent -> Placed
+received) and from the schedulers' own decision histograms, the schedulers'
+CPU per admission (their /proc utime + stime alone; summed and per replica),
+each one's RSS; capacity = the highest step carried (>= 95% placed in the
+window, none rejected) with p99 <= 5 ms. The drivers share the machine with
+the schedulers: their CPU (the "driver cores" column) says how much of the
+machine they took.
 """
 
 from __future__ import annotations
@@ -35,16 +40,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.cplib.benchmarks_md import FleetResult, render_section, replace_section, summary_line
+from scripts.cplib.benchmarks_md import FleetResult, capacity_table, render_section, replace_section, summary_line
 from scripts.cplib.figures import TABLE_HEADER, StepFigures, render_row
 from scripts.cplib.fleet_run import FleetOptions, run_fleet
-from scripts.cplib.plan import step_rates
+from scripts.cplib.plan import fleet_plan, step_rates
 from scripts.cplib.workload import Workload
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engines", type=int, nargs="+", default=[64, 256, 1024], help="fleet sizes")
+    p.add_argument("--schedulers", type=int, nargs="+", default=[1],
+                   help="scheduler replicas, each fleet measured with each count")
     p.add_argument("--start-rate", type=float, default=10.0, help="first step, admissions/s")
     p.add_argument("--max-rate", type=float, default=12800.0, help="last step at most (x2 per step)")
     p.add_argument("--seconds", type=float, default=5.0, help="seconds of arrivals per step")
@@ -60,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=os.environ.get("KVMESH_LOG_LEVEL", "INFO"),
                    help="the scheduler's (the launcher's default: INFO)")
     p.add_argument("--scheduler-cpu", type=int, default=None,
-                   help="pin the scheduler to this CPU and the synthetic processes to the others")
+                   help="pin the scheduler(s) to this CPU and the synthetic processes to the others")
     p.add_argument("--write", action="store_true", help="write the results into BENCHMARKS.md")
     p.add_argument("--note", default="", help="text added under the table with --write")
     return p
@@ -83,17 +90,20 @@ def main(argv: list[str] | None = None) -> int:
     load_before = _load()
     print(f"load average before: {load_before}", flush=True)
     results: list[FleetResult] = []
-    for engines in args.engines:
-        for run in range(args.repeat):
-            opts = FleetOptions(
-                engines=engines, rates=rates, seconds=args.seconds, gateways=args.gateways,
-                engines_per_host=args.engines_per_host, hold_min=args.hold_ms[0] / 1000,
-                hold_max=args.hold_ms[1] / 1000, first_token=args.first_token_ms / 1000, workload=workload,
-                config=args.config, log_level=args.log_level, scheduler_cpu=args.scheduler_cpu)
-            print(f"\n{engines} engines, run {run + 1} of {args.repeat}\n{TABLE_HEADER}", flush=True)
-            baseline, steps = run_fleet(opts, functools.partial(_print_row, run=run + 1))
-            results.append(FleetResult(baseline, steps))
-            print(summary_line(results[-1]), flush=True)
+    for fleet in fleet_plan(args.engines, args.schedulers, args.repeat):
+        opts = FleetOptions(
+            engines=fleet.engines, rates=rates, seconds=args.seconds, gateways=args.gateways,
+            engines_per_host=args.engines_per_host, hold_min=args.hold_ms[0] / 1000,
+            hold_max=args.hold_ms[1] / 1000, first_token=args.first_token_ms / 1000, workload=workload,
+            config=args.config, log_level=args.log_level, scheduler_cpu=args.scheduler_cpu,
+            schedulers=fleet.schedulers)
+        print(f"\n{fleet.engines} engines, {fleet.schedulers} scheduler(s), run {fleet.run} of {args.repeat}\n"
+              f"{TABLE_HEADER}", flush=True)
+        baseline, steps = run_fleet(opts, functools.partial(_print_row, run=fleet.run))
+        results.append(FleetResult(baseline, steps))
+        print(summary_line(results[-1]), flush=True)
+    if len(args.schedulers) > 1:
+        print(f"\n{capacity_table(results)}", flush=True)
     load_after = _load()
     print(f"\nload average after: {load_after}")
     if args.write:

@@ -5,12 +5,25 @@ equal to the last one, but at least every heartbeat) and promptly after a
 change (at most one per interval / 4), and `kv_events` as its prefix cache
 changes -- and obeying `resync` (a fresh snapshot) and `fence`.
 
+Several scheduler replicas (services/engine/scheduler_links.py): each engine
+holds one Connect stream to every replica and tells each the same hello
+(one incarnation, `scheduler_replicas` = how many), KV events and reports;
+each link learns its replica's name from the stream's initial metadata, and
+its reports list only the generations that replica leased (or of no known
+replica), the others counted in `other_replica_generations`
+(services/engine/fencing.py `listed_to`); a generation that starts or ends
+is reported to every replica at the writer's next turn (`notify_now`), not
+after the report gap; a fence ends only generations of the replica that
+sent it. With one replica: one stream, reports as they always were.
+
 A synthetic gateway tells the engine it was placed on that a request starts
 or ends with one UDP datagram to the engine's announced address (where a
 real gateway would open its Generate stream): "S <engine> <request> <group>
-<tail hashes...>" and "E <engine> <request>". A start stores the request's
-context (evicting the least recently used ones past the cache's size) and
-tail in the engine's cache and changes its load, as on a real engine.
+<replica> <tail hashes...>" (the replica that placed it, from
+`Placed.scheduler_replica`, as the gateway's engine request carries it; "-"
+for none) and "E <engine> <request>". A start stores the request's context
+(evicting the least recently used ones past the cache's size) and tail in
+the engine's cache and changes its load, as on a real engine.
 
 Ownership: one event loop per host process; each engine's writer task is
 the only writer of its streams; the datagram handler and the periodic sweep
@@ -23,6 +36,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, cast
@@ -31,16 +45,19 @@ import grpc
 
 from services.common.grpc_server import client_options
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.scheduler_replica import REPLICA_METADATA_KEY
 
 from .workload import Workload, context_hashes
 
-__all__ = ["EngineHostSpec", "HostCounters", "SynthEngine", "host_main"]
+__all__ = ["NO_REPLICA", "EngineHostSpec", "HostCounters", "SynthEngine", "host_main", "listed_to"]
 
 # Most unique tails an engine keeps cached before evicting the oldest.
 _MAX_TAILS = 256
 # The periodic sweep visits a tenth of the engines per turn: reports are
 # spread over the interval as real engines' unaligned timers spread them.
 _SLICES = 10
+# The replica field of a start datagram when Placed named none.
+NO_REPLICA = "-"
 
 
 @dataclass(frozen=True)
@@ -56,18 +73,43 @@ class EngineHostSpec:
     report_interval: float = 0.1      # engines.template.report_interval_seconds
     heartbeat: float = 0.5            # scheduler.stale_report_seconds / 4 (scheduler_link.py)
 
+    @property
+    def prompt(self) -> bool:
+        """Report starts and ends at once (several replicas: scheduler_links.py)."""
+        return len(self.schedulers) > 1
 
-# What a host's engines sent and obeyed, all engines summed: "loads",
-# "skipped" (equal reports left out), "kv_events", "snapshots", "fenced"
-# (request ids), "resyncs".
+
+# What a host's engines sent and obeyed, all engines summed, messages
+# counted per stream (one report to 3 replicas = 3): "loads", "skipped"
+# (equal reports left out), "kv_events", "snapshots", "fenced" (request
+# ids), "not_fenced" (named by a replica that did not lease them), "resyncs".
 HostCounters = Counter[str]
 
 
 @dataclass
 class _Link:
+    """One Connect stream (one replica) and what was last reported on it."""
+
     call: grpc.aio.StreamStreamCall
     seq: int = 0
     resync: bool = False
+    replica: str = ""                 # its name (initial metadata); "" until known
+    last_blob: bytes = b""
+    last_sent_at: float = -1e9
+
+
+def listed_to(owners: Mapping[str, str], request_ids: Iterable[str], replica: str,
+              connected: set[str]) -> tuple[list[str], int]:
+    """(the ids a report to `replica` lists, how many others it only counts),
+    as services/engine/fencing.py `Fencer.listed_to`: with no replica named
+    yet every id; else those `replica` leased, of no known replica, or of a
+    replica not connected now."""
+    ids = list(request_ids)
+    if not connected:
+        return ids, 0
+    listed = [r for r in ids if not replica or owners.get(r, "") in ("", replica)
+              or owners.get(r, "") not in connected]
+    return listed, len(ids) - len(listed)
 
 
 @dataclass
@@ -81,15 +123,15 @@ class SynthEngine:
     groups: OrderedDict[int, None] = field(default_factory=OrderedDict)
     tails: deque[tuple[int, ...]] = field(default_factory=deque)
     running: dict[str, tuple[int, int]] = field(default_factory=dict)   # request -> (group, blocks)
+    owners: dict[str, str] = field(default_factory=dict)               # request -> replica that leased it
     events: list[scheduler_pb2.KvEvents] = field(default_factory=list)
     links: list[_Link] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     changed: bool = False
+    urgent: bool = False              # a generation started or ended (several replicas)
     tick_due: bool = False
     later: asyncio.TimerHandle | None = None
     last_load_at: float = -1e9
-    last_blob: bytes = b""
-    last_sent_at: float = -1e9
     queries: int = 0
     hits: int = 0
 
@@ -99,8 +141,9 @@ class SynthEngine:
     def _cached(self) -> int:
         return sum(len(self.contexts[g]) for g in self.groups) + sum(len(t) for t in self.tails)
 
-    def start(self, request_id: str, group: int, tail: tuple[int, ...]) -> None:
-        """A request starts here: its prefix enters the cache, its load counts."""
+    def start(self, request_id: str, group: int, tail: tuple[int, ...], replica: str = "") -> None:
+        """A request starts here, leased by `replica` ("" = none named): its
+        prefix enters the cache, its load counts."""
         w = self.spec.workload
         self.queries += w.prompt_tokens
         stored: list[int] = []
@@ -120,24 +163,36 @@ class SynthEngine:
         self.events.append(scheduler_pb2.KvEvents(stored=stored, removed=removed))
         blocks = len(tail) + -(-w.max_tokens // w.hash_block_tokens)
         self.running[request_id] = (group, blocks)
-        self.note_change()
+        self.owners[request_id] = replica
+        self.note_change(generation=True)
 
     def end(self, request_id: str) -> None:
         if self.running.pop(request_id, None) is not None:
-            self.note_change()
+            del self.owners[request_id]
+            self.note_change(generation=True)
 
-    def note_change(self) -> None:
+    def note_change(self, generation: bool = False) -> None:
+        """Load changed; `generation`: one started or ended (scheduler_link's
+        `notify_now`: at once with several replicas)."""
         self.changed = True
+        self.urgent = self.urgent or (generation and self.spec.prompt)
         self.wake.set()
 
-    def load(self, serving: bool = True) -> scheduler_pb2.LoadReport:
+    def connected(self) -> set[str]:
+        return {link.replica for link in self.links if link.replica}
+
+    def load(self, serving: bool = True, replica: str | None = None) -> scheduler_pb2.LoadReport:
+        """The report to `replica` (None: every generation listed)."""
+        listed, others = (list(self.running), 0) if replica is None else \
+            listed_to(self.owners, self.running, replica, self.connected())
         n = len(self.running)
         groups = {g for g, _ in self.running.values()}
         used = sum(b for _, b in self.running.values()) + sum(len(self.contexts[g]) for g in groups)
         return scheduler_pb2.LoadReport(
             running=min(n, self.spec.max_running), waiting=max(0, n - self.spec.max_running),
             blocks_used=min(used, self.spec.total_blocks), blocks_total=self.spec.total_blocks,
-            cached_blocks=self._cached(), serving=serving, queued_tokens=0, request_ids=list(self.running),
+            cached_blocks=self._cached(), serving=serving, queued_tokens=0, request_ids=listed,
+            other_replica_generations=others,
             prefix_cache_queries=self.queries, prefix_cache_hits=self.hits,
             prefill_tokens_per_second=20000.0, step_seconds=0.01 + 0.0005 * n, step_token_budget=2048)
 
@@ -147,7 +202,7 @@ class SynthEngine:
             engine_id=self.engine_id, address=address, model=w.model, block_size=w.hash_block_tokens,
             total_blocks=self.spec.total_blocks, max_running=self.spec.max_running, weight=1.0,
             max_model_len=32768, hash_block_tokens=w.hash_block_tokens, backend="synthetic",
-            incarnation=incarnation)
+            incarnation=incarnation, scheduler_replicas=len(self.spec.schedulers))
 
     def on_command(self, link: _Link, command: scheduler_pb2.SchedulerCommand) -> None:
         kind = command.WhichOneof("cmd")
@@ -156,8 +211,14 @@ class SynthEngine:
             link.resync = True
             self.wake.set()
         elif kind == "fence":
-            self.counters["fenced"] += len(command.fence.request_ids)
             for request_id in command.fence.request_ids:
+                owner = self.owners.get(request_id, "")
+                # fencing.py: only the leasing replica's fence ends a
+                # generation (gone replicas' do not happen here).
+                if owner and link.replica and owner != link.replica:
+                    self.counters["not_fenced"] += 1
+                    continue
+                self.counters["fenced"] += 1
                 self.end(request_id)
 
     async def write_loop(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -171,13 +232,13 @@ class SynthEngine:
                     await self.send_snapshot(link)
             events, self.events = self.events, []
             for kv in events:
-                self.counters["kv_events"] += 1
                 for link in self.links:
+                    self.counters["kv_events"] += 1
                     link.seq += 1
                     kv.seq = link.seq
                     await link.call.write(scheduler_pb2.EngineMessage(kv_events=kv))
             now = loop.time()
-            if self.tick_due or (self.changed and now >= self.last_load_at + gap):
+            if self.tick_due or self.urgent or (self.changed and now >= self.last_load_at + gap):
                 await self._send_load(loop.time())
             elif self.changed and self.later is None:
                 self.later = loop.call_at(self.last_load_at + gap, self._later)
@@ -193,20 +254,26 @@ class SynthEngine:
             seq=link.seq, hashes=self.held())))
 
     async def _send_load(self, now: float) -> None:
-        self.changed = self.tick_due = False
+        """Each replica's own report; one equal to the last sent on its
+        stream is left out until the heartbeat is due."""
+        self.changed = self.tick_due = self.urgent = False
         self.last_load_at = now
-        report = self.load()
-        blob = report.SerializeToString(deterministic=True)
-        if blob == self.last_blob and now - self.last_sent_at < self.spec.heartbeat:
-            self.counters["skipped"] += 1
-            return
-        self.last_blob, self.last_sent_at = blob, now
-        self.counters["loads"] += 1
         for link in self.links:
+            report = self.load(replica=link.replica)
+            blob = report.SerializeToString(deterministic=True)
+            if blob == link.last_blob and now - link.last_sent_at < self.spec.heartbeat:
+                self.counters["skipped"] += 1
+                continue
+            link.last_blob, link.last_sent_at = blob, now
+            self.counters["loads"] += 1
             await link.call.write(scheduler_pb2.EngineMessage(load=report))
 
 
 async def _read_commands(engine: SynthEngine, link: _Link) -> None:
+    for key, value in await link.call.initial_metadata() or ():
+        if key == REPLICA_METADATA_KEY:
+            link.replica = value if isinstance(value, str) else value.decode(errors="replace")
+            engine.wake.set()   # its next report lists only its own generations
     while True:
         message = await link.call.read()
         if message is grpc.aio.EOF:
@@ -225,8 +292,9 @@ class _Datagrams(asyncio.DatagramProtocol):
         engine = self._engines.get(parts[1]) if len(parts) >= 3 else None
         if engine is None:
             return
-        if parts[0] == "S":
-            engine.start(parts[2], int(parts[3]), tuple(int(h) for h in parts[4:]))
+        if parts[0] == "S" and len(parts) >= 5:
+            replica = "" if parts[4] == NO_REPLICA else parts[4]
+            engine.start(parts[2], int(parts[3]), tuple(int(h) for h in parts[5:]), replica)
         elif parts[0] == "E":
             engine.end(parts[2])
 

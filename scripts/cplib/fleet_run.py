@@ -1,7 +1,9 @@
-"""One fleet size end to end: the scheduler process, the synthetic engine
-hosts (they connect and report), the synthetic gateways, then the steps of
-offered load until saturation, with the scheduler's CPU, RSS and decision
-histogram sampled around each step.
+"""One fleet size and scheduler count end to end: the scheduler processes
+(`schedulers` replicas, as `kvmesh up --schedulers N`), the synthetic engine
+hosts (each engine connects and reports to every replica), the synthetic
+gateways (admitting on the replicas), then the steps of offered load until
+saturation, with each replica's CPU, RSS and decision histogram sampled
+around each step.
 
 Ownership: this module's caller owns every process it starts here and
 stops them all before it returns (also on an error)."""
@@ -31,7 +33,7 @@ from .figures import Baseline, StepFigures, latency_percentile
 from .gateways import GatewaySpec, StepOrder, gateway_main, merge_tallies
 from .procstat import sample
 from .promhist import bucket_delta, bucket_quantile, histogram_buckets
-from .scheduler_proc import SchedulerProcess, start_scheduler
+from .scheduler_proc import SchedulerProcess, start_schedulers, stop_all
 from .workload import Workload
 
 __all__ = ["FleetOptions", "run_fleet"]
@@ -58,6 +60,9 @@ class FleetOptions:
     # processes to the others: the scheduler gets a core of its own, as on
     # a host of its own. None = let the kernel share the cores.
     scheduler_cpu: int | None = None
+    # Active scheduler replicas (README "Several schedulers"); with several,
+    # all of them are pinned to `scheduler_cpu` when it is set.
+    schedulers: int = 1
 
 
 @dataclass
@@ -95,9 +100,13 @@ def _registered(address: str) -> int:
     return sum(1 for e in state.engines if e.fresh)
 
 
-def _start_engines(opts: FleetOptions, sched: SchedulerProcess, children: _Children) -> None:
+def _addresses(scheds: list[SchedulerProcess]) -> tuple[str, ...]:
+    return tuple(s.address for s in scheds)
+
+
+def _start_engines(opts: FleetOptions, scheds: list[SchedulerProcess], children: _Children) -> None:
     for first in range(0, opts.engines, opts.engines_per_host):
-        spec = EngineHostSpec(first, min(opts.engines_per_host, opts.engines - first), (sched.address,),
+        spec = EngineHostSpec(first, min(opts.engines_per_host, opts.engines - first), _addresses(scheds),
                               opts.workload)
         children.hosts.append(_spawn(children, host_main, spec))
     for conn in children.hosts:
@@ -105,15 +114,17 @@ def _start_engines(opts: FleetOptions, sched: SchedulerProcess, children: _Child
             raise RuntimeError("a synthetic engine host did not come up")
         conn.recv()
     deadline = time.monotonic() + _REGISTER_SECONDS
-    while _registered(sched.address) < opts.engines:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"only {_registered(sched.address)} of {opts.engines} engines registered")
-        time.sleep(0.5)
+    for sched in scheds:   # every replica sees the whole fleet
+        while (seen := _registered(sched.address)) < opts.engines:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {seen} of {opts.engines} engines registered at {sched.address}")
+            time.sleep(0.5)
 
 
-def _start_gateways(opts: FleetOptions, sched: SchedulerProcess, children: _Children) -> None:
+def _start_gateways(opts: FleetOptions, scheds: list[SchedulerProcess], children: _Children) -> None:
     for index in range(opts.gateways):
-        spec = GatewaySpec(index, (sched.address,), opts.workload, opts.hold_min, opts.hold_max, opts.first_token)
+        spec = GatewaySpec(index, _addresses(scheds), opts.workload, opts.hold_min, opts.hold_max,
+                           opts.first_token)
         children.gateways.append(_spawn(children, gateway_main, spec))
     for conn in children.gateways:
         if not conn.poll(60.0):
@@ -130,38 +141,62 @@ def _host_messages(children: _Children) -> int:
     return total
 
 
-def _step(number: int, rate: float, opts: FleetOptions, sched: SchedulerProcess, children: _Children) -> StepFigures:
+def _decisions(scheds: list[SchedulerProcess]) -> dict[float, float]:
+    """The replicas' decision histograms, merged (same buckets: summed)."""
+    merged: dict[float, float] = {}
+    for sched in scheds:
+        for bound, count in histogram_buckets(sched.metrics(), DECISION_HISTOGRAM).items():
+            merged[bound] = merged.get(bound, 0.0) + count
+    return merged
+
+
+def _step(number: int, rate: float, opts: FleetOptions, scheds: list[SchedulerProcess],
+          children: _Children) -> StepFigures:
     pids = children.pids()
-    s0, d0 = sample(sched.pid), sum(sample(pid).cpu_s for pid in pids)
-    h0, m0, t0 = histogram_buckets(sched.metrics(), DECISION_HISTOGRAM), _host_messages(children), time.monotonic()
+    s0, d0 = [sample(s.pid) for s in scheds], sum(sample(pid).cpu_s for pid in pids)
+    h0, m0, t0 = _decisions(scheds), _host_messages(children), time.monotonic()
     for conn in children.gateways:
         conn.send(StepOrder(number, rate / opts.gateways, opts.seconds))
     tally = merge_tallies([conn.recv()[1] for conn in children.gateways])
-    s1, d1 = sample(sched.pid), sum(sample(pid).cpu_s for pid in pids)
-    h1, m1, t1 = histogram_buckets(sched.metrics(), DECISION_HISTOGRAM), _host_messages(children), time.monotonic()
+    s1, d1 = [sample(s.pid) for s in scheds], sum(sample(pid).cpu_s for pid in pids)
+    h1, m1, t1 = _decisions(scheds), _host_messages(children), time.monotonic()
     hist = bucket_delta(h1, h0)
     rejected = sum(tally.rejected.values())
     late = sorted(tally.late)
+    cpu = tuple(b.cpu_s - a.cpu_s for a, b in zip(s0, s1, strict=True))
     return StepFigures(
         engines=opts.engines, offered=rate, seconds=opts.seconds, sent=tally.sent, placed=len(tally.latencies),
         placed_in_window=tally.placed_in_window, rejected=rejected, unplaced=tally.unplaced,
         p50_ms=latency_percentile(tally.latencies, tally.unplaced, 50) * 1000,
         p99_ms=latency_percentile(tally.latencies, tally.unplaced, 99) * 1000,
         hist_p50_ms=bucket_quantile(hist, 0.5) * 1000, hist_p99_ms=bucket_quantile(hist, 0.99) * 1000,
-        sched_cpu_s=s1.cpu_s - s0.cpu_s, sched_waited_s=s1.waited_s - s0.waited_s, driver_cpu_s=d1 - d0,
-        wall_s=t1 - t0, rss_kib=s1.rss_kib,
+        sched_cpu_s=sum(cpu), sched_waited_s=sum(b.waited_s - a.waited_s for a, b in zip(s0, s1, strict=True)),
+        driver_cpu_s=d1 - d0, wall_s=t1 - t0, rss_kib=max(b.rss_kib for b in s1),
         late_p99_ms=(late[int(0.99 * (len(late) - 1))] * 1000 if late else 0.0),
-        engine_messages=m1 - m0)
+        engine_messages=m1 - m0, schedulers=len(scheds), replica_cpu_s=cpu,
+        replica_rss_kib=tuple(b.rss_kib for b in s1),
+        replica_placed=tuple(tally.by_replica.get(s.address, 0) for s in scheds), moved=tally.moved)
 
 
-def _pin(opts: FleetOptions, sched: SchedulerProcess, children: _Children) -> None:
+def _pin(opts: FleetOptions, scheds: list[SchedulerProcess], children: _Children) -> None:
     if opts.scheduler_cpu is None:
         return
     others = os.sched_getaffinity(0) - {opts.scheduler_cpu}
     if not others:
         raise RuntimeError(f"no CPU left for the synthetic processes besides {opts.scheduler_cpu}")
-    pin_threads([sched.pid], {opts.scheduler_cpu})
+    pin_threads([s.pid for s in scheds], {opts.scheduler_cpu})
     pin_threads(children.pids(), others)
+
+
+def _baseline(opts: FleetOptions, scheds: list[SchedulerProcess], rss_empty: list[int]) -> Baseline:
+    """RSS with the fleet and the reports' CPU alone, over a quiet second or more."""
+    before, began = [sample(s.pid) for s in scheds], time.monotonic()
+    time.sleep(max(1.0, opts.settle_seconds))
+    after = [sample(s.pid) for s in scheds]
+    idle = sum(b.cpu_s - a.cpu_s for a, b in zip(before, after, strict=True)) / (time.monotonic() - began)
+    fleet = tuple(a.rss_kib for a in after)
+    return Baseline(opts.engines, sum(rss_empty) // len(rss_empty), sum(fleet) // len(fleet), idle,
+                    schedulers=len(scheds), replica_rss_fleet_kib=fleet)
 
 
 def run_fleet(opts: FleetOptions, report: Callable[[StepFigures], Any] = print) -> tuple[Baseline, list[StepFigures]]:
@@ -169,22 +204,18 @@ def run_fleet(opts: FleetOptions, report: Callable[[StepFigures], Any] = print) 
     carried (its arrivals outran the placements) is the last."""
     children = _Children()
     with tempfile.TemporaryDirectory(prefix="kvmesh-cpbench-") as tmp:
-        sched = start_scheduler(opts.config, Path(tmp), opts.log_level)
+        scheds = start_schedulers(opts.config, Path(tmp), opts.log_level, opts.schedulers)
         try:
             time.sleep(opts.settle_seconds)
-            rss_empty = sample(sched.pid).rss_kib
-            _start_engines(opts, sched, children)
-            _start_gateways(opts, sched, children)
-            _pin(opts, sched, children)
+            rss_empty = [sample(s.pid).rss_kib for s in scheds]
+            _start_engines(opts, scheds, children)
+            _start_gateways(opts, scheds, children)
+            _pin(opts, scheds, children)
             time.sleep(opts.settle_seconds)
-            before, began = sample(sched.pid), time.monotonic()
-            time.sleep(max(1.0, opts.settle_seconds))
-            after = sample(sched.pid)
-            baseline = Baseline(opts.engines, rss_empty, after.rss_kib,
-                                (after.cpu_s - before.cpu_s) / (time.monotonic() - began))
+            baseline = _baseline(opts, scheds, rss_empty)
             steps: list[StepFigures] = []
             for number, rate in enumerate(opts.rates):
-                figures = _step(number, rate, opts, sched, children)
+                figures = _step(number, rate, opts, scheds, children)
                 steps.append(figures)
                 report(figures)
                 if not figures.carried:
@@ -192,5 +223,5 @@ def run_fleet(opts: FleetOptions, report: Callable[[StepFigures], Any] = print) 
             return baseline, steps
         finally:
             children.stop()
-            sched.stop()
+            stop_all(scheds)
             sys.stdout.flush()

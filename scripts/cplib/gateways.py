@@ -1,7 +1,9 @@
 """Synthetic gateways: open-loop admissions through the gateway's own
-scheduler client (services/gateway/scheduler_client.py: `SchedulerClient`,
-its spare Admit call, `AdmitSession`), driven in the order
-services/gateway/lease_link.py drives it for a request that runs to its end:
+scheduler clients (services/gateway/scheduler_replicas.py
+`SchedulerReplicas` over services/gateway/scheduler_client.py:
+`SchedulerClient`, its spare Admit call, `AdmitSession`), driven in the
+order services/gateway/lease_link.py drives them for a request that runs to
+its end:
 
     open(AdmitRequest) -> next_outcome() until Placed   (the decision latency)
     -> the engine starts it (a datagram, engines.py)    -> listen()
@@ -10,9 +12,14 @@ services/gateway/lease_link.py drives it for a request that runs to its end:
 
 The AdmitRequest carries what a gateway's Job sends (jobs.py
 `admit_request`): model, tenant, priority, prompt and max tokens, the
-prompt's prefix hashes and its arrival time. Several scheduler addresses may
-be given: admissions go round robin over them (more than one scheduler is
-future work; the list is here so that it needs no new driver).
+prompt's prefix hashes and its arrival time. With several scheduler
+replicas each request is admitted where the real gateway admits it:
+`SchedulerReplicas.open`, the replica its request id ranks first by
+rendezvous hashing among the healthy ones; the replica that placed it
+(`Placed.scheduler_replica`) goes to the engine with the start, as the
+gateway's engine request carries it. The tally counts admissions per
+replica and those placed elsewhere than the rendezvous owner (`moved`: 0
+while every replica is healthy).
 
 Ownership: one event loop per gateway process; each admission is one task;
 the step's figures are appended to by those tasks only, read after the step.
@@ -25,21 +32,40 @@ import contextlib
 import random
 import socket
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from multiprocessing.connection import Connection
 
 from services.common.proto.kvmesh.v1 import scheduler_pb2
 from services.gateway.errors import GatewayError
-from services.gateway.scheduler_client import AdmitSession, SchedulerClient
+from services.gateway.scheduler_client import AdmitSession
+from services.gateway.scheduler_replicas import SchedulerReplicas, rendezvous_order
 
+from .engines import NO_REPLICA
 from .plan import arrival_offsets
 from .workload import Workload, context_hashes
 
-__all__ = ["GatewaySpec", "StepOrder", "StepTally", "gateway_main", "merge_tallies"]
+__all__ = ["GatewaySpec", "StepOrder", "StepTally", "arrival_id", "gateway_main", "merge_tallies", "owner_spread"]
 
 # After the step's arrivals: how long a request may still wait for its
 # placement before it counts as unplaced.
 _GRACE_SECONDS = 2.0
+# How long a gateway waits for every replica's channel to be READY.
+_READY_SECONDS = 30.0
+
+
+def arrival_id(gateway: int, step: int, n: int) -> str:
+    """The id of a gateway's n-th arrival of a step."""
+    return f"cp{gateway}-{step}-{n}"
+
+
+def owner_spread(request_ids: Iterable[str], addresses: list[str]) -> dict[str, int]:
+    """Requests per replica when each goes to its rendezvous owner (the
+    gateway's own `rendezvous_order`): what a healthy run's tally shows."""
+    out = dict.fromkeys(addresses, 0)
+    for rid in request_ids:
+        out[rendezvous_order(rid, addresses)[0]] += 1
+    return out
 
 
 @dataclass(frozen=True)
@@ -71,6 +97,8 @@ class StepTally:
     unplaced: int = 0
     preempted: int = 0
     late: list[float] = field(default_factory=list)        # per arrival: behind its schedule (0 = on time)
+    by_replica: dict[str, int] = field(default_factory=dict)   # placed, per replica address
+    moved: int = 0                    # placed on a replica other than its rendezvous owner
 
 
 def merge_tallies(tallies: list[StepTally]) -> StepTally:
@@ -90,12 +118,20 @@ def merge_tallies(tallies: list[StepTally]) -> StepTally:
 class _Gateway:
     def __init__(self, spec: GatewaySpec) -> None:
         self.spec = spec
-        self.clients = [SchedulerClient(address) for address in spec.schedulers]
+        self.replicas = SchedulerReplicas(list(spec.schedulers))
         self.contexts = context_hashes(spec.workload)
         self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.udp.setblocking(False)
         self.rng = random.Random(spec.index * 7717 + 1)
-        self.turn = 0
+
+    async def wait_ready(self) -> None:
+        """Until every replica's channel is READY (a first request would
+        otherwise skip a replica still connecting)."""
+        deadline = time.monotonic() + _READY_SECONDS
+        while not all(self.replicas.healthy(a) for a in self.replicas.addresses):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"scheduler replicas not ready: {self.replicas.address}")
+            await asyncio.sleep(0.05)
 
     def _request(self, request_id: str) -> tuple[scheduler_pb2.AdmitRequest, int, tuple[int, ...]]:
         w = self.spec.workload
@@ -106,6 +142,10 @@ class _Gateway:
             prefix_hashes=self.contexts[group] + tail, arrival_unix=time.time())
         return request, group, tail
 
+    def _placed(self, session: AdmitSession, request_id: str, tally: StepTally) -> None:
+        tally.by_replica[session.replica] = tally.by_replica.get(session.replica, 0) + 1
+        tally.moved += session.replica != rendezvous_order(request_id, self.replicas.addresses)[0]
+
     def _engine(self, placed: scheduler_pb2.Placed, message: str) -> None:
         host, _, port = placed.engine_address.rpartition(":")
         with contextlib.suppress(OSError):
@@ -113,11 +153,9 @@ class _Gateway:
 
     async def admit(self, request_id: str, tally: StepTally, window_end: float) -> None:
         request, group, tail = self._request(request_id)
-        client = self.clients[self.turn % len(self.clients)]
-        self.turn += 1
         began = time.perf_counter()
         try:
-            session = await client.open(request)
+            session = await self.replicas.open(request)
             while True:
                 outcome = await session.next_outcome()
                 if isinstance(outcome, scheduler_pb2.Placed):
@@ -130,11 +168,13 @@ class _Gateway:
         placed_at = time.perf_counter()
         tally.latencies.append(placed_at - began)
         tally.placed_in_window += placed_at <= window_end
-        await self._run(session, client, outcome, request_id, group, tail, tally)
+        self._placed(session, request_id, tally)
+        await self._run(session, outcome, request_id, group, tail, tally)
 
-    async def _run(self, session: AdmitSession, client: SchedulerClient, placed: scheduler_pb2.Placed,
+    async def _run(self, session: AdmitSession, placed: scheduler_pb2.Placed,
                    request_id: str, group: int, tail: tuple[int, ...], tally: StepTally) -> None:
-        self._engine(placed, f"S {placed.engine_id} {request_id} {group} " + " ".join(map(str, tail)))
+        replica = placed.scheduler_replica or NO_REPLICA
+        self._engine(placed, f"S {placed.engine_id} {request_id} {group} {replica} " + " ".join(map(str, tail)))
 
         def preempted(_: scheduler_pb2.Preempted) -> None:
             tally.preempted += 1
@@ -146,7 +186,7 @@ class _Gateway:
             await asyncio.sleep(first)
             await asyncio.sleep(0)   # lease_link: the first token is written first
             await session.first_token()
-            client.replenish()
+            self.replicas.replenish()
             await asyncio.sleep(hold - first)
         finally:
             self._engine(placed, f"E {placed.engine_id} {request_id}")
@@ -168,7 +208,7 @@ class _Gateway:
             if delay > 0:
                 await asyncio.sleep(delay)
             tally.late.append(max(0.0, -delay))
-            rid = f"cp{self.spec.index}-{order.number}-{n}"
+            rid = arrival_id(self.spec.index, order.number, n)
             tasks.append(loop.create_task(self.admit(rid, tally, window_end)))
             tally.sent += 1
         await self._finish(tasks, tally)
@@ -189,14 +229,14 @@ class _Gateway:
         tally.unplaced = tally.sent - len(tally.latencies) - sum(tally.rejected.values())
 
     async def close(self) -> None:
-        for client in self.clients:
-            await client.close()
+        await self.replicas.close()
         self.udp.close()
 
 
 async def _serve(spec: GatewaySpec, conn: Connection) -> None:
     loop = asyncio.get_running_loop()
     gateway = _Gateway(spec)
+    await gateway.wait_ready()
     conn.send(("ready", spec.index))
     while True:
         order = await loop.run_in_executor(None, conn.recv)

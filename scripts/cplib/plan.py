@@ -7,8 +7,27 @@ shows as latency and a backlog instead of as a lower offered rate.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
-__all__ = ["arrival_offsets", "split_rate", "step_rates"]
+__all__ = ["FleetRun", "arrival_offsets", "fleet_plan", "split_rate", "step_rates"]
+
+
+@dataclass(frozen=True)
+class FleetRun:
+    """One measured fleet: its engines, scheduler replicas, and run number (from 1)."""
+
+    engines: int
+    schedulers: int
+    run: int
+
+
+def fleet_plan(engines: list[int], schedulers: list[int], repeat: int = 1) -> list[FleetRun]:
+    """Every (engines, schedulers) in the order given, engines outermost,
+    each `repeat` times in a row: a fleet's scheduler counts measured side
+    by side, under the machine's same conditions."""
+    if repeat < 1 or not engines or not schedulers or min(engines) < 1 or min(schedulers) < 1:
+        raise ValueError(f"need engines, schedulers and repeat >= 1, got {engines}, {schedulers}, {repeat}")
+    return [FleetRun(e, n, run) for e in engines for n in schedulers for run in range(1, repeat + 1)]
 
 
 def step_rates(start: float, maximum: float, factor: float = 2.0) -> list[float]:

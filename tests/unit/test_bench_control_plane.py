@@ -2,24 +2,41 @@
 scripts/cplib/): the step schedule and arrivals, percentiles with unplaced
 requests, the capacity rule, CPU and RSS from /proc text, the decision
 histogram from /metrics text, a synthetic engine's cache and reports, and
-the BENCHMARKS.md section."""
+the BENCHMARKS.md section; with several schedulers: the plan of fleets, the
+figures summed and per replica, the capacity table, the synthetic gateways'
+rendezvous spread, and a synthetic engine's per-replica reports, prompt
+reports and fences."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import math
 import os
 import random
+from typing import cast
 
+import grpc
 import pytest
 
-from scripts.cplib.benchmarks_md import SECTION, FleetResult, render_section, replace_section
-from scripts.cplib.engines import EngineHostSpec, HostCounters, SynthEngine
-from scripts.cplib.figures import Baseline, StepFigures, capacity, latency_percentile
-from scripts.cplib.gateways import StepTally, merge_tallies
-from scripts.cplib.plan import arrival_offsets, split_rate, step_rates
+from scripts.cplib.benchmarks_md import (
+    SECTION,
+    FleetResult,
+    capacity_table,
+    render_section,
+    replace_section,
+    summary_line,
+)
+from scripts.cplib.engines import EngineHostSpec, HostCounters, SynthEngine, _Datagrams, _Link, listed_to
+from scripts.cplib.figures import TABLE_HEADER, Baseline, StepFigures, capacity, latency_percentile, render_row
+from scripts.cplib.gateways import StepTally, arrival_id, merge_tallies, owner_spread
+from scripts.cplib.plan import FleetRun, arrival_offsets, fleet_plan, split_rate, step_rates
 from scripts.cplib.procstat import cpu_seconds, rss_kib, run_delay_seconds, sample
 from scripts.cplib.promhist import bucket_delta, bucket_quantile, histogram_buckets
 from scripts.cplib.workload import Workload, context_hashes
+from services.common.proto.kvmesh.v1 import scheduler_pb2
+from services.gateway.scheduler_replicas import rendezvous_order
 
 # ---------------------------------------------------------------- plan
 
@@ -232,3 +249,168 @@ def test_section_replaced_in_place_or_appended() -> None:
     twice = replace_section(once.replace("## A", "## A") + "\n## Z\n\nz\n", text.replace("cmd --x", "cmd --y"))
     assert "cmd --y" in twice and "cmd --x" not in twice and twice.endswith("## Z\n\nz\n")
     assert twice.count(SECTION) == 1
+
+
+# ---------------------------------------------------------------- several schedulers
+
+def test_fleet_plan_measures_each_fleet_with_each_scheduler_count_in_a_row() -> None:
+    plan = fleet_plan([64, 256], [1, 2, 3], repeat=2)
+    assert [(f.engines, f.schedulers, f.run) for f in plan[:7]] == [
+        (64, 1, 1), (64, 1, 2), (64, 2, 1), (64, 2, 2), (64, 3, 1), (64, 3, 2), (256, 1, 1)]
+    assert len(plan) == 12 and plan[-1] == FleetRun(256, 3, 2)
+    assert fleet_plan([64], [1]) == [FleetRun(64, 1, 1)]
+    for bad in (([64], [0], 1), ([64], [], 1), ([], [1], 1), ([64], [1], 0)):
+        with pytest.raises(ValueError):
+            fleet_plan(*bad)
+
+
+def _replicated(offered: float, p99: float, cpu: tuple[float, ...], placed: tuple[int, ...]) -> StepFigures:
+    s = _step(offered, p99, cpu=sum(cpu))
+    return dataclasses.replace(s, schedulers=len(cpu), replica_cpu_s=cpu,
+                               replica_rss_kib=tuple(100 * 1024 + 1024 * i for i in range(len(cpu))),
+                               rss_kib=100 * 1024 + 1024 * (len(cpu) - 1), replica_placed=placed)
+
+
+def test_cpu_per_admission_is_summed_over_the_replicas_and_shown_per_replica() -> None:
+    s = _replicated(200, 1.0, (1.5, 0.5), (600, 400))        # 1000 placed
+    assert s.cpu_ms_per_admission == pytest.approx(2.0)
+    assert s.replica_cpu_ms_per_admission == pytest.approx((1.5, 0.5))
+    assert s.sched_core_share == pytest.approx(0.25)
+    row = render_row(s)
+    assert row.startswith("| 2 | 64 | 1 | 200 | ") and "| 2.00 (1.50 + 0.50) |" in row and "| 100 / 101 |" in row
+    header_cells = TABLE_HEADER.splitlines()[0].count("|")
+    assert row.count("|") == header_cells                    # the per-replica figures share their cells
+    one = render_row(_step(200, 1.0, cpu=2.0))
+    assert one.startswith("| 1 | 64 | 1 | 200 | ") and "| 2.00 |" in one and "(" not in one
+    assert one.count("|") == header_cells
+
+
+def test_summary_and_capacity_table_with_several_schedulers() -> None:
+    two = FleetResult(Baseline(64, 90 * 1024, 100 * 1024, 0.10, schedulers=2,
+                               replica_rss_fleet_kib=(100 * 1024, 101 * 1024)),
+                      [_replicated(100, 1.0, (0.3, 0.2), (250, 250)), _replicated(200, 6.0, (1.2, 0.8), (600, 400))])
+    line = summary_line(two)
+    assert line.startswith("64 engines, 2 schedulers: capacity **100 admissions/s**")
+    assert "scheduler 1.00 ms (0.60 + 0.40 per replica) CPU per admission, admissions per replica 50% / 50%" in line
+    assert "highest step carried 200/s" in line and "60% / 40%" in line
+    assert "(each replica's: 100 / 101 MiB)" in line and "KiB per engine each" in line
+    one = FleetResult(Baseline(64, 90 * 1024, 100 * 1024), [_step(100, 1.0), _step(200, 2.0)])
+    assert summary_line(one).startswith("64 engines, 1 scheduler: capacity **200 admissions/s**")
+    assert "per replica" not in summary_line(one)
+    none = FleetResult(Baseline(256, 1, 2, schedulers=2), [_replicated(100, 9.0, (0.1, 0.1), (1, 1))])
+    table = capacity_table([one, two, one, none])
+    assert table.splitlines() == [
+        "| engines | 1 scheduler | 2 schedulers |", "|---:|---:|---:|",
+        "| 64 | 200 (1.00 ms) / 200 (1.00 ms) | 100 (1.00 ms) |", "| 256 | - | none |"]
+    section = render_section("cmd", "now", "load", [one, two])
+    assert "| engines | 1 scheduler | 2 schedulers |" in section
+    assert "| 1 | 64 | 1 | 100 | " in section and "| 2 | 64 | 1 | 100 | " in section   # runs per (engines, schedulers)
+    assert "| engines | 1 scheduler |" not in render_section("cmd", "now", "load", [one, one])
+
+
+def test_synthetic_gateways_spread_admissions_by_the_gateways_rendezvous_choice() -> None:
+    ids = [arrival_id(g, step, n) for g in range(2) for step in range(3) for n in range(1000)]
+    for addresses in (["127.0.0.1:20001", "127.0.0.1:20002"], ["a:1", "b:2", "c:3"]):
+        spread = owner_spread(ids, addresses)
+        assert sum(spread.values()) == len(ids) and set(spread) == set(addresses)
+        even = len(ids) / len(addresses)
+        assert all(abs(n - even) < 0.1 * even for n in spread.values()), spread
+        assert spread == owner_spread(ids, list(reversed(addresses)))   # the order given does not matter
+    # Dropping a replica moves only its own requests (the gateway's rendezvous_order).
+    three, two = ["a:1", "b:2", "c:3"], ["a:1", "b:2"]
+    moved = [r for r in ids if rendezvous_order(r, three)[0] != rendezvous_order(r, two)[0]]
+    assert moved and all(rendezvous_order(r, three)[0] == "c:3" for r in moved)
+    assert owner_spread(ids[:5], ["only:1"]) == {"only:1": 5}
+
+
+def test_merged_tallies_add_the_replicas_admissions() -> None:
+    a = StepTally(by_replica={"x": 2, "y": 1}, moved=1)
+    b = StepTally(by_replica={"y": 3})
+    m = merge_tallies([a, b])
+    assert m.by_replica == {"x": 2, "y": 4} and m.moved == 1
+
+
+class _FakeCall:
+    """A Connect stream's engine side: what the engine wrote."""
+
+    def __init__(self) -> None:
+        self.sent: list[scheduler_pb2.EngineMessage] = []
+
+    async def write(self, message: scheduler_pb2.EngineMessage) -> None:
+        self.sent.append(message)
+
+    def loads(self) -> list[scheduler_pb2.LoadReport]:
+        return [m.load for m in self.sent if m.WhichOneof("msg") == "load"]
+
+
+def _replicated_engine(replicas: tuple[str, ...] = ("A", "B")) -> tuple[SynthEngine, list[_FakeCall]]:
+    w = Workload(groups=4, context_tokens=160)
+    spec = EngineHostSpec(0, 1, tuple(f"127.0.0.1:{i + 1}" for i in range(len(replicas))), w,
+                          report_interval=10.0, heartbeat=10.0)
+    engine = SynthEngine("synth-0", spec, context_hashes(w), HostCounters())
+    calls = [_FakeCall() for _ in replicas]
+    engine.links = [_Link(cast(grpc.aio.StreamStreamCall, c), replica=r) for c, r in zip(calls, replicas, strict=True)]
+    return engine, calls
+
+
+def test_each_replica_is_told_only_its_own_generations() -> None:
+    engine, _ = _replicated_engine()
+    engine.start("a1", 0, (1,), "A")
+    engine.start("b1", 1, (2,), "B")
+    engine.start("n1", 2, (3,), "")
+    to_a, to_b = engine.load(replica="A"), engine.load(replica="B")
+    assert set(to_a.request_ids) == {"a1", "n1"} and to_a.other_replica_generations == 1
+    assert set(to_b.request_ids) == {"b1", "n1"} and to_b.other_replica_generations == 1
+    assert to_a.running == to_b.running == 3                   # the engine's load is the engine's
+    assert set(engine.load().request_ids) == {"a1", "b1", "n1"}
+    # A replica gone (its stream ended): its generations are listed to the others.
+    assert listed_to(engine.owners, engine.running, "A", {"A"}) == (["a1", "b1", "n1"], 0)
+    assert listed_to(engine.owners, engine.running, "A", set()) == (["a1", "b1", "n1"], 0)   # none named yet
+    assert listed_to(engine.owners, engine.running, "", {"A", "B"}) == (["a1", "b1", "n1"], 0)
+    assert engine.hello("127.0.0.1:9", 7).scheduler_replicas == 2
+
+
+async def test_a_start_and_an_end_are_reported_to_every_replica_at_once() -> None:
+    engine, (to_a, to_b) = _replicated_engine()
+    loop = asyncio.get_running_loop()
+    writer = loop.create_task(engine.write_loop(loop))
+    try:
+        engine.last_load_at = loop.time()      # a report just went out: the gap would hold the next
+        engine.start("a1", 0, (1,), "A")
+        await asyncio.sleep(0.01)
+        assert [list(r.request_ids) for r in to_a.loads()] == [["a1"]]
+        assert [r.other_replica_generations for r in to_b.loads()] == [1] and not to_b.loads()[0].request_ids
+        assert all(any(m.WhichOneof("msg") == "kv_events" for m in c.sent) for c in (to_a, to_b))
+        engine.end("a1")
+        await asyncio.sleep(0.01)
+        assert len(to_a.loads()) == len(to_b.loads()) == 2 and not to_a.loads()[-1].request_ids
+        assert engine.counters["loads"] == 4 and engine.counters["kv_events"] == 2
+    finally:
+        writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await writer
+
+
+def test_one_replica_keeps_the_report_gap_and_a_fence_ends_only_its_replicas_generations() -> None:
+    single, _ = _replicated_engine(("A",))
+    single.start("r", 0, (1,), "A")
+    assert single.changed and not single.urgent                # one scheduler: rate-limited, as ever
+    engine, _ = _replicated_engine()
+    engine.start("a1", 0, (1,), "A")
+    assert engine.urgent
+    fence = scheduler_pb2.SchedulerCommand(fence=scheduler_pb2.Fence(request_ids=["a1"]))
+    engine.on_command(engine.links[1], fence)                  # B did not lease it
+    assert "a1" in engine.running and engine.counters["not_fenced"] == 1
+    engine.on_command(engine.links[0], fence)
+    assert "a1" not in engine.running and engine.counters["fenced"] == 1
+
+
+def test_a_start_datagram_carries_the_placing_replica() -> None:
+    engine, _ = _replicated_engine()
+    datagrams = _Datagrams({"synth-0": engine})
+    datagrams.datagram_received(b"S synth-0 r1 1 host/12/abc 5 6", ("127.0.0.1", 1))
+    datagrams.datagram_received(b"S synth-0 r2 2 - 7 8", ("127.0.0.1", 1))
+    assert engine.owners == {"r1": "host/12/abc", "r2": ""}
+    assert list(engine.events[0].stored)[-2:] == [5, 6]
+    datagrams.datagram_received(b"E synth-0 r1", ("127.0.0.1", 1))
+    assert set(engine.running) == {"r2"}
