@@ -263,6 +263,7 @@ class EngineRuntime:
         self._start_attempted = False
         self.liveness = LivenessWatch(hang or HangPolicy(), self.clock, lambda: self.gate.in_backend,
                                       backend.dead_reason, self.fail, backend.probe, backend.activity)
+        metrics.watch_hang_bound(self.liveness.detector.bound)
 
     # ---------------------------------------------------------------- state
 

@@ -111,6 +111,7 @@ def _migrations(mesh: NetnsMesh) -> float:
 @dataclasses.dataclass
 class _CutRun:
     streams: list[Stream]
+    victim: int       # the index of the engine whose host was cut
     cut_at: float
     healed_at: float
     live_at_cut: int
@@ -120,9 +121,12 @@ class _CutRun:
 
 
 def _cut_engine_under_streams(mesh: NetnsMesh, prompts: list[str]) -> _CutRun:
-    """Cut engine-0's host with every stream mid-answer; heal it as soon as
-    every stream flows again (the cut one's moved elsewhere), so whatever
-    engine-0 still holds then is orphaned; run the streams to their end."""
+    """Cut the host of the engine holding more streams (engine-0 on a tie)
+    with every stream mid-answer; heal it as soon as every stream flows again
+    (the cut ones moved elsewhere), so whatever it still holds then is
+    orphaned; run the streams to their end. The busier engine, not always
+    engine-0: the same prompts' reference run warmed one engine's prefix cache,
+    and placement may rightly send every stream there."""
     streams = [Stream(p, TOKENS) for p in prompts]
 
     async def run() -> _CutRun:
@@ -130,9 +134,11 @@ def _cut_engine_under_streams(mesh: NetnsMesh, prompts: list[str]) -> _CutRun:
         try:
             await wait_until(lambda: all(s.chunks >= 3 for s in streams), 60, "every stream to be mid-answer")
             assert not any(s.done for s in streams), "a stream ended before the cut: make them longer"
-            live = await asyncio.to_thread(mesh.engine_live, 0)
+            held = [await asyncio.to_thread(mesh.engine_live, i) for i in (0, 1)]
+            victim = 1 if held[1] > held[0] else 0
+            live, host = held[victim], f"eng{victim}"
             cut_at = time.monotonic()
-            await asyncio.to_thread(mesh.net.cut, "eng0")
+            await asyncio.to_thread(mesh.net.cut, host)
             timeline: list[tuple[float, int]] = []
 
             def flowing() -> bool:
@@ -140,23 +146,24 @@ def _cut_engine_under_streams(mesh: NetnsMesh, prompts: list[str]) -> _CutRun:
             healed_at, live_at_heal = 0.0, -1
             while not all(t.done() for t in tasks):
                 now = time.monotonic()
-                timeline.append((now - cut_at, await asyncio.to_thread(mesh.engine_live, 0)))
+                timeline.append((now - cut_at, await asyncio.to_thread(mesh.engine_live, victim)))
                 if not healed_at and flowing():
-                    live_at_heal = await asyncio.to_thread(mesh.engine_live, 0)
-                    await asyncio.to_thread(mesh.net.heal, "eng0")
+                    live_at_heal = await asyncio.to_thread(mesh.engine_live, victim)
+                    await asyncio.to_thread(mesh.net.heal, host)
                     healed_at = time.monotonic()
                 assert now - cut_at < 120 or healed_at, "streams did not flow again within 120 s of the cut"
                 await asyncio.wait(tasks, timeout=0.5)
             await asyncio.gather(*tasks)
             assert healed_at, "every stream ended before the cut engine's were moved"
-            return _CutRun(streams, cut_at, healed_at, live, live_at_heal, timeline)
+            return _CutRun(streams, victim, cut_at, healed_at, live, live_at_heal, timeline)
         finally:
             await session.close()
 
     try:
         return run_on(mesh.client, run, timeout=200)
     finally:
-        mesh.net.heal("eng0")  # whatever happened
+        for host in ("eng0", "eng1"):  # whatever happened
+            mesh.net.heal(host)
 
 
 def test_engine_host_cut_streams_complete_identical_and_no_orphan_after_heal(netns_mesh: NetnsMesh) -> None:
@@ -168,33 +175,35 @@ def test_engine_host_cut_streams_complete_identical_and_no_orphan_after_heal(net
     run = _cut_engine_under_streams(mesh, prompts)
     ended = time.monotonic()
     _assert_same(run.streams, expected)
-    assert run.live_at_cut > 0, "engine-0 held no stream when it was cut"
+    victim, name = run.victim, f"engine-{run.victim}"
+    assert run.live_at_cut > 0, f"{name} held no stream when it was cut"
     # The streams on the cut engine stall, then flow again on the other one.
     resumed = [s.resumed_after_stall(run.cut_at, STALL_SECONDS) for s in run.streams]
     stalled = sorted(r - run.cut_at for r in resumed if r is not None)
     moved = _migrations(mesh) - migrations
     assert stalled and moved >= len(stalled), (stalled, moved)
-    print(f"\nengine host cut: {STREAMS}/{STREAMS} streams complete and identical; engine-0 held "
+    print(f"\nengine host cut: {STREAMS}/{STREAMS} streams complete and identical; {name} held "
           f"{run.live_at_cut}; {len(stalled)} stalled and migrated ({moved:.0f} migrations); cut -> first "
           f"migrated token {stalled[0]:.1f}s, -> last stalled stream resumed {stalled[-1]:.1f}s, -> last "
           f"token {ended - run.cut_at:.1f}s")
     heal = run.healed_at - run.cut_at
     changes = [(t, n) for k, (t, n) in enumerate(run.timeline) if k == 0 or run.timeline[k - 1][1] != n]
-    print("  engine-0's generations, read on its host (s after the cut: held): "
+    print(f"  {name}'s generations, read on its host (s after the cut: held): "
           + ", ".join(f"{t:.1f}:{n}" for t, n in changes) + f"; healed at {heal:.1f}")
 
     # Healed: nothing orphaned keeps running there, and it serves again.
-    mesh.wait_for(lambda: mesh.engine_live(0) == 0, max(1.0, run.healed_at + ORPHAN_BOUND_SECONDS - time.monotonic()),
-                  f"engine-0 to hold no generation within {ORPHAN_BOUND_SECONDS} s of the heal")
+    mesh.wait_for(lambda: mesh.engine_live(victim) == 0,
+                  max(1.0, run.healed_at + ORPHAN_BOUND_SECONDS - time.monotonic()),
+                  f"{name} to hold no generation within {ORPHAN_BOUND_SECONDS} s of the heal")
     samples = [*run.timeline, (time.monotonic() - run.cut_at, 0)]
     zero_after_heal = next(t for t, n in samples if t >= heal and n == 0) - heal
-    tokens = metric(mesh.engine_metrics(0), "vllm:generation_tokens_total")
+    tokens = metric(mesh.engine_metrics(victim), "vllm:generation_tokens_total")
     time.sleep(1.0)
-    assert metric(mesh.engine_metrics(0), "vllm:generation_tokens_total") == tokens, "engine-0 still generates"
-    mesh.wait_for(lambda: mesh.fresh_engines() == 2, 60, "engine-0 to rejoin the scheduler")
+    assert metric(mesh.engine_metrics(victim), "vllm:generation_tokens_total") == tokens, f"{name} still generates"
+    mesh.wait_for(lambda: mesh.fresh_engines() == 2, 60, f"{name} to rejoin the scheduler")
     assert mesh.exited() == {}, f"services exited: {mesh.exited()}"
-    fenced = metric(mesh.engine_metrics(0), "kvmesh_engine_fenced_total")  # helper "fence"'s counter, if any
-    print(f"  healed with {run.live_at_heal} generations still on engine-0; it held none "
+    fenced = metric(mesh.engine_metrics(victim), "kvmesh_engine_fenced_total")  # helper "fence"'s counter, if any
+    print(f"  healed with {run.live_at_heal} generations still on {name}; it held none "
           f"{zero_after_heal:.1f}s after the heal (bound {ORPHAN_BOUND_SECONDS:.0f}s; {fenced:.0f} fenced); "
           f"rejoined the scheduler")
 

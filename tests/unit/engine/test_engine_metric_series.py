@@ -112,6 +112,19 @@ async def test_kv_blocks_serving_and_handed_over() -> None:
         assert value(svc, "kvmesh_engine_kv_blocks", state="cached") >= 2  # the prompt's full blocks stay cached
 
 
+async def test_the_hang_bound_is_exported_and_follows_the_step_intervals() -> None:
+    """The gauge reads the liveness watch's bound at scrape time: the floor
+    while no step interval is known, k x the p99 interval once they are long."""
+    svc = EngineService(mesh_config(), engine_config())
+    policy = svc.runtime.liveness.detector.policy
+    assert value(svc, "kvmesh_engine_hang_bound_seconds") == policy.floor_seconds
+    now = svc.runtime.clock.monotonic()
+    slow = 2 * policy.floor_seconds / policy.step_multiple   # an interval giving twice the floor
+    for _ in range(10):
+        svc.runtime.liveness.detector.output(now, slow)
+    assert value(svc, "kvmesh_engine_hang_bound_seconds") == policy.step_multiple * slow
+
+
 async def test_prefix_cache_totals_for_the_load_report() -> None:
     svc = EngineService(mesh_config(), engine_config())
     async with started(svc), engine_stub(svc) as stub:
