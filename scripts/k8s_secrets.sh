@@ -118,8 +118,10 @@ fi
 
 cat > "$OUT/operator.yaml" <<YAML
 # \`kvmesh --config $OUT/operator.yaml admin|top ...\` on this machine, with
-#   kubectl -n $NAMESPACE port-forward deploy/kvmesh-scheduler 50051 9101
-# (+ deploy/kvmesh-gateway 9102 for top's gateway row). Mesh TLS: the
+#   kubectl -n $NAMESPACE port-forward pod/kvmesh-scheduler-0 50051 9101
+# (+ deploy/kvmesh-gateway 9102 for top's gateway row): one scheduler replica;
+# another, forwarded to a port of its own, with admin --scheduler 127.0.0.1:PORT
+# (deploy/README.md "Operate it"). Mesh TLS: the
 # \`admin\` certificate and the CA below (the scheduler requires both).
 scheduler:
   host: 127.0.0.1

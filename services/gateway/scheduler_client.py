@@ -280,6 +280,12 @@ class SchedulerClient:
                 ("grpc.client_idle_timeout_ms", 2**31 - 1),
                 ("grpc.initial_reconnect_backoff_ms", 200),
                 ("grpc.max_reconnect_backoff_ms", 2000),
+                # A replica's address may be a DNS name (a StatefulSet pod's,
+                # kvmesh-scheduler-1.kvmesh-scheduler) that moves to a new IP
+                # when its pod is replaced: once the old connection breaks,
+                # look the name up again within a second, not gRPC's default
+                # 30 s between resolutions (as engine_client.py does).
+                ("grpc.dns_min_time_between_resolutions_ms", 1000),
             ],
         )
         self._stub = scheduler_pb2_grpc.SchedulerStub(self.channel)

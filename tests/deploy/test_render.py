@@ -15,7 +15,8 @@ from .manifests import DEPLOY, K8S_VERSIONS, OVERLAYS, ROOT, Obj, kustomize, ren
 from .wiring import find, pod_of
 
 CONTRACT = [
-    ("Namespace", "kvmesh"), ("Deployment", "kvmesh-scheduler"), ("Service", "kvmesh-scheduler"),
+    ("Namespace", "kvmesh"), ("StatefulSet", "kvmesh-scheduler"), ("Service", "kvmesh-scheduler"),
+    ("PodDisruptionBudget", "kvmesh-scheduler"),
     ("Deployment", "kvmesh-gateway"), ("Service", "kvmesh-gateway"),
     ("HorizontalPodAutoscaler", "kvmesh-gateway"), ("PodDisruptionBudget", "kvmesh-gateway"),
     ("StatefulSet", "kvmesh-engine"), ("Service", "kvmesh-engine"),
@@ -41,9 +42,12 @@ def test_overlay_renders_with_the_contract_objects(overlay: str) -> None:
     for obj in objects:
         if obj["kind"] not in ("Namespace", "PersistentVolume"):
             assert obj["metadata"]["labels"]["app.kubernetes.io/name"] == "kvmesh", obj["metadata"]["name"]
-    scheduler = find(objects, "Deployment", "kvmesh-scheduler")
+    # Active scheduler replicas, peers (tests/deploy/wiring_scheduler.py checks their wiring).
+    scheduler = find(objects, "StatefulSet", "kvmesh-scheduler")
     assert scheduler is not None
-    assert scheduler["spec"]["replicas"] == 1 and scheduler["spec"]["strategy"]["type"] == "Recreate"
+    assert scheduler["spec"]["replicas"] >= 2 and scheduler["spec"]["podManagementPolicy"] == "Parallel"
+    assert find(objects, "Service", "kvmesh-scheduler")["spec"]["clusterIP"] == "None"
+    assert find(objects, "PodDisruptionBudget", "kvmesh-scheduler")["spec"]["minAvailable"] == 1
     assert find(objects, "Service", "kvmesh-envoy")["spec"]["type"] in ("LoadBalancer", "NodePort")
 
 

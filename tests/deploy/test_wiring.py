@@ -25,10 +25,12 @@ from .wiring import (
     policy_allows,
 )
 from .wiring_monitoring import check_admin_keys, check_envoy_stats, check_scraped, check_tracing
+from .wiring_scheduler import check_scheduler_disruption, check_scheduler_replicas
 
 CHECKS: list[Callable[[list[Obj]], list[str]]] = [
     check_commands, check_env, check_config, check_ports, check_drain, check_engine_identity, check_envoy,
-    check_scraped, check_envoy_stats, check_admin_keys, check_tracing,
+    check_scraped, check_envoy_stats, check_admin_keys, check_tracing, check_scheduler_replicas,
+    check_scheduler_disruption,
 ]
 
 
@@ -86,10 +88,6 @@ def test_a_config_key_the_loader_refuses_fails() -> None:
             "drain_unready_seconds: 3", "drain_unready_second: 3")
     assert any("drain_unready_second" in p for p in check_config(_broken(bad_key)))
 
-    def bad_scheduler(objects: list[Obj]) -> None:
-        cm = _config_map(objects)
-        cm["data"]["kvmesh.yaml"] = cm["data"]["kvmesh.yaml"].replace("kvmesh-scheduler:50051", "scheduler:50051")
-    assert any("scheduler_address" in p for p in check_config(_broken(bad_scheduler)))
 
     def loopback(objects: list[Obj]) -> None:
         cm = _config_map(objects)

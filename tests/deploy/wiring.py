@@ -246,7 +246,7 @@ def check_config(objects: list[Obj]) -> list[str]:
         if cfg is None:
             continue
         problems += _check_tls_files(pod, cfg)
-        problems += _check_bind_and_peers(objects, pod, cfg)
+        problems += _check_bind(pod, cfg)
         problems += _check_api_keys_file(pod, cfg)
     return problems
 
@@ -284,20 +284,15 @@ def _check_api_keys_file(pod: Pod, cfg: MeshConfig) -> list[str]:
     return []
 
 
-def _check_bind_and_peers(objects: list[Obj], pod: Pod, cfg: MeshConfig) -> list[str]:
-    """Services bind every address and dial the scheduler by its Service name."""
+def _check_bind(pod: Pod, cfg: MeshConfig) -> list[str]:
+    """Services bind every address. (Which schedulers gateways and engines
+    dial: wiring_scheduler.py.)"""
     problems = []
     hosts = {"scheduler": cfg.scheduler.host, "gateway": cfg.gateway.host,
              "engine": cfg.engines.template.host, "batch": cfg.batch.host}
     if pod.component in hosts and hosts[pod.component] not in ("0.0.0.0", "::"):
         problems.append(f"{pod.name}: binds {hosts[pod.component]}, unreachable from other pods "
                         "(use 0.0.0.0 or ::)")
-    scheduler_ports = listening_ports(objects, pod_of(objects, "scheduler"))
-    for where, address in (("gateway.scheduler_address", cfg.gateway.scheduler_address),
-                           ("engines.template.scheduler_address", cfg.engines.template.scheduler_address)):
-        target = service_target(objects, address)
-        if target is None or target[0] != "scheduler" or target[1] != scheduler_ports.get("grpc"):
-            problems.append(f"{pod.name}: {where} {address} is not the scheduler Service's gRPC port")
     return problems
 
 
