@@ -55,6 +55,12 @@ def _availability(cfg: AlertsConfig) -> RuleGroup:
         Alert("KvmeshSchedulerDown", 'absent(up{job=~".*kvmesh-scheduler.*"} == 1)', "2m", "critical",
               "The kvmesh scheduler is not scraped as up",
               "No request can be placed without the scheduler; check the kvmesh-scheduler pod."),
+        # Every replica of several is scraped: one down is a warning (the
+        # others place its share at once), all down the outage above.
+        Alert("KvmeshSchedulerReplicaDown", 'up{job=~".*kvmesh-scheduler.*"} == 0', "5m", "warning",
+              "Scheduler replica {{ $labels.instance }} is not scraped as up",
+              "The other replicas place its requests; with none left nothing is placed. "
+              "Check the kvmesh-scheduler pod."),
         Alert("KvmeshSchedulerRestarted",
               "changes(max by (job) (kvmesh_scheduler_start_time_seconds)[30m:15s]) > 0", "0m", "warning",
               "The kvmesh scheduler restarted in the last 30 minutes",
@@ -73,13 +79,13 @@ def _availability(cfg: AlertsConfig) -> RuleGroup:
         Alert("KvmeshNoFreshEngines", 'sum(kvmesh_scheduler_engines{state="fresh"}) == 0', "2m", "critical",
               "The scheduler has no engine reporting",
               "Every request queues; check the kvmesh-engine pods (startup/readiness probes)."),
-        Alert("KvmeshStaleEngines", 'sum(kvmesh_scheduler_engines{state="stale"}) > 0', "5m", "warning",
+        Alert("KvmeshStaleEngines", 'max(kvmesh_scheduler_engines{state="stale"}) > 0', "5m", "warning",
               "{{ $value }} engine(s) stopped reporting to the scheduler",
               "A stale engine gets no new requests; its pod may be hung or cut off."),
         Alert("KvmeshEngineDown", 'up{job=~".*kvmesh-engine.*"} == 0', "5m", "warning",
               "Engine {{ $labels.engine }} is not scraped", "The engine pod's metrics port does not answer."),
         Alert("KvmeshEngineFlapping",
-              f"sum by (engine) (increase(kvmesh_scheduler_engine_flaps_total[15m])) >= {cfg.flaps_per_15m}",
+              f"max by (engine) (increase(kvmesh_scheduler_engine_flaps_total[15m])) >= {cfg.flaps_per_15m}",
               "0m", "warning", "Engine {{ $labels.engine }} keeps going in and out of service",
               "Serving <-> not-serving transitions within 15 minutes; each one migrates its streams. "
               "Check the engine's log (restarts, hangs, a partition)."),

@@ -39,7 +39,7 @@ _health = Row("Health and movement", (
               "{{engine}}"),
     ), kind="stat"),
     Panel("Flaps in the last hour", "short", (
-        Query('sum by (engine) (increase(kvmesh_scheduler_engine_flaps_total{engine=~"$engine"}[1h]))',
+        Query('max by (engine) (increase(kvmesh_scheduler_engine_flaps_total{engine=~"$engine"}[1h]))',
               "{{engine}}"),
     ), "Serving <-> not serving transitions.", kind="stat"),
     Panel("Preemptions and migrations out / s", "ops", (

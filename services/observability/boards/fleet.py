@@ -28,7 +28,9 @@ _traffic = Row("Traffic", (
         Query(rate("kvmesh_gateway_generation_tokens_total", "priority", _GW), "out {{priority}}"),
     ), "Prompt and generated tokens per second, by priority class."),
     Panel("Engines serving per model", "short", (
-        Query('sum by (model_name) (kvmesh_scheduler_engine_serving{model_name=~"$model"})', "{{model_name}}"),
+        # Every scheduler replica reports the whole fleet: one figure per engine, then the count.
+        Query('sum by (model_name) (max by (model_name, engine) '
+              '(kvmesh_scheduler_engine_serving{model_name=~"$model"}))', "{{model_name}}"),
     ), "Engines the scheduler can place on now; 0 = the model is down.", kind="stat"),
     Panel("Finished by reason / s", "ops", (
         Query(rate("kvmesh_gateway_finished_total", "reason"), "{{reason}}"),

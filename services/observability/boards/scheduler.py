@@ -52,7 +52,7 @@ _placement = Row("Placement", (
     )),
     Panel("Leases and engines", "short", (
         Query("sum(kvmesh_scheduler_leases)", "leases"),
-        Query("sum by (state) (kvmesh_scheduler_engines)", "engines {{state}}"),
+        Query("max by (state) (kvmesh_scheduler_engines)", "engines {{state}}"),
     )),
     Panel("Rejections / s by reason", "ops", (Query(rate("kvmesh_scheduler_rejections_total", "reason"),
                                                      "{{reason}}"),)),
