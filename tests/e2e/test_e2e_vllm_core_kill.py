@@ -458,14 +458,16 @@ async def test_vllm_engine_core_sigstop_is_a_hang_detected_within_the_bound(supe
     counts = {name: restarts.restarted.count(name) for name in mesh.names}
     migrations = gateway_counter(mesh, "kvmesh_gateway_migrations_total")
     continued: list[tuple[float, bool]] = []  # (seconds after SIGSTOP, the core was still there)
-    patience = hang_wait(mesh)
+    patience = [120.0]
 
     async def sigcont_once_moved(fault: Faulted) -> None:
         began = time.monotonic()
+        # The bound as the SIGSTOP left it: the streams' own steps set it.
+        patience[0] = await asyncio.to_thread(hang_wait, mesh)
 
         def moved() -> bool:
             return gateway_counter(mesh, "kvmesh_gateway_migrations_total") > migrations
-        await wait_until(moved, patience, "the first stream to migrate", poll=0.1)
+        await wait_until(moved, patience[0], "the first stream to migrate", poll=0.1)
         alive = True
         try:
             os.kill(fault.target, signal.SIGCONT)
@@ -475,7 +477,7 @@ async def test_vllm_engine_core_sigstop_is_a_hang_detected_within_the_bound(supe
 
     fault = await fault_mid_stream(mesh, signal.SIGSTOP, "VLLM::EngineCore", sigcont_once_moved)
     victim = fault.victim
-    gone = await exit_of(restarts, victim, seen, patience)
+    gone = await exit_of(restarts, victim, seen, patience[0])
     log = gone.log_path.read_text(errors="replace")
     assert "backend hung: no output for" in log, f"see {gone.log_path}"
     # Detected within the bound (HANG_FLOOR here; k x p99 step if larger)
