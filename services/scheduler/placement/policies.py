@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass
@@ -185,6 +186,9 @@ class PrefixMemoryLimits:
 
     capacity: int                   # hashes remembered at most
     inflight_seconds: float = 5.0   # how long a placed prefix counts as cached
+    # What ages them: the scheduler core's monotonic clock (`build_policy`),
+    # so a fake clock ages them as it does leases and reports.
+    clock: Callable[[], float] = time.monotonic
 
 
 @dataclass(frozen=True)
@@ -215,10 +219,10 @@ class PlacementPolicy:
         self.prefix_source_name = prefix_source
         self.state = PickerState(rng=random.Random(seed))
         self.approx = ApproxPrefixMemory(memory.capacity) if prefix_source == "approx" else None
-        self.inflight = (InflightPrefixes(memory.inflight_seconds, memory.capacity)
+        self.inflight = (InflightPrefixes(memory.inflight_seconds, memory.capacity, memory.clock)
                          if prefix_source == "kv_inflight" else None)
         # Only for a picker that reads EngineView.live_blocks (placement/live.py).
-        self.live = (LiveWorkingSet(LIVE_WINDOW_SECONDS, memory.capacity)
+        self.live = (LiveWorkingSet(LIVE_WINDOW_SECONDS, memory.capacity, memory.clock)
                      if getattr(picker, "uses_live_set", False) else None)
         # Which engines a decision scores (placement/candidates.py); None = all.
         self.plan: CandidatePlan | None = None
@@ -365,8 +369,12 @@ class PlacementPolicy:
             self.live.forget_engine(engine_id)
 
 
-def build_policy(name: str, config: SchedulerConfig, registry: PluginRegistry) -> PlacementPolicy:
-    """The policy called `name`: config.policy_profiles first, then built-ins."""
+def build_policy(
+    name: str, config: SchedulerConfig, registry: PluginRegistry, clock: Callable[[], float] = time.monotonic,
+) -> PlacementPolicy:
+    """The policy called `name`: config.policy_profiles first, then built-ins.
+    `clock`: the scheduler core's monotonic clock, which times the policy's
+    in-flight and live prefix memories."""
     profiles = builtin_profiles()
     profiles.update(config.policy_profiles)
     profile = profiles.get(name)
@@ -380,6 +388,6 @@ def build_policy(name: str, config: SchedulerConfig, registry: PluginRegistry) -
         picker=registry.make_picker(profile.picker, f"{where}.picker"),
         prefix_source=profile.prefix_source,
         seed=config.placement_seed,
-        memory=PrefixMemoryLimits(config.approx_prefix_capacity, config.inflight_prefix_seconds),
+        memory=PrefixMemoryLimits(config.approx_prefix_capacity, config.inflight_prefix_seconds, clock),
     )
     return policy.use_candidates(config.placement_candidates)
