@@ -24,12 +24,18 @@ Owned by one `PlacementPolicy`; called on the scheduler core's thread only.
 
 from __future__ import annotations
 
+import functools
+import itertools
+import math
+import operator
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence, Set
 from typing import Protocol
 
 __all__ = ["InflightPrefixes", "OverlaidPrefixes"]
+
+_NONE: dict[str, float] = {}   # read only: no engine placed the hash
 
 
 class _Source(Protocol):
@@ -93,15 +99,23 @@ class InflightPrefixes:
         result = dict(reported)
         for engine_id, held in reported.items():
             if held and self._holds(engine_id, prefix[held - 1], now):
-                for h in prefix[:held]:               # reported: no longer in flight
-                    engines = self._entries.get(h)
-                    if engines is not None:
-                        engines.pop(engine_id, None)
-            i = held
-            while i < len(prefix) and self._holds(engine_id, prefix[i], now):
-                i += 1
-            result[engine_id] = i
+                self._drop(engine_id, prefix[:held])  # reported: no longer in flight
+            result[engine_id] = held + self._run(engine_id, prefix, held, now)
         return result
+
+    def _drop(self, engine_id: str, hashes: Sequence[int]) -> None:
+        """Forget `engine_id`'s entries of `hashes`, in one C-level pass (a
+        warm engine's whole context, ~125 hashes, at every placement there)."""
+        placed = filter(None, map(self._entries.get, hashes))
+        deque(map(dict.pop, placed, itertools.repeat(engine_id), itertools.repeat(None)), maxlen=0)
+
+    def _run(self, engine_id: str, prefix: Sequence[int], start: int, now: float) -> int:
+        """How many hashes of `prefix` from `start` on `engine_id` holds in
+        the overlay (`_holds` each, in C: a copy placed on a cold engine is
+        walked at every placement of its prefix)."""
+        placed = map(self._entries.get, itertools.islice(prefix, start, None), itertools.repeat(_NONE))
+        expiries = map(dict.get, placed, itertools.repeat(engine_id), itertools.repeat(-math.inf))
+        return len(list(itertools.takewhile(functools.partial(operator.le, now), expiries)))
 
 
 class OverlaidPrefixes:

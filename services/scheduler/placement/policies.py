@@ -180,6 +180,17 @@ def _with_request_fields(view: EngineView, **fields: float) -> EngineView:
     return out
 
 
+def _clamped(value: float) -> float:
+    """`value` in [0, 1]; NaN -> 0 (a NaN fails both comparisons)."""
+    if 0.0 <= value <= 1.0:
+        return value
+    return 1.0 if value > 1.0 else 0.0
+
+
+def _score_of(scored: ScoredEngine) -> float:
+    return scored.score
+
+
 @dataclass(frozen=True)
 class PrefixMemoryLimits:
     """Bounds of a policy's own prefix memory (approx / kv_inflight)."""
@@ -294,19 +305,19 @@ class PlacementPolicy:
 
     def score(self, request: PlacementRequest, views: Sequence[EngineView]) -> list[ScoredEngine]:
         """Weighted mean of clamped scores, ties shuffled, best first."""
-        totals = {v.engine_id: 0.0 for v in views}
+        ids = [v.engine_id for v in views]
+        totals = [0.0] * len(views)
         weight_sum = sum(w for _, w in self.scorers)
         if views and weight_sum > 0:
             for scorer, weight in self.scorers:
-                values = scorer.score(request, views)
-                for engine_id in totals:
-                    value = float(values.get(engine_id, 0.0))
-                    value = 0.0 if value != value else min(1.0, max(0.0, value))  # NaN -> 0
-                    totals[engine_id] += weight * value
-            totals = {k: v / weight_sum for k, v in totals.items()}
-        scored = [ScoredEngine(v, totals[v.engine_id]) for v in views]
+                get = scorer.score(request, views).get
+                # In the engines' order, so each total adds its terms in scorer order as before.
+                totals = [total + weight * _clamped(float(get(engine_id, 0.0)))
+                          for total, engine_id in zip(totals, ids, strict=True)]
+            totals = [total / weight_sum for total in totals]
+        scored = [ScoredEngine(v, total) for v, total in zip(views, totals, strict=True)]
         self.state.rng.shuffle(scored)
-        scored.sort(key=lambda s: -s.score)
+        scored.sort(key=_score_of, reverse=True)   # stable: ties keep the shuffled order
         return scored
 
     def place(
