@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Callable, Collection, Iterable, Set
+from collections.abc import Callable, Collection, Iterable, Mapping, Set
 from dataclasses import dataclass, field
 
 from .placement import EngineView, PlacementRequest
@@ -141,6 +141,11 @@ class FleetIndex:
         """The engine's view as of its last re-key: current but for what
         changes without a mark (freshness, drains: the fleet reads those live)."""
         return self._views[engine_id]
+
+    @property
+    def views(self) -> Mapping[str, EngineView]:
+        """`view` of every engine, read only (for loops over many ids)."""
+        return self._views
 
     # ------------------------------------------------------------ candidates
 

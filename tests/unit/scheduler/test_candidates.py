@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -463,18 +464,22 @@ def test_a_decision_looks_at_a_bounded_number_of_engines(engines: int, monkeypat
     _candidates_or_none(core)
     built: list[str] = []
     checked: list[str] = []
-    view_of, eligible = core.fleet._view, core.fleet._eligible
+    view_of, eligibility = core.fleet._view, core.fleet._eligibility
 
     def counted_view(record: Any, now: float) -> EngineView:
         built.append(record.engine_id)
         return view_of(record, now)
 
-    def counted_check(engine_id: str, *args: Any) -> bool:
-        checked.append(engine_id)
-        return eligible(engine_id, *args)
+    def counted_eligibility(*args: Any) -> Callable[[str], bool]:
+        eligible = eligibility(*args)
+
+        def counted_check(engine_id: str) -> bool:
+            checked.append(engine_id)
+            return eligible(engine_id)
+        return counted_check
 
     monkeypatch.setattr(core.fleet, "_view", counted_view)
-    monkeypatch.setattr(core.fleet, "_eligible", counted_check)
+    monkeypatch.setattr(core.fleet, "_eligibility", counted_eligibility)
     assert _place(core, PlacementRequest("r", MODEL, 2032, 16, PREFIXES[0])) is not None
     assert built == []
     assert len(checked) <= 4 * 8 + 4 * 8     # four figures' K best, plus the warm ones (none here)
