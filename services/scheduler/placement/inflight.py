@@ -97,7 +97,10 @@ class InflightPrefixes:
             return reported
         now = self._clock()
         result = dict(reported)
+        first = self._entries.get(prefix[0], _NONE)    # who was placed the prompt's first block
         for engine_id, held in reported.items():
+            if not held and engine_id not in first:
+                continue    # most candidates: nothing reported, nothing placed (kept at 0)
             if held and self._holds(engine_id, prefix[held - 1], now):
                 self._drop(engine_id, prefix[:held])  # reported: no longer in flight
             result[engine_id] = held + self._run(engine_id, prefix, held, now)
@@ -113,6 +116,8 @@ class InflightPrefixes:
         """How many hashes of `prefix` from `start` on `engine_id` holds in
         the overlay (`_holds` each, in C: a copy placed on a cold engine is
         walked at every placement of its prefix)."""
+        if start >= len(prefix) or not self._holds(engine_id, prefix[start], now):
+            return 0    # the usual answer (an engine nothing was placed on): no iterators built
         placed = map(self._entries.get, itertools.islice(prefix, start, None), itertools.repeat(_NONE))
         expiries = map(dict.get, placed, itertools.repeat(engine_id), itertools.repeat(-math.inf))
         return len(list(itertools.takewhile(functools.partial(operator.le, now), expiries)))

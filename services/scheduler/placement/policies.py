@@ -35,18 +35,17 @@ Built-in policies (`scheduler.policy`):
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, cast
+from typing import Literal, Protocol
 
 from services.common.config import ConfigError, PolicyProfileConfig, SchedulerConfig
 
-from ..reservations import blocks_needed
 from .candidates import CandidatePlan, plan_for
+from .completion import complete
 from .inflight import InflightPrefixes, OverlaidPrefixes
 from .interfaces import (
     EngineView,
@@ -165,28 +164,6 @@ class ApproxPrefixMemory:
         return result
 
 
-def _with_request_fields(view: EngineView, **fields: float) -> EngineView:
-    """`dataclasses.replace(view, **fields)` without re-running the frozen
-    __init__: that took ~9 us per engine, so with 32 engines it was the largest
-    cost of every placement decision (scripts/bench_scheduler.py); a copy of
-    the field dict is ~0.7 us and yields an equal, still-frozen view."""
-    if not hasattr(view, "__dict__"):  # a slotted subclass: take the slow, general path
-        # The dataclass plugin checks each keyword against every field's type;
-        # the callers pass only EngineView's int and float fields.
-        return dataclasses.replace(view, **cast("dict[str, Any]", fields))
-    out = object.__new__(type(view))
-    out.__dict__.update(view.__dict__)
-    out.__dict__.update(fields)
-    return out
-
-
-def _clamped(value: float) -> float:
-    """`value` in [0, 1]; NaN -> 0 (a NaN fails both comparisons)."""
-    if 0.0 <= value <= 1.0:
-        return value
-    return 1.0 if value > 1.0 else 0.0
-
-
 def _score_of(scored: ScoredEngine) -> float:
     return scored.score
 
@@ -281,27 +258,8 @@ class PlacementPolicy:
         matches = self._prefix_source(kv_index).prefix_matches(
             request.prefix_hashes, [e.engine_id for e in engines]
         )
-        live = self.live.live_hashes(list(matches)) if self.live is not None else {}
-        views = []
-        for e in engines:
-            prefix_blocks = matches.get(e.engine_id, 0)
-            live_tokens = live.get(e.engine_id, 0) * hash_block_tokens
-            cached = min(prefix_blocks * hash_block_tokens, request.prompt_tokens)
-            views.append(
-                _with_request_fields(
-                    e,
-                    prefix_blocks=prefix_blocks,
-                    cached_tokens=cached,
-                    blocks_needed=blocks_needed(
-                        request.prompt_tokens, request.max_tokens, cached,
-                        e.block_size, headroom_tokens,
-                    ),
-                    queue_seconds=e.p0_queue_seconds if request.priority == 0 and e.p0_queue_seconds is not None
-                    else e.queue_seconds,
-                    live_blocks=max(-(-live_tokens // max(e.block_size, 1)), e.blocks_used) if live else 0,
-                )
-            )
-        return views
+        live = self.live.live_hashes(list(matches)) if self.live is not None else None
+        return complete(request, engines, matches, live, hash_block_tokens, headroom_tokens)
 
     def score(self, request: PlacementRequest, views: Sequence[EngineView]) -> list[ScoredEngine]:
         """Weighted mean of clamped scores, ties shuffled, best first."""
@@ -312,7 +270,10 @@ class PlacementPolicy:
             for scorer, weight in self.scorers:
                 get = scorer.score(request, views).get
                 # In the engines' order, so each total adds its terms in scorer order as before.
-                totals = [total + weight * _clamped(float(get(engine_id, 0.0)))
+                # Each value clamped to [0, 1], NaN -> 0 (it fails both tests); written
+                # out, not called: it runs per scorer per candidate.
+                totals = [total + weight * (v if 0.0 <= (v := float(get(engine_id, 0.0))) <= 1.0
+                                            else 1.0 if v > 1.0 else 0.0)
                           for total, engine_id in zip(totals, ids, strict=True)]
             totals = [total / weight_sum for total in totals]
         scored = [ScoredEngine(v, total) for v, total in zip(views, totals, strict=True)]
