@@ -46,7 +46,6 @@ from services.scheduler.events import (
 from services.scheduler.records import AdmitOptions, PlacedInfo
 
 MODEL = "m"
-CONTEXTS = 24
 
 
 @dataclass(frozen=True)
@@ -58,6 +57,7 @@ class Scenario:
     candidates: int | None = None      # None: the config's default
     capacity: int | None = None        # scheduler.approx_prefix_capacity; None: default
     hold: float = 0.5                  # mean lease seconds (longer: engines fill, requests wait)
+    contexts: int = 24                 # shared contexts (few: each is cached on many engines)
 
 
 class _Fleet:
@@ -81,7 +81,7 @@ class _Fleet:
         self.seq[eid] = 1
         self.running.setdefault(eid, set())
         self.placed[eid] = []
-        held = [h for g in (e, e + 7) for h in self.contexts[g % CONTEXTS]]
+        held = [h for g in (e, e + 7) for h in self.contexts[g % len(self.contexts)]]
         self.core.handle(KvSnapshotReported(eid, self.tokens[eid], 1, held))
 
     def report(self, eid: str, now: float) -> None:
@@ -95,7 +95,7 @@ class _Fleet:
             step_seconds=(0.02 + 0.002 * (e % 3)) if measured else 0.0, step_token_budget=2048)
         self.core.handle(LoadReported(eid, self.tokens[eid], load))
         stored = [h for prefix in self.placed[eid] if rng.random() < 0.7 for h in prefix]
-        removed = self.contexts[rng.randrange(CONTEXTS)][-40:] if rng.random() < 0.15 else []
+        removed = self.contexts[rng.randrange(len(self.contexts))][-40:] if rng.random() < 0.15 else []
         self.placed[eid] = []
         if stored or removed:
             self.seq[eid] += 1
@@ -120,7 +120,7 @@ def placements(s: Scenario, seed: int = 7) -> list[str]:
         config.scheduler.approx_prefix_capacity = s.capacity
     clock = FakeClock()
     core = SchedulerCore(config, clock)
-    contexts = [block_hashes([g * 7919 + i for i in range(2000)], 16) for g in range(CONTEXTS)]
+    contexts = [block_hashes([g * 7919 + i for i in range(2000)], 16) for g in range(s.contexts)]
     fleet = _Fleet(core, s.engines, contexts, rng)
     for eid in fleet.tokens:
         fleet.report(eid, 0.0)
@@ -163,7 +163,7 @@ def placements(s: Scenario, seed: int = 7) -> list[str]:
 def _step(core: SchedulerCore, fleet: _Fleet, rng: random.Random, kind: str, arg: str, now: float,
           placed_on: dict[str, str], push, hold: float) -> list:
     if kind == "arrive":
-        g = rng.randrange(CONTEXTS)
+        g = rng.randrange(len(fleet.contexts))
         if rng.random() < 0.85:
             prefix = tuple(fleet.contexts[g]) + tuple(rng.getrandbits(63) for _ in range(2))
         else:   # a cold prompt nobody holds
@@ -203,6 +203,8 @@ SCENARIOS = {
     "predicted_ttft": Scenario("predicted_ttft", 48, 1.2),
     "predicted_ttft-saturated": Scenario("predicted_ttft", 40, 1.0, rate=1200, hold=4.0),
     "predicted_ttft-full-scan": Scenario("predicted_ttft", 48, 0.5, candidates=0),
+    # 96 engines, 3 contexts: each on ~64 engines, past the warm cap (placement/candidates.py)
+    "predicted_ttft-hot-contexts": Scenario("predicted_ttft", 96, 0.3, contexts=3),
     "predicted_ttft-small-memory": Scenario("predicted_ttft", 40, 1.0, capacity=2500),
     "predicted_ttft_plain": Scenario("predicted_ttft_plain", 40, 0.6),
     "sticky_until_saturated": Scenario("sticky_until_saturated", 40, 1.0, rate=1200, hold=4.0),
@@ -212,14 +214,15 @@ SCENARIOS = {
     "round_robin": Scenario("round_robin", 24, 0.5),
 }
 
-# Recorded on the code before the issue-27 decision-cost work (sha256 of the
-# notices, one line each; the count of notices as a first, readable check).
+# Recorded on the code before the issue-27 decision-cost work, aecaf95 (sha256
+# of the notices, one line each; the count of notices as a first, readable check).
 EXPECTED: dict[str, tuple[int, str]] = {
     "kv_precise": (960, "55aedd14a6929339ac850d962197506ba1d3cf4374e510f227027c8cf09a54bc"),
     "least_load": (2342, "9436b44dada95364b5fea879d0e7a38d335ff761cf79b38ef91e780f9ce8349d"),
     "predicted_ttft": (1920, "0ed6cf24cb88c476766a9dbcacfc925a085cf797bc532abbe1a80650bd1678f8"),
     "predicted_ttft-full-scan": (800, "a7be9ffd95aabe56ce1fad8493f53686f5d6f8429697131eb55df799092041be"),
     "predicted_ttft-saturated": (2402, "d500924d1df498016364b9f10bfa264eb0113d8b32bc878ba0a1f002522533d3"),
+    "predicted_ttft-hot-contexts": (480, "bc016f27cc322989b9758090b5dc5d6e337cfe41b7a37387578c6f68e3ab15e3"),
     "predicted_ttft-small-memory": (1600, "77b5f060e7072cafe96c405005f7cc7d04dd9021ff31ec250e73812eec78dd6a"),
     "predicted_ttft_plain": (960, "c7ad2285fd8aec6745671a13d19e55be015338dd58ad3a23eb2a385df30fa4e9"),
     "prefix_approx": (960, "d889bd8ed024dd60d8ac1d7a53f9c92c357e2baf496439e53afd9c27088d169e"),
