@@ -137,7 +137,7 @@ class KvIndex:
             alive[e] = depth
         return alive
 
-    def _common_run(self, prefix: Sequence[int], start: int, engines: Set[str]) -> int:
+    def _common_run(self, prefix: Sequence[int], start: int, engines: set[str]) -> int:
         """How many hashes of `prefix` from `start` on all of `engines` hold."""
         holders = map(self._holders.get, itertools.islice(prefix, start, None), itertools.repeat(_NOBODY))
         return len(list(itertools.takewhile(engines.issubset, holders)))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 from .interfaces import EngineView, PlacementRequest
 
@@ -56,7 +56,7 @@ def _with_fields(view: EngineView, fields: dict[str, Any]) -> EngineView:
     if not hasattr(view, "__dict__"):  # a slotted subclass: take the slow, general path
         return dataclasses.replace(view, **fields)
     out = object.__new__(type(view))
-    state = cast("dict[str, Any]", view.__dict__.copy())
+    state: dict[str, Any] = view.__dict__.copy()
     state.update(fields)
     object.__setattr__(out, "__dict__", state)
     return out
