@@ -54,7 +54,7 @@ def eligibility(books: FleetBooks, request: PlacementRequest, plan: CandidatePla
         record = records[engine_id]
         if (serving and not record.load.serving) or (not_draining and record.draining):
             return False
-        if fresh and not record.fresh(now, stale_after):
+        if fresh and ((last := record.last_report_at) is None or not now - last <= stale_after):  # record.fresh
             return False
         leases, view = record.slots_taken, views[engine_id]
         if slot_class is not None and leases >= view.lease_limit_for(slot_class):

@@ -39,24 +39,23 @@ def complete(
             raise ValueError("block_size must be positive")
         prefix_blocks = matched(engine_id, 0)
         cached = min(prefix_blocks * hash_block_tokens, prompt)
-        views.append(_with_fields(e, {
+        fields: dict[str, Any] = {
             "prefix_blocks": prefix_blocks,
             "cached_tokens": cached,
             "blocks_needed": max(0, -(-total_tokens // block_size) - cached // block_size),
             "queue_seconds": e.p0_queue_seconds if p0 and e.p0_queue_seconds is not None else e.queue_seconds,
             "live_blocks": 0 if not live else max(
                 -(-(live_hashes(engine_id, 0) * hash_block_tokens) // block_size), e.blocks_used),
-        }))
+        }
+        state: dict[str, Any] | None = getattr(e, "__dict__", None)
+        if state is None:   # a slotted subclass: the slow, general path
+            views.append(dataclasses.replace(e, **fields))
+            continue
+        # `dataclasses.replace` without re-running the frozen __init__: an
+        # equal, still-frozen view whose field dict is a copy.
+        state = state.copy()
+        state.update(fields)
+        view = object.__new__(type(e))
+        object.__setattr__(view, "__dict__", state)
+        views.append(view)
     return views
-
-
-def _with_fields(view: EngineView, fields: dict[str, Any]) -> EngineView:
-    """`dataclasses.replace(view, **fields)` without re-running the frozen
-    __init__: an equal, still-frozen view whose field dict is a copy."""
-    if not hasattr(view, "__dict__"):  # a slotted subclass: take the slow, general path
-        return dataclasses.replace(view, **fields)
-    out = object.__new__(type(view))
-    state: dict[str, Any] = view.__dict__.copy()
-    state.update(fields)
-    object.__setattr__(out, "__dict__", state)
-    return out
