@@ -109,7 +109,7 @@ class SchedulerCore:
         self._aging = AgingRule.from_config(self._config.aging)
         self._limits = AdmissionLimits.from_config(self._config, self.classes)
         plugins = self._plugins = builtin_registry(self._config)
-        self.policy: PlacementPolicy = build_policy(self._config.policy, self._config, plugins)
+        self.policy: PlacementPolicy = build_policy(self._config.policy, self._config, plugins, clock.monotonic)
         self.metrics.policy_in_force(self.policy.name)
         self.waiting = WaitingRoom(self._aging, plugins.make_fairness(self._config.queue_fairness),
                                    plugins.make_ordering(self._config.queue_ordering), self.classes)
@@ -227,7 +227,7 @@ class SchedulerCore:
         """Place with policy `name` from now on (admin_knobs.py); raises
         ConfigError for a name no profile has (nothing changes then)."""
         self.policy = self._room.policy = self._engine_events.policy = build_policy(
-            name, self._config, self._plugins)
+            name, self._config, self._plugins, self._clock.monotonic)
         self.metrics.policy_in_force(self.policy.name)
 
     def policy_names(self) -> list[str]:

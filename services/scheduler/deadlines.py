@@ -29,6 +29,7 @@ Ownership: the core owns the book and calls it only from its own thread
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -71,6 +72,10 @@ class Deadline:
 
     def describe(self) -> str:
         """For messages: '3 x p95 0.42 s' or why it is not derived."""
+        return self._description
+
+    @functools.cached_property
+    def _description(self) -> str:
         if self.source is Source.DEFAULT or self.p95 is None:
             return f"the fixed {self.seconds:g} s ({self.samples} samples so far)"
         return (f"{self.seconds:.3g} s, from the p95 {self.p95:.3g} s of {self.samples} recent samples "
@@ -103,6 +108,7 @@ class DeadlineBook:
         # Prompt sizes of the first-token samples: a longer prompt than their
         # p95 gets a proportionally longer first-token deadline (`stamp`).
         self._prompts: dict[tuple[str, int], LatencyWindow] = {}
+        self._last: dict[tuple[DeadlineKind, str, int], Deadline] = {}   # `_clamp`'s last answer per key
 
     @property
     def enabled(self) -> bool:
@@ -215,6 +221,18 @@ class DeadlineBook:
 
     def _clamp(self, kind: DeadlineKind, model: str, priority: int, p95: float | None, samples: int,
                now: float) -> Deadline:
+        """The deadline from a p95 and its sample count: the last one made for
+        (kind, model, class) again when both are unchanged -- the usual case:
+        a placement asks for five, and admission describes one in its TTL
+        reason (`Deadline.describe`, formatted once per deadline)."""
+        key = (kind, model, priority)
+        last = self._last.get(key)
+        if last is not None and last.p95 == p95 and last.samples == samples:
+            return last
+        made = self._last[key] = self._made(kind, model, priority, p95, samples)
+        return made
+
+    def _made(self, kind: DeadlineKind, model: str, priority: int, p95: float | None, samples: int) -> Deadline:
         ceiling = self.ceiling(kind, priority)
         if not self._config.enabled or p95 is None or samples < self._config.min_samples:
             return Deadline(kind, model, priority, ceiling, p95, samples, Source.DEFAULT)

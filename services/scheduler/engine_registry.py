@@ -39,7 +39,7 @@ the only code that calls it.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -186,6 +186,11 @@ class EngineRegistry:
 
     def get(self, engine_id: str) -> EngineRecord | None:
         return self._engines.get(engine_id)
+
+    def records(self) -> Mapping[str, EngineRecord]:
+        """Engine id -> its record, live (read only): for loops on the
+        placement path that look up many ids."""
+        return self._engines
 
     def __getitem__(self, engine_id: str) -> EngineRecord:
         return self._engines[engine_id]

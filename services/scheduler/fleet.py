@@ -12,7 +12,6 @@ reservations, service-time estimates) and answers what placement needs.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence, Set
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from services.common.config import SchedulerConfig
 from .classes import ClassTable
 from .engine_registry import EngineInfo, EngineLoad, EngineRecord, EngineRegistry
 from .fleet_index import FleetIndex
+from .fleet_reads import FleetBooks, current_view, eligibility
 from .kv_index import KvIndex
 from .placement import EngineView, PlacementRequest
 from .placement.candidates import CandidatePlan
@@ -82,6 +82,9 @@ class EngineFleet:
         # registered or not: one that reconnects stays drained. Placement
         # never sees them (`views`), whatever filters a policy lists.
         self.admin_drained: set[str] = set()
+        # What a decision reads per engine it looks at (fleet_reads.py).
+        self._books = FleetBooks(self._registry.records(), self._index.views, self.admin_drained,
+                                 config.stale_report_seconds)
 
     # ------------------------------------------------------------ registry
 
@@ -251,25 +254,18 @@ class EngineFleet:
         if plan is None:
             return None
         self._refresh(now)
-        ids = self._index.candidates(request, plan, holders, lambda e: self._eligible(e, request, plan, now))
+        ids = self._index.candidates(request, plan, holders, self._eligibility(request, plan, now))
         if ids is None:
             return None
-        return [self._current(e, now) for e in ids]
+        books = self._books
+        return [current_view(books, e, now) for e in ids]
 
     def _refresh(self, now: float) -> None:
         self._index.refresh(lambda engine_id: self._view(self._registry[engine_id], now))
 
     def _current(self, engine_id: str, now: float) -> EngineView:
-        """`_view` of the engine now, from the index: its view as of the last
-        change of its report, leases or reservations (re-keyed at this
-        decision if one came since), with what changes unannounced -- the
-        report's freshness, a drain -- read live."""
-        view, record = self._index.view(engine_id), self._registry[engine_id]
-        fresh = record.fresh(now, self._config.stale_report_seconds)
-        draining = record.draining or engine_id in self.admin_drained
-        if view.fresh == fresh and view.draining == draining:
-            return view
-        return dataclasses.replace(view, fresh=fresh, draining=draining)
+        """`_view` of the engine now, from the index (fleet_reads.py)."""
+        return current_view(self._books, engine_id, now)
 
     def other_views(
         self, request: PlacementRequest, plan: CandidatePlan, holders: Callable[[int], Set[str]],
@@ -281,9 +277,10 @@ class EngineFleet:
         warm = holders(request.prefix_hashes[0]) if request.prefix_hashes else frozenset()
         need = request.prompt_tokens + request.max_tokens
         headroom = self._config.decode_headroom_tokens
+        eligible = self._eligibility(request, plan, now)
 
         def may_pass(engine_id: str) -> bool:
-            if not self._eligible(engine_id, request, plan, now):
+            if not eligible(engine_id):
                 return False
             view = self._index.view(engine_id)
             if "fits_context" in plan.checks and 0 < view.max_model_len < need:
@@ -294,20 +291,10 @@ class EngineFleet:
 
         return [self._current(e, now) for e in self._index.rest(request.model, skip, may_pass)]
 
-    def _eligible(self, engine_id: str, request: PlacementRequest, plan: CandidatePlan, now: float) -> bool:
-        """Passes the request-independent filters the policy lists (and, as
-        placement always applies it, the P0-reserved slots rule), read live."""
-        record, checks = self._registry[engine_id], plan.checks
-        if engine_id in self.admin_drained or ("not_excluded" in checks and engine_id in request.exclude):
-            return False
-        if ("serving" in checks and not record.load.serving) or ("not_draining" in checks and record.draining):
-            return False
-        if "fresh" in checks and not record.fresh(now, self._config.stale_report_seconds):
-            return False
-        leases, view = record.slots_taken, self._index.view(engine_id)
-        if "lease_slots" in checks and leases >= view.lease_limit_for(request.slot_priority):
-            return False
-        return request.reserved_slots or leases < view.lease_limit_for(1)
+    def _eligibility(self, request: PlacementRequest, plan: CandidatePlan, now: float) -> Callable[[str], bool]:
+        """Whether an engine passes the request-independent filters the
+        policy lists (fleet_reads.py), read live."""
+        return eligibility(self._books, request, plan, now)
 
     def stats(self, now: float) -> list[EngineStat]:
         return [

@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Callable, Collection, Iterable, Set
+from collections.abc import Callable, Collection, Iterable, Mapping, Set
 from dataclasses import dataclass, field
 
 from .placement import EngineView, PlacementRequest
@@ -142,6 +142,11 @@ class FleetIndex:
         changes without a mark (freshness, drains: the fleet reads those live)."""
         return self._views[engine_id]
 
+    @property
+    def views(self) -> Mapping[str, EngineView]:
+        """`view` of every engine, read only (for loops over many ids)."""
+        return self._views
+
     # ------------------------------------------------------------ candidates
 
     def candidates(
@@ -178,25 +183,30 @@ class FleetIndex:
             if deep:
                 break
         chosen: set[str] = set()
-        load = self._order(model, plan.orders[0])
         if 0 < len(deep) <= plan.warm_cap:
             chosen.update(e for e in deep if eligible(e))
         elif deep:
-            self._walk(load, plan.warm_cap, chosen, eligible, within=deep)
-        self._walk(load, plan.k, chosen, eligible, within=first)
+            self._walk(self._among(model, plan.orders[0], deep), plan.warm_cap, chosen, eligible)
+        self._walk(self._among(model, plan.orders[0], first), plan.k, chosen, eligible)
         return chosen
 
+    def _among(self, model: _Model, name: str, engines: Set[str]) -> Iterable[_Entry]:
+        """The entries of figure `name` for `engines` (of `model`), in the
+        figure's order. A few dozen warm engines of a large fleet are sorted
+        apart rather than looked for along the whole list (~1,000 entries
+        walked at 1,024 engines, a hot context on 32 of them)."""
+        entries = self._order(model, name)
+        if len(engines) * 16 > len(entries):
+            return (entry for entry in entries if entry[2] in engines)
+        keys, seq = model.keys[name], model.seq
+        return sorted((keys[e], seq[e], e) for e in engines)
+
     @staticmethod
-    def _walk(
-        entries: Iterable[_Entry], n: int, chosen: set[str], eligible: Callable[[str], bool],
-        within: Set[str] | None = None,
-    ) -> int:
-        """Add to `chosen` the first `n` eligible engines of `entries` (those
-        in `within`, if given; already chosen ones count). Returns how many."""
+    def _walk(entries: Iterable[_Entry], n: int, chosen: set[str], eligible: Callable[[str], bool]) -> int:
+        """Add to `chosen` the first `n` eligible engines of `entries`
+        (already chosen ones count). Returns how many."""
         taken = 0
         for _, _, engine_id in entries:
-            if within is not None and engine_id not in within:
-                continue
             if engine_id in chosen or eligible(engine_id):
                 chosen.add(engine_id)
                 taken += 1

@@ -87,4 +87,5 @@ class LeaseSlotsFilter:
     name = "lease_slots"
 
     def filter(self, request: PlacementRequest, engines: Sequence[EngineView]) -> list[EngineView]:
-        return [e for e in engines if e.leases < e.lease_limit_for(request.slot_priority)]
+        slot_priority = request.slot_priority   # once, not per engine
+        return [e for e in engines if e.leases < e.lease_limit_for(slot_priority)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 __all__ = ["EngineView", "Filter", "Picker", "PickerState", "PlacementRequest", "ScoredEngine", "Scorer"]
 
@@ -102,8 +102,11 @@ class EngineView:
         return max(self.leases, self.running + self.waiting)
 
 
-@dataclass(frozen=True)
-class ScoredEngine:
+class ScoredEngine(NamedTuple):
+    """One candidate and its score. A named tuple, not a frozen dataclass:
+    the framework makes one per candidate per decision, and a frozen
+    dataclass's __init__ cost as much as a scorer (measured)."""
+
     view: EngineView
     score: float                # weighted mean of clamped scores, in [0, 1]
 

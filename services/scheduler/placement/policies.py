@@ -35,17 +35,17 @@ Built-in policies (`scheduler.policy`):
 
 from __future__ import annotations
 
-import dataclasses
 import random
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, cast
+from typing import Literal, Protocol
 
 from services.common.config import ConfigError, PolicyProfileConfig, SchedulerConfig
 
-from ..reservations import blocks_needed
 from .candidates import CandidatePlan, plan_for
+from .completion import complete
 from .inflight import InflightPrefixes, OverlaidPrefixes
 from .interfaces import (
     EngineView,
@@ -164,19 +164,8 @@ class ApproxPrefixMemory:
         return result
 
 
-def _with_request_fields(view: EngineView, **fields: float) -> EngineView:
-    """`dataclasses.replace(view, **fields)` without re-running the frozen
-    __init__: that took ~9 us per engine, so with 32 engines it was the largest
-    cost of every placement decision (scripts/bench_scheduler.py); a copy of
-    the field dict is ~0.7 us and yields an equal, still-frozen view."""
-    if not hasattr(view, "__dict__"):  # a slotted subclass: take the slow, general path
-        # The dataclass plugin checks each keyword against every field's type;
-        # the callers pass only EngineView's int and float fields.
-        return dataclasses.replace(view, **cast("dict[str, Any]", fields))
-    out = object.__new__(type(view))
-    out.__dict__.update(view.__dict__)
-    out.__dict__.update(fields)
-    return out
+def _score_of(scored: ScoredEngine) -> float:
+    return scored.score
 
 
 @dataclass(frozen=True)
@@ -185,6 +174,9 @@ class PrefixMemoryLimits:
 
     capacity: int                   # hashes remembered at most
     inflight_seconds: float = 5.0   # how long a placed prefix counts as cached
+    # What ages them: the scheduler core's monotonic clock (`build_policy`),
+    # so a fake clock ages them as it does leases and reports.
+    clock: Callable[[], float] = time.monotonic
 
 
 @dataclass(frozen=True)
@@ -215,10 +207,10 @@ class PlacementPolicy:
         self.prefix_source_name = prefix_source
         self.state = PickerState(rng=random.Random(seed))
         self.approx = ApproxPrefixMemory(memory.capacity) if prefix_source == "approx" else None
-        self.inflight = (InflightPrefixes(memory.inflight_seconds, memory.capacity)
+        self.inflight = (InflightPrefixes(memory.inflight_seconds, memory.capacity, memory.clock)
                          if prefix_source == "kv_inflight" else None)
         # Only for a picker that reads EngineView.live_blocks (placement/live.py).
-        self.live = (LiveWorkingSet(LIVE_WINDOW_SECONDS, memory.capacity)
+        self.live = (LiveWorkingSet(LIVE_WINDOW_SECONDS, memory.capacity, memory.clock)
                      if getattr(picker, "uses_live_set", False) else None)
         # Which engines a decision scores (placement/candidates.py); None = all.
         self.plan: CandidatePlan | None = None
@@ -266,43 +258,27 @@ class PlacementPolicy:
         matches = self._prefix_source(kv_index).prefix_matches(
             request.prefix_hashes, [e.engine_id for e in engines]
         )
-        live = self.live.live_hashes(list(matches)) if self.live is not None else {}
-        views = []
-        for e in engines:
-            prefix_blocks = matches.get(e.engine_id, 0)
-            live_tokens = live.get(e.engine_id, 0) * hash_block_tokens
-            cached = min(prefix_blocks * hash_block_tokens, request.prompt_tokens)
-            views.append(
-                _with_request_fields(
-                    e,
-                    prefix_blocks=prefix_blocks,
-                    cached_tokens=cached,
-                    blocks_needed=blocks_needed(
-                        request.prompt_tokens, request.max_tokens, cached,
-                        e.block_size, headroom_tokens,
-                    ),
-                    queue_seconds=e.p0_queue_seconds if request.priority == 0 and e.p0_queue_seconds is not None
-                    else e.queue_seconds,
-                    live_blocks=max(-(-live_tokens // max(e.block_size, 1)), e.blocks_used) if live else 0,
-                )
-            )
-        return views
+        live = self.live.live_hashes(list(matches)) if self.live is not None else None
+        return complete(request, engines, matches, live, hash_block_tokens, headroom_tokens)
 
     def score(self, request: PlacementRequest, views: Sequence[EngineView]) -> list[ScoredEngine]:
         """Weighted mean of clamped scores, ties shuffled, best first."""
-        totals = {v.engine_id: 0.0 for v in views}
+        ids = [v.engine_id for v in views]
+        totals = [0.0] * len(views)
         weight_sum = sum(w for _, w in self.scorers)
         if views and weight_sum > 0:
             for scorer, weight in self.scorers:
-                values = scorer.score(request, views)
-                for engine_id in totals:
-                    value = float(values.get(engine_id, 0.0))
-                    value = 0.0 if value != value else min(1.0, max(0.0, value))  # NaN -> 0
-                    totals[engine_id] += weight * value
-            totals = {k: v / weight_sum for k, v in totals.items()}
-        scored = [ScoredEngine(v, totals[v.engine_id]) for v in views]
+                get = scorer.score(request, views).get
+                # In the engines' order, so each total adds its terms in scorer order as before.
+                # Each value clamped to [0, 1], NaN -> 0 (it fails both tests); written
+                # out, not called: it runs per scorer per candidate.
+                totals = [total + weight * (v if 0.0 <= (v := float(get(engine_id, 0.0))) <= 1.0
+                                            else 1.0 if v > 1.0 else 0.0)
+                          for total, engine_id in zip(totals, ids, strict=True)]
+            totals = [total / weight_sum for total in totals]
+        scored = [ScoredEngine(v, total) for v, total in zip(views, totals, strict=True)]
         self.state.rng.shuffle(scored)
-        scored.sort(key=lambda s: -s.score)
+        scored.sort(key=_score_of, reverse=True)   # stable: ties keep the shuffled order
         return scored
 
     def place(
@@ -365,8 +341,12 @@ class PlacementPolicy:
             self.live.forget_engine(engine_id)
 
 
-def build_policy(name: str, config: SchedulerConfig, registry: PluginRegistry) -> PlacementPolicy:
-    """The policy called `name`: config.policy_profiles first, then built-ins."""
+def build_policy(
+    name: str, config: SchedulerConfig, registry: PluginRegistry, clock: Callable[[], float] = time.monotonic,
+) -> PlacementPolicy:
+    """The policy called `name`: config.policy_profiles first, then built-ins.
+    `clock`: the scheduler core's monotonic clock, which times the policy's
+    in-flight and live prefix memories."""
     profiles = builtin_profiles()
     profiles.update(config.policy_profiles)
     profile = profiles.get(name)
@@ -380,6 +360,6 @@ def build_policy(name: str, config: SchedulerConfig, registry: PluginRegistry) -
         picker=registry.make_picker(profile.picker, f"{where}.picker"),
         prefix_source=profile.prefix_source,
         seed=config.placement_seed,
-        memory=PrefixMemoryLimits(config.approx_prefix_capacity, config.inflight_prefix_seconds),
+        memory=PrefixMemoryLimits(config.approx_prefix_capacity, config.inflight_prefix_seconds, clock),
     )
     return policy.use_candidates(config.placement_candidates)

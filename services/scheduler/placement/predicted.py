@@ -75,18 +75,26 @@ _TIE_SECONDS = 0.02
 
 def _prefill_rate(view: EngineView, fallback_tokens_per_second: float) -> float:
     """The engine's measured prefill speed, else the fixed one x its weight."""
-    return view.prefill_tokens_per_second or fallback_tokens_per_second * max(view.weight, 1e-9)
+    return view.prefill_tokens_per_second or fallback_tokens_per_second * _weight(view)
+
+
+def _weight(view: EngineView) -> float:
+    """max(view.weight, 1e-9), written out: it runs several times per
+    candidate per decision (a NaN weight stays NaN, as max keeps it)."""
+    weight = view.weight
+    return 1e-9 if weight < 1e-9 else weight
 
 
 def predicted_ttft(request: PlacementRequest, view: EngineView, fallback_tokens_per_second: float) -> float:
     """Seconds until `request`'s first token on `view`'s engine."""
-    fixed_rate = fallback_tokens_per_second * max(view.weight, 1e-9)
-    rate = _prefill_rate(view, fallback_tokens_per_second)
+    fixed_rate = fallback_tokens_per_second * _weight(view)
+    rate = view.prefill_tokens_per_second or fixed_rate          # _prefill_rate
     # The fleet's queue_seconds = queued_tokens at the fixed rate + slot wait
     # (fleet.py `_view`; for a P0 the slots batch lines leave it): the slot wait is the rest.
-    slot_wait = max(0.0, view.queue_seconds - view.queued_tokens / fixed_rate)
-    uncached = max(0, request.prompt_tokens - view.cached_tokens)
-    tokens = view.queued_tokens + view.unreported_tokens + uncached
+    slot_wait = view.queue_seconds - view.queued_tokens / fixed_rate
+    slot_wait = slot_wait if slot_wait > 0.0 else 0.0           # max(0.0, ...), NaN -> 0.0 as there
+    uncached = request.prompt_tokens - view.cached_tokens
+    tokens = view.queued_tokens + view.unreported_tokens + (uncached if uncached > 0 else 0)
     steps = 1 + (tokens // view.step_token_budget if view.step_token_budget > 0 else 0)
     return slot_wait + tokens / rate + steps * view.step_seconds
 
@@ -96,8 +104,9 @@ def eviction_seconds(view: EngineView, fallback_tokens_per_second: float) -> flo
     the request's new blocks (0 while they fit beside its live set)."""
     if view.blocks_total <= 0:
         return 0.0
-    over = view.live_blocks + view.blocks_needed - view.blocks_total
-    evicted = min(max(0, over), view.live_blocks)
+    live = view.live_blocks
+    over = live + view.blocks_needed - view.blocks_total
+    evicted = live if over > live else (over if over > 0 else 0)   # min(max(0, over), live)
     return evicted * view.block_size / _prefill_rate(view, fallback_tokens_per_second)
 
 

@@ -29,12 +29,12 @@ class KvUsageScorer:
     name = "kv_usage"
 
     def score(self, request: PlacementRequest, engines: Sequence[EngineView]) -> Mapping[str, float]:
+        # max(0.0, free) written out (same value, NaN -> 0.0): it runs per candidate per decision.
         return {
             e.engine_id: (
-                max(0.0, 1.0 - (e.blocks_used + e.blocks_reserved + e.blocks_needed) / e.blocks_total)
-                if e.blocks_total > 0
+                free if (free := 1.0 - (e.blocks_used + e.blocks_reserved + e.blocks_needed) / e.blocks_total) > 0.0
                 else 0.0
-            )
+            ) if e.blocks_total > 0 else 0.0
             for e in engines
         }
 
@@ -55,7 +55,9 @@ class CacheSpreadScorer:
 
     def score(self, request: PlacementRequest, engines: Sequence[EngineView]) -> Mapping[str, float]:
         return {
-            e.engine_id: (max(0.0, 1.0 - e.cached_blocks / e.blocks_total) if e.blocks_total > 0 else 0.0)
+            e.engine_id: (
+                free if (free := 1.0 - e.cached_blocks / e.blocks_total) > 0.0 else 0.0   # max(0.0, free)
+            ) if e.blocks_total > 0 else 0.0
             for e in engines
         }
 
@@ -69,12 +71,17 @@ class LoadScorer:
     name = "load"
 
     def score(self, request: PlacementRequest, engines: Sequence[EngineView]) -> Mapping[str, float]:
-        ratios = {
-            e.engine_id: (e.occupancy + 1) / (max(e.weight, 1e-9) * max(e.lease_limit, 1))
-            for e in engines
-        }
+        ratios = {e.engine_id: _load_ratio(e) for e in engines}
         best = min(ratios.values(), default=0.0)
         return {engine_id: best / r for engine_id, r in ratios.items()}
+
+
+def _load_ratio(e: EngineView) -> float:
+    """(occupancy + 1) / (max(weight, 1e-9) x max(lease_limit, 1)), the
+    maxes written out (same values, a NaN weight kept): per candidate per decision."""
+    reported, weight, limit = e.running + e.waiting, e.weight, e.lease_limit
+    occupancy = reported if reported > e.leases else e.leases
+    return (occupancy + 1) / ((1e-9 if weight < 1e-9 else weight) * (limit if limit > 1 else 1))
 
 
 class QueueTimeScorer:

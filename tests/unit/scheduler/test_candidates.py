@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -463,18 +464,39 @@ def test_a_decision_looks_at_a_bounded_number_of_engines(engines: int, monkeypat
     _candidates_or_none(core)
     built: list[str] = []
     checked: list[str] = []
-    view_of, eligible = core.fleet._view, core.fleet._eligible
+    view_of, eligibility = core.fleet._view, core.fleet._eligibility
 
     def counted_view(record: Any, now: float) -> EngineView:
         built.append(record.engine_id)
         return view_of(record, now)
 
-    def counted_check(engine_id: str, *args: Any) -> bool:
-        checked.append(engine_id)
-        return eligible(engine_id, *args)
+    def counted_eligibility(*args: Any) -> Callable[[str], bool]:
+        eligible = eligibility(*args)
+
+        def counted_check(engine_id: str) -> bool:
+            checked.append(engine_id)
+            return eligible(engine_id)
+        return counted_check
 
     monkeypatch.setattr(core.fleet, "_view", counted_view)
-    monkeypatch.setattr(core.fleet, "_eligible", counted_check)
+    monkeypatch.setattr(core.fleet, "_eligibility", counted_eligibility)
     assert _place(core, PlacementRequest("r", MODEL, 2032, 16, PREFIXES[0])) is not None
     assert built == []
     assert len(checked) <= 4 * 8 + 4 * 8     # four figures' K best, plus the warm ones (none here)
+
+
+@pytest.mark.parametrize("few", [1, 5, 20, 40])
+def test_a_few_engines_come_in_the_figures_order_sorted_apart_or_filtered(few: int) -> None:
+    """fleet_index `_among`: a few engines of a large model sorted apart give
+    the entries the figure's list has for them, in its order (ties included)."""
+    core, _ = make_core(policy="predicted_ttft")
+    for i in range(400):
+        add_engine(core, f"e{i:03d}", running=i % 3, queued_tokens=100 * (i % 7), cached_blocks=i % 5,
+                   prefill_tokens_per_second=4700.0, step_seconds=0.04)
+    _candidates_or_none(core)
+    index = core.fleet._index
+    model = index._models[MODEL]
+    engines = set(random.Random(few).sample(sorted(model.seq), few))
+    for name in model.orders:
+        expected = [entry for entry in model.orders[name] if entry[2] in engines]
+        assert list(index._among(model, name, engines)) == expected
