@@ -70,8 +70,9 @@ def roll(
         deadline = time.monotonic() + _IN_ROTATION_TIMEOUT_SECONDS
         while not in_rotation(name):
             if time.monotonic() > deadline:
-                raise MeshError(f"rolling restart: {name} restarted but the load balancer did not take it "
-                                f"back within {_IN_ROTATION_TIMEOUT_SECONDS:.0f} s")
+                raise MeshError(f"rolling restart: {name} restarted but was not back in rotation (a gateway: "
+                                f"healthy in Envoy; a scheduler: every engine reporting to it) within "
+                                f"{_IN_ROTATION_TIMEOUT_SECONDS:.0f} s")
             if cancel.wait(_POLL_SECONDS):
                 raise MeshError(f"rolling restart interrupted after restarting {name}")
         steps.append(RollStep(name, code, time.monotonic() - began))
