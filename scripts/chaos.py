@@ -56,8 +56,9 @@ resume a stream that stalls (no byte, not even a heartbeat, for 4 s).
 every 1-3 s. `--priority-mix 0.2,0.3,0.5`: each distinct request is sent
 with an X-Priority drawn from these P0/P1/P2 weights (a mixed-priority
 load); first-token times are reported per class. `--paired`: the same load
-(same requests, same clients' order, same length) first runs without
-faults on the same mesh, then with them, and the P0 TTFT p99 of both and
+(same requests, same clients' order, as long) also runs without faults on
+the same mesh, half of it before the run with faults and half after (so
+drift over the run weighs on both alike), and the P0 TTFT p99 of both and
 their ratio are printed (scripts/chaoslib/latency.py).
 
 Every answer is checked against an uninterrupted answer to the same request
@@ -120,7 +121,8 @@ def main() -> None:
     parser.add_argument("--priority-mix", default="", help="P0,P1,P2 weights of the requests' X-Priority "
                         "(default: none sent)")
     parser.add_argument("--paired", action="store_true",
-                        help="run the same load without faults first and compare (loopback only)")
+                        help="run the same load without faults too (half before, half after) and compare "
+                             "(loopback only)")
     parser.add_argument("--hang-seconds", type=float, default=8.0, help="how long `hang` keeps a process stopped")
     parser.add_argument("--concurrency", type=int, default=24, help="concurrent streaming clients")
     parser.add_argument("--distinct", type=int, default=40, help="distinct requests (answers checked)")

@@ -29,7 +29,7 @@ from services.launcher.up import Restarts
 
 from . import schedulers
 from .latency import compare_lines, ttft_lines
-from .outcomes import Job, Tally, Target, baseline, load, make_jobs, report
+from .outcomes import Job, Tally, Target, baseline, load, make_jobs, merged, report
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM_MODEL = "tiny-llama"
@@ -230,23 +230,23 @@ def _drain_cuts(mesh: Mesh) -> int:
 @dataclass(frozen=True)
 class _Load:
     """What both runs of a paired invocation send: the same requests, the
-    same clients' seeds (so the same request order), the same length."""
+    same clients' seeds (so the same request order), the same length (the
+    run without faults in two halves, `seconds` / 2 before and after)."""
 
     target: Target
     jobs: list[Job]
     expected: dict[Job, str]
     seed: float
-    seconds: float
     concurrency: int
 
 
-async def _phase(mesh: Mesh, spec: _Load, chaos: Chaos | None) -> tuple[Tally, float]:
-    """One run of the load, with `chaos`'s faults (None: without faults);
-    the tally has the gateways' counters of this run only."""
+async def _phase(mesh: Mesh, spec: _Load, chaos: Chaos | None, seconds: float) -> tuple[Tally, float]:
+    """One run of the load for `seconds`, with `chaos`'s faults (None:
+    without faults); the tally has the gateways' counters of this run only."""
     tally = chaos.tally if chaos is not None else Tally()
     before = gateway_counters(mesh, list(range(len(mesh.endpoints.gateway_http))))
     began = time.monotonic()
-    until = began + spec.seconds
+    until = began + seconds
     thread = asyncio.create_task(asyncio.to_thread(chaos.run, until)) if chaos is not None else None
     await load(spec.target, spec.jobs, spec.expected, random.Random(spec.seed), until, spec.concurrency, tally)
     if thread is not None:
@@ -283,18 +283,19 @@ async def run(ns: argparse.Namespace) -> int:
         jobs = make_jobs(rng, ns.distinct, ns.max_tokens, mix)
         expected = await baseline(target, jobs)
         chaos = Chaos(mesh, random.Random(rng.random()), faults, ns.hang_seconds, Tally(), ns.every)
-        spec = _Load(target, jobs, expected, rng.random(), ns.seconds, ns.concurrency)
+        spec = _Load(target, jobs, expected, rng.random(), ns.concurrency)
+        if ns.paired:   # without faults before and after: drift over the run weighs on both sides alike
+            first, first_took = await _phase(mesh, spec, None, ns.seconds / 2)
+            print(f"chaos: the first half of the run without faults: {first_took:.1f}s", flush=True)
+        tally, took = await _phase(mesh, spec, chaos, ns.seconds)
         if ns.paired:
-            base, base_took = await _phase(mesh, spec, None)
-            print(f"chaos: the run without faults: {base_took:.1f}s", flush=True)
-            for line in ttft_lines(base):
-                print(f"  {line}", flush=True)
-        tally, took = await _phase(mesh, spec, chaos)
+            second, second_took = await _phase(mesh, spec, None, ns.seconds / 2)
+            base, base_took = merged(first, second), first_took + second_took
     finally:
         mesh.stop_all()
     if base is not None:
         print("chaos: without faults:")
-        lost = report(base, base_took)
+        lost = report(base, base_took, lambda: ttft_lines(base))
         print("chaos: with faults:")
     else:
         lost = 0

@@ -65,6 +65,20 @@ class Tally:
     ttft: dict[str, list[float]] = field(default_factory=lambda: collections.defaultdict(list))
 
 
+def merged(a: Tally, b: Tally) -> Tally:
+    """One tally of two runs of the same load (the halves of a paired run's
+    run without faults)."""
+    out = Tally(sent=a.sent + b.sent, completed=a.completed + b.completed, resumed=a.resumed + b.resumed,
+                resent=a.resent + b.resent, rejected=a.rejected + b.rejected, lost=a.lost + b.lost,
+                actions=a.actions + b.actions)
+    for t in (a, b):
+        for series, value in t.counters.items():
+            out.counters[series] += value
+        for label, values in t.ttft.items():
+            out.ttft[label].extend(values)
+    return out
+
+
 def class_label(priority: int | None) -> str:
     return "default" if priority is None else f"P{priority}"
 

@@ -15,7 +15,7 @@ import pytest
 from scripts.chaoslib import schedulers
 from scripts.chaoslib.latency import compare_lines, percentile, ttft_lines
 from scripts.chaoslib.loopback import Chaos
-from scripts.chaoslib.outcomes import Job, Tally, make_jobs, record
+from scripts.chaoslib.outcomes import Job, Tally, make_jobs, merged, record
 from services.launcher.children import MeshError, Role
 from services.launcher.mesh import Mesh
 from tests._scripts import load_script
@@ -65,6 +65,18 @@ def test_the_paired_comparison_gives_the_p0_ratio_and_both_runs_counts() -> None
                         "refused 1")
     assert lines[1] == "paired: P0 TTFT p99 without faults 100 ms, with faults 300 ms, ratio 3.00x"
     assert compare_lines(Tally(), Tally())[1].endswith("ratio -")
+
+
+def test_the_halves_of_the_run_without_faults_are_counted_as_one() -> None:
+    a, b = Tally(sent=3, completed=2), Tally(sent=4, completed=4, resumed=1)
+    a.lost["cut"] += 1
+    a.ttft["P0"] = [0.1]
+    b.ttft["P0"] = [0.3]
+    b.ttft["P2"] = [0.5]
+    b.counters["migrations"] += 2
+    both = merged(a, b)
+    assert (both.sent, both.completed, both.resumed, sum(both.lost.values())) == (7, 6, 1, 1)
+    assert dict(both.ttft) == {"P0": [0.1, 0.3], "P2": [0.5]} and both.counters["migrations"] == 2
 
 
 class _FakeMesh:
