@@ -264,13 +264,16 @@ def _describe(mesh: Mesh, ns: argparse.Namespace) -> str:
             + (f"; priorities P0/P1/P2 {ns.priority_mix}" if getattr(ns, "priority_mix", "") else ""))
 
 
+_PAIRED = " (paired with the same load without faults, half before, half after)"
+
+
 async def run(ns: argparse.Namespace) -> int:
     """The loopback run; its exit status (1 if anything was lost)."""
     rng = random.Random(ns.seed)
     mesh, model = make_mesh(ns)
     faults = ns.faults.split(",")
     print(f"chaos: seed {ns.seed}, {ns.seconds:.0f}s, {ns.concurrency} concurrent clients, faults "
-          f"{', '.join(faults)}{' (paired with a run without faults first)' if ns.paired else ''}; "
+          f"{', '.join(faults)}{_PAIRED if ns.paired else ''}; "
           f"logs in {mesh.log_dir}", flush=True)
     t0 = time.monotonic()
     mesh.start()
