@@ -22,6 +22,7 @@ Ownership: one `follow` task per replica, started by
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -41,6 +42,8 @@ _POLL_SECONDS = 0.05
 _STATE_TIMEOUT_SECONDS = 1.0
 
 _READY = grpc.ChannelConnectivity.READY
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,15 +73,22 @@ async def _has_fleet(client: SchedulerClient, peers: Callable[[], list[Scheduler
 async def _warm(client: SchedulerClient, peers: Callable[[], list[SchedulerClient]], warmup: Warmup,
                 clock: Clock, count: Callable[[SchedulerClient], Awaitable[int | None]]) -> None:
     warmup.warming = True
-    deadline = clock.monotonic() + WARMUP_MAX_SECONDS
+    began = clock.monotonic()
+    deadline = began + WARMUP_MAX_SECONDS
+    why = f"not every engine reported to it within {WARMUP_MAX_SECONDS:g} s; taking requests anyway"
     try:
         # Polled: the engines' reconnects are seen only in the replica's state.
         for _ in range(int(WARMUP_MAX_SECONDS / _POLL_SECONDS)):
-            if clock.monotonic() >= deadline or await _has_fleet(client, peers, count):
-                return
+            if clock.monotonic() >= deadline:
+                break
+            if await _has_fleet(client, peers, count):
+                why = "its engines report to it"
+                break
             await asyncio.sleep(_POLL_SECONDS)
     finally:
         warmup.warming = False
+    log.info("scheduler replica %s is back: passed over for %.2f s (%s)", client.address, clock.monotonic() - began,
+             why)
 
 
 async def follow(client: SchedulerClient, peers: Callable[[], list[SchedulerClient]], warmup: Warmup,
