@@ -48,7 +48,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Warmup:
-    """One replica's warm-up, as its `follow` task sees it."""
+    """One replica's warm-up, as its `follow` task sees it: `warming` from
+    the moment the replica is seen gone until its engines report to it
+    after its return."""
 
     warming: bool = False
 
@@ -107,4 +109,8 @@ async def follow(client: SchedulerClient, peers: Callable[[], list[SchedulerClie
             state = client.channel.get_state(try_to_connect=True)
             if state != _READY:
                 continue        # gone again meanwhile: wait for its next return
+        elif seen:
+            # Gone: held back from now on, so a request that finds its channel
+            # READY again before this task has seen it is not admitted there.
+            warmup.warming = True
         state = await client.wait_ready_change(state)

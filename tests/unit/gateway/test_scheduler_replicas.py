@@ -284,3 +284,30 @@ async def test_one_replica_is_not_followed() -> None:
     finally:
         await replicas.close()
         await server.stop(0)
+
+
+async def test_a_replica_seen_gone_is_held_back_from_the_moment_it_returns() -> None:
+    """Warming starts when the replica is seen gone, not when its return is
+    noticed: a request that finds the channel READY again first is not
+    admitted there before the engines report to it."""
+    server0, address0 = await _scheduler(_Fleet(2))
+    server1, address1 = await _scheduler(_Fleet(2))
+    replicas = SchedulerReplicas([address0, address1])
+    replicas.start()
+    try:
+        await _until(lambda: replicas.healthy(address0) and replicas.healthy(address1))
+        await server1.stop(0)
+        await _until(lambda: not replicas.client(address1).is_ready())
+        await asyncio.sleep(0.05)
+        assert replicas._replicas[address1].warmup.warming   # held back while gone already
+        server1 = await _serve_on(_Fleet(0), address1)
+        # From the first READY on (whether or not its follow task ran yet): not healthy.
+        async with asyncio.timeout(5):
+            while not replicas.client(address1).is_ready():
+                assert not replicas.healthy(address1)
+                await asyncio.sleep(0)
+        assert not replicas.healthy(address1)
+    finally:
+        await replicas.close()
+        await server0.stop(0)
+        await server1.stop(0)
