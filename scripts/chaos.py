@@ -4,6 +4,8 @@ exits 1 if any request was lost.
 
     .venv/bin/python scripts/chaos.py --seconds 60 --seed 7
     .venv/bin/python scripts/chaos.py --faults gateway-roll,gateway-kill --seconds 90
+    .venv/bin/python scripts/chaos.py --schedulers 3 --faults scheduler-kill --every 20 --seconds 300 \
+        --priority-mix 0.2,0.3,0.5 --paired
     sudo .venv/bin/python scripts/chaos.py --netns --faults partition --seconds 60 --seed 1
 
 The mesh: scheduler, 2 engines (sim by default; `--backend vllm`), 2
@@ -15,7 +17,15 @@ chosen with the seeded RNG every few seconds from `--faults`:
 - engine-kill: SIGKILL of an engine service, restarted a moment later
   (its streams migrate mid-answer);
 - scheduler-kill: SIGKILL of the scheduler, restarted as `kvmesh up` does
-  (gateways re-admit queued requests and re-attach running ones);
+  (gateways re-admit queued requests and re-attach running ones); with
+  `--schedulers N` (N active replicas, README "Several schedulers") a
+  replica drawn with the seeded RNG, its requests moving to the others at
+  once. The fault ends when every engine reports to the restarted one;
+- scheduler-roll (only when named, and with `--schedulers` 2 or more): a
+  rolling restart of the replicas -- each SIGTERMed (hands its queued
+  requests over, its running leases re-attach elsewhere), exits, comes back,
+  has every engine reporting to it, then the next
+  (scripts/chaoslib/schedulers.py);
 - core-kill: SIGKILL of an engine's `VLLM::EngineCore` process (vLLM only:
   the engine fails as a whole, its streams migrate, it exits and restarts).
   The sim has no core process and its crash hook is in-process only: the
@@ -41,6 +51,15 @@ safety rules), with faults partition (a random engine or gateway host cut
 off silently for 3-10 s, then healed), engine-kill, gateway-kill,
 scheduler-kill and hang (scripts/chaoslib/netns.py). Clients there also
 resume a stream that stalls (no byte, not even a heartbeat, for 4 s).
+
+`--every S`: a fault every S seconds (the first after S/2) instead of one
+every 1-3 s. `--priority-mix 0.2,0.3,0.5`: each distinct request is sent
+with an X-Priority drawn from these P0/P1/P2 weights (a mixed-priority
+load); first-token times are reported per class. `--paired`: the same load
+(same requests, same clients' order, as long) also runs without faults on
+the same mesh, half of it before the run with faults and half after (so
+drift over the run weighs on both alike), and the P0 TTFT p99 of both and
+their ratio are printed (scripts/chaoslib/latency.py).
 
 Every answer is checked against an uninterrupted answer to the same request
 taken before the chaos (the sim's text is deterministic, like greedy
@@ -69,6 +88,23 @@ sys.path.insert(0, str(ROOT))
 from scripts.chaoslib import loopback, netns
 
 
+def _check_loopback_options(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    if ns.netns and (ns.schedulers != 1 or ns.paired or ns.every is not None or ns.priority_mix):
+        parser.error("--schedulers, --paired, --every and --priority-mix are loopback options")
+    if not 1 <= ns.schedulers <= 8:
+        parser.error("--schedulers must be in [1, 8]")
+    if "scheduler-roll" in ns.faults.split(",") and ns.schedulers < 2:
+        parser.error("scheduler-roll needs --schedulers 2 or more (the one scheduler's drain is its clients' 503)")
+    if ns.every is not None and not 1.0 <= ns.every <= 600:
+        parser.error("--every must be in [1, 600]")
+    try:
+        mix = [float(x) for x in ns.priority_mix.split(",")] if ns.priority_mix else []
+    except ValueError:
+        mix = [-1.0]
+    if mix and (len(mix) != 3 or min(mix) < 0 or sum(mix) <= 0):
+        parser.error("--priority-mix takes three non-negative P0,P1,P2 weights, e.g. 0.2,0.3,0.5")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=60.0, help="how long to run load and faults")
@@ -79,6 +115,14 @@ def main() -> None:
                         help=f"comma-separated, of {', '.join(loopback.FAULTS)} (default all; with --netns "
                              f"{', '.join(netns.FAULTS)}, default partition)")
     parser.add_argument("--backend", choices=["sim", "vllm"], default="sim", help="loopback only")
+    parser.add_argument("--schedulers", type=int, default=1, help="active scheduler replicas (loopback only)")
+    parser.add_argument("--every", type=float, default=None,
+                        help="seconds between faults (default: 1-3 s, drawn)")
+    parser.add_argument("--priority-mix", default="", help="P0,P1,P2 weights of the requests' X-Priority "
+                        "(default: none sent)")
+    parser.add_argument("--paired", action="store_true",
+                        help="run the same load without faults too (half before, half after) and compare "
+                             "(loopback only)")
     parser.add_argument("--hang-seconds", type=float, default=8.0, help="how long `hang` keeps a process stopped")
     parser.add_argument("--concurrency", type=int, default=24, help="concurrent streaming clients")
     parser.add_argument("--distinct", type=int, default=40, help="distinct requests (answers checked)")
@@ -89,7 +133,7 @@ def main() -> None:
                              "so a cut lands mid-answer)")
     parser.add_argument("--run-dir", default="", help="mesh run directory (default: a new temp dir)")
     ns = parser.parse_args()
-    known = netns.FAULTS if ns.netns else loopback.FAULTS
+    known = netns.FAULTS if ns.netns else loopback.FAULTS + loopback.REPLICA_FAULTS
     ns.faults = ns.faults or ("partition" if ns.netns else ",".join(loopback.FAULTS))
     if ns.speed_factor is None:
         ns.speed_factor = 4.0 if ns.netns else 0.5
@@ -103,6 +147,7 @@ def main() -> None:
         parser.error("--hang-seconds must be in (0, 300]")
     if ns.netns and ns.backend != "sim":
         parser.error("--netns runs sim engines only")
+    _check_loopback_options(parser, ns)
     try:
         sys.exit(netns.run(ns) if ns.netns else asyncio.run(loopback.run(ns)))
     except KeyboardInterrupt:

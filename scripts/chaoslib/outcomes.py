@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import random
 import time
@@ -59,12 +60,38 @@ class Tally:
     actions: list[str] = field(default_factory=list)
     # Gateway counters (migrations, re-admissions) summed over every gateway life.
     counters: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
+    # Seconds from sending to the first text, of completed requests, by class
+    # ("P0".."P2"; "default": no X-Priority), resumes and re-sends included.
+    ttft: dict[str, list[float]] = field(default_factory=lambda: collections.defaultdict(list))
 
 
-def make_jobs(rng: random.Random, distinct: int, max_tokens: int) -> list[Job]:
-    return [Job(f"chaos prompt {i}: {rng.choice(['tell', 'write', 'explain'])} a story about "
+def merged(a: Tally, b: Tally) -> Tally:
+    """One tally of two runs of the same load (the halves of a paired run's
+    run without faults)."""
+    out = Tally(sent=a.sent + b.sent, completed=a.completed + b.completed, resumed=a.resumed + b.resumed,
+                resent=a.resent + b.resent, rejected=a.rejected + b.rejected, lost=a.lost + b.lost,
+                actions=a.actions + b.actions)
+    for t in (a, b):
+        for series, value in t.counters.items():
+            out.counters[series] += value
+        for label, values in t.ttft.items():
+            out.ttft[label].extend(values)
+    return out
+
+
+def class_label(priority: int | None) -> str:
+    return "default" if priority is None else f"P{priority}"
+
+
+def make_jobs(rng: random.Random, distinct: int, max_tokens: int, mix: tuple[float, ...] = ()) -> list[Job]:
+    """`distinct` requests; with `mix` (P0, P1, P2 weights) each is sent with
+    an X-Priority drawn from it (a mixed-priority load), else with none."""
+    jobs = [Job(f"chaos prompt {i}: {rng.choice(['tell', 'write', 'explain'])} a story about "
                 f"{rng.choice(['meshes', 'engines', 'queues', 'tokens'])} number {rng.randrange(1000)}",
                 rng.randrange(8, max_tokens + 1)) for i in range(distinct)]
+    if not mix:
+        return jobs
+    return [dataclasses.replace(j, priority=rng.choices(range(len(mix)), weights=mix)[0]) for j in jobs]
 
 
 async def _send(session: aiohttp.ClientSession, target: Target, job: Job) -> Stream:
@@ -101,9 +128,13 @@ def outcome(s: Stream, expected: str) -> tuple[str, str]:
     return "lost", s.error[:100]
 
 
-def record(tally: Tally, s: Stream, expected: str) -> str:
+def record(tally: Tally, s: Stream, expected: str, job: Job | None = None, sent_at: float | None = None) -> str:
+    """Count `s` in `tally`; with `job` and `sent_at`, a completed request's
+    first-text time under its class."""
     kind, reason = outcome(s, expected)
     if kind == "ok":
+        if job is not None and sent_at is not None and s.first_text_at is not None:
+            tally.ttft[class_label(job.priority)].append(s.first_text_at - sent_at)
         tally.completed += 1
         tally.resumed += bool(s.resumes)
         tally.resent += bool(s.resent)
@@ -133,7 +164,8 @@ async def load(target: Target, jobs: list[Job], expected: dict[Job, str], rng: r
             while time.monotonic() < until:
                 job = local.choice(jobs)
                 tally.sent += 1
-                if record(tally, await _send(session, target, job), expected[job]) == "rejected":
+                sent_at = time.monotonic()
+                if record(tally, await _send(session, target, job), expected[job], job, sent_at) == "rejected":
                     await asyncio.sleep(0.2)  # a client backs off after a refusal
     await asyncio.gather(*(worker(rng.randrange(2**32)) for _ in range(concurrency)))
 

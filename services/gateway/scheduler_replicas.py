@@ -12,11 +12,14 @@ opens is skipped for the next in rank at once. When the owner's stream
 breaks, the request's `LeaseLink` opens it again here (re-admitted keeping
 its arrival time, or re-attached with `running_on_engine`) -- the path a
 scheduler restart already takes -- and the dead replica, now unhealthy, is
-passed over. With one address every request goes to it, as before.
+passed over. A replica whose channel just turned READY again (a restart)
+is not healthy until its engines have reconnected to it
+(replica_warmup.py, after `start()`). With one address every request goes
+to it, as before.
 
 Ownership: the gateway service owns this object; it is used from the event
 loop only. Channel states are read live; `_Replica.suspect_at` is written by
-stream callbacks, on the loop.
+stream callbacks, on the loop; `_Replica.warmup` by its replica_warmup task.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -32,6 +35,7 @@ from services.common.clock import Clock, SystemClock
 from services.common.mesh_tls import MeshIdentity
 from services.common.proto.kvmesh.v1 import scheduler_pb2
 from services.gateway.errors import SchedulerRestarting
+from services.gateway.replica_warmup import Warmup, follow
 from services.gateway.scheduler_client import AdmitSession, Reachability, SchedulerClient
 
 __all__ = ["SchedulerReplicas", "rendezvous_order"]
@@ -58,6 +62,7 @@ def rendezvous_order(request_id: str, addresses: list[str]) -> list[str]:
 class _Replica:
     client: SchedulerClient
     suspect_at: float | None = None
+    warmup: Warmup = field(default_factory=Warmup)
 
 
 class SchedulerReplicas:
@@ -71,6 +76,23 @@ class SchedulerReplicas:
         self._reachability = Reachability()
         self._replicas = {a: _Replica(SchedulerClient(a, identity, self._reachability)) for a in addresses}
         self.addresses = list(addresses)
+        self._warmups: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        """Follow each replica's returns (replica_warmup.py); with one
+        address there is nothing to choose, so nothing to follow."""
+        if len(self.addresses) < 2 or self._warmups:
+            return
+        loop = asyncio.get_running_loop()
+        for address, replica in self._replicas.items():
+            peers = functools.partial(self._warm_peers, address)
+            self._warmups.append(loop.create_task(follow(replica.client, peers, replica.warmup, self._clock),
+                                                  name=f"warmup-{address}"))
+
+    def _warm_peers(self, address: str) -> list[SchedulerClient]:
+        """The other replicas that are ready and not warming themselves."""
+        return [r.client for a, r in self._replicas.items()
+                if a != address and not r.warmup.warming and r.client.is_ready()]
 
     @property
     def address(self) -> str:
@@ -83,8 +105,11 @@ class SchedulerReplicas:
     # ---------------------------------------------------------------- health
 
     def healthy(self, address: str) -> bool:
-        """READY, and none of its streams broke within `_SUSPECT_SECONDS`."""
+        """READY, not warming (back, but its engines not yet), and none of
+        its streams broke within `_SUSPECT_SECONDS`."""
         replica = self._replicas[address]
+        if replica.warmup.warming:
+            return False
         if replica.suspect_at is not None:
             if self._clock.monotonic() - replica.suspect_at < _SUSPECT_SECONDS:
                 return False
@@ -169,5 +194,9 @@ class SchedulerReplicas:
         return None
 
     async def close(self) -> None:
+        for task in self._warmups:
+            task.cancel()
+        await asyncio.gather(*self._warmups, return_exceptions=True)
+        self._warmups.clear()
         for replica in self._replicas.values():
             await replica.client.close()

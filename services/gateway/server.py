@@ -113,6 +113,7 @@ class GatewayService:
         grpc_port = gw.grpc_port if grpc_port is None else grpc_port
         identity = identity_for(self.config, "gateway")
         self._scheduler = SchedulerReplicas(gw.schedulers(), identity, self.clock)
+        self._scheduler.start()
         self._engines = EnginePool(identity)
         driver = GenerationDriver(
             self._scheduler,

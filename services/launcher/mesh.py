@@ -37,6 +37,7 @@ from services.launcher.children import (
 from services.launcher.envoy_config import envoy_binary, load_run_topology, render_envoy, uses_dev_certs
 from services.launcher.options import Endpoints, MeshOptions, RunFiles
 from services.launcher.port_plan import endpoints, ports_in_use
+from services.launcher.probes import scheduler_fleet
 from services.launcher.resolve import front_cores, resolve_admin_token, resolve_batch, resolve_config
 from services.launcher.rolling import RollStep, envoy_healthy, roll
 from services.launcher.specs import child_env, child_specs
@@ -143,13 +144,23 @@ class Mesh(Supervisor):
     def rolling_restart(self, role: Role = Role.GATEWAY) -> list[RollStep]:
         """Restart every child of `role` one at a time (rolling.py): each
         gateway drains, exits, comes back, and is in Envoy's rotation again
-        before the next one stops. Blocks; drive it from the mesh's thread."""
+        before the next one stops; each scheduler replica hands its queued
+        requests over, exits, comes back, and has every running engine
+        reporting to it again before the next. Blocks; drive it from the
+        mesh's thread."""
         names = [n for n in self.names if self._child(n).spec.role is role]
-        return roll(self, names, self._in_rotation, self._cancel)
+        return roll(self, names, self.in_rotation, self._cancel)
 
-    def _in_rotation(self, name: str) -> bool:
+    def in_rotation(self, name: str) -> bool:
         """A gateway is in rotation once Envoy's health checks pass it (its
-        own probes passed already); anything else once it is healthy."""
+        own probes passed already); a scheduler once every running engine
+        reports to it (engines reconnect up to 2 s after it is back: until
+        then the requests it owns would wait for them); anything else once
+        it is healthy."""
+        spec = self._child(name).spec
+        if spec.role is Role.SCHEDULER:
+            engines = [n for n in self.names if self._child(n).spec.role is Role.ENGINE and self.is_running(n)]
+            return scheduler_fleet(spec.probes[0]) >= len(engines)
         if not name.startswith("gateway-") or not self.endpoints.envoy_port:
             return True
         r = int(name.removeprefix("gateway-"))

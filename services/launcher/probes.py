@@ -12,9 +12,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.mesh_tls import sync_channel
+from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.launcher.children import Probe, ProbeKind
 
-__all__ = ["probe_ok"]
+__all__ = ["probe_ok", "scheduler_fleet"]
 
 # Short reconnect backoff: the default grows to minutes, which would notice a
 # slow starter (vLLM) long after it is up.
@@ -46,6 +47,18 @@ def _grpc_serving(probe: Probe, channels: dict[str, grpc.Channel]) -> bool:
     except grpc.RpcError:
         return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def scheduler_fleet(probe: Probe) -> int:
+    """How many engines the scheduler behind `probe` (its gRPC health probe)
+    lists with a fresh report -- engines that reconnected to it after its
+    restart, so it can place on them; -1 while it cannot be asked."""
+    with sync_channel(probe.target, probe.identity, probe.server_role, list(_PROBE_CHANNEL_OPTIONS)) as channel:
+        try:
+            state = scheduler_pb2_grpc.SchedulerStub(channel).GetState(scheduler_pb2.GetStateRequest(), timeout=2.0)
+        except grpc.RpcError:
+            return -1
+    return sum(1 for e in state.engines if e.fresh)
 
 
 def _http_ok(probe: Probe) -> bool:

@@ -1,14 +1,16 @@
-"""A rolling restart of one role's children (the gateways behind Envoy), one
-at a time, so the mesh never serves with fewer than all-but-one of them:
+"""A rolling restart of one role's children (the gateways behind Envoy, or
+the scheduler replicas), one at a time, so the mesh never serves with fewer
+than all-but-one of them:
 
     for each child: SIGTERM (a gateway drains: not ready, Envoy takes it out,
-    its streams finish) -> wait for its exit (its spec's stop_grace, then
-    SIGKILL) -> start it again and wait until its own probes pass -> wait
-    until the load balancer sends it traffic again (Envoy's health checks
-    mark it healthy) -> the next one.
+    its streams finish; a scheduler replica hands its queued requests over)
+    -> wait for its exit (its spec's stop_grace, then SIGKILL) -> start it
+    again and wait until its own probes pass -> wait until it is in rotation
+    again (a gateway: Envoy's health checks mark it healthy; a scheduler:
+    every running engine reports to it, `Mesh.in_rotation`) -> the next one.
 
-`Mesh.rolling_restart` wires it to the mesh's Envoy; `kvmesh up` runs it on
-SIGUSR1. Driven from the supervisor's one thread, like everything else there.
+`Mesh.rolling_restart` wires it to the mesh; `kvmesh up` runs it on SIGUSR1
+(gateways). Driven from the supervisor's one thread, like everything else there.
 """
 
 from __future__ import annotations
@@ -70,8 +72,9 @@ def roll(
         deadline = time.monotonic() + _IN_ROTATION_TIMEOUT_SECONDS
         while not in_rotation(name):
             if time.monotonic() > deadline:
-                raise MeshError(f"rolling restart: {name} restarted but the load balancer did not take it "
-                                f"back within {_IN_ROTATION_TIMEOUT_SECONDS:.0f} s")
+                raise MeshError(f"rolling restart: {name} restarted but was not back in rotation (a gateway: "
+                                f"healthy in Envoy; a scheduler: every engine reporting to it) within "
+                                f"{_IN_ROTATION_TIMEOUT_SECONDS:.0f} s")
             if cancel.wait(_POLL_SECONDS):
                 raise MeshError(f"rolling restart interrupted after restarting {name}")
         steps.append(RollStep(name, code, time.monotonic() - began))

@@ -6,7 +6,9 @@ then one replica is SIGKILLed under ~40 streams and stays dead: nothing is
 lost or refused, every stream is identical to an uninterrupted run (the
 sim's text is a pure function of the tokens before it), and new requests
 are placed by the other replica at once. And a rolling restart of both
-replicas under load refuses nothing."""
+replicas under a mixed-priority load (P0/P1/P2 streams arriving all through
+the roll) refuses and loses nothing, and each restarted replica has both
+engines reporting to it before the next one stops."""
 
 from __future__ import annotations
 
@@ -21,11 +23,11 @@ import aiohttp
 import pytest
 from _mesh_stop import stop_test_mesh
 from _streams import StreamResult, gateway_counter, run_streams, stream_completion, wait_until
-from test_e2e_reliability import _assert_same, _finish, _prompts
+from test_e2e_reliability import _assert_same, _expected, _finish, _prompts
 
 from services.bench.scheduler_classes import scheduler_state
 from services.launcher.children import Role
-from services.launcher.mesh import Mesh
+from services.launcher.mesh import Mesh, RollStep
 
 ROOT = Path(__file__).resolve().parents[2]
 STREAMS = 40
@@ -33,6 +35,11 @@ LONG_TOKENS = 300
 LATE = 4
 # Streams that outlive a replica's 2 s stop grace: their leases re-attach on the other.
 ROLL_TOKENS = 1000
+# Short requests sent all through the roll, 0.1 s apart (the long ones all
+# arrive in its first 4 s): each meets some replica stopping, starting, or
+# waiting for its engines.
+ROLL_SHORT = 6
+ROLL_SHORT_TOKENS = 48
 MAX_RUNNING = 16
 
 
@@ -87,16 +94,35 @@ class _Sampler:
             self.stop.wait(0.05)
 
 
+def _priority(i: int) -> int:
+    """P0, P1, P2, P2, P1, P2, ...: a fifth interactive, half batch."""
+    return (0, 1, 2, 2, 1, 2, 2, 1, 2, 0)[i % 10]
+
+
 async def _staggered(mesh: Mesh, session: aiohttp.ClientSession, prompts: list[str], tokens: int,
-                     gap: float) -> tuple[list[StreamResult], list[asyncio.Task[StreamResult]]]:
+                     gap: float, mixed: bool = False) -> tuple[list[StreamResult], list[asyncio.Task[StreamResult]]]:
     """Streams started `gap` s apart: clients arrive, they do not all press
-    enter in the same millisecond."""
+    enter in the same millisecond. `mixed`: with X-Priority P0/P1/P2."""
     results = [StreamResult() for _ in prompts]
     tasks = []
-    for prompt, result in zip(prompts, results, strict=True):
-        tasks.append(asyncio.create_task(stream_completion(session, mesh, prompt, tokens, result)))
+    for i, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
+        priority = _priority(i) if mixed else None
+        tasks.append(asyncio.create_task(stream_completion(session, mesh, prompt, tokens, result, priority=priority)))
         await asyncio.sleep(gap)
     return results, tasks
+
+
+async def _while_running(mesh: Mesh, session: aiohttp.ClientSession, prompts: list[str],
+                         roll: asyncio.Task[list[RollStep]]) -> list[tuple[int, asyncio.Task[StreamResult]]]:
+    """Short mixed-priority streams, one every 0.1 s, until `roll` is done:
+    (which prompt, its task)."""
+    sent: list[tuple[int, asyncio.Task[StreamResult]]] = []
+    while not roll.done():
+        k = len(sent) % len(prompts)
+        sent.append((k, asyncio.create_task(stream_completion(
+            session, mesh, prompts[k], ROLL_SHORT_TOKENS, priority=_priority(len(sent))))))
+        await asyncio.sleep(0.1)
+    return sent
 
 
 async def test_two_schedulers_spread_and_survive_a_sigkill(two_schedulers: Mesh) -> None:
@@ -171,30 +197,39 @@ async def test_two_schedulers_spread_and_survive_a_sigkill(two_schedulers: Mesh)
 async def test_a_rolling_restart_of_the_schedulers_refuses_nothing(two_schedulers: Mesh) -> None:
     """Each replica in turn: SIGTERM (queued requests answered DRAINING move
     to the other replica, running ones re-attach there), exit, restart,
-    healthy, then the next -- under streams arriving all along."""
+    every engine reporting to it again, then the next -- under P0/P1/P2
+    streams arriving all along."""
     mesh = two_schedulers
     addresses = mesh.endpoints.schedulers
     if not mesh.is_running("scheduler"):               # left dead by the test above
         await asyncio.to_thread(mesh.restart, "scheduler")
     await wait_until(lambda: all((s := scheduler_state(a)) is not None and len(s.engines) == 2
                                  for a in addresses), 60, "both replicas to see both engines")
-    prompts = _prompts("roll", STREAMS)
-    _, tasks, session = await run_streams(mesh, prompts, [ROLL_TOKENS] * STREAMS)
-    expected = [r.text for r in await _finish(tasks, session)]
+    prompts, short = _prompts("roll", STREAMS), _prompts("roll-short", ROLL_SHORT)
+    baseline = await _expected(mesh, prompts + short, [ROLL_TOKENS] * STREAMS + [ROLL_SHORT_TOKENS] * ROLL_SHORT)
+    expected, expected_short = baseline[:STREAMS], baseline[STREAMS:]
     counters = [gateway_counter(mesh, "kvmesh_gateway_scheduler_readmissions_total", f'state="{k}"')
                 for k in ("queued", "running")]
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     began = time.monotonic()
     roll = asyncio.create_task(asyncio.to_thread(mesh.rolling_restart, Role.SCHEDULER))
-    results, tasks = await _staggered(mesh, session, prompts, ROLL_TOKENS, 0.1)
+    results, tasks = await _staggered(mesh, session, prompts, ROLL_TOKENS, 0.1, mixed=True)
+    during = await _while_running(mesh, session, short, roll)
     steps = await roll
-    results = await _finish(tasks, session)
-    _assert_same(results, expected)
+    # Each replica was back in rotation -- both engines reporting to it --
+    # before the next stopped (Mesh.in_rotation), and still is.
+    fleets = [[e.engine_id for e in s.engines if e.fresh] if (s := scheduler_state(a)) else [] for a in addresses]
+    results = await _finish(tasks + [t for _, t in during], session)
+    _assert_same(results, expected + [expected_short[k] for k, _ in during])
     moved = [gateway_counter(mesh, "kvmesh_gateway_scheduler_readmissions_total", f'state="{k}"') - n
              for k, n in zip(("queued", "running"), counters, strict=True)]
-    print(f"rolling restart of 2 schedulers under {STREAMS} streams sent 0.1 s apart: "
-          f"{len(steps)} replicas restarted in {time.monotonic() - began:.1f}s, "
-          f"{STREAMS}/{STREAMS} complete and identical, none refused ({moved[0]:.0f} re-admitted, "
-          f"{moved[1]:.0f} re-attached on the other replica)")
+    print(f"rolling restart of 2 schedulers under {STREAMS} P0/P1/P2 streams sent 0.1 s apart and "
+          f"{len(during)} short ones all through the roll: {len(steps)} replicas restarted "
+          f"({', '.join(f'{s.name} {s.seconds:.1f}s' for s in steps)}), last token "
+          f"{time.monotonic() - began:.1f}s after the first SIGTERM, {len(results)}/{len(results)} complete and "
+          f"identical, none refused ({moved[0]:.0f} re-admitted, {moved[1]:.0f} re-attached on the other "
+          f"replica)")
     assert len(steps) == 2 and mesh.exited() == []
+    assert all(len(f) == 2 for f in fleets), fleets
+    assert len(during) >= 20, "the roll was over before the short requests met it"
     assert moved[1] >= 1, "no running lease was on a stopping replica: the roll did not meet the load"

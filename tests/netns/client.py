@@ -43,6 +43,8 @@ class Stream:
     error: str | None = None
     done: bool = False
     chunk_times: list[float] = field(default_factory=list)
+    # When the first text arrived (monotonic; None: none yet): the client's first token.
+    first_text_at: float | None = None
     last_event_id: str | None = None
     resumes: int = 0
     # Re-sent from the start: cut before any event (so nothing to resume from).
@@ -124,6 +126,8 @@ async def _read(resp: aiohttp.ClientResponse, s: Stream, stall_seconds: float | 
             return
         for choice in event.get("choices", ()):
             s.text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            if s.first_text_at is None and s.text:
+                s.first_text_at = time.monotonic()
             if choice.get("finish_reason"):
                 s.finish_reason = choice["finish_reason"]
         s.chunk_times.append(time.monotonic())

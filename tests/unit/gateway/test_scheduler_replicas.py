@@ -2,13 +2,15 @@
 scheduler_replicas.py): each request is admitted on the replica its id
 ranks first (rendezvous hashing) among the reachable ones, and moves to
 another when its replica goes away -- queued: admitted again with its
-arrival time; running: its lease re-attached (`running_on_engine`)."""
+arrival time; running: its lease re-attached (`running_on_engine`) -- and
+a replica back from a restart is passed over until its engines report to
+it."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -20,6 +22,7 @@ from test_gateway_restart import ReattachingScheduler
 
 from services.common.config import MeshConfig
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.gateway import replica_warmup
 from services.gateway.scheduler_replicas import SchedulerReplicas, rendezvous_order
 
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello world"}]
@@ -188,3 +191,123 @@ async def test_one_replica_shutting_down_still_answers_503(model_dir: Path) -> N
 @pytest.mark.parametrize("addresses", [["a:1"], ["a:1", "b:2", "c:3"]])
 def test_one_request_always_ranks_the_same(addresses: list[str]) -> None:
     assert len({tuple(rendezvous_order("same-id", addresses)) for _ in range(5)}) == 1
+
+
+class _Fleet(FakeScheduler):
+    """A replica whose GetState lists `fresh` engines with a fresh report."""
+
+    def __init__(self, fresh: int) -> None:
+        super().__init__()
+        self.fresh = fresh
+
+    async def GetState(self, request: scheduler_pb2.GetStateRequest,  # noqa: N802 - the proto's method name
+                       context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerState:
+        return scheduler_pb2.SchedulerState(engines=[
+            scheduler_pb2.EngineState(engine_id=f"engine-{i}", model=MODEL, serving=True, fresh=True)
+            for i in range(self.fresh)])
+
+
+async def _serve_on(servicer: FakeScheduler, address: str) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+    server.add_insecure_port(address)
+    await server.start()
+    return server
+
+
+async def _until(predicate: Callable[[], bool], seconds: float = 5.0) -> None:
+    async with asyncio.timeout(seconds):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+async def test_a_replica_back_from_a_restart_is_passed_over_until_its_engines_report_to_it() -> None:
+    """A restarted replica listens before its engines reconnect (their
+    backoff, up to 2 s): requests it would own go to a replica with the
+    fleet meanwhile, instead of waiting there for engines."""
+    first, second = _Fleet(2), _Fleet(2)
+    server0, address0 = await _scheduler(first)
+    server1, address1 = await _scheduler(second)
+    replicas = SchedulerReplicas([address0, address1])
+    replicas.start()
+    try:
+        await _until(lambda: replicas.healthy(address0) and replicas.healthy(address1))
+        await server1.stop(0)                          # replica 1 dies ...
+        await _until(lambda: not replicas.client(address1).is_ready())
+        restarted = _Fleet(0)                          # ... and comes back with no engine yet
+        server1 = await _serve_on(restarted, address1)
+        await _until(lambda: replicas.client(address1).is_ready())
+        await asyncio.sleep(0.3)                       # several warm-up looks
+        assert not replicas.healthy(address1) and replicas.healthy(address0)
+        mine = next(f"r{i}" for i in range(100) if rendezvous_order(f"r{i}", [address0, address1])[0] == address1)
+        assert replicas.ranked(mine) == [address0, address1]
+        restarted.fresh = 1                            # one engine back: still not the whole fleet
+        await asyncio.sleep(0.3)
+        assert not replicas.healthy(address1)
+        restarted.fresh = 2
+        await _until(lambda: replicas.healthy(address1))
+        assert replicas.ranked(mine) == [address1, address0]
+    finally:
+        await replicas.close()
+        await server0.stop(0)
+        await server1.stop(0)
+
+
+async def test_a_replica_that_never_gets_the_whole_fleet_is_used_after_the_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(replica_warmup, "WARMUP_MAX_SECONDS", 1.0)
+    server0, address0 = await _scheduler(_Fleet(2))
+    server1, address1 = await _scheduler(_Fleet(2))
+    replicas = SchedulerReplicas([address0, address1])
+    replicas.start()
+    try:
+        await _until(lambda: replicas.healthy(address0) and replicas.healthy(address1))
+        await server1.stop(0)
+        await _until(lambda: not replicas.client(address1).is_ready())
+        server1 = await _serve_on(_Fleet(1), address1)  # one engine never reconnects to it
+        await _until(lambda: replicas.client(address1).is_ready())
+        back = asyncio.get_running_loop().time()
+        await _until(lambda: replicas.healthy(address1), 5.0)
+        assert asyncio.get_running_loop().time() - back >= 0.8
+    finally:
+        await replicas.close()
+        await server0.stop(0)
+        await server1.stop(0)
+
+
+async def test_one_replica_is_not_followed() -> None:
+    server, address = await _scheduler(_Fleet(0))
+    replicas = SchedulerReplicas([address])
+    replicas.start()
+    try:
+        assert replicas._warmups == []
+    finally:
+        await replicas.close()
+        await server.stop(0)
+
+
+async def test_a_replica_seen_gone_is_held_back_from_the_moment_it_returns() -> None:
+    """Warming starts when the replica is seen gone, not when its return is
+    noticed: a request that finds the channel READY again first is not
+    admitted there before the engines report to it."""
+    server0, address0 = await _scheduler(_Fleet(2))
+    server1, address1 = await _scheduler(_Fleet(2))
+    replicas = SchedulerReplicas([address0, address1])
+    replicas.start()
+    try:
+        await _until(lambda: replicas.healthy(address0) and replicas.healthy(address1))
+        await server1.stop(0)
+        await _until(lambda: not replicas.client(address1).is_ready())
+        await asyncio.sleep(0.05)
+        assert replicas._replicas[address1].warmup.warming   # held back while gone already
+        server1 = await _serve_on(_Fleet(0), address1)
+        # From the first READY on (whether or not its follow task ran yet): not healthy.
+        async with asyncio.timeout(5):
+            while not replicas.client(address1).is_ready():
+                assert not replicas.healthy(address1)
+                await asyncio.sleep(0)
+        assert not replicas.healthy(address1)
+    finally:
+        await replicas.close()
+        await server0.stop(0)
+        await server1.stop(0)
