@@ -76,7 +76,7 @@ one mesh per count N, started as `kvmesh up --schedulers N` starts it (one
 gateway: it spreads requests over the replicas by rendezvous hashing of the
 request id), every kvmesh target run on each, the peers on the first mesh
 only; each workload's table then gets a second one, TTFT p50/p90/p99 per N
-and p90, p99 over the first N's, and a line per N saying whether both are
+and p90, p99 over the fewest N's, and a line per N saying whether both are
 within 10%. --kvmesh-only leaves the peers out.
 
     bash scripts/setup_peers.sh                                   # once: .venv-peers
@@ -609,7 +609,7 @@ def report(args: argparse.Namespace, tables: list[dict[str, Any]], priority: dic
         print(versus_lines(t["versus"]))
         replicas = ratio_table(t["runs"])
         if replicas:
-            print(f"\nscheduler replicas, TTFT against {args.schedulers[0]} scheduler(s):\n\n{replicas}")
+            print(f"\nscheduler replicas, TTFT against {min(args.schedulers)} scheduler(s):\n\n{replicas}")
             print("\n".join(verdicts(t["runs"])))
     if priority is not None:
         print(f"\n{priority['label']} (aging {args.aging_seconds:g} s per class)")

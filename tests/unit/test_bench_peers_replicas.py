@@ -111,8 +111,19 @@ def test_ratio_table_one_line_per_count_against_the_first() -> None:
     assert lines[0].startswith("| policy | schedulers |")
     assert len(lines) == 2 + 3
     assert lines[2].split(" | ")[1:8] == ["1", "10/10", "100", "200", "400", "1.00", "1.00"]
+    assert lines[2].split(" | ")[-1] == "- |"   # no floor in the row
     assert lines[3].split(" | ")[1:8] == ["2", "10/10", "100", "210", "500", "1.05", "1.25"]
     assert lines[4].split(" | ")[1:8] == ["3", "10/10", "100", "180", "400", "0.90", "1.00"]
+
+
+def test_the_base_is_the_fewest_schedulers_whatever_the_order_run() -> None:
+    rows = [_row("sticky_until_saturated", 3, 0.1, 0.3, 0.6), _row("sticky_until_saturated", 2, 0.1, 0.2, 0.4),
+            _row("sticky_until_saturated", 1, 0.1, 0.2, 0.4)]
+    rows[2]["floor"] = {"ttft_s": {"p90": 0.1}}
+    lines = ratio_table(rows).splitlines()
+    assert [line.split(" | ")[1] for line in lines[2:]] == ["1", "2", "3"]
+    assert lines[2].split(" | ")[-1] == "2.00 |"   # p90 over its own floor's
+    assert verdicts(rows)[1] == "sticky_until_saturated: 3 schedulers vs 1: p90 1.50x, p99 1.50x -- NOT within 10%"
 
 
 def test_no_ratio_table_without_a_policy_run_with_two_counts() -> None:
