@@ -634,6 +634,8 @@ def main(argv: list[str] | None = None) -> int:
             mesh.start()
             b = Bench(args, mesh, count)
             try:
+                for address in mesh.endpoints.schedulers:  # every replica sees the whole fleet before a run
+                    wait_scheduler(address, args.default_policy, args.engines)
                 for workload in workloads:
                     if run.targets:
                         rows[workload.name] += b.run_workload(workload, run.targets)
