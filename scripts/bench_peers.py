@@ -71,9 +71,19 @@ the best peer's.
 Then, optionally (--priority-rate), kvmesh's default policy under overload
 with mixed priorities (X-Priority P0/P1/P2), to show P0 TTFT and aging.
 
+Several schedulers (--schedulers 1 2 3, issue 27; scripts/peerslib/replicas.py):
+one mesh per count N, started as `kvmesh up --schedulers N` starts it (one
+gateway: it spreads requests over the replicas by rendezvous hashing of the
+request id), every kvmesh target run on each, the peers on the first mesh
+only; each workload's table then gets a second one, TTFT p50/p90/p99 per N
+and p90, p99 over the fewest N's, and a line per N saying whether both are
+within 10%. --kvmesh-only leaves the peers out.
+
     bash scripts/setup_peers.sh                                   # once: .venv-peers
     .venv/bin/python scripts/bench_peers.py                       # every policy and peer, both workloads
     .venv/bin/python scripts/bench_peers.py --targets kvmesh:sticky_until_saturated smg sglang-router \\
+        --workloads all_fits
+    .venv/bin/python scripts/bench_peers.py --targets kvmesh:sticky_until_saturated --schedulers 1 2 3 \\
         --workloads all_fits
 
 Prints one table per workload and writes JSON (--json). Not a test: it measures.
@@ -102,6 +112,15 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scripts.peerslib.replicas import (
+    add_arguments,
+    kvmesh_label,
+    mesh_runs,
+    ratio_table,
+    scheduler_names,
+    settle_arguments,
+    verdicts,
+)
 from services.bench.cli import bench, token_counter
 from services.bench.floor import floor_summary
 from services.bench.report import format_summary
@@ -167,10 +186,10 @@ def write_scheduler_config(mesh: Mesh, policy: str, aging_seconds: float | None)
                                 + yaml.safe_dump(dataclasses.asdict(mesh.config), sort_keys=False))
 
 
-def wait_scheduler(mesh: Mesh, policy: str, engines: int, timeout: float = 60.0) -> None:
-    """Until the (restarted) scheduler runs `policy` and every engine is back."""
+def wait_scheduler(address: str, policy: str, engines: int, timeout: float = 60.0) -> None:
+    """Until the (restarted) scheduler replica at `address` runs `policy` and every engine is back."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(mesh.endpoints.scheduler) as channel:
+    with grpc.insecure_channel(address) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         while time.monotonic() < deadline:
             try:
@@ -181,13 +200,17 @@ def wait_scheduler(mesh: Mesh, policy: str, engines: int, timeout: float = 60.0)
             except grpc.RpcError:
                 pass
             time.sleep(0.2)
-    raise RuntimeError(f"scheduler did not come back with policy {policy} and {engines} engines")
+    raise RuntimeError(f"scheduler {address} did not come back with policy {policy} and {engines} engines")
 
 
 def switch_policy(mesh: Mesh, policy: str, engines: int, aging_seconds: float | None = None) -> None:
+    """Every scheduler replica restarted with `policy` (all of them: a
+    request's owner is any one, so a mesh never runs two policies)."""
     write_scheduler_config(mesh, policy, aging_seconds)
-    mesh.restart("scheduler")
-    wait_scheduler(mesh, policy, engines)
+    for name in scheduler_names(mesh.options.schedulers):
+        mesh.restart(name)
+    for address in mesh.endpoints.schedulers:
+        wait_scheduler(address, policy, engines)
     time.sleep(1.0)  # gateways re-dial the scheduler with backoff
 
 
@@ -471,6 +494,7 @@ class Bench:
     def __init__(self, args: argparse.Namespace, mesh: Mesh, count: TokenCounter | None) -> None:
         self.args = args
         self.mesh = mesh
+        self.schedulers = mesh.options.schedulers
         self.count = count
         self.kv_target = Target(mesh.endpoints.public_http, MODEL, mesh.api_key)
         self.fresh_scheduler = True   # just started with args.default_policy
@@ -487,7 +511,10 @@ class Bench:
             if not (self.fresh_scheduler and policy == self.args.default_policy):
                 switch_policy(self.mesh, policy, self.args.engines)
             self.fresh_scheduler = False
-            return run_one(name, workload, spec, self.kv_target, self.count, self.mesh)
+            m = run_one(kvmesh_label(policy, self.schedulers), workload, spec, self.kv_target, self.count,
+                        self.mesh)
+            m.summary.update(policy=policy, schedulers=self.schedulers)
+            return m
         self.peer = Peer(name, engine_urls(self.mesh), Path(self.args.log_dir))
         try:
             self.peer.wait_ready()
@@ -496,17 +523,14 @@ class Bench:
             self.peer.stop()
             self.peer = None
 
-    def run_workload(self, workload: Workload) -> dict[str, Any]:
-        default = f"kvmesh:{self.args.default_policy}"
+    def run_workload(self, workload: Workload, targets: list[str]) -> list[dict[str, Any]]:
+        """One run of each target on this mesh, with its floor."""
         rows: list[dict[str, Any]] = []
-        for name in self.args.targets:
+        for name in targets:
             m = self.run_target(name, workload)
             m.summary["floor"] = floor_of(m, self.mesh)  # cheap: virtual time, between measured runs
             rows.append(m.summary)
-        floor_from = default if default in self.args.targets else self.args.targets[0]
-        return {"name": workload.name, "describe": workload.describe, "runs": rows, "floor_from": floor_from,
-                "floor": next(s["floor"] for s in rows if s["label"] == floor_from),
-                "versus": versus_best_peer(rows, default)}
+        return rows
 
     def priority_run(self) -> dict[str, Any]:
         args = self.args
@@ -520,10 +544,23 @@ class Bench:
                              workload, spec, self.kv_target, self.count, self.mesh).summary
 
 
+def workload_table(workload: Workload, rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """One workload's runs over every mesh: the floor row from the default
+    policy's run with the first scheduler count (else the first run), and
+    that run against the best peer."""
+    default = kvmesh_label(args.default_policy, args.schedulers[0])
+    labels = [s["label"] for s in rows]
+    floor_from = default if default in labels else labels[0]
+    return {"name": workload.name, "describe": workload.describe, "runs": rows, "floor_from": floor_from,
+            "floor": next(s["floor"] for s in rows if s["label"] == floor_from),
+            "versus": versus_best_peer(rows, default)}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--targets", nargs="*", default=[*(f"kvmesh:{x}" for x in POLICIES), *PEERS],
                    help=f"kvmesh:<policy> ({', '.join(POLICIES)}) and peers ({', '.join(PEERS)})")
+    add_arguments(p)
     p.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=WORKLOADS)
     p.add_argument("--default-policy", default=CONFIG_DEFAULT_POLICY,
                    help="kvmesh's default policy: the one compared with the peers and run with priorities "
@@ -559,6 +596,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if name.startswith("kvmesh:") or name in PEERS:
             continue
         p.error(f"unknown target {name!r}: kvmesh:<policy> or one of {PEERS}")
+    settle_arguments(p, args)
     return args
 
 
@@ -569,6 +607,10 @@ def report(args: argparse.Namespace, tables: list[dict[str, Any]], priority: dic
         print(f"\n## {t['name']}: {t['describe']}\n")
         print(table(t["runs"], t["floor_from"]))
         print(versus_lines(t["versus"]))
+        replicas = ratio_table(t["runs"])
+        if replicas:
+            print(f"\nscheduler replicas, TTFT against {min(args.schedulers)} scheduler(s):\n\n{replicas}")
+            print("\n".join(verdicts(t["runs"])))
     if priority is not None:
         print(f"\n{priority['label']} (aging {args.aging_seconds:g} s per class)")
         print(format_summary(priority))
@@ -580,24 +622,30 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     makers = {"all_fits": all_fits, "cache_pressure": cache_pressure}
     workloads = [makers[name](args) for name in args.workloads]
-    tables: list[dict[str, Any]] = []
+    rows: dict[str, list[dict[str, Any]]] = {w.name: [] for w in workloads}
     priority: dict[str, Any] | None = None
-    with tempfile.TemporaryDirectory(prefix="kvmesh-peers-") as tmp:
-        mesh = Mesh(mesh_config(args), MeshOptions(engines=args.engines, backend="sim", model=MODEL,
-                                                   free_ports=True, run_dir=Path(tmp)))
-        print(f"starting a mesh with {args.engines} sim engines ...", file=sys.stderr, flush=True)
-        mesh.start()
-        b = Bench(args, mesh, count)
-        try:
-            for workload in workloads:
-                if args.targets:
-                    tables.append(b.run_workload(workload))
-            if args.priority_rate:
-                priority = b.priority_run()
-        finally:
-            if b.peer is not None:
-                b.peer.stop()
-            mesh.stop_all()
+    for i, run in enumerate(mesh_runs(args.schedulers, args.targets)):
+        with tempfile.TemporaryDirectory(prefix="kvmesh-peers-") as tmp:
+            mesh = Mesh(mesh_config(args), MeshOptions(engines=args.engines, backend="sim", model=MODEL,
+                                                       schedulers=run.schedulers, free_ports=True,
+                                                       run_dir=Path(tmp)))
+            print(f"starting a mesh with {args.engines} sim engines and {run.schedulers} scheduler(s) ...",
+                  file=sys.stderr, flush=True)
+            mesh.start()
+            b = Bench(args, mesh, count)
+            try:
+                for address in mesh.endpoints.schedulers:  # every replica sees the whole fleet before a run
+                    wait_scheduler(address, args.default_policy, args.engines)
+                for workload in workloads:
+                    if run.targets:
+                        rows[workload.name] += b.run_workload(workload, run.targets)
+                if args.priority_rate and i == 0:
+                    priority = b.priority_run()
+            finally:
+                if b.peer is not None:
+                    b.peer.stop()
+                mesh.stop_all()
+    tables = [workload_table(w, rows[w.name], args) for w in workloads if rows[w.name]]
     report(args, tables, priority)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -260,6 +260,7 @@ class EngineRuntime:
         self.kept: Keeper[Generation] = Keeper(self.live, self._may_keep, resume_grace_seconds)
         self.gate: BatchGate[Generation] = BatchGate(lambda: self.backend.info.max_running, metrics)
         self._listeners: list[Callable[[], None]] = []
+        self._open_listeners: list[Callable[[GenerationRequest], None]] = []
         self._start_attempted = False
         self.liveness = LivenessWatch(hang or HangPolicy(), self.clock, lambda: self.gate.in_backend,
                                       backend.dead_reason, self.fail, backend.probe, backend.activity)
@@ -275,6 +276,11 @@ class EngineRuntime:
     def add_listener(self, callback: Callable[[], None]) -> None:
         """Called when serving/draining or the live set changes."""
         self._listeners.append(callback)
+
+    def add_open_listener(self, callback: Callable[[GenerationRequest], None]) -> None:
+        """Called with each request accepted here (`open`), before the
+        listeners of `add_listener` hear of the change."""
+        self._open_listeners.append(callback)
 
     def _notify(self) -> None:
         for callback in self._listeners:
@@ -378,6 +384,8 @@ class EngineRuntime:
         validate_request(request, self.backend.info)
         generation = Generation(self, request)
         self._live[request.request_id] = generation
+        for callback in self._open_listeners:
+            callback(request)
         self._notify()
         return generation
 

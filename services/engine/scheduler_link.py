@@ -22,7 +22,10 @@ fences from it for those only. With several replicas a generation that
 starts or ends is reported at once (`notify_now`: at the writer's next turn,
 so what starts in one loop turn goes out in one report), not after
 `min_report_gap`: the other replicas learn of each other's placements about
-a millisecond after the engine does, and do not fill its slots twice.
+a millisecond after the engine does, and do not fill its slots twice. The
+same report tells each replica the prompts the OTHER replicas placed here
+(`placed_elsewhere`, as prefix hashes), so its in-flight prefixes and live
+working set count them as its own placements.
 
 Identity: the hello carries the engine id and this process's incarnation
 (`new_incarnation`, chosen once per engine process, shared by its links: unix ms
@@ -55,6 +58,7 @@ import logging
 import secrets
 import socket
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TypeAlias, cast
 
@@ -83,6 +87,10 @@ BACKOFF_MAX_SECONDS = 2.0
 # of this engine id registered (services/scheduler/engine_links.py).
 SUPERSEDED_METADATA_KEY = "kvmesh-superseded-by"
 _INCARNATION_RANDOM_BITS = 22
+# Prompts other replicas placed here, kept for one replica's next report at
+# most: reports go out at once after each start, so more pile up only while
+# the link is down, and then they are old news.
+_PLACED_ELSEWHERE_MAX = 64
 
 # The engine's side of Scheduler.Connect (a string: grpc.aio's call classes are
 # generic only in the type stubs).
@@ -175,6 +183,8 @@ class SchedulerLink:
         self._changed = False
         self._urgent = False  # a generation started or ended: report at once (`_prompt`)
         self._sent_serving: bool | None = None  # `serving` in the last report sent
+        # Prefix hashes of prompts other replicas placed here, for this one's next report.
+        self._placed_elsewhere: deque[list[int]] = deque(maxlen=_PLACED_ELSEWHERE_MAX)
         self._resync = False
         self._seq = 0
         self._task: asyncio.Task[None] | None = None
@@ -205,6 +215,12 @@ class SchedulerLink:
         the writer's next turn; else as `notify`."""
         self._urgent = self._prompt
         self.notify()
+
+    def placed_elsewhere(self, owner: str, prefix_hashes: list[int]) -> None:
+        """A generation replica `owner` leased started here: unless that is
+        this link's replica, tell it at its next report (LoadReport.placed_elsewhere)."""
+        if self.replica and owner != self.replica:
+            self._placed_elsewhere.append(prefix_hashes)
 
     # ---------------------------------------------------------------- sessions
 
@@ -370,6 +386,8 @@ class SchedulerLink:
         load = self._runtime.load()
         # Not the engine's own endpoint's (fencing.py); only this replica's.
         listed, others = self.fencer.listed_to(fenceable(load.request_ids), self.replica)
+        placed = [scheduler_pb2.PlacedPrompt(prefix_hashes=h) for h in self._placed_elsewhere]
+        self._placed_elsewhere.clear()
         report = scheduler_pb2.LoadReport(
             running=load.running, waiting=load.waiting, blocks_used=load.blocks_used,
             blocks_total=load.blocks_total, cached_blocks=load.cached_blocks,
@@ -377,12 +395,13 @@ class SchedulerLink:
             request_ids=listed, other_replica_generations=others,
             prefill_tokens_per_second=load.prefill_tokens_per_second,
             step_seconds=load.step_seconds, step_token_budget=load.step_token_budget,
+            placed_elsewhere=placed,
         )
         report.prefix_cache_queries, report.prefix_cache_hits = self._runtime.metrics.prefix_cache_totals()
         self._sent_serving = report.serving
         blob = report.SerializeToString(deterministic=True)
         now = asyncio.get_running_loop().time()
-        if blob == self._last_report and now - self._last_report_at < self.heartbeat:
+        if not placed and blob == self._last_report and now - self._last_report_at < self.heartbeat:
             self.reports_skipped += 1
             return
         self._last_report, self._last_report_at = blob, now

@@ -61,7 +61,11 @@ class EngineEvents:
         self._refresh_gauges()
 
     def load(self, event: ev.LoadReported, out: Outbox, now: float) -> None:
-        self._fleet.report_load(event.engine_id, event.token, event.load, now)
+        """The engine's report; the prompts other replicas placed on it count
+        as this replica's placements there (in-flight prefixes, live set)."""
+        if self._fleet.report_load(event.engine_id, event.token, event.load, now):
+            for prefix in event.placed_elsewhere:
+                self.policy.remember_prefix(prefix, event.engine_id)
 
     def kv_events(self, event: ev.KvEventsReported, out: Outbox, now: float) -> None:
         if self._fleet.kv_events(

@@ -240,7 +240,8 @@ class EngineLinks:
         kind = msg.WhichOneof("msg")
         if kind == "load":
             load = _load(msg.load, self._unleased(engine_id, msg.load))
-            self._deliver(self._core.handle(ev.LoadReported(engine_id, channel.token, load)))
+            placed = [p.prefix_hashes for p in msg.load.placed_elsewhere]
+            self._deliver(self._core.handle(ev.LoadReported(engine_id, channel.token, load, placed)))
             if self.channels.get(engine_id) is channel:
                 self._fence(engine_id, channel, msg.load.request_ids)
         elif kind == "kv_events":

@@ -129,6 +129,10 @@ class LoadReported:
     engine_id: str
     token: int
     load: EngineLoad
+    # Prompts other scheduler replicas placed on the engine since its last
+    # report, as prefix hashes (LoadReport.placed_elsewhere): the policy
+    # remembers each as if it had placed it. Empty with one scheduler.
+    placed_elsewhere: Sequence[Sequence[int]] = ()
 
 
 @dataclass(frozen=True)

@@ -118,10 +118,11 @@ class EngineFleet:
         self._model_seen[info.model] = now
         return Joined(registration.record.token, registration.superseded, lost)
 
-    def report_load(self, engine_id: str, token: int, load: EngineLoad, now: float) -> None:
+    def report_load(self, engine_id: str, token: int, load: EngineLoad, now: float) -> bool:
+        """Apply a report; False = not the engine's current registration (ignored)."""
         record = self.current(engine_id, token)
         if record is None:
-            return
+            return False
         record.load = load
         record.last_report_at = now
         self._index.touch(engine_id)
@@ -131,6 +132,7 @@ class EngineFleet:
         # admissions/s a decision otherwise re-keyed ~180 reports (~10 ms of
         # its histogram, measured); now it re-keys its own leases' engines.
         self._refresh(now)
+        return True
 
     def kv_events(
         self, engine_id: str, token: int, seq: int,

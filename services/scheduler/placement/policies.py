@@ -312,12 +312,21 @@ class PlacementPolicy:
 
     def remember(self, request: PlacementRequest, engine_id: str) -> None:
         """The request went to `engine_id` (the approximate prefix memory)."""
+        self.remember_prefix(request.prefix_hashes, engine_id)
+
+    def remember_prefix(self, prefix: Sequence[int], engine_id: str) -> None:
+        """A prompt with `prefix` went to `engine_id`: placed here, or by
+        another scheduler replica (LoadReport.placed_elsewhere) -- each
+        replica's in-flight prefixes and live set then cover every replica's
+        placements, as one scheduler's would."""
+        if not prefix:
+            return
         if self.approx is not None:
-            self.approx.remember(request.prefix_hashes, engine_id)
+            self.approx.remember(prefix, engine_id)
         if self.inflight is not None:
-            self.inflight.add(request.prefix_hashes, engine_id)
+            self.inflight.add(prefix, engine_id)
         if self.live is not None:
-            self.live.add(request.prefix_hashes, engine_id)
+            self.live.add(prefix, engine_id)
 
     def passes(self, request: PlacementRequest, view: EngineView) -> bool:
         """Whether one completed view passes every filter (no pick, no

@@ -2,7 +2,8 @@
 scheduler_links.py, fencing.py): one Connect stream to each, the same hello
 (one incarnation) and reports to all; a generation that starts is reported
 to every replica at once, not at the next periodic report; each replica's
-report lists only its own generations (the others are counted), and a fence
+report lists only its own generations (the others are counted) and tells it
+the prompts the others placed here (as prefix hashes), and a fence
 ends only a generation of the replica that sent it -- one of a replica that
 is gone only after the grace, once every connected replica fenced it."""
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -21,6 +23,7 @@ from engine_helpers import engine_config, mesh_config, prompt_of
 from test_scheduler_link import FakeScheduler
 
 from services.common.config import FencingConfig
+from services.common.prefix_hash import block_hashes
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common.scheduler_replica import REPLICA_METADATA_KEY
 from services.engine.fencing import Fencer
@@ -86,11 +89,11 @@ async def _named(r: Replicas) -> None:
             await asyncio.sleep(0.01)
 
 
-async def _open(svc: EngineService, rid: str, owner: str) -> grpc.aio.StreamStreamCall:
+async def _open(svc: EngineService, rid: str, owner: str, tokens: int = 8) -> grpc.aio.StreamStreamCall:
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{svc.port}")
     call = engine_pb2_grpc.EngineStub(channel).Generate()
     await call.write(engine_pb2.EngineGenerateMessage(request=engine_pb2.EngineRequest(
-        request_id=rid, prompt_token_ids=prompt_of(8, start=700), scheduler_replica=owner,
+        request_id=rid, prompt_token_ids=prompt_of(tokens, start=700), scheduler_replica=owner,
         sampling=common_pb2.SamplingParams(max_tokens=4000))))
     return call
 
@@ -127,6 +130,30 @@ async def test_a_new_generation_is_reported_to_every_replica_at_once(replicas: R
         assert took < 0.1, f"reports took {took * 1000:.1f} ms"
         assert list(a.request_ids) == ["placed-by-a"] and a.other_replica_generations == 0
         assert list(b.request_ids) == [] and b.other_replica_generations == 1
+    finally:
+        call.cancel()
+
+
+async def test_the_other_replicas_hear_the_prompt_placed_here(replicas: Replicas) -> None:
+    """The report that tells replica B of A's new generation carries its
+    prompt's prefix hashes (the gateway's and the KV events' hash space), so
+    B counts the placement in its in-flight prefixes and live set; A, which
+    placed it, is not told."""
+    svc = replicas.svc
+    await _named(replicas)
+    assert svc.links is not None
+    for link in svc.links.links:
+        link.min_report_gap = link._interval = link.heartbeat = 30.0
+    await asyncio.sleep(0.2)
+    for fake in replicas.fakes:
+        fake.drain()
+    call = await _open(svc, "placed-by-a", "sched-a", tokens=40)   # 2 full blocks of 16
+    try:
+        a = (await replicas.fakes[0].next("load", timeout=1.0)).load
+        b = (await replicas.fakes[1].next("load", timeout=1.0)).load
+        assert list(a.placed_elsewhere) == []
+        assert [list(p.prefix_hashes) for p in b.placed_elsewhere] == [block_hashes(prompt_of(40, start=700), 16)]
+        assert svc.links.links[1]._placed_elsewhere == deque()   # told once
     finally:
         call.cancel()
 
