@@ -63,7 +63,7 @@ class EngineMetrics:
         for reason in FinishReason:   # at 0 before the first finish: a board reads 0, not nothing
             self._success.labels(*values, reason.value)
         self._values = values
-        self._hang_bound: Gauge | None = None
+        self._hang_bound = self._liveness_gauge(r, labels, values)
         self._ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
                                labels, buckets=_TTFT_BUCKETS, registry=r).labels(*values)
         self._held = Gauge("kvmesh_engine_runtime_waiting",
@@ -138,15 +138,19 @@ class EngineMetrics:
         self._prefill_time.observe(max(0.0, phases.prefill))
         self._decode_time.observe(max(0.0, phases.decode))
 
+    @staticmethod
+    def _liveness_gauge(r: CollectorRegistry, labels: list[str], values: list[str]) -> Gauge:
+        """Registered with the rest (the metric catalogue reads the registry);
+        it reads the runtime's watch once `watch_hang_bound` names it."""
+        return Gauge("kvmesh_engine_hang_bound_seconds",
+                     "Seconds without progress after which the busy backend counts as hung "
+                     "(max(floor, k x p99 step interval); a still-running one gets busy_multiple x)",
+                     labels, registry=r).labels(*values)
+
     def watch_hang_bound(self, bound: Callable[[], float]) -> None:
         """The liveness watch's current hang bound, read at scrape time: it
         follows the recent step intervals (liveness.py), so an operator -- or a
         test waiting for a hang to be declared -- reads how long that takes now."""
-        if self._hang_bound is None:
-            self._hang_bound = Gauge("kvmesh_engine_hang_bound_seconds",
-                                     "Seconds without progress after which the busy backend counts as hung "
-                                     "(max(floor, k x p99 step interval); a still-running one gets busy_multiple x)",
-                                     ["model_name", "engine"], registry=self.registry).labels(*self._values)
         self._hang_bound.set_function(bound)
 
     def migrated_out(self, generations: int = 1) -> None:
