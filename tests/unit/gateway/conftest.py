@@ -421,7 +421,14 @@ async def open_mesh(model_dir: Path, tune: Callable[[MeshConfig], None] | None =
     if tune is not None:
         tune(config)
     service = GatewayService(config)
-    http_port, grpc_port = await service.start(http_port=0, grpc_port=0)
+    try:
+        http_port, grpc_port = await service.start(http_port=0, grpc_port=0)
+    except BaseException:
+        # e.g. a metrics port taken meanwhile: what did start must not outlive the test.
+        with contextlib.suppress(Exception):
+            await service.stop(grace=0)
+        await sched_server.stop(0)
+        raise
     m = Mesh(scheduler, {}, service, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", config,
              [sched_server])
     await m.add_engine(FakeEngine("engine-a"))

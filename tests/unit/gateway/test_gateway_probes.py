@@ -6,7 +6,10 @@ flight, or at drain_seconds with what is still open (SIGTERM then cuts it)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import socket
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -21,6 +24,29 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def _metrics_mesh(model_dir: Path, **gateway: object) -> AsyncIterator[Mesh]:
+    """open_mesh with the metrics port on: a port free when picked can be
+    taken before the gateway binds it (another xdist worker, the fake
+    scheduler's own port 0), so a taken one is picked again."""
+    for attempt in range(5):
+        try:
+            opened = open_mesh(model_dir, metrics_port=_free_port(), **gateway)
+            mesh = await opened.__aenter__()
+        except OSError as error:
+            if error.errno != errno.EADDRINUSE or attempt == 4:
+                raise
+            continue
+        break
+    try:
+        yield mesh
+    except BaseException as error:
+        if not await opened.__aexit__(type(error), error, error.__traceback__):
+            raise
+    else:
+        await opened.__aexit__(None, None, None)
 
 
 def _base(mesh: Mesh) -> str:
@@ -39,7 +65,7 @@ async def _until_probe(session: aiohttp.ClientSession, mesh: Mesh, name: str, co
 
 
 async def test_drain_over_http_turns_unready_and_answers_when_drained(model_dir: Path) -> None:
-    async with open_mesh(model_dir, metrics_port=_free_port(), drain_seconds=120.0,
+    async with _metrics_mesh(model_dir, drain_seconds=120.0,
                          drain_unready_seconds=0.0) as mesh:
         service = _service(mesh)
         streams = service.metrics.active_streams
@@ -79,7 +105,7 @@ async def test_drain_over_http_turns_unready_and_answers_when_drained(model_dir:
 
 
 async def test_a_drain_that_reaches_its_bound_reports_what_is_open(model_dir: Path) -> None:
-    async with open_mesh(model_dir, metrics_port=_free_port(), drain_seconds=0.5,
+    async with _metrics_mesh(model_dir, drain_seconds=0.5,
                          drain_unready_seconds=0.0) as mesh:
         service = _service(mesh)
         engine = mesh.engines["engine-a"]
@@ -98,7 +124,7 @@ async def test_a_drain_that_reaches_its_bound_reports_what_is_open(model_dir: Pa
 
 
 async def test_not_ready_without_the_scheduler(model_dir: Path) -> None:
-    async with open_mesh(model_dir, metrics_port=_free_port()) as mesh:
+    async with _metrics_mesh(model_dir) as mesh:
         async with aiohttp.ClientSession() as session:
             await _until_probe(session, mesh, "ready", 200)
             for server in mesh.servers:  # the fake scheduler goes away
