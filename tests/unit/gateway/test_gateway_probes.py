@@ -33,7 +33,7 @@ async def _metrics_mesh(model_dir: Path, **gateway: object) -> AsyncIterator[Mes
     scheduler's own port 0), so a taken one is picked again."""
     for attempt in range(5):
         try:
-            opened = open_mesh(model_dir, metrics_port=_free_port(), **gateway)
+            opened = open_mesh(model_dir, None, metrics_port=_free_port(), **gateway)
             mesh = await opened.__aenter__()
         except OSError as error:
             if error.errno != errno.EADDRINUSE or attempt == 4:
