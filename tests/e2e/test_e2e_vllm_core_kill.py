@@ -18,12 +18,12 @@ one `kvmesh up` runs -- restarts it with the same id and port, and it
 serves again (the same greedy tokens as the surviving engine; requests
 through the gateway are placed on it and complete). SIGSTOP: no
 output while the engine holds streams, declared hung past its bound (the
-floor: 10 s on the shared pair), then the same as a kill; the core continued (SIGCONT)
+floor: 20 s on the shared pair), then the same as a kill; the core continued (SIGCONT)
 after the hang was declared delivers nothing (no text twice), the engine
 still exits and comes back.
 
 Three tests on the tiny-llama pair the run shares with
-test_e2e_vllm_migration.py (tests/e2e/conftest.py; the hang floor 10 s):
+test_e2e_vllm_migration.py (tests/e2e/conftest.py; the hang floor 20 s):
 two vLLM engines start in ~1-2 minutes on 2 cores, each faulted one again.
 The core is killed on the engine holding the most streams, the worker on
 the other one (whatever it holds; a kill of an idle engine still must lose
@@ -113,7 +113,7 @@ else:
     @pytest.fixture(scope="module")
     def supervised(shared_tiny_pair: SharedVllmMesh, tmp_path_factory: pytest.TempPathFactory) -> Supervised:
         """The shared tiny-llama pair (tests/e2e/conftest.py: 8 sequences per
-        engine, the hang floor 10 s), supervised like `kvmesh up`."""
+        engine, the hang floor 20 s), supervised like `kvmesh up`."""
         return shared_tiny_pair.get(tmp_path_factory)
 
 
