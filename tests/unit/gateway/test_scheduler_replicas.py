@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -253,26 +254,48 @@ async def test_a_replica_back_from_a_restart_is_passed_over_until_its_engines_re
         await server1.stop(0)
 
 
-async def test_a_replica_that_never_gets_the_whole_fleet_is_used_after_the_bound(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(replica_warmup, "WARMUP_MAX_SECONDS", 1.0)
+@dataclass
+class _OneGone:
+    """Two replicas, both healthy, then replica 1's server stopped and seen
+    gone; `come_back` serves it again on its address with `fleet`."""
+    replicas: SchedulerReplicas
+    address0: str
+    address1: str
+    servers: list[grpc.aio.Server]
+
+    async def come_back(self, fleet: FakeScheduler) -> None:
+        self.servers.append(await _serve_on(fleet, self.address1))
+
+
+@contextlib.asynccontextmanager
+async def _second_replica_gone() -> AsyncIterator[_OneGone]:
     server0, address0 = await _scheduler(_Fleet(2))
     server1, address1 = await _scheduler(_Fleet(2))
     replicas = SchedulerReplicas([address0, address1])
     replicas.start()
+    gone = _OneGone(replicas, address0, address1, [server0])
     try:
         await _until(lambda: replicas.healthy(address0) and replicas.healthy(address1))
         await server1.stop(0)
         await _until(lambda: not replicas.client(address1).is_ready())
-        server1 = await _serve_on(_Fleet(1), address1)  # one engine never reconnects to it
+        yield gone
+    finally:
+        await replicas.close()
+        await server1.stop(0)
+        for server in gone.servers:
+            await server.stop(0)
+
+
+async def test_a_replica_that_never_gets_the_whole_fleet_is_used_after_the_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(replica_warmup, "WARMUP_MAX_SECONDS", 1.0)
+    async with _second_replica_gone() as gone:
+        replicas, address1 = gone.replicas, gone.address1
+        await gone.come_back(_Fleet(1))                 # one engine never reconnects to it
         await _until(lambda: replicas.client(address1).is_ready())
         back = asyncio.get_running_loop().time()
         await _until(lambda: replicas.healthy(address1), 5.0)
         assert asyncio.get_running_loop().time() - back >= 0.8
-    finally:
-        await replicas.close()
-        await server0.stop(0)
-        await server1.stop(0)
 
 
 async def test_one_replica_is_not_followed() -> None:
@@ -290,24 +313,14 @@ async def test_a_replica_seen_gone_is_held_back_from_the_moment_it_returns() -> 
     """Warming starts when the replica is seen gone, not when its return is
     noticed: a request that finds the channel READY again first is not
     admitted there before the engines report to it."""
-    server0, address0 = await _scheduler(_Fleet(2))
-    server1, address1 = await _scheduler(_Fleet(2))
-    replicas = SchedulerReplicas([address0, address1])
-    replicas.start()
-    try:
-        await _until(lambda: replicas.healthy(address0) and replicas.healthy(address1))
-        await server1.stop(0)
-        await _until(lambda: not replicas.client(address1).is_ready())
+    async with _second_replica_gone() as gone:
+        replicas, address1 = gone.replicas, gone.address1
         await asyncio.sleep(0.05)
         assert replicas._replicas[address1].warmup.warming   # held back while gone already
-        server1 = await _serve_on(_Fleet(0), address1)
+        await gone.come_back(_Fleet(0))
         # From the first READY on (whether or not its follow task ran yet): not healthy.
         async with asyncio.timeout(5):
             while not replicas.client(address1).is_ready():
                 assert not replicas.healthy(address1)
                 await asyncio.sleep(0)
         assert not replicas.healthy(address1)
-    finally:
-        await replicas.close()
-        await server0.stop(0)
-        await server1.stop(0)
