@@ -7,17 +7,25 @@
    made once), with mypy filling its cache beside them so the gate
    (tests/unit/test_code_gates.py) finds it warm: ~3 minutes of one core
    become ~1.5 minutes of two.
-2. Everything else, one test at a time: the meshes, the vLLM engines, the
-   namespace hosts and the fault tests keep the machine to themselves (they
-   assert behaviour under faults with timing bounds, and two of them side by
-   side on two cores would only measure each other).
+2. Everything else, in two lanes side by side, each one test at a time:
+   the `vllm` tier (the real vLLM engines: three shared meshes and the
+   in-process backend tests) and the rest (sim meshes, namespace hosts,
+   fuzzing). One lane alone left a core idle most of the time: the sim-mesh
+   tests mostly wait on the clock (streams, drains, deadlines, partitions)
+   while a vLLM lane is mostly a core's work (boots, decode), and together
+   they took 25 minutes one after the other. Every test asserts behaviour,
+   not speed (bounds derived from what the machine measures, generous
+   timeouts), so a neighbour lane only makes it slower, never wrong. The
+   vLLM lane's output goes to `.run/test-vllm-lane.log` and is printed when
+   both lanes are done.
 
 The pytest arguments go to both runs. A `-m EXPR` given is combined with each
 run's own tier expression, so `-m netns` runs the netns tests (in run 2) and
 nothing in run 1. A run that selects no test (pytest's exit 5) is not a
-failure when the other ran tests; the exit status is the first failing run's,
-or 5 when neither selected anything. `--junitxml=PATH` writes run 1's report
-beside run 2's, as PATH with `.fast` before its suffix.
+failure when another ran tests; the exit status is the first failing run's,
+or 5 when none selected anything. `--junitxml=PATH` writes run 1's report
+and the vLLM lane's beside the other lane's, as PATH with `.fast` / `.vllm`
+before its suffix.
 """
 
 from __future__ import annotations
@@ -26,13 +34,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["FAST_TIERS", "combined_exit", "split_args", "tier_runs"]
+__all__ = ["FAST_TIERS", "VLLM_TIER", "combined_exit", "lanes", "split_args", "tier_runs"]
 
 ROOT = Path(__file__).resolve().parents[1]
 # The tiers that start no service process, need no root and no vLLM
 # (pyproject.toml's markers; tests/_tiers.py gives each test its tier).
 FAST_TIERS = "unit or deploy or observability"
+VLLM_TIER = "vllm"  # run 2's second lane
 NO_TESTS = 5  # pytest's "no tests collected / all deselected"
+VLLM_LOG = ROOT / ".run" / "test-vllm-lane.log"
 
 
 def split_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -50,9 +60,9 @@ def split_args(args: list[str]) -> tuple[str | None, list[str]]:
     return marker, rest
 
 
-def _junit_fast(arg: str) -> str:
+def _junit_beside(arg: str, tag: str) -> str:
     path = Path(arg.split("=", 1)[1])
-    return f"--junitxml={path.with_name(path.stem + '.fast' + path.suffix)}"
+    return f"--junitxml={path.with_name(path.stem + '.' + tag + path.suffix)}"
 
 
 def tier_runs(args: list[str]) -> tuple[list[str], list[str]]:
@@ -60,18 +70,47 @@ def tier_runs(args: list[str]) -> tuple[list[str], list[str]]:
     marker, rest = split_args(args)
     fast = f"({FAST_TIERS})" if marker is None else f"({marker}) and ({FAST_TIERS})"
     slow = f"not ({FAST_TIERS})" if marker is None else f"({marker}) and not ({FAST_TIERS})"
-    fast_rest = [_junit_fast(a) if a.startswith("--junitxml=") else a for a in rest]
+    fast_rest = [_junit_beside(a, "fast") if a.startswith("--junitxml=") else a for a in rest]
     return (["-m", fast, "-n", "2", "--dist", "loadfile", *fast_rest], ["-m", slow, *rest])
 
 
-def combined_exit(first: int, second: int) -> int:
-    """One status for both runs: the first failure; 'no tests' only when neither ran any."""
-    if first == NO_TESTS and second == NO_TESTS:
+def lanes(slow: list[str]) -> tuple[list[str], list[str]]:
+    """Run 2's arguments (`tier_runs`'s second) as its two lanes: every
+    tier but `vllm`, and `vllm`."""
+    marker, rest = split_args(slow)
+    assert marker is not None  # tier_runs always sets run 2's
+    vllm_rest = [_junit_beside(a, VLLM_TIER) if a.startswith("--junitxml=") else a for a in rest]
+    return (["-m", f"({marker}) and not {VLLM_TIER}", *rest], ["-m", f"({marker}) and {VLLM_TIER}", *vllm_rest])
+
+
+def combined_exit(*statuses: int) -> int:
+    """One status for every run: the first failure; 'no tests' only when none ran any."""
+    if all(status == NO_TESTS for status in statuses):
         return NO_TESTS
-    for status in (first, second):
+    for status in statuses:
         if status not in (0, NO_TESTS):
             return status
     return 0
+
+
+def run_lanes(pytest: list[str], slow: list[str]) -> tuple[int, int]:
+    """Run 2: both lanes at once; the vLLM lane's output printed after."""
+    mesh, vllm = lanes(slow)
+    VLLM_LOG.parent.mkdir(parents=True, exist_ok=True)
+    print(f"== run 2 of 2, two lanes side by side:\n   pytest {' '.join(mesh)}\n   pytest {' '.join(vllm)}"
+          f"  (output: {VLLM_LOG.relative_to(ROOT)}, printed below when done)", flush=True)
+    with VLLM_LOG.open("w") as log:
+        other = subprocess.Popen([*pytest, *vllm], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            first = subprocess.call([*pytest, *mesh], cwd=ROOT)
+            second = other.wait()
+        finally:
+            if other.poll() is None:  # interrupted: end the lane we started
+                other.terminate()
+                other.wait()
+    print(f"== run 2, the {VLLM_TIER} lane (exit {second}):", flush=True)
+    print(VLLM_LOG.read_text(errors="replace"), flush=True)
+    return first, second
 
 
 def main(argv: list[str]) -> int:
@@ -84,11 +123,10 @@ def main(argv: list[str]) -> int:
         first = subprocess.call([*pytest, *fast], cwd=ROOT)
     finally:
         warm.wait()
-    print(f"== run 2 of 2: pytest {' '.join(slow)}", flush=True)
-    second = subprocess.call([*pytest, *slow], cwd=ROOT)
-    status = combined_exit(first, second)
-    print(f"== make test: run 1 (the {FAST_TIERS} tiers) exited {first}, run 2 (the rest) {second}: "
-          f"{'passed' if status == 0 else f'exit {status}'}", flush=True)
+    mesh, vllm = run_lanes(pytest, slow)
+    status = combined_exit(first, mesh, vllm)
+    print(f"== make test: run 1 (the {FAST_TIERS} tiers) exited {first}, run 2's lanes {mesh} (no vLLM) and "
+          f"{vllm} ({VLLM_TIER}): {'passed' if status == 0 else f'exit {status}'}", flush=True)
     return status
 
 

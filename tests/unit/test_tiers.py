@@ -69,9 +69,21 @@ def test_make_test_runs_every_test_once_in_two_runs() -> None:
     assert runs.split_args(["-mnot e2e", "-q"]) == ("not e2e", ["-q"])
 
 
-@pytest.mark.parametrize(("first", "second", "want"), [
-    (0, 0, 0), (0, 5, 0), (5, 0, 0), (5, 5, 5), (1, 0, 1), (0, 1, 1), (5, 2, 2), (1, 2, 1),
+def test_run_2s_lanes_split_it_by_the_vllm_tier_and_keep_its_arguments() -> None:
+    """The two lanes of run 2 together select what run 2 selects, none twice,
+    and each writes its own report."""
+    runs = _run_tests()
+    _, slow = runs.tier_runs(["-m", "e2e", "--junitxml=out/r.xml", "-x"])
+    mesh, vllm = runs.lanes(slow)
+    run2 = "(e2e) and not (unit or deploy or observability)"
+    assert mesh == ["-m", f"({run2}) and not vllm", "--junitxml=out/r.xml", "-x"]
+    assert vllm == ["-m", f"({run2}) and vllm", "--junitxml=out/r.vllm.xml", "-x"]
+
+
+@pytest.mark.parametrize(("statuses", "want"), [
+    ((0, 0), 0), ((0, 5), 0), ((5, 0), 0), ((5, 5), 5), ((1, 0), 1), ((0, 1), 1), ((5, 2), 2), ((1, 2), 1),
+    ((5, 5, 5), 5), ((5, 5, 0), 0), ((0, 0, 1), 1), ((5, 3, 1), 3),
 ])
-def test_make_tests_exit_status(first: int, second: int, want: int) -> None:
-    """'No tests' in one run is no failure when the other ran some."""
-    assert _run_tests().combined_exit(first, second) == want
+def test_make_tests_exit_status(statuses: tuple[int, ...], want: int) -> None:
+    """'No tests' in one run is no failure when another ran some."""
+    assert _run_tests().combined_exit(*statuses) == want
