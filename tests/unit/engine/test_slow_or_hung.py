@@ -144,9 +144,13 @@ def test_the_judge_needs_a_full_window_before_a_verdict() -> None:
 def children() -> Iterator[dict[str, subprocess.Popen[bytes]]]:
     """A process that computes, one that sleeps, one stopped while computing."""
     spin = [sys.executable, "-c", "while True: pass"]
-    procs = {"busy": subprocess.Popen(spin), "asleep": subprocess.Popen([sys.executable, "-c",
-             "import time; time.sleep(600)"]), "stopped": subprocess.Popen(spin)}
+    # The sleeper says when its start-up is over: a fixed pause was too short
+    # for an interpreter's start on a loaded machine (0.25 s of it counted).
+    sleep = [sys.executable, "-c", "import time; print('asleep', flush=True); time.sleep(600)"]
+    procs = {"busy": subprocess.Popen(spin), "asleep": subprocess.Popen(sleep, stdout=subprocess.PIPE),
+             "stopped": subprocess.Popen(spin)}
     os.kill(procs["stopped"].pid, signal.SIGSTOP)
+    assert procs["asleep"].stdout is not None and procs["asleep"].stdout.readline() == b"asleep\n"
     try:
         yield procs
     finally:
@@ -157,7 +161,6 @@ def children() -> Iterator[dict[str, subprocess.Popen[bytes]]]:
 
 def test_proc_figures_grow_for_a_running_process_and_stand_still_otherwise(
         children: dict[str, subprocess.Popen[bytes]]) -> None:
-    time.sleep(0.3)  # the sleeper's start-up is over
     before = {name: runnable_seconds(p.pid) for name, p in children.items()}
     time.sleep(1.0)
     grown = {name: runnable_seconds(p.pid) - before[name] for name, p in children.items()}
