@@ -170,8 +170,14 @@ def _mesh_of(item: pytest.Item) -> str | None:
     return next((name for name in SHARED if name in item.fixturenames), None)
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The modules of one shared mesh run one after another (between two of
+    """Last, after `-m` / `-k` deselected what the run does not select: a
+    plan made before that booted every shared vLLM mesh in the background
+    of a `-m 'not vllm'` run, whose tests never used them (a lane of
+    `make test` held three idle vLLM meshes, 9 GiB).
+
+    The modules of one shared mesh run one after another (between two of
     its users the mesh would be stopped and booted again), and the shared
     meshes' groups run after every other e2e module, in the order their
     first modules stand: so each boots in the background while those other
