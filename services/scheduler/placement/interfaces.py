@@ -95,9 +95,12 @@ class EngineView:
 
     def lease_limit_for(self, priority: int) -> int:
         """Lease slots a request of class `priority` may fill."""
+        limit = self.lease_limit
         if priority == 0:
-            return self.lease_limit
-        return self.lease_limit - min(self.p0_reserved_leases, self.lease_limit - 1)
+            return limit
+        # min(p0_reserved_leases, limit - 1) written out: twice per candidate per decision.
+        reserved = self.p0_reserved_leases
+        return limit - (reserved if reserved < limit - 1 else limit - 1)
 
     @property
     def occupancy(self) -> int:
