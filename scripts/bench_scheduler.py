@@ -9,7 +9,10 @@ call with perf_counter (wall) and thread_time (this thread's CPU: the cost
 without the machine's other processes). "Decision latency" = admit + the dispatch that
 places it (what a request waits for in the scheduler's event loop when the
 queue is empty); also reported: done + dispatch, and the share of one core
-all scheduler work takes at this rate (must stay well under 100%).
+all scheduler work takes at this rate (must stay well under 100%). "All CPU
+ms / admission": the thread CPU of every core call -- decisions, ends, load
+reports, ticks -- over the admissions; "per core /s" its inverse: what one
+core carries with this fleet's reports, before any gRPC.
 
 Workload: 64 shared contexts of 2,000 tokens (125 hash blocks) plus a unique
 tail, 16-token answers; every engine reports its KV state (a snapshot of the
@@ -109,6 +112,8 @@ def run(policy: str, args: argparse.Namespace) -> dict[str, float]:
             push(k * 0.1 + j * 0.1 / args.engines, "report", eid)
 
     decision, decision_cpu, finish, other = [], [], [], 0.0
+    report_cpu: list[float] = []
+    all_cpu = 0.0   # thread CPU of every core call: decisions, ends, reports, ticks
     now = 0.0
     while events:
         at, _, kind, arg = heapq.heappop(events)
@@ -123,6 +128,7 @@ def run(policy: str, args: argparse.Namespace) -> dict[str, float]:
             deliveries = core.handle(RequestArrived(opts)).notices  # admit + dispatch
             decision.append(time.perf_counter() - t0)
             decision_cpu.append(time.thread_time() - c0)
+            all_cpu += decision_cpu[-1]
             absorb(deliveries)
             push(at + rng.expovariate(1 / args.hold_seconds), "done", f"r{arg}")
         elif kind == "done":
@@ -131,23 +137,28 @@ def run(policy: str, args: argparse.Namespace) -> dict[str, float]:
                 push(at + 0.05, "done", arg)
                 continue
             running[engine].discard(arg)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             deliveries = core.handle(RequestDone(arg)).notices
             finish.append(time.perf_counter() - t0)
+            all_cpu += time.thread_time() - c0
             absorb(deliveries)
         elif kind == "report":
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             report(arg)
             other += time.perf_counter() - t0
+            report_cpu.append(time.thread_time() - c0)
+            all_cpu += report_cpu[-1]
         else:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             absorb(core.handle(Tick()).notices)
             other += time.perf_counter() - t0
+            all_cpu += time.thread_time() - c0
     busy = sum(decision) + sum(finish) + other
     ms = lambda xs, p: percentile(xs, p) * 1000  # noqa: E731
     return {"decisions": len(decision), "p50": ms(decision, 50), "p99": ms(decision, 99),
             "cpu_p50": ms(decision_cpu, 50), "cpu_p99": ms(decision_cpu, 99),
-            "max": max(decision) * 1000, "done_p99": ms(finish, 99), "core_share": busy / args.seconds}
+            "max": max(decision) * 1000, "done_p99": ms(finish, 99), "core_share": busy / args.seconds,
+            "report_cpu_p50_us": ms(report_cpu, 50) * 1000, "all_cpu_per_admission": all_cpu * 1000 / len(decision)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,13 +177,14 @@ def main(argv: list[str] | None = None) -> int:
           f"prefix {args.context_tokens} tokens; decision = admit + dispatch, wall time per call"
           + ("" if args.candidates is None else f"; placement_candidates {args.candidates}"))
     print("| policy | decisions | p50 ms | p99 ms | max ms | CPU p50 / p99 ms | done+dispatch p99 ms "
-          "| share of one core |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| share of one core | report CPU p50 us | all CPU ms / admission | per core /s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for policy in args.policies:
         r = run(policy, args)
         print(f"| {policy} | {r['decisions']} | {r['p50']:.3f} | {r['p99']:.3f} | {r['max']:.1f} | "
               f"{r['cpu_p50']:.3f} / {r['cpu_p99']:.3f} | "
-              f"{r['done_p99']:.3f} | {r['core_share']:.0%} |", flush=True)
+              f"{r['done_p99']:.3f} | {r['core_share']:.0%} | {r['report_cpu_p50_us']:.1f} | "
+              f"{r['all_cpu_per_admission']:.3f} | {1000 / r['all_cpu_per_admission']:.0f} |", flush=True)
     return 0
 
 

@@ -60,6 +60,8 @@ class Dispatcher:
         requests behind it do not overtake it) -- but for a replacement that
         waits for an engine to come back (every engine excluded): no engine
         here may take it, so it holds no one up."""
+        if self._p.waiting.idle():
+            return []   # nothing waits: aging, TTL and placement have nothing to act on
         now = self._p.clock.monotonic()
         deliveries = self._advance(now)
         for model in self._p.waiting.models():

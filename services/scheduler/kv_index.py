@@ -2,7 +2,9 @@
 events and snapshots.
 
 Two maps kept in step: hash -> engines and engine -> hashes, so a lookup is
-O(prefix length x engines) and dropping an engine is O(its blocks). The
+O(prefix length x engines) and dropping an engine is O(its blocks); and a
+third, hash -> the bit mask of its holders (each engine a bit), so the
+prefix walk of many warm engines is one running AND per hash, in C. The
 per-engine sequence check lives here too: a KvEvents message must carry the
 previous seq + 1, otherwise the view is unreliable and the engine is asked
 for a snapshot (the caller sends Resync). Owned by `EngineFleet` (fleet.py).
@@ -11,6 +13,7 @@ for a snapshot (the caller sends Resync). Owned by `EngineFleet` (fleet.py).
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 
@@ -35,6 +38,16 @@ class KvIndex:
         self._holders: dict[int, set[str]] = {}
         self._held: dict[str, set[int]] = {}
         self._seq: dict[str, SeqCheck] = {}
+        # hash -> OR of its holders' bits; engine -> its bit (freed bits reused).
+        self._masks: dict[int, int] = {}
+        self._bits: dict[str, int] = {}
+        self._free_bits: list[int] = []
+
+    def _bit_of(self, engine_id: str) -> int:
+        bit = self._bits.get(engine_id)
+        if bit is None:
+            bit = self._bits[engine_id] = self._free_bits.pop() if self._free_bits else 1 << len(self._bits)
+        return bit
 
     def blocks(self, engine_id: str) -> int:
         return len(self._held.get(engine_id, ()))
@@ -44,31 +57,41 @@ class KvIndex:
 
     def _add(self, engine_id: str, hashes: Iterable[int]) -> None:
         held = self._held.setdefault(engine_id, set())
+        bit, masks = self._bit_of(engine_id), self._masks
         for h in hashes:
             if h not in held:
                 held.add(h)
                 self._holders.setdefault(h, set()).add(engine_id)
+                masks[h] = masks.get(h, 0) | bit
 
     def _remove(self, engine_id: str, hashes: Iterable[int]) -> None:
         held = self._held.get(engine_id)
         if not held:
             return
+        keep = ~self._bits[engine_id]
         for h in hashes:
             if h in held:
                 held.discard(h)
-                holders = self._holders[h]
-                holders.discard(engine_id)
-                if not holders:
-                    del self._holders[h]
+                self._unhold(h, engine_id, keep)
+
+    def _unhold(self, block_hash: int, engine_id: str, keep: int) -> None:
+        """`engine_id` (all bits but its own: `keep`) no longer holds `block_hash`."""
+        holders = self._holders[block_hash]
+        holders.discard(engine_id)
+        if holders:
+            self._masks[block_hash] &= keep
+        else:
+            del self._holders[block_hash]
+            del self._masks[block_hash]
 
     def drop_engine(self, engine_id: str) -> None:
         """Forget everything an engine held, at once."""
         held = self._held.pop(engine_id, set())
+        bit = self._bits.pop(engine_id, 0)
         for h in held:
-            holders = self._holders[h]
-            holders.discard(engine_id)
-            if not holders:
-                del self._holders[h]
+            self._unhold(h, engine_id, ~bit)
+        if bit:
+            self._free_bits.append(bit)
         self._seq.pop(engine_id, None)
 
     def apply_snapshot(self, engine_id: str, seq: int, hashes: Sequence[int]) -> None:
@@ -114,30 +137,40 @@ class KvIndex:
     def prefix_matches(self, prefix: Sequence[int], engines: Iterable[str]) -> dict[str, int]:
         """Per engine, how many leading hashes of `prefix` it holds (0 if none).
         Walked in C (a warm context is ~125 hashes at every placement): each
-        engine holding the first block alone while they are few, else the
-        stretches all remaining ones hold (`_common_run`), each engine
-        written once, when it drops out."""
+        engine holding the first block alone while they are few, else all
+        of them at once by their holder bits (`_deep_matches`)."""
         alive = dict.fromkeys(engines, 0)
         candidates = alive.keys() & self._holders.get(prefix[0], _NOBODY) if prefix else set()
         if len(candidates) <= _FEW_ENGINES:
             for e in candidates:
                 alive[e] = len(list(itertools.takewhile(self._held[e].__contains__, prefix)))
             return alive
-        depth, n = 1, len(prefix)
-        while candidates and depth < n:
-            depth += self._common_run(prefix, depth, candidates)
-            if depth >= n:
-                break
-            kept = candidates & self._holders.get(prefix[depth], _NOBODY)
-            for e in candidates - kept:
-                alive[e] = depth
-            candidates = kept
-            depth += 1 if kept else 0
-        for e in candidates:
-            alive[e] = depth
+        return self._deep_matches(prefix, candidates, alive)
+
+    def _deep_matches(self, prefix: Sequence[int], engines: Set[str], alive: dict[str, int]) -> dict[str, int]:
+        """`alive` with each of `engines` (all holding prefix[0]) given how
+        many leading hashes of `prefix` it holds. The running AND of their
+        bits with each hash's holder mask (`accumulate`, in C) only loses
+        bits as it goes; `groupby` finds the few places it does, and whose
+        bits went there: those engines' runs end just before."""
+        bits = self._bits
+        group = 0
+        for e in engines:
+            group |= bits[e]
+        runs = itertools.accumulate(map(self._masks.get, prefix, itertools.repeat(0)), operator.and_, initial=group)
+        start, before = 0, 0    # start: index of the group's first running AND (k = hashes ANDed in)
+        for value, run in itertools.groupby(runs):
+            if start:
+                self._ended(engines, before & ~value, start - 1, alive)
+            before = value
+            if not value:
+                return alive
+            start += len(list(run))
+        self._ended(engines, before, start - 1, alive)
         return alive
 
-    def _common_run(self, prefix: Sequence[int], start: int, engines: set[str]) -> int:
-        """How many hashes of `prefix` from `start` on all of `engines` hold."""
-        holders = map(self._holders.get, itertools.islice(prefix, start, None), itertools.repeat(_NOBODY))
-        return len(list(itertools.takewhile(engines.issubset, holders)))
+    def _ended(self, engines: Set[str], gone: int, depth: int, alive: dict[str, int]) -> None:
+        bits = self._bits
+        for e in engines:
+            if bits[e] & gone:
+                alive[e] = depth

@@ -6,6 +6,8 @@ reports cannot overfill one engine. Owned by `EngineFleet` (fleet.py).
 
 from __future__ import annotations
 
+from collections.abc import Set
+
 __all__ = ["ReservationBook", "blocks_needed"]
 
 
@@ -49,7 +51,7 @@ class ReservationBook:
         self._totals[engine_id] -= blocks
         return blocks
 
-    def settle(self, engine_id: str, running_ids: set[str]) -> int:
+    def settle(self, engine_id: str, running_ids: Set[str]) -> int:
         """The engine reported these request ids: their blocks are now in its
         blocks_used, so their reservations end. Returns blocks settled."""
         book = self._by_engine.get(engine_id)

@@ -58,6 +58,12 @@ class WaitingRoom:
         # queue.py's rules); changed only by the core's admin knobs.
         self.paused: set[int] = set()
 
+    def idle(self) -> bool:
+        """Nothing queued and no replacement waiting: a dispatch has nothing
+        to age, expire or place (the engines' reports, most events at fleet
+        scale, then cost no pass over the queues)."""
+        return not any(map(len, self._queues.values())) and not any(self._lanes.values())
+
     def models(self) -> list[str]:
         """Models with a queue or a lane (possibly empty until `drop_empty`)."""
         return list(self._lanes.keys() | self._queues.keys())

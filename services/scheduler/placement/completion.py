@@ -32,30 +32,35 @@ def complete(
     total_tokens = prompt + min(request.max_tokens, headroom_tokens)   # prompt + decode room
     p0 = request.priority == 0
     matched, live_hashes = matches.get, (live or {}).get
+    new, set_attr = object.__new__, object.__setattr__
     views = []
     for e in engines:
         block_size, engine_id = e.block_size, e.engine_id
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         prefix_blocks = matched(engine_id, 0)
-        cached = min(prefix_blocks * hash_block_tokens, prompt)
-        fields: dict[str, Any] = {
-            "prefix_blocks": prefix_blocks,
-            "cached_tokens": cached,
-            "blocks_needed": max(0, -(-total_tokens // block_size) - cached // block_size),
-            "queue_seconds": e.p0_queue_seconds if p0 and e.p0_queue_seconds is not None else e.queue_seconds,
-            "live_blocks": 0 if not live else max(
-                -(-(live_hashes(engine_id, 0) * hash_block_tokens) // block_size), e.blocks_used),
-        }
+        # min / max written out (integers: same values): per candidate per decision.
+        cached = prefix_blocks * hash_block_tokens
+        cached = cached if cached < prompt else prompt
+        needed = -(-total_tokens // block_size) - cached // block_size
+        live_blocks = 0
+        if live:
+            live_blocks = -(-(live_hashes(engine_id, 0) * hash_block_tokens) // block_size)
+            live_blocks = live_blocks if live_blocks > e.blocks_used else e.blocks_used
+        queue_seconds = e.p0_queue_seconds if p0 and e.p0_queue_seconds is not None else e.queue_seconds
         state: dict[str, Any] | None = getattr(e, "__dict__", None)
         if state is None:   # a slotted subclass: the slow, general path
-            views.append(dataclasses.replace(e, **fields))
+            views.append(dataclasses.replace(
+                e, prefix_blocks=prefix_blocks, cached_tokens=cached, blocks_needed=needed if needed > 0 else 0,
+                queue_seconds=queue_seconds, live_blocks=live_blocks))
             continue
         # `dataclasses.replace` without re-running the frozen __init__: an
         # equal, still-frozen view whose field dict is a copy.
         state = state.copy()
-        state.update(fields)
-        view = object.__new__(type(e))
-        object.__setattr__(view, "__dict__", state)
+        state["prefix_blocks"], state["cached_tokens"] = prefix_blocks, cached
+        state["blocks_needed"] = needed if needed > 0 else 0
+        state["queue_seconds"], state["live_blocks"] = queue_seconds, live_blocks
+        view = new(type(e))
+        set_attr(view, "__dict__", state)
         views.append(view)
     return views

@@ -76,7 +76,8 @@ class HasRoomFilter:
     name = "has_room"
 
     def filter(self, request: PlacementRequest, engines: Sequence[EngineView]) -> list[EngineView]:
-        return [e for e in engines if e.blocks_needed <= e.free_blocks]
+        # free_blocks written out (same integers): per candidate per decision.
+        return [e for e in engines if e.blocks_needed <= e.blocks_total - e.blocks_used - e.blocks_reserved]
 
 
 class LeaseSlotsFilter:

@@ -5,12 +5,15 @@ views, applies weights, clamps scores, shuffles ties and counts.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
-__all__ = ["EngineView", "Filter", "Picker", "PickerState", "PlacementRequest", "ScoredEngine", "Scorer"]
+__all__ = [
+    "EngineView", "Filter", "Picker", "PickerState", "PlacementRequest", "ScoredEngine", "Scorer", "view_of",
+]
 
 
 @dataclass(frozen=True)
@@ -92,14 +95,34 @@ class EngineView:
 
     def lease_limit_for(self, priority: int) -> int:
         """Lease slots a request of class `priority` may fill."""
+        limit = self.lease_limit
         if priority == 0:
-            return self.lease_limit
-        return self.lease_limit - min(self.p0_reserved_leases, self.lease_limit - 1)
+            return limit
+        # min(p0_reserved_leases, limit - 1) written out: twice per candidate per decision.
+        reserved = self.p0_reserved_leases
+        return limit - (reserved if reserved < limit - 1 else limit - 1)
 
     @property
     def occupancy(self) -> int:
         """Requests on it: the larger of our leases and what it reports."""
         return max(self.leases, self.running + self.waiting)
+
+
+def view_of(fields: dict[str, Any]) -> EngineView:
+    """`EngineView(**fields)` without running the frozen __init__: `fields`
+    (every field without a default; the dict is taken, not copied) becomes
+    the view's own field dict, the defaults filled in. Why: the fleet builds
+    a view at every load report (10,000 a second at 1,024 engines), and the
+    frozen __init__ of 32 fields took 8.4 us of the 14 a view cost."""
+    for name, default in _VIEW_DEFAULTS:
+        fields.setdefault(name, default)
+    view = object.__new__(EngineView)
+    object.__setattr__(view, "__dict__", fields)
+    return view
+
+
+_VIEW_DEFAULTS: tuple[tuple[str, Any], ...] = tuple(
+    (f.name, f.default) for f in dataclasses.fields(EngineView) if f.default is not dataclasses.MISSING)
 
 
 class ScoredEngine(NamedTuple):

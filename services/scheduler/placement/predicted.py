@@ -135,6 +135,9 @@ def with_peer_speed(views: Sequence[EngineView]) -> list[EngineView]:
     return out
 
 
+_RANKS_KEPT = 4096
+
+
 def _rank(request: PlacementRequest, engine_id: str) -> int:
     """Rendezvous weight of (the request's first prefix block, engine)."""
     root = request.prefix_hashes[0] if request.prefix_hashes else 0
@@ -158,6 +161,10 @@ class PredictedTtftPicker:
         # The policy tracks live working sets only for a picker that reads them.
         self.uses_live_set = evict_weight > 0
         self.name = name
+        # Rendezvous weights (`_rank`) by prefix root, then engine: a hot
+        # context's ~30 warm engines are ranked at each of its placements.
+        # Bounded: cleared past _RANKS_KEPT roots.
+        self._ranks: dict[int, dict[str, int]] = {}
 
     def pick(
         self, request: PlacementRequest, candidates: Sequence[ScoredEngine], state: PickerState
@@ -177,6 +184,24 @@ class PredictedTtftPicker:
             best_warm = min(t for _, t in warm)
             if best_warm <= best_cold + self.margin:
                 near = [v for v, t in warm if t <= best_warm + self.margin]
-                return own[max(near, key=lambda v: (v.prefix_blocks, _rank(request, v.engine_id))).engine_id]
+                ranks = self._ranks_of(request)
+
+                def order(v: EngineView) -> tuple[int, int]:
+                    rank = ranks.get(v.engine_id)
+                    if rank is None:
+                        rank = ranks[v.engine_id] = _rank(request, v.engine_id)
+                    return v.prefix_blocks, rank
+
+                return own[max(near, key=order).engine_id]
         # candidates are in score order: the first near-best cold engine
         return own[next(v for v, t in cold if t <= best_cold + _TIE_SECONDS).engine_id]
+
+    def _ranks_of(self, request: PlacementRequest) -> dict[str, int]:
+        """The memo of `_rank` for the request's prefix root."""
+        root = request.prefix_hashes[0] if request.prefix_hashes else 0
+        ranks = self._ranks.get(root)
+        if ranks is None:
+            if len(self._ranks) >= _RANKS_KEPT:
+                self._ranks.clear()
+            ranks = self._ranks[root] = {}
+        return ranks
