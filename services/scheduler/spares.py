@@ -55,7 +55,7 @@ from .events import Delivery
 from .fleet import EngineFleet
 from .metrics import SchedulerMetrics
 from .placement import PlacementRequest
-from .records import PlacedInfo
+from .records import AdmitOptions, PlacedInfo
 from .spare_rules import ClassBacklog, Serving, calm, engine_order_key, predicted_first_token
 from .waiting import WaitingRoom
 
@@ -237,11 +237,21 @@ class SpareKeeper:
         return now - state.miss_since >= self._config.promote_hold_seconds
 
     def _miss_now(self, model: str, now: float) -> bool:
+        """Queued work of a class with a target would miss it. A replacement
+        (a stream whose engine failed, waiting in its model's Replace lane,
+        ahead of the queues) counts as its class's head since its Replace."""
+        targets, paused = self._config.ttft_target_seconds, self._waiting.paused
+        serving: list[Serving] | None = None
+        for rec in (self._waiting.lane(model) or {}).values():
+            rank = rec.options.priority
+            if 0 <= rank < len(targets) and targets[rank] > 0:
+                serving = self._serving(model, now) if serving is None else serving
+                backlog = ClassBacklog(rank, max(0.0, now - rec.replaced_at), 0, 1, _request(rec.options, rank))
+                if predicted_first_token(backlog, serving, self._fallback) > targets[rank]:
+                    return True
         queue = self._waiting.existing_queue(model)
         if queue is None or not len(queue):
             return False
-        targets, paused = self._config.ttft_target_seconds, self._waiting.paused
-        serving: list[Serving] | None = None
         ahead = 0
         for rank, klass in enumerate(queue.classes):
             count = klass.live
@@ -249,9 +259,8 @@ class SpareKeeper:
                 head = klass.peek()
                 if head is not None:
                     serving = self._serving(model, now) if serving is None else serving
-                    opts = head.options
-                    backlog = ClassBacklog(rank, max(0.0, now - head.arrival), ahead, count, PlacementRequest(
-                        opts.request_id, model, opts.prompt_tokens, opts.max_tokens, priority=rank))
+                    backlog = ClassBacklog(rank, max(0.0, now - head.arrival), ahead, count,
+                                           _request(head.options, rank))
                     if predicted_first_token(backlog, serving, self._fallback) > targets[rank]:
                         return True
             ahead += count
@@ -285,6 +294,12 @@ class SpareKeeper:
         self._promoted[engine_id] = _Promoted(model, now)
         self._metrics.spare_promotions.labels(model, reason).inc()
         log.info("warm spare %s (%s) promoted (%s)", engine_id, model, reason)
+
+
+def _request(options: AdmitOptions, rank: int) -> PlacementRequest:
+    """The request as placement would see it, cold (no prefix counted)."""
+    return PlacementRequest(options.request_id, options.model, options.prompt_tokens, options.max_tokens,
+                            priority=rank)
 
 
 def _idle(record: EngineRecord) -> bool:
