@@ -39,7 +39,6 @@ sys.path.insert(0, str(ROOT))
 from services.bench.scheduler_classes import scheduler_state
 from services.common.config import SparesConfig, load_config
 from services.launcher.mesh import Mesh, MeshOptions
-from tests._vllm_compile_cache import share_compile_cache
 
 SLOTS = 4            # vllm max_num_seqs = the serving engine's lease slots (no slack, no P0 reserve)
 HOLD_SECONDS = 3.0
@@ -127,8 +126,6 @@ def main() -> None:
     (ROOT / ".run").mkdir(exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="spares-", dir=ROOT / ".run"))
     mesh = Mesh(config, MeshOptions(engines=2, backend="vllm", model=args.model, free_ports=True, run_dir=run_dir))
-    for i in range(2):
-        share_compile_cache(Path(mesh.config.run_dir) / "vllm" / mesh.config.engine_config(i).engine_id)
     mesh.start()
     try:
         _wait(lambda: _one_spare(mesh), 300, "one serving engine and one spare")

@@ -108,9 +108,18 @@ class SpareKeeper:
             return False
         promoted = self._sync(now)
         for model in self._order:
-            if self._spares_of(model) and self._would_miss(model, now):
+            # Cheapest first: it runs after every event (load reports included).
+            if not self._waiting_work(model) or not self._spares_of(model):
+                if model in self._models:
+                    self._models[model].miss_since = None
+            elif self._would_miss(model, now):
                 promoted = self._promote(model, now) or promoted
         return promoted
+
+    def _waiting_work(self, model: str) -> int:
+        """Requests of `model` queued or waiting in its Replace lane."""
+        queue = self._waiting.existing_queue(model)
+        return (len(queue) if queue is not None else 0) + len(self._waiting.lane(model) or ())
 
     def tick(self, now: float) -> bool:
         """Returns after calm, spares for engines that became idle; True = a promotion."""
@@ -119,9 +128,7 @@ class SpareKeeper:
         promoted = self._sync(now)
         for model in self._order:
             state = self._state(model)
-            queue = self._waiting.existing_queue(model)
-            queued = (len(queue) if queue is not None else 0) + len(self._waiting.lane(model) or ())
-            if not calm(self._serving(model, now), queued, self._config.demote_below_utilization):
+            if not calm(self._serving(model, now), self._waiting_work(model), self._config.demote_below_utilization):
                 state.calm_since = None
             elif state.calm_since is None:
                 state.calm_since = now
