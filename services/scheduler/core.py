@@ -134,7 +134,7 @@ class SchedulerCore:
             self.metrics.count_promotions)
         # Warm spares (spares.py): which engines placement skips, promotion and return.
         self.spares = SpareKeeper(self._config.spares, self.fleet, self.waiting, self.metrics,
-                                  self._config.prefill_tokens_per_second)
+                                  self._config.prefill_tokens_per_second, [m.name for m in config.models])
         self._engine_events = EngineEvents(self.fleet, self._requests, self.policy, self.metrics,
                                            self._refresh_gauges, self._config.stale_report_seconds)
         self._handlers: dict[type, Callable[[Any, Outbox, float], None]] = {

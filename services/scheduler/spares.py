@@ -63,6 +63,10 @@ __all__ = ["SpareKeeper"]
 
 log = logging.getLogger(__name__)
 
+# kvmesh_scheduler_spare_promotions_total's reasons: queued work would miss
+# its target; the model's engines fell to the spares held (one left).
+_REASONS = ("slo", "fleet")
+
 
 @dataclass
 class _ModelSpares:
@@ -86,7 +90,7 @@ class _Promoted:
 
 class SpareKeeper:
     def __init__(self, config: SparesConfig, fleet: EngineFleet, waiting: WaitingRoom,
-                 metrics: SchedulerMetrics, fallback_tokens_per_second: float) -> None:
+                 metrics: SchedulerMetrics, fallback_tokens_per_second: float, models: Iterable[str] = ()) -> None:
         self._config = config
         self._fleet = fleet
         self._waiting = waiting
@@ -98,6 +102,10 @@ class SpareKeeper:
         self._epoch = -1                           # the fleet's membership epoch `_order` is of
         # Promoted engines not yet placed on / given a first token, by engine id.
         self._promoted: dict[str, _Promoted] = {}
+        for model in models:   # the configured models' series exist at 0 from the start (boards, alerts)
+            for reason in _REASONS:
+                metrics.spare_promotions.labels(model, reason)
+            metrics.spare_returns.labels(model)
 
     # ------------------------------------------------------------ the core's calls
 
