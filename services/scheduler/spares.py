@@ -11,8 +11,9 @@ dispatch that follows the decision places on it at once.
 Rules (config: `scheduler.spares`, services/common/config/spares.py;
 arithmetic: spare_rules.py):
   held     per model, how many spares are wanted now: the configured count,
-           less promotions, plus returns; never every engine of the model
-           (at least one serves).
+           less promotions, plus returns; never every engine of the model,
+           nor the last one that reports serving (one still starting
+           serves no one).
   order    a model's engines (draining ones left out) in `engine_order_key`
            order; the spares are taken from its end, promoted from the first
            of them, returned from the last idle serving engine.
@@ -215,13 +216,21 @@ class SpareKeeper:
         engine trades places with it (both idle: no promotion)."""
         order, spares = self._order.get(model, []), self._fleet.spares
         target = max(0, min(self._state(model).held, len(order) - 1))
+        records = {e: r for e in order if (r := self._fleet.get(e)) is not None}
+        # Never the last engine that reports serving: one still starting serves no one.
+        serving_left = sum(r.load.serving for r in records.values())
         wanted: list[str] = []
         for engine_id in reversed(order):
             if len(wanted) >= target:
                 break
-            record = self._fleet.get(engine_id)
-            if engine_id in spares or (record is not None and _idle(record)):
-                wanted.append(engine_id)
+            record = records.get(engine_id)
+            if record is None or not (engine_id in spares or _idle(record)):
+                continue
+            if record.load.serving:
+                if serving_left <= 1:
+                    continue
+                serving_left -= 1
+            wanted.append(engine_id)
         removed = [e for e in order if e in spares and e not in wanted]
         added = [e for e in wanted if e not in spares]
         promotions = max(0, len(removed) - len(added))

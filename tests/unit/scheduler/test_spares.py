@@ -34,15 +34,22 @@ def _arrive(core: SchedulerCore, request_id: str, priority: int) -> list:
     return core.handle(RequestArrived(opts(request_id, priority=priority))).notices
 
 
+def _join(core: SchedulerCore, engine_id: str, **kw: Any) -> int:
+    """An engine joins and reports; the next housekeeping tick settles the spares."""
+    token = add_engine(core, engine_id, **kw)
+    core.handle(Tick())
+    return token
+
+
 def _two(core: SchedulerCore, max_running: int = 1) -> dict[str, int]:
-    return {e: add_engine(core, e, max_running=max_running) for e in ("e-0", "e-1")}
+    return {e: _join(core, e, max_running=max_running) for e in ("e-0", "e-1")}
 
 
 def test_one_engine_serves_the_rest_are_spares_last_in_order() -> None:
     core, _ = _core(spares=1)
-    add_engine(core, "e-10")
+    _join(core, "e-10")
     assert _spares(core) == set()            # a lone engine always serves
-    add_engine(core, "e-2")
+    _join(core, "e-2")
     assert _spares(core) == {"e-10"}         # numbers ordered as numbers: e-2 < e-10
     assert core.metrics.engines.labels("spare")._value.get() in (0, 1)
 
@@ -53,7 +60,7 @@ def test_replicas_agree_whatever_the_join_order() -> None:
     for joins in (ids, list(reversed(ids)), ["e-2", "e-10", "e-1"]):
         core, _ = _core(spares=1)
         for e in joins:
-            add_engine(core, e)
+            _join(core, e)
         sets.append(_spares(core))
     assert sets == [{"e-10"}] * 3
     assert sorted(ids, key=engine_order_key) == ["e-1", "e-2", "e-10"]
@@ -161,6 +168,14 @@ def test_a_serving_engine_leaving_promotes_the_spare() -> None:
 def test_no_spares_configured_changes_nothing() -> None:
     core, _ = make_core()
     for e in ("e-0", "e-1"):
-        add_engine(core, e)
+        _join(core, e)
     assert _spares(core) == set()
     assert core.metrics.engines.labels("spare")._value.get() == 0
+
+
+def test_an_engine_not_serving_yet_is_no_reason_to_hold_the_serving_one() -> None:
+    core, _ = _core(spares=1)
+    _join(core, "e-0", serving=False)    # registered, still warming up
+    _join(core, "e-1")
+    assert _spares(core) == {"e-0"}           # the serving one serves, whatever the order
+    assert placed_engine(_arrive(core, "r", 2), "r") == "e-1"
