@@ -98,6 +98,10 @@ __all__ = ["ClassStat", "EngineStat", "QueueStat", "SchedulerCore", "StateView"]
 
 log = logging.getLogger(__name__)
 
+# Events after which the spare keeper looks at the queues (spares.py `review`):
+# those that add waiting work, and the tick (waits grow with time alone).
+_ADDS_WORK = frozenset({ev.RequestArrived, ev.ReplaceRequested, ev.RequeueRequested, ev.Tick})
+
 
 class SchedulerCore:
     def __init__(
@@ -169,7 +173,7 @@ class SchedulerCore:
         self._handlers[type(event)](event, out, now)
         out.notices.extend(self._dispatcher.dispatch())
         # A spare promoted for what is still queued is placed on in the same event (spares.py).
-        if self.spares.review(now) | (isinstance(event, ev.Tick) and self.spares.tick(now)):
+        if self.spares.review(now, type(event) in _ADDS_WORK) | (isinstance(event, ev.Tick) and self.spares.tick(now)):
             out.notices.extend(self._dispatcher.dispatch())
         self.spares.placed(out.notices, now)
         self.deadlines.stamp_all(out.notices, self._requests.get, self._clock.monotonic())

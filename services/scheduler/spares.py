@@ -110,14 +110,18 @@ class SpareKeeper:
 
     # ------------------------------------------------------------ the core's calls
 
-    def review(self, now: float) -> bool:
+    def review(self, now: float, look: bool = True) -> bool:
         """Promote where queued work would miss its target (or engines left);
-        True = something was promoted (dispatch again)."""
+        True = something was promoted (dispatch again). `look` False: only
+        membership changes (the core looks at the queues after the events
+        that add waiting work, and on every tick: a load report, thousands
+        a second in a large fleet, adds none, and the waits it lets grow
+        are the tick's to see)."""
         if not self._on:
             return False
         promoted = self._sync(now)
-        for model in self._order:
-            # Cheapest first: it runs after every event (load reports included).
+        for model in self._order if look else ():
+            # Cheapest first.
             if not self._waiting_work(model) or not self._spares_of(model):
                 if model in self._models:
                     self._models[model].miss_since = None
