@@ -130,12 +130,13 @@ class SchedulerMetrics:
         )
         self.spare_promotion_seconds = Histogram(
             "kvmesh_scheduler_spare_promotion_seconds",
-            "Seconds from a spare's promotion decision to the first placement on it",
+            "Seconds from a spare's promotion for queued work (reason slo) to the first placement on it",
             buckets=_WAIT_BUCKETS, registry=r,
         )
         self.spare_first_token_seconds = Histogram(
             "kvmesh_scheduler_spare_first_token_seconds",
-            "Seconds from a spare's promotion decision to the first token of a request placed on it",
+            "Seconds from a spare's promotion for queued work (reason slo) to the first token of a "
+            "request placed on it",
             buckets=_WAIT_BUCKETS, registry=r,
         )
 

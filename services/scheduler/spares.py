@@ -172,9 +172,6 @@ class SpareKeeper:
         if promoted is not None:
             self._metrics.spare_first_token_seconds.observe(max(0.0, at - promoted.decided_at))
 
-    def is_spare(self, engine_id: str) -> bool:
-        return engine_id in self._fleet.spares
-
     # ------------------------------------------------------------ membership
 
     def _sync(self, now: float) -> bool:
@@ -319,7 +316,8 @@ class SpareKeeper:
         state = self._state(model)
         self._fleet.spares.discard(engine_id)
         state.miss_since = state.calm_since = None
-        self._promoted[engine_id] = _Promoted(model, now)
+        if reason == "slo":   # timed for queued work; an engine that left is no request's wait
+            self._promoted[engine_id] = _Promoted(model, now)
         self._metrics.spare_promotions.labels(model, reason).inc()
         log.info("warm spare %s (%s) promoted (%s)", engine_id, model, reason)
 
