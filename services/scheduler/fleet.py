@@ -198,8 +198,9 @@ class EngineFleet:
         return True
 
     def takes_work(self, record: EngineRecord) -> bool:
-        """Serving, and drained neither by the scheduler nor by an operator."""
-        return record.load.serving and not record.draining and record.engine_id not in self.admin_drained
+        """Serving, drained neither by the scheduler nor by an operator, not a warm spare."""
+        return (record.load.serving and not record.draining and record.engine_id not in self.admin_drained
+                and record.engine_id not in self.spares)
 
     def fresh_count(self, now: float) -> int:
         return sum(1 for e in self._registry if e.fresh(now, self._config.stale_report_seconds))
