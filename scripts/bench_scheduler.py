@@ -22,6 +22,7 @@ requests hold their lease for an exponential 0.5 s (about 500 in flight).
     .venv/bin/python scripts/bench_scheduler.py                # every policy, ~1 min
     .venv/bin/python scripts/bench_scheduler.py --policies sticky_until_saturated --seconds 20
     .venv/bin/python scripts/bench_scheduler.py --policies predicted_ttft --engines 1024 --candidates 0
+    .venv/bin/python scripts/bench_scheduler.py --policies predicted_ttft --spares 2   # with warm spares held
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def run(policy: str, args: argparse.Namespace) -> dict[str, float]:
     if args.candidates is not None:
         config.scheduler.placement_candidates = args.candidates
     config.scheduler.metrics_port = 0
+    config.scheduler.spares.count = args.spares
     clock = FakeClock()
     core = SchedulerCore(config, clock)
     contexts = [block_hashes([g * 7919 + i for i in range(args.context_tokens)], 16) for g in range(64)]
@@ -172,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--candidates", type=int, default=None,
                    help="scheduler.placement_candidates (0 = score every engine; default: the config's)")
+    p.add_argument("--spares", type=int, default=0, help="scheduler.spares.count (warm spares held per model)")
     args = p.parse_args(argv)
     print(f"{args.engines} engines, {args.rate:g} admissions/s for {args.seconds:g} s (fake clock), "
           f"prefix {args.context_tokens} tokens; decision = admit + dispatch, wall time per call"

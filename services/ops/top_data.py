@@ -254,4 +254,6 @@ def _status(e: scheduler_pb2.EngineState) -> str:
         return "stale"
     if e.draining:
         return "draining"
+    if e.spare:
+        return "spare"      # warm, skipped by placement until promoted
     return "serving" if e.serving else "not serving"

@@ -69,6 +69,7 @@ class AdminKnobs:
 
     def drain(self, event: ev.EngineDrainSet, out: Outbox, now: float) -> None:
         record = self._fleet.get(event.engine_id)
+        self._fleet.epoch += 1   # the spare keeper re-ranks the engines (spares.py)
         if event.drained:
             self._fleet.admin_drained.add(event.engine_id)
             if record is not None and event.move:

@@ -90,12 +90,17 @@ from .records import (
     RequestState,
 )
 from .request_book import RequestBook
+from .spares import SpareKeeper
 from .state_view import StateView
 from .waiting import QueueStat, WaitingRoom
 
 __all__ = ["ClassStat", "EngineStat", "QueueStat", "SchedulerCore", "StateView"]
 
 log = logging.getLogger(__name__)
+
+# Events after which the spare keeper looks at the queues (spares.py `review`):
+# those that add waiting work, and the tick (waits grow with time alone).
+_ADDS_WORK = frozenset({ev.RequestArrived, ev.ReplaceRequested, ev.RequeueRequested, ev.Tick})
 
 
 class SchedulerCore:
@@ -131,6 +136,9 @@ class SchedulerCore:
         self._comebacks = Comebacks(
             self._requests, self.waiting, self.fleet, self._limits, self._ledger, parts.seq,
             self.metrics.count_promotions)
+        # Warm spares (spares.py): which engines placement skips, promotion and return.
+        self.spares = SpareKeeper(self._config.spares, self.fleet, self.waiting, self.metrics,
+                                  self._config.prefill_tokens_per_second, [m.name for m in config.models])
         self._engine_events = EngineEvents(self.fleet, self._requests, self.policy, self.metrics,
                                            self._refresh_gauges, self._config.stale_report_seconds)
         self._handlers: dict[type, Callable[[Any, Outbox, float], None]] = {
@@ -161,8 +169,13 @@ class SchedulerCore:
     def handle(self, event: ev.Event) -> Outbox:
         """Apply one event, dispatch, and return what to deliver."""
         out = Outbox()
-        self._handlers[type(event)](event, out, self._clock.monotonic())
+        now = self._clock.monotonic()
+        self._handlers[type(event)](event, out, now)
         out.notices.extend(self._dispatcher.dispatch())
+        # A spare promoted for what is still queued is placed on in the same event (spares.py).
+        if self.spares.review(now, type(event) in _ADDS_WORK) | (isinstance(event, ev.Tick) and self.spares.tick(now)):
+            out.notices.extend(self._dispatcher.dispatch())
+        self.spares.placed(out.notices, now)
         self.deadlines.stamp_all(out.notices, self._requests.get, self._clock.monotonic())
         if isinstance(event, ev.Tick):
             self.waiting.drop_empty()
@@ -196,6 +209,7 @@ class SchedulerCore:
     def _first_token(self, rec: RequestRecord | None, at: float) -> None:
         if rec is not None and rec.lease is not None and rec.lease.first_token_at is None:
             rec.lease.first_token_at = at
+            self.spares.first_token(rec.lease.engine_id, at)
             self.deadlines.first_token(rec, at)
 
     def _on_done(self, event: ev.RequestDone, out: Outbox, now: float) -> None:
@@ -240,6 +254,7 @@ class SchedulerCore:
         fresh = self.fleet.fresh_count(now)
         self.metrics.engines.labels("fresh").set(fresh)
         self.metrics.engines.labels("stale").set(len(self.fleet) - fresh)
+        self.metrics.engines.labels("spare").set(len(self.fleet.spares))   # of those fresh or stale
         self._gauges.refresh(self.fleet, self.waiting, now)
         self.deadlines.refresh_metrics(now)
 

@@ -42,6 +42,7 @@ class EngineStat:
     backend: str
     incarnation: int = 0
     model_revision: str = ""
+    spare: bool = False        # held as a warm spare (spares.py): placement skips it
 
 
 @dataclass(frozen=True)
@@ -83,9 +84,14 @@ class EngineFleet:
         # registered or not: one that reconnects stays drained. Placement
         # never sees them (`views`), whatever filters a policy lists.
         self.admin_drained: set[str] = set()
+        # Engine ids held as warm spares (spares.py owns the choice): placement
+        # never sees them either. `epoch` counts joins, leaves and drains, so
+        # the spare keeper re-ranks a model's engines only when they changed.
+        self.spares: set[str] = set()
+        self.epoch = 0
         # What a decision reads per engine it looks at (fleet_reads.py).
         self._books = FleetBooks(self._registry.records(), self._index.views, self.admin_drained,
-                                 config.stale_report_seconds)
+                                 config.stale_report_seconds, self.spares)
 
     # ------------------------------------------------------------ registry
 
@@ -117,6 +123,7 @@ class EngineFleet:
         if registration.superseded is not None:
             lost = self._forget(registration.superseded)
         self._model_seen[info.model] = now
+        self.epoch += 1
         return Joined(registration.record.token, registration.superseded, lost)
 
     def report_load(self, engine_id: str, token: int, load: EngineLoad, now: float) -> bool:
@@ -157,6 +164,8 @@ class EngineFleet:
             return None
         self._model_seen[record.info.model] = now  # its model was served until now
         self._index.leave(engine_id)
+        self.spares.discard(engine_id)
+        self.epoch += 1
         return self._forget(record)
 
     def _forget(self, record: EngineRecord) -> list[Lease]:
@@ -186,11 +195,13 @@ class EngineFleet:
         if record is None:
             return False
         record.draining = True
+        self.epoch += 1
         return True
 
     def takes_work(self, record: EngineRecord) -> bool:
-        """Serving, and drained neither by the scheduler nor by an operator."""
-        return record.load.serving and not record.draining and record.engine_id not in self.admin_drained
+        """Serving, drained neither by the scheduler nor by an operator, not a warm spare."""
+        return (record.load.serving and not record.draining and record.engine_id not in self.admin_drained
+                and record.engine_id not in self.spares)
 
     def fresh_count(self, now: float) -> int:
         return sum(1 for e in self._registry if e.fresh(now, self._config.stale_report_seconds))
@@ -246,7 +257,7 @@ class EngineFleet:
 
     def views(self, model: str, now: float) -> list[EngineView]:
         return [self._view(e, now) for e in self._registry
-                if e.info.model == model and e.engine_id not in self.admin_drained]
+                if e.info.model == model and e.engine_id not in self.admin_drained and e.engine_id not in self.spares]
 
     def candidate_views(
         self, request: PlacementRequest, plan: CandidatePlan | None, holders: Callable[[int], Set[str]], now: float,
@@ -302,7 +313,7 @@ class EngineFleet:
     def stats(self, now: float) -> list[EngineStat]:
         return [
             EngineStat(self._view(e, now), e.info.address, self.kv.blocks(e.engine_id), e.info.backend,
-                       e.info.incarnation, e.info.model_revision)
+                       e.info.incarnation, e.info.model_revision, e.engine_id in self.spares)
             for e in sorted(self._registry, key=lambda r: r.engine_id)
         ]
 

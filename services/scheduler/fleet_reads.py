@@ -34,6 +34,7 @@ class FleetBooks:
     views: Mapping[str, EngineView]       # engine id -> view as of its last re-key (fleet_index.py)
     drained: Set[str]                     # engine ids an operator drained
     stale_after: float                    # scheduler.stale_report_seconds
+    spares: Set[str] = frozenset()        # engine ids held as warm spares (spares.py)
 
 
 def eligibility(books: FleetBooks, request: PlacementRequest, plan: CandidatePlan, now: float,
@@ -44,12 +45,13 @@ def eligibility(books: FleetBooks, request: PlacementRequest, plan: CandidatePla
     checks, records, views, drained, stale_after = plan.checks, books.records, books.views, books.drained, \
         books.stale_after
     excluded = request.exclude if "not_excluded" in checks else _NONE
+    spares = books.spares
     serving, not_draining, fresh = "serving" in checks, "not_draining" in checks, "fresh" in checks
     slot_class = request.slot_priority if "lease_slots" in checks else None
     reserved_slots = request.reserved_slots
 
     def eligible(engine_id: str) -> bool:
-        if engine_id in drained or engine_id in excluded:
+        if engine_id in drained or engine_id in excluded or engine_id in spares:
             return False
         record = records[engine_id]
         if (serving and not record.load.serving) or (not_draining and record.draining):

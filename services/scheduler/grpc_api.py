@@ -159,7 +159,8 @@ def _state_proto(view: StateView) -> scheduler_pb2.SchedulerState:
                 cached_blocks=e.cached_blocks, leases=e.view.leases, weight=e.view.weight,
                 backend=e.backend, incarnation=e.incarnation, max_model_len=e.view.max_model_len,
                 drained_by_admin=e.view.engine_id in drained, model_revision=e.model_revision,
-                prefill_tokens_per_second=e.view.prefill_tokens_per_second, step_seconds=e.view.step_seconds)
+                prefill_tokens_per_second=e.view.prefill_tokens_per_second, step_seconds=e.view.step_seconds,
+                spare=e.spare)
             for e in view.engines
         ],
         queued_total=view.queued_total, leases_total=view.leases_total,

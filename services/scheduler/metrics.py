@@ -106,7 +106,7 @@ class SchedulerMetrics:
             self.promotions.labels(lower, upper)   # aging moves a request up one class at a time
         for reason in RejectReason:
             self.rejections.labels(reason.value)
-        for state in ("fresh", "stale"):
+        for state in ("fresh", "stale", "spare"):
             self.engines.labels(state).set(0)
 
     def policy_in_force(self, policy: str) -> None:
@@ -115,6 +115,30 @@ class SchedulerMetrics:
         for kind in PLACEMENT_KINDS:
             self.placements.labels(policy, kind)
         self.decision_seconds.labels(policy)
+
+    def _add_spare_metrics(self, r: CollectorRegistry) -> None:
+        """Warm spares (spares.py); the held count is kvmesh_scheduler_engines{state="spare"}."""
+        self.spare_promotions = Counter(
+            "kvmesh_scheduler_spare_promotions_total",
+            "Warm spares promoted to serving, by model and reason (slo: queued work would miss its "
+            "first-token target; fleet: the model's engines fell to the spares held + 1)",
+            ["model_name", "reason"], registry=r,
+        )
+        self.spare_returns = Counter(
+            "kvmesh_scheduler_spare_returns_total",
+            "Idle engines held as warm spares (at start-up, and after calm)", ["model_name"], registry=r,
+        )
+        self.spare_promotion_seconds = Histogram(
+            "kvmesh_scheduler_spare_promotion_seconds",
+            "Seconds from a spare's promotion for queued work (reason slo) to the first placement on it",
+            buckets=_WAIT_BUCKETS, registry=r,
+        )
+        self.spare_first_token_seconds = Histogram(
+            "kvmesh_scheduler_spare_first_token_seconds",
+            "Seconds from a spare's promotion for queued work (reason slo) to the first token of a "
+            "request placed on it",
+            buckets=_WAIT_BUCKETS, registry=r,
+        )
 
     def _add_deadline_metrics(self, r: CollectorRegistry) -> None:
         """The deadline book's values (deadlines.py), refreshed by the tick."""
@@ -178,6 +202,7 @@ class SchedulerMetrics:
             "kvmesh_scheduler_engines_superseded",
             "Engine registrations ended because a newer process of the same engine id said hello "
             "(a restarted or rescheduled engine; or two engines sharing an id).", registry=r)
+        self._add_spare_metrics(r)
 
     def _add_pool_metrics(self, r: CollectorRegistry) -> None:
         """The Gateway API Inference Extension's pool gauges (its EPP's names),

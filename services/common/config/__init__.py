@@ -9,6 +9,7 @@ default, its bounds and why, where it is declared:
     network.py      keepalive of every hop, lease fencing (silent partitions)
     engines.py      engines: the template engine, its simulator and vLLM
     scheduler.py    scheduler: aging, admission limits, placement, queues
+    spares.py       scheduler.spares: warm spares per model, promotion and return
     gateway.py      gateway and its API keys
     response_cache.py  the gateway's response cache (embedded or Redis)
     responses.py    the Responses API's store (TTL, size bounds)
@@ -44,6 +45,7 @@ from .network import FencingConfig, NetworkConfig
 from .response_cache import ResponseCacheConfig
 from .responses import ResponsesConfig
 from .scheduler import AdminKeyConfig, AgingConfig, PolicyProfileConfig, SchedulerConfig
+from .spares import SparesConfig
 from .tracing import TracingConfig
 from .validation import api_key_digest, validate_config
 
@@ -71,6 +73,7 @@ __all__ = [
     "ResponsesConfig",
     "SchedulerConfig",
     "SimCostConfig",
+    "SparesConfig",
     "TracingConfig",
     "VllmConfig",
     "api_key_digest",

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .spares import SparesConfig
+
 __all__ = ["AdminKeyConfig", "AdminKeysFile", "AgingConfig", "PolicyProfileConfig", "SchedulerConfig"]
 
 
@@ -238,3 +240,5 @@ class SchedulerConfig:
     # kvmesh:scheduler:incarnations: meshes sharing a Redis take a database
     # each, the /db of the URL). "" = the file above.
     incarnations_redis_url: str = ""
+    # Warm spares per model, their promotion and return (spares.py).
+    spares: SparesConfig = field(default_factory=SparesConfig)

@@ -24,6 +24,7 @@ from .mesh import TOOL_PARSERS, MeshConfig
 from .response_cache import check_cache_mode, check_response_cache
 from .responses import check_responses
 from .scheduler import AdminKeyConfig, SchedulerConfig
+from .spares import SparesConfig
 
 __all__ = ["api_key_digest", "check_admin_keys", "check_api_keys", "validate_config"]
 
@@ -272,11 +273,25 @@ def _check_scheduler_limits(scheduler: _Section) -> None:
                        f"{s.retry_after_min_seconds} and {s.retry_after_max_seconds}")
     scheduler.positive("approx_prefix_capacity")
     scheduler.non_negative("placement_candidates")
+    _check_spares(scheduler.at("spares"))
     for name, profile in s.policy_profiles.items():
         scorers = _Section(f"{scheduler.path}.policy_profiles.{name}.scorers", profile.scorers)
         for scorer, weight in profile.scorers.items():
             if weight < 0:
                 scorers.fail(scorer, f"weight must be >= 0, got {weight}")
+
+
+def _check_spares(spares: _Section) -> None:
+    s: SparesConfig = spares.settings
+    spares.non_negative("count", "promote_hold_seconds")
+    spares.positive("demote_hold_seconds", "demote_below_utilization")
+    spares.within("demote_below_utilization", 0.0, 1.0)
+    for model, count in s.models.items():
+        if count < 0:
+            spares.at("models").fail(model, f"spares must be >= 0, got {count}")
+    targets = s.ttft_target_seconds
+    if len(targets) != len(_PRIORITY_CLASSES) or any(t < 0 for t in targets):
+        spares.fail("ttft_target_seconds", f"need {len(_PRIORITY_CLASSES)} targets >= 0 [P0, P1, P2], got {targets}")
 
 
 def _check_scheduler_addresses(section: _Section, addresses: Sequence[str]) -> None:

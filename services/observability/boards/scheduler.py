@@ -56,6 +56,16 @@ _placement = Row("Placement", (
     )),
     Panel("Rejections / s by reason", "ops", (Query(rate("kvmesh_scheduler_rejections_total", "reason"),
                                                      "{{reason}}"),)),
+    Panel("Warm spares: promotions and returns / s", "ops", (
+        Query(rate("kvmesh_scheduler_spare_promotions_total", "model_name, reason"),
+              "promoted {{model_name}} ({{reason}})"),
+        Query(rate("kvmesh_scheduler_spare_returns_total", "model_name"), "returned {{model_name}}"),
+    ), "scheduler.spares: a spare is promoted when queued P0/P1 work would miss its first-token target "
+       "(slo) or an engine left (fleet); an idle engine returns after calm. Held now: "
+       "kvmesh_scheduler_engines{state=\"spare\"} in \"Leases and engines\"."),
+    Panel("Warm spare promotion to first token", "s",
+          latency_quantiles("kvmesh_scheduler_spare_first_token_seconds", ""),
+          "From the promotion decision to the first token of a request placed on the promoted engine."),
 ))
 
 _pool = Row("Pool (Gateway API Inference Extension) and process", (

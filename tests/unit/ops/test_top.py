@@ -165,3 +165,12 @@ def test_an_unreachable_mesh_is_reported_not_raised() -> None:
     assert any(p.startswith(dead) for p in frame.problems)            # the metrics port too
     assert frame.engines == [] and frame.gateways == [GatewayRow("gateway-0", None, None, None)]
     assert "! scheduler" in _text(frame)
+
+
+def test_a_warm_spare_shows_as_spare() -> None:
+    from services.common.proto.kvmesh.v1 import scheduler_pb2
+    from services.ops.top_data import _status
+
+    spare = scheduler_pb2.EngineState(engine_id="engine-1", serving=True, fresh=True, spare=True)
+    assert _status(spare) == "spare"
+    assert _status(scheduler_pb2.EngineState(engine_id="engine-0", serving=True, fresh=True)) == "serving"

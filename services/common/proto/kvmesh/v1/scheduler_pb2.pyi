@@ -342,7 +342,7 @@ class QueueState(_message.Message):
     def __init__(self, priority: _Optional[int] = ..., tenant: _Optional[str] = ..., queued: _Optional[int] = ..., oldest_wait_seconds: _Optional[float] = ..., batch: _Optional[bool] = ...) -> None: ...
 
 class EngineState(_message.Message):
-    __slots__ = ("engine_id", "address", "model", "serving", "draining", "fresh", "running", "waiting", "blocks_used", "blocks_total", "blocks_reserved", "cached_blocks", "leases", "weight", "backend", "incarnation", "max_model_len", "drained_by_admin", "model_revision", "prefill_tokens_per_second", "step_seconds")
+    __slots__ = ("engine_id", "address", "model", "serving", "draining", "fresh", "running", "waiting", "blocks_used", "blocks_total", "blocks_reserved", "cached_blocks", "leases", "weight", "backend", "incarnation", "max_model_len", "drained_by_admin", "model_revision", "prefill_tokens_per_second", "step_seconds", "spare")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -364,6 +364,7 @@ class EngineState(_message.Message):
     MODEL_REVISION_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     address: str
     model: str
@@ -385,7 +386,8 @@ class EngineState(_message.Message):
     model_revision: str
     prefill_tokens_per_second: float
     step_seconds: float
-    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., draining: _Optional[bool] = ..., fresh: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., blocks_reserved: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., weight: _Optional[float] = ..., backend: _Optional[str] = ..., incarnation: _Optional[int] = ..., max_model_len: _Optional[int] = ..., drained_by_admin: _Optional[bool] = ..., model_revision: _Optional[str] = ..., prefill_tokens_per_second: _Optional[float] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+    spare: bool
+    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., serving: _Optional[bool] = ..., draining: _Optional[bool] = ..., fresh: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., blocks_reserved: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., weight: _Optional[float] = ..., backend: _Optional[str] = ..., incarnation: _Optional[int] = ..., max_model_len: _Optional[int] = ..., drained_by_admin: _Optional[bool] = ..., model_revision: _Optional[str] = ..., prefill_tokens_per_second: _Optional[float] = ..., step_seconds: _Optional[float] = ..., spare: _Optional[bool] = ...) -> None: ...
 
 class ClassState(_message.Message):
     __slots__ = ("priority", "preemptions", "requeued", "preempted_now", "seconds_lost", "displaced", "protected", "batch_queued", "batch_preemptions")
