@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 
 from services.common.proto.kvmesh.v1 import scheduler_pb2 as pb
+from services.common.proto.kvmesh.v1 import scheduler_pb2_grpc
 from services.gateway.admit_many import AdmitMany
 
 from .test_grpc import TIMEOUT, admit_msg, hello, stack, wait_state
@@ -100,3 +101,24 @@ async def test_the_gateway_side_reads_writes_and_fails_like_admit_calls(stack) -
     await stop
     engine.cancel()
     many.close()
+
+
+async def test_a_scheduler_without_it_leaves_the_gateway_on_admit_calls() -> None:
+    server = grpc.aio.server()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler_pb2_grpc.SchedulerServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    many = AdmitMany(scheduler_pb2_grpc.SchedulerStub(channel).AdmitMany)
+    try:
+        many.ensure()
+        async with asyncio.timeout(TIMEOUT):
+            while many._task is not None:   # the attempt ends UNIMPLEMENTED
+                await asyncio.sleep(0.01)
+        assert not many.ready and many.stream() is None
+        many.ensure()   # not tried again at once
+        assert many._task is None
+    finally:
+        many.close()
+        await channel.close()
+        await server.stop(0)
