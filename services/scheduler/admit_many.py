@@ -29,6 +29,7 @@ from typing import Any, Protocol, cast
 
 import grpc
 
+from services.common.grpc_guard import UndecodableMessage
 from services.common.proto.kvmesh.v1 import scheduler_pb2
 
 from . import events as ev
@@ -107,6 +108,7 @@ class AdmitManyCall:
         self._reading = True
         self._closing = False
         self._metadata: dict[str, str] = {}
+        self._undecodable = ""
 
     def close(self) -> None:
         """The scheduler stops: end the call once its streams have ended
@@ -118,12 +120,14 @@ class AdmitManyCall:
         if self._host.traces_enabled:
             metadata = self._context.invocation_metadata() or ()
             self._metadata = {k: v for k, v in metadata if isinstance(v, str)}
-        await self._context.write(scheduler_pb2.AdmitServerFrames())   # "served": see scheduler.proto
         reader = asyncio.create_task(self._read_all())
         try:
+            await self._context.write(scheduler_pb2.AdmitServerFrames())   # "served": see scheduler.proto
             while True:
                 if not self._frames:
                     if not self._reading:
+                        if self._undecodable:
+                            await self._context.abort(grpc.StatusCode.INVALID_ARGUMENT, self._undecodable)
                         return
                     if self._closing and not self._open:
                         await self._context.abort(grpc.StatusCode.UNAVAILABLE, "the server is stopping")
@@ -148,6 +152,8 @@ class AdmitManyCall:
                     self._on_frame(frame)
         except asyncio.CancelledError:
             raise
+        except UndecodableMessage as exc:   # garbage, not a gateway: say so (grpc_guard.py)
+            self._undecodable = str(exc)
         except Exception as exc:  # noqa: BLE001 - a broken read is the gateway leaving
             log.debug("AdmitMany: read ended: %r", exc)
         finally:

@@ -122,3 +122,12 @@ async def test_a_scheduler_without_it_leaves_the_gateway_on_admit_calls() -> Non
         many.close()
         await channel.close()
         await server.stop(0)
+
+
+async def test_bytes_that_are_no_frames_are_invalid_argument(stack) -> None:
+    _service, _stub, channel = stack
+    raw = channel.stream_stream("/kvmesh.v1.Scheduler/AdmitMany")
+    call = raw(timeout=TIMEOUT)
+    assert await asyncio.wait_for(call.read(), TIMEOUT) == b""   # the empty "served" message
+    await call.write(b"\xff\xff\xff")
+    assert await asyncio.wait_for(call.code(), TIMEOUT) == grpc.StatusCode.INVALID_ARGUMENT
