@@ -57,6 +57,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # behind the gateway's keys and limits.
 METHOD_ROLES: dict[str, frozenset[str]] = {
     "/kvmesh.v1.Scheduler/Admit": frozenset({"gateway"}),
+    "/kvmesh.v1.Scheduler/AdmitMany": frozenset({"gateway"}),
     "/kvmesh.v1.Scheduler/Connect": frozenset({"engine"}),
     "/kvmesh.v1.Scheduler/GetState": frozenset({"gateway", "admin"}),
     # The operator's knobs; the admin token applies on top.

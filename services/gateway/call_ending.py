@@ -14,6 +14,8 @@ import asyncio
 
 import grpc
 
+from services.gateway.admit_many import ManyStream
+
 __all__ = ["CallEnder"]
 
 # The last message gets this long to go out; the call ends either way.
@@ -24,14 +26,14 @@ class CallEnder:
     def __init__(self) -> None:
         self._ending: set[asyncio.Task[None]] = set()
 
-    def end_after(self, call: grpc.aio.StreamStreamCall, last: object) -> None:
+    def end_after(self, call: grpc.aio.StreamStreamCall | ManyStream, last: object) -> None:
         """Write `last` on `call` (bounded), then cancel the call."""
         task = asyncio.get_running_loop().create_task(_write_then_end(call, last))
         self._ending.add(task)
         task.add_done_callback(self._ending.discard)
 
 
-async def _write_then_end(call: grpc.aio.StreamStreamCall, last: object) -> None:
+async def _write_then_end(call: grpc.aio.StreamStreamCall | ManyStream, last: object) -> None:
     try:
         async with asyncio.timeout(_LAST_WRITE_SECONDS):
             await call.write(last)

@@ -41,6 +41,7 @@ import grpc
 from services.common.grpc_server import client_options
 from services.common.mesh_tls import MeshIdentity, aio_channel
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.gateway.admit_many import AdmitMany, ManyStream
 from services.gateway.call_ending import CallEnder
 from services.gateway.errors import GatewayError, SchedulerRestarting, from_rejection, from_scheduler_rpc_error
 from services.gateway.spare_calls import SpareCall
@@ -76,7 +77,8 @@ class Reachability:
 class AdmitSession:
     """One request's Admit stream. Used by one task only (the driver's)."""
 
-    def __init__(self, call: grpc.aio.StreamStreamCall, reachability: Reachability, ender: CallEnder) -> None:
+    def __init__(self, call: grpc.aio.StreamStreamCall | ManyStream, reachability: Reachability,
+                 ender: CallEnder) -> None:
         self._call = call
         self._ender = ender
         self._finished = False
@@ -291,6 +293,8 @@ class SchedulerClient:
         self._stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self._ender = CallEnder()
         self._spare = SpareCall(self._stub.Admit)
+        # Admit streams over one call once the scheduler answered it (admit_many.py).
+        self._many = AdmitMany(self._stub.AdmitMany)
         self._reachability = reachability or Reachability()
 
     def is_ready(self) -> bool:
@@ -306,7 +310,8 @@ class SchedulerClient:
     async def open(self, request: scheduler_pb2.AdmitRequest) -> AdmitSession:
         # Fail fast (no wait_for_ready): an unreachable scheduler is a 503 now,
         # not a hang. A restart while queued is re-admitted by the driver.
-        session = AdmitSession(self._spare.take(), self._reachability, self._ender)
+        self._many.ensure()
+        session = AdmitSession(self._many.stream() or self._spare.take(), self._reachability, self._ender)
         try:
             await session.send_request(request)
         except BaseException:  # GatewayError, or the request's task cancelled
@@ -315,8 +320,11 @@ class SchedulerClient:
         return session
 
     def replenish(self) -> None:
-        """Open the next request's Admit stream now (see `SpareCall`)."""
-        self._spare.replenish()
+        """Open the next request's Admit stream now (see `SpareCall`),
+        unless requests go over AdmitMany."""
+        self._many.ensure()
+        if not self._many.ready:
+            self._spare.replenish()
 
     async def get_state(self, timeout: float) -> scheduler_pb2.SchedulerState | None:
         try:
@@ -326,4 +334,5 @@ class SchedulerClient:
 
     async def close(self) -> None:
         self._spare.discard()
+        self._many.close()
         await self.channel.close()

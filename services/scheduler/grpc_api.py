@@ -33,6 +33,7 @@ from services.common.scheduler_replica import new_replica_id
 from services.common.tracing import NO_TRACING, Tracing
 
 from . import events as ev
+from .admit_many import CLIENT_GONE, AdmitManyCall, Mailbox
 from .admit_trace import AdmitTraces
 from .aging import AgingRule
 from .classes import admitted_priority, wire_batch
@@ -73,8 +74,6 @@ _COMMANDS = {
     ev.EngineCommand.UNDRAIN: scheduler_pb2.SchedulerCommand(undrain=scheduler_pb2.Undrain()),
 }
 
-# Marks the end of an Admit stream's client side (EOF, cancel or read error).
-_CLIENT_GONE = object()
 # Delta gaps taken from one RequestDone (the gateway sends up to 16; more is
 # a misbehaving client, not more information).
 _MAX_GAPS = 64
@@ -83,6 +82,9 @@ _MAX_GAPS = 64
 # generic only in the type stubs).
 _AdmitContext: TypeAlias = (
     "grpc.aio.ServicerContext[scheduler_pb2.AdmitClientMessage, scheduler_pb2.AdmitServerMessage]"
+)
+_AdmitManyContext: TypeAlias = (
+    "grpc.aio.ServicerContext[scheduler_pb2.AdmitClientFrames, scheduler_pb2.AdmitServerFrames]"
 )
 _ConnectContext: TypeAlias = (
     "grpc.aio.ServicerContext[scheduler_pb2.EngineMessage, scheduler_pb2.SchedulerCommand]"
@@ -196,9 +198,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.engine_links = EngineLinks(core, config, self._clock, self.deliver, incarnations, self.replica)
         # Generations engines run without a lease here (fencing.py).
         self.fences = self.engine_links.fences
-        self._mailboxes: dict[str, asyncio.Queue[object]] = {}
+        self._mailboxes: dict[str, Mailbox] = {}
         # Admit calls gateways opened ahead of their next request.
         self._idle_calls = IdleCalls()
+        # Open AdmitMany calls (admit_many.py), told when the scheduler stops.
+        self._many_calls: set[AdmitManyCall] = set()
 
     # ------------------------------------------------------------ delivery
 
@@ -240,6 +244,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def shutdown(self) -> None:
         self._idle_calls.close()
         self.deliver(self.core.handle(ev.ShutdownStarted()))
+        for call in self._many_calls:
+            call.close()
 
     def drain_engine(self, engine_id: str) -> bool:
         if engine_id not in self.engine_links.channels:
@@ -260,17 +266,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "the first Admit message must be `request` (AdmitRequest)")
-        options = _options(first.request)
-        request_id = options.request_id
+        metadata: dict[str, str] = {}
         if self.traces.enabled:
             metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-            self.traces.begin(request_id, first.request, metadata)
-        outbox = self.core.handle(ev.RequestArrived(options))
-        # The request's own first answer comes first (events.Outbox); the
-        # rest, including a Placed for it from the same dispatch, goes
-        # through the mailboxes.
-        (_, notice), outbox.notices = outbox.notices[0], outbox.notices[1:]
-        self.traces.notice(request_id, notice)
+        request_id, notice, outbox = self.arrive(first.request, metadata)
         if isinstance(notice, RejectedInfo):
             # No mailbox: a duplicate id must not take the first stream's.
             self.deliver(outbox)
@@ -279,10 +278,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         # Unbounded but small by protocol: Queued updates go only into an
         # empty box, and each admission or replace yields one Placed/Rejected.
         box: asyncio.Queue[object] = asyncio.Queue()
-        superseded = self._mailboxes.get(request_id)
-        if superseded is not None:  # a resume took the request over: end the old stream
-            superseded.put_nowait(_CLIENT_GONE)
-        self._mailboxes[request_id] = box
+        self.open_box(request_id, box)
         reader = asyncio.create_task(self._read_admit(request_id, context, box))
         try:
             self.deliver(outbox)
@@ -293,20 +289,62 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 await context.write(_to_proto(notice, self.replica))
             while True:
                 item = box.get_nowait() if not box.empty() else await box.get()
-                if item is _CLIENT_GONE:
+                if item is CLIENT_GONE:
                     return
-                # Mailboxes hold notices and the _CLIENT_GONE sentinel only.
+                # Mailboxes hold notices and the CLIENT_GONE sentinel only.
                 await context.write(_to_proto(cast(Notice, item), self.replica))
                 if isinstance(item, RejectedInfo):
                     return
         finally:
             reader.cancel()
-            if self._mailboxes.get(request_id) is box:  # else a resume owns the request now
-                self.traces.closed(request_id)
-                del self._mailboxes[request_id]
-                # After `done` the core has forgotten the request: nothing to close.
-                if self.core.request_state(request_id) is not None:
-                    self.deliver(self.core.handle(ev.StreamClosed(request_id)))
+            self.close_box(request_id, box)
+
+    async def AdmitMany(
+        self, request_iterator: AsyncIterator[scheduler_pb2.AdmitClientFrames], context: _AdmitManyContext
+    ) -> None:
+        call = AdmitManyCall(self, context)
+        self._many_calls.add(call)
+        try:
+            await call.serve()
+        finally:
+            self._many_calls.discard(call)
+
+    # ------------------------------------------------------------ Admit streams (both RPCs)
+
+    def arrive(self, request: scheduler_pb2.AdmitRequest,
+               metadata: dict[str, str]) -> tuple[str, Notice, ev.Outbox]:
+        """An Admit stream's request: its id, its own first answer, and the
+        rest of the core's outbox (a Placed for it from the same dispatch
+        included), for the caller to deliver once its mailbox is open."""
+        options = _options(request)
+        request_id = options.request_id
+        self.traces.begin(request_id, request, metadata)
+        outbox = self.core.handle(ev.RequestArrived(options))
+        (_, notice), outbox.notices = outbox.notices[0], outbox.notices[1:]
+        self.traces.notice(request_id, notice)
+        return request_id, notice, outbox
+
+    def open_box(self, request_id: str, box: Mailbox) -> None:
+        superseded = self._mailboxes.get(request_id)
+        if superseded is not None:  # a resume took the request over: end the old stream
+            superseded.put_nowait(CLIENT_GONE)
+        self._mailboxes[request_id] = box
+
+    def close_box(self, request_id: str, box: Mailbox) -> None:
+        """The stream ended: forget its mailbox and tell the core."""
+        if self._mailboxes.get(request_id) is box:  # else a resume owns the request now
+            self.traces.closed(request_id)
+            del self._mailboxes[request_id]
+            # After `done` the core has forgotten the request: nothing to close.
+            if self.core.request_state(request_id) is not None:
+                self.deliver(self.core.handle(ev.StreamClosed(request_id)))
+
+    @property
+    def traces_enabled(self) -> bool:
+        return self.traces.enabled
+
+    def to_proto(self, notice: Notice) -> scheduler_pb2.AdmitServerMessage:
+        return _to_proto(notice, self.replica)
 
     async def _read_admit(
         self, request_id: str, context: _AdmitContext, box: asyncio.Queue[object]
@@ -321,7 +359,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 msg = await _read(context)
                 if msg is None:
                     return
-                self._on_admit_message(request_id, msg, box)
+                self.on_admit_message(request_id, msg, box)
                 if msg.HasField("done"):
                     return
         except asyncio.CancelledError:
@@ -329,11 +367,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except Exception as exc:  # noqa: BLE001 - a broken read is the client leaving
             log.debug("admit %s: read ended: %r", request_id, exc)
         finally:
-            box.put_nowait(_CLIENT_GONE)
+            box.put_nowait(CLIENT_GONE)
 
-    def _on_admit_message(
-        self, request_id: str, msg: scheduler_pb2.AdmitClientMessage, box: asyncio.Queue[object]
-    ) -> None:
+    def on_admit_message(self, request_id: str, msg: scheduler_pb2.AdmitClientMessage, box: Mailbox) -> None:
         kind = msg.WhichOneof("msg")
         if self._mailboxes.get(request_id) is not box:
             return  # a stream superseded by a resume: the request is not its own any more

@@ -579,6 +579,7 @@ def _grpc_raw(mesh: Mesh, examples: int, seed: int | None) -> FuzzReport:
         (mesh.endpoints.gateway_grpc[0], "/kvmesh.v1.Inference/Generate", "unary_stream"),
         (mesh.endpoints.gateway_grpc[0], "/kvmesh.v1.Inference/ListModels", "unary_unary"),
         (mesh.endpoints.scheduler, "/kvmesh.v1.Scheduler/Admit", "stream_stream"),
+        (mesh.endpoints.scheduler, "/kvmesh.v1.Scheduler/AdmitMany", "stream_stream"),
         (mesh.endpoints.scheduler, "/kvmesh.v1.Scheduler/Connect", "stream_stream"),
         (mesh.endpoints.scheduler, "/kvmesh.v1.Scheduler/GetState", "unary_unary"),
         (mesh.endpoints.engines[0], "/kvmesh.v1.Engine/Generate", "stream_stream"),

@@ -67,7 +67,8 @@ def _first_match(routes: list[dict[str, Any]], path: str, headers: dict[str, str
 
 
 GRPC = {"content-type": "application/grpc", ":method": "POST"}
-INTERNAL = ["/kvmesh.v1.Scheduler/Admit", "/kvmesh.v1.Scheduler/Connect", "/kvmesh.v1.Scheduler/GetState",
+INTERNAL = ["/kvmesh.v1.Scheduler/Admit", "/kvmesh.v1.Scheduler/AdmitMany", "/kvmesh.v1.Scheduler/Connect",
+            "/kvmesh.v1.Scheduler/GetState",
             "/kvmesh.v1.Engine/Generate", "/kvmesh.v1.Engine/Abort", "/kvmesh.v1.Engine/GetInfo",
             "/some.other.Service/Method"]
 PUBLIC = ["/kvmesh.v1.Inference/Chat", "/kvmesh.v1.Inference/Generate", "/kvmesh.v1.Inference/ListModels",

@@ -197,6 +197,38 @@ class AdmitServerMessage(_message.Message):
     preempted: Preempted
     def __init__(self, queued: _Optional[_Union[Queued, _Mapping]] = ..., placed: _Optional[_Union[Placed, _Mapping]] = ..., rejected: _Optional[_Union[Rejected, _Mapping]] = ..., preempted: _Optional[_Union[Preempted, _Mapping]] = ...) -> None: ...
 
+class AdmitClientFrame(_message.Message):
+    __slots__ = ("stream", "message", "end")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    message: AdmitClientMessage
+    end: bool
+    def __init__(self, stream: _Optional[int] = ..., message: _Optional[_Union[AdmitClientMessage, _Mapping]] = ..., end: _Optional[bool] = ...) -> None: ...
+
+class AdmitClientFrames(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[AdmitClientFrame]
+    def __init__(self, frames: _Optional[_Iterable[_Union[AdmitClientFrame, _Mapping]]] = ...) -> None: ...
+
+class AdmitServerFrame(_message.Message):
+    __slots__ = ("stream", "message", "end")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    message: AdmitServerMessage
+    end: bool
+    def __init__(self, stream: _Optional[int] = ..., message: _Optional[_Union[AdmitServerMessage, _Mapping]] = ..., end: _Optional[bool] = ...) -> None: ...
+
+class AdmitServerFrames(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[AdmitServerFrame]
+    def __init__(self, frames: _Optional[_Iterable[_Union[AdmitServerFrame, _Mapping]]] = ...) -> None: ...
+
 class EngineHello(_message.Message):
     __slots__ = ("engine_id", "address", "model", "block_size", "total_blocks", "max_running", "weight", "max_model_len", "hash_block_tokens", "backend", "http_address", "incarnation", "model_revision", "scheduler_replicas")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class SchedulerStub:
                 request_serializer=kvmesh_dot_v1_dot_scheduler__pb2.AdmitClientMessage.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_scheduler__pb2.AdmitServerMessage.FromString,
                 _registered_method=True)
+        self.AdmitMany = channel.stream_stream(
+                '/kvmesh.v1.Scheduler/AdmitMany',
+                request_serializer=kvmesh_dot_v1_dot_scheduler__pb2.AdmitClientFrames.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_scheduler__pb2.AdmitServerFrames.FromString,
+                _registered_method=True)
         self.Connect = channel.stream_stream(
                 '/kvmesh.v1.Scheduler/Connect',
                 request_serializer=kvmesh_dot_v1_dot_scheduler__pb2.EngineMessage.SerializeToString,
@@ -57,6 +62,17 @@ class SchedulerServicer:
     def Admit(self, request_iterator, context):
         """One stream per request, opened by the gateway. The lease lives exactly
         as long as this stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AdmitMany(self, request_iterator, context):
+        """Many Admit streams over one long-lived call, one per gateway and
+        scheduler (AdmitClientFrames): each frame is one message of one of
+        them, and a call's frames are batched into few gRPC messages. A stream
+        here means exactly what an Admit call means -- its lease lives as long
+        as it does -- and all of them end when the call ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -86,6 +102,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Admit,
                     request_deserializer=kvmesh_dot_v1_dot_scheduler__pb2.AdmitClientMessage.FromString,
                     response_serializer=kvmesh_dot_v1_dot_scheduler__pb2.AdmitServerMessage.SerializeToString,
+            ),
+            'AdmitMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.AdmitMany,
+                    request_deserializer=kvmesh_dot_v1_dot_scheduler__pb2.AdmitClientFrames.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_scheduler__pb2.AdmitServerFrames.SerializeToString,
             ),
             'Connect': grpc.stream_stream_rpc_method_handler(
                     servicer.Connect,
@@ -125,6 +146,33 @@ class Scheduler:
             '/kvmesh.v1.Scheduler/Admit',
             kvmesh_dot_v1_dot_scheduler__pb2.AdmitClientMessage.SerializeToString,
             kvmesh_dot_v1_dot_scheduler__pb2.AdmitServerMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdmitMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.v1.Scheduler/AdmitMany',
+            kvmesh_dot_v1_dot_scheduler__pb2.AdmitClientFrames.SerializeToString,
+            kvmesh_dot_v1_dot_scheduler__pb2.AdmitServerFrames.FromString,
             options,
             channel_credentials,
             insecure,
