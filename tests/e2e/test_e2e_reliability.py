@@ -21,6 +21,8 @@ from services.launcher.mesh import Mesh
 
 STREAMS = 50
 LONG_TOKENS = 400
+# ~30 s of decode: past a scheduler's restart however loaded the machine.
+HOLD_TOKENS = 6000
 # Long enough to outlive the drain timeout by seconds however late the test
 # sends SIGTERM on a loaded machine (400 tokens took ~2 s: too close to it).
 DRAIN_LONG_TOKENS = 1600
@@ -119,6 +121,12 @@ async def test_scheduler_sigkill_under_load_loses_nothing(e2e_mesh: Mesh) -> Non
     reattached = gateway_counter(mesh, "kvmesh_gateway_scheduler_readmissions_total", 'state="running"')
     readmitted = gateway_counter(mesh, "kvmesh_gateway_scheduler_readmissions_total", 'state="queued"')
 
+    # Two streams that outlive any restart of the scheduler: the 400-token
+    # ones (~2 s) had all ended by the time a restart on a loaded machine
+    # was healthy, and no running lease was left to re-attach. Cancelled once
+    # a running lease re-attached (their text is not compared).
+    holders, holder_tasks, holder_session = await run_streams(mesh, _prompts("hold", 2), [HOLD_TOKENS] * 2)
+    await wait_until(lambda: all(r.chunks > 0 for r in holders), 60, "the two holding streams to be running")
     results, tasks, session = await run_streams(mesh, prompts, lengths)
     # Two engines x 16 running: the rest wait in the scheduler's queue.
     await wait_until(lambda: sum(r.chunks > 0 for r in results) >= 20, 60, "streams to be running")
@@ -136,6 +144,13 @@ async def test_scheduler_sigkill_under_load_loses_nothing(e2e_mesh: Mesh) -> Non
         s = scheduler_state(mesh)
         return 0 if s is None else s.leases_total
     await wait_until(lambda: leases() > 0, 30, "leases to be re-attached")
+    await wait_until(lambda: gateway_counter(mesh, "kvmesh_gateway_scheduler_readmissions_total",
+                                             'state="running"') > reattached, 60, "a running lease to re-attach")
+    assert not any(r.done for r in holders), "a holding stream ended before the restart"
+    for task in holder_tasks:
+        task.cancel()
+    await asyncio.gather(*holder_tasks, return_exceptions=True)
+    await holder_session.close()
     results = await _finish(tasks, session)
     late = await _finish(late_tasks, late_session)
     elapsed = time.monotonic() - killed_at
