@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from services.common.config import ScalingConfig
 from services.planning.engine_model import Workload
-from services.planning.fleet_plan import ClassTarget, Targets, smallest_fleet
+from services.planning.fleet_plan import ClassTarget, Targets, evaluate, smallest_fleet
 
 from .demand import ModelDemand
 from .signals import ModelSupply, QueueSignal, clear_seconds
@@ -61,14 +61,21 @@ def steady(demand: ModelDemand, supply: ModelSupply, config: ScalingConfig, pree
     classes = [ClassTarget(_CLASS_NAMES[c], shares[c], config.ttft_targets_seconds[c], c in preempting)
                for c in range(len(shares)) if shares[c] > 0]
     targets = Targets(classes, config.quantile, min_spares=0)
-    option = smallest_fleet(supply.profile, workload, targets)
-    if option is not None:
-        return Need(option.engines, f"steady state: {rate:.2f} req/s, batch {option.load.batch:.1f}/engine, "
-                                    f"TTFT targets met at p{100 * config.quantile:g}")
+    # Searched only when max_engines can do it: the search's cost grows with
+    # the fleet it tries (Erlang C over every batch slot), and it runs on
+    # the scheduler's one thread.
+    top = max(1, config.max_engines)
+    if evaluate(supply.profile, workload, targets, top).met:
+        option = smallest_fleet(supply.profile, workload, targets)
+        if option is not None:
+            return Need(option.engines, f"steady state: {rate:.2f} req/s, batch {option.load.batch:.1f}/engine, "
+                                        f"TTFT targets met at p{100 * config.quantile:g}")
     loose = Targets([dataclasses.replace(c, ttft_seconds=math.inf) for c in classes], config.quantile, min_spares=0)
-    option = smallest_fleet(supply.profile, workload, loose)
-    engines = option.engines if option is not None else config.max_engines
-    return Need(engines, f"steady state: {rate:.2f} req/s needs {engines} to keep up (TTFT targets out of reach)")
+    option = smallest_fleet(supply.profile, workload, loose) if evaluate(
+        supply.profile, workload, loose, top).met else None
+    engines = option.engines if option is not None else top
+    return Need(engines, f"steady state: {rate:.2f} req/s needs {engines} to keep up (TTFT targets out of reach "
+                         f"within {top} engines)")
 
 
 def reactive(queue: QueueSignal, supply: ModelSupply, config: ScalingConfig) -> Need:

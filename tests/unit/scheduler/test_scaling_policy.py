@@ -122,3 +122,21 @@ def test_the_core_publishes_desired_engines_per_interval() -> None:
     [decision] = [d for d in core.state().scaling if d.model == MODEL]
     assert decision.current == 1 and decision.desired >= 1 and decision.reason
     assert core.metrics.value("kvmesh_scheduler_desired_engines", {"model": MODEL}) == decision.desired
+
+
+def test_unreachable_targets_fall_back_to_keeping_up_within_max() -> None:
+    slow_prefill = EngineProfile("slow prefill", 0.01, 0.0, 0.0, 0.01, 512, 8, 0)   # 10 ms per prompt token
+    config = ScalingConfig(ttft_targets_seconds=[0.5, 0.5, 0.5], max_engines=16)
+    d = demand(4.0)
+    d.prompt_tokens = 200.0                       # a 2 s prefill: no fleet meets 0.5 s
+    got = need(d, supply(2, slow_prefill), NO_QUEUE, config)
+    assert 1 <= got.engines <= 16 and "out of reach" in got.reason
+
+
+def test_a_model_nobody_configured_or_serves_is_not_counted() -> None:
+    core, clock = make_core(clock=FakeClock())
+    for i in range(20):
+        core.handle(RequestArrived(opts(f"r{i}", model=f"random-{i}")))
+    clock.advance(6.0)
+    core.handle(Tick())
+    assert core.state().scaling == []
