@@ -54,7 +54,7 @@ from scenario_preemption import write_json
 
 from services.bench.cli import token_counter
 from services.bench.runner import RunResult, Target, run_workload
-from services.bench.workloads import Arrival, ArrivalSpec, Conversation, build_workload
+from services.bench.workloads import Arrival, ArrivalSpec, Conversation, WorkloadSpec, build_workload
 from services.common.config import MeshConfig, ScalingConfig
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.launcher.autoscale import EngineFigures, LocalAutoscaler, SchedulerView
@@ -164,7 +164,8 @@ def _figures(fleet: str, run: RunResult, meter: Meter, targets: list[float]) -> 
     return out
 
 
-def run_fleet(fleet: str, args: argparse.Namespace, convs: list[Conversation], warmup: Any) -> dict[str, Any]:
+def run_fleet(fleet: str, args: argparse.Namespace, convs: list[Conversation],
+              warmup: tuple[WorkloadSpec, ArrivalSpec]) -> dict[str, Any]:
     config = _config(args)
     shape = FLEETS[fleet]
     options = MeshOptions(backend="sim", model=MODEL, free_ports=True,
@@ -176,7 +177,7 @@ def run_fleet(fleet: str, args: argparse.Namespace, convs: list[Conversation], w
         meter = Meter(mesh, _actuator(mesh, fleet, args))
         try:
             target = Target(mesh.endpoints.public_http, MODEL, mesh.api_key, timeout_seconds=args.request_timeout)
-            warm(*warmup, target, token_counter(str(ROOT / ".models" / MODEL)))
+            warm(warmup[0], warmup[1], target, token_counter(str(ROOT / ".models" / MODEL)))
             meter.start()
             meter.measuring.set()
             run = asyncio.run(run_workload(convs, ArrivalSpec(Arrival.POISSON, rate=args.to_rate), target))
