@@ -9,7 +9,8 @@ by starting and draining engine processes of this mesh, clamped to
   the next step does not start another for the same shortfall. An engine
   being drained is taken back instead (undrained) when the count rises again:
   cheaper than a cold start.
-- In: the highest-numbered engine that serves is drained -- the scheduler
+- In: an engine still starting is stopped first (it serves nothing yet);
+  else the highest-numbered engine that serves is drained -- the scheduler
   places nothing new on it (Admin DrainEngine) and its running requests
   finish -- then stopped (SIGTERM: the engine's own drain hands over what is
   still running after `drain_seconds`, and the gateways continue those
@@ -236,6 +237,13 @@ class LocalAutoscaler:
         idle.state, idle.since = "starting", now
 
     def _in(self, want: int, have: int, reason: str, now: float) -> None:
+        starting = [e for e in self._engines if e.state == "starting"]
+        if starting:   # nothing runs there yet: stopped at once, and a serving engine keeps serving
+            victim = starting[-1]
+            self._say(f"desired {want}, active {have} ({reason}): {victim.spec.name} stopped while starting")
+            self.target.terminate(victim.spec.name)
+            victim.state, victim.since = "stopping", now
+            return
         serving = [e for e in self._engines if e.state == "serving"]
         if not serving:
             return

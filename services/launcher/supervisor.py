@@ -205,6 +205,7 @@ class Supervisor:
         is expected and not reported by `exited()`. `wait(name)` reaps it."""
         child = self._child(name)
         child.stopping = True
+        self._end_start(name)   # one stopped while it started (an engine `--autoscale` no longer wants)
         _signal_group(child, signal.SIGTERM)
 
     def wait(self, name: str, timeout: float) -> int | None:

@@ -42,7 +42,7 @@ def _autoscaled_mesh(tmp_path: Path, bounds: tuple[int, int]) -> Iterator[Mesh]:
     s = config.scheduler.scaling
     s.interval_seconds, s.scale_in_hold_seconds = 1.0, 4.0
     s.fast_rate_seconds, s.slow_rate_seconds = 2.0, 4.0
-    s.ttft_targets_seconds = [0.5, 1.0, 5.0]
+    s.ttft_targets_seconds = [1.0, 2.0, 5.0]
     config.gateway.heartbeat_seconds = 0.5
     options = MeshOptions(backend="sim", model="tiny-llama", free_ports=True, run_dir=tmp_path / "mesh",
                           autoscale=bounds)
@@ -82,14 +82,14 @@ async def test_a_burst_grows_the_fleet_and_it_shrinks_after_without_losing_a_str
             grown = _serving(mesh)
             trickle: list[StreamResult] = []
 
-            async def keep_streaming() -> None:
-                # One light stream at a time: one engine is plenty, so the
-                # fleet drains down to it while these run.
+            async def keep_streaming(lane: int) -> None:
+                # Two long streams at a time: one engine is plenty, so the
+                # fleet drains down to it while these run, some of them on
+                # the engines that leave.
                 while _running_engines(mesh) > 1:
-                    trickle.append(await stream_completion(session, mesh, f"trickle {len(trickle)}", 40))
-                    await asyncio.sleep(0.3)
+                    trickle.append(await stream_completion(session, mesh, f"trickle {lane} {len(trickle)}", 250))
 
-            await asyncio.wait_for(keep_streaming(), TIMEOUT)
+            await asyncio.wait_for(asyncio.gather(keep_streaming(0), keep_streaming(1)), TIMEOUT)
         assert grown >= 2
         assert all(r.ok for r in results), [r for r in results if not r.ok][:3]
         assert trickle and all(r.ok for r in trickle), [r for r in trickle if not r.ok][:3]

@@ -112,6 +112,19 @@ def test_a_draining_engine_is_taken_back_before_a_cold_start() -> None:
     assert sched.drains == [("engine-1", True), ("engine-1", False)] and not mesh.launched
 
 
+def test_in_stops_a_starting_engine_before_draining_a_serving_one() -> None:
+    scaler, mesh, sched, clock = _actuator((1, 3), running=1)
+    sched.desired = 3
+    _pass(scaler, clock)
+    _pass(scaler, clock)
+    assert mesh.launched == ["engine-1", "engine-2"]
+    sched.desired = 1
+    _pass(scaler, clock)
+    assert mesh.stopped == ["engine-2"] and not sched.drains       # engine-0 keeps serving
+    _pass(scaler, clock)
+    assert mesh.stopped == ["engine-2", "engine-1"] and not [d for d in sched.drains if d[1]]   # none drained
+
+
 def test_autoscale_bounds_and_options(tmp_path: Path) -> None:
     assert parse_bounds("0:2") == (0, 2) and parse_bounds("1:8") == (1, 8)
     for bad in ("2", "3:1", "0:0", "a:b", "-1:2"):

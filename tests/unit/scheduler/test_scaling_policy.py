@@ -98,6 +98,18 @@ def test_in_slowly_after_the_hold_one_step_per_decision() -> None:
     assert s.step(Need(1, "lull"), 2, config, 135.0)[0] == 1
 
 
+def test_no_scale_in_while_the_queue_misses() -> None:
+    config = ScalingConfig(scale_in_hold_seconds=10.0)
+    s = Stepper(desired=4)
+    for t in (0.0, 20.0, 40.0):     # the rate fell, but the queue still misses: engines may still be starting
+        assert s.step(Need(2, "queue: P1 waited 9 s", missing=True), 1, config, t)[0] == 4
+    assert s.step(Need(2, "lull"), 4, config, 45.0)[0] == 4      # the hold starts only now
+    assert s.step(Need(2, "lull"), 4, config, 55.0)[0] == 3
+    missed = QueueSignal([0, 4, 0], [3.0, 3.0, 0.0])
+    got = need(demand(40.0), supply(1), missed, ScalingConfig(ttft_targets_seconds=[0.5, 2.0, 20.0]))
+    assert got.missing
+
+
 def test_the_demand_meter_follows_a_rate_by_time_constant() -> None:
     meter = DemandMeter(fast_seconds=10.0, slow_seconds=60.0, now=0.0)
     for second in range(1, 61):
