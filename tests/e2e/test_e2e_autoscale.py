@@ -13,6 +13,9 @@ Each test runs its own mesh and the supervision loop `kvmesh up` runs
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -109,5 +112,9 @@ async def test_from_zero_the_first_request_completes_once_an_engine_started(tmp_
                                                  stream_completion(session, mesh, "and another", 16))
         assert first.ok and second.ok, (first, second)
         assert _running_engines(mesh) >= 1
+        top = subprocess.run([sys.executable, "-m", "services.cli", "--config", str(mesh.config_path), "top",
+                              "--once", "--interval", "0.3"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60, check=False, env={**os.environ, "COLUMNS": "200"})
+        assert top.returncode == 0 and "Scaling" in top.stdout and "tiny-llama" in top.stdout, top
         log = (mesh.log_dir / "scheduler.log").read_text()
         assert "rejected" not in log
