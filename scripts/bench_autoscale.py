@@ -37,6 +37,7 @@ import dataclasses
 import logging
 import math
 import random
+import signal
 import sys
 import tempfile
 import threading
@@ -225,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     add_run_args(p, request_timeout=600.0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    # SIGTERM (and SIGINT, which a background job ignores) ends the run
+    # through the `finally` that stops the mesh: no fleet is left behind.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
     count = token_counter(str(ROOT / ".models" / MODEL))
     total = int((args.from_rate + args.to_rate) / 2 * args.seconds * 1.5) + 50
     spec = spec_of(args, "[autoscale] ", total)
