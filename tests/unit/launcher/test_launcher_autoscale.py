@@ -139,3 +139,14 @@ def test_autoscale_bounds_and_options(tmp_path: Path) -> None:
     assert config.engines.count == 3 and s.enabled and (s.min_engines, s.max_engines) == (0, 3)
     with pytest.raises(ConfigError):
         resolve_config(base, MeshOptions(autoscale=(2, 1), run_dir=tmp_path))
+
+
+def test_the_up_flag_reaches_the_options() -> None:
+    import argparse
+
+    from services.launcher.up import _options
+
+    assert _options(argparse.Namespace(autoscale="0:2", engines=None)).autoscale == (0, 2)
+    assert _options(argparse.Namespace()).autoscale is None
+    with pytest.raises(ConfigError, match="MIN:MAX"):
+        _options(argparse.Namespace(autoscale="4"))
