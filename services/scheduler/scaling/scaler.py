@@ -47,9 +47,11 @@ class ScalingDecision:
 
 
 def spares_for(config: MeshConfig, model: str) -> int:
-    """Warm spares kept for `model` on top of the engines it needs
-    (`scheduler.spares`, once warm spares exist; 0 until then)."""
-    return 0
+    """Warm spares kept for `model` on top of the engines it needs:
+    `scheduler.spares` (its `for_model`) where the config has it, else 0.
+    Once warm spares are merged this is `config.scheduler.spares.for_model(model)`."""
+    spares = getattr(config.scheduler, "spares", None)
+    return int(spares.for_model(model)) if spares is not None else 0
 
 
 class Scaler:

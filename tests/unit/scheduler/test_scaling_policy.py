@@ -152,3 +152,24 @@ def test_a_model_nobody_configured_or_serves_is_not_counted() -> None:
     clock.advance(6.0)
     core.handle(Tick())
     assert core.state().scaling == []
+
+
+def test_spares_add_to_the_published_figure() -> None:
+    from dataclasses import dataclass, field
+
+    from services.common.config import MeshConfig
+    from services.scheduler.scaling import spares_for
+
+    assert spares_for(MeshConfig(), MODEL) == 0
+
+    @dataclass
+    class Spares:                      # the shape of scheduler.spares (warm spares)
+        count: int = 1
+        models: dict[str, int] = field(default_factory=dict)
+
+        def for_model(self, model: str) -> int:
+            return self.models.get(model, self.count)
+
+    config = MeshConfig()
+    vars(config.scheduler)["spares"] = Spares(models={"other": 3})   # before or after warm spares merge
+    assert spares_for(config, MODEL) == 1 and spares_for(config, "other") == 3
