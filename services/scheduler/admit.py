@@ -77,7 +77,7 @@ class Admission:
         p.fleet.check_servable(options, frozenset(), now, arrival=arrival)
         expires_at, ttl_reason = p.deadlines.queue_expiry(
             options, p.limits.expires_at(options, arrival, now - p.clock.wall()), arrival, now)
-        if p.config.scaling.enabled and not p.fleet.serves(options.model):
+        if options.model in p.fleet.autoscaled and not p.fleet.serves(options.model):
             # Scale from zero: its wait for an engine to start is the bound, whatever its class's TTL.
             expires_at = max(expires_at, p.fleet.cold_start_deadline(arrival))
             ttl_reason = f"{ttl_reason}, or the wait for an engine to start (scheduler.scaling)"

@@ -115,7 +115,8 @@ class SchedulerCore:
         self.metrics.policy_in_force(self.policy.name)
         self.waiting = WaitingRoom(self._aging, plugins.make_fairness(self._config.queue_fairness),
                                    plugins.make_ordering(self._config.queue_ordering), self.classes)
-        self.fleet = EngineFleet(self._config, clock.monotonic(), self._limits.retry_min, self.classes)
+        autoscaled = frozenset(m.name for m in config.models) if self._config.scaling.enabled else frozenset()
+        self.fleet = EngineFleet(self._config, clock.monotonic(), self._limits.retry_min, self.classes, autoscaled)
         self._ledger = ClassLedger(self.metrics)
         self.scaling = Scaler(config, self.metrics, clock.monotonic())  # scaling/: the engines each model needs
         self.deadlines = DeadlineBook(config, self.metrics, self.classes)  # deadlines.py: from live p95s

@@ -55,11 +55,15 @@ class Joined:
 
 class EngineFleet:
     def __init__(self, config: SchedulerConfig, started: float, retry_min: float,
-                 classes: ClassTable | None = None) -> None:
+                 classes: ClassTable | None = None, autoscaled: frozenset[str] = frozenset()) -> None:
         self._config = config
         self._classes = classes if classes is not None else ClassTable.from_config(config)
         self._started = started
         self._retry_min = retry_min
+        # Models scaled from zero (scheduler.scaling.enabled: the configured
+        # ones): with no engine, their requests wait for one to start. A
+        # model nobody configured (a typo) is still refused after the grace.
+        self.autoscaled = autoscaled
         self._registry = EngineRegistry(config.initial_service_seconds)
         self.kv = KvIndex()
         self.reservations = ReservationBook()
@@ -359,9 +363,9 @@ class EngineFleet:
         request's Replace came (None: not a replacement). True = no engine
         may take it now but one may come back in time: it waits for that
         (a replacement only; see `return_deadline`). `arrival`: when a queued
-        request came; with autoscaling on (scheduler.scaling.enabled) a
-        model with no engine is scaled from zero, and the request waits for
-        one to start until `cold_start_deadline(arrival)`."""
+        request came; a model in `autoscaled` with no engine is scaled from
+        zero, and the request waits for one to start until
+        `cold_start_deadline(arrival)`."""
         # Lazily, in O(1) for the usual answer (an engine, not excluded, that fits):
         # it runs for every admission, and at 1,024 engines a list of them cost more than placing.
         engines = self._index.members(options.model)
@@ -371,7 +375,7 @@ class EngineFleet:
             seen = self._model_seen.get(options.model, self._started)
             # A replacement has streamed text already: it waits longer for an
             # engine of its model to come back (restarted by its supervisor).
-            if replaced_at is None and arrival is not None and self._config.scaling.enabled:
+            if replaced_at is None and arrival is not None and options.model in self.autoscaled:
                 self._wait_for_cold_start(options.model, now, arrival)
                 return False
             bound = self._config.engine_return_seconds if replaced_at is not None else self._config.engine_grace_seconds

@@ -21,7 +21,7 @@ class ScalingConfig:
     # can watch what the policy would do), but no model is treated as
     # autoscaled: a request for a model with no engine is refused after
     # scheduler.engine_grace_seconds as before. On (`kvmesh up --autoscale`
-    # sets it) = every configured model is autoscaled: with no engine, its
+    # sets it) = every configured model (`models`) is autoscaled: with no engine, its
     # requests queue (heartbeats on) for up to cold_start_wait_seconds while
     # one starts (scale from zero).
     enabled: bool = False

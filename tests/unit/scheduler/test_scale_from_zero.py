@@ -55,6 +55,13 @@ def test_all_engines_gone_queues_too() -> None:
     assert core.lease_holder("after") == "e2"
 
 
+def test_a_model_nobody_configured_is_still_refused_after_the_grace() -> None:
+    core, clock = _autoscaled()
+    clock.advance(11.0)
+    got = admit(core, opts("typo", model="tiny-lama"))
+    assert isinstance(got, RejectedInfo) and got.reason is RejectReason.NO_ENGINE
+
+
 def test_without_autoscaling_the_grace_still_refuses() -> None:
     core, clock = make_core(clock=FakeClock(), engine_grace_seconds=10.0)
     clock.advance(11.0)
