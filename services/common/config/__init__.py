@@ -10,6 +10,7 @@ default, its bounds and why, where it is declared:
     engines.py      engines: the template engine, its simulator and vLLM
     scheduler.py    scheduler: aging, admission limits, placement, queues
     spares.py       scheduler.spares: warm spares per model, promotion and return
+    scaling.py      scheduler.scaling: the engines each model needs (autoscaling)
     gateway.py      gateway and its API keys
     response_cache.py  the gateway's response cache (embedded or Redis)
     responses.py    the Responses API's store (TTL, size bounds)
@@ -44,6 +45,7 @@ from .mesh import TOOL_PARSERS, EnvoyConfig, MeshConfig, MeshTlsConfig, ModelCon
 from .network import FencingConfig, NetworkConfig
 from .response_cache import ResponseCacheConfig
 from .responses import ResponsesConfig
+from .scaling import ScalingConfig
 from .scheduler import AdminKeyConfig, AgingConfig, PolicyProfileConfig, SchedulerConfig
 from .spares import SparesConfig
 from .tracing import TracingConfig
@@ -71,6 +73,7 @@ __all__ = [
     "PolicyProfileConfig",
     "ResponseCacheConfig",
     "ResponsesConfig",
+    "ScalingConfig",
     "SchedulerConfig",
     "SimCostConfig",
     "SparesConfig",

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .scaling import ScalingConfig
 from .spares import SparesConfig
 
 __all__ = ["AdminKeyConfig", "AdminKeysFile", "AgingConfig", "PolicyProfileConfig", "SchedulerConfig"]
@@ -242,3 +243,6 @@ class SchedulerConfig:
     incarnations_redis_url: str = ""
     # Warm spares per model, their promotion and return (spares.py).
     spares: SparesConfig = field(default_factory=SparesConfig)
+    # The scaling policy: the engines each model needs, published for an
+    # actuator (scaling.py; services/scheduler/scaling/).
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
