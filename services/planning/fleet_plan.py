@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from services.planning.engine_model import EngineLoad, EngineProfile, Workload, steady_state
 from services.planning.erlang import Pool, class_wait_quantile, erlang_c
 
-__all__ = ["ClassTarget", "FleetOption", "Plan", "Targets", "evaluate", "plan_fleet"]
+__all__ = ["ClassTarget", "FleetOption", "Plan", "Targets", "evaluate", "plan_fleet", "smallest_fleet"]
 
 MAX_ENGINES = 4096
 
@@ -102,7 +102,9 @@ def evaluate(profile: EngineProfile, workload: Workload, targets: Targets, engin
     return FleetOption(engines, load, slots, offered, p_wait, outcomes, tpot_met)
 
 
-def _smallest(profile: EngineProfile, workload: Workload, targets: Targets) -> FleetOption | None:
+def smallest_fleet(profile: EngineProfile, workload: Workload, targets: Targets) -> FleetOption | None:
+    """The fewest engines that meet `targets` (None: no fleet up to
+    MAX_ENGINES does). The scheduler's scaling policy uses it too."""
     # Meeting the targets is monotone in the fleet size (each engine's share
     # of the rate only falls), so a doubling search then bisection finds it.
     hi = 1
@@ -121,9 +123,9 @@ def _smallest(profile: EngineProfile, workload: Workload, targets: Targets) -> F
 
 
 def plan_fleet(profile: EngineProfile, workload: Workload, targets: Targets) -> Plan:
-    chosen = _smallest(profile, workload, targets)
+    chosen = smallest_fleet(profile, workload, targets)
     below = evaluate(profile, workload, targets, chosen.engines - 1) if chosen and chosen.engines > 1 else None
     surge = dataclasses.replace(workload, rate=workload.rate * targets.burst)
-    burst = _smallest(profile, surge, targets)
+    burst = smallest_fleet(profile, surge, targets)
     spares = max(targets.min_spares, burst.engines - chosen.engines) if chosen and burst else targets.min_spares
     return Plan(profile, workload, targets, chosen, below, burst, spares)

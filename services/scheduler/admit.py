@@ -74,9 +74,13 @@ class Admission:
     def _queue(self, options: AdmitOptions, now: float, displaced: list[Delivery]) -> Notice:
         p = self._p
         arrival = self._arrival(options, now)
-        p.fleet.check_servable(options, frozenset(), now)
+        p.fleet.check_servable(options, frozenset(), now, arrival=arrival)
         expires_at, ttl_reason = p.deadlines.queue_expiry(
             options, p.limits.expires_at(options, arrival, now - p.clock.wall()), arrival, now)
+        if p.config.scaling.enabled and not p.fleet.serves(options.model):
+            # Scale from zero: its wait for an engine to start is the bound, whatever its class's TTL.
+            expires_at = max(expires_at, p.fleet.cold_start_deadline(arrival))
+            ttl_reason = f"{ttl_reason}, or the wait for an engine to start (scheduler.scaling)"
         if now >= expires_at:
             raise AdmissionError(RejectReason.EXPIRED, f"the request waited {now - arrival:.1f} s, past the "
                                  f"P{options.priority} queue-wait deadline, {ttl_reason}",

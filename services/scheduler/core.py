@@ -81,6 +81,7 @@ from .metrics import SchedulerMetrics
 from .placement import PlacementPolicy, build_policy, builtin_profiles, builtin_registry
 from .records import (
     AdmissionError,
+    AdmitOptions,
     Lease,
     Notice,
     Outcome,
@@ -90,6 +91,7 @@ from .records import (
     RequestState,
 )
 from .request_book import RequestBook
+from .scaling import Scaler
 from .state_view import StateView
 from .waiting import QueueStat, WaitingRoom
 
@@ -115,6 +117,7 @@ class SchedulerCore:
                                    plugins.make_ordering(self._config.queue_ordering), self.classes)
         self.fleet = EngineFleet(self._config, clock.monotonic(), self._limits.retry_min, self.classes)
         self._ledger = ClassLedger(self.metrics)
+        self.scaling = Scaler(config, self.metrics, clock.monotonic())  # scaling/: the engines each model needs
         self.deadlines = DeadlineBook(config, self.metrics, self.classes)  # deadlines.py: from live p95s
         self._gauges = FleetGauges(self.metrics, self._aging, [m.name for m in config.models],
                                    self._config.stale_report_seconds, classes=self.classes)
@@ -178,10 +181,18 @@ class SchedulerCore:
         displaced: list[Delivery] = []
         try:
             notice: Notice = self._admission.admit(event.options, now, displaced)
+            self._count_demand(event.options)
         except AdmissionError as err:
             notice = self._requests.rejected(err.reason, err.message, err.retry_after)
         out.notices.append((event.options.request_id, notice))
         out.notices.extend(displaced)
+
+    def _count_demand(self, options: AdmitOptions) -> None:
+        """A new request for the scaling policy (not a resume or a re-attach:
+        those were counted when they first came)."""
+        if not options.resume and not options.running_on_engine:
+            self.scaling.arrived(options.model, options.priority, options.prompt_tokens, options.max_tokens,
+                                 self.fleet.serves(options.model))
 
     # ------------------------------------------------------------ the request's stream
 
@@ -206,6 +217,8 @@ class SchedulerCore:
             if event.first_token_ago is not None:
                 self._first_token(rec, now - max(0.0, event.first_token_ago))
             self.deadlines.observe_gaps(rec.options.model, rec.options.priority, event.delta_gaps, now)
+            self.scaling.finished(rec.options.model, event.prompt_tokens, event.completion_tokens,
+                                  event.cached_tokens)
             self._requests.finish(rec, Outcome.WITHDRAWN if event.withdrawn else Outcome.DONE, now)
 
     # ------------------------------------------------------------ time and shutdown
@@ -214,6 +227,7 @@ class SchedulerCore:
         """Aging and TTL run in every dispatch; `handle` then drops empty
         queues and refreshes the gauges. Detached leases expire here."""
         self._detached.expire(now)
+        self.scaling.tick(self.fleet, self.fleet.admin_drained, self.waiting, now)
 
     def _on_shutdown(self, event: ev.ShutdownStarted, out: Outbox, now: float) -> None:
         self._admission.shutting_down = True
@@ -273,4 +287,5 @@ class SchedulerCore:
         return StateView(
             self.policy.name, self.waiting.stats(now), self.fleet.stats(now),
             self.queued_total(), self.fleet.lease_count(), self._ledger.snapshot(),
-            sorted(self.waiting.paused), sorted(self.fleet.admin_drained), self.deadlines.states(now))
+            sorted(self.waiting.paused), sorted(self.fleet.admin_drained), self.deadlines.states(now),
+            list(self.scaling.decisions.values()))

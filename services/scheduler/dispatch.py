@@ -119,7 +119,8 @@ class Dispatcher:
         p.metrics.child(p.metrics.decision_seconds, policy.name).observe(time.perf_counter() - began)
         if placement is None:
             try:
-                waits = p.fleet.check_servable(opts, rec.exclude, now, None if entry else rec.replaced_at)
+                waits = p.fleet.check_servable(opts, rec.exclude, now, None if entry else rec.replaced_at,
+                                               entry.arrival if entry else None)
             except AdmissionError as err:
                 if entry is not None and queue is not None:
                     queue.pop(entry)

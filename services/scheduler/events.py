@@ -87,6 +87,10 @@ class RequestDone:
     # The first token folded into the report, how long before it (None: told
     # on its own, or never came).
     first_token_ago: float | None = None
+    # Its usage, for the scaling policy's demand (scaling/demand.py); 0 = not told.
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

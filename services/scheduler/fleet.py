@@ -191,6 +191,10 @@ class EngineFleet:
         """Serving, and drained neither by the scheduler nor by an operator."""
         return record.load.serving and not record.draining and record.engine_id not in self.admin_drained
 
+    def serves(self, model: str) -> bool:
+        """Some engine of `model` is registered."""
+        return bool(self._index.members(model))
+
     def fresh_count(self, now: float) -> int:
         return sum(1 for e in self._registry if e.fresh(now, self._config.stale_report_seconds))
 
@@ -347,13 +351,17 @@ class EngineFleet:
         )
 
     def check_servable(
-        self, options: AdmitOptions, exclude: frozenset[str], now: float, replaced_at: float | None = None
+        self, options: AdmitOptions, exclude: frozenset[str], now: float, replaced_at: float | None = None,
+        arrival: float | None = None,
     ) -> bool:
         """Raise `AdmissionError` when no engine could ever take the request
         (as opposed to none having room right now). `replaced_at`: when the
         request's Replace came (None: not a replacement). True = no engine
         may take it now but one may come back in time: it waits for that
-        (a replacement only; see `return_deadline`)."""
+        (a replacement only; see `return_deadline`). `arrival`: when a queued
+        request came; with autoscaling on (scheduler.scaling.enabled) a
+        model with no engine is scaled from zero, and the request waits for
+        one to start until `cold_start_deadline(arrival)`."""
         # Lazily, in O(1) for the usual answer (an engine, not excluded, that fits):
         # it runs for every admission, and at 1,024 engines a list of them cost more than placing.
         engines = self._index.members(options.model)
@@ -363,6 +371,9 @@ class EngineFleet:
             seen = self._model_seen.get(options.model, self._started)
             # A replacement has streamed text already: it waits longer for an
             # engine of its model to come back (restarted by its supervisor).
+            if replaced_at is None and arrival is not None and self._config.scaling.enabled:
+                self._wait_for_cold_start(options.model, now, arrival)
+                return False
             bound = self._config.engine_return_seconds if replaced_at is not None else self._config.engine_grace_seconds
             if now - seen > bound:
                 raise AdmissionError(
@@ -376,6 +387,23 @@ class EngineFleet:
             return self._wait_for_unexcluded(options.model, now, replaced_at)
         self._check_fits(options, (self._registry[e] for e in engines if e not in exclude))
         return False
+
+    def _wait_for_cold_start(self, model: str, now: float, arrival: float) -> None:
+        """Scale from zero: the request waits (queued, heartbeats on) for an
+        engine to start, up to scheduler.scaling.cold_start_wait_seconds."""
+        if now > self.cold_start_deadline(arrival):
+            wait = self._config.scaling.cold_start_wait_seconds
+            raise AdmissionError(
+                RejectReason.NO_ENGINE,
+                f"no engine serves model {model!r} and none started within {wait:g} s of the request "
+                "(scheduler.scaling.cold_start_wait_seconds); check the autoscaler and the model name",
+                self._retry_min,
+            )
+
+    def cold_start_deadline(self, arrival: float) -> float:
+        """Until when a request that came at `arrival` for a model with no
+        engine waits for one to start (autoscaling on)."""
+        return arrival + self._config.scaling.cold_start_wait_seconds
 
     def _wait_for_unexcluded(self, model: str, now: float, replaced_at: float | None) -> bool:
         """Every engine of `model` is excluded. A replacement waits, whatever

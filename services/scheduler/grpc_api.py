@@ -178,6 +178,11 @@ def _state_proto(view: StateView) -> scheduler_pb2.SchedulerState:
                 samples=d.samples, deadline_seconds=d.seconds, source=d.source.value)
             for d in view.deadlines
         ],
+        scaling=[
+            scheduler_pb2.ModelScaling(model=d.model, desired=d.desired, current=d.current, spares=d.spares,
+                                       reason=d.reason, autoscaled=d.autoscaled)
+            for d in view.scaling
+        ],
     )
 
 
@@ -343,7 +348,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             first_ago = done.first_token.seconds_ago if done.HasField("first_token") else None
             self.deliver(self.core.handle(ev.RequestDone(
                 request_id, done.finish_reason == "abort", tuple(done.delta_gaps_seconds[:_MAX_GAPS]),
-                first_ago)))
+                first_ago, done.prompt_tokens, done.completion_tokens, done.cached_tokens)))
         elif kind == "requeue":
             q = msg.requeue
             self.traces.again(request_id, "requeue", q.prompt_tokens)

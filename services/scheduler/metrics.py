@@ -159,6 +159,13 @@ class SchedulerMetrics:
             "kvmesh_scheduler_engine_flaps", "Transitions of an engine between serving and not serving (either "
             "way, registration and loss included)", ["engine"], registry=r,
         )
+        # The scaling policy's answer (services/scheduler/scaling/): a contract
+        # -- KEDA's ScaledObject scales an engine workload on
+        # max(kvmesh_scheduler_desired_engines{model="..."}), AverageValue 1.
+        self.desired_engines = Gauge(
+            "kvmesh_scheduler_desired_engines", "Engines the scaling policy wants for the model: serving plus warm "
+            "spares, within scheduler.scaling min/max_engines", ["model"], registry=r,
+        )
         self.start_time = Gauge(
             "kvmesh_scheduler_start_time_seconds", "Unix time the scheduler process started (its changes() are "
             "restarts)", registry=r,

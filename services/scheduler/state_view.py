@@ -12,6 +12,7 @@ from .waiting import QueueStat
 
 if TYPE_CHECKING:
     from .deadlines import Deadline
+    from .scaling import ScalingDecision
 
 __all__ = ["StateView"]
 
@@ -29,3 +30,5 @@ class StateView:
     drained: list[str] = field(default_factory=list)
     # The deadline book's values (deadlines.py), per kind, model and class.
     deadlines: list[Deadline] = field(default_factory=list)
+    # The scaling policy's figure per model (scaling/scaler.py).
+    scaling: list[ScalingDecision] = field(default_factory=list)

@@ -9,6 +9,7 @@ default, its bounds and why, where it is declared:
     network.py      keepalive of every hop, lease fencing (silent partitions)
     engines.py      engines: the template engine, its simulator and vLLM
     scheduler.py    scheduler: aging, admission limits, placement, queues
+    scaling.py      scheduler.scaling: the engines each model needs (autoscaling)
     gateway.py      gateway and its API keys
     response_cache.py  the gateway's response cache (embedded or Redis)
     responses.py    the Responses API's store (TTL, size bounds)
@@ -43,6 +44,7 @@ from .mesh import TOOL_PARSERS, EnvoyConfig, MeshConfig, MeshTlsConfig, ModelCon
 from .network import FencingConfig, NetworkConfig
 from .response_cache import ResponseCacheConfig
 from .responses import ResponsesConfig
+from .scaling import ScalingConfig
 from .scheduler import AdminKeyConfig, AgingConfig, PolicyProfileConfig, SchedulerConfig
 from .tracing import TracingConfig
 from .validation import api_key_digest, validate_config
@@ -69,6 +71,7 @@ __all__ = [
     "PolicyProfileConfig",
     "ResponseCacheConfig",
     "ResponsesConfig",
+    "ScalingConfig",
     "SchedulerConfig",
     "SimCostConfig",
     "TracingConfig",

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .scaling import ScalingConfig
+
 __all__ = ["AdminKeyConfig", "AdminKeysFile", "AgingConfig", "PolicyProfileConfig", "SchedulerConfig"]
 
 
@@ -238,3 +240,6 @@ class SchedulerConfig:
     # kvmesh:scheduler:incarnations: meshes sharing a Redis take a database
     # each, the /db of the URL). "" = the file above.
     incarnations_redis_url: str = ""
+    # The scaling policy: the engines each model needs, published for an
+    # actuator (scaling.py; services/scheduler/scaling/).
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)

@@ -93,6 +93,7 @@ def validate_config(config: MeshConfig, where: str = "config") -> None:
     # The scheduler before the engines: an engine's rules compare with it.
     _check_scheduler_timing(mesh.at("scheduler"))
     _check_scheduler_limits(mesh.at("scheduler"))
+    _check_scaling(mesh.at("scheduler").at("scaling"))
     _check_engines(mesh)
     _check_engine(mesh.at("engines").at("template"), config)
     if config.engines.template.advertise_address and config.engines.count > 1:
@@ -253,6 +254,22 @@ def _check_scheduler_timing(scheduler: _Section) -> None:
     )
     scheduler.non_negative("sticky_margin_seconds", "engine_grace_seconds", "engine_return_seconds",
                            "predicted_ttft_margin_seconds")
+
+
+def _check_scaling(scaling: _Section) -> None:
+    s = scaling.settings
+    scaling.positive("interval_seconds", "fast_rate_seconds", "max_step_up", "max_step_down")
+    scaling.non_negative("min_engines", "scale_in_hold_seconds", "cold_start_wait_seconds")
+    if s.max_engines < s.min_engines:
+        scaling.fail("max_engines", f"must be >= min_engines ({s.min_engines}), got {s.max_engines}")
+    if s.slow_rate_seconds < s.fast_rate_seconds:
+        scaling.fail("slow_rate_seconds", f"must be >= fast_rate_seconds ({s.fast_rate_seconds:g})")
+    if len(s.ttft_targets_seconds) != len(_PRIORITY_CLASSES) or any(t <= 0 for t in s.ttft_targets_seconds):
+        scaling.fail("ttft_targets_seconds", f"need 3 targets > 0 [P0, P1, P2], got {s.ttft_targets_seconds}")
+    if not 0.5 <= s.quantile < 1:
+        scaling.fail("quantile", f"must be in [0.5, 1), got {s.quantile}")
+    scaling.within("queue_wait_share", 0, 1)
+    scaling.within("kv_pressure", 0, 1)
 
 
 def _check_scheduler_limits(scheduler: _Section) -> None:
