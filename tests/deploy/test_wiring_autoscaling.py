@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import yaml
 
-from .breaking import broken
-from .manifests import Obj, render
+from .breaking import broken, config_edit
+from .manifests import DEPLOY, Obj, render
 from .wiring import find
 from .wiring_autoscaling import (
     DESIRED_ENGINES,
@@ -40,10 +41,6 @@ def _edit_trigger(key: str, value: str) -> Callable[[list[Obj]], None]:
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
 def test_the_overlay_scales_the_engines_on_the_schedulers_figure(check: Callable[[list[Obj]], list[str]]) -> None:
-    from services.observability.metric_catalogue import exported_metric_names
-
-    if check is check_scaling_query and DESIRED_ENGINES not in exported_metric_names()["scheduler"]:
-        pytest.xfail(f"the scheduler does not export {DESIRED_ENGINES} yet (branch autoscale)")
     assert check(render(OVERLAY)) == []
 
 
@@ -149,3 +146,23 @@ def test_a_fast_scale_down_fails() -> None:
     def no_behavior(objects: list[Obj]) -> None:
         del _so(objects)["spec"]["advanced"]
     assert any("Percent" in p for p in check_scale_down(broken(no_behavior, OVERLAY)))
+
+
+def test_the_schedulers_bounds_are_the_replicas_bounds() -> None:
+    problems = check_scaling_query(broken(config_edit("max_engines: 8", "max_engines: 6"), OVERLAY))
+    assert any("scheduler.scaling bounds 1..6 differ from ScaledObject/kvmesh-engine's replicas 1..8" in p
+               for p in problems), problems
+    off = config_edit("enabled: true\n    min_engines", "enabled: false\n    min_engines")
+    problems = check_scaling_query(broken(off, OVERLAY))
+    assert any("scheduler.scaling.enabled is off" in p for p in problems), problems
+
+    def more(objects: list[Obj]) -> None:
+        _so(objects)["spec"]["maxReplicaCount"] = 12
+    assert any("replicas 1..12" in p for p in check_scaling_query(broken(more, OVERLAY)))
+
+
+def test_the_mesh_config_is_dev_cpus_plus_the_scaling_policy() -> None:
+    mine = yaml.safe_load((DEPLOY / "overlays" / "autoscaling" / "kvmesh.yaml").read_text())
+    dev = yaml.safe_load((DEPLOY / "overlays" / "dev-cpu" / "kvmesh.yaml").read_text())
+    scaling = mine["scheduler"].pop("scaling")
+    assert mine == dev and scaling["enabled"] is True

@@ -10,7 +10,8 @@ Prometheus it asks.
   series the scheduler exports (services/observability/metric_catalogue.py),
   the `model` it selects is the model the target's engines serve, and the
   replicas are the figure itself (metricType AverageValue, threshold 1);
-  min <= max;
+  min <= max, and they are the scheduler's own bounds for the figure
+  (`scheduler.scaling.min_engines/max_engines`, with `enabled` on);
 - check_prometheus_address: the trigger's serverAddress is a Service of the
   overlay on a port a Prometheus pod listens on, that Prometheus scrapes the
   scheduler replicas' metrics port (its mounted prometheus.yml), and the
@@ -128,6 +129,25 @@ def check_scaling_query(objects: list[Obj]) -> list[str]:
         low, high = so["spec"].get("minReplicaCount", 0), so["spec"].get("maxReplicaCount", 100)
         if low > high:
             problems.append(f"{ident(so)}: minReplicaCount {low} > maxReplicaCount {high}")
+        problems += _check_bounds(objects, so, low, high)
+    return problems
+
+
+def _check_bounds(objects: list[Obj], so: Obj, low: int, high: int) -> list[str]:
+    """The scheduler clamps its figure to the replicas' bounds, and treats
+    the model as autoscaled (scale from zero: its requests wait while an
+    engine starts)."""
+    pod = pod_of(objects, "scheduler")
+    cfg, problems = mesh_config(objects, pod)
+    if cfg is None:
+        return problems
+    scaling = cfg.scheduler.scaling
+    if not scaling.enabled:
+        problems.append(f"{pod.name}: scheduler.scaling.enabled is off while {ident(so)} scales the engines "
+                        "(a model with no engine would refuse requests instead of waiting for one)")
+    if (scaling.min_engines, scaling.max_engines) != (low, high):
+        problems.append(f"{pod.name}: scheduler.scaling bounds {scaling.min_engines}..{scaling.max_engines} "
+                        f"differ from {ident(so)}'s replicas {low}..{high}")
     return problems
 
 
