@@ -113,6 +113,7 @@ def test_engines_scale_out_on_queued_load_and_in_through_the_drain(kube: Cluster
         print(f"light load ({LIGHT_WORKERS} clients): {name} deleted with {held.get(name, 0):.0f} stream(s) on it, "
               f"preStop {figures['prestop']:.1f} s, exit {figures['exit']:.1f} s after SIGTERM; "
               f"readings {[(round(r.at - base.at), r.value, r.replicas) for r in keda.readings]}")
+        assert held.get(name, 0) > 0, f"{name} held no stream at the poll before its deletion: nothing drained"
         assert figures["killed"] == 0, f"{name} outlived its grace period"
         assert name == f"kvmesh-engine-{peak - 1}", "the highest ordinal leaves first"
     finally:
