@@ -64,8 +64,8 @@ def _for_a_test(scaled_object: dict[str, Any]) -> dict[str, Any]:
 
 
 def _figure(kube: Cluster) -> list[float]:
-    """Each scheduler pod's own desired-engines figure, read from its /metrics."""
-    return [metric(kube.http_get(r, {"port": "metrics", "path": "/metrics"})[1], DESIRED)
+    """Each scheduler pod's own desired-engines figure for the engines' model, read from its /metrics."""
+    return [metric(kube.http_get(r, {"port": "metrics", "path": "/metrics"})[1], DESIRED, f'model="{_model(kube)}"')
             for r in kube.by_component("scheduler")]
 
 
