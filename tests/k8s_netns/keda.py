@@ -52,7 +52,8 @@ class KedaStandIn:
     scaled_object: dict[str, Any]
     clock: Callable[[], float] = time.monotonic
     readings: list[Reading] = field(default_factory=list)
-    deleted: list[tuple[str, dict[str, float]]] = field(default_factory=list)  # pod, delete_pod's figures
+    # (pod, delete_pod's figures and `at`, when its deletion began)
+    deleted: list[tuple[str, dict[str, float]]] = field(default_factory=list)
     created: list[str] = field(default_factory=list)
     scaling: Scaling = field(init=False)
     _hosts: int = 0
@@ -129,4 +130,5 @@ class KedaStandIn:
         sts = self.target()
         name = f"{sts['metadata']['name']}-{self.replicas() - 1}"  # the highest ordinal goes first
         sts["spec"]["replicas"] = self.replicas() - 1
-        self.deleted.append((name, self.cluster.delete_pod(name)))
+        at = self.clock()
+        self.deleted.append((name, {"at": at, **self.cluster.delete_pod(name)}))

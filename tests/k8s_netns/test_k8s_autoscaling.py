@@ -21,6 +21,7 @@ window 300 s -> 20 s and the period 120 s -> 30 s (still above the engines'
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -69,6 +70,15 @@ def _figure(kube: Cluster) -> list[float]:
             for r in kube.by_component("scheduler")]
 
 
+def _held(kube: Cluster, pod: str) -> float:
+    """Requests engine pod `pod` runs or holds waiting (0 while it is not listening yet)."""
+    try:
+        text = _engine_metrics(kube, kube.running[pod])
+    except OSError:
+        return 0.0
+    return metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting")
+
+
 def _engines(kube: Cluster) -> list[str]:
     return sorted(r.pod.name for r in kube.by_component("engine"))
 
@@ -91,31 +101,35 @@ def test_engines_scale_out_on_queued_load_and_in_through_the_drain(kube: Cluster
     load.start(HEAVY_WORKERS, timeout=800)
     try:
         out = keda.run_until(lambda r: r.replicas > start, 180, "a scale-out on queued load")
-        new = kube.running[keda.created[-1]]
+        new = kube.running[keda.created[0]]
         kube.wait_started(new, timeout=120)
         kube.wait_for(lambda: _served(kube, new) > 0, 120, f"{new.pod.name} to serve", check=new)
         print(f"heavy load ({HEAVY_WORKERS} clients): figure {out.value} -> {out.replicas} engines, "
               f"{new.pod.name} ready {new.passed.get('readinessProbe', 0):.1f} s after its start and serving")
-        peak = max(r.replicas for r in keda.readings)
 
         load.workers = LIGHT_WORKERS
-        held: dict[str, float] = {}
+        held: dict[str, float] = {}  # what each engine pod held at the last poll
+        at_deletion: dict[str, float] = {}  # what each deleted pod held at the poll before its deletion
 
-        def gone(r: Reading) -> bool:
-            # Before each poll's deletion can happen, note what the highest pod holds.
-            for pod in _engines(kube):
-                text = _engine_metrics(kube, kube.running[pod])
-                held[pod] = metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting")
-            return bool(keda.deleted)
+        def back(r: Reading) -> bool:
+            for name, _ in keda.deleted:
+                at_deletion.setdefault(name, held.get(name, 0.0))
+            held.clear()
+            held.update({pod: _held(kube, pod) for pod in _engines(kube)})
+            return r.replicas <= start
 
-        keda.run_until(gone, 300, "a scale-in once the load fell")
-        name, figures = keda.deleted[0]
-        print(f"light load ({LIGHT_WORKERS} clients): {name} deleted with {held.get(name, 0):.0f} stream(s) on it, "
-              f"preStop {figures['prestop']:.1f} s, exit {figures['exit']:.1f} s after SIGTERM; "
+        keda.run_until(back, 400, "the scale-in back to the idle count once the load fell")
+        print(f"light load ({LIGHT_WORKERS} clients): deleted {[(n, at_deletion[n]) for n, _ in keda.deleted]} "
+              f"(pod, streams held); preStop / exit after SIGTERM "
+              f"{[(round(f['prestop'], 1), round(f['exit'], 1)) for _, f in keda.deleted]} s; "
               f"readings {[(round(r.at - base.at), r.value, r.replicas) for r in keda.readings]}")
-        assert held.get(name, 0) > 0, f"{name} held no stream at the poll before its deletion: nothing drained"
-        assert figures["killed"] == 0, f"{name} outlived its grace period"
-        assert name == f"kvmesh-engine-{peak - 1}", "the highest ordinal leaves first"
+        peak = max(r.replicas for r in keda.readings)
+        assert keda.deleted[0][0] == f"kvmesh-engine-{peak - 1}", "the highest ordinal leaves first"
+        times = [f["at"] for _, f in keda.deleted]
+        assert all(b - a >= TEST_PERIOD_SECONDS for a, b in itertools.pairwise(times)), \
+            f"more than one engine pod per {TEST_PERIOD_SECONDS} s: {times}"
+        assert not any(f["killed"] for _, f in keda.deleted), "an engine pod outlived its grace period"
+        assert any(at_deletion.values()), f"no deleted engine held a stream when it left: {at_deletion}"
     finally:
         load.stop(timeout=200)
     lost = load.lost()
