@@ -35,8 +35,9 @@ COMPONENTS = ("scheduler", "gateway", "engine", "batch", "envoy")
 # to Envoy alone (NetworkPolicy) and sends its lines through Envoy's
 # listener, like any client (BATCH_INTERFACE: batch.port has no mesh TLS);
 # Redis (the official image) serves gateways and the scheduler alone
-# (wiring_redis.py).
-NO_MESH_TLS = ("batch", "redis")
+# (wiring_redis.py); the autoscaling overlay's Prometheus scrapes the
+# schedulers' plain-HTTP metrics port and answers KEDA (wiring_autoscaling.py).
+NO_MESH_TLS = ("batch", "redis", "prometheus")
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet")
 # Seconds between a drain's bound and kubelet's SIGKILL, at least.
 DRAIN_MARGIN = 5.0
