@@ -1,6 +1,6 @@
 """The `kvmesh` command: each service alone, or the whole mesh on one machine.
 
-    kvmesh up [--engines N] [--backend sim|vllm] [--gateways N]   everything, supervised
+    kvmesh up [--engines N] [--autoscale MIN:MAX] [--backend sim|vllm] [--gateways N]   everything, supervised
     kvmesh scheduler | gateway | engine | batch                    one service (multi-host)
     kvmesh engine --engine-id ID --advertise-address HOST:PORT     an engine with a stable id/name
     kvmesh drain --port METRICS_PORT                               drain a local service (preStop)
@@ -212,6 +212,10 @@ def _parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="run Envoy, scheduler, gateways, engines and the batch service on this machine")
     up.add_argument("--engines", type=int, help="number of engines (default from config: 2)")
+    up.add_argument("--autoscale", metavar="MIN:MAX",
+                    help="follow the scheduler's desired engine count (scheduler.scaling) within MIN..MAX, "
+                         "starting and draining engines here; --engines is then the count to start with "
+                         "(default MIN; 0 = scale from zero)")
     up.add_argument("--backend", choices=["sim", "vllm"], help="engine backend")
     up.add_argument("--gateways", type=int, default=1, help="gateway replicas behind Envoy")
     up.add_argument("--schedulers", type=int, default=1,

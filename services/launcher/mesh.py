@@ -20,10 +20,12 @@ import dataclasses
 import logging
 import threading
 from pathlib import Path
+from typing import TextIO
 
 import yaml
 
 from services.common.config import MeshConfig
+from services.launcher.autoscale import LocalAutoscaler, SchedulerView
 from services.launcher.children import (
     ChildExit,
     ChildSpec,
@@ -125,9 +127,10 @@ class Mesh(Supervisor):
                                 + ", ".join(busy))
         self._write_files()
         specs = self.specs()
+        first = set(self.engine_names()[:self.options.initial_engines(self.config.engines.count)])
         phases = [
             [s for s in specs if s.role is Role.SCHEDULER],
-            [s for s in specs if s.role in (Role.ENGINE, Role.BATCH, Role.GATEWAY)],
+            [s for s in specs if s.role in (Role.BATCH, Role.GATEWAY) or s.name in first],
             [s for s in specs if s.role is Role.ENVOY],
         ]
         try:
@@ -140,6 +143,20 @@ class Mesh(Supervisor):
             self.stop_all()
             raise
         return self.endpoints
+
+    def engine_names(self) -> list[str]:
+        """Every engine this mesh may run, in index order (with --autoscale,
+        MAX of them; the first `initial_engines` start with the mesh)."""
+        return [s.name for s in self.specs() if s.role is Role.ENGINE]
+
+    def autoscaler(self, out: TextIO | None = None) -> LocalAutoscaler | None:
+        """The local actuator of `--autoscale` (autoscale.py), None without it."""
+        if self.options.autoscale is None:
+            return None
+        view = SchedulerView.for_mesh(self.config, self.endpoints.scheduler, self.admin_token)
+        specs = [s for s in self.specs() if s.role is Role.ENGINE]
+        return LocalAutoscaler(self, view, specs, self.options.autoscale,
+                               self.config.scheduler.scaling.interval_seconds, out=out)
 
     def rolling_restart(self, role: Role = Role.GATEWAY) -> list[RollStep]:
         """Restart every child of `role` one at a time (rolling.py): each

@@ -40,6 +40,19 @@ class MeshOptions:
     # `resolve_batch`); "" = none handed over (batch off, or it reads
     # its own from the environment / batch.internal_key_file).
     batch_credential: str = ""
+    # `kvmesh up --autoscale MIN:MAX`: engine ids and ports for MAX engines,
+    # `engines` (default MIN) started, the rest started and drained by the
+    # local actuator (autoscale.py) as the scheduler's policy asks; None = a
+    # fixed fleet.
+    autoscale: tuple[int, int] | None = None
+
+    def initial_engines(self, configured: int) -> int:
+        """Engines `kvmesh up` starts: all `configured`, or with autoscaling
+        `engines` clamped to [MIN, MAX] (default MIN)."""
+        if self.autoscale is None:
+            return configured
+        lo, hi = self.autoscale
+        return lo if self.engines is None else min(hi, max(lo, self.engines))
 
 
 @dataclass

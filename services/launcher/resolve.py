@@ -99,7 +99,14 @@ def resolve_batch(cfg: MeshConfig, opts: MeshOptions, endpoints: Endpoints) -> s
 
 def _apply_counts_and_model(cfg: MeshConfig, opts: MeshOptions) -> None:
     """Engine and gateway counts, backend and served model from the options."""
-    if opts.engines is not None:
+    if opts.autoscale is not None:
+        lo, hi = opts.autoscale
+        if not 0 <= lo <= hi or hi < 1:
+            raise ConfigError(f"--autoscale: need 0 <= MIN <= MAX and MAX >= 1, got {lo}:{hi}")
+        cfg.engines.count = hi   # ids and ports for every engine the actuator may start
+        scaling = cfg.scheduler.scaling
+        scaling.enabled, scaling.min_engines, scaling.max_engines = True, lo, hi
+    elif opts.engines is not None:
         if opts.engines < 1:
             raise ConfigError("--engines: must be >= 1")
         cfg.engines.count = opts.engines

@@ -180,7 +180,9 @@ class Supervisor:
         return None if proc is None else proc.pid
 
     def is_running(self, name: str) -> bool:
-        proc = self._child(name).process
+        """False also for a child never started (an engine `--autoscale` keeps for later)."""
+        child = self._children.get(name)
+        proc = None if child is None else child.process
         return proc is not None and proc.poll() is None
 
     def _child(self, name: str) -> _Child:
@@ -203,6 +205,7 @@ class Supervisor:
         is expected and not reported by `exited()`. `wait(name)` reaps it."""
         child = self._child(name)
         child.stopping = True
+        self._end_start(name)   # one stopped while it started (an engine `--autoscale` no longer wants)
         _signal_group(child, signal.SIGTERM)
 
     def wait(self, name: str, timeout: float) -> int | None:
@@ -237,6 +240,18 @@ class Supervisor:
         except OSError as exc:
             raise MeshError(f"could not start {name}: {exc}") from exc
         self._starts[name] = _Start(list(child.spec.probes), time.monotonic() + child.spec.start_timeout)
+
+    def launch(self, spec: ChildSpec) -> None:
+        """Start a child that is not running (new, or stopped on purpose)
+        without waiting: `started(name)` says when it is healthy."""
+        if spec.name in self._children and self.is_running(spec.name):
+            raise MeshError(f"{spec.name} is running already")
+        self._end_start(spec.name)
+        try:
+            self._spawn(spec)
+        except OSError as exc:
+            raise MeshError(f"could not start {spec.name}: {exc}") from exc
+        self._starts[spec.name] = _Start(list(spec.probes), time.monotonic() + spec.start_timeout)
 
     def started(self, name: str) -> bool:
         """One look at a respawned child: True once healthy (and from then

@@ -36,8 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from services.common.config import MeshConfig
+from services.common.config import ConfigError, MeshConfig
 from services.common.mesh_tls import server_name
+from services.launcher.autoscale import parse_bounds
 from services.launcher.mesh import (
     Endpoints,
     Mesh,
@@ -98,7 +99,13 @@ def examples(endpoints: Endpoints, api_key: str, model: str) -> Examples:
 
 
 def _options(ns: argparse.Namespace) -> MeshOptions:
+    bounds = getattr(ns, "autoscale", None)
+    try:
+        autoscale = parse_bounds(bounds) if bounds else None
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return MeshOptions(
+        autoscale=autoscale,
         engines=getattr(ns, "engines", None),
         backend=getattr(ns, "backend", None),
         gateways=getattr(ns, "gateways", None) or 1,
@@ -117,8 +124,13 @@ def _print_ready(mesh: Mesh, generated_key: bool) -> None:
     model = cfg.engines.template.model
     edge = (f"Envoy on {ep.public_http} (admin http://127.0.0.1:{ep.admin_port})" if ep.envoy_port
             else f"no Envoy; gateway on {ep.public_http}, gRPC {ep.public_grpc}")
+    fleet = f"{cfg.engines.count} {cfg.engines.backend} engine(s)"
+    if mesh.options.autoscale is not None:
+        lo, hi = mesh.options.autoscale
+        fleet = (f"{mesh.options.initial_engines(cfg.engines.count)} {cfg.engines.backend} engine(s), "
+                 f"autoscaled within {lo}..{hi} every {cfg.scheduler.scaling.interval_seconds:g} s,")
     print(
-        f"kvmesh: ready: {cfg.engines.count} {cfg.engines.backend} engine(s) serving {model}, "
+        f"kvmesh: ready: {fleet} serving {model}, "
         f"{len(ep.gateway_http)} gateway(s), {edge}; logs in {mesh.log_dir}; Ctrl-C stops everything.",
         flush=True,
     )
@@ -170,13 +182,20 @@ def _kvmesh_command() -> str:
 
 def supervise(mesh: Mesh, stop: threading.Event, roll: threading.Event | None = None) -> None:
     """Watch the mesh's children until `stop` is set; roll the gateways
-    each time `roll` is set."""
+    each time `roll` is set; with --autoscale, follow the desired count."""
     restarts = Restarts(mesh)
-    while not stop.wait(_SUPERVISE_SECONDS):
-        restarts.check()
-        if roll is not None and roll.is_set():
-            roll.clear()
-            _roll_gateways(mesh)
+    scaler = mesh.autoscaler()
+    try:
+        while not stop.wait(_SUPERVISE_SECONDS):
+            restarts.check()
+            if scaler is not None:
+                scaler.check()
+            if roll is not None and roll.is_set():
+                roll.clear()
+                _roll_gateways(mesh)
+    finally:
+        if scaler is not None:
+            scaler.close()
 
 
 def _roll_gateways(mesh: Mesh) -> None:

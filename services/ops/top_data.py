@@ -33,8 +33,8 @@ from services.common.config import MeshConfig
 from services.common.config.addresses import join_host_port
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-__all__ = ["DeadlineRow", "EngineRow", "Frame", "Gatherer", "GatewayRow", "QueueRow", "Samples", "parse_samples",
-           "targets"]
+__all__ = ["DeadlineRow", "EngineRow", "Frame", "Gatherer", "GatewayRow", "QueueRow", "Samples", "ScalingRow",
+           "parse_samples", "targets"]
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 _HTTP_TIMEOUT_SECONDS = 0.8
@@ -77,6 +77,18 @@ class DeadlineRow:
 
 
 @dataclass(frozen=True)
+class ScalingRow:
+    """The scaling policy's figure for one model (GetState's ModelScaling)."""
+
+    model: str
+    desired: int                   # serving + warm spares
+    current: int                   # registered, not draining
+    spares: int
+    reason: str
+    autoscaled: bool
+
+
+@dataclass(frozen=True)
 class GatewayRow:
     name: str
     open_streams: int | None
@@ -95,6 +107,7 @@ class Frame:
     gateways: list[GatewayRow] = field(default_factory=list)
     rejections: dict[str, int] = field(default_factory=dict)   # "scheduler queue_full" -> count
     deadlines: list[DeadlineRow] = field(default_factory=list)
+    scaling: list[ScalingRow] = field(default_factory=list)
     leases: int = 0
     problems: list[str] = field(default_factory=list)
 
@@ -219,6 +232,8 @@ class Gatherer:
                                          batch))
         frame.deadlines = [DeadlineRow(d.model, d.priority, d.kind, d.p95_seconds, d.samples, d.deadline_seconds,
                                        d.source) for d in state.deadlines]
+        frame.scaling = [ScalingRow(m.model, m.desired, m.current, m.spares, m.reason, m.autoscaled)
+                         for m in state.scaling]
         for (name, labels), value in scraped.get(self._scheduler_metrics, {}).items():
             if name == "kvmesh_scheduler_rejections_total" and value:
                 frame.rejections[f"scheduler {dict(labels).get('reason', '?')}"] = int(value)

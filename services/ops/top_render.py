@@ -88,6 +88,18 @@ def _deadlines(frame: Frame) -> Table:
     return table
 
 
+def _scaling(frame: Frame) -> Table:
+    table = _table("Scaling (desired engines = serving + spares)")
+    for name in ("model", "desired", "now", "spares", "why"):
+        table.add_column(name, justify="right" if name in ("desired", "now", "spares") else "left",
+                         no_wrap=name != "why")
+    for m in frame.scaling:
+        style = "yellow" if m.desired != m.current else "green"
+        model = m.model + ("" if m.autoscaled else " (not autoscaled)")
+        table.add_row(model, Text(str(m.desired), style=style), str(m.current), str(m.spares), m.reason)
+    return table
+
+
 # Narrower than this, the queue, gateway and rejection tables stack.
 _SIDE_BY_SIDE_COLUMNS = 110
 
@@ -107,6 +119,8 @@ def render(frame: Frame, width: int = 160) -> RenderableType:
         parts.append(middle)
     else:
         parts.extend(tables)
+    if frame.scaling:
+        parts.append(_scaling(frame))
     if frame.deadlines:
         parts.append(_deadlines(frame))
     for problem in frame.problems:

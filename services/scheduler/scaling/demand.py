@@ -15,6 +15,7 @@ core's one thread.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from services.scheduler.records import NUM_CLASSES
@@ -66,8 +67,8 @@ class DemandMeter:
             demand = self._models[model] = ModelDemand()
         return demand
 
-    def models(self) -> list[str]:
-        return list(self._models)
+    def models(self) -> Collection[str]:
+        return self._models.keys()
 
     def arrived(self, model: str, cls: int, prompt_tokens: int, max_tokens: int) -> None:
         d = self.get(model)

@@ -21,8 +21,10 @@ it needs (`need`), and from that need over time, the count to publish
 
 `Stepper` publishes: out at once, at most `max_step_up` per decision; in
 only after the need stayed below the published count for
-`scale_in_hold_seconds`, then `max_step_down` per decision; always within
-[min_engines, max_engines].
+`scale_in_hold_seconds` with no queue miss meanwhile (engines still
+starting are invisible to the scheduler: a miss while they start must not
+send the serving ones away), then `max_step_down` per decision; always
+within [min_engines, max_engines].
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 
 from services.common.config import ScalingConfig
 from services.planning.engine_model import Workload
-from services.planning.fleet_plan import ClassTarget, Targets, smallest_fleet
+from services.planning.fleet_plan import ClassTarget, Targets, evaluate, smallest_fleet
 
 from .demand import ModelDemand
 from .signals import ModelSupply, QueueSignal, clear_seconds
@@ -49,6 +51,9 @@ _REACTIVE_CLASSES = (0, 1)
 class Need:
     engines: int
     reason: str
+    # The queue misses its target now: never scale in (the engines that
+    # would relieve it may still be starting, unseen by the scheduler).
+    missing: bool = False
 
 
 def steady(demand: ModelDemand, supply: ModelSupply, config: ScalingConfig, preempting: frozenset[int]) -> Need:
@@ -61,14 +66,21 @@ def steady(demand: ModelDemand, supply: ModelSupply, config: ScalingConfig, pree
     classes = [ClassTarget(_CLASS_NAMES[c], shares[c], config.ttft_targets_seconds[c], c in preempting)
                for c in range(len(shares)) if shares[c] > 0]
     targets = Targets(classes, config.quantile, min_spares=0)
-    option = smallest_fleet(supply.profile, workload, targets)
-    if option is not None:
-        return Need(option.engines, f"steady state: {rate:.2f} req/s, batch {option.load.batch:.1f}/engine, "
-                                    f"TTFT targets met at p{100 * config.quantile:g}")
+    # Searched only when max_engines can do it: the search's cost grows with
+    # the fleet it tries (Erlang C over every batch slot), and it runs on
+    # the scheduler's one thread.
+    top = max(1, config.max_engines)
+    if evaluate(supply.profile, workload, targets, top).met:
+        option = smallest_fleet(supply.profile, workload, targets)
+        if option is not None:
+            return Need(option.engines, f"steady state: {rate:.2f} req/s, batch {option.load.batch:.1f}/engine, "
+                                        f"TTFT targets met at p{100 * config.quantile:g}")
     loose = Targets([dataclasses.replace(c, ttft_seconds=math.inf) for c in classes], config.quantile, min_spares=0)
-    option = smallest_fleet(supply.profile, workload, loose)
-    engines = option.engines if option is not None else config.max_engines
-    return Need(engines, f"steady state: {rate:.2f} req/s needs {engines} to keep up (TTFT targets out of reach)")
+    option = smallest_fleet(supply.profile, workload, loose) if evaluate(
+        supply.profile, workload, loose, top).met else None
+    engines = option.engines if option is not None else top
+    return Need(engines, f"steady state: {rate:.2f} req/s needs {engines} to keep up (TTFT targets out of reach "
+                         f"within {top} engines)")
 
 
 def reactive(queue: QueueSignal, supply: ModelSupply, config: ScalingConfig) -> Need:
@@ -82,7 +94,7 @@ def reactive(queue: QueueSignal, supply: ModelSupply, config: ScalingConfig) -> 
         predicted = waited + clear_seconds(ahead, supply.serving, supply.max_running, supply.service_seconds)
         if waited >= config.queue_wait_share * target or predicted > target:
             return Need(supply.serving + 1, f"queue: P{cls} waited {waited:.2f} s, first token predicted at "
-                                            f"{predicted:.2f} s > {target:g} s target")
+                                            f"{predicted:.2f} s > {target:g} s target", missing=True)
     if supply.serving and supply.kv_use > config.kv_pressure:
         return Need(supply.serving + 1, f"KV pressure: {100 * supply.kv_use:.0f}% used > "
                                         f"{100 * config.kv_pressure:.0f}%")
@@ -96,6 +108,8 @@ def need(demand: ModelDemand, supply: ModelSupply, queue: QueueSignal, config: S
     react = reactive(queue, supply, config)
     if react.engines > best.engines:
         best = react
+    elif react.missing:
+        best = dataclasses.replace(best, missing=True)
     if best.engines < 1 and (queue.total or demand.rate() > 0):
         best = Need(1, f"demand: {queue.total} queued with no engine" if queue.total
                     else f"demand: {demand.rate():.2f} req/s")
@@ -120,7 +134,7 @@ class Stepper:
             reason = wanted.reason + ("" if step == target else f" (+{config.max_step_up} per decision)")
             self.desired = step
             return step, reason
-        if target == self.desired:
+        if target == self.desired or wanted.missing:
             self.below_since = None
             return self.desired, wanted.reason or "steady"
         if self.below_since is None:

@@ -63,6 +63,7 @@ class Scaler:
         self.demand = DemandMeter(self._config.fast_rate_seconds, self._config.slow_rate_seconds, now)
         self._steppers: dict[str, Stepper] = {}
         self._models = [m.name for m in config.models]
+        self._configured = frozenset(self._models)
         self._next = now + self._config.interval_seconds
         self._urgent = False
         self.decisions: dict[str, ScalingDecision] = {}
@@ -72,14 +73,19 @@ class Scaler:
         return self._config.enabled
 
     def arrived(self, model: str, cls: int, prompt_tokens: int, max_tokens: int, served: bool) -> None:
-        """A request was admitted; `served`: some engine of its model is registered."""
+        """A request was admitted; `served`: some engine of its model is
+        registered. Only models configured or served are counted: a client
+        naming models at random must not grow the books (or the gauge's series)."""
+        if not served and model not in self._configured:
+            return
         self.demand.arrived(model, cls, prompt_tokens, max_tokens)
         if not served:
             decided = self.decisions.get(model)
             self._urgent = self._urgent or decided is None or decided.desired == 0
 
     def finished(self, model: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
-        self.demand.finished(model, prompt_tokens, completion_tokens, cached_tokens)
+        if model in self._configured or model in self.demand.models():
+            self.demand.finished(model, prompt_tokens, completion_tokens, cached_tokens)
 
     def tick(self, engines: Iterable[EngineRecord], drained: set[str], waiting: WaitingRoom, now: float) -> bool:
         """Decide if the interval passed (or a model with no engine waits);

@@ -110,6 +110,9 @@ def test_supervise_rolls_the_gateways_when_asked(capsys: pytest.CaptureFixture[s
         def exited(self) -> list[object]:
             return []
 
+        def autoscaler(self) -> None:
+            return None   # a fixed fleet
+
         def rolling_restart(self) -> list[RollStep]:
             self.rolls += 1
             stop.set()

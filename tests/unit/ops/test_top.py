@@ -14,7 +14,17 @@ import pytest
 from rich.console import Console
 
 from services.common.config import MeshConfig
-from services.ops.top_data import DeadlineRow, EngineRow, Frame, GatewayRow, Gatherer, QueueRow, parse_samples, targets
+from services.ops.top_data import (
+    DeadlineRow,
+    EngineRow,
+    Frame,
+    GatewayRow,
+    Gatherer,
+    QueueRow,
+    ScalingRow,
+    parse_samples,
+    targets,
+)
 from services.ops.top_render import render
 
 
@@ -59,6 +69,13 @@ def test_screen_shows_the_learned_deadlines() -> None:
         "tiny-llama", "P1", "token_stall", "444", "ms", "64", "1.33", "s", "derived"]
     assert next(line for line in lines if "queue_wait" in line).split() == [
         "tiny-llama", "P1", "queue_wait", "-", "0", "300.00", "s", "default"]
+
+
+def test_screen_shows_the_scaling_figure() -> None:
+    frame = _frame()
+    frame.scaling = [ScalingRow("tiny-llama", 3, 2, 0, "queue: P0 waited 0.70 s", True)]
+    line = next(line for line in _text(frame).splitlines() if "tiny-llama" in line)
+    assert line.split()[:4] == ["tiny-llama", "3", "2", "0"] and "queue: P0 waited" in line
 
 
 def test_an_empty_fleet_says_so() -> None:

@@ -5,16 +5,20 @@ each one's arrival, and its queued demand makes the desired count >= 1."""
 from __future__ import annotations
 
 from services.common.clock import FakeClock
-from services.common.config import ScalingConfig
+from services.common.config import ModelConfig, ScalingConfig
+from services.scheduler.core import SchedulerCore
 from services.scheduler.events import EngineLeft, Tick
 from services.scheduler.records import PlacedInfo, QueuedInfo, RejectedInfo, RejectReason
 
-from .helpers import MODEL, add_engine, admit, make_core, opts
+from .helpers import MODEL, add_engine, admit, make_config, make_core, opts
 
 
-def _autoscaled(wait: float = 60.0):
-    return make_core(clock=FakeClock(), engine_grace_seconds=10.0,
-                     scaling=ScalingConfig(enabled=True, min_engines=0, max_engines=2, cold_start_wait_seconds=wait))
+def _autoscaled(wait: float = 60.0) -> tuple[SchedulerCore, FakeClock]:
+    config = make_config(engine_grace_seconds=10.0, scaling=ScalingConfig(
+        enabled=True, min_engines=0, max_engines=2, cold_start_wait_seconds=wait))
+    config.models.append(ModelConfig(name=MODEL))   # configured: counted before any engine serves it
+    clock = FakeClock()
+    return SchedulerCore(config, clock), clock
 
 
 def test_a_request_waits_past_the_grace_for_an_engine_to_start() -> None:

@@ -98,6 +98,18 @@ def test_in_slowly_after_the_hold_one_step_per_decision() -> None:
     assert s.step(Need(1, "lull"), 2, config, 135.0)[0] == 1
 
 
+def test_no_scale_in_while_the_queue_misses() -> None:
+    config = ScalingConfig(scale_in_hold_seconds=10.0)
+    s = Stepper(desired=4)
+    for t in (0.0, 20.0, 40.0):     # the rate fell, but the queue still misses: engines may still be starting
+        assert s.step(Need(2, "queue: P1 waited 9 s", missing=True), 1, config, t)[0] == 4
+    assert s.step(Need(2, "lull"), 4, config, 45.0)[0] == 4      # the hold starts only now
+    assert s.step(Need(2, "lull"), 4, config, 55.0)[0] == 3
+    missed = QueueSignal([0, 4, 0], [3.0, 3.0, 0.0])
+    got = need(demand(40.0), supply(1), missed, ScalingConfig(ttft_targets_seconds=[0.5, 2.0, 20.0]))
+    assert got.missing
+
+
 def test_the_demand_meter_follows_a_rate_by_time_constant() -> None:
     meter = DemandMeter(fast_seconds=10.0, slow_seconds=60.0, now=0.0)
     for second in range(1, 61):
@@ -122,3 +134,21 @@ def test_the_core_publishes_desired_engines_per_interval() -> None:
     [decision] = [d for d in core.state().scaling if d.model == MODEL]
     assert decision.current == 1 and decision.desired >= 1 and decision.reason
     assert core.metrics.value("kvmesh_scheduler_desired_engines", {"model": MODEL}) == decision.desired
+
+
+def test_unreachable_targets_fall_back_to_keeping_up_within_max() -> None:
+    slow_prefill = EngineProfile("slow prefill", 0.01, 0.0, 0.0, 0.01, 512, 8, 0)   # 10 ms per prompt token
+    config = ScalingConfig(ttft_targets_seconds=[0.5, 0.5, 0.5], max_engines=16)
+    d = demand(4.0)
+    d.prompt_tokens = 200.0                       # a 2 s prefill: no fleet meets 0.5 s
+    got = need(d, supply(2, slow_prefill), NO_QUEUE, config)
+    assert 1 <= got.engines <= 16 and "out of reach" in got.reason
+
+
+def test_a_model_nobody_configured_or_serves_is_not_counted() -> None:
+    core, clock = make_core(clock=FakeClock())
+    for i in range(20):
+        core.handle(RequestArrived(opts(f"r{i}", model=f"random-{i}")))
+    clock.advance(6.0)
+    core.handle(Tick())
+    assert core.state().scaling == []
