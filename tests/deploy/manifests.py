@@ -6,7 +6,7 @@
 Kubernetes' own kinds validate with PyPI kubernetes-validate (its bundled
 API schemas, strict: unknown fields are errors); custom resources
 (ServiceMonitor, PodMonitor, PrometheusRule, cert-manager's Certificate and
-Issuer) with the schemas vendored in deploy/schemas/ (crd_schemas.py).
+Issuer, KEDA's ScaledObject) with the schemas vendored in deploy/schemas/ (crd_schemas.py).
 Other tests (tests/netns) may import `render` to start what the manifests say.
 """
 
@@ -26,7 +26,7 @@ DEPLOY = ROOT / "deploy"
 SCHEMAS = DEPLOY / "schemas"
 # Every kustomization an operator may apply (and the base they share).
 OVERLAYS = ("base", "overlays/dev-cpu", "overlays/gpu", "overlays/monitoring", "overlays/cert-manager",
-            "overlays/tracing")
+            "overlays/tracing", "overlays/autoscaling")
 # The Kubernetes versions the manifests must be valid for: the oldest we
 # support (kubectl on these machines is 1.32) and the newest
 # kubernetes-validate 1.37.0 knows.

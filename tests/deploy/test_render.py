@@ -145,3 +145,17 @@ def test_a_broken_kustomization_fails_to_render(tmp_path: Path) -> None:
         (work / "base" / "kustomization.yaml").read_text().replace("  - engine.yaml\n", "  - engines.yaml\n"))
     with pytest.raises(RuntimeError, match=r"engines\.yaml"):
         kustomize(work / "overlays" / "dev-cpu")
+
+
+def test_the_scaledobject_schema_catches_wrong_fields() -> None:
+    """KEDA's vendored schema (deploy/schemas/scaledobject-keda-v1alpha1.json) is strict."""
+    so = copy.deepcopy(find(render("overlays/autoscaling"), "ScaledObject", "kvmesh-engine"))
+    assert so is not None and schema_errors([so], K8S_VERSIONS[0]) == []
+    so["spec"]["maxReplicas"] = so["spec"].pop("maxReplicaCount")  # the HPA's spelling, not KEDA's
+    so["spec"]["triggers"][0]["metadata"]["threshold"] = 1  # metadata values are strings
+    del so["spec"]["scaleTargetRef"]["name"]
+    errors = schema_errors([so], K8S_VERSIONS[0])
+    assert len(errors) == 1 and "ScaledObject/kvmesh-engine" in errors[0], errors
+    so["spec"]["maxReplicaCount"] = so["spec"].pop("maxReplicas")
+    so["spec"]["triggers"][0]["metadata"]["threshold"] = "1"
+    assert "'name' is a required property" in schema_errors([so], K8S_VERSIONS[0])[0]

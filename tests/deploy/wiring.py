@@ -27,14 +27,17 @@ from .manifests import ROOT, Obj, ident
 # The contract (BRIEF15): kubelet probes, plain HTTP on the metrics port.
 PROBE_PATH = {"startupProbe": "/health/started", "readinessProbe": "/health/ready",
               "livenessProbe": "/health/live"}
+# Prometheus' own (the autoscaling overlay's), on its web port.
+PROMETHEUS_PROBE_PATH = {"readinessProbe": "/-/ready", "livenessProbe": "/-/healthy"}
 CONFIG_PATH = "/etc/kvmesh/kvmesh.yaml"
 COMPONENTS = ("scheduler", "gateway", "engine", "batch", "envoy")
 # Components that hold no mesh identity: the batch service serves plain HTTP
 # to Envoy alone (NetworkPolicy) and sends its lines through Envoy's
 # listener, like any client (BATCH_INTERFACE: batch.port has no mesh TLS);
 # Redis (the official image) serves gateways and the scheduler alone
-# (wiring_redis.py).
-NO_MESH_TLS = ("batch", "redis")
+# (wiring_redis.py); the autoscaling overlay's Prometheus scrapes the
+# schedulers' plain-HTTP metrics port and answers KEDA (wiring_autoscaling.py).
+NO_MESH_TLS = ("batch", "redis", "prometheus")
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet")
 # Seconds between a drain's bound and kubelet's SIGKILL, at least.
 DRAIN_MARGIN = 5.0
@@ -324,6 +327,8 @@ def listening_ports(objects: list[Obj], pod: Pod) -> dict[str, int]:
     its config and command line make it (not as the manifest says)."""
     if pod.component == "redis":
         return redis_ports(pod)
+    if pod.component == "prometheus":
+        return prometheus_ports(pod)
     if pod.component == "envoy":
         boot = envoy_bootstrap(objects, pod)
         if boot is None:
@@ -355,6 +360,16 @@ def redis_ports(pod: Pod) -> dict[str, int]:
         return {}
     port = argv[argv.index("--port") + 1] if "--port" in argv[:-1] else "6379"
     return {"redis": int(port)} if port.isdigit() else {}
+
+
+def prometheus_ports(pod: Pod) -> dict[str, int]:
+    """What `prometheus --web.listen-address=[HOST]:N` listens on (9090 without the flag)."""
+    argv = pod.argv()
+    if not argv or argv[0].rsplit("/", 1)[-1] != "prometheus":
+        return {}
+    flag = next((a.split("=", 1)[1] for a in argv if a.startswith("--web.listen-address=")), ":9090")
+    port = flag.rpartition(":")[2]
+    return {"http": int(port)} if port.isdigit() else {}
 
 
 def envoy_admin_port(objects: list[Obj], pod: Pod) -> int | None:
@@ -397,6 +412,8 @@ def check_ports(objects: list[Obj]) -> list[str]:
 
 
 def _check_probes(pod: Pod, listening: dict[str, int]) -> list[str]:
+    if pod.component == "prometheus":
+        return _check_prometheus_probes(pod, listening)
     problems = []
     for kind, path in PROBE_PATH.items():
         probe = pod.container.get(kind)
@@ -423,6 +440,19 @@ def _check_probes(pod: Pod, listening: dict[str, int]) -> list[str]:
                                 f"`redis-cli -p {listening['redis']} ping`")
         else:
             problems.append(f"{pod.name}: {kind} is neither httpGet nor tcpSocket")
+    return problems
+
+
+def _check_prometheus_probes(pod: Pod, listening: dict[str, int]) -> list[str]:
+    """Prometheus' own health endpoints on its one HTTP port."""
+    problems = []
+    for kind, path in PROMETHEUS_PROBE_PATH.items():
+        get = pod.container.get(kind, {}).get("httpGet")
+        if get is None:
+            problems.append(f"{pod.name}: no httpGet {kind}")
+        elif get.get("path") != path or resolve_port(pod, get["port"]) != listening.get("http"):
+            problems.append(f"{pod.name}: {kind} asks {get.get('path')} on {get['port']}, not {path} on "
+                            f"{listening.get('http')}")
     return problems
 
 

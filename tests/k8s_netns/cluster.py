@@ -411,6 +411,47 @@ class Cluster:
         self.spawn(r)
         return r
 
+    def create_pod(self, pod: Pod, host: str) -> RunningPod:
+        """A pod the workload's controller makes (a StatefulSet scaled out):
+        a new host on the network, its DNS names, every host's policies
+        (the new address among the allowed sources), its process started.
+        Returns at once; `wait_started` waits for its probes."""
+        self.net.add_host(host)
+        self.hosts_of[pod.name] = host
+        r = self._prepare_pod(pod)
+        self.write_dns()
+        self.apply_policies()
+        self.spawn(r)
+        return r
+
+    def delete_pod(self, pod_name: str) -> dict[str, float]:
+        """`kubectl delete pod` as kubelet carries it out: the pod leaves DNS
+        (the endpoints controller), its preStop hook runs, then SIGTERM,
+        SIGKILL at the end of terminationGracePeriodSeconds; its address
+        goes. Seconds of each step (`prestop`, `exit`) and `killed` (1 if
+        the grace period ran out)."""
+        r = self.running[pod_name]
+        grace, t0 = r.pod.grace_seconds, time.monotonic()
+        self.gone.add(pod_name)
+        self.write_dns()
+        if r.container.pre_stop:
+            with contextlib.suppress(subprocess.TimeoutExpired, PodFailed):
+                self.exec(r, r.container.pre_stop, timeout=grace)
+        out = {"prestop": time.monotonic() - t0, "killed": 0.0}
+        if r.proc is not None and r.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(r.proc.pid, 15)
+            try:
+                r.proc.wait(timeout=max(1.0, grace - out["prestop"]))
+            except subprocess.TimeoutExpired:
+                out["killed"] = 1.0
+                self.kill(r)
+        out["exit"] = time.monotonic() - t0 - out["prestop"]
+        self.net.cut(r.host.name)
+        del self.running[pod_name], self.hosts_of[pod_name]
+        self.gone.discard(pod_name)
+        return out
+
     def _service_of(self, pod: Pod) -> str:
         """The governing Service of a StatefulSet pod."""
         return str(self.objects.get("StatefulSet", pod.workload)["spec"]["serviceName"])

@@ -59,16 +59,16 @@ import pytest
 import yaml
 
 from tests.netns.client import Stream, run_on, run_streams, wait_until
-from tests.netns.harness import Host, NetnsHarness, netns_unavailable
+from tests.netns.harness import Host
 from tests.netns.mesh import metric
 
-from .cluster import Cluster, RunningPod, clean_stale, connect
-from .kube import ROOT, Objects, render, resolve_port
+from .cluster import Cluster, RunningPod, connect
+from .kube import ROOT, resolve_port
+from .running import API_KEY, running_cluster
 
 pytestmark = pytest.mark.timeout(240)
 
 OVERLAY = ROOT / "deploy" / "overlays" / "dev-cpu"
-API_KEY = "kvm15-netns-test-key"
 # Seconds a rescheduled engine pod may take from its start to serving
 # (startup + readiness probes pass, registered): a Python service's imports
 # and the sim's warm-up take ~3 s on an idle 2-core machine; x5 for a loaded CI.
@@ -84,55 +84,9 @@ STREAMS = 12
 TOKENS = 400
 
 
-def _unavailable() -> str | None:
-    if reason := netns_unavailable():
-        return reason
-    for tool in ("kubectl", "dnsmasq", "nft", "unshare", "nsenter"):
-        if subprocess.run(["sh", "-c", f"command -v {tool} || test -x /usr/sbin/{tool}"],
-                          capture_output=True, check=False).returncode != 0:
-            return f"{tool} is not installed (scripts/setup.sh installs it)"
-    if not OVERLAY.is_dir():
-        return f"{OVERLAY} is missing"
-    if not (ROOT / ".models" / "tiny-llama").is_dir():
-        return ".models/tiny-llama is missing: run `make setup`"
-    return None
-
-
-def _secrets(out: Path) -> dict[str, dict[str, bytes]]:
-    """The Secrets scripts/k8s_secrets.sh makes, with the test's API key."""
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "k8s_secrets.sh"), "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, check=False,
-                          env={**os.environ, "KVMESH_API_KEY": API_KEY})
-    assert proc.returncode == 0, proc.stderr
-    objects = Objects([d for d in yaml.safe_load_all((out / "secrets.yaml").read_text()) if d])
-    return {s["metadata"]["name"]: objects.secret(s["metadata"]["name"]) for s in objects.of("Secret")}
-
-
 @pytest.fixture(scope="module")
 def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    if reason := _unavailable():
-        pytest.skip(reason)
-    clean_stale()
-    run_dir = tmp_path_factory.mktemp("k8s")
-    objects = Objects(render(OVERLAY), _secrets(run_dir / "secrets"))
-    plan = Cluster.plan(objects)
-    cluster: Cluster | None = None
-    try:
-        with NetnsHarness([*plan.values(), "dns", "client"]) as net:
-            cluster = Cluster(net, objects, run_dir, plan)
-            cluster.prepare()
-            cluster.start()
-            net.assert_safe()
-            yield cluster
-            # The test is over: the gateways' drain (3 s not ready, for a
-            # load balancer) buys nothing now (tests/_mesh_stop.py).
-            for r in cluster.by_component("gateway"):
-                cluster.kill(r)
-        assert net.leftovers() == [], f"teardown left {net.leftovers()}"
-    finally:
-        if cluster is not None:
-            cluster.close()
-    assert cluster is not None and cluster.leftovers() == [], f"teardown left {cluster.leftovers()}"
+    yield from running_cluster(OVERLAY, tmp_path_factory.mktemp("k8s"))
 
 
 # ---------------------------------------------------------------- helpers
