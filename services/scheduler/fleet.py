@@ -28,6 +28,7 @@ from .placement.candidates import CandidatePlan
 from .placement.interfaces import view_of
 from .records import AdmissionError, AdmitOptions, Lease, RejectReason
 from .reservations import ReservationBook, blocks_needed
+from .servable import check_fits, cold_start_refusal
 
 __all__ = ["EngineFleet", "EngineStat", "Joined"]
 
@@ -406,20 +407,15 @@ class EngineFleet:
             return replaced_at is not None
         if all(e in exclude for e in engines):
             return self._wait_for_unexcluded(options.model, now, replaced_at)
-        self._check_fits(options, (self._registry[e] for e in engines if e not in exclude))
+        check_fits(options, (self._registry[e] for e in engines if e not in exclude),
+                   self._config.decode_headroom_tokens)
         return False
 
     def _wait_for_cold_start(self, model: str, now: float, arrival: float) -> None:
         """Scale from zero: the request waits (queued, heartbeats on) for an
         engine to start, up to scheduler.scaling.cold_start_wait_seconds."""
         if now > self.cold_start_deadline(arrival):
-            wait = self._config.scaling.cold_start_wait_seconds
-            raise AdmissionError(
-                RejectReason.NO_ENGINE,
-                f"no engine serves model {model!r} and none started within {wait:g} s of the request "
-                "(scheduler.scaling.cold_start_wait_seconds); check the autoscaler and the model name",
-                self._retry_min,
-            )
+            raise cold_start_refusal(model, self._config.scaling.cold_start_wait_seconds, self._retry_min)
 
     def cold_start_deadline(self, arrival: float) -> float:
         """Until when a request that came at `arrival` for a model with no
@@ -447,20 +443,3 @@ class EngineFleet:
         """Until when a replacement made at `replaced_at` waits for an engine
         to come back (scheduler.engine_return_seconds, whatever its class TTL)."""
         return replaced_at + self._config.engine_return_seconds
-
-    def _check_fits(self, options: AdmitOptions, usable: Iterable[EngineRecord]) -> None:
-        """Raise TOO_LARGE when the request fits on none of `usable`."""
-        need_len = options.prompt_tokens + options.max_tokens
-        for e in usable:
-            fits_len = e.info.max_model_len <= 0 or need_len <= e.info.max_model_len
-            cold = blocks_needed(
-                options.prompt_tokens, options.max_tokens, 0, e.info.block_size,
-                self._config.decode_headroom_tokens,
-            )
-            if fits_len and cold <= e.blocks_total():
-                return
-        raise AdmissionError(
-            RejectReason.TOO_LARGE,
-            f"{options.prompt_tokens} prompt + {options.max_tokens} max tokens fit on no engine "
-            f"serving {options.model!r}; shorten the prompt or lower max_tokens",
-        )

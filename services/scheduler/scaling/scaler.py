@@ -110,7 +110,7 @@ class Scaler:
         wanted = need(demand, have, queue, self._config, self._preempting)
         stepper = self._steppers.setdefault(model, Stepper())
         serving, reason = stepper.step(wanted, have.engines, self._config, now)
-        spares = spares_for(self._mesh, model) if serving else 0
-        decision = ScalingDecision(model, serving + spares, have.engines, spares, reason, self._config.enabled)
+        kept = spares_for(self._mesh, model) if serving else 0
+        decision = ScalingDecision(model, serving + kept, have.engines, kept, reason, self._config.enabled)
         self._metrics.desired_engines.labels(model).set(decision.desired)
         return decision

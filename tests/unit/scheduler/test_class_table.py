@@ -32,6 +32,9 @@ TABLE_MODULES = frozenset({"classes.py"})
 BOUNDARY: dict[str, frozenset[str]] = {
     "grpc_api.py": frozenset({"msg.batch", "batch=msg.batch", "batch=wire_batch(q.klass)", "wire_batch"}),
     "records.py": frozenset({"batch"}),
+    # Not a batch line: planning's EngineLoad.batch, the mean number of
+    # sequences an engine decodes at once (services/planning/engine_model.py).
+    "scaling/policy.py": frozenset({"option.load.batch"}),
 }
 # What "tests for a batch line" looks like in code: the wire flag, a class
 # member named BATCH, an is_batch helper, the class's enum value, the
