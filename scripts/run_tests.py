@@ -41,6 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # (pyproject.toml's markers; tests/_tiers.py gives each test its tier).
 FAST_TIERS = "unit or deploy or observability"
 VLLM_TIER = "vllm"  # run 2's second lane
+# ...which also takes the tests marked `vllm_lane` (no vLLM needed): moved
+# there so the lanes end together (pyproject.toml's markers).
+VLLM_LANE = f"({VLLM_TIER} or vllm_lane)"
 NO_TESTS = 5  # pytest's "no tests collected / all deselected"
 VLLM_LOG = ROOT / ".run" / "test-vllm-lane.log"
 
@@ -76,11 +79,11 @@ def tier_runs(args: list[str]) -> tuple[list[str], list[str]]:
 
 def lanes(slow: list[str]) -> tuple[list[str], list[str]]:
     """Run 2's arguments (`tier_runs`'s second) as its two lanes: every
-    tier but `vllm`, and `vllm`."""
+    tier but `vllm`, and `vllm` (with the tests marked `vllm_lane`)."""
     marker, rest = split_args(slow)
     assert marker is not None  # tier_runs always sets run 2's
     vllm_rest = [_junit_beside(a, VLLM_TIER) if a.startswith("--junitxml=") else a for a in rest]
-    return (["-m", f"({marker}) and not {VLLM_TIER}", *rest], ["-m", f"({marker}) and {VLLM_TIER}", *vllm_rest])
+    return (["-m", f"({marker}) and not {VLLM_LANE}", *rest], ["-m", f"({marker}) and {VLLM_LANE}", *vllm_rest])
 
 
 def combined_exit(*statuses: int) -> int:

@@ -36,7 +36,8 @@ from .load import ClosedLoad
 from .running import API_KEY, running_cluster
 from .test_k8s_netns import _engine_metrics, _model, _served
 
-pytestmark = pytest.mark.timeout(900)
+# vllm_lane: 2.5 minutes that would make the other lane of `make test` the long one.
+pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm_lane]
 
 OVERLAY = ROOT / "deploy" / "overlays" / "autoscaling"
 DESIRED = "kvmesh_scheduler_desired_engines"
