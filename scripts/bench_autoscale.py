@@ -4,7 +4,10 @@ linearly from `--from-rate` to `--to-rate` req/s over `--seconds` s
 Poisson thinned to the ramp), through four fleets in turn:
 
   policy 1:8    `kvmesh up --autoscale 1:8`: the scheduler's scaling policy
-                (services/scheduler/scaling/) and the local actuator
+                (services/scheduler/scaling/) and the local actuator, with
+                `--spares` warm spares (scheduler.spares.count, default 1):
+                engines started on top of the need, held out of placement
+                and promoted when queued P0/P1 work would miss its target
   queue 1:8     the same actuator following a plain queue-depth threshold
                 instead (what an HPA on queue length does): desired =
                 ceil(queued / --queue-per-engine), with the same hysteresis
@@ -107,8 +110,10 @@ class QueueDepth:
         self._view.close()
 
 
-def _config(args: argparse.Namespace) -> MeshConfig:
+def _config(args: argparse.Namespace, fleet: str) -> MeshConfig:
     config = mesh_config(args)
+    config.scheduler.spares.count = args.spares if fleet == "policy" else 0
+    config.scheduler.spares.ttft_target_seconds = [t * args.speed_factor for t in BASE_TARGETS[:2]] + [0.0]
     s = config.scheduler.scaling
     s.ttft_targets_seconds = [t * args.speed_factor for t in BASE_TARGETS]
     s.interval_seconds, s.scale_in_hold_seconds = args.interval, args.hold
@@ -167,7 +172,7 @@ def _figures(fleet: str, run: RunResult, meter: Meter, targets: list[float]) -> 
 
 def run_fleet(fleet: str, args: argparse.Namespace, convs: list[Conversation],
               warmup: tuple[WorkloadSpec, ArrivalSpec]) -> dict[str, Any]:
-    config = _config(args)
+    config = _config(args, fleet)
     shape = FLEETS[fleet]
     options = MeshOptions(backend="sim", model=MODEL, free_ports=True,
                           engines=shape if isinstance(shape, int) else None,
@@ -220,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context-tokens", type=int, default=1000)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--priority-mix", default="0.2,0.3,0.5", help="P0,P1,P2 fractions")
+    p.add_argument("--spares", type=int, default=1, help="the policy fleet's warm spares (scheduler.spares.count)")
     p.add_argument("--interval", type=float, default=5.0, help="scheduler.scaling.interval_seconds")
     p.add_argument("--hold", type=float, default=30.0, help="scheduler.scaling.scale_in_hold_seconds")
     p.add_argument("--queue-per-engine", type=float, default=4.0, help="the baseline's queued requests per engine")

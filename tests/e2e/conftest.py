@@ -86,6 +86,16 @@ def _smol_pair(config: MeshConfig) -> None:
     # a loaded CI machine one ran past the default 120 s generation bound.
     # No test of this mesh tests that bound.
     config.gateway.max_generation_seconds = 300.0
+    # Its migration test kills one engine and asserts every stream ends on
+    # the other. The gateways' stall deadlines (seconds, from the measured
+    # p95) would first move streams off an engine that merely waits for a
+    # core -- a fresh-clone run beside the sim lane of `make test` moved
+    # three off a 4.6 s stall of engine-0, 5 s before engine-1 was killed,
+    # and with both excluded they waited for engine-1's restart past the
+    # 120 s bound. No test of this mesh tests the deadlines (the tiny
+    # one-engine mesh does); a stall followed by a death within the
+    # exclusion window is RELIABILITY.md's open case.
+    config.deadlines.enabled = False
 
 
 SHARED = {
