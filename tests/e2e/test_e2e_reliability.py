@@ -13,7 +13,15 @@ import time
 
 import aiohttp
 import pytest
-from _streams import StreamResult, gateway_counter, run_streams, scheduler_state, sim_unthrottled, wait_until
+from _streams import (
+    StreamResult,
+    eventually,
+    gateway_counter,
+    run_streams,
+    scheduler_state,
+    sim_unthrottled,
+    wait_until,
+)
 
 from services.common.config import MeshConfig
 from services.common.proto.kvmesh.v1 import scheduler_pb2
@@ -144,7 +152,8 @@ async def test_scheduler_sigkill_under_load_loses_nothing(e2e_mesh: Mesh) -> Non
         s = scheduler_state(mesh)
         return 0 if s is None else s.leases_total
     await wait_until(lambda: leases() > 0, 30, "leases to be re-attached")
-    await wait_until(lambda: gateway_counter(mesh, "kvmesh_gateway_scheduler_readmissions_total",
+    # A /metrics scrape blocks: in a thread, so the 52 streams on this loop keep being read.
+    await eventually(lambda: gateway_counter(mesh, "kvmesh_gateway_scheduler_readmissions_total",
                                              'state="running"') > reattached, 60, "a running lease to re-attach")
     assert not any(r.done for r in holders), "a holding stream ended before the restart"
     for task in holder_tasks:
