@@ -212,6 +212,11 @@ class SchedulerLink:
                 await self._task
             self._task = None
 
+    @property
+    def kv_in_reports(self) -> bool:
+        """This session's scheduler reads KV events inside load reports."""
+        return self._kv_in_reports
+
     def notify(self) -> None:
         """Load changed: report promptly (rate-limited)."""
         self._changed = True

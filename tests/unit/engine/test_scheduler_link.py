@@ -40,6 +40,11 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             reader.cancel()
 
+    def drain_messages(self) -> None:
+        """Forget what was received so far."""
+        while not self.messages.empty():
+            self.messages.get_nowait()
+
     async def next(self, kind: str, timeout: float = 5.0) -> scheduler_pb2.EngineMessage:
         """The next message of `kind`, skipping others (loads are frequent)."""
         async with asyncio.timeout(timeout):
@@ -294,7 +299,12 @@ async def test_kv_events_ride_in_load_reports_when_the_scheduler_reads_them_ther
     await svc.start()
     try:
         snapshot = (await fake.next("kv_snapshot")).kv_snapshot
-        await fake.next("load")   # the first report: the writer now knows what the scheduler reads
+        link = svc.link
+        assert link is not None
+        async with asyncio.timeout(5):
+            while not link.kv_in_reports:   # the stream's initial metadata read
+                await asyncio.sleep(0.01)
+        fake.drain_messages()
         prompt = prompt_of(64)
         await generate(svc, "a", prompt, 4)
         stored: list[int] = []
