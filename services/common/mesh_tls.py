@@ -60,6 +60,7 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "/kvmesh.v1.Scheduler/AdmitMany": frozenset({"gateway"}),
     "/kvmesh.v1.Scheduler/Connect": frozenset({"engine"}),
     "/kvmesh.v1.Scheduler/GetState": frozenset({"gateway", "admin"}),
+    "/kvmesh.v1.Scheduler/WatchQueueHeads": frozenset({"scheduler", "admin"}),
     # The operator's knobs; the admin token applies on top.
     **{f"/kvmesh.v1.Admin/{m}": frozenset({"admin"}) for m in (
         "DrainEngine", "UndrainEngine", "PauseClass", "ResumeClass", "SetPlacementPolicy", "GetAdminState")},

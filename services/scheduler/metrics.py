@@ -88,6 +88,7 @@ class SchedulerMetrics:
         self._prompt_total = 0
         self._cached_total = 0
         self._add_preemption_metrics(r)
+        self._add_peer_metrics(r)
         self._add_fleet_metrics(r)
         self._add_pool_metrics(r)
         self._add_deadline_metrics(r)
@@ -108,6 +109,8 @@ class SchedulerMetrics:
             self.rejections.labels(reason.value)
         for state in ("fresh", "stale", "spare"):
             self.engines.labels(state).set(0)
+        for outcome in ("held", "expired"):
+            self.peer_holds.labels(outcome)
 
     def policy_in_force(self, policy: str) -> None:
         """The placement policy in use (at start and after an operator's
@@ -115,6 +118,19 @@ class SchedulerMetrics:
         for kind in PLACEMENT_KINDS:
             self.placements.labels(policy, kind)
         self.decision_seconds.labels(policy)
+
+    def _add_peer_metrics(self, r: CollectorRegistry) -> None:
+        # Priority across replicas (peer_heads.py): room left to a more urgent
+        # request of another replica ("held"), and holds that ran out ("expired").
+        self.peer_holds = Counter(
+            "kvmesh_scheduler_peer_holds_total",
+            "Room this replica left to a more urgent request queued at another replica, by outcome",
+            ["outcome"], registry=r,
+        )
+        self.peers_fresh = Gauge(
+            "kvmesh_scheduler_peers_fresh", "Other scheduler replicas heard from within scheduler.peers.stale_seconds",
+            registry=r,
+        )
 
     def _add_spare_metrics(self, r: CollectorRegistry) -> None:
         """Warm spares (spares.py); the held count is kvmesh_scheduler_engines{state="spare"}."""

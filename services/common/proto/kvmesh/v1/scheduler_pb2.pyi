@@ -512,3 +512,27 @@ class DeadlineState(_message.Message):
     deadline_seconds: float
     source: str
     def __init__(self, kind: _Optional[str] = ..., model: _Optional[str] = ..., priority: _Optional[int] = ..., p95_seconds: _Optional[float] = ..., samples: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., source: _Optional[str] = ...) -> None: ...
+
+class WatchQueueHeadsRequest(_message.Message):
+    __slots__ = ("replica",)
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    def __init__(self, replica: _Optional[str] = ...) -> None: ...
+
+class QueueHeads(_message.Message):
+    __slots__ = ("replica", "heads")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    heads: _containers.RepeatedCompositeFieldContainer[QueueHead]
+    def __init__(self, replica: _Optional[str] = ..., heads: _Optional[_Iterable[_Union[QueueHead, _Mapping]]] = ...) -> None: ...
+
+class QueueHead(_message.Message):
+    __slots__ = ("model", "priority", "request_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    priority: int
+    request_id: str
+    def __init__(self, model: _Optional[str] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
