@@ -33,8 +33,7 @@ _WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 
 class SchedulerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
-        r = self.registry
+        r = self.registry = registry or CollectorRegistry()
         self.child = LabelCache()   # child(metric, *labels): kept labels() (label_cache.py)
         self.queue_length = Gauge(
             "kvmesh_scheduler_queue_length", "Requests queued, by class waited in now",
