@@ -282,7 +282,7 @@ class SchedulerCore:
         self.metrics.engines.labels("fresh").set(fresh)
         self.metrics.engines.labels("stale").set(len(self.fleet) - fresh)
         self.metrics.engines.labels("spare").set(len(self.fleet.spares))   # of those fresh or stale
-        self.metrics.peers_fresh.set(self.peers.fresh(now))
+        self.metrics.peers_fresh.set(len(self.peers.fresh(now)))
         self._gauges.refresh(self.fleet, self.waiting, now)
         self.deadlines.refresh_metrics(now)
 
@@ -317,4 +317,4 @@ class SchedulerCore:
             self.policy.name, self.waiting.stats(now), self.fleet.stats(now),
             self.queued_total(), self.fleet.lease_count(), self._ledger.snapshot(),
             sorted(self.waiting.paused), sorted(self.fleet.admin_drained), self.deadlines.states(now),
-            list(self.scaling.decisions.values()))
+            list(self.scaling.decisions.values()), self.peers.fresh(now))

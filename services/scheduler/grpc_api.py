@@ -188,6 +188,7 @@ def _state_proto(view: StateView) -> scheduler_pb2.SchedulerState:
                                        reason=d.reason, autoscaled=d.autoscaled)
             for d in view.scaling
         ],
+        peers=view.peers,
     )
 
 

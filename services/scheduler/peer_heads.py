@@ -115,6 +115,6 @@ class PeerHeads:
             self._count("expired")
         return False
 
-    def fresh(self, now: float) -> int:
+    def fresh(self, now: float) -> list[str]:
         """Replicas heard from within `stale_seconds`."""
-        return sum(1 for peer in self._peers.values() if now - peer.heard_at <= self._stale)
+        return sorted(name for name, peer in self._peers.items() if now - peer.heard_at <= self._stale)

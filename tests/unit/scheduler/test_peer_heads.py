@@ -146,4 +146,4 @@ def test_the_rule_on_its_own() -> None:
     assert not peers.hold("C", QueueHead("m", 0, "c0"), 0.61)
     peers.heard("C", [QueueHead("m", 0, "c1")], now=0.7)                    # the next head: a hold of its own
     assert peers.hold("C", QueueHead("m", 0, "c1"), 0.7)
-    assert peers.fresh(1.6) == 1 and peers.outranking("m", 2, 1.6) == ("C", QueueHead("m", 0, "c1"))
+    assert peers.fresh(1.6) == ["C"] and peers.outranking("m", 2, 1.6) == ("C", QueueHead("m", 0, "c1"))

@@ -50,7 +50,7 @@ async def test_replicas_hear_each_others_queue_heads() -> None:
         for service in services:
             await _until(lambda s=service: sum(t.done() for t in s.servicer.peer_watch._tasks) == 1,  # type: ignore[misc]  # default-bound loop variable
                          "the watch of its own address ended")
-        assert b.core.peers.fresh(0.0) == 1                     # B hears A (nothing waiting there)
+        assert b.core.peers.fresh(0.0) == [a.servicer.replica]                     # B hears A (nothing waiting there)
         await b.stop(grace=0.2)
         await _until(lambda: a.core.peers.outranking("m", 2, 0.0) is None, "B gone holds nothing back")
     finally:
