@@ -229,14 +229,20 @@ class EnginePool:
             stub = self._stubs[address] = engine_pb2_grpc.EngineStub(channel)
         return stub
 
-    def open(self, address: str, engine_id: str) -> EngineStream:
-        """A Generate call to `address` (the spare one if it is alive). No
-        deadline on the call: the driver bounds the generation itself."""
+    def many(self, address: str) -> GenerateMany:
+        """The GenerateMany call to `address`, opened in the background
+        unless it is up or was tried too lately."""
         many = self._many.get(address)
         if many is None:
             many = self._many[address] = GenerateMany(self._stub(address).GenerateMany)
         many.ensure()
-        stream = many.stream()
+        return many
+
+    def open(self, address: str, engine_id: str) -> EngineStream:
+        """A Generate stream to `address`: on its GenerateMany call once
+        that is up, else a Generate call (the spare one if it is alive). No
+        deadline on the call: the driver bounds the generation itself."""
+        stream = self.many(address).stream()
         if stream is not None:
             return EngineStream(stream, engine_id, self._ender)
         spare = self._spares.get(address)
