@@ -392,13 +392,22 @@ class Mesh:
         self.engines[engine.engine_id] = engine
         self.scheduler.engines[engine.engine_id] = address
         if self.many:
-            pool = self.gateway._engines
-            assert pool is not None
-            many = pool.many(address)
-            async with asyncio.timeout(10):
-                while not many.ready:
-                    await asyncio.sleep(0.005)
+            await self._call_up(address)
         return engine
+
+    async def use_many(self) -> None:
+        """From now on every engine's GenerateMany call is up before use."""
+        self.many = True
+        for engine in self.engines.values():
+            await self._call_up(engine.address)
+
+    async def _call_up(self, address: str) -> None:
+        pool = self.gateway._engines
+        assert pool is not None
+        many = pool.many(address)
+        async with asyncio.timeout(10):
+            while not many.ready:
+                await asyncio.sleep(0.005)
 
 
 def make_config(model_dir: Path, scheduler_address: str, **gateway: object) -> MeshConfig:
@@ -424,7 +433,7 @@ def make_config(model_dir: Path, scheduler_address: str, **gateway: object) -> M
 
 
 @contextlib.asynccontextmanager
-async def open_mesh(model_dir: Path, tune: Callable[[MeshConfig], None] | None = None, many: bool = False,
+async def open_mesh(model_dir: Path, tune: Callable[[MeshConfig], None] | None = None,
                     **gateway: object) -> AsyncIterator[Mesh]:
     """A gateway (its config's gateway section changed by `gateway`, the
     rest by `tune`) wired to a fake scheduler and one fake engine, "engine-a"."""
@@ -445,7 +454,7 @@ async def open_mesh(model_dir: Path, tune: Callable[[MeshConfig], None] | None =
         await sched_server.stop(0)
         raise
     m = Mesh(scheduler, {}, service, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", config,
-             [sched_server], many)
+             [sched_server])
     await m.add_engine(FakeEngine("engine-a"))
     try:
         yield m
@@ -459,5 +468,7 @@ async def open_mesh(model_dir: Path, tune: Callable[[MeshConfig], None] | None =
 async def mesh(model_dir: Path, request: pytest.FixtureRequest) -> AsyncIterator[Mesh]:
     """Each test twice: engine streams as Generate calls, and on each
     engine's GenerateMany call (services/gateway/generate_many.py)."""
-    async with open_mesh(model_dir, many=request.param == "many") as m:
+    async with open_mesh(model_dir) as m:
+        if request.param == "many":
+            await m.use_many()
         yield m
