@@ -1,5 +1,9 @@
 """Client side of `Engine.Generate`, with one cached channel per engine address.
 
+A request's stream is a stream of the gateway's one `GenerateMany` call to
+its engine once that call is up (generate_many.py), else a Generate call of
+its own; `EngineStream` means the same on both.
+
 Ownership: the `EnginePool` belongs to the gateway service; channels are
 created on first use from the event loop and closed in `close()`. Status
 codes from an engine become domain errors here (through
