@@ -65,6 +65,7 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     **{f"/kvmesh.v1.Admin/{m}": frozenset({"admin"}) for m in (
         "DrainEngine", "UndrainEngine", "PauseClass", "ResumeClass", "SetPlacementPolicy", "GetAdminState")},
     "/kvmesh.v1.Engine/Generate": frozenset({"gateway"}),
+    "/kvmesh.v1.Engine/GenerateMany": frozenset({"gateway"}),
     "/kvmesh.v1.Engine/Abort": frozenset({"gateway", "admin"}),
     "/kvmesh.v1.Engine/GetInfo": frozenset({"gateway", "scheduler", "admin"}),
     # The public API, behind Envoy; API keys still apply on top.
