@@ -77,7 +77,7 @@ def _read(pid: int) -> Sample:
     return s
 
 
-def _groups(mesh: Mesh) -> dict[str, list[int]]:
+def process_groups(mesh: Mesh) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for name in mesh.names:
         pid = mesh.pid(name)
@@ -107,10 +107,13 @@ def sample(groups: dict[str, list[int]]) -> dict[str, Sample]:
     return out
 
 
-def _short_mesh(run_dir: Path) -> Mesh:
-    """The issue's mesh: `kvmesh up`'s config, 2 zero-cost sim engines."""
+def short_mesh(run_dir: Path, engine_http: bool = False) -> Mesh:
+    """The issue's mesh: `kvmesh up`'s config, 2 zero-cost sim engines
+    (`engine_http`: with their own OpenAI endpoints, for a peer router)."""
     config = load_config(ROOT / "config" / "kvmesh.yaml")
     config.engines.template.sim.speed_factor = 0.0
+    if engine_http:
+        config.engines.http_base_port = 1      # non-zero = on; the launcher picks free ports
     return Mesh(config, MeshOptions(engines=2, backend="sim", model=bp.MODEL, free_ports=True, run_dir=run_dir))
 
 
@@ -122,7 +125,7 @@ class LoopResult:
     latencies: list[float] = field(default_factory=list)
 
 
-async def _closed_loop(mesh: Mesh, args: argparse.Namespace, groups: dict[str, list[int]],
+async def closed_loop(mesh: Mesh, args: argparse.Namespace, groups: dict[str, list[int]],
                        window: list[dict[str, Sample]]) -> LoopResult:
     """`args.clients` workers, each one non-streamed completion after the
     other; counts those that end inside the measured window, sampling the
@@ -165,14 +168,14 @@ async def _closed_loop(mesh: Mesh, args: argparse.Namespace, groups: dict[str, l
 
 def _run_short(args: argparse.Namespace) -> tuple[int, dict[str, Sample], dict[str, Sample]]:
     with tempfile.TemporaryDirectory(prefix="kvmesh-pathcost-") as tmp:
-        mesh = _short_mesh(Path(tmp))
+        mesh = short_mesh(Path(tmp))
         mesh.start()
         try:
             print("children:", mesh.names, file=sys.stderr)
-            groups = _groups(mesh)
+            groups = process_groups(mesh)
             spies = _spies(mesh, args)
             window: list[dict[str, Sample]] = []
-            result = asyncio.run(_closed_loop(mesh, args, groups, window))
+            result = asyncio.run(closed_loop(mesh, args, groups, window))
             _stop_spies(spies)
         finally:
             mesh.stop_all()
@@ -212,7 +215,7 @@ def _run_all_fits(args: argparse.Namespace) -> tuple[int, dict[str, Sample], dic
             target = Target(mesh.endpoints.public_http, bp.MODEL, mesh.api_key)
             spec = workload.spec("[path] ")
             bp.warm_up(workload, spec, target, count)
-            groups = _groups(mesh)
+            groups = process_groups(mesh)
             tracer: subprocess.Popen[bytes] | None = None
             if args.strace:
                 pid = mesh.pid(args.strace)

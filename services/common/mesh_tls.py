@@ -60,10 +60,12 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "/kvmesh.v1.Scheduler/AdmitMany": frozenset({"gateway"}),
     "/kvmesh.v1.Scheduler/Connect": frozenset({"engine"}),
     "/kvmesh.v1.Scheduler/GetState": frozenset({"gateway", "admin"}),
+    "/kvmesh.v1.Scheduler/WatchQueueHeads": frozenset({"scheduler", "admin"}),
     # The operator's knobs; the admin token applies on top.
     **{f"/kvmesh.v1.Admin/{m}": frozenset({"admin"}) for m in (
         "DrainEngine", "UndrainEngine", "PauseClass", "ResumeClass", "SetPlacementPolicy", "GetAdminState")},
     "/kvmesh.v1.Engine/Generate": frozenset({"gateway"}),
+    "/kvmesh.v1.Engine/GenerateMany": frozenset({"gateway"}),
     "/kvmesh.v1.Engine/Abort": frozenset({"gateway", "admin"}),
     "/kvmesh.v1.Engine/GetInfo": frozenset({"gateway", "scheduler", "admin"}),
     # The public API, behind Envoy; API keys still apply on top.

@@ -38,6 +38,7 @@ from services.engine import generate_trace
 from services.engine.backend import GenerationOutput, GenerationRequest, InvalidRequest, Sampling
 from services.engine.detached import Attachment, UnknownGeneration
 from services.engine.errors import DuplicateRequest, NotAccepting
+from services.engine.generate_many import GenerateManyCall
 from services.engine.runtime import EngineRuntime, Generation
 
 __all__ = ["EngineServicer", "request_from_proto"]
@@ -105,6 +106,26 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._backend_name = backend_name
         # Generate calls gateways opened ahead of their next request.
         self.idle_calls = IdleCalls()
+        # Open GenerateMany calls (generate_many.py), told when the engine stops.
+        self._many_calls: set[GenerateManyCall] = set()
+
+    def close_calls(self) -> None:
+        """The engine stops taking work: idle calls end now, GenerateMany
+        calls once their streams have ended."""
+        self.idle_calls.close()
+        for call in self._many_calls:
+            call.close()
+
+    async def GenerateMany(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+        """Many Generate streams over one call, each served by `Generate`."""
+        call = GenerateManyCall(self.Generate, context)
+        self._many_calls.add(call)
+        if self.idle_calls.closed:
+            call.close()
+        try:
+            await call.serve()
+        finally:
+            self._many_calls.discard(call)
 
     async def Generate(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         first = await self.idle_calls.first_message(context)

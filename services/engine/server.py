@@ -265,7 +265,7 @@ class EngineService:
         if self._health is not None and self._health.serving:
             await self._health.set_serving(False)
         if self._servicer is not None:
-            self._servicer.idle_calls.close()
+            self._servicer.close_calls()
         running = self.runtime.live_count
         # A failed engine handed its generations over already: nothing to drain.
         grace = self.engine.stop_grace_seconds if running and self.runtime.dead is None else 0.0

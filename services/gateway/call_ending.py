@@ -14,7 +14,7 @@ import asyncio
 
 import grpc
 
-from services.gateway.admit_many import ManyStream
+from services.gateway.many_call import ManyStream
 
 __all__ = ["CallEnder"]
 

@@ -1,5 +1,9 @@
 """Client side of `Engine.Generate`, with one cached channel per engine address.
 
+A request's stream is a stream of the gateway's one `GenerateMany` call to
+its engine once that call is up (generate_many.py), else a Generate call of
+its own; `EngineStream` means the same on both.
+
 Ownership: the `EnginePool` belongs to the gateway service; channels are
 created on first use from the event loop and closed in `close()`. Status
 codes from an engine become domain errors here (through
@@ -27,6 +31,8 @@ from services.common.mesh_tls import MeshIdentity, aio_channel
 from services.common.proto.kvmesh.v1 import engine_pb2, engine_pb2_grpc
 from services.gateway.call_ending import CallEnder
 from services.gateway.errors import EngineFailure, EngineStopped, classify_engine_rpc_error
+from services.gateway.generate_many import GenerateMany
+from services.gateway.many_call import ManyStream
 from services.gateway.spare_calls import SpareCall
 
 __all__ = ["EnginePool", "EngineStream"]
@@ -48,7 +54,7 @@ class EngineStream:
     """One Generate call. Cancelling it (or the task reading it) aborts the
     generation in the engine at once."""
 
-    def __init__(self, call: grpc.aio.StreamStreamCall, engine_id: str, ender: CallEnder) -> None:
+    def __init__(self, call: grpc.aio.StreamStreamCall | ManyStream, engine_id: str, ender: CallEnder) -> None:
         self._call = call
         self._ender = ender
         self.engine_id = engine_id
@@ -200,6 +206,9 @@ class EnginePool:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, engine_pb2_grpc.EngineStub] = {}
         self._spares: dict[str, SpareCall] = {}
+        # Generate streams over one call per engine once it answered it
+        # (generate_many.py); per-request calls (spares) until then.
+        self._many: dict[str, GenerateMany] = {}
         self._ender = CallEnder()
 
     def _stub(self, address: str) -> engine_pb2_grpc.EngineStub:
@@ -224,16 +233,33 @@ class EnginePool:
             stub = self._stubs[address] = engine_pb2_grpc.EngineStub(channel)
         return stub
 
+    def many(self, address: str) -> GenerateMany:
+        """The GenerateMany call to `address`, opened in the background
+        unless it is up or was tried too lately."""
+        many = self._many.get(address)
+        if many is None:
+            many = self._many[address] = GenerateMany(self._stub(address).GenerateMany)
+        many.ensure()
+        return many
+
     def open(self, address: str, engine_id: str) -> EngineStream:
-        """A Generate call to `address` (the spare one if it is alive). No
+        """A Generate stream to `address`: on its GenerateMany call once
+        that is up, else a Generate call (the spare one if it is alive). No
         deadline on the call: the driver bounds the generation itself."""
+        stream = self.many(address).stream()
+        if stream is not None:
+            return EngineStream(stream, engine_id, self._ender)
         spare = self._spares.get(address)
         if spare is None:
             spare = self._spares[address] = SpareCall(self._stub(address).Generate)
         return EngineStream(spare.take(), engine_id, self._ender)
 
     def replenish(self, address: str) -> None:
-        """Open the next Generate call to `address` now (see `SpareCall`)."""
+        """Open the next Generate call to `address` now (see `SpareCall`),
+        unless requests go over GenerateMany."""
+        many = self._many.get(address)
+        if many is not None and many.ready:
+            return
         spare = self._spares.get(address)
         if spare is not None:
             spare.replenish()
@@ -242,6 +268,9 @@ class EnginePool:
         for spare in self._spares.values():
             spare.discard()
         self._spares.clear()
+        for many in self._many.values():
+            many.close()
+        self._many.clear()
         channels = list(self._channels.values())
         self._channels.clear()
         self._stubs.clear()

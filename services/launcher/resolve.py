@@ -54,6 +54,7 @@ def resolve_config(config: MeshConfig, opts: MeshOptions) -> tuple[MeshConfig, s
     replicas = scheduler_addresses(cfg, opts.schedulers) if opts.schedulers > 1 else []
     cfg.gateway.scheduler_addresses = list(replicas)
     cfg.engines.template.scheduler_addresses = list(replicas)
+    cfg.scheduler.peers.addresses = list(replicas)   # the replicas hear each other's queue heads
     if opts.mesh_tls:
         cfg.mesh_tls.enabled = True
     if cfg.mesh_tls.enabled:

@@ -102,6 +102,7 @@ class Frame:
     scheduler: str
     policy: str = "?"
     replica: str = ""              # SchedulerState.replica: which of several schedulers (--scheduler picks)
+    peers: int = 0                 # SchedulerState.peers: the other replicas it hears the queue heads of
     engines: list[EngineRow] = field(default_factory=list)
     queues: list[QueueRow] = field(default_factory=list)
     gateways: list[GatewayRow] = field(default_factory=list)
@@ -215,6 +216,7 @@ class Gatherer:
     def _fill_scheduler(self, frame: Frame, state: scheduler_pb2.SchedulerState, scraped: dict[str, Samples],
                         ready: dict[str, str], now: float) -> None:
         frame.policy, frame.leases, frame.replica = state.policy, state.leases_total, state.replica
+        frame.peers = len(state.peers)
         for e in state.engines:
             address = self._engine_metrics.get(e.engine_id, "")
             tokens = _total(scraped.get(address, {}), "vllm:generation_tokens_total")

@@ -109,7 +109,8 @@ def render(frame: Frame, width: int = 160) -> RenderableType:
     clock = time.strftime("%H:%M:%S", time.localtime(frame.taken_at))
     header = Text.assemble(
         ("kvmesh top", "bold"), f"  {clock}  scheduler {frame.scheduler}",
-        f" (replica {frame.replica})" if frame.replica else "", "  policy ",
+        f" (replica {frame.replica}, hears {frame.peers} other{'s' * (frame.peers != 1)})" if frame.replica else "",
+        "  policy ",
         (frame.policy, "bold cyan"), f"  leases {frame.leases}")
     tables = [_queues(frame), _gateways(frame), _rejections(frame)]
     parts: list[RenderableType] = [header, _engines(frame)]

@@ -23,13 +23,12 @@ on the scheduler's one event loop, like everything touching the core.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any, Protocol, cast
 
 import grpc
 
-from services.common.grpc_guard import UndecodableMessage
+from services.common.many_server import ManyServerCall
 from services.common.proto.kvmesh.v1 import scheduler_pb2
 
 from . import events as ev
@@ -94,73 +93,27 @@ class _Stream:
         return self.pending_in != self.call.flushes
 
 
-class AdmitManyCall:
+class AdmitManyCall(ManyServerCall):
     """One AdmitMany call (see the module docstring)."""
 
     def __init__(self, streams: AdmitStreams,
                  context: grpc.aio.ServicerContext[scheduler_pb2.AdmitClientFrames, Any]) -> None:
+        super().__init__(context, scheduler_pb2.AdmitServerFrames)
         self._host = streams
-        self._context = context
         self._open: dict[int, _Stream] = {}
-        self._frames: list[scheduler_pb2.AdmitServerFrame] = []
-        self.flushes = 0     # gRPC messages written: numbers the next one
-        self._wake = asyncio.Event()
-        self._reading = True
-        self._closing = False
         self._metadata: dict[str, str] = {}
-        self._undecodable = ""
-
-    def close(self) -> None:
-        """The scheduler stops: end the call once its streams have ended
-        (at once if it has none), as an idle Admit call is ended."""
-        self._closing = True
-        self._wake.set()
-
-    async def serve(self) -> None:
-        if self._host.traces_enabled:
-            metadata = self._context.invocation_metadata() or ()
+        if streams.traces_enabled:
+            metadata = context.invocation_metadata() or ()
             self._metadata = {k: v for k, v in metadata if isinstance(v, str)}
-        reader = asyncio.create_task(self._read_all())
-        try:
-            await self._context.write(scheduler_pb2.AdmitServerFrames())   # "served": see scheduler.proto
-            while True:
-                if not self._frames:
-                    if not self._reading:
-                        if self._undecodable:
-                            await self._context.abort(grpc.StatusCode.INVALID_ARGUMENT, self._undecodable)
-                        return
-                    if self._closing and not self._open:
-                        await self._context.abort(grpc.StatusCode.UNAVAILABLE, "the server is stopping")
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                frames, self._frames = self._frames, []
-                self.flushes += 1
-                await self._context.write(scheduler_pb2.AdmitServerFrames(frames=frames))
-        finally:
-            reader.cancel()
-            for stream in list(self._open.values()):
-                self._close(stream)
 
-    async def _read_all(self) -> None:
-        try:
-            while True:
-                message: object = await self._context.read()
-                if message is grpc.aio.EOF:
-                    return
-                for frame in cast(scheduler_pb2.AdmitClientFrames, message).frames:
-                    self._on_frame(frame)
-        except asyncio.CancelledError:
-            raise
-        except UndecodableMessage as exc:   # garbage, not a gateway: say so (grpc_guard.py)
-            self._undecodable = str(exc)
-        except Exception as exc:  # noqa: BLE001 - a broken read is the gateway leaving
-            log.debug("AdmitMany: read ended: %r", exc)
-        finally:
-            self._reading = False
-            self._wake.set()
+    def streams_open(self) -> bool:
+        return bool(self._open)
 
-    def _on_frame(self, frame: scheduler_pb2.AdmitClientFrame) -> None:
+    def streams_ended(self) -> None:
+        for stream in list(self._open.values()):
+            self._close(stream)
+
+    def on_frame(self, frame: scheduler_pb2.AdmitClientFrame) -> None:
         stream = self._open.get(frame.stream)
         if stream is None:
             # Stream numbers are never reused: anything but a `request` is a
@@ -208,12 +161,10 @@ class AdmitManyCall:
             self._close(stream)
 
     def _send(self, number: int, message: scheduler_pb2.AdmitServerMessage | None, end: bool = False) -> None:
-        self._frames.append(scheduler_pb2.AdmitServerFrame(stream=number, message=message, end=end))
-        self._wake.set()
+        self.queue(scheduler_pb2.AdmitServerFrame(stream=number, message=message, end=end))
 
     def _close(self, stream: _Stream) -> None:
         stream.open = False
         self._open.pop(stream.number, None)
         self._host.close_box(stream.request_id, stream)
-        if self._closing and not self._open:
-            self._wake.set()
+        self.stream_closed()

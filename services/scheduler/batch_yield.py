@@ -96,7 +96,13 @@ class BatchYield:
             return self._taken(request, wanted)
         return None if plain is None else self._taken(request, plain)
 
-    def _place_indexed(self, request: PlacementRequest, now: float) -> Placement | None:
+    def has_room(self, request: PlacementRequest, now: float) -> bool:
+        """Whether the policy would place `request` now in a free slot (no
+        preemption, nothing remembered): a trial, for room left to another
+        replica (dispatch.py, peer_heads.py)."""
+        return self._place_indexed(request, now, remember=False) is not None
+
+    def _place_indexed(self, request: PlacementRequest, now: float, remember: bool = True) -> Placement | None:
         """The policy's placement over the candidates the fleet's indexes
         give (placement/candidates.py); when none of them takes it, over the
         other engines that might (the full scan's answer, "no room now" included)."""
@@ -104,14 +110,14 @@ class BatchYield:
         holders = policy.prefix_holders(self._fleet.kv)
         views = self._fleet.candidate_views(request, plan, holders, now)
         if views is None or plan is None:
-            return self._place(request, self._fleet.views(request.model, now))
+            return self._place(request, self._fleet.views(request.model, now), remember)
         if not views:
             return None     # no engine of the model passes the policy's checks
-        placement = self._place(request, views)
+        placement = self._place(request, views, remember)
         if placement is not None:
             return placement
         rest = self._fleet.other_views(request, plan, holders, {v.engine_id for v in views}, now)
-        return self._place(request, rest) if rest else None
+        return self._place(request, rest, remember) if rest else None
 
     def _place(self, request: PlacementRequest, views: list[EngineView], remember: bool = True,
                ) -> Placement | None:

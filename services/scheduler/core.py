@@ -78,6 +78,7 @@ from .fleet import EngineFleet, EngineStat
 from .fleet_gauges import FleetGauges
 from .making_room import RoomMaker
 from .metrics import SchedulerMetrics
+from .peer_heads import PeerHeads
 from .placement import PlacementPolicy, build_policy, builtin_profiles, builtin_registry
 from .records import (
     AdmissionError,
@@ -131,10 +132,12 @@ class SchedulerCore:
         self._detached = DetachedLeases(self._requests, self.fleet, config.resume.grace_seconds)
         self._room = RoomMaker(
             self._requests, self.waiting, self.fleet, self.policy, self._limits, self._ledger, config)
+        # The other replicas' queue heads: priority across replicas (peer_heads.py).
+        self.peers = PeerHeads(self._config.peers, lambda outcome: self.metrics.peer_holds.labels(outcome).inc())
         parts = self._parts = CoreParts(
             self._config, clock, self.metrics, self.classes, self._aging, self._limits,
             DispatchRateMeter(self._config.dispatch_rate_window_seconds), self.waiting, self.fleet,
-            self._requests, self._room, self.deadlines, itertools.count())
+            self._requests, self._room, self.deadlines, itertools.count(), self.peers)
         self._admission = Admission(parts, self._detached)
         self._dispatcher = Dispatcher(parts, BatchYield(self._requests, self.fleet, self._room, config))
         self._comebacks = Comebacks(
@@ -151,6 +154,7 @@ class SchedulerCore:
             ev.ReplaceRequested: self._comebacks.replace,
             ev.RequeueRequested: self._comebacks.requeue,
             ev.Tick: self._on_tick, ev.ShutdownStarted: self._on_shutdown,
+            ev.PeerHeadsHeard: self._on_peer_heads,
             **self._engine_events.handlers(),
             **AdminKnobs(self.waiting, self.fleet, self.metrics, self._use_policy).handlers(),
         }
@@ -244,6 +248,14 @@ class SchedulerCore:
         self._detached.expire(now)
         self.scaling.tick(self.fleet, self.fleet.admin_drained, self.waiting, now, self.fleet.spares)
 
+    def _on_peer_heads(self, event: ev.PeerHeadsHeard, out: Outbox, now: float) -> None:
+        """Another replica's heads; the dispatch that follows places what it
+        no longer waits for (a head placed there frees the room left to it)."""
+        if event.heads is None:
+            self.peers.gone(event.replica)
+        else:
+            self.peers.heard(event.replica, event.heads, now)
+
     def _on_shutdown(self, event: ev.ShutdownStarted, out: Outbox, now: float) -> None:
         self._admission.shutting_down = True
         for rec in self._requests:
@@ -270,6 +282,7 @@ class SchedulerCore:
         self.metrics.engines.labels("fresh").set(fresh)
         self.metrics.engines.labels("stale").set(len(self.fleet) - fresh)
         self.metrics.engines.labels("spare").set(len(self.fleet.spares))   # of those fresh or stale
+        self.metrics.peers_fresh.set(len(self.peers.fresh(now)))
         self._gauges.refresh(self.fleet, self.waiting, now)
         self.deadlines.refresh_metrics(now)
 
@@ -304,4 +317,4 @@ class SchedulerCore:
             self.policy.name, self.waiting.stats(now), self.fleet.stats(now),
             self.queued_total(), self.fleet.lease_count(), self._ledger.snapshot(),
             sorted(self.waiting.paused), sorted(self.fleet.admin_drained), self.deadlines.states(now),
-            list(self.scaling.decisions.values()))
+            list(self.scaling.decisions.values()), self.peers.fresh(now))

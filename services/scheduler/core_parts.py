@@ -21,6 +21,7 @@ from .deadlines import DeadlineBook
 from .fleet import EngineFleet
 from .making_room import RoomMaker
 from .metrics import SchedulerMetrics
+from .peer_heads import PeerHeads
 from .request_book import RequestBook
 from .waiting import WaitingRoom
 
@@ -42,6 +43,7 @@ class CoreParts:
     room: RoomMaker            # its `policy` is the current placement policy (the core swaps it)
     deadlines: DeadlineBook
     seq: itertools.count[int]  # admission order: the queue's last tie-break
+    peers: PeerHeads           # the other replicas' queue heads (peer_heads.py)
 
     def retry_after_for(self, cls: int) -> float:
         """Little's law over the requests queued in class `cls` and above."""

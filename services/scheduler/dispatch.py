@@ -14,7 +14,10 @@ before that, what time alone changes (aging promotions, TTL expiry).
             Preempted and waits PREEMPTED;
   dispatch  per model the Replace lane, then the queue, in order
             (preempting for a preempt-class head of either), until one
-            cannot be placed; leases via the request book.
+            cannot be placed -- or until room it could take is left to a
+            more urgent request another scheduler replica has waiting
+            (peer_heads.py: priority across replicas, and its bound);
+            leases via the request book.
 
 Ownership rule: `Dispatcher` is owned by `SchedulerCore` and called only
 from its `handle` (the core's one thread, see core.py); it changes requests
@@ -86,11 +89,24 @@ class Dispatcher:
             if entry is None:
                 break
             rec = p.requests[entry.request_id]
+            if self._left_to_peer(model, rec, entry, now):
+                break
             notice = self._place_or_preempt(rec, entry.cls, now, out, entry, queue)
             if notice is None:
                 break
             out.append((entry.request_id, notice))
         return out
+
+    def _left_to_peer(self, model: str, rec: RequestRecord, entry: QueueEntry, now: float) -> bool:
+        """Room this replica could fill with `entry` is left to a more urgent
+        request another replica has waiting, within the hold's bound
+        (peer_heads.py). Without room there is nothing to leave: the head
+        waits (or preempts) as it would alone, and no hold starts."""
+        found = self._p.peers.outranking(model, entry.cls, now)
+        if found is None:
+            return False
+        request = placement_request(rec, entry.cls, self._p.classes[rec.klass])
+        return self._yield.has_room(request, now) and self._p.peers.hold(*found, now)
 
     def _place_or_preempt(
         self, rec: RequestRecord, cls: int, now: float, out: list[Delivery],

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .engine_registry import EngineInfo, EngineLoad
+from .peer_heads import QueueHead
 from .records import AdmitOptions, Notice
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "KvSnapshotReported",
     "LoadReported",
     "Outbox",
+    "PeerHeadsHeard",
     "PolicyChosen",
     "ReplaceRequested",
     "RequeueRequested",
@@ -209,6 +211,15 @@ class Tick:
 
 
 @dataclass(frozen=True)
+class PeerHeadsHeard:
+    """Another scheduler replica's queue heads (peer_heads.py); `heads`
+    None: its stream ended (it holds nothing back any more)."""
+
+    replica: str
+    heads: tuple[QueueHead, ...] | None
+
+
+@dataclass(frozen=True)
 class ShutdownStarted:
     """Reject everything still waiting with DRAINING; refuse new work."""
 
@@ -216,7 +227,7 @@ class ShutdownStarted:
 Event = (
     RequestArrived | StreamClosed | FirstToken | RequestDone | ReplaceRequested | RequeueRequested
     | EngineJoined | LoadReported | KvEventsReported | KvSnapshotReported | EngineLeft
-    | DrainRequested | Tick | ShutdownStarted | ClassPaused | EngineDrainSet | PolicyChosen
+    | DrainRequested | Tick | ShutdownStarted | ClassPaused | EngineDrainSet | PolicyChosen | PeerHeadsHeard
 )
 
 

@@ -40,6 +40,8 @@ from .classes import admitted_priority, wire_batch
 from .core import SchedulerCore
 from .engine_links import EngineLinks
 from .incarnation_store import IncarnationStore
+from .peer_feed import QueueHeadsFeed
+from .peer_watch import PeerWatch
 from .records import (
     AdmitOptions,
     Notice,
@@ -186,6 +188,7 @@ def _state_proto(view: StateView) -> scheduler_pb2.SchedulerState:
                                        reason=d.reason, autoscaled=d.autoscaled)
             for d in view.scaling
         ],
+        peers=view.peers,
     )
 
 
@@ -208,6 +211,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._idle_calls = IdleCalls()
         # Open AdmitMany calls (admit_many.py), told when the scheduler stops.
         self._many_calls: set[AdmitManyCall] = set()
+        # Priority across replicas (peer_heads.py): this replica's queue heads
+        # for the others, and theirs for the core.
+        self.peer_feed = QueueHeadsFeed(self.replica, config.scheduler.peers, core.waiting.heads)
+        self.peer_watch = PeerWatch(config, self.replica, lambda event: self.deliver(core.handle(event)))
 
     # ------------------------------------------------------------ delivery
 
@@ -217,6 +224,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         for engine_id, command in outbox.commands:
             self.engine_links.command(engine_id, _COMMANDS[command])
         self._deliver_notices(outbox.notices)
+        self.peer_feed.refresh()
 
     def _deliver_notices(self, notices: list[ev.Delivery]) -> None:
         for request_id, notice in notices:
@@ -407,6 +415,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self, request_iterator: AsyncIterator[scheduler_pb2.EngineMessage], context: _ConnectContext
     ) -> None:
         await self.engine_links.connect(context)
+
+    # ------------------------------------------------------------ WatchQueueHeads
+
+    async def WatchQueueHeads(
+        self, request: scheduler_pb2.WatchQueueHeadsRequest,
+        context: grpc.aio.ServicerContext[scheduler_pb2.WatchQueueHeadsRequest, scheduler_pb2.QueueHeads],
+    ) -> AsyncIterator[scheduler_pb2.QueueHeads]:
+        if request.replica == self.replica:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "that is this replica: a scheduler does not watch its own queue heads")
+        async for message in self.peer_feed.watch():
+            yield message
 
     # ------------------------------------------------------------ GetState
 

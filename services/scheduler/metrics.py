@@ -33,8 +33,7 @@ _WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 
 class SchedulerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
-        r = self.registry
+        r = self.registry = registry or CollectorRegistry()
         self.child = LabelCache()   # child(metric, *labels): kept labels() (label_cache.py)
         self.queue_length = Gauge(
             "kvmesh_scheduler_queue_length", "Requests queued, by class waited in now",
@@ -88,6 +87,7 @@ class SchedulerMetrics:
         self._prompt_total = 0
         self._cached_total = 0
         self._add_preemption_metrics(r)
+        self._add_peer_metrics(r)
         self._add_fleet_metrics(r)
         self._add_pool_metrics(r)
         self._add_deadline_metrics(r)
@@ -108,6 +108,8 @@ class SchedulerMetrics:
             self.rejections.labels(reason.value)
         for state in ("fresh", "stale", "spare"):
             self.engines.labels(state).set(0)
+        for outcome in ("held", "expired"):
+            self.peer_holds.labels(outcome)
 
     def policy_in_force(self, policy: str) -> None:
         """The placement policy in use (at start and after an operator's
@@ -115,6 +117,19 @@ class SchedulerMetrics:
         for kind in PLACEMENT_KINDS:
             self.placements.labels(policy, kind)
         self.decision_seconds.labels(policy)
+
+    def _add_peer_metrics(self, r: CollectorRegistry) -> None:
+        # Priority across replicas (peer_heads.py): room left to a more urgent
+        # request of another replica ("held"), and holds that ran out ("expired").
+        self.peer_holds = Counter(
+            "kvmesh_scheduler_peer_holds_total",
+            "Room this replica left to a more urgent request queued at another replica, by outcome",
+            ["outcome"], registry=r,
+        )
+        self.peers_fresh = Gauge(
+            "kvmesh_scheduler_peers_fresh", "Other scheduler replicas heard from within scheduler.peers.stale_seconds",
+            registry=r,
+        )
 
     def _add_spare_metrics(self, r: CollectorRegistry) -> None:
         """Warm spares (spares.py); the held count is kvmesh_scheduler_engines{state="spare"}."""

@@ -111,6 +111,7 @@ class SchedulerService:
                 self._every(s.queued_update_seconds, self.servicer.send_queued_updates),
                 name="sched-queued-updates"),
         ]
+        self.servicer.peer_watch.start()   # the other replicas' queue heads (peer_watch.py)
         if s.metrics_port:
             await self._serve_metrics(s.host, s.metrics_port)
         log.info("scheduler listening on %s:%d (policy %s; Admin service %s)", s.host, bound, s.policy,
@@ -148,6 +149,7 @@ class SchedulerService:
             return
         await self._health.set_serving(False)
         self.servicer.shutdown()
+        await self.servicer.peer_watch.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

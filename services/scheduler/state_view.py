@@ -32,3 +32,5 @@ class StateView:
     deadlines: list[Deadline] = field(default_factory=list)
     # The scaling policy's figure per model (scaling/scaler.py).
     scaling: list[ScalingDecision] = field(default_factory=list)
+    # The other replicas heard from within scheduler.peers.stale_seconds (peer_heads.py).
+    peers: list[str] = field(default_factory=list)

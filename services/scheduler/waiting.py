@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from .aging import AgingRule
 from .classes import ClassTable, PriorityClass
+from .peer_heads import QueueHead
 from .queue import ModelQueue, Promotion
 from .queue_policies import FairnessPolicy, OrderingPolicy
 from .records import NUM_CLASSES, QueueEntry, RequestRecord
@@ -135,6 +136,17 @@ class WaitingRoom:
             if found:
                 return max(found, key=lambda e: e.seq)
         return None
+
+    def heads(self) -> list[QueueHead]:
+        """Per model with a request waiting, the one that leaves next (its
+        class rank with aging applied): what the other replicas are told
+        (peer_heads.py). Replace lanes are left out: nothing is held for them."""
+        heads = []
+        for model, queue in self._queues.items():
+            entry = queue.peek()
+            if entry is not None:
+                heads.append(QueueHead(model, entry.cls, entry.request_id))
+        return heads
 
     def queued_total(self) -> int:
         return sum(len(q) for q in self._queues.values())

@@ -199,7 +199,7 @@ def test_network_policies_hold_their_intent() -> None:
             ("envoy", 8080): {"outside", "other", "monitoring", "scheduler", "gateway", "engine", "batch", "envoy"},
             ("gateway", 8000): {"envoy"}, ("gateway", 50061): {"envoy"},
             ("batch", 8090): {"envoy"},
-            ("scheduler", 50051): {"gateway", "engine"},
+            ("scheduler", 50051): {"gateway", "engine", "scheduler"},
             ("engine", 50100): {"gateway", "scheduler"},
             ("scheduler", 9101): {"monitoring"}, ("gateway", 9102): {"monitoring"}, ("engine", 9200): {"monitoring"},
             ("batch", 9190): {"monitoring"}, ("envoy", 9902): {"monitoring"},

@@ -16,17 +16,18 @@ REPLICA_1 = "kvmesh-scheduler-1.kvmesh-scheduler:50051"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_every_gateway_and_engine_dials_every_scheduler_pod(overlay: str) -> None:
+def test_every_gateway_engine_and_scheduler_dials_every_scheduler_pod(overlay: str) -> None:
     """Each client's addresses are the StatefulSet's pods, in order, by their
-    names under the headless Service; the PDB keeps one of at least two."""
+    names under the headless Service (a scheduler's: its peers, itself
+    included); the PDB keeps one of at least two."""
     objects = render(overlay)
     sts = find(objects, "StatefulSet", "kvmesh-scheduler")
     assert sts is not None and sts["spec"]["serviceName"] == "kvmesh-scheduler"
     replicas = sts["spec"]["replicas"]
     assert replicas >= 2
     want = [f"kvmesh-scheduler-{i}.kvmesh-scheduler:50051" for i in range(replicas)]
-    clients = [p for p in pods(objects) if p.component in ("gateway", "engine")]
-    assert {p.component for p in clients} == {"gateway", "engine"}
+    clients = [p for p in pods(objects) if p.component in ("gateway", "engine", "scheduler")]
+    assert {p.component for p in clients} == {"gateway", "engine", "scheduler"}
     for pod in clients:
         assert scheduler_addresses_of(objects, pod) == want, (overlay, pod.name)
     assert check_scheduler_replicas(objects) == [] and check_scheduler_disruption(objects) == []
@@ -80,6 +81,29 @@ def test_a_scheduler_without_stable_names_fails() -> None:
     problems = check_scheduler_replicas(broken(
         lambda o: find(o, "StatefulSet", "kvmesh-scheduler")["spec"].__setitem__("serviceName", "kvmesh-sched")))
     assert any("serviceName 'kvmesh-sched' is no Service" in p for p in problems), problems
+
+
+def test_schedulers_that_do_not_hear_each_other_fail() -> None:
+    """Without the peers list (or with the replicas kept apart by a policy) a
+    replica fills room another replica's more urgent request waits for."""
+    def no_peers(objects: list[Obj]) -> None:
+        cm = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("kvmesh-config"))
+        text = cm["data"]["kvmesh.yaml"]
+        start = text.index("  peers:\n")
+        end = text.index("\n\n", start)
+        cm["data"]["kvmesh.yaml"] = text[:start] + text[end + 1:]
+    problems = check_scheduler_replicas(broken(no_peers))
+    assert any("kvmesh-scheduler" in p and "leave out kvmesh-scheduler-0, kvmesh-scheduler-1" in p
+               for p in problems), problems
+
+    def no_scheduler_peers(objects: list[Obj]) -> None:
+        policy = find(objects, "NetworkPolicy", "kvmesh-scheduler-from-mesh")
+        assert policy is not None
+        peers = policy["spec"]["ingress"][0]["from"]
+        peers[:] = [p for p in peers if p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] != "scheduler"]
+    problems = check_scheduler_replicas(broken(no_scheduler_peers))
+    assert any("kvmesh-scheduler" in p and "keep it from the schedulers' port 50051" in p
+               for p in problems), problems
 
 
 def test_a_policy_keeping_engines_from_the_schedulers_fails() -> None:

@@ -40,7 +40,9 @@ __all__ = ["MIN_REPLICAS", "check_scheduler_disruption", "check_scheduler_replic
 # Two replicas at least: with one, the PDB (minAvailable 1) blocks every
 # drain and a restart stops admissions.
 MIN_REPLICAS = 2
-_CLIENTS = ("gateway", "engine")
+# Every component that dials the scheduler replicas: gateways (Admit), engines
+# (Connect) and the replicas themselves (each other's queue heads, scheduler.peers).
+_CLIENTS = ("gateway", "engine", "scheduler")
 
 
 def scheduler_addresses_of(objects: list[Obj], pod: Pod) -> list[str]:
@@ -51,6 +53,8 @@ def scheduler_addresses_of(objects: list[Obj], pod: Pod) -> list[str]:
         return []
     if pod.component == "gateway":
         return cfg.gateway.schedulers()
+    if pod.component == "scheduler":
+        return list(cfg.scheduler.peers.addresses)
     ns, _ = pod_args(pod)
     return cfg.engine_config(ns.index if ns is not None else 0).schedulers()
 

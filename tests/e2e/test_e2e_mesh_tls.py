@@ -145,11 +145,18 @@ def test_each_rpc_takes_only_its_roles(e2e_mesh: Mesh) -> None:
         with pytest.raises(grpc.RpcError) as info:
             list(call)
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with sync_channel(ep.engines[0], _identity(e2e_mesh, "admin"), "engine") as channel:
+        many = engine_pb2_grpc.EngineStub(channel).GenerateMany(iter([]), timeout=TIMEOUT)
+        with pytest.raises(grpc.RpcError) as info:
+            list(many)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
-    # A gateway's certificate may.
+    # A gateway's certificate may (GenerateMany: served, then ended by the half-close).
     with sync_channel(ep.engines[0], _identity(e2e_mesh, "gateway"), "engine") as channel:
         events = list(engine_pb2_grpc.EngineStub(channel).Generate(iter([_generate_request()]), timeout=TIMEOUT))
+        served = list(engine_pb2_grpc.EngineStub(channel).GenerateMany(iter([]), timeout=TIMEOUT))
     assert events[-1].HasField("finished")
+    assert served == [engine_pb2.GenerateServerFrames()]
     assert e2e_mesh.exited() == []
 
 

@@ -355,7 +355,9 @@ def test_every_scheduler_replica_sees_every_engine_and_admits(kube: Cluster) -> 
     headless Service: each has every engine reporting (engines connect to
     every replica the ConfigMap lists), GetState (`kvmesh top` from the pod's
     loopback) lists every engine and names the replica after its pod, and the
-    gateways admit requests on each."""
+    gateways admit requests on each; each replica hears the other's queue heads
+    across hosts (scheduler.peers: the NetworkPolicy lets the replicas reach
+    each other's gRPC port)."""
     scheds = _schedulers(kube)
     assert [r.pod.name for r in scheds] == ["kvmesh-scheduler-0", "kvmesh-scheduler-1"]
     engines = sorted(r.pod.name for r in kube.by_component("engine"))
@@ -366,6 +368,8 @@ def test_every_scheduler_replica_sees_every_engine_and_admits(kube: Cluster) -> 
         assert top.returncode == 0, top.stdout + top.stderr
         assert all(e in top.stdout for e in engines), (r.pod.name, top.stdout)
         assert f"(replica {r.pod.name}/" in top.stdout, (r.pod.name, top.stdout[:300])
+        kube.wait_for(lambda r=r: _scheduler_metric(kube, r, "kvmesh_scheduler_peers_fresh") == len(scheds) - 1,  # type: ignore[misc]  # mypy cannot type a lambda with a default argument
+                      30, f"{r.pod.name} hearing the other replica's queue heads", check=r)
     _admit_on_every_replica(kube, "replicas", 60)
 
 

@@ -10,6 +10,7 @@ default, its bounds and why, where it is declared:
     engines.py      engines: the template engine, its simulator and vLLM
     scheduler.py    scheduler: aging, admission limits, placement, queues
     spares.py       scheduler.spares: warm spares per model, promotion and return
+    peers.py        scheduler.peers: the other scheduler replicas, priority across them
     scaling.py      scheduler.scaling: the engines each model needs (autoscaling)
     gateway.py      gateway and its API keys
     response_cache.py  the gateway's response cache (embedded or Redis)
@@ -43,6 +44,7 @@ from .gateway import ApiKeyConfig, GatewayConfig
 from .loader import config_from_dict, load_config
 from .mesh import TOOL_PARSERS, EnvoyConfig, MeshConfig, MeshTlsConfig, ModelConfig
 from .network import FencingConfig, NetworkConfig
+from .peers import PeersConfig
 from .response_cache import ResponseCacheConfig
 from .responses import ResponsesConfig
 from .scaling import ScalingConfig
@@ -70,6 +72,7 @@ __all__ = [
     "MeshTlsConfig",
     "ModelConfig",
     "NetworkConfig",
+    "PeersConfig",
     "PolicyProfileConfig",
     "ResponseCacheConfig",
     "ResponsesConfig",

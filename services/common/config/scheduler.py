@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .peers import PeersConfig
 from .scaling import ScalingConfig
 from .spares import SparesConfig
 
@@ -246,3 +247,6 @@ class SchedulerConfig:
     # The scaling policy: the engines each model needs, published for an
     # actuator (scaling.py; services/scheduler/scaling/).
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    # The other scheduler replicas and how this one leaves room to their more
+    # urgent requests (peers.py; services/scheduler/peer_heads.py).
+    peers: PeersConfig = field(default_factory=PeersConfig)

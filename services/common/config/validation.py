@@ -21,6 +21,7 @@ from .engines import EngineConfig
 from .errors import ConfigError
 from .gateway import ApiKeyConfig
 from .mesh import TOOL_PARSERS, MeshConfig
+from .peers import PeersConfig
 from .response_cache import check_cache_mode, check_response_cache
 from .responses import check_responses
 from .scheduler import AdminKeyConfig, SchedulerConfig
@@ -291,6 +292,7 @@ def _check_scheduler_limits(scheduler: _Section) -> None:
     scheduler.positive("approx_prefix_capacity")
     scheduler.non_negative("placement_candidates")
     _check_spares(scheduler.at("spares"))
+    _check_peers(scheduler.at("peers"))
     for name, profile in s.policy_profiles.items():
         scorers = _Section(f"{scheduler.path}.policy_profiles.{name}.scorers", profile.scorers)
         for scorer, weight in profile.scorers.items():
@@ -311,15 +313,23 @@ def _check_spares(spares: _Section) -> None:
         spares.fail("ttft_target_seconds", f"need {len(_PRIORITY_CLASSES)} targets >= 0 [P0, P1, P2], got {targets}")
 
 
-def _check_scheduler_addresses(section: _Section, addresses: Sequence[str]) -> None:
+def _check_peers(peers: _Section) -> None:
+    p: PeersConfig = peers.settings
+    _check_scheduler_addresses(peers, p.addresses, "addresses")
+    peers.positive("publish_interval_seconds", "heartbeat_seconds", "stale_seconds", "hold_seconds")
+    if p.stale_seconds <= p.heartbeat_seconds:
+        peers.fail("stale_seconds", f"must be > heartbeat_seconds ({p.heartbeat_seconds}), got {p.stale_seconds}")
+
+
+def _check_scheduler_addresses(section: _Section, addresses: Sequence[str], key: str = "scheduler_addresses") -> None:
     """`scheduler_addresses`: each host:port, none twice."""
     for i, address in enumerate(addresses):
         try:
             split_host_port(address)
         except ValueError as exc:
-            section.fail(f"scheduler_addresses[{i}]", str(exc))
+            section.fail(f"{key}[{i}]", str(exc))
         if address in addresses[:i]:
-            section.fail(f"scheduler_addresses[{i}]", f"{address!r} is listed twice")
+            section.fail(f"{key}[{i}]", f"{address!r} is listed twice")
 
 
 def _check_gateway(gateway: _Section) -> None:

@@ -39,6 +39,7 @@ from services.common.proto.kvmesh.v1 import (
     scheduler_pb2_grpc,
 )
 from services.common.stop_text import StopText
+from services.engine.generate_many import GenerateManyCall
 
 if TYPE_CHECKING:
     from services.gateway.server import GatewayService
@@ -204,6 +205,10 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
             raise
         finally:
             watcher.cancel()
+
+    async def GenerateMany(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # noqa: N802 - the proto's method name
+        """Generate streams over one call, as a real engine serves them."""
+        await GenerateManyCall(self.Generate, context).serve()
 
     def _mark_cancelled(self) -> None:
         self.cancels += 1
@@ -376,6 +381,9 @@ class Mesh:
     grpc_address: str
     config: MeshConfig
     servers: list[grpc.aio.Server]
+    # Every engine's GenerateMany call is up before the test uses it (else
+    # a request's Generate call opens it: later requests go over it).
+    many: bool = False
 
     async def add_engine(self, engine: FakeEngine) -> FakeEngine:
         server, address = await _serve(engine_pb2_grpc.add_EngineServicer_to_server, engine)
@@ -383,7 +391,23 @@ class Mesh:
         self.servers.append(server)
         self.engines[engine.engine_id] = engine
         self.scheduler.engines[engine.engine_id] = address
+        if self.many:
+            await self._call_up(address)
         return engine
+
+    async def use_many(self) -> None:
+        """From now on every engine's GenerateMany call is up before use."""
+        self.many = True
+        for engine in self.engines.values():
+            await self._call_up(engine.address)
+
+    async def _call_up(self, address: str) -> None:
+        pool = self.gateway._engines
+        assert pool is not None
+        many = pool.many(address)
+        async with asyncio.timeout(10):
+            while not many.ready:
+                await asyncio.sleep(0.005)
 
 
 def make_config(model_dir: Path, scheduler_address: str, **gateway: object) -> MeshConfig:
@@ -440,7 +464,11 @@ async def open_mesh(model_dir: Path, tune: Callable[[MeshConfig], None] | None =
             await server.stop(0)
 
 
-@pytest.fixture
-async def mesh(model_dir: Path) -> AsyncIterator[Mesh]:
+@pytest.fixture(params=["calls", "many"])
+async def mesh(model_dir: Path, request: pytest.FixtureRequest) -> AsyncIterator[Mesh]:
+    """Each test twice: engine streams as Generate calls, and on each
+    engine's GenerateMany call (services/gateway/generate_many.py)."""
     async with open_mesh(model_dir) as m:
+        if request.param == "many":
+            await m.use_many()
         yield m

@@ -109,6 +109,52 @@ class EngineFinished(_message.Message):
     message: str
     def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., message: _Optional[str] = ...) -> None: ...
 
+class GenerateClientFrame(_message.Message):
+    __slots__ = ("stream", "message", "end", "hold", "release")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    message: EngineGenerateMessage
+    end: bool
+    hold: bool
+    release: bool
+    def __init__(self, stream: _Optional[int] = ..., message: _Optional[_Union[EngineGenerateMessage, _Mapping]] = ..., end: _Optional[bool] = ..., hold: _Optional[bool] = ..., release: _Optional[bool] = ...) -> None: ...
+
+class GenerateClientFrames(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[GenerateClientFrame]
+    def __init__(self, frames: _Optional[_Iterable[_Union[GenerateClientFrame, _Mapping]]] = ...) -> None: ...
+
+class StreamStatus(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
+class GenerateServerFrame(_message.Message):
+    __slots__ = ("stream", "message", "end", "status")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    message: EngineGenerateEvent
+    end: bool
+    status: StreamStatus
+    def __init__(self, stream: _Optional[int] = ..., message: _Optional[_Union[EngineGenerateEvent, _Mapping]] = ..., end: _Optional[bool] = ..., status: _Optional[_Union[StreamStatus, _Mapping]] = ...) -> None: ...
+
+class GenerateServerFrames(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[GenerateServerFrame]
+    def __init__(self, frames: _Optional[_Iterable[_Union[GenerateServerFrame, _Mapping]]] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class EngineStub:
                 request_serializer=kvmesh_dot_v1_dot_engine__pb2.EngineGenerateMessage.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_engine__pb2.EngineGenerateEvent.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/kvmesh.v1.Engine/GenerateMany',
+                request_serializer=kvmesh_dot_v1_dot_engine__pb2.GenerateClientFrames.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_engine__pb2.GenerateServerFrames.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/kvmesh.v1.Engine/Abort',
                 request_serializer=kvmesh_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
@@ -64,6 +69,16 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateMany(self, request_iterator, context):
+        """A gateway's many Generate streams over one long-lived call: each frame
+        is one message of one numbered stream, meaning exactly what it means on
+        a Generate call (services/engine/generate_many.py). An engine from
+        before it answers UNIMPLEMENTED; gateways then use Generate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -83,6 +98,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvmesh_dot_v1_dot_engine__pb2.EngineGenerateMessage.FromString,
                     response_serializer=kvmesh_dot_v1_dot_engine__pb2.EngineGenerateEvent.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=kvmesh_dot_v1_dot_engine__pb2.GenerateClientFrames.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_engine__pb2.GenerateServerFrames.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -122,6 +142,33 @@ class Engine:
             '/kvmesh.v1.Engine/Generate',
             kvmesh_dot_v1_dot_engine__pb2.EngineGenerateMessage.SerializeToString,
             kvmesh_dot_v1_dot_engine__pb2.EngineGenerateEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.v1.Engine/GenerateMany',
+            kvmesh_dot_v1_dot_engine__pb2.GenerateClientFrames.SerializeToString,
+            kvmesh_dot_v1_dot_engine__pb2.GenerateServerFrames.FromString,
             options,
             channel_credentials,
             insecure,

@@ -446,7 +446,7 @@ class ClassState(_message.Message):
     def __init__(self, priority: _Optional[int] = ..., preemptions: _Optional[int] = ..., requeued: _Optional[int] = ..., preempted_now: _Optional[int] = ..., seconds_lost: _Optional[float] = ..., displaced: _Optional[int] = ..., protected: _Optional[int] = ..., batch_queued: _Optional[int] = ..., batch_preemptions: _Optional[int] = ...) -> None: ...
 
 class SchedulerState(_message.Message):
-    __slots__ = ("policy", "queues", "engines", "queued_total", "leases_total", "classes", "paused_priorities", "drained_engines", "deadlines", "replica", "scaling")
+    __slots__ = ("policy", "queues", "engines", "queued_total", "leases_total", "classes", "paused_priorities", "drained_engines", "deadlines", "replica", "peers", "scaling")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     QUEUES_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
@@ -457,6 +457,7 @@ class SchedulerState(_message.Message):
     DRAINED_ENGINES_FIELD_NUMBER: _ClassVar[int]
     DEADLINES_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
     SCALING_FIELD_NUMBER: _ClassVar[int]
     policy: str
     queues: _containers.RepeatedCompositeFieldContainer[QueueState]
@@ -468,8 +469,9 @@ class SchedulerState(_message.Message):
     drained_engines: _containers.RepeatedScalarFieldContainer[str]
     deadlines: _containers.RepeatedCompositeFieldContainer[DeadlineState]
     replica: str
+    peers: _containers.RepeatedScalarFieldContainer[str]
     scaling: _containers.RepeatedCompositeFieldContainer[ModelScaling]
-    def __init__(self, policy: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[QueueState, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineState, _Mapping]]] = ..., queued_total: _Optional[int] = ..., leases_total: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassState, _Mapping]]] = ..., paused_priorities: _Optional[_Iterable[int]] = ..., drained_engines: _Optional[_Iterable[str]] = ..., deadlines: _Optional[_Iterable[_Union[DeadlineState, _Mapping]]] = ..., replica: _Optional[str] = ..., scaling: _Optional[_Iterable[_Union[ModelScaling, _Mapping]]] = ...) -> None: ...
+    def __init__(self, policy: _Optional[str] = ..., queues: _Optional[_Iterable[_Union[QueueState, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineState, _Mapping]]] = ..., queued_total: _Optional[int] = ..., leases_total: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassState, _Mapping]]] = ..., paused_priorities: _Optional[_Iterable[int]] = ..., drained_engines: _Optional[_Iterable[str]] = ..., deadlines: _Optional[_Iterable[_Union[DeadlineState, _Mapping]]] = ..., replica: _Optional[str] = ..., peers: _Optional[_Iterable[str]] = ..., scaling: _Optional[_Iterable[_Union[ModelScaling, _Mapping]]] = ...) -> None: ...
 
 class ModelScaling(_message.Message):
     __slots__ = ("model", "desired", "current", "spares", "reason", "autoscaled")
@@ -514,3 +516,27 @@ class DeadlineState(_message.Message):
     deadline_seconds: float
     source: str
     def __init__(self, kind: _Optional[str] = ..., model: _Optional[str] = ..., priority: _Optional[int] = ..., p95_seconds: _Optional[float] = ..., samples: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., source: _Optional[str] = ...) -> None: ...
+
+class WatchQueueHeadsRequest(_message.Message):
+    __slots__ = ("replica",)
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    def __init__(self, replica: _Optional[str] = ...) -> None: ...
+
+class QueueHeads(_message.Message):
+    __slots__ = ("replica", "heads")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    heads: _containers.RepeatedCompositeFieldContainer[QueueHead]
+    def __init__(self, replica: _Optional[str] = ..., heads: _Optional[_Iterable[_Union[QueueHead, _Mapping]]] = ...) -> None: ...
+
+class QueueHead(_message.Message):
+    __slots__ = ("model", "priority", "request_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    priority: int
+    request_id: str
+    def __init__(self, model: _Optional[str] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...

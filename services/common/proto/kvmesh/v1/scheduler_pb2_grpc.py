@@ -54,6 +54,11 @@ class SchedulerStub:
                 request_serializer=kvmesh_dot_v1_dot_scheduler__pb2.GetStateRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_scheduler__pb2.SchedulerState.FromString,
                 _registered_method=True)
+        self.WatchQueueHeads = channel.unary_stream(
+                '/kvmesh.v1.Scheduler/WatchQueueHeads',
+                request_serializer=kvmesh_dot_v1_dot_scheduler__pb2.WatchQueueHeadsRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_scheduler__pb2.QueueHeads.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -95,6 +100,18 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchQueueHeads(self, request, context):
+        """The head of each model's queue on this replica, streamed to the other
+        replicas while it changes (and every `scheduler.peers.heartbeat_seconds`):
+        what lets a replica leave a free slot to a more urgent request another
+        replica holds (services/scheduler/peer_heads.py). Only schedulers may
+        call it under mesh TLS; a replica calling itself is answered
+        FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -117,6 +134,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetState,
                     request_deserializer=kvmesh_dot_v1_dot_scheduler__pb2.GetStateRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_scheduler__pb2.SchedulerState.SerializeToString,
+            ),
+            'WatchQueueHeads': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchQueueHeads,
+                    request_deserializer=kvmesh_dot_v1_dot_scheduler__pb2.WatchQueueHeadsRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_scheduler__pb2.QueueHeads.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -227,6 +249,33 @@ class Scheduler:
             '/kvmesh.v1.Scheduler/GetState',
             kvmesh_dot_v1_dot_scheduler__pb2.GetStateRequest.SerializeToString,
             kvmesh_dot_v1_dot_scheduler__pb2.SchedulerState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchQueueHeads(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.v1.Scheduler/WatchQueueHeads',
+            kvmesh_dot_v1_dot_scheduler__pb2.WatchQueueHeadsRequest.SerializeToString,
+            kvmesh_dot_v1_dot_scheduler__pb2.QueueHeads.FromString,
             options,
             channel_credentials,
             insecure,
