@@ -23,6 +23,12 @@ requests hold their lease for an exponential 0.5 s (about 500 in flight).
     .venv/bin/python scripts/bench_scheduler.py --policies sticky_until_saturated --seconds 20
     .venv/bin/python scripts/bench_scheduler.py --policies predicted_ttft --engines 1024 --candidates 0
     .venv/bin/python scripts/bench_scheduler.py --policies predicted_ttft --spares 2   # with warm spares held
+    .venv/bin/python scripts/bench_scheduler.py --policies predicted_ttft --engines 1024 --quality
+
+--quality (placement quality, not cost: the core explains each placement, which costs CPU): the
+share of placements on an engine holding the prefix (hit rate), their mean cached tokens, and the
+predicted TTFT (placement/predicted.py) of each placement on the engine chosen, p50 / p99 / mean,
+and the most leases any engine held at once.
 """
 
 from __future__ import annotations
@@ -51,7 +57,9 @@ from services.scheduler.events import (
     RequestDone,
     Tick,
 )
-from services.scheduler.records import AdmitOptions
+from services.scheduler.placement import PlacementRequest
+from services.scheduler.placement.predicted import predicted_ttft
+from services.scheduler.records import AdmitOptions, PlacedInfo
 
 POLICIES = ["round_robin", "least_load", "prefix_approx", "kv_precise", "sticky_until_saturated"]
 # Also measurable by name (--policies): the default policy and its plain variant.
@@ -69,6 +77,8 @@ def run(policy: str, args: argparse.Namespace) -> dict[str, float]:
     config.scheduler.spares.count = args.spares
     clock = FakeClock()
     core = SchedulerCore(config, clock)
+    core.explain = args.quality
+    quality = _Quality(config.scheduler.prefill_tokens_per_second)
     contexts = [block_hashes([g * 7919 + i for i in range(args.context_tokens)], 16) for g in range(64)]
     tokens: dict[str, int] = {}
     for e in range(args.engines):
@@ -79,6 +89,7 @@ def run(policy: str, args: argparse.Namespace) -> dict[str, float]:
         core.handle(KvSnapshotReported(eid, tokens[eid], 1, held))
     running: dict[str, set[str]] = {eid: set() for eid in tokens}
     placed_on: dict[str, str] = {}
+    requests: dict[str, PlacementRequest] = {}     # --quality: each request until placed
 
     def report(eid: str) -> None:
         ids = running[eid]
@@ -95,6 +106,9 @@ def run(policy: str, args: argparse.Namespace) -> dict[str, float]:
             if engine:
                 placed_on[rid] = engine
                 running[engine].add(rid)
+                request = requests.pop(rid, None)
+                if request is not None and isinstance(notice, PlacedInfo):
+                    quality.placed(request, notice, len(running[engine]))
 
     events: list[tuple[float, int, str, str]] = []  # (time, seq, kind, arg)
     seq = 0
@@ -126,6 +140,9 @@ def run(policy: str, args: argparse.Namespace) -> dict[str, float]:
             prefix = tuple(contexts[g]) + tuple(rng.getrandbits(63) for _ in range(2))
             opts = AdmitOptions(f"r{arg}", MODEL, tenant=f"t{g % 8}", priority=rng.choice((0, 1, 1, 2)),
                                 prompt_tokens=args.context_tokens + 32, max_tokens=16, prefix_hashes=prefix)
+            if args.quality:
+                requests[opts.request_id] = PlacementRequest(opts.request_id, MODEL, opts.prompt_tokens,
+                                                             opts.max_tokens, prefix)
             t0, c0 = time.perf_counter(), time.thread_time()
             deliveries = core.handle(RequestArrived(opts)).notices  # admit + dispatch
             decision.append(time.perf_counter() - t0)
@@ -160,7 +177,34 @@ def run(policy: str, args: argparse.Namespace) -> dict[str, float]:
     return {"decisions": len(decision), "p50": ms(decision, 50), "p99": ms(decision, 99),
             "cpu_p50": ms(decision_cpu, 50), "cpu_p99": ms(decision_cpu, 99),
             "max": max(decision) * 1000, "done_p99": ms(finish, 99), "core_share": busy / args.seconds,
-            "report_cpu_p50_us": ms(report_cpu, 50) * 1000, "all_cpu_per_admission": all_cpu * 1000 / len(decision)}
+            "report_cpu_p50_us": ms(report_cpu, 50) * 1000, "all_cpu_per_admission": all_cpu * 1000 / len(decision),
+            **quality.figures()}
+
+
+class _Quality:
+    """--quality: what the placements were like (hit rate, predicted TTFT, peak leases)."""
+
+    def __init__(self, fallback: float) -> None:
+        self.fallback = fallback
+        self.cached: list[int] = []
+        self.ttft: list[float] = []
+        self.peak = 0
+
+    def placed(self, request: PlacementRequest, notice: PlacedInfo, leases: int) -> None:
+        self.cached.append(notice.cached_tokens)
+        self.peak = max(self.peak, leases)
+        scores = notice.detail.scores if notice.detail is not None else ()
+        view = next((s.view for s in scores if s.view.engine_id == notice.engine_id), None)
+        if view is not None:
+            self.ttft.append(predicted_ttft(request, view, self.fallback))
+
+    def figures(self) -> dict[str, float]:
+        if not self.cached:
+            return {}
+        return {"hit_rate": sum(1 for c in self.cached if c > 0) / len(self.cached),
+                "cached_mean": sum(self.cached) / len(self.cached), "peak_leases": self.peak,
+                "ttft_p50": percentile(self.ttft, 50) * 1000, "ttft_p99": percentile(self.ttft, 99) * 1000,
+                "ttft_mean": sum(self.ttft) * 1000 / max(1, len(self.ttft))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--candidates", type=int, default=None,
                    help="scheduler.placement_candidates (0 = score every engine; default: the config's)")
     p.add_argument("--spares", type=int, default=0, help="scheduler.spares.count (warm spares held per model)")
+    p.add_argument("--quality", action="store_true",
+                   help="also print the placements' hit rate and predicted TTFT (explains placements: costs CPU)")
     args = p.parse_args(argv)
     print(f"{args.engines} engines, {args.rate:g} admissions/s for {args.seconds:g} s (fake clock), "
           f"prefix {args.context_tokens} tokens; decision = admit + dispatch, wall time per call"
@@ -188,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['cpu_p50']:.3f} / {r['cpu_p99']:.3f} | "
               f"{r['done_p99']:.3f} | {r['core_share']:.0%} | {r['report_cpu_p50_us']:.1f} | "
               f"{r['all_cpu_per_admission']:.3f} | {1000 / r['all_cpu_per_admission']:.0f} |", flush=True)
+        if args.quality:
+            print(f"  quality: hit rate {r['hit_rate']:.1%}, cached tokens mean {r['cached_mean']:.0f}, "
+                  f"predicted TTFT p50 / p99 / mean {r['ttft_p50']:.1f} / {r['ttft_p99']:.1f} / "
+                  f"{r['ttft_mean']:.1f} ms, peak leases on one engine {r['peak_leases']:.0f}", flush=True)
     return 0
 
 

@@ -266,12 +266,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _lean_records() -> None:
+    """Log records without what the format never prints: the caller's file
+    and line (a stack walk per record), thread and process names (the
+    logging HOWTO's "Optimization"). Every service logs a line per request
+    (gateway, scheduler placement, engine start: one id followed across
+    logs); the scheduler's placement line took 18.8 us of CPU before, 13.5
+    after (BENCHMARKS.md, "Third pass")."""
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
+    logging._srcfile = None  # noqa: SLF001 - the HOWTO's documented switch for caller lookup
+
+
 def main(argv: list[str] | None = None) -> None:
     ns = _parser().parse_args(argv)
     logging.basicConfig(
         level=ns.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+    _lean_records()
     try:
         ns.func(ns)
     except ConfigError as exc:

@@ -3,7 +3,9 @@ sending what services/engine/scheduler_link.py sends -- `hello`, a
 `kv_snapshot`, then a `load` report every report interval (left out when
 equal to the last one, but at least every heartbeat) and promptly after a
 change (at most one per interval / 4), and `kv_events` as its prefix cache
-changes -- and obeying `resync` (a fresh snapshot) and `fence`.
+changes (inside the next load report when the scheduler says it reads them
+there: initial metadata `kvmesh-kv-in-reports`) -- and obeying `resync` (a
+fresh snapshot) and `fence`.
 
 Several scheduler replicas (services/engine/scheduler_links.py): each engine
 holds one Connect stream to every replica and tells each the same hello
@@ -45,7 +47,7 @@ import grpc
 
 from services.common.grpc_server import client_options
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.common.scheduler_replica import REPLICA_METADATA_KEY
+from services.common.scheduler_replica import KV_IN_REPORTS_METADATA_KEY, REPLICA_METADATA_KEY
 
 from .workload import Workload, context_hashes
 
@@ -81,7 +83,8 @@ class EngineHostSpec:
 
 # What a host's engines sent and obeyed, all engines summed, messages
 # counted per stream (one report to 3 replicas = 3): "loads", "skipped"
-# (equal reports left out), "kv_events", "snapshots", "fenced" (request
+# (equal reports left out), "kv_events", "kv_in_reports" (KV event batches
+# carried inside load reports), "snapshots", "fenced" (request
 # ids), "not_fenced" (named by a replica that did not lease them), "resyncs".
 HostCounters = Counter[str]
 
@@ -94,6 +97,7 @@ class _Link:
     seq: int = 0
     resync: bool = False
     replica: str = ""                 # its name (initial metadata); "" until known
+    kv_in_reports: bool = False       # it reads KV events inside load reports (initial metadata)
     last_blob: bytes = b""
     last_sent_at: float = -1e9
 
@@ -230,18 +234,28 @@ class SynthEngine:
             for link in self.links:
                 if link.resync:
                     await self.send_snapshot(link)
-            events, self.events = self.events, []
-            for kv in events:
-                for link in self.links:
-                    self.counters["kv_events"] += 1
-                    link.seq += 1
-                    kv.seq = link.seq
-                    await link.call.write(scheduler_pb2.EngineMessage(kv_events=kv))
+            if self._events_in_reports():
+                self.changed = self.changed or bool(self.events)   # they go in the next reports
+            else:
+                await self._send_events(self.links)
             now = loop.time()
             if self.tick_due or self.urgent or (self.changed and now >= self.last_load_at + gap):
                 await self._send_load(loop.time())
             elif self.changed and self.later is None:
                 self.later = loop.call_at(self.last_load_at + gap, self._later)
+
+    def _events_in_reports(self) -> bool:
+        """Every stream's scheduler reads KV events inside load reports."""
+        return bool(self.links) and all(link.kv_in_reports for link in self.links)
+
+    async def _send_events(self, links: list[_Link]) -> None:
+        events, self.events = self.events, []
+        for kv in events:
+            for link in links:
+                self.counters["kv_events"] += 1
+                link.seq += 1
+                kv.seq = link.seq
+                await link.call.write(scheduler_pb2.EngineMessage(kv_events=kv))
 
     def _later(self) -> None:
         self.later = None
@@ -258,14 +272,21 @@ class SynthEngine:
         stream is left out until the heartbeat is due."""
         self.changed = self.tick_due = self.urgent = False
         self.last_load_at = now
+        events: list[scheduler_pb2.KvEvents] = []
+        if self._events_in_reports():
+            events, self.events = self.events, []
         for link in self.links:
             report = self.load(replica=link.replica)
             blob = report.SerializeToString(deterministic=True)
-            if blob == link.last_blob and now - link.last_sent_at < self.spec.heartbeat:
+            if not events and blob == link.last_blob and now - link.last_sent_at < self.spec.heartbeat:
                 self.counters["skipped"] += 1
                 continue
             link.last_blob, link.last_sent_at = blob, now
             self.counters["loads"] += 1
+            for kv in events:
+                self.counters["kv_in_reports"] += 1
+                link.seq += 1
+                report.kv_events.add(seq=link.seq, stored=kv.stored, removed=kv.removed, cleared=kv.cleared)
             await link.call.write(scheduler_pb2.EngineMessage(load=report))
 
 
@@ -274,6 +295,8 @@ async def _read_commands(engine: SynthEngine, link: _Link) -> None:
         if key == REPLICA_METADATA_KEY:
             link.replica = value if isinstance(value, str) else value.decode(errors="replace")
             engine.wake.set()   # its next report lists only its own generations
+        elif key == KV_IN_REPORTS_METADATA_KEY:
+            link.kv_in_reports = True
     while True:
         message = await link.call.read()
         if message is grpc.aio.EOF:

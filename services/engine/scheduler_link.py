@@ -43,7 +43,13 @@ gateways resolve -- else the bound one).
 
 KV events are batched so that no hash is both stored and removed in one
 message (the batch is cut instead), so the scheduler may apply a message's
-lists in any order. If too many pile up while the scheduler is slow, they
+lists in any order. A scheduler that says so (initial metadata
+`kvmesh-kv-in-reports`) gets them inside the next load report
+(LoadReport.kv_events, due at most `min_report_gap` later) instead of as
+messages of their own: a generation's start stores blocks and changes the
+load at once, and one message costs the scheduler ~100 us of gRPC whatever
+it carries (BENCHMARKS.md "Third pass"). Its in-flight prefixes cover its
+own placements meanwhile. If too many pile up while the scheduler is slow, they
 are dropped and a snapshot is sent in their place: memory stays bounded.
 
 Ownership: one task per link owns the stream; listeners only append to the
@@ -69,7 +75,7 @@ from services.common.grpc_server import client_options
 from services.common.mesh_tls import aio_channel, identity_for
 from services.common.model_revision import model_revision
 from services.common.proto.kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.common.scheduler_replica import REPLICA_METADATA_KEY
+from services.common.scheduler_replica import KV_IN_REPORTS_METADATA_KEY, REPLICA_METADATA_KEY
 from services.engine.fencing import Fencer, fenceable
 from services.engine.kv_event_log import KvEventLog
 from services.engine.model import resolve_model
@@ -185,6 +191,7 @@ class SchedulerLink:
         self._sent_serving: bool | None = None  # `serving` in the last report sent
         # Prefix hashes of prompts other replicas placed here, for this one's next report.
         self._placed_elsewhere: deque[list[int]] = deque(maxlen=_PLACED_ELSEWHERE_MAX)
+        self._kv_in_reports = False  # the scheduler reads KV events inside load reports (this session)
         self._resync = False
         self._seq = 0
         self._task: asyncio.Task[None] | None = None
@@ -204,6 +211,11 @@ class SchedulerLink:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+
+    @property
+    def kv_in_reports(self) -> bool:
+        """This session's scheduler reads KV events inside load reports."""
+        return self._kv_in_reports
 
     def notify(self) -> None:
         """Load changed: report promptly (rate-limited)."""
@@ -296,6 +308,7 @@ class SchedulerLink:
                 call.cancel()
                 self.fencer.replica_down(self.replica)
                 self.replica = ""
+                self._kv_in_reports = False
 
     def _hello(self) -> scheduler_pb2.EngineHello:
         info = self._runtime.backend.info
@@ -336,6 +349,8 @@ class SchedulerLink:
                 self.replica = value if isinstance(value, str) else value.decode(errors="replace")
                 self.fencer.replica_up(self.replica)
                 self._wake.set()  # its next report lists only its own generations
+            elif key == KV_IN_REPORTS_METADATA_KEY:
+                self._kv_in_reports = True
         while True:
             message = await call.read()
             if message is grpc.aio.EOF:
@@ -364,10 +379,11 @@ class SchedulerLink:
             self._wake.clear()
             if self._resync or self.events.overflowed:
                 await self._send_snapshot(call)
-            for events in self.events.take():
-                self._seq += 1
-                events.seq = self._seq
-                await call.write(scheduler_pb2.EngineMessage(kv_events=events))
+            if self._kv_in_reports:
+                self._changed = self._changed or bool(self.events)   # they go in the next report
+            else:
+                for events in self._take_events():
+                    await call.write(scheduler_pb2.EngineMessage(kv_events=events))
             now = loop.time()
             due = last_load + (0.0 if self._urgent else self.min_report_gap if self._changed else self._interval)
             # A change of `serving` goes out at once: a failed engine must
@@ -380,6 +396,14 @@ class SchedulerLink:
                 continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=due - now)
+
+    def _take_events(self) -> list[scheduler_pb2.KvEvents]:
+        """The KV events waiting, numbered on (KvEvents.seq)."""
+        taken = self.events.take()
+        for events in taken:
+            self._seq += 1
+            events.seq = self._seq
+        return taken
 
     async def _send_load(self, call: _ConnectCall) -> None:
         self._changed = self._urgent = False
@@ -401,10 +425,12 @@ class SchedulerLink:
         self._sent_serving = report.serving
         blob = report.SerializeToString(deterministic=True)
         now = asyncio.get_running_loop().time()
-        if not placed and blob == self._last_report and now - self._last_report_at < self.heartbeat:
+        kv = self._take_events() if self._kv_in_reports else []
+        if not placed and not kv and blob == self._last_report and now - self._last_report_at < self.heartbeat:
             self.reports_skipped += 1
             return
         self._last_report, self._last_report_at = blob, now
+        report.kv_events.extend(kv)   # after the blob: a repeat of the same load is still left out
         await call.write(scheduler_pb2.EngineMessage(load=report))
 
 

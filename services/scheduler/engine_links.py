@@ -1,6 +1,7 @@
 """The scheduler's side of engines' Connect streams (`Scheduler.Connect`):
 hello -> registration (core event `EngineJoined`), load reports, KV events
-and snapshots -> core events, the core's commands and `Fence`s back.
+(alone, or inside a load report: applied before it) and snapshots -> core
+events, the core's commands and `Fence`s back.
 
 Each stream has a command mailbox and one writer task; a reader task feeds
 the engine's messages to the core. A registration ends with its stream --
@@ -32,7 +33,7 @@ import grpc
 from services.common.clock import Clock
 from services.common.config import MeshConfig
 from services.common.proto.kvmesh.v1 import scheduler_pb2
-from services.common.scheduler_replica import REPLICA_METADATA_KEY
+from services.common.scheduler_replica import KV_IN_REPORTS_METADATA_KEY, REPLICA_METADATA_KEY
 
 from . import events as ev
 from .core import SchedulerCore
@@ -164,8 +165,10 @@ class EngineLinks:
         except ProtocolError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         joined = await self._join(info, context)
+        metadata = [(KV_IN_REPORTS_METADATA_KEY, "1")]   # LoadReport.kv_events are read here
         if self._replica:
-            await context.send_initial_metadata(((REPLICA_METADATA_KEY, self._replica),))
+            metadata.append((REPLICA_METADATA_KEY, self._replica))
+        await context.send_initial_metadata(tuple(metadata))
         channel = _EngineChannel(joined.token, asyncio.Queue())
         self._take_over(info, channel, joined.superseded)
         writer = asyncio.create_task(self._write_commands(context, channel))
@@ -239,21 +242,25 @@ class EngineLinks:
     def _on_message(self, engine_id: str, channel: _EngineChannel, msg: scheduler_pb2.EngineMessage) -> None:
         kind = msg.WhichOneof("msg")
         if kind == "load":
+            for kv in msg.load.kv_events:   # what the engine's cache did before this report
+                self._kv_events(engine_id, channel, kv)
             load = _load(msg.load, self._unleased(engine_id, msg.load))
             placed = [p.prefix_hashes for p in msg.load.placed_elsewhere]
             self._deliver(self._core.handle(ev.LoadReported(engine_id, channel.token, load, placed)))
             if self.channels.get(engine_id) is channel:
                 self._fence(engine_id, channel, msg.load.request_ids)
         elif kind == "kv_events":
-            kv = msg.kv_events
-            self._deliver(self._core.handle(ev.KvEventsReported(
-                engine_id, channel.token, kv.seq, kv.stored, kv.removed, kv.cleared)))
+            self._kv_events(engine_id, channel, msg.kv_events)
         elif kind == "kv_snapshot":
             snap = msg.kv_snapshot
             self._deliver(self._core.handle(ev.KvSnapshotReported(
                 engine_id, channel.token, snap.seq, snap.hashes)))
         elif kind == "hello":
             log.warning("engine %s sent a second hello on one stream; ignored", engine_id)
+
+    def _kv_events(self, engine_id: str, channel: _EngineChannel, kv: scheduler_pb2.KvEvents) -> None:
+        self._deliver(self._core.handle(ev.KvEventsReported(
+            engine_id, channel.token, kv.seq, kv.stored, kv.removed, kv.cleared)))
 
     def _unleased(self, engine_id: str, report: scheduler_pb2.LoadReport) -> int:
         """Of an engine reporting to several replicas, the generations it

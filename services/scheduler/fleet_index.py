@@ -186,8 +186,8 @@ class FleetIndex:
         if 0 < len(deep) <= plan.warm_cap:
             chosen.update(e for e in deep if eligible(e))
         elif deep:
-            self._walk(self._among(model, plan.orders[0], deep), plan.warm_cap, chosen, eligible)
-        self._walk(self._among(model, plan.orders[0], first), plan.k, chosen, eligible)
+            self._walk(self._among(model, plan.warm, deep), plan.warm_cap, chosen, eligible)
+        self._walk(self._among(model, plan.warm, first), plan.k, chosen, eligible)
         return chosen
 
     def _among(self, model: _Model, name: str, engines: Set[str]) -> Iterable[_Entry]:

@@ -10,10 +10,15 @@ figure the policy ranks on. So the candidates are
 
   * warm: the engines holding the prompt's first block (the policy's own
     prefix source: KV index, in-flight overlay, approximate memory) -- all
-    of them while at most 4 K do; beyond that (a system prompt cached
-    everywhere) the engines holding the deepest block any engine holds
-    (at most 4 K, least loaded first) and the K least loaded of the first
-    block's holders;
+    of them while at most K do; beyond that (a hot context cached on many
+    engines, a system prompt cached everywhere) the K best holders of the
+    deepest block any engine holds and the K best of the first block's
+    holders, "best" by the picker's figure (predicted_ttft: "ready"; else
+    the policy's first figure). Why K and not all: a context warm on 32 of
+    1,024 engines made every one of them a candidate, ~7-10 us each to
+    complete, score and pick (BENCHMARKS.md, "Third pass"); among holders
+    of equally deep prefixes the picker's figure orders them as the picker
+    does, so the best is kept and only near-ties beyond the K-th change;
   * for each figure the policy ranks on (its scorers' and its picker's,
     `ORDER_OF_SCORER` / `ORDER_OF_PICKER`), the K best engines by that
     figure that pass the policy's request-independent filters (serving,
@@ -33,7 +38,8 @@ What is exact and what is bounded (tests/unit/scheduler/test_candidates.py):
     weight x (its score at the K-th engine of its figure) / sum of weights;
     the choice is the candidates' best, so it is at most max(0, U - chosen)
     below the full scan's best, and equal whenever that engine is a candidate;
-  * predicted_ttft: every warm engine is a candidate (up to 4 K of them),
+  * predicted_ttft: every warm engine is a candidate (up to K of them;
+    beyond that the K best by "ready" of the deepest and of the first block's holders),
     and a cold engine's predicted TTFT is its "ready" figure (the predicted
     TTFT of an empty prompt) + the prompt's prefill at its speed + at most
     one extra step; with one speed across the model (engines of one model run
@@ -149,10 +155,12 @@ class CandidatePlan:
     checks: frozenset[str]         # filters of ELIGIBILITY_FILTERS | FIT_FILTERS the policy lists
     k: int                         # engines per figure (> 0)
 
+    warm: str = "load"             # the figure the warm holders are ranked by beyond `warm_cap`
+
     @property
     def warm_cap(self) -> int:
-        """Warm engines taken whole up to this many."""
-        return 4 * self.k
+        """Warm engines taken whole up to this many; beyond, this many best by `warm`."""
+        return self.k
 
     def scans_whole(self, engines: int) -> bool:
         """A model this small is scanned whole: exact and as cheap."""
@@ -170,4 +178,6 @@ def plan_for(scorers: Sequence[str], picker: str, filters: Sequence[str], k: int
             orders.append(name)
     if not orders:
         orders.append("load")
-    return CandidatePlan(tuple(orders), (ELIGIBILITY_FILTERS | FIT_FILTERS) & frozenset(filters), k)
+    # The picker's own figure ranks the warm holders as the picker would.
+    warm = ORDER_OF_PICKER[picker][0] if ORDER_OF_PICKER[picker] else orders[0]
+    return CandidatePlan(tuple(orders), (ELIGIBILITY_FILTERS | FIT_FILTERS) & frozenset(filters), k, warm)

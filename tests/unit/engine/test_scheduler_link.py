@@ -12,6 +12,7 @@ from engine_helpers import engine_config, free_port, mesh_config, prompt_of
 
 from services.common.prefix_hash import block_hashes
 from services.common.proto.kvmesh.v1 import common_pb2, engine_pb2, engine_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.common.scheduler_replica import KV_IN_REPORTS_METADATA_KEY
 from services.engine.server import EngineService
 
 
@@ -38,6 +39,11 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                     getter.cancel()
         finally:
             reader.cancel()
+
+    def drain_messages(self) -> None:
+        """Forget what was received so far."""
+        while not self.messages.empty():
+            self.messages.get_nowait()
 
     async def next(self, kind: str, timeout: float = 5.0) -> scheduler_pb2.EngineMessage:
         """The next message of `kind`, skipping others (loads are frequent)."""
@@ -269,3 +275,49 @@ async def test_an_engine_that_stops_serving_says_so_without_waiting_out_the_repo
     async with asyncio.timeout(2.0):
         while (await fake.next("load")).load.serving:
             pass
+
+
+class KvReadingScheduler(FakeScheduler):
+    """A scheduler that says it reads KV events inside load reports."""
+
+    async def Connect(self, request_iterator, context):  # noqa: N802 - the proto's method name
+        await context.send_initial_metadata(((KV_IN_REPORTS_METADATA_KEY, "1"),))
+        async for command in super().Connect(request_iterator, context):
+            yield command
+
+
+async def test_kv_events_ride_in_load_reports_when_the_scheduler_reads_them_there() -> None:
+    """A start's stored blocks and its load go in one message: the report
+    carries the KV events, numbered on from the snapshot as KvEvents
+    messages would be, and no KvEvents message goes out."""
+    fake = KvReadingScheduler()
+    server = grpc.aio.server()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    svc = EngineService(mesh_config(), engine_config(scheduler_address=f"127.0.0.1:{port}"))
+    await svc.start()
+    try:
+        snapshot = (await fake.next("kv_snapshot")).kv_snapshot
+        link = svc.link
+        assert link is not None
+        async with asyncio.timeout(5):
+            while not link.kv_in_reports:   # the stream's initial metadata read
+                await asyncio.sleep(0.01)
+        fake.drain_messages()
+        prompt = prompt_of(64)
+        await generate(svc, "a", prompt, 4)
+        stored: list[int] = []
+        seqs: list[int] = []
+        async with asyncio.timeout(5):
+            while len(stored) < len(block_hashes(prompt, 16)):
+                message = await fake.messages.get()
+                assert message.WhichOneof("msg") == "load", "no KvEvents message once reports carry them"
+                for kv in message.load.kv_events:
+                    seqs.append(kv.seq)
+                    stored.extend(kv.stored)
+        assert seqs == list(range(snapshot.seq + 1, snapshot.seq + 1 + len(seqs)))
+        assert stored[: len(block_hashes(prompt, 16))] == block_hashes(prompt, 16)
+    finally:
+        await svc.stop()
+        await server.stop(0)

@@ -212,7 +212,7 @@ def test_max_score_choice_is_within_the_bound_of_the_best(seed: int, policy: str
     best_ratio = min(ORDER_KEYS["load"](v, FALLBACK) for v in views)
     weights = {s.name: w for s, w in core.policy.scorers}
     ceiling = {"load": min(1.0, best_ratio / boundary["load"]), "kv_usage": 1.0 - boundary["kv_fill"],
-               "prefix": 0.0 if len({v.engine_id for v in views if v.prefix_blocks}) <= 4 * K else 1.0}
+               "prefix": 0.0 if len({v.engine_id for v in views if v.prefix_blocks}) <= K else 1.0}
     outside = sum(w * ceiling[name] for name, w in weights.items()) / sum(weights.values())
     assert chosen is not None
     assert max(scores.values()) <= max(scores[chosen], outside) + 1e-9

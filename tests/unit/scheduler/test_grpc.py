@@ -113,6 +113,25 @@ async def test_queued_then_placed_then_done(stack) -> None:
     engine.cancel()
 
 
+async def test_kv_events_inside_a_load_report_are_applied_before_it(stack) -> None:
+    """The scheduler says it reads KV events inside reports; there they
+    count as KvEvents messages would: cached blocks, and a seq gap asks for
+    a snapshot."""
+    _service, stub, _ = stack
+    engine = stub.Connect(timeout=TIMEOUT * 3)
+    await engine.write(hello("eng-kv"))
+    assert ("kvmesh-kv-in-reports", "1") in tuple(await engine.initial_metadata())
+    await engine.write(pb.EngineMessage(kv_snapshot=pb.KvSnapshot(seq=0, hashes=[1])))
+    await engine.write(pb.EngineMessage(load=pb.LoadReport(serving=True, blocks_total=1000, kv_events=[
+        pb.KvEvents(seq=1, stored=[2, 3]), pb.KvEvents(seq=2, stored=[4], removed=[1])])))
+    await wait_state(stub, lambda s: len(s.engines) == 1 and s.engines[0].cached_blocks == 3)
+    await engine.write(pb.EngineMessage(load=pb.LoadReport(serving=True, blocks_total=1000, kv_events=[
+        pb.KvEvents(seq=5, stored=[9])])))
+    command = await asyncio.wait_for(engine.read(), TIMEOUT)
+    assert command.WhichOneof("cmd") == "resync"
+    engine.cancel()
+
+
 async def test_cancelled_admit_leaves_the_queue(stack) -> None:
     _service, stub, _ = stack
     calls = []
