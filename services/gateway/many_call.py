@@ -41,9 +41,11 @@ log = logging.getLogger(__name__)
 
 # After the call failed, per-request calls until trying it again.
 _RETRY_SECONDS = 1.0
-# A peer without the call (UNIMPLEMENTED): try again this much later (it may
-# be upgraded in place).
+# A peer without the call (UNIMPLEMENTED), or one whose mesh TLS policy does
+# not let this gateway call it (PERMISSION_DENIED: a peer from before the
+# call was listed): try again this much later (it may be upgraded in place).
 _RETRY_OLD_SECONDS = 30.0
+_NOT_SERVED = frozenset({grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED})
 
 OK = "ok"
 _CANCELLED = "cancelled"
@@ -255,7 +257,7 @@ class ManyCall:
                failure: grpc.aio.AioRpcError | None) -> None:
         """The call is over: fail its streams as broken calls, use
         per-request calls until it is tried again."""
-        unimplemented = failure is not None and failure.code() == grpc.StatusCode.UNIMPLEMENTED
+        unimplemented = failure is not None and failure.code() in _NOT_SERVED
         log.debug("%s call ended: %r", self.kind.name, failure)
         if failure is None:
             failure = rpc_error(grpc.StatusCode.UNAVAILABLE, f"the peer ended the {self.kind.name} call")

@@ -200,3 +200,35 @@ async def test_an_engine_without_it_leaves_the_gateway_on_generate_calls() -> No
     finally:
         await pool.close()
         await server.stop(0)
+
+
+class _RefusingEngine(engine_pb2_grpc.EngineServicer):
+    """An engine whose mesh TLS policy does not list GenerateMany for gateways."""
+
+    async def GenerateMany(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # noqa: N802 - the proto's method name
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, "GenerateMany is for no certificate of yours")
+
+
+async def test_a_refused_call_is_not_tried_again_at_once() -> None:
+    """PERMISSION_DENIED is an engine that will not serve the call (as
+    UNIMPLEMENTED), not a broken call: Generate calls until the long retry."""
+    server = grpc.aio.server()
+    engine_pb2_grpc.add_EngineServicer_to_server(_RefusingEngine(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    pool = EnginePool()
+    address = f"127.0.0.1:{port}"
+    try:
+        pool.open(address, "refused").cancel()
+        many = pool._many[address]
+        async with asyncio.timeout(TIMEOUT):
+            while many._task is not None:
+                await asyncio.sleep(0.01)
+        assert not many.ready
+        assert many._retry_at - asyncio.get_running_loop().time() > 10.0   # the long retry, not the 1 s one
+        stream = pool.open(address, "refused")
+        assert not isinstance(stream._call, ManyStream) and many._task is None
+        stream.cancel()
+    finally:
+        await pool.close()
+        await server.stop(0)
