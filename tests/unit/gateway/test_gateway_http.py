@@ -207,18 +207,25 @@ async def test_key_rate_limit_429(mesh: Mesh) -> None:
         (scheduler_pb2.REJECT_CODE_INVALID, openai.BadRequestError, 400),
     ],
 )
-async def test_scheduler_rejections(mesh: Mesh, code: scheduler_pb2.RejectCode, exc: type[openai.APIStatusError],
-                                    status: int) -> None:
-    mesh.scheduler.reject = scheduler_pb2.Rejected(code=code, message="fake", retry_after_seconds=2.5)
-    async with client(mesh) as c:
-        for stream in (False, True):
-            with pytest.raises(exc) as err:
-                out = await c.chat.completions.create(model=MODEL, messages=CHAT, stream=stream)
-                async for _ in out:  # pragma: no cover - the status comes first
-                    pass
-            assert err.value.status_code == status
-            if status != 400:
-                assert err.value.response.headers["retry-after"] == "3"
+async def test_scheduler_rejections(model_dir: Path, code: scheduler_pb2.RejectCode,
+                                    exc: type[openai.APIStatusError], status: int) -> None:
+    """A rejection before the stream's first byte is the response's status. A
+    mesh of its own with a long heartbeat: the shared one's 0.2 s heartbeat
+    starts the SSE response first when a loaded machine is slower than that
+    (the rejection then arrives as an in-stream error, as it should then)."""
+    from conftest import open_mesh
+
+    async with open_mesh(model_dir, heartbeat_seconds=30.0) as mesh:
+        mesh.scheduler.reject = scheduler_pb2.Rejected(code=code, message="fake", retry_after_seconds=2.5)
+        async with client(mesh) as c:
+            for stream in (False, True):
+                with pytest.raises(exc) as err:
+                    out = await c.chat.completions.create(model=MODEL, messages=CHAT, stream=stream)
+                    async for _ in out:  # pragma: no cover - the status comes first
+                        pass
+                assert err.value.status_code == status
+                if status != 400:
+                    assert err.value.response.headers["retry-after"] == "3"
 
 
 async def test_scheduler_unreachable_503(model_dir: Path) -> None:
