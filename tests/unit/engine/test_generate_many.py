@@ -180,26 +180,35 @@ async def test_the_pool_uses_the_call_once_up_and_generate_calls_before(service:
         await pool.close()
 
 
-async def test_an_engine_without_it_leaves_the_gateway_on_generate_calls() -> None:
+async def _first_try_fails(servicer: engine_pb2_grpc.EngineServicer, tag: str) -> float:
+    """A gateway's pool against an engine that will not serve GenerateMany:
+    the first attempt ends, the next request goes on a Generate call (not
+    tried again at once). Returns seconds until the call is tried again."""
     server = grpc.aio.server()
-    engine_pb2_grpc.add_EngineServicer_to_server(engine_pb2_grpc.EngineServicer(), server)
+    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     pool = EnginePool()
     address = f"127.0.0.1:{port}"
     try:
-        pool.open(address, "old").cancel()
+        pool.open(address, tag).cancel()
         many = pool._many[address]
         async with asyncio.timeout(TIMEOUT):
-            while many._task is not None:   # the attempt ends UNIMPLEMENTED
+            while many._task is not None:   # the attempt ends
                 await asyncio.sleep(0.01)
         assert not many.ready
-        stream = pool.open(address, "old")   # not tried again at once: a Generate call
+        retry_in = many._retry_at - asyncio.get_running_loop().time()
+        stream = pool.open(address, tag)   # not tried again at once: a Generate call
         assert not isinstance(stream._call, ManyStream) and many._task is None
         stream.cancel()
+        return retry_in
     finally:
         await pool.close()
         await server.stop(0)
+
+
+async def test_an_engine_without_it_leaves_the_gateway_on_generate_calls() -> None:
+    await _first_try_fails(engine_pb2_grpc.EngineServicer(), "old")   # UNIMPLEMENTED
 
 
 class _RefusingEngine(engine_pb2_grpc.EngineServicer):
@@ -212,23 +221,4 @@ class _RefusingEngine(engine_pb2_grpc.EngineServicer):
 async def test_a_refused_call_is_not_tried_again_at_once() -> None:
     """PERMISSION_DENIED is an engine that will not serve the call (as
     UNIMPLEMENTED), not a broken call: Generate calls until the long retry."""
-    server = grpc.aio.server()
-    engine_pb2_grpc.add_EngineServicer_to_server(_RefusingEngine(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    pool = EnginePool()
-    address = f"127.0.0.1:{port}"
-    try:
-        pool.open(address, "refused").cancel()
-        many = pool._many[address]
-        async with asyncio.timeout(TIMEOUT):
-            while many._task is not None:
-                await asyncio.sleep(0.01)
-        assert not many.ready
-        assert many._retry_at - asyncio.get_running_loop().time() > 10.0   # the long retry, not the 1 s one
-        stream = pool.open(address, "refused")
-        assert not isinstance(stream._call, ManyStream) and many._task is None
-        stream.cancel()
-    finally:
-        await pool.close()
-        await server.stop(0)
+    assert await _first_try_fails(_RefusingEngine(), "refused") > 10.0   # the long retry, not the 1 s one
