@@ -106,6 +106,9 @@ class GenerationDriver:
         self.clock = clock
         # Set by `detach_all`: streams ended from now on stay resumable.
         self.detaching = False
+        # Requests tidying up after their last event (event_stream.py):
+        # held here, as asyncio keeps only weak references to tasks.
+        self._tidying: set[asyncio.Task[None]] = set()
 
     def detach_all(self) -> None:
         """From now on, a request whose client stream is closed by this
@@ -124,7 +127,11 @@ class GenerationDriver:
         if tap is not None:
             metered = tap(metered)
         return EventStream(metered, self.settings.heartbeat_seconds, self.clock, run.before_close,
-                           self.metrics.stream_signals)
+                           self.metrics.stream_signals, keep=self._keep_tidying)
+
+    def _keep_tidying(self, task: asyncio.Task[None]) -> None:
+        self._tidying.add(task)
+        task.add_done_callback(self._tidying.discard)
 
     async def run(self, job: Job, emit: Emit) -> None:
         await _Generation(self, job).run(emit)

@@ -12,8 +12,13 @@ driver and alone owns the request's state (its Admit stream, engine call and
 generated tokens). The transport only iterates the stream (and calls
 `mark_output` / `aclose`). Backpressure: a slow client stops iterating, the
 full queue stops the pump, the pump stops reading from the engine, and the
-engine coalesces. Cancelling the stream (client gone) cancels the pump task,
-which cancels the engine call and the Admit call at once.
+engine coalesces. Closing the stream before its end (client gone) cancels
+the pump task, which cancels the engine call and the Admit call at once.
+Closing it after the last event does not: the pump is only tidying up then
+(acknowledging the engine, letting the scheduler end the Admit stream), and
+a call cancelled while its last message is unread at the peer loses that
+message -- the scheduler's `done` (tests/unit/gateway/test_last_messages.py).
+The tidy-up is handed to `keep` and ends by itself (its steps are bounded).
 """
 
 from __future__ import annotations
@@ -52,7 +57,10 @@ class EventStream:
     def __init__(
         self, run: Callable[[Emit], Awaitable[None]], heartbeat_seconds: float, clock: Clock,
         before_close: Callable[[], Awaitable[None]] | None = None, signals: StreamSignals | None = None,
+        keep: Callable[[asyncio.Task[None]], None] | None = None,
     ) -> None:
+        """`keep`: holds the pump task while it tidies up after the last
+        event (without it, `aclose` cancels it as before the end)."""
         # Awaited by `aclose` before it cancels a driver still running.
         self._before_close = before_close
         self._queue: asyncio.Queue[object] = asyncio.Queue(_QUEUE_DEPTH)
@@ -64,6 +72,8 @@ class EventStream:
         self._signals = signals
         self._paced = False
         self._was_paced = False
+        self._keep = keep
+        self._ended = False   # the last event was taken: the pump only tidies up
         self._task = asyncio.create_task(self._pump(run))
 
     async def _pump(self, run: Callable[[Emit], Awaitable[None]]) -> None:
@@ -122,9 +132,11 @@ class EventStream:
                 raise item
             if isinstance(item, TextDelta) and not self._queue.empty():
                 item = self._merge_queued(item)
-            yield cast(Event, item)  # what is left in the queue: the driver's events
             if isinstance(item, Finished) and item.final:
+                self._ended = True
+                yield item
                 return  # the last event; the pump only tidies up after it
+            yield cast(Event, item)  # what is left in the queue: the driver's events
 
     def _merge_queued(self, first: TextDelta) -> TextDelta:
         """Backpressure by coalescing, gateway side: deltas that queued up
@@ -150,6 +162,9 @@ class EventStream:
     async def aclose(self) -> None:
         if self._paced:
             self._set_paced(False)
+        if self._ended and self._keep is not None and not self._task.done():
+            self._keep(self._task)
+            return
         if not self._task.done():
             if self._before_close is not None:
                 try:

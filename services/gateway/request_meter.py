@@ -46,10 +46,20 @@ class RequestMeter:
         self._resume_result: str | None = None if job.resume_from is not None else ""
 
     def wrap(self, run: Run) -> Run:
+        ended = False
+
         async def metered(emit: Emit) -> None:
+            nonlocal ended
+
             async def observe(event: QueuedUpdate | TextDelta | Finished) -> None:
+                nonlocal ended
                 self._see(event)
                 await emit(event)
+                if isinstance(event, Finished) and event.final:
+                    # Ends here, with the client's last event: the run only
+                    # tidies up after it (event_stream.py), off the clock.
+                    ended = True
+                    self._ended("")
 
             self._started()
             error = "cancelled"
@@ -65,7 +75,8 @@ class RequestMeter:
                 error = type(exc).__name__
                 raise
             finally:
-                self._ended(error)
+                if not ended:
+                    self._ended(error)
 
         return metered
 

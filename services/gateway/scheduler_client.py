@@ -249,7 +249,8 @@ class AdmitSession:
         if first_token_ago is not None:
             last = scheduler_pb2.AdmitClientMessage(done=scheduler_pb2.RequestDone(
                 finish_reason="abort", first_token=scheduler_pb2.FirstToken(seconds_ago=first_token_ago)))
-        self._ender.end_after(self._call, last)
+        # The scheduler ends the stream once it has read `done`.
+        self._ender.end_after(self._call, last, wait_end=True)
 
     def cancel(self) -> None:
         """End the stream now: the scheduler drops the queue entry, and keeps

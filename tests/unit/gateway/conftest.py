@@ -262,6 +262,10 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.generation_seconds = 0.0
         # Seconds before a Replace is placed (a restarting engine, a busy fleet).
         self.replace_delay = 0.0
+        # Seconds before each read once placed: a scheduler slow to read
+        # (a loaded machine), so what the gateway sends last is still unread
+        # when it ends the call.
+        self.read_delay = 0.0
 
     async def preempt(self, record: AdmitRecord, by_priority: int = 0) -> None:
         """Tell a running request its slot went to a higher class."""
@@ -320,6 +324,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                     position=position, priority=record.request.priority)))
             await context.write(self._placed(set()))
             while True:
+                if self.read_delay:
+                    await asyncio.sleep(self.read_delay)
                 message = await context.read()
                 if message is grpc.aio.EOF:
                     # A client cancel can look like a half-close to grpc.aio
