@@ -27,6 +27,14 @@ __all__ = ["ManyServerCall"]
 
 log = logging.getLogger(__name__)
 
+# Frames queued behind a write that waits (a client reading slowly, or not
+# at all: a wedged gateway until keepalive ends the call): from this many
+# on, the streams' own writes (`room`) wait, as on a full HTTP/2 window, and
+# an engine coalesces each stream's outputs meanwhile. What the server
+# queues itself (a stream's end) never waits; so at most about twice this
+# many frames are held for one call.
+QUEUED_FRAMES_HIGH = 512
+
 
 class ManyServerCall:
     """Frames out and in of one call (see the module docstring)."""
@@ -37,6 +45,8 @@ class ManyServerCall:
         self._frames: list[Any] = []
         self.flushes = 0     # gRPC messages written: numbers the next one
         self._wake = asyncio.Event()
+        self._room = asyncio.Event()
+        self._room.set()
         self._reading = True
         self._closing = False
         self._undecodable = ""
@@ -50,7 +60,20 @@ class ManyServerCall:
     def queue(self, frame: object) -> None:
         """Send `frame` with the rest of this loop turn's."""
         self._frames.append(frame)
+        if len(self._frames) >= QUEUED_FRAMES_HIGH:
+            self._room.clear()
         self._wake.set()
+
+    @property
+    def queued(self) -> int:
+        """Frames waiting for the next write."""
+        return len(self._frames)
+
+    async def room(self) -> None:
+        """Wait while the frames queued behind a pending write are at the
+        bound (a stream's write calls it first)."""
+        if not self._room.is_set():
+            await self._room.wait()
 
     def streams_open(self) -> bool:
         raise NotImplementedError
@@ -83,9 +106,11 @@ class ManyServerCall:
                     await self._wake.wait()
                     continue
                 frames, self._frames = self._frames, []
+                self._room.set()
                 self.flushes += 1
                 await self._context.write(self._frames_message(frames=frames))
         finally:
+            self._room.set()   # writers waiting here go on to find the call over
             reader.cancel()
             self.streams_ended()
 

@@ -18,7 +18,9 @@ before, so a `cancel` right before it is still polite); and when the call
 ends, every stream on it is cancelled as a broken call is: its generation
 is kept detached for a resume (detached.py). A `hold` frame makes the
 stream's writes wait until `release`, as a full HTTP/2 window does, so the
-engine coalesces a slow reader's outputs as before.
+engine coalesces a slow reader's outputs as before; and all streams' writes
+wait while the call's own write is stuck with `QUEUED_FRAMES_HIGH` frames
+behind it (a gateway that stopped reading altogether sends no `hold`).
 
 Ownership: one `GenerateManyCall` per call. Its handler task writes the
 frames; its reader task reads frames and starts and feeds the streams' tasks;
@@ -82,6 +84,7 @@ class _StreamContext:
     async def write(self, message: engine_pb2.EngineGenerateEvent) -> None:
         if not self._released.is_set():
             await self._released.wait()
+        await self._call.room()
         self._call.queue(engine_pb2.GenerateServerFrame(stream=self.number, message=message))
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: object = ()) -> NoReturn:
