@@ -154,6 +154,8 @@ class LivenessWatch:
         self.failure: str | None = None
         self.period = min(MAX_CHECK_SECONDS, policy.floor_seconds / 4)
         self.probe_every = min(PROBE_EVERY_SECONDS, policy.floor_seconds / 4)
+        # Outputs and answered probes since the start (LoadReport.backend_progress).
+        self.progress = 0
 
     def start(self) -> None:
         if self._task is None:
@@ -175,6 +177,7 @@ class LivenessWatch:
         request's previous output (None: its first). Returns now."""
         now = self._clock.monotonic()
         self.detector.output(now, None if previous is None else now - previous)
+        self.progress += 1
         return now
 
     def entered(self) -> None:
@@ -225,6 +228,7 @@ class LivenessWatch:
             return
         began = self._clock.monotonic()
         await self._probe()
+        self.progress += 1
         took = self._clock.monotonic() - began
         if took > SLOW_PROBE_SECONDS:
             log.warning("liveness probe answered after %.1f s (hang bound %.1f s)", took, self.detector.bound())

@@ -430,7 +430,9 @@ class SchedulerLink:
             self.reports_skipped += 1
             return
         self._last_report, self._last_report_at = blob, now
-        report.kv_events.extend(kv)   # after the blob: a repeat of the same load is still left out
+        # After the blob: a repeat of the same load is still left out.
+        report.kv_events.extend(kv)
+        report.backend_progress = self._runtime.liveness.progress
         await call.write(scheduler_pb2.EngineMessage(load=report))
 
 

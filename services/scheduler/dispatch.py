@@ -75,7 +75,9 @@ class Dispatcher:
         p, out = self._p, list[Delivery]()
         lane = p.waiting.lane(model) or OrderedDict[str, RequestRecord]()
         for rec in list(lane.values()):
-            rec.exclude = p.fleet.exclusions(rec.exclude, rec.ran_on)  # an engine restarted since is not
+            # An engine restarted since is excluded no more; nor, for a request
+            # that excludes every engine of its model, one that worked since.
+            rec.exclude = p.fleet.exclusions(rec.exclude, rec.ran_on, rec.replaced_at if rec.awaits_engine else None)
             notice = self._place_or_preempt(rec, rec.options.priority, now, out)
             if notice is None:
                 if rec.awaits_engine:

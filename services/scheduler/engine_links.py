@@ -103,7 +103,7 @@ def _load(report: scheduler_pb2.LoadReport, unleased: int = 0) -> EngineLoad:
         prefix_cache_queries=report.prefix_cache_queries, prefix_cache_hits=report.prefix_cache_hits,
         prefill_tokens_per_second=report.prefill_tokens_per_second, step_seconds=report.step_seconds,
         step_token_budget=report.step_token_budget, other_leases=report.other_replica_generations,
-        unleased=unleased,
+        unleased=unleased, backend_progress=report.backend_progress,
     )
 
 

@@ -95,6 +95,9 @@ class EngineLoad:
     # orphan until fenced): they take lease slots here too.
     other_leases: int = 0
     unleased: int = 0
+    # Its backend's outputs and answered liveness probes since it started
+    # (LoadReport.backend_progress; 0 = not sent).
+    backend_progress: int = 0
 
 
 @dataclass
@@ -107,6 +110,9 @@ class EngineRecord:
     draining: bool = False
     leases: set[str] = field(default_factory=set)      # lease ids
     service_seconds: float = 2.0                       # EWMA of lease durations
+    # When its backend's progress count last moved: the receive time of the
+    # report it moved FROM (see `progressed_since`).
+    progress_moved_from: float | None = None
 
     @property
     def engine_id(self) -> str:
@@ -117,6 +123,19 @@ class EngineRecord:
         """Lease slots in use: this replica's leases plus the generations the
         engine last reported running without a lease from this replica."""
         return len(self.leases) + self.load.other_leases + self.load.unleased
+
+    def take_load(self, load: EngineLoad, now: float) -> None:
+        """Apply a report received at `now`."""
+        if load.backend_progress > self.load.backend_progress and self.last_report_at is not None:
+            self.progress_moved_from = self.last_report_at
+        self.load, self.last_report_at = load, now
+
+    def progressed_since(self, at: float) -> bool:
+        """Did its backend work after `at`: its progress count moved between
+        two reports both received since? A count that moved only from a
+        report received before (a hung core's last outputs, reported late)
+        is no evidence: a core that stopped leaves the count where it was."""
+        return self.progress_moved_from is not None and self.progress_moved_from >= at
 
     def fresh(self, now: float, stale_after: float) -> bool:
         return self.last_report_at is not None and now - self.last_report_at <= stale_after

@@ -136,8 +136,7 @@ class EngineFleet:
         record = self.current(engine_id, token)
         if record is None:
             return False
-        record.load = load
-        record.last_report_at = now
+        record.take_load(load, now)
         self._index.touch(engine_id)
         self._freed.pop(engine_id, None)
         self.reservations.settle(engine_id, load.request_ids)
@@ -184,16 +183,21 @@ class EngineFleet:
         record.leases.clear()
         return ended
 
-    def exclusions(self, exclude: Iterable[str], ran_on: dict[str, int]) -> frozenset[str]:
+    def exclusions(self, exclude: Iterable[str], ran_on: dict[str, int],
+                   waiting_since: float | None = None) -> frozenset[str]:
         """The engines a Replace excludes that still hold: not one whose
-        registered process is newer than the one the request ran on there
-        (a restarted or rescheduled engine: the process that failed the
-        request is gone)."""
-        def restarted(engine_id: str) -> bool:
+        process is newer than the one the request ran on there (the process
+        that failed it is gone); nor, for a replacement excluding every
+        engine of its model (`waiting_since`: its Replace), one whose backend
+        worked since (a slow engine that recovered: RELIABILITY.md)."""
+        def lifted(engine_id: str) -> bool:
             record = self._registry.get(engine_id)
+            if record is None:
+                return False
             ran = ran_on.get(engine_id, 0)
-            return ran > 0 and record is not None and record.info.incarnation > ran
-        return frozenset(e for e in exclude if not restarted(e))
+            return (ran > 0 and record.info.incarnation > ran) or (
+                waiting_since is not None and record.progressed_since(waiting_since))
+        return frozenset(e for e in exclude if not lifted(e))
 
     def drain(self, engine_id: str) -> bool:
         record = self._registry.get(engine_id)

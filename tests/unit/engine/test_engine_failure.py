@@ -309,12 +309,17 @@ async def test_an_idle_backend_that_never_answers_its_probe_is_hung() -> None:
     assert watch.check() is None
     await asyncio.sleep(0)
     assert len(sent) == 2                          # answered at once (the event stays set)
+    # Each answer is progress (LoadReport.backend_progress); so is each output.
+    assert watch.progress == 2
+    watch.output(None)
+    assert watch.progress == 3
     answer.clear()
     clock.advance(watch.probe_every)
     assert watch.check() is None                   # a third probe, now unanswered
     await asyncio.sleep(0)
     clock.advance(10.0)
     assert watch.check() is None                   # within the 10 s bound
+    assert watch.progress == 3                     # a core that does not answer shows none
     clock.advance(0.5)
     assert "no answer to a liveness probe for 10.5 s" in (watch.check() or "")
     assert len(failures) == 1

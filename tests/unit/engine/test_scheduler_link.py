@@ -231,9 +231,13 @@ async def test_unchanged_loads_go_out_only_as_heartbeats_and_changes_at_once(mes
     sent_at = loop.time()
     second = (await fake.next("load")).load
     # Idle: every 0.05 s report in between repeated the first, and was left out.
+    # (The backend's progress count rides along; alone it changes no report.)
+    second.backend_progress = first.backend_progress
     assert second == first and link.reports_skipped >= 3
     assert loop.time() - sent_at >= link.heartbeat / 2
     await a_long_request_is_listed(svc, fake)
+    # The long request's outputs are the backend's progress: the next report says so.
+    assert (await fake.next("load")).load.backend_progress > first.backend_progress
 
 
 async def test_load_reports_leave_out_the_engines_own_endpoint_requests() -> None:

@@ -312,3 +312,55 @@ async def test_a_newer_process_ends_the_old_stream_and_an_older_hello_is_refused
     await new.write(pb.EngineMessage(load=pb.LoadReport(serving=True, blocks_total=1000, running=2)))
     await wait_state(stub, lambda s: len(s.engines) == 1 and s.engines[0].running == 2)
     new.cancel()
+
+
+def _stall_then_kill(core, clock):  # type: ignore[no-untyped-def]  # the core and clock of make_core
+    """RELIABILITY.md "a stall, then the next engine's death": r1 ran on e,
+    e stalled (its stream moved off on the gateway's stall deadline) and f,
+    the model's other engine, was killed: the Replace excludes both."""
+    e = _join(core, "e:1", OLD)
+    report_load(core, "e", e.token, backend_progress=10)
+    f = _join(core, "f:1", OLD, engine_id="f")
+    report_load(core, "f", f.token, backend_progress=10)
+    admit(core, opts("r1"))
+    core.handle(EngineLeft("f", f.token))
+    clock.advance(1.0)
+    core.handle(ReplaceRequested("r1", ("e", "f"), 48, 8, ()))
+    assert core.request_state("r1").value == "replacing"
+    return e
+
+
+def test_a_replacement_goes_back_to_an_excluded_engine_that_recovered() -> None:
+    """e was slow, not hung: its backend works again (its progress count moves
+    between two reports after the Replace), so the request goes back to it
+    rather than waiting for f's restart and being refused past the bound."""
+    core, clock = make_core()
+    e = _stall_then_kill(core, clock)
+    clock.advance(0.5)
+    assert _answers(report_load(core, "e", e.token, backend_progress=12), "r1") == []   # first report after
+    clock.advance(0.5)
+    placed = _answers(report_load(core, "e", e.token, backend_progress=13), "r1")
+    assert len(placed) == 1 and isinstance(placed[0], PlacedInfo), placed
+    assert placed[0].engine_id == "e"
+
+
+def test_a_hung_engines_late_count_does_not_lift_its_exclusion() -> None:
+    """A core that hung still had outputs before it stopped: the first report
+    after the Replace may show them (moved from a report received before the
+    Replace). Then the count stands still: the exclusion holds (issue 29's
+    rule: a stopped core's engine reports serving), and the request waits."""
+    core, clock = make_core()
+    e = _stall_then_kill(core, clock)
+    for _ in range(10):
+        clock.advance(0.5)
+        assert _answers(report_load(core, "e", e.token, backend_progress=12), "r1") == []
+    assert core.request_state("r1").value == "replacing"
+
+
+def test_an_engine_without_the_count_keeps_the_old_rule() -> None:
+    """An engine from before `backend_progress` sends 0: never lifted by it."""
+    core, clock = make_core()
+    e = _stall_then_kill(core, clock)
+    for _ in range(4):
+        clock.advance(0.5)
+        assert _answers(report_load(core, "e", e.token, backend_progress=0), "r1") == []

@@ -262,7 +262,7 @@ class EngineHello(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., max_running: _Optional[int] = ..., weight: _Optional[float] = ..., max_model_len: _Optional[int] = ..., hash_block_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., http_address: _Optional[str] = ..., incarnation: _Optional[int] = ..., model_revision: _Optional[str] = ..., scheduler_replicas: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("running", "waiting", "blocks_used", "blocks_total", "cached_blocks", "serving", "queued_tokens", "request_ids", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens_per_second", "step_seconds", "step_token_budget", "other_replica_generations", "placed_elsewhere", "kv_events")
+    __slots__ = ("running", "waiting", "blocks_used", "blocks_total", "cached_blocks", "serving", "queued_tokens", "request_ids", "prefix_cache_queries", "prefix_cache_hits", "prefill_tokens_per_second", "step_seconds", "step_token_budget", "backend_progress", "other_replica_generations", "placed_elsewhere", "kv_events")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +276,7 @@ class LoadReport(_message.Message):
     PREFILL_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     OTHER_REPLICA_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     PLACED_ELSEWHERE_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
@@ -292,10 +293,11 @@ class LoadReport(_message.Message):
     prefill_tokens_per_second: float
     step_seconds: float
     step_token_budget: int
+    backend_progress: int
     other_replica_generations: int
     placed_elsewhere: _containers.RepeatedCompositeFieldContainer[PlacedPrompt]
     kv_events: _containers.RepeatedCompositeFieldContainer[KvEvents]
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., serving: _Optional[bool] = ..., queued_tokens: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens_per_second: _Optional[float] = ..., step_seconds: _Optional[float] = ..., step_token_budget: _Optional[int] = ..., other_replica_generations: _Optional[int] = ..., placed_elsewhere: _Optional[_Iterable[_Union[PlacedPrompt, _Mapping]]] = ..., kv_events: _Optional[_Iterable[_Union[KvEvents, _Mapping]]] = ...) -> None: ...
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_total: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., serving: _Optional[bool] = ..., queued_tokens: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefill_tokens_per_second: _Optional[float] = ..., step_seconds: _Optional[float] = ..., step_token_budget: _Optional[int] = ..., backend_progress: _Optional[int] = ..., other_replica_generations: _Optional[int] = ..., placed_elsewhere: _Optional[_Iterable[_Union[PlacedPrompt, _Mapping]]] = ..., kv_events: _Optional[_Iterable[_Union[KvEvents, _Mapping]]] = ...) -> None: ...
 
 class PlacedPrompt(_message.Message):
     __slots__ = ("prefix_hashes",)
