@@ -147,7 +147,8 @@ class SchedulerCore:
         self.spares = SpareKeeper(self._config.spares, self.fleet, self.waiting, self.metrics,
                                   self._config.prefill_tokens_per_second, [m.name for m in config.models])
         self._engine_events = EngineEvents(self.fleet, self._requests, self.policy, self.metrics,
-                                           self._refresh_gauges, self._config.stale_report_seconds)
+                                           self._refresh_gauges, self._config.stale_report_seconds,
+                                           self.waiting.replacing)
         self._handlers: dict[type, Callable[[Any, Outbox, float], None]] = {
             ev.RequestArrived: self._on_arrived, ev.StreamClosed: self._on_closed,
             ev.FirstToken: self._on_first_token, ev.RequestDone: self._on_done,
@@ -179,7 +180,8 @@ class SchedulerCore:
         out = Outbox()
         now = self._clock.monotonic()
         self._handlers[type(event)](event, out, now)
-        out.notices.extend(self._dispatcher.dispatch())
+        if out.dispatch:
+            out.notices.extend(self._dispatcher.dispatch())
         # A spare promoted for what is still queued is placed on in the same event (spares.py).
         if self.spares.review(now, type(event) in _ADDS_WORK) | (isinstance(event, ev.Tick) and self.spares.tick(now)):
             out.notices.extend(self._dispatcher.dispatch())

@@ -31,7 +31,11 @@ class EngineEvents:
     def __init__(
         self, fleet: EngineFleet, requests: RequestBook, policy: PlacementPolicy,
         metrics: SchedulerMetrics, refresh_gauges: Callable[[], None], stale_seconds: float,
+        replacing: Callable[[], bool] = lambda: False,
     ) -> None:
+        """`replacing`: does a replacement wait (its exclusions may lift on an
+        engine's progress alone: fleet.py `exclusions`)?"""
+        self._replacing = replacing
         self._fleet = fleet
         self._requests = requests
         self.policy = policy  # the core swaps it (kvmesh.v1.Admin SetPlacementPolicy)
@@ -63,11 +67,19 @@ class EngineEvents:
     def load(self, event: ev.LoadReported, out: Outbox, now: float) -> None:
         """The engine's report; the prompts other replicas placed on it count
         as this replica's placements there (in-flight prefixes, live set)."""
-        if self._fleet.report_load(event.engine_id, event.token, event.load, now):
+        changed = self._fleet.report_load(event.engine_id, event.token, event.load, now)
+        if changed is not None:
             for prefix in event.placed_elsewhere:
                 self.policy.remember_prefix(prefix, event.engine_id)
+        out.dispatch = bool(changed or event.placed_elsewhere or event.with_kv) or (
+            changed is not None and self._progressed(event.engine_id) and self._replacing())
+
+    def _progressed(self, engine_id: str) -> bool:
+        record = self._fleet.get(engine_id)
+        return record is not None and record.progressed
 
     def kv_events(self, event: ev.KvEventsReported, out: Outbox, now: float) -> None:
+        out.dispatch = not event.in_report
         if self._fleet.kv_events(
             event.engine_id, event.token, event.seq, event.stored, event.removed, event.cleared
         ):

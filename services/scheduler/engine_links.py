@@ -243,10 +243,11 @@ class EngineLinks:
         kind = msg.WhichOneof("msg")
         if kind == "load":
             for kv in msg.load.kv_events:   # what the engine's cache did before this report
-                self._kv_events(engine_id, channel, kv)
+                self._kv_events(engine_id, channel, kv, in_report=True)
             load = _load(msg.load, self._unleased(engine_id, msg.load))
             placed = [p.prefix_hashes for p in msg.load.placed_elsewhere]
-            self._deliver(self._core.handle(ev.LoadReported(engine_id, channel.token, load, placed)))
+            self._deliver(self._core.handle(ev.LoadReported(
+                engine_id, channel.token, load, placed, with_kv=bool(msg.load.kv_events))))
             if self.channels.get(engine_id) is channel:
                 self._fence(engine_id, channel, msg.load.request_ids)
         elif kind == "kv_events":
@@ -258,9 +259,10 @@ class EngineLinks:
         elif kind == "hello":
             log.warning("engine %s sent a second hello on one stream; ignored", engine_id)
 
-    def _kv_events(self, engine_id: str, channel: _EngineChannel, kv: scheduler_pb2.KvEvents) -> None:
+    def _kv_events(self, engine_id: str, channel: _EngineChannel, kv: scheduler_pb2.KvEvents,
+                   in_report: bool = False) -> None:
         self._deliver(self._core.handle(ev.KvEventsReported(
-            engine_id, channel.token, kv.seq, kv.stored, kv.removed, kv.cleared)))
+            engine_id, channel.token, kv.seq, kv.stored, kv.removed, kv.cleared, in_report)))
 
     def _unleased(self, engine_id: str, report: scheduler_pb2.LoadReport) -> int:
         """Of an engine reporting to several replicas, the generations it

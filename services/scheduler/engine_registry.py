@@ -96,8 +96,9 @@ class EngineLoad:
     other_leases: int = 0
     unleased: int = 0
     # Its backend's outputs and answered liveness probes since it started
-    # (LoadReport.backend_progress; 0 = not sent).
-    backend_progress: int = 0
+    # (LoadReport.backend_progress; 0 = not sent). Not compared: no
+    # placement reads it, and it moves in every report of a working engine.
+    backend_progress: int = field(default=0, compare=False)
 
 
 @dataclass
@@ -111,8 +112,10 @@ class EngineRecord:
     leases: set[str] = field(default_factory=set)      # lease ids
     service_seconds: float = 2.0                       # EWMA of lease durations
     # When its backend's progress count last moved: the receive time of the
-    # report it moved FROM (see `progressed_since`).
+    # report it moved FROM (see `progressed_since`); and whether the last
+    # report moved it.
     progress_moved_from: float | None = None
+    progressed: bool = False
 
     @property
     def engine_id(self) -> str:
@@ -124,11 +127,15 @@ class EngineRecord:
         engine last reported running without a lease from this replica."""
         return len(self.leases) + self.load.other_leases + self.load.unleased
 
-    def take_load(self, load: EngineLoad, now: float) -> None:
-        """Apply a report received at `now`."""
-        if load.backend_progress > self.load.backend_progress and self.last_report_at is not None:
+    def take_load(self, load: EngineLoad, now: float) -> bool:
+        """Apply a report received at `now`; False when it repeats the last
+        load (a heartbeat)."""
+        self.progressed = load.backend_progress > self.load.backend_progress and self.last_report_at is not None
+        if self.progressed:
             self.progress_moved_from = self.last_report_at
+        same = load == self.load
         self.load, self.last_report_at = load, now
+        return not same
 
     def progressed_since(self, at: float) -> bool:
         """Did its backend work after `at`: its progress count moved between

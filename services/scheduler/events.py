@@ -139,6 +139,8 @@ class LoadReported:
     # report, as prefix hashes (LoadReport.placed_elsewhere): the policy
     # remembers each as if it had placed it. Empty with one scheduler.
     placed_elsewhere: Sequence[Sequence[int]] = ()
+    # The report carried KV events (handled just before it, `in_report`).
+    with_kv: bool = False
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,9 @@ class KvEventsReported:
     stored: Sequence[int]
     removed: Sequence[int]
     cleared: bool
+    # Inside a load report (LoadReport.kv_events): the report, handled next,
+    # dispatches for both.
+    in_report: bool = False
 
 
 @dataclass(frozen=True)
@@ -260,6 +265,12 @@ class Outbox:
     # EngineJoined only: the older process of the id this hello superseded
     # (its stream must end: the transport ends it FAILED_PRECONDITION).
     superseded: Superseded | None = None
+    # False: the event changed nothing a placement reads (an engine's
+    # heartbeat repeating its last load), so the core does not dispatch after
+    # it. With a queue waiting (a busy fleet, a batch backlog), each dispatch
+    # tries to place its head: at 1,024 engines the heartbeats alone (~2,000/s)
+    # made that most of a core (BENCHMARKS.md "Heartbeats do not dispatch").
+    dispatch: bool = True
 
 
 @dataclass(frozen=True)

@@ -131,20 +131,21 @@ class EngineFleet:
         self.epoch += 1
         return Joined(registration.record.token, registration.superseded, lost)
 
-    def report_load(self, engine_id: str, token: int, load: EngineLoad, now: float) -> bool:
-        """Apply a report; False = not the engine's current registration (ignored)."""
+    def report_load(self, engine_id: str, token: int, load: EngineLoad, now: float) -> bool | None:
+        """Apply a report: None = not the engine's current registration (ignored);
+        False = a fresh engine's load repeated (a heartbeat: no room changed)."""
         record = self.current(engine_id, token)
         if record is None:
-            return False
-        record.take_load(load, now)
+            return None
+        was_fresh = record.fresh(now, self._config.stale_report_seconds)
+        changed = record.take_load(load, now) or not was_fresh
         self._index.touch(engine_id)
         self._freed.pop(engine_id, None)
         self.reservations.settle(engine_id, load.request_ids)
-        # Re-keyed now, not at the next decision: at 1,024 engines and 10
-        # admissions/s a decision otherwise re-keyed ~180 reports (~10 ms of
-        # its histogram, measured); now it re-keys its own leases' engines.
+        # Re-keyed now, not at the next decision: at 1,024 engines and 10 admissions/s a decision
+        # otherwise re-keyed ~180 reports (~10 ms, measured); now its own leases' engines.
         self._refresh(now)
-        return True
+        return changed
 
     def kv_events(
         self, engine_id: str, token: int, seq: int,

@@ -65,6 +65,10 @@ class WaitingRoom:
         scale, then cost no pass over the queues)."""
         return not any(map(len, self._queues.values())) and not any(self._lanes.values())
 
+    def replacing(self) -> bool:
+        """A replacement waits (in some model's lane)."""
+        return any(self._lanes.values())
+
     def models(self) -> list[str]:
         """Models with a queue or a lane (possibly empty until `drop_empty`)."""
         return list(self._lanes.keys() | self._queues.keys())

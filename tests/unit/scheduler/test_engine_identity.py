@@ -314,7 +314,7 @@ async def test_a_newer_process_ends_the_old_stream_and_an_older_hello_is_refused
     new.cancel()
 
 
-def _stall_then_kill(core, clock):  # type: ignore[no-untyped-def]  # the core and clock of make_core
+def _stall_then_kill(core, clock):  # the core and clock of make_core
     """RELIABILITY.md "a stall, then the next engine's death": r1 ran on e,
     e stalled (its stream moved off on the gateway's stall deadline) and f,
     the model's other engine, was killed: the Replace excludes both."""
