@@ -8,13 +8,19 @@ process, no gRPC: a SchedulerCore (the default config: predicted_ttft) with
 N engines, every lease slot taken, a queue of waiting requests; then each
 engine's heartbeat (its last load again), R rounds, on a fake clock. Prints
 the core's CPU per heartbeat and the placement decisions they caused.
+`--changed`: each report differs from the last (a block more or less in
+use, no room made), as reports do around every start and end of a
+generation: each dispatches, and tries to place the queue's head on a fleet
+with no free slot.
 
     .venv/bin/python scripts/bench_heartbeats.py --engines 64 256 1024
+    .venv/bin/python scripts/bench_heartbeats.py --engines 64 256 1024 --changed
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -53,15 +59,17 @@ def _full_fleet(engines: int, waiting: int) -> tuple[SchedulerCore, FakeClock, d
     return core, clock, tokens
 
 
-def _run(engines: int, waiting: int, rounds: int) -> tuple[float, float]:
+def _run(engines: int, waiting: int, rounds: int, changed: bool) -> tuple[float, float]:
     core, clock, tokens = _full_fleet(engines, waiting)
     loads = {e: core.fleet.get(e).load for e in tokens}   # type: ignore[union-attr]  # every id is registered
+    other = {e: dataclasses.replace(load, blocks_used=load.blocks_used + 1) for e, load in loads.items()}
     decisions = core.metrics.value("kvmesh_scheduler_decision_seconds_count", {"policy": core.policy.name})
     began = time.process_time()
-    for _ in range(rounds):
+    for n in range(rounds):
         clock.advance(0.5)
+        sent = other if changed and n % 2 == 0 else loads
         for engine_id, token in tokens.items():
-            core.handle(LoadReported(engine_id, token, loads[engine_id]))
+            core.handle(LoadReported(engine_id, token, sent[engine_id]))
     spent = time.process_time() - began
     made = core.metrics.value("kvmesh_scheduler_decision_seconds_count", {"policy": core.policy.name}) - decisions
     beats = rounds * engines
@@ -73,12 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", type=int, nargs="+", default=[64, 256, 1024])
     p.add_argument("--waiting", type=int, default=64, help="requests queued behind the full fleet")
     p.add_argument("--rounds", type=int, default=4, help="heartbeats per engine")
+    p.add_argument("--changed", action="store_true", help="each report differs from the last (see above)")
     args = p.parse_args(argv)
     print("| engines | waiting | us CPU per heartbeat | placement decisions per heartbeat "
           "| cores at 2 per engine per s |")
     print("|---:|---:|---:|---:|---:|")
     for engines in args.engines:
-        us, decisions = _run(engines, args.waiting, args.rounds)
+        us, decisions = _run(engines, args.waiting, args.rounds, args.changed)
         print(f"| {engines} | {args.waiting} | {us:.1f} | {decisions:.2f} | {us * 2 * engines / 1e6:.2f} |")
     return 0
 

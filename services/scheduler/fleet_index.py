@@ -45,6 +45,13 @@ class _Model:
     seq: dict[str, int] = field(default_factory=dict)
     orders: dict[str, list[_Entry]] = field(default_factory=dict)
     keys: dict[str, dict[str, float]] = field(default_factory=dict)   # figure -> engine -> key
+    # Engines with a lease slot free, as of their last re-key: for a P0
+    # (leases < lease_limit), and below the P0-reserved slots (for the
+    # rest). A request that needs a slot looks only among them (`_pool`): a
+    # busy fleet has few or none, and a walk over every full engine of
+    # 1,024 cost ~3 ms per failed attempt (scripts/bench_heartbeats.py).
+    open: set[str] = field(default_factory=set)
+    open_unreserved: set[str] = field(default_factory=set)
 
 
 class FleetIndex:
@@ -82,6 +89,8 @@ class FleetIndex:
 
     def _remove(self, engine_id: str) -> None:
         model = self._models[self._model_of.pop(engine_id)]
+        model.open.discard(engine_id)
+        model.open_unreserved.discard(engine_id)
         seq = model.seq.pop(engine_id)
         for name, entries in model.orders.items():
             key = model.keys[name].pop(engine_id, None)
@@ -96,6 +105,12 @@ class FleetIndex:
                 continue
             view = self._views[engine_id] = view_of(engine_id)
             model = self._models[model_name]
+            for slots, free in ((model.open, view.leases < view.lease_limit),
+                                (model.open_unreserved, view.unreserved_room())):
+                if free:
+                    slots.add(engine_id)
+                else:
+                    slots.discard(engine_id)
             seq = model.seq[engine_id]
             for name, entries in model.orders.items():
                 self._rekey(model, name, entries, engine_id, seq, self._key(name, view))
@@ -159,18 +174,40 @@ class FleetIndex:
         model = self._models.get(request.model)
         if model is None or plan.scans_whole(len(model.seq)):
             return None
-        chosen = self._warm(model, request, plan, holders, eligible)
+        pool = self._pool(model, request, plan)
+        if pool is not None and not pool:
+            return []          # every engine's slots are taken: none passes
+        chosen = self._warm(model, request, plan, holders, eligible, pool)
         for i, name in enumerate(plan.orders):
-            taken = self._walk(self._order(model, name), plan.k, chosen, eligible)
+            taken = self._walk(self._within(model, name, pool), plan.k, chosen, eligible)
             if i == 0 and taken == 0:
                 return []      # walked every engine: none passes
         return sorted(chosen, key=model.seq.__getitem__)
 
+    @staticmethod
+    def _pool(model: _Model, request: PlacementRequest, plan: CandidatePlan) -> Set[str] | None:
+        """The only engines that may pass `eligible` (fleet_reads.py) for
+        `request`, or None (any may): its slot checks, read off the sets."""
+        if not request.reserved_slots:
+            return model.open_unreserved
+        if "lease_slots" in plan.checks:
+            return model.open if request.slot_priority == 0 else model.open_unreserved
+        return None   # reserved slots and no slot check: a full engine passes too
+
+    def _within(self, model: _Model, name: str, pool: Set[str] | None) -> Iterable[_Entry]:
+        """Figure `name`'s entries, in order, of `pool`'s engines (None: all)."""
+        entries = self._order(model, name)
+        if pool is None or len(pool) * 16 > len(entries):
+            return entries     # most engines open: the list, the few full ones skipped by `eligible`
+        return self._among(model, name, pool)
+
     def _warm(
         self, model: _Model, request: PlacementRequest, plan: CandidatePlan,
-        holders: Callable[[int], Set[str]], eligible: Callable[[str], bool],
+        holders: Callable[[int], Set[str]], eligible: Callable[[str], bool], pool: Set[str] | None,
     ) -> set[str]:
-        """The warm candidates (placement/candidates.py says which)."""
+        """The warm candidates (placement/candidates.py says which). The
+        walks look only among `pool` (None: all): the same engines pass,
+        in the same order, without walking past the full ones."""
         prefix = request.prefix_hashes
         if not prefix:
             return set()
@@ -186,8 +223,9 @@ class FleetIndex:
         if 0 < len(deep) <= plan.warm_cap:
             chosen.update(e for e in deep if eligible(e))
         elif deep:
-            self._walk(self._among(model, plan.warm, deep), plan.warm_cap, chosen, eligible)
-        self._walk(self._among(model, plan.warm, first), plan.k, chosen, eligible)
+            self._walk(self._among(model, plan.warm, deep if pool is None else deep & pool),
+                       plan.warm_cap, chosen, eligible)
+        self._walk(self._among(model, plan.warm, first if pool is None else first & pool), plan.k, chosen, eligible)
         return chosen
 
     def _among(self, model: _Model, name: str, engines: Set[str]) -> Iterable[_Entry]:

@@ -423,6 +423,10 @@ def _assert_keys_current(core: SchedulerCore) -> None:
             assert keys[engine_id] == ORDER_KEYS[name](view, FALLBACK), (name, engine_id)
     for engine_id in members:   # and the views decisions read are the ones a full scan builds
         assert core.fleet._current(engine_id, now) == core.fleet._view(core.fleet._registry[engine_id], now)
+    # The engines with a free slot (the pools a decision looks in) are the ones the views say.
+    views = {e: core.fleet._view(core.fleet._registry[e], now) for e in members}
+    assert model.open == {e for e, v in views.items() if v.leases < v.lease_limit}
+    assert model.open_unreserved == {e for e, v in views.items() if v.unreserved_room()}
 
 
 def test_the_ready_figure_is_a_p0s_prediction_when_batch_lines_make_it_shorter() -> None:
@@ -500,3 +504,31 @@ def test_a_few_engines_come_in_the_figures_order_sorted_apart_or_filtered(few: i
     for name in model.orders:
         expected = [entry for entry in model.orders[name] if entry[2] in engines]
         assert list(index._among(model, name, engines)) == expected
+
+
+def test_a_fleet_with_every_slot_taken_is_answered_without_a_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy fleet: every engine's slots taken (P0's reserved one free). A
+    request looks only among the engines with a slot free for its class, so
+    a failed attempt reads no engine at all -- it walked all of them, ~3 ms
+    per attempt at 1,024 engines -- and a P0 still finds the reserved slot."""
+    core, _ = make_core(policy="predicted_ttft", placement_candidates=2, engine_queue_slack=0,
+                        p0_reserved_leases=1)
+    for i in range(40):
+        add_engine(core, f"e{i}", max_running=2)
+    for n in range(40):   # one lease each: the unreserved slot of every engine taken
+        core.handle(RequestArrived(opts(f"r{n}", priority=1)))
+    asked: list[str] = []
+    fleet_eligibility = core.fleet._eligibility
+
+    def counted(*args: Any) -> Callable[[str], bool]:
+        eligible = fleet_eligibility(*args)
+
+        def check(engine_id: str) -> bool:
+            asked.append(engine_id)
+            return eligible(engine_id)
+        return check
+
+    monkeypatch.setattr(core.fleet, "_eligibility", counted)
+    assert _candidates(core, PlacementRequest("p1", MODEL, 32, 16, priority=1)) == set()
+    assert asked == []
+    assert len(_candidates(core, PlacementRequest("p0", MODEL, 32, 16, priority=0))) > 0
