@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import aiohttp
 import grpc
 import pytest
 
@@ -478,3 +479,23 @@ async def mesh(model_dir: Path, request: pytest.FixtureRequest) -> AsyncIterator
         if request.param == "many":
             await m.use_many()
         yield m
+
+
+async def leave_mid_stream(mesh: Mesh, chunks: int = 3) -> float:
+    """A streamed chat whose client drops the connection after `chunks`
+    content chunks; returns when (monotonic) it left. Make the engine's
+    answer long first (answer_tokens, token_delay)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello world"}], "stream": True,
+            "max_tokens": 1000}
+    async with aiohttp.ClientSession() as session:
+        r = await session.post(f"{mesh.http}/v1/chat/completions", json=body,
+                               headers={"Authorization": f"Bearer {KEY_FULL}"})
+        assert r.status == 200
+        seen = 0
+        while seen < chunks:
+            line = await r.content.readline()
+            assert line, "the stream ended early"
+            seen += line.startswith(b"data: {")
+        left_at = time.monotonic()
+        r.close()  # drop the connection mid-stream
+    return left_at

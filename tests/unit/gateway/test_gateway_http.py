@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
-from conftest import KEY_FULL, KEY_OTHER, KEY_P1, KEY_SLOW, MODEL, FakeEngine, Mesh, expected_answer, token_text
+from conftest import (
+    KEY_FULL,
+    KEY_OTHER,
+    KEY_P1,
+    KEY_SLOW,
+    MODEL,
+    FakeEngine,
+    Mesh,
+    expected_answer,
+    leave_mid_stream,
+    token_text,
+)
 from openai.types.chat import ChatCompletionMessageParam
 
 from services.common.proto.kvmesh.v1 import scheduler_pb2
@@ -281,22 +291,7 @@ async def test_heartbeats_while_queued(mesh: Mesh) -> None:
 async def test_client_disconnect_cancels_engine(mesh: Mesh) -> None:
     engine = mesh.engines["engine-a"]
     engine.answer_tokens, engine.token_delay = 10_000, 0.02
-    body = {"model": MODEL, "messages": CHAT, "stream": True, "max_tokens": 1000}
-    session = aiohttp.ClientSession()
-    try:
-        r = await session.post(f"{mesh.http}/v1/chat/completions", json=body,
-                               headers={"Authorization": f"Bearer {KEY_FULL}"})
-        assert r.status == 200
-        seen = 0
-        while seen < 3:
-            line = await r.content.readline()
-            assert line, "the stream ended early"
-            if line.startswith(b"data: {"):
-                seen += 1
-        left_at = time.monotonic()
-        r.close()  # drop the connection mid-stream
-    finally:
-        await session.close()
+    left_at = await leave_mid_stream(mesh)
     await asyncio.wait_for(engine.cancelled.wait(), 10)
     await asyncio.wait_for(mesh.scheduler.admit_cancelled.wait(), 10)
     delay = engine.cancelled_at - left_at

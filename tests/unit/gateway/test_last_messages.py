@@ -16,9 +16,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import aiohttp
 import openai
-from conftest import KEY_FULL, MODEL, Mesh
+from conftest import KEY_FULL, MODEL, Mesh, leave_mid_stream
 from openai.types.chat import ChatCompletionMessageParam
 
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello world"}]
@@ -58,17 +57,7 @@ async def test_a_withdrawal_reaches_a_slow_scheduler(mesh: Mesh) -> None:
     engine = mesh.engines["engine-a"]
     engine.answer_tokens, engine.token_delay = 10_000, 0.02
     mesh.scheduler.read_delay = _SLOW_READ
-    body = {"model": MODEL, "messages": CHAT, "stream": True, "max_tokens": 1000}
-    async with aiohttp.ClientSession() as session:
-        r = await session.post(f"{mesh.http}/v1/chat/completions", json=body,
-                               headers={"Authorization": f"Bearer {KEY_FULL}"})
-        assert r.status == 200
-        seen = 0
-        while seen < 3:
-            line = await r.content.readline()
-            assert line, "the stream ended early"
-            seen += line.startswith(b"data: {")
-        r.close()  # the client leaves mid-stream
+    await leave_mid_stream(mesh)
     record = mesh.scheduler.admits[0]
     done = await record.wait_done()
     # Said, not just a cancelled call: the scheduler ends the lease now

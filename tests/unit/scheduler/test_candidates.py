@@ -467,23 +467,14 @@ def test_a_decision_looks_at_a_bounded_number_of_engines(engines: int, monkeypat
                    queued_tokens=37 * (i % 101), prefill_tokens_per_second=4700.0, step_seconds=0.04)
     _candidates_or_none(core)
     built: list[str] = []
-    checked: list[str] = []
-    view_of, eligibility = core.fleet._view, core.fleet._eligibility
+    view_of = core.fleet._view
 
     def counted_view(record: Any, now: float) -> EngineView:
         built.append(record.engine_id)
         return view_of(record, now)
 
-    def counted_eligibility(*args: Any) -> Callable[[str], bool]:
-        eligible = eligibility(*args)
-
-        def counted_check(engine_id: str) -> bool:
-            checked.append(engine_id)
-            return eligible(engine_id)
-        return counted_check
-
     monkeypatch.setattr(core.fleet, "_view", counted_view)
-    monkeypatch.setattr(core.fleet, "_eligibility", counted_eligibility)
+    checked = _count_checks(core, monkeypatch)
     assert _place(core, PlacementRequest("r", MODEL, 2032, 16, PREFIXES[0])) is not None
     assert built == []
     assert len(checked) <= 4 * 8 + 4 * 8     # four figures' K best, plus the warm ones (none here)
@@ -517,18 +508,24 @@ def test_a_fleet_with_every_slot_taken_is_answered_without_a_walk(monkeypatch: p
         add_engine(core, f"e{i}", max_running=2)
     for n in range(40):   # one lease each: the unreserved slot of every engine taken
         core.handle(RequestArrived(opts(f"r{n}", priority=1)))
-    asked: list[str] = []
-    fleet_eligibility = core.fleet._eligibility
-
-    def counted(*args: Any) -> Callable[[str], bool]:
-        eligible = fleet_eligibility(*args)
-
-        def check(engine_id: str) -> bool:
-            asked.append(engine_id)
-            return eligible(engine_id)
-        return check
-
-    monkeypatch.setattr(core.fleet, "_eligibility", counted)
+    asked = _count_checks(core, monkeypatch)
     assert _candidates(core, PlacementRequest("p1", MODEL, 32, 16, priority=1)) == set()
     assert asked == []
     assert len(_candidates(core, PlacementRequest("p0", MODEL, 32, 16, priority=0))) > 0
+
+
+def _count_checks(core: SchedulerCore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """From now on, every engine a decision checks (`eligible`), in order."""
+    checked: list[str] = []
+    eligibility = core.fleet._eligibility
+
+    def counted_eligibility(*args: Any) -> Callable[[str], bool]:
+        eligible = eligibility(*args)
+
+        def counted_check(engine_id: str) -> bool:
+            checked.append(engine_id)
+            return eligible(engine_id)
+        return counted_check
+
+    monkeypatch.setattr(core.fleet, "_eligibility", counted_eligibility)
+    return checked
