@@ -49,8 +49,6 @@ class RequestMeter:
         ended = False
 
         async def metered(emit: Emit) -> None:
-            nonlocal ended
-
             async def observe(event: QueuedUpdate | TextDelta | Finished) -> None:
                 nonlocal ended
                 self._see(event)

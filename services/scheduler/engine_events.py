@@ -72,7 +72,7 @@ class EngineEvents:
             for prefix in event.placed_elsewhere:
                 self.policy.remember_prefix(prefix, event.engine_id)
         out.dispatch = bool(changed or event.placed_elsewhere or event.with_kv) or (
-            changed is not None and self._progressed(event.engine_id) and self._replacing())
+            changed is not None and self._replacing() and self._progressed(event.engine_id))
 
     def _progressed(self, engine_id: str) -> bool:
         record = self._fleet.get(engine_id)

@@ -269,7 +269,7 @@ class Outbox:
     # heartbeat repeating its last load), so the core does not dispatch after
     # it. With a queue waiting (a busy fleet, a batch backlog), each dispatch
     # tries to place its head: at 1,024 engines the heartbeats alone (~2,000/s)
-    # made that most of a core (BENCHMARKS.md "Heartbeats do not dispatch").
+    # made that most of a core (BENCHMARKS.md "A busy fleet").
     dispatch: bool = True
 
 

@@ -196,10 +196,7 @@ class FleetIndex:
 
     def _within(self, model: _Model, name: str, pool: Set[str] | None) -> Iterable[_Entry]:
         """Figure `name`'s entries, in order, of `pool`'s engines (None: all)."""
-        entries = self._order(model, name)
-        if pool is None or len(pool) * 16 > len(entries):
-            return entries     # most engines open: the list, the few full ones skipped by `eligible`
-        return self._among(model, name, pool)
+        return self._order(model, name) if pool is None else self._among(model, name, pool)
 
     def _warm(
         self, model: _Model, request: PlacementRequest, plan: CandidatePlan,
