@@ -58,7 +58,8 @@ def _memory(b: Baseline) -> str:
     each = " each" if b.schedulers > 1 else ""
     return (f"scheduler RSS {b.rss_empty_kib / 1024:.0f} MiB empty, {b.rss_fleet_kib / 1024:.0f} MiB with "
             f"the fleet{per_replica}: {b.kib_per_engine:.0f} KiB per engine{each}; the fleet's reports alone "
-            f"(no admissions) {b.idle_core_share:.0%} of a core")
+            f"(no admissions) {b.idle_core_share:.0%} of a core; the fleet registered in {b.register_seconds:.1f} s "
+            f"({b.register_cpu_s:.1f} s of scheduler CPU)")
 
 
 def summary_line(result: FleetResult) -> str:

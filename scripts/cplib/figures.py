@@ -61,6 +61,8 @@ class Baseline:
     idle_core_share: float = 0.0
     schedulers: int = 1
     replica_rss_fleet_kib: tuple[int, ...] = ()     # each replica's, with the fleet
+    register_seconds: float = 0.0    # the engines' start to every replica seeing all of them fresh
+    register_cpu_s: float = 0.0      # the replicas' CPU meanwhile (summed)
 
     @property
     def kib_per_engine(self) -> float:

@@ -111,7 +111,10 @@ def _addresses(scheds: list[SchedulerProcess]) -> tuple[str, ...]:
     return tuple(s.address for s in scheds)
 
 
-def _start_engines(opts: FleetOptions, scheds: list[SchedulerProcess], children: _Children) -> None:
+def _start_engines(opts: FleetOptions, scheds: list[SchedulerProcess], children: _Children) -> tuple[float, float]:
+    """Start the synthetic engines; the seconds until every replica saw all
+    of them fresh, and the replicas' CPU meanwhile."""
+    began, cpu = time.monotonic(), [sample(s.pid).cpu_s for s in scheds]
     for first in range(0, opts.engines, opts.engines_per_host):
         spec = EngineHostSpec(first, min(opts.engines_per_host, opts.engines - first), _addresses(scheds),
                               opts.workload)
@@ -125,7 +128,8 @@ def _start_engines(opts: FleetOptions, scheds: list[SchedulerProcess], children:
         while (seen := _registered(sched.address)) < opts.engines:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"only {seen} of {opts.engines} engines registered at {sched.address}")
-            time.sleep(0.5)
+            time.sleep(0.2)
+    return time.monotonic() - began, sum(sample(s.pid).cpu_s - c for s, c in zip(scheds, cpu, strict=True))
 
 
 def _start_gateways(opts: FleetOptions, scheds: list[SchedulerProcess], children: _Children) -> None:
@@ -195,7 +199,8 @@ def _pin(opts: FleetOptions, scheds: list[SchedulerProcess], children: _Children
     pin_threads(children.pids(), others)
 
 
-def _baseline(opts: FleetOptions, scheds: list[SchedulerProcess], rss_empty: list[int]) -> Baseline:
+def _baseline(opts: FleetOptions, scheds: list[SchedulerProcess], rss_empty: list[int],
+              registered: tuple[float, float]) -> Baseline:
     """RSS with the fleet and the reports' CPU alone, over a quiet second or more."""
     before, began = [sample(s.pid) for s in scheds], time.monotonic()
     time.sleep(max(1.0, opts.settle_seconds))
@@ -203,7 +208,8 @@ def _baseline(opts: FleetOptions, scheds: list[SchedulerProcess], rss_empty: lis
     idle = sum(b.cpu_s - a.cpu_s for a, b in zip(before, after, strict=True)) / (time.monotonic() - began)
     fleet = tuple(a.rss_kib for a in after)
     return Baseline(opts.engines, sum(rss_empty) // len(rss_empty), sum(fleet) // len(fleet), idle,
-                    schedulers=len(scheds), replica_rss_fleet_kib=fleet)
+                    schedulers=len(scheds), replica_rss_fleet_kib=fleet, register_seconds=registered[0],
+                    register_cpu_s=registered[1])
 
 
 def run_fleet(opts: FleetOptions, report: Callable[[StepFigures], Any] = print) -> tuple[Baseline, list[StepFigures]]:
@@ -215,11 +221,11 @@ def run_fleet(opts: FleetOptions, report: Callable[[StepFigures], Any] = print) 
         try:
             time.sleep(opts.settle_seconds)
             rss_empty = [sample(s.pid).rss_kib for s in scheds]
-            _start_engines(opts, scheds, children)
+            registered = _start_engines(opts, scheds, children)
             _start_gateways(opts, scheds, children)
             _pin(opts, scheds, children)
             time.sleep(opts.settle_seconds)
-            baseline = _baseline(opts, scheds, rss_empty)
+            baseline = _baseline(opts, scheds, rss_empty, registered)
             steps: list[StepFigures] = []
             for number, rate in enumerate(opts.rates):
                 figures = _step(number, rate, opts, scheds, children)

@@ -147,7 +147,7 @@ class SchedulerCore:
         self.spares = SpareKeeper(self._config.spares, self.fleet, self.waiting, self.metrics,
                                   self._config.prefill_tokens_per_second, [m.name for m in config.models])
         self._engine_events = EngineEvents(self.fleet, self._requests, self.policy, self.metrics,
-                                           self._refresh_gauges, self._config.stale_report_seconds,
+                                           self._gauges.touch, self._config.stale_report_seconds,
                                            self.waiting.replacing)
         self._handlers: dict[type, Callable[[Any, Outbox, float], None]] = {
             ev.RequestArrived: self._on_arrived, ev.StreamClosed: self._on_closed,

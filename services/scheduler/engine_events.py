@@ -30,17 +30,18 @@ log = logging.getLogger(__name__)
 class EngineEvents:
     def __init__(
         self, fleet: EngineFleet, requests: RequestBook, policy: PlacementPolicy,
-        metrics: SchedulerMetrics, refresh_gauges: Callable[[], None], stale_seconds: float,
+        metrics: SchedulerMetrics, touch_gauges: Callable[[str], None], stale_seconds: float,
         replacing: Callable[[], bool] = lambda: False,
     ) -> None:
-        """`replacing`: does a replacement wait (its exclusions may lift on an
+        """`touch_gauges`: the engine's gauges may have changed (fleet_gauges.py);
+        `replacing`: does a replacement wait (its exclusions may lift on an
         engine's progress alone: fleet.py `exclusions`)?"""
         self._replacing = replacing
         self._fleet = fleet
         self._requests = requests
         self.policy = policy  # the core swaps it (kvmesh.v1.Admin SetPlacementPolicy)
         self._metrics = metrics
-        self._refresh_gauges = refresh_gauges
+        self._touch_gauges = touch_gauges
         self._stale_seconds = stale_seconds
 
     def handlers(self) -> dict[type, Callable[..., None]]:
@@ -62,12 +63,14 @@ class EngineEvents:
             self._requests.orphan(joined.lost)
             out.superseded = ev.Superseded(
                 old.info.address, old.info.incarnation, old.fresh(now, self._stale_seconds), len(joined.lost))
-        self._refresh_gauges()
+        self._touch_gauges(event.info.engine_id)
 
     def load(self, event: ev.LoadReported, out: Outbox, now: float) -> None:
         """The engine's report; the prompts other replicas placed on it count
         as this replica's placements there (in-flight prefixes, live set)."""
         changed = self._fleet.report_load(event.engine_id, event.token, event.load, now)
+        if changed:
+            self._touch_gauges(event.engine_id)
         if changed is not None:
             for prefix in event.placed_elsewhere:
                 self.policy.remember_prefix(prefix, event.engine_id)
@@ -97,8 +100,9 @@ class EngineEvents:
             return
         self.policy.forget_engine(event.engine_id)
         self._requests.orphan(ended)
-        self._refresh_gauges()
+        self._touch_gauges(event.engine_id)
 
     def drain(self, event: ev.DrainRequested, out: Outbox, now: float) -> None:
+        self._touch_gauges(event.engine_id)
         if self._fleet.drain(event.engine_id):
             out.commands.append((event.engine_id, ev.EngineCommand.DRAIN))

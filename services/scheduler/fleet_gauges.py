@@ -18,17 +18,23 @@ core's housekeeping tick (the core's one owner, never the metrics thread):
   once `kvmesh_scheduler_aging_bound_seconds`; `kvmesh_scheduler_batch_queued`
   (the classes shown apart).
 
-Cost: O(engines) per tick, but a labelled series is written only when its
-value changed since the last tick (`_written`): three label look-ups per
-engine per tick were ~6% of a core at 1,024 engines and 10 ticks/s, and an
-engine's join (which refreshes too) made registering a fleet O(engines^2)
-in them. The queue scan (O(queued)) runs at most once per `queue_interval`
-seconds.
+Cost: a labelled series is written only when its value changed
+(`_written`): three label look-ups per engine per tick were ~6% of a core at
+1,024 engines and 10 ticks/s. The pass over every engine runs once per
+`engine_interval` (1 s: staleness is a matter of seconds, and scrapes come
+every 15): at 10 ticks/s it was still ~5% of a core at 1,024 engines, and a
+join or a leave refreshed at once, which made registering a fleet
+O(engines^2) (13% of the scheduler's CPU while 1,024 engines registered).
+Between passes a tick writes the engines `touch`ed since the last one (a
+changed report, a drain, a join, a leave) and, when one of those changed
+what is serving, the model pools. The queue scan (O(queued)) runs at most
+once per `queue_interval` seconds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 from services.common.config import SchedulerConfig
 from services.common.metric_labels import priority_label
@@ -43,10 +49,18 @@ from .waiting import WaitingRoom
 __all__ = ["FleetGauges"]
 
 
+class Engines(Protocol):
+    """The fleet, as the gauges read it (fleet.py's EngineFleet)."""
+
+    def __iter__(self) -> Iterator[EngineRecord]: ...
+
+    def get(self, engine_id: str) -> EngineRecord | None: ...
+
+
 class FleetGauges:
     def __init__(
         self, metrics: SchedulerMetrics, aging: AgingRule, models: Iterable[str], stale_seconds: float,
-        queue_interval: float = 1.0, classes: ClassTable | None = None,
+        queue_interval: float = 1.0, classes: ClassTable | None = None, engine_interval: float = 1.0,
     ) -> None:
         self._apart = frozenset((classes or ClassTable.from_config(SchedulerConfig())).apart())
         self._metrics = metrics
@@ -54,6 +68,9 @@ class FleetGauges:
         self._stale = stale_seconds
         self._queue_interval = queue_interval
         self._next_queue_scan = float("-inf")
+        self._engine_interval = engine_interval
+        self._next_engine_pass = float("-inf")
+        self._touched: set[str] = set()   # engines whose series may have changed since the last tick
         # engine -> (model, serving); serving None until its first load report
         self._serving: dict[str, tuple[str, bool | None]] = {}
         # engine -> (model, serving, hit rate) as last written to its series
@@ -64,43 +81,87 @@ class FleetGauges:
         for model in self._models:
             self._set_pool(model, [])
 
-    def refresh(self, engines: Iterable[EngineRecord], waiting: WaitingRoom, now: float) -> None:
+    def touch(self, engine_id: str) -> None:
+        """The engine's series may have changed (a changed report, a drain, a
+        join, a leave): written at the next tick."""
+        self._touched.add(engine_id)
+
+    def refresh(self, engines: Engines, waiting: WaitingRoom, now: float) -> None:
         for cls in range(NUM_CLASSES):
             self._metrics.queue_length.labels(priority_label(cls)).set(waiting.class_len(cls))
         self._metrics.batch_queued.set(sum(waiting.apart_len(k) for k in self._apart))
-        self._engines(list(engines), now)
+        if now >= self._next_engine_pass:
+            self._next_engine_pass = now + self._engine_interval
+            self._engines(list(engines), now)
+        elif self._touched:
+            self._some(engines, now)
         if now >= self._next_queue_scan:
             self._next_queue_scan = now + self._queue_interval
             self._queues(waiting, now)
 
     def _engines(self, engines: list[EngineRecord], now: float) -> None:
-        m = self._metrics
-        seen: dict[str, tuple[str, bool | None]] = {}
+        """Every engine's series and the pools; the series of engines gone go."""
+        self._touched.clear()
         serving_by_model: dict[str, list[EngineRecord]] = {model: [] for model in self._models}
+        before, self._serving = self._serving, {}
         for e in engines:
-            model = e.info.model
-            serving = e.load.serving and not e.draining and e.fresh(now, self._stale)
-            seen[e.engine_id] = (model, serving if e.last_report_at is not None else None)
-            before = self._serving.get(e.engine_id, (model, None))[1]
-            if before is not None and before != serving:
-                m.engine_flaps.labels(e.engine_id).inc()
-            queries = e.load.prefix_cache_queries
-            values = (model, serving, e.load.prefix_cache_hits / queries if queries else 0.0)
-            if self._written.get(e.engine_id) != values:
-                self._write(e.engine_id, values)
-            serving_by_model.setdefault(model, [])
-            if serving:
-                serving_by_model[model].append(e)
-        for engine_id, (model, was_serving) in self._serving.items():
-            if engine_id not in seen:  # left (or superseded): its series go
-                if was_serving:
-                    m.engine_flaps.labels(engine_id).inc()
-                m.engine_serving.remove(engine_id, model)
-                m.reported_prefix_hit_rate.remove(engine_id)
-                self._written.pop(engine_id, None)
-        self._serving = seen
+            if self._engine(e, now, before):
+                serving_by_model.setdefault(e.info.model, []).append(e)
+            else:
+                serving_by_model.setdefault(e.info.model, [])
+        for engine_id, (model, was_serving) in before.items():
+            if engine_id not in self._serving:
+                self._gone(engine_id, model, was_serving)
         for model, serving_engines in serving_by_model.items():
             self._set_pool(model, serving_engines)
+
+    def _some(self, engines: Engines, now: float) -> None:
+        """The touched engines' series; the pools when what serves changed."""
+        touched, self._touched = self._touched, set()
+        pools = False
+        for engine_id in touched:
+            e = engines.get(engine_id)
+            known = self._serving.get(engine_id)
+            if e is None:
+                if known is not None:
+                    del self._serving[engine_id]
+                    self._gone(engine_id, *known)
+                    pools = True
+                continue
+            serving = self._engine(e, now, self._serving)
+            pools = pools or known is None or bool(known[1]) != serving
+        if pools:
+            serving_by_model: dict[str, list[EngineRecord]] = {model: [] for model in self._models}
+            for e in engines:
+                state = self._serving.get(e.engine_id)
+                serving_by_model.setdefault(e.info.model, [])
+                if state is not None and state[1]:
+                    serving_by_model[e.info.model].append(e)
+            for model, serving_engines in serving_by_model.items():
+                self._set_pool(model, serving_engines)
+
+    def _engine(self, e: EngineRecord, now: float, before: dict[str, tuple[str, bool | None]]) -> bool:
+        """One engine's series, its flap counted; whether it serves."""
+        m, model = self._metrics, e.info.model
+        serving = e.load.serving and not e.draining and e.fresh(now, self._stale)
+        was = before.get(e.engine_id, (model, None))[1]
+        self._serving[e.engine_id] = (model, serving if e.last_report_at is not None else None)
+        if was is not None and was != serving:
+            m.engine_flaps.labels(e.engine_id).inc()
+        queries = e.load.prefix_cache_queries
+        values = (model, serving, e.load.prefix_cache_hits / queries if queries else 0.0)
+        if self._written.get(e.engine_id) != values:
+            self._write(e.engine_id, values)
+        return serving
+
+    def _gone(self, engine_id: str, model: str, was_serving: bool | None) -> None:
+        """An engine left (or was superseded): its series go."""
+        m = self._metrics
+        if was_serving:
+            m.engine_flaps.labels(engine_id).inc()
+        m.engine_serving.remove(engine_id, model)
+        m.reported_prefix_hit_rate.remove(engine_id)
+        self._written.pop(engine_id, None)
 
     def _write(self, engine_id: str, values: tuple[str, bool, float]) -> None:
         m, (model, serving, hit_rate) = self._metrics, values

@@ -8,6 +8,7 @@ store, then over gRPC with two schedulers in turn; with the real
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from services.common.grpc_server import client_options
 from services.common.proto.kvmesh.v1 import scheduler_pb2 as pb
 from services.common.proto.kvmesh.v1 import scheduler_pb2_grpc
 from services.engine.scheduler_link import superseded_by
+from services.scheduler import incarnation_store
 from services.scheduler.incarnation_store import (
     FUTURE_TOLERANCE_SECONDS,
     FileIncarnations,
@@ -49,6 +51,42 @@ async def test_the_file_keeps_the_greatest_per_id_for_every_scheduler_naming_it(
     assert await two.remember("f", OLD, "f:1") == Newest(OLD, "f:1")            # ids apart
     assert await FileIncarnations(path).remember("e", OLD, "old:1") == Newest(NEW, "new:1")
     assert await FileIncarnations(path).remember("f", 0, "f:2") == Newest(0, "f:2")   # none sent: no record
+
+
+async def test_a_fleet_saying_hello_at_once_is_recorded_in_a_few_writes(tmp_path: Path) -> None:
+    """A group commit: hellos that wait while the file is written are answered
+    together (one write per hello made a fleet's registration O(engines^2) and
+    serial: 4 s for 1,024 new engines)."""
+    path = str(tmp_path / "incarnations.json")
+    store = FileIncarnations(path)
+    answers = await asyncio.gather(*(store.remember(f"e{i}", NEW, f"e{i}:1") for i in range(300)),
+                                   store.remember("e7", OLD, "old:1"),     # older, same batch: refused
+                                   store.remember("e8", NEW + 1, "newer:1"))   # newer, same batch: taken
+    assert answers[:300] == [Newest(NEW, f"e{i}:1") for i in range(300)]
+    assert answers[300] == Newest(NEW, "e7:1")
+    assert answers[301] == Newest(NEW + 1, "newer:1")
+    assert store.groups <= 3   # the first hello's own, then everything that queued behind it
+    again = FileIncarnations(path)   # what the file holds: a restart's view
+    assert await again.remember("e8", NEW, "e8:1") == Newest(NEW + 1, "newer:1")
+    assert await again.remember("e299", OLD, "old:1") == Newest(NEW, "e299:1")
+
+
+async def test_a_stalled_store_refuses_nobody_and_still_records(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(incarnation_store, "TIMEOUT_SECONDS", 0.2)
+    store = FileIncarnations(str(tmp_path / "incarnations.json"))
+    slow_write = store._remember_all
+
+    def stalled(*args: object, **kwargs: object) -> list[Newest]:
+        time.sleep(0.6)   # a stalled volume
+        return slow_write(*args, **kwargs)   # type: ignore[arg-type]
+
+    monkeypatch.setattr(store, "_remember_all", stalled)
+    assert await store.remember("e", OLD, "old:1") == Newest(OLD, "old:1")   # went on without it
+    while store.groups == 0:
+        await asyncio.sleep(0.05)
+    monkeypatch.setattr(store, "_remember_all", slow_write)
+    assert await store.remember("e", OLD - 1, "older:1") == Newest(OLD, "old:1")   # recorded all the same
 
 
 async def test_a_store_that_fails_refuses_nobody(tmp_path: Path) -> None:
