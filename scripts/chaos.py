@@ -26,6 +26,9 @@ chosen with the seeded RNG every few seconds from `--faults`:
   requests over, its running leases re-attach elsewhere), exits, comes back,
   has every engine reporting to it, then the next
   (scripts/chaoslib/schedulers.py);
+- scheduler-stop (only when named, and with `--schedulers` 2 or more):
+  SIGSTOP of a replica for `--hang-seconds`, then SIGCONT -- a replica gone
+  silent, as a host cut off without a reset is;
 - core-kill: SIGKILL of an engine's `VLLM::EngineCore` process (vLLM only:
   the engine fails as a whole, its streams migrate, it exits and restarts).
   The sim has no core process and its crash hook is in-process only: the
@@ -95,6 +98,8 @@ def _check_loopback_options(parser: argparse.ArgumentParser, ns: argparse.Namesp
         parser.error("--schedulers must be in [1, 8]")
     if "scheduler-roll" in ns.faults.split(",") and ns.schedulers < 2:
         parser.error("scheduler-roll needs --schedulers 2 or more (the one scheduler's drain is its clients' 503)")
+    if "scheduler-stop" in ns.faults.split(",") and ns.schedulers < 2:
+        parser.error("scheduler-stop needs --schedulers 2 or more (one stopped scheduler is a stall)")
     if ns.every is not None and not 1.0 <= ns.every <= 600:
         parser.error("--every must be in [1, 600]")
     try:

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SIM_MODEL = "tiny-llama"
 FAULTS = ("engine-kill", "scheduler-kill", "core-kill", "hang", "gateway-roll", "gateway-kill")
 # Only when asked for (not in the default draw), and with 2+ scheduler replicas.
-REPLICA_FAULTS = ("scheduler-roll",)
+REPLICA_FAULTS = ("scheduler-roll", "scheduler-stop")
 _COUNTERS = ("kvmesh_gateway_migrations_total", "kvmesh_gateway_scheduler_readmissions_total",
              "kvmesh_gateway_drain_cut_total")
 
@@ -113,6 +113,7 @@ class Chaos:
             "core-kill": self.core_kill, "hang": self.hang,
             "gateway-roll": self.gateway_roll, "gateway-kill": self.gateway_kill,
             "scheduler-roll": lambda: schedulers.roll_replicas(self.mesh),
+            "scheduler-stop": lambda: schedulers.stop_replica(self.mesh, self.rng, self.hang_seconds),
         }
 
     def _pause(self, due: float) -> float:

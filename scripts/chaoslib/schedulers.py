@@ -13,18 +13,27 @@ active replicas (`chaos.py --schedulers N`, README "Several schedulers"):
   gateways re-admit them on another replica; running leases re-attach
   there), exits, is started again and has every engine reporting to it
   before the next one stops. Needs two replicas or more: the one scheduler's
-  DRAINING is its clients' 503.
+  DRAINING is its clients' 503;
+- scheduler-stop: SIGSTOP of one replica (drawn as for a kill) for
+  `--hang-seconds`, then SIGCONT: a replica gone silent -- no reset, no FIN,
+  its kernel still takes the bytes, its gRPC threads answer no keepalive
+  ping -- as a host cut off is. The gateways notice its silence on their
+  AdmitMany calls (`network.silent_peer_seconds`), move its requests and pass
+  it over until it answers again; the fault ends once it is in rotation.
+  Needs two replicas or more: with one, a stopped scheduler is a stall.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
 
 from services.launcher.children import MeshError, Role
 from services.launcher.mesh import Mesh
 
-__all__ = ["kill_replica", "replicas", "roll_replicas", "wait_in_rotation"]
+__all__ = ["kill_replica", "replicas", "roll_replicas", "stop_replica", "wait_in_rotation"]
 
 # A restarted replica has every engine back within a few seconds (Python
 # start-up, then the engines' reconnect backoff, capped at 2 s); 60 s is a
@@ -67,3 +76,21 @@ def roll_replicas(mesh: Mesh) -> str:
     """A rolling restart of every scheduler replica (module docstring)."""
     steps = mesh.rolling_restart(Role.SCHEDULER)
     return "rolled " + ", ".join(f"{s.name} (exit {s.exit_code}, {s.seconds:.1f}s)" for s in steps)
+
+
+def stop_replica(mesh: Mesh, rng: random.Random, seconds: float) -> str:
+    """SIGSTOP a replica drawn from `rng` for `seconds`, SIGCONT it, wait
+    until it is in rotation again."""
+    name = rng.choice(replicas(mesh))
+    pid = mesh.pid(name)
+    if pid is None:
+        return f"{name}: no process to stop; nothing done"
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    began = time.monotonic()
+    wait_in_rotation(mesh, name)
+    return (f"SIGSTOP {name} (pid {pid}) for {seconds:g}s, then SIGCONT; in rotation "
+            f"{time.monotonic() - began:.1f}s after")

@@ -32,5 +32,8 @@ _ADMIT = FrameKind("AdmitMany", scheduler_pb2.AdmitClientFrame, scheduler_pb2.Ad
 class AdmitMany(ManyCall):
     """The gateway's AdmitMany call to one scheduler."""
 
-    def __init__(self, open_call: Callable[[], grpc.aio.StreamStreamCall]) -> None:
-        super().__init__(_ADMIT, open_call)
+    def __init__(self, open_call: Callable[[], grpc.aio.StreamStreamCall], answer_seconds: float = 0.0,
+                 on_silent: Callable[[], None] | None = None) -> None:
+        """The scheduler answers every request at once (Queued, Placed or
+        Rejected): `answer_seconds` of silence fails the call (many_call.py)."""
+        super().__init__(_ADMIT, open_call, answer_seconds, on_silent)

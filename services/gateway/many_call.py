@@ -20,6 +20,17 @@ peer from before the call existed (UNIMPLEMENTED, tried again after
 `_RETRY_OLD_SECONDS`) and after the call failed (a restart: tried again after
 `_RETRY_SECONDS`; its streams fail like broken calls).
 
+A peer that answers each stream's first message at once (the scheduler:
+Queued, Placed or Rejected) can be watched for silence (`answer_seconds`):
+when a stream's first message has waited that long for its answer and
+nothing at all came on the call since it was sent, the call is presumed
+gone -- a host cut off without a reset, a process stopped or wedged -- and
+fails like a broken one (its streams move: lease_link.py), and `on_silent`
+is told. Keepalive would notice a cut host too, but only after
+`network.detect_seconds` (10 s), and never a process whose event loop is
+stuck while gRPC's own threads still answer pings. A busy peer is not
+silent: answers to earlier streams, however late, keep the call heard.
+
 Ownership: the client object (SchedulerClient, EnginePool) owns its
 `ManyCall`; everything runs on the event loop.
 """
@@ -46,6 +57,11 @@ _RETRY_SECONDS = 1.0
 # call was listed): try again this much later (it may be upgraded in place).
 _RETRY_OLD_SECONDS = 30.0
 _NOT_SERVED = frozenset({grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED})
+
+# A silence watch that fires this late means this gateway's own loop was
+# stalled (a loaded machine): it looks again after the reads that waited.
+_STALLED_LOOP_SECONDS = 0.1
+_REREAD_SECONDS = 0.02
 
 OK = "ok"
 _CANCELLED = "cancelled"
@@ -79,7 +95,7 @@ def _copy(err: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
 class ManyStream:
     """One stream on the call (see the module docstring)."""
 
-    __slots__ = ("_many", "number", "_inbox", "_waiter", "_ended", "_callbacks", "_held")
+    __slots__ = ("_many", "number", "_inbox", "_waiter", "_ended", "_callbacks", "_held", "_wrote")
 
     def __init__(self, many: ManyCall, number: int) -> None:
         self._many = many
@@ -90,6 +106,7 @@ class ManyStream:
         self._ended: str | grpc.aio.AioRpcError | None = None
         self._callbacks: list[Callable[[Any], None]] = []
         self._held = False   # a `hold` frame was sent, no `release` yet
+        self._wrote = False  # its first message is sent (and owed an answer)
 
     def done(self) -> bool:
         return self._ended is not None
@@ -107,6 +124,9 @@ class ManyStream:
         if ended is not None:
             raise asyncio.InvalidStateError(f"the {self._many.kind.name} stream is already over")
         self._many.send(self._many.kind.client_frame(stream=self.number, message=message))
+        if not self._wrote:
+            self._wrote = True
+            self._many.owe(self.number)
 
     async def done_writing(self) -> None:
         """Nothing to send: the peers end these streams themselves."""
@@ -186,8 +206,20 @@ class ManyStream:
 class ManyCall:
     """The gateway's one call of a kind to one peer (see the module docstring)."""
 
-    def __init__(self, kind: FrameKind, open_call: Callable[[], grpc.aio.StreamStreamCall]) -> None:
+    def __init__(self, kind: FrameKind, open_call: Callable[[], grpc.aio.StreamStreamCall],
+                 answer_seconds: float = 0.0, on_silent: Callable[[], None] | None = None) -> None:
+        """`answer_seconds` > 0: the peer answers a stream's first message at
+        once; silence that long fails the call (module docstring)."""
         self.kind = kind
+        self._answer_seconds = answer_seconds
+        self._on_silent = on_silent
+        # Streams whose first message waits for its answer -> when it was sent
+        # (insertion order: the oldest first); when the call last heard anything.
+        self._owed: dict[int, float] = {}
+        self._heard_at = 0.0
+        self._watch: asyncio.TimerHandle | None = None
+        self._watch_at = 0.0   # when the watch was due
+        self._silence: grpc.aio.AioRpcError | None = None
         self._open_call = open_call
         self._call: grpc.aio.StreamStreamCall | None = None
         self._task: asyncio.Task[None] | None = None
@@ -223,6 +255,53 @@ class ManyCall:
 
     def forget(self, number: int) -> None:
         self._streams.pop(number, None)
+        self._owed.pop(number, None)
+
+    def owe(self, number: int) -> None:
+        """Stream `number` sent its first message: its answer is owed."""
+        if self._answer_seconds <= 0 or self._call is None:
+            return
+        loop = asyncio.get_running_loop()
+        self._owed[number] = loop.time()
+        if self._watch is None:
+            self._look_in(self._answer_seconds)
+
+    def _look_in(self, seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._watch_at = loop.time() + seconds
+        self._watch = loop.call_later(seconds, self._check)
+
+    def _check(self) -> None:
+        """Fail the call if the oldest owed answer is overdue and the call
+        said nothing since it was asked; else look again when the oldest
+        owed one falls due."""
+        self._watch = None
+        if not self._owed or self._call is None:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._watch_at > _STALLED_LOOP_SECONDS:
+            # This loop itself was stalled: what the peer sent meanwhile may
+            # wait unread behind this callback. Judge after the reads.
+            self._look_in(_REREAD_SECONDS)
+            return
+        asked = next(iter(self._owed.values()))
+        due = asked + self._answer_seconds
+        if loop.time() < due or self._heard_at >= asked:
+            # Heard since: a later stream's answer may still be owed; its turn comes.
+            while self._owed and self._heard_at >= next(iter(self._owed.values())):
+                del self._owed[next(iter(self._owed))]
+            if self._owed:
+                due = next(iter(self._owed.values())) + self._answer_seconds
+                self._look_in(max(_REREAD_SECONDS, due - loop.time()))
+            return
+        log.warning("%s call: no answer to %d stream(s) and nothing else heard for %.1f s; presuming the peer "
+                    "gone and moving them", self.kind.name, len(self._owed), loop.time() - asked)
+        self._silence = rpc_error(grpc.StatusCode.UNAVAILABLE,
+                                  f"the peer said nothing on the {self.kind.name} call for "
+                                  f"{self._answer_seconds:g} s while it owed an answer")
+        self._call.cancel()
+        if self._on_silent is not None:
+            self._on_silent()
 
     async def _run(self) -> None:
         call = self._call = self._open_call()
@@ -239,10 +318,13 @@ class ManyCall:
                 message: Any = await call.read()
                 if message is grpc.aio.EOF:
                     return
+                self._heard_at = asyncio.get_running_loop().time()
                 for frame in message.frames:
                     stream = self._streams.get(frame.stream)
                     if stream is None:
                         continue
+                    if self._owed:
+                        self._owed.pop(frame.stream, None)
                     if frame.HasField("message"):
                         stream.push(frame.message)
                     how = ending(frame)
@@ -250,8 +332,11 @@ class ManyCall:
                         stream.end(how)
         except grpc.aio.AioRpcError as exc:
             failure = exc
+        except asyncio.CancelledError:
+            if self._silence is None:
+                raise
         finally:
-            self._ended(call, writer, failure)
+            self._ended(call, writer, self._silence or failure)
 
     def _ended(self, call: grpc.aio.StreamStreamCall, writer: asyncio.Task[None] | None,
                failure: grpc.aio.AioRpcError | None) -> None:
@@ -265,6 +350,11 @@ class ManyCall:
         self._retry_at = asyncio.get_running_loop().time() + (_RETRY_OLD_SECONDS if unimplemented else _RETRY_SECONDS)
         self._call = self._task = self._wake = None
         self._frames = []
+        self._owed.clear()
+        self._silence = None
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         if writer is not None:
             writer.cancel()
         call.cancel()

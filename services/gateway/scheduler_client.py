@@ -270,10 +270,13 @@ class SchedulerClient:
     """Owns the gateway's channel to the scheduler."""
 
     def __init__(self, address: str, identity: MeshIdentity | None = None,
-                 reachability: Reachability | None = None) -> None:
+                 reachability: Reachability | None = None, answer_seconds: float = 0.0,
+                 on_silent: Callable[[], None] | None = None) -> None:
         """`reachability`: shared by the replicas of one gateway
         (scheduler_replicas.py): once any answered, an unreachable one is a
-        restart to wait out (or to move away from)."""
+        restart to wait out (or to move away from). `answer_seconds` > 0:
+        the AdmitMany call fails when the scheduler owes an answer and says
+        nothing that long, and `on_silent` is told (many_call.py)."""
         self.address = address
         self.channel = aio_channel(
             address, identity, "scheduler",
@@ -295,7 +298,7 @@ class SchedulerClient:
         self._ender = CallEnder()
         self._spare = SpareCall(self._stub.Admit)
         # Admit streams over one call once the scheduler answered it (admit_many.py).
-        self._many = AdmitMany(self._stub.AdmitMany)
+        self._many = AdmitMany(self._stub.AdmitMany, answer_seconds, on_silent)
         self._reachability = reachability or Reachability()
 
     def is_ready(self) -> bool:

@@ -14,8 +14,12 @@ its arrival time, or re-attached with `running_on_engine`) -- the path a
 scheduler restart already takes -- and the dead replica, now unhealthy, is
 passed over. A replica whose channel just turned READY again (a restart)
 is not healthy until its engines have reconnected to it
-(replica_warmup.py, after `start()`). With one address every request goes
-to it, as before.
+(replica_warmup.py, after `start()`). A replica that went silent on its
+AdmitMany call (`answer_seconds`: a host cut off without a reset, a stopped
+or wedged process; many_call.py) is not healthy until it answers a GetState
+again (`_probe`) or its channel drops (keepalive; then the warm-up above
+follows its return): its channel still says READY meanwhile. With one
+address every request goes to it, as before.
 
 Ownership: the gateway service owns this object; it is used from the event
 loop only. Channel states are read live; `_Replica.suspect_at` is written by
@@ -27,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import logging
 from dataclasses import dataclass, field
 
 import grpc
@@ -40,10 +45,15 @@ from services.gateway.scheduler_client import AdmitSession, Reachability, Schedu
 
 __all__ = ["SchedulerReplicas", "rendezvous_order"]
 
+log = logging.getLogger(__name__)
+
 # A replica one of whose streams just broke is passed over this long, while
 # its channel may still say READY (a SIGKILLed process's connection reset
 # reaches the streams and the channel in either order).
 _SUSPECT_SECONDS = 1.0
+# A silent replica is asked for its state this often, each ask bounded by
+# the same (`_probe`).
+_PROBE_SECONDS = 0.5
 
 
 def _score(request_id: str, address: str) -> int:
@@ -63,18 +73,23 @@ class _Replica:
     client: SchedulerClient
     suspect_at: float | None = None
     warmup: Warmup = field(default_factory=Warmup)
+    silent: asyncio.Task[None] | None = None   # its `_probe`, while it is silent
 
 
 class SchedulerReplicas:
     """Every scheduler replica this gateway admits on (see the module docstring)."""
 
     def __init__(self, addresses: list[str], identity: MeshIdentity | None = None,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, answer_seconds: float = 0.0) -> None:
+        """`answer_seconds`: `network.silent_peer_seconds` (0 = not watched)."""
         if not addresses:
             raise ValueError("no scheduler address")
         self._clock = clock or SystemClock()
         self._reachability = Reachability()
-        self._replicas = {a: _Replica(SchedulerClient(a, identity, self._reachability)) for a in addresses}
+        self._replicas = {
+            a: _Replica(SchedulerClient(a, identity, self._reachability, answer_seconds,
+                                        functools.partial(self._went_silent, a)))
+            for a in addresses}
         self.addresses = list(addresses)
         self._warmups: list[asyncio.Task[None]] = []
 
@@ -105,10 +120,10 @@ class SchedulerReplicas:
     # ---------------------------------------------------------------- health
 
     def healthy(self, address: str) -> bool:
-        """READY, not warming (back, but its engines not yet), and none of
-        its streams broke within `_SUSPECT_SECONDS`."""
+        """READY, not warming (back, but its engines not yet), not silent, and
+        none of its streams broke within `_SUSPECT_SECONDS`."""
         replica = self._replicas[address]
-        if replica.warmup.warming:
+        if replica.warmup.warming or replica.silent is not None:
             return False
         if replica.suspect_at is not None:
             if self._clock.monotonic() - replica.suspect_at < _SUSPECT_SECONDS:
@@ -119,6 +134,27 @@ class SchedulerReplicas:
     def suspect(self, address: str) -> None:
         """A stream to it broke, or it could not be reached: pass it over for a while."""
         self._replicas[address].suspect_at = self._clock.monotonic()
+
+    def _went_silent(self, address: str) -> None:
+        """Its AdmitMany call went silent: passed over until it answers."""
+        replica = self._replicas[address]
+        if replica.silent is None:
+            replica.silent = asyncio.get_running_loop().create_task(self._probe(address), name=f"silent-{address}")
+
+    async def _probe(self, address: str) -> None:
+        replica = self._replicas[address]
+        began = self._clock.monotonic()
+        try:
+            while replica.client.is_ready():
+                if await replica.client.get_state(_PROBE_SECONDS) is not None:
+                    log.info("scheduler replica %s answers again after %.1f s of silence", address,
+                             self._clock.monotonic() - began)
+                    return
+                await asyncio.sleep(_PROBE_SECONDS)
+            log.info("scheduler replica %s: its connection dropped %.1f s after it went silent", address,
+                     self._clock.monotonic() - began)
+        finally:
+            replica.silent = None
 
     def fail_over(self, session: AdmitSession) -> bool:
         """`session`'s stream broke: its replica is passed over for a while.
@@ -194,6 +230,7 @@ class SchedulerReplicas:
         return None
 
     async def close(self) -> None:
+        self._warmups.extend(r.silent for r in self._replicas.values() if r.silent is not None)
         for task in self._warmups:
             task.cancel()
         await asyncio.gather(*self._warmups, return_exceptions=True)

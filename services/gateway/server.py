@@ -112,7 +112,8 @@ class GatewayService:
         http_port = gw.http_port if http_port is None else http_port
         grpc_port = gw.grpc_port if grpc_port is None else grpc_port
         identity = identity_for(self.config, "gateway")
-        self._scheduler = SchedulerReplicas(gw.schedulers(), identity, self.clock)
+        self._scheduler = SchedulerReplicas(gw.schedulers(), identity, self.clock,
+                                            self.config.network.silent_peer_seconds)
         self._scheduler.start()
         self._engines = EnginePool(identity)
         driver = GenerationDriver(

@@ -40,6 +40,22 @@ class NetworkConfig:
     # Bounds: 1 .. 600.
     keepalive_timeout_seconds: float = 5.0
 
+    # A scheduler owes every request an answer at once (Queued, Placed or
+    # Rejected): when one has waited this long and the gateway's AdmitMany call
+    # to that scheduler heard nothing at all meanwhile, the scheduler is
+    # presumed gone (a host cut off, a stopped or wedged process): the call's
+    # requests move to another replica and it is passed over until it
+    # answers again (services/gateway/many_call.py). A busy scheduler is not
+    # silent: its answers to earlier requests keep the call heard. Faster
+    # than keepalive (detect_seconds), and it also catches a process whose
+    # loop is stuck while gRPC's threads still answer pings. A request that
+    # reaches a silent replica before this bound waits it out: shorter moves
+    # fewer and sooner, but a scheduler whose loop stalls this long (a loaded
+    # machine) gets its calls' requests moved for nothing (they are kept:
+    # re-admitted with their arrival time, or re-attached). 0 = off.
+    # Bounds: 0 or 0.5 .. 60.
+    silent_peer_seconds: float = 1.0
+
     @property
     def detect_seconds(self) -> float:
         """Longest time a silent peer keeps a connection open."""

@@ -392,6 +392,8 @@ def _check_partitions(mesh: _Section) -> None:
     network = mesh.at("network")
     network.within("keepalive_time_seconds", 1, 600)
     network.within("keepalive_timeout_seconds", 1, 600)
+    if network.settings.silent_peer_seconds != 0:   # 0 = off
+        network.within("silent_peer_seconds", 0.5, 60)
     mesh.at("fencing").non_negative("confirm_seconds", "startup_grace_seconds", "rejoin_grace_seconds")
 
 

@@ -77,9 +77,9 @@ async def test_a_stalled_store_refuses_nobody_and_still_records(tmp_path: Path,
     store = FileIncarnations(str(tmp_path / "incarnations.json"))
     slow_write = store._remember_all
 
-    def stalled(*args: object, **kwargs: object) -> list[Newest]:
+    def stalled(group: list[tuple[str, Newest]], now_unix: float) -> list[Newest]:
         time.sleep(0.6)   # a stalled volume
-        return slow_write(*args, **kwargs)   # type: ignore[arg-type]
+        return slow_write(group, now_unix)
 
     monkeypatch.setattr(store, "_remember_all", stalled)
     assert await store.remember("e", OLD, "old:1") == Newest(OLD, "old:1")   # went on without it
