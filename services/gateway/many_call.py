@@ -59,7 +59,8 @@ _RETRY_OLD_SECONDS = 30.0
 _NOT_SERVED = frozenset({grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED})
 
 # A silence watch that fires this late means this gateway's own loop was
-# stalled (a loaded machine): it looks again after the reads that waited.
+# stalled (a loaded machine): it looks again after the reads that waited
+# (half the bound later), and judges only on a watch that fired on time.
 _STALLED_LOOP_SECONDS = 0.1
 _REREAD_SECONDS = 0.02
 
@@ -271,6 +272,21 @@ class ManyCall:
         self._watch_at = loop.time() + seconds
         self._watch = loop.call_later(seconds, self._check)
 
+    def unanswered_for(self) -> float:
+        """Seconds the oldest answer still owed has waited with nothing heard
+        on the call since it was asked (0: none such; always 0 unwatched)."""
+        self._prune()
+        if not self._owed:
+            return 0.0
+        return asyncio.get_running_loop().time() - next(iter(self._owed.values()))
+
+    def _prune(self) -> None:
+        """Forget the owed answers asked before the call last heard anything:
+        it was heard since, so they cannot show it silent."""
+        owed = self._owed
+        while owed and self._heard_at >= next(iter(owed.values())):
+            del owed[next(iter(owed))]
+
     def _check(self) -> None:
         """Fail the call if the oldest owed answer is overdue and the call
         said nothing since it was asked; else look again when the oldest
@@ -281,18 +297,16 @@ class ManyCall:
         loop = asyncio.get_running_loop()
         if loop.time() - self._watch_at > _STALLED_LOOP_SECONDS:
             # This loop itself was stalled: what the peer sent meanwhile may
-            # wait unread behind this callback. Judge after the reads.
-            self._look_in(_REREAD_SECONDS)
+            # wait unread behind this callback (and behind gRPC's poller
+            # thread, on a loaded machine). Judge after the reads, on time.
+            self._look_in(max(_REREAD_SECONDS, self._answer_seconds / 2))
+            return
+        self._prune()
+        if not self._owed:
             return
         asked = next(iter(self._owed.values()))
-        due = asked + self._answer_seconds
-        if loop.time() < due or self._heard_at >= asked:
-            # Heard since: a later stream's answer may still be owed; its turn comes.
-            while self._owed and self._heard_at >= next(iter(self._owed.values())):
-                del self._owed[next(iter(self._owed))]
-            if self._owed:
-                due = next(iter(self._owed.values())) + self._answer_seconds
-                self._look_in(max(_REREAD_SECONDS, due - loop.time()))
+        if loop.time() < asked + self._answer_seconds:
+            self._look_in(max(_REREAD_SECONDS, asked + self._answer_seconds - loop.time()))
             return
         log.warning("%s call: no answer to %d stream(s) and nothing else heard for %.1f s; presuming the peer "
                     "gone and moving them", self.kind.name, len(self._owed), loop.time() - asked)

@@ -304,6 +304,11 @@ class SchedulerClient:
     def is_ready(self) -> bool:
         return self.channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY
 
+    def unanswered_for(self) -> float:
+        """Seconds a request has waited for the scheduler's first answer with
+        nothing heard from it since (0 when the AdmitMany call is unwatched)."""
+        return self._many.unanswered_for()
+
     async def wait_ready_change(self, last: grpc.ChannelConnectivity) -> grpc.ChannelConnectivity:
         await self.channel.wait_for_state_change(last)
         state = self.channel.get_state(try_to_connect=True)

@@ -54,6 +54,13 @@ _SUSPECT_SECONDS = 1.0
 # A silent replica is asked for its state this often, each ask bounded by
 # the same (`_probe`).
 _PROBE_SECONDS = 0.5
+# A replica whose AdmitMany call has owed an answer this long with nothing
+# heard since gets no new request until it is heard again: before it can be
+# called silent (`network.silent_peer_seconds`), new requests go to the next
+# replica in rank instead of waiting with it. Answers come in milliseconds;
+# wrongly passed over, a request only lands on its second choice (every
+# replica sees the whole fleet).
+_QUIET_SECONDS = 0.1
 
 
 def _score(request_id: str, address: str) -> int:
@@ -120,10 +127,10 @@ class SchedulerReplicas:
     # ---------------------------------------------------------------- health
 
     def healthy(self, address: str) -> bool:
-        """READY, not warming (back, but its engines not yet), not silent, and
-        none of its streams broke within `_SUSPECT_SECONDS`."""
+        """READY, not warming (back, but its engines not yet), not silent nor
+        quiet, and none of its streams broke within `_SUSPECT_SECONDS`."""
         replica = self._replicas[address]
-        if replica.warmup.warming or replica.silent is not None:
+        if replica.warmup.warming or replica.silent is not None or replica.client.unanswered_for() > _QUIET_SECONDS:
             return False
         if replica.suspect_at is not None:
             if self._clock.monotonic() - replica.suspect_at < _SUSPECT_SECONDS:

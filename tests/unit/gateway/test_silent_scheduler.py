@@ -54,8 +54,8 @@ class _Scheduler(scheduler_pb2_grpc.SchedulerServicer):
             while (message := await context.read()) is not grpc.aio.EOF:
                 frames: Any = message
                 for frame in frames.frames:
-                    if frame.HasField("message") and frame.message.HasField("request") and not self.silent:
-                        answers.put_nowait(frame.stream)
+                    if frame.HasField("message") and frame.message.HasField("request"):
+                        answers.put_nowait(frame.stream)   # answered once not silent (a stopped process)
         finally:
             writer.cancel()
 
@@ -181,19 +181,48 @@ async def test_no_bound_no_watch(served) -> None:
     many.close()
 
 
-async def test_a_silent_replica_is_passed_over_until_it_answers_again() -> None:
+async def _two_replicas(answer_seconds: float) -> tuple[list[_Scheduler], list[grpc.aio.Server], SchedulerReplicas]:
     fakes = [_Scheduler(), _Scheduler()]
     served = [await _serve(f) for f in fakes]
     addresses = [address for _, address in served]
-    replicas = SchedulerReplicas(addresses, answer_seconds=BOUND)
+    replicas = SchedulerReplicas(addresses, answer_seconds=answer_seconds)
+    await _until(lambda: all(replicas.healthy(a) for a in addresses))
+
+    def calls_open() -> bool:
+        replicas.replenish()   # opens each healthy replica's AdmitMany call
+        return all(replicas.client(a)._many.ready for a in addresses)
+
+    await _until(calls_open)
+    return fakes, [server for server, _ in served], replicas
+
+
+async def test_a_quiet_replica_gets_no_new_request_before_it_can_be_called_silent() -> None:
+    """0.1 s of owing an answer with nothing heard: new requests go to the
+    next replica at once, instead of waiting the bound out with it; heard
+    again, it is back at once, its call never failed."""
+    fakes, servers, replicas = await _two_replicas(answer_seconds=30.0)
+    addresses = replicas.addresses
     try:
-        await _until(lambda: all(replicas.healthy(a) for a in addresses))
+        mine = next(f"r{i}" for i in range(100) if rendezvous_order(f"r{i}", addresses)[0] == addresses[1])
+        fakes[1].silent = True
+        session = await replicas.open(_request(mine).request)
+        assert session.replica == addresses[1]
+        await _until(lambda: not replicas.healthy(addresses[1]), 2.0)
+        assert replicas.ranked(mine) == [addresses[0], addresses[1]]
+        fakes[1].silent = False   # it answers what it owes
+        await _until(lambda: replicas.healthy(addresses[1]))
+        assert replicas.ranked(mine) == [addresses[1], addresses[0]]
+        assert replicas.client(addresses[1])._many.ready
+    finally:
+        await replicas.close()
+        for server in servers:
+            await server.stop(0)
 
-        def calls_open() -> bool:
-            replicas.replenish()   # opens each healthy replica's AdmitMany call
-            return all(replicas.client(a)._many.ready for a in addresses)
 
-        await _until(calls_open)
+async def test_a_silent_replica_is_passed_over_until_it_answers_again() -> None:
+    fakes, servers, replicas = await _two_replicas(answer_seconds=BOUND)
+    addresses = replicas.addresses
+    try:
         mine = next(f"r{i}" for i in range(100) if rendezvous_order(f"r{i}", addresses)[0] == addresses[1])
         fakes[1].silent = True
         session = await replicas.open(pb.AdmitRequest(request_id=mine, model=MODEL, tenant="t", prompt_tokens=4,
@@ -209,5 +238,5 @@ async def test_a_silent_replica_is_passed_over_until_it_answers_again() -> None:
         assert replicas.ranked(mine) == [addresses[1], addresses[0]]
     finally:
         await replicas.close()
-        for server, _ in served:
+        for server in servers:
             await server.stop(0)
