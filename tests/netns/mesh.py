@@ -38,10 +38,12 @@ from services.launcher.envoy_config import envoy_binary
 
 from .harness import Host, NetnsHarness
 
-__all__ = ["HOSTS", "MODEL", "NetnsMesh", "ServiceFailed", "metric"]
+__all__ = ["HOSTS", "MODEL", "SCHEDULER_HOSTS", "NetnsMesh", "ServiceFailed", "metric"]
 
 ROOT = Path(__file__).resolve().parents[2]
 HOSTS = ("sched", "gw0", "gw1", "eng0", "eng1", "envoy", "client")
+# Scheduler replicas' hosts (`NetnsMesh(schedulers=N)`): the first is HOSTS's.
+SCHEDULER_HOSTS = ("sched", "sched1", "sched2")
 GATEWAYS = ("gw0", "gw1")
 ENGINES = ("eng0", "eng1")
 MODEL = "tiny-llama"
@@ -78,10 +80,14 @@ def _http_get(url: str, timeout: float = 3.0) -> tuple[int, str]:
 class NetnsMesh:
     """Start with `start()`; the harness's teardown stops every process."""
 
-    def __init__(self, net: NetnsHarness, run_dir: Path, tune: Callable[[MeshConfig], None] | None = None) -> None:
+    def __init__(self, net: NetnsHarness, run_dir: Path, tune: Callable[[MeshConfig], None] | None = None,
+                 schedulers: int = 1) -> None:
+        """`schedulers` > 1: that many active replicas, on SCHEDULER_HOSTS
+        (the harness must have made those hosts), as `kvmesh up --schedulers N`."""
         self.net = net
         self.run_dir = run_dir
         self.addr = net.addresses
+        self.scheduler_hosts = SCHEDULER_HOSTS[:schedulers]
         self.config = self._base_config(tune)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.commands: dict[str, tuple[str, list[str]]] = {}  # name -> (host, argv), for restart
@@ -104,6 +110,11 @@ class NetnsMesh:
         gw.host, gw.scheduler_address = a["gw0"], scheduler
         gw.http_port, gw.grpc_port, gw.metrics_port = GATEWAY_HTTP, GATEWAY_GRPC, GATEWAY_METRICS
         gw.api_keys = [ApiKeyConfig(sha256=hashlib.sha256(API_KEY.encode()).hexdigest(), tenant="netns")]
+        if len(self.scheduler_hosts) > 1:
+            replicas = [f"{a[h]}:{SCHEDULER_PORT}" for h in self.scheduler_hosts]
+            gw.scheduler_addresses = list(replicas)
+            config.engines.template.scheduler_addresses = list(replicas)
+            config.scheduler.peers.addresses = list(replicas)
         config.envoy.listen_host, config.envoy.port, config.envoy.admin_port = a["envoy"], ENVOY_PORT, ENVOY_ADMIN
         if tune is not None:
             tune(config)
@@ -119,6 +130,8 @@ class NetnsMesh:
             config.gateway.host = self.addr[host]
         if host in ENGINES:
             config.engines.template.host = self.addr[host]
+        if host in SCHEDULER_HOSTS:
+            config.scheduler = dataclasses.replace(self.config.scheduler, host=self.addr[host])
         data = dataclasses.asdict(config)
         self.net.check_addresses(data, f"{host}'s config")
         path = self.run_dir / f"{host}.yaml"
@@ -177,8 +190,10 @@ class NetnsMesh:
     def start(self) -> None:
         """Scheduler, then engines and gateways, then Envoy; each waited for
         (bounded). Raises ServiceFailed naming the one that did not come up."""
-        self._spawn("scheduler", "sched", self._kvmesh("sched", "scheduler"))
-        self._wait("scheduler", "sched", f"http://{self.addr['sched']}:{SCHEDULER_METRICS}/metrics")
+        for name, host in self.schedulers():
+            self._spawn(name, host, self._kvmesh(host, "scheduler"))
+        for name, host in self.schedulers():
+            self._wait(name, host, f"http://{self.addr[host]}:{SCHEDULER_METRICS}/metrics")
         for i, host in enumerate(ENGINES):
             self._spawn(f"engine-{i}", host, self._kvmesh(host, "engine", "--index", str(i)))
         for r, host in enumerate(GATEWAYS):
@@ -192,9 +207,14 @@ class NetnsMesh:
                                        "--log-level", "warning"])
         self._wait("envoy", "envoy", f"http://127.0.0.1:{ENVOY_ADMIN}/ready")
         self._wait("envoy", "client", f"{self.public_http}/healthz")
-        self.wait_for(lambda: self.fresh_engines() == len(ENGINES), START_TIMEOUT, "both engines registered")
+        self.wait_for(lambda: all(self.fresh_engines(h) == len(ENGINES) for _, h in self.schedulers()),
+                      START_TIMEOUT, "both engines registered with every scheduler")
         self.wait_for(lambda: all(self.envoy_healthy(g) for g in GATEWAYS), START_TIMEOUT,
                       "Envoy to see both gateways healthy")
+
+    def schedulers(self) -> list[tuple[str, str]]:
+        """(name, host) of each scheduler replica: "scheduler", "scheduler-1", ..."""
+        return [("scheduler" if i == 0 else f"scheduler-{i}", host) for i, host in enumerate(self.scheduler_hosts)]
 
     def _wait(self, name: str, host: str, url: str) -> None:
         deadline = time.monotonic() + START_TIMEOUT
@@ -230,7 +250,7 @@ class NetnsMesh:
     def _probe(self, name: str) -> tuple[str, str]:
         """(host to probe from, url) that answers 200 once `name` is up."""
         host = self.commands[name][0]
-        if name == "scheduler":
+        if name == "scheduler" or name.startswith("scheduler-"):
             return host, f"http://{self.addr[host]}:{SCHEDULER_METRICS}/metrics"
         if name.startswith("engine-"):
             return host, f"http://{self.addr[host]}:{ENGINE_METRICS + int(name[7:])}/metrics"
@@ -283,11 +303,12 @@ class NetnsMesh:
                     return int(resp.status)
             assert self.net.hosts[host].call(send, timeout=15) == 200, f"{url}: speed not set"
 
-    def scheduler_metrics(self) -> str:
-        return self.get("sched", f"http://{self.addr['sched']}:{SCHEDULER_METRICS}/metrics")[1]
+    def scheduler_metrics(self, host: str = "sched") -> str:
+        """A scheduler replica's /metrics, read on its own host (works while it is cut off)."""
+        return self.get(host, f"http://{self.addr[host]}:{SCHEDULER_METRICS}/metrics")[1]
 
-    def fresh_engines(self) -> int:
-        return int(metric(self.scheduler_metrics(), "kvmesh_scheduler_engines", 'state="fresh"'))
+    def fresh_engines(self, host: str = "sched") -> int:
+        return int(metric(self.scheduler_metrics(host), "kvmesh_scheduler_engines", 'state="fresh"'))
 
     def gateway_counter(self, replica: int, name: str) -> float:
         host = GATEWAYS[replica]
