@@ -23,6 +23,10 @@ more urgent request waiting at another replica only
   - while the replicas do not hear each other (`stale_seconds`, 1.5 s): a
     killed or cut-off replica holds nothing back, and each replica's own
     order is then the only one.
+A head that left its replica's queue still holds room for
+`vanished_head_seconds` (0.1 s): it was most likely placed, and this
+replica may hear that from the heads before it hears from the engine that
+the slot is taken.
 Within a class each replica keeps its own order (FIFO, tenant fairness):
 requests of one class interleave across replicas by when each replica finds
 room, and a tenant's requests spread over the replicas like everyone's
@@ -56,6 +60,8 @@ class QueueHead:
 class _Peer:
     heads: dict[str, QueueHead]    # model -> head
     heard_at: float
+    # model -> (a head that left its queue since, when): placed, most likely
+    vanished: dict[str, tuple[QueueHead, float]]
 
 
 class PeerHeads:
@@ -64,6 +70,7 @@ class PeerHeads:
         "expired" when that hold runs out (the metrics)."""
         self._stale = config.stale_seconds
         self._hold = config.hold_seconds
+        self._linger = config.vanished_head_seconds
         self._peers: dict[str, _Peer] = {}
         # (replica, request id) -> when this replica first left room to it.
         self._held_since: dict[tuple[str, str], float] = {}
@@ -73,8 +80,15 @@ class PeerHeads:
     def heard(self, replica: str, heads: Iterable[QueueHead], now: float) -> None:
         """`replica`'s heads as of now (its whole list: a model left out has nothing waiting)."""
         by_model = {head.model: head for head in heads}
-        self._peers[replica] = _Peer(by_model, now)
         current = {head.request_id for head in by_model.values()}
+        before = self._peers.get(replica)
+        vanished = {} if before is None else {
+            model: (head, at) for model, (head, at) in before.vanished.items() if now - at <= self._linger}
+        if before is not None:
+            for model, head in before.heads.items():
+                if head.request_id not in current:
+                    vanished[model] = (head, now)
+        self._peers[replica] = _Peer(by_model, now, vanished)
         self._forget(lambda key: key[0] == replica and key[1] not in current)
 
     def gone(self, replica: str) -> None:
@@ -92,11 +106,12 @@ class PeerHeads:
         outranks class rank `priority`, with its replica; None when none does."""
         best: tuple[str, QueueHead] | None = None
         for replica, peer in self._peers.items():
-            head = peer.heads.get(model)
-            if head is None or head.priority >= priority or now - peer.heard_at > self._stale:
+            if now - peer.heard_at > self._stale:
                 continue
-            if best is None or head.priority < best[1].priority:
-                best = (replica, head)
+            gone = peer.vanished.get(model)
+            for head in (peer.heads.get(model), gone[0] if gone and now - gone[1] <= self._linger else None):
+                if head is not None and head.priority < priority and (best is None or head.priority < best[1].priority):
+                    best = (replica, head)
         return best
 
     def hold(self, replica: str, head: QueueHead, now: float) -> bool:

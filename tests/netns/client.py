@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import aiohttp
 
 from .harness import Host
-from .mesh import API_KEY, MODEL
+from .mesh import API_KEY, MODEL, NetnsMesh
 
 __all__ = ["Stream", "run_on", "run_streams", "stream_completion"]
 
@@ -193,3 +193,26 @@ def run_on(host: Host, factory: Callable[[], Awaitable[T]], timeout: float) -> T
             return await factory()
 
     return host.call(lambda: asyncio.run(bounded()), timeout=timeout + 10)
+
+
+def expected_answers(mesh: NetnsMesh, prompts: list[str], tokens: int) -> list[str]:
+    """The uninterrupted answers (same mesh, nothing cut), with the sim
+    unthrottled: only their text counts, a pure function of the tokens
+    before it (at the test's speed this run was 13 s of waiting)."""
+    streams = [Stream(p, tokens) for p in prompts]
+
+    async def run() -> None:
+        tasks, session = run_streams(mesh.public_http, streams)
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            await session.close()
+
+    mesh.set_sim_speed(0.0)
+    try:
+        run_on(mesh.client, run, timeout=150)
+    finally:
+        mesh.set_sim_speed(None)
+    bad = [s for s in streams if not s.ok]
+    assert not bad, f"baseline run failed: {bad[0]}"
+    return [s.text for s in streams]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from .harness import netns_unavailable
-from .mesh import HOSTS, ROOT, NetnsMesh
+from .mesh import HOSTS, ROOT, SCHEDULER_HOSTS, NetnsMesh
 
 
 @pytest.fixture(scope="session")
@@ -25,14 +25,16 @@ def netns_mesh(netns_ok: None, request: pytest.FixtureRequest,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetnsMesh]:
     """Scheduler, two sim engines, two gateways, Envoy and a client, each on
     its own host. A module may set MESH_TUNE (a function changing the
-    MeshConfig before the configs are written)."""
+    MeshConfig before the configs are written) and MESH_SCHEDULERS (active
+    scheduler replicas, each on a host of its own; 1 by default)."""
     from .harness import NetnsHarness
 
     if not (ROOT / ".models" / "tiny-llama").is_dir():
         pytest.skip(".models/tiny-llama is missing: run `make setup`")
     run_dir: Path = tmp_path_factory.mktemp("netns")
-    with NetnsHarness(HOSTS) as net:
-        mesh = NetnsMesh(net, run_dir, getattr(request.module, "MESH_TUNE", None))
+    schedulers = getattr(request.module, "MESH_SCHEDULERS", 1)
+    with NetnsHarness((*HOSTS, *SCHEDULER_HOSTS[1:schedulers])) as net:
+        mesh = NetnsMesh(net, run_dir, getattr(request.module, "MESH_TUNE", None), schedulers)
         mesh.start()
         net.assert_safe()
         yield mesh

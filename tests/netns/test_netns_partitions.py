@@ -24,7 +24,7 @@ import pytest
 
 from services.common.config import MeshConfig
 
-from .client import Stream, run_on, run_streams, stream_completion, wait_until
+from .client import Stream, expected_answers, run_on, run_streams, stream_completion, wait_until
 from .mesh import ROOT, NetnsMesh, metric
 
 pytestmark = pytest.mark.timeout(300)
@@ -68,29 +68,6 @@ def _resume_supported() -> bool:
 
 def _prompts(tag: str, n: int) -> list[str]:
     return [f"{tag} request {i}: tell me a long story about hosts and bridges." for i in range(n)]
-
-
-def _expected(mesh: NetnsMesh, prompts: list[str], tokens: int) -> list[str]:
-    """The uninterrupted answers (same mesh, nothing cut), with the sim
-    unthrottled: only their text counts, a pure function of the tokens
-    before it (at the test's speed this run was 13 s of waiting)."""
-    streams = [Stream(p, tokens) for p in prompts]
-
-    async def run() -> None:
-        tasks, session = run_streams(mesh.public_http, streams)
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            await session.close()
-
-    mesh.set_sim_speed(0.0)
-    try:
-        run_on(mesh.client, run, timeout=150)
-    finally:
-        mesh.set_sim_speed(None)
-    bad = [s for s in streams if not s.ok]
-    assert not bad, f"baseline run failed: {bad[0]}"
-    return [s.text for s in streams]
 
 
 def _assert_same(streams: list[Stream], expected: list[str]) -> None:
@@ -169,7 +146,7 @@ def _cut_engine_under_streams(mesh: NetnsMesh, prompts: list[str]) -> _CutRun:
 def test_engine_host_cut_streams_complete_identical_and_no_orphan_after_heal(netns_mesh: NetnsMesh) -> None:
     mesh = netns_mesh
     prompts = _prompts("cut", STREAMS)
-    expected = _expected(mesh, prompts, TOKENS)
+    expected = expected_answers(mesh, prompts, TOKENS)
     migrations = _migrations(mesh)
 
     run = _cut_engine_under_streams(mesh, prompts)
@@ -309,7 +286,7 @@ def test_gateway_host_cut_streams_resume_through_the_other_gateway(netns_mesh: N
     mesh = netns_mesh
     n = 10
     prompts = _prompts("resume", n)
-    expected = _expected(mesh, prompts, TOKENS)
+    expected = expected_answers(mesh, prompts, TOKENS)
     streams = [Stream(p, TOKENS) for p in prompts]
 
     async def run() -> float:

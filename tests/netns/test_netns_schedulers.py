@@ -14,75 +14,39 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from services.common.config import MeshConfig
 
-from .client import Stream, run_on, run_streams, wait_until
-from .harness import NetnsHarness
-from .mesh import ENGINES, HOSTS, ROOT, SCHEDULER_HOSTS, NetnsMesh
+from .client import Stream, expected_answers, run_on, run_streams, wait_until
+from .mesh import ENGINES, SCHEDULER_HOSTS, NetnsMesh
 
 pytestmark = pytest.mark.timeout(300)
 
 TOKENS = 120
 NEW_REQUESTS = 16
+MESH_SCHEDULERS = 2   # the netns_mesh fixture's: a second replica on a host of its own
 
 
-def _tune(config: MeshConfig) -> None:
+def MESH_TUNE(config: MeshConfig) -> None:  # noqa: N802 - the fixture's hook name
     # ~12 tokens/s per stream: streams last long enough to run across the cut.
     config.engines.template.sim.speed_factor = 8.0
     config.gateway.heartbeat_seconds = 1.0
-
-
-@pytest.fixture(scope="module")
-def two_schedulers(netns_ok: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetnsMesh]:
-    if not (ROOT / ".models" / "tiny-llama").is_dir():
-        pytest.skip(".models/tiny-llama is missing: run `make setup`")
-    run_dir: Path = tmp_path_factory.mktemp("netns-schedulers")
-    with NetnsHarness((*HOSTS, SCHEDULER_HOSTS[1])) as net:
-        mesh = NetnsMesh(net, run_dir, _tune, schedulers=2)
-        mesh.start()
-        net.assert_safe()
-        yield mesh
-        for name in [n for n in mesh.procs if n.startswith("gateway-")]:
-            mesh.kill(name)
-    assert net.leftovers() == [], f"teardown left {net.leftovers()}"
 
 
 def _prompts(tag: str, n: int) -> list[str]:
     return [f"{tag} request {i}: tell me a long story about replicas and links." for i in range(n)]
 
 
-def _expected(mesh: NetnsMesh, prompts: list[str], tokens: int) -> list[str]:
-    streams = [Stream(p, tokens) for p in prompts]
-
-    async def run() -> None:
-        tasks, session = run_streams(mesh.public_http, streams)
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            await session.close()
-
-    mesh.set_sim_speed(0.0)
-    try:
-        run_on(mesh.client, run, timeout=150)
-    finally:
-        mesh.set_sim_speed(None)
-    assert all(s.ok for s in streams), f"baseline run failed: {[s for s in streams if not s.ok][:1]}"
-    return [s.text for s in streams]
-
-
 def _silences(mesh: NetnsMesh) -> int:
     return sum(mesh.log_tail(f"gateway-{r}", 10_000).count("presuming the peer gone") for r in (0, 1))
 
 
-def test_a_cut_scheduler_host_loses_and_refuses_nothing(two_schedulers: NetnsMesh) -> None:
-    mesh = two_schedulers
+def test_a_cut_scheduler_host_loses_and_refuses_nothing(netns_mesh: NetnsMesh) -> None:
+    mesh = netns_mesh
     running_prompts, new_prompts = _prompts("running", 8), _prompts("new", NEW_REQUESTS)
-    expected = _expected(mesh, running_prompts + new_prompts, TOKENS)
+    expected = expected_answers(mesh, running_prompts + new_prompts, TOKENS)
     running = [Stream(p, TOKENS) for p in running_prompts]
     new = [Stream(p, TOKENS) for p in new_prompts]
     silences_before = _silences(mesh)

@@ -42,3 +42,10 @@ class PeersConfig:
     # for a replica that will place it at its next report, short for a P2
     # to wait. > 0.
     hold_seconds: float = 0.5
+    # A head that left another replica's queue -- placed there, most often --
+    # still holds room this long. The placement reaches this replica twice:
+    # as that replica's next heads (one hop) and as the engine's report of
+    # the generation's start (the gateway, the engine, its report: several
+    # hops); on a loaded machine the heads can come first, and the slot the
+    # placement took then looks free here until the report. 0.1 s. >= 0.
+    vanished_head_seconds: float = 0.1

@@ -317,6 +317,7 @@ def _check_peers(peers: _Section) -> None:
     p: PeersConfig = peers.settings
     _check_scheduler_addresses(peers, p.addresses, "addresses")
     peers.positive("publish_interval_seconds", "heartbeat_seconds", "stale_seconds", "hold_seconds")
+    peers.non_negative("vanished_head_seconds")
     if p.stale_seconds <= p.heartbeat_seconds:
         peers.fail("stale_seconds", f"must be > heartbeat_seconds ({p.heartbeat_seconds}), got {p.stale_seconds}")
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import MODEL
+from conftest import MODEL, _serve
 
 from services.common.proto.kvmesh.v1 import scheduler_pb2 as pb
 from services.common.proto.kvmesh.v1 import scheduler_pb2_grpc
@@ -66,12 +66,8 @@ class _Scheduler(scheduler_pb2_grpc.SchedulerServicer):
         return pb.SchedulerState(engines=[pb.EngineState(engine_id="engine-0", model=MODEL, fresh=True)])
 
 
-async def _serve(servicer: _Scheduler) -> tuple[grpc.aio.Server, str]:
-    server = grpc.aio.server()
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, f"127.0.0.1:{port}"
+async def _scheduler(servicer: _Scheduler) -> tuple[grpc.aio.Server, str]:
+    return await _serve(scheduler_pb2_grpc.add_SchedulerServicer_to_server, servicer)
 
 
 def _request(request_id: str) -> pb.AdmitClientMessage:
@@ -88,7 +84,7 @@ async def _until(predicate: Callable[[], bool], seconds: float = TIMEOUT) -> Non
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[_Scheduler, scheduler_pb2_grpc.SchedulerStub, list[int]]]:
     fake = _Scheduler()
-    server, address = await _serve(fake)
+    server, address = await _scheduler(fake)
     channel = grpc.aio.insecure_channel(address)
     silences: list[int] = []
     try:
@@ -183,7 +179,7 @@ async def test_no_bound_no_watch(served) -> None:
 
 async def _two_replicas(answer_seconds: float) -> tuple[list[_Scheduler], list[grpc.aio.Server], SchedulerReplicas]:
     fakes = [_Scheduler(), _Scheduler()]
-    served = [await _serve(f) for f in fakes]
+    served = [await _scheduler(f) for f in fakes]
     addresses = [address for _, address in served]
     replicas = SchedulerReplicas(addresses, answer_seconds=answer_seconds)
     await _until(lambda: all(replicas.healthy(a) for a in addresses))

@@ -40,7 +40,7 @@ def _held(core: SchedulerCore, outcome: str) -> float:
 
 
 def test_a_free_slot_goes_to_the_more_urgent_request_of_the_other_replica() -> None:
-    a, b, token_a, token_b, _ = _two_replicas()
+    a, b, token_a, token_b, clock = _two_replicas()
     _tell(a, b)
     report_load(a, "e0", token_a, other_leases=ONE_FREE)    # A hears of the free slot first
     assert a.lease_holder("a-p2") is None                   # left to B's P1
@@ -49,9 +49,34 @@ def test_a_free_slot_goes_to_the_more_urgent_request_of_the_other_replica() -> N
     report_load(a, "e0", token_a, other_leases=FULL)        # the engine tells A it is full again
     _tell(a, b)                                             # B has nothing waiting any more
     assert a.lease_holder("a-p2") is None
+    clock.advance(0.2)                                      # past vanished_head_seconds
     report_load(a, "e0", token_a, other_leases=ONE_FREE)
     assert a.lease_holder("a-p2") == "e0"                   # nothing more urgent anywhere: A's turn
     assert _held(a, "held") == 1 and _held(a, "expired") == 0
+
+
+def test_a_head_placed_elsewhere_holds_its_slot_until_the_engine_reports_it() -> None:
+    """B places its P1 and its heads (now empty) reach A before the engine's
+    report of the P1's start does: the slot still looks free to A, which
+    must not fill it with its P2 (seen in the e2e test on a loaded machine:
+    both placed on the one slot within a millisecond)."""
+    a, b, token_a, token_b, clock = _two_replicas()
+    _tell(a, b)
+    report_load(b, "e0", token_b, other_leases=ONE_FREE)
+    assert b.lease_holder("b-p1") == "e0"
+    report_load(a, "e0", token_a, other_leases=ONE_FREE)    # A: the slot, before the engine reports B's P1
+    assert a.lease_holder("a-p2") is None                   # left to B's P1 (still its head)
+    _tell(a, b)                                             # B's heads first: nothing waits there
+    assert a.lease_holder("a-p2") is None                   # B's P1 may have taken it: A waits
+    clock.advance(0.05)
+    a.handle(Tick())
+    assert a.lease_holder("a-p2") is None
+    report_load(a, "e0", token_a, other_leases=FULL)        # the engine's report: B's P1 runs there
+    clock.advance(0.1)
+    a.handle(Tick())
+    assert a.lease_holder("a-p2") is None                   # full: nothing to place
+    report_load(a, "e0", token_a, other_leases=ONE_FREE)    # it ends
+    assert a.lease_holder("a-p2") == "e0"
 
 
 def test_without_the_other_replicas_heads_the_first_to_hear_takes_the_slot() -> None:
