@@ -99,7 +99,7 @@ class KedaStandIn:
         while self.replicas() < want:
             self._create()
         while self.replicas() > want:
-            self._delete()
+            self._delete(now)
         reading = Reading(now, value, self.replicas())
         self.readings.append(reading)
         return reading
@@ -126,9 +126,12 @@ class KedaStandIn:
         self.created.append(pod.name)
         return r
 
-    def _delete(self) -> None:
+    def _delete(self, decided_at: float) -> None:
+        """Scale in by one; `at` is when it was decided -- the time the
+        scale-down policy's period counts from (the poll's query before it
+        takes a varying time, so the deletion's own moment could make two
+        decisions a period apart look a few ms closer)."""
         sts = self.target()
         name = f"{sts['metadata']['name']}-{self.replicas() - 1}"  # the highest ordinal goes first
         sts["spec"]["replicas"] = self.replicas() - 1
-        at = self.clock()
-        self.deleted.append((name, {"at": at, **self.cluster.delete_pod(name)}))
+        self.deleted.append((name, {"at": decided_at, **self.cluster.delete_pod(name)}))
