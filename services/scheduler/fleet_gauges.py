@@ -102,18 +102,13 @@ class FleetGauges:
     def _engines(self, engines: list[EngineRecord], now: float) -> None:
         """Every engine's series and the pools; the series of engines gone go."""
         self._touched.clear()
-        serving_by_model: dict[str, list[EngineRecord]] = {model: [] for model in self._models}
         before, self._serving = self._serving, {}
         for e in engines:
-            if self._engine(e, now, before):
-                serving_by_model.setdefault(e.info.model, []).append(e)
-            else:
-                serving_by_model.setdefault(e.info.model, [])
+            self._engine(e, now, before)
         for engine_id, (model, was_serving) in before.items():
             if engine_id not in self._serving:
                 self._gone(engine_id, model, was_serving)
-        for model, serving_engines in serving_by_model.items():
-            self._set_pool(model, serving_engines)
+        self._set_pools(engines)
 
     def _some(self, engines: Engines, now: float) -> None:
         """The touched engines' series; the pools when what serves changed."""
@@ -131,14 +126,18 @@ class FleetGauges:
             serving = self._engine(e, now, self._serving)
             pools = pools or known is None or bool(known[1]) != serving
         if pools:
-            serving_by_model: dict[str, list[EngineRecord]] = {model: [] for model in self._models}
-            for e in engines:
-                state = self._serving.get(e.engine_id)
-                serving_by_model.setdefault(e.info.model, [])
-                if state is not None and state[1]:
-                    serving_by_model[e.info.model].append(e)
-            for model, serving_engines in serving_by_model.items():
-                self._set_pool(model, serving_engines)
+            self._set_pools(engines)
+
+    def _set_pools(self, engines: Iterable[EngineRecord]) -> None:
+        """Every model's pool gauges over its engines serving as last written."""
+        serving_by_model: dict[str, list[EngineRecord]] = {model: [] for model in self._models}
+        for e in engines:
+            state = self._serving.get(e.engine_id)
+            serving_by_model.setdefault(e.info.model, [])
+            if state is not None and state[1]:
+                serving_by_model[e.info.model].append(e)
+        for model, serving_engines in serving_by_model.items():
+            self._set_pool(model, serving_engines)
 
     def _engine(self, e: EngineRecord, now: float, before: dict[str, tuple[str, bool | None]]) -> bool:
         """One engine's series, its flap counted; whether it serves."""

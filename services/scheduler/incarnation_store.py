@@ -178,10 +178,9 @@ class FileIncarnations:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes
-            table = self._read()
-            before = len(table), [table.get(engine_id) for engine_id, _ in group]
+            table = self._read()   # a copy of `_table`, the file as read
             answers = [self._merge(table, engine_id, incoming, now_unix) for engine_id, incoming in group]
-            if before != (len(table), [table.get(engine_id) for engine_id, _ in group]):
+            if table != self._table:
                 self._write(table)
             return answers
 
